@@ -1,0 +1,7 @@
+"""``python -m rpcguard`` is the same as the ``rpcguard`` console script."""
+
+import sys
+
+from rpcguard.cli import main
+
+sys.exit(main())
