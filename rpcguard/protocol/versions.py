@@ -1,0 +1,209 @@
+"""The ggml-rpc command table, one per protocol version.
+
+How this works: every rule about a command that depends on the protocol version lives in
+``_ROWS`` below, one row per command with the first version it exists in and its layout in
+each era. ``spec_for(version)`` folds the rows into an immutable ``ProtocolSpec`` for one
+version: the request payload size (exact, or the size of the part that must be validated
+before anything is forwarded), the response kind, and the HELLO layout. The decoders and the
+firewall only ever consult a ``ProtocolSpec``; nothing else branches on version numbers.
+
+Facts come from the ggml-rpc sources vendored in llama-cpp-python sdists 0.3.16 (2.0.0),
+0.3.20 (3.6.1), 0.3.28 (4.0.0), 0.3.34 (4.0.2), 0.3.35 (5.0.0) and 0.3.36 (7.0.0), see
+docs/protocol-verification.md, and from the rpcguard protocol spec (shared/spec, §1-§3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = [
+    "Version",
+    "CommandRule",
+    "ProtocolSpec",
+    "COMMAND_IDS",
+    "COMMAND_NAMES",
+    "CATEGORIES",
+    "KNOWN_VERSIONS",
+    "HELLO",
+    "HEADER_REQ_BYTES",
+    "HEADER_RSP_BYTES",
+    "TENSOR_BYTES",
+    "REFUSAL_CODES",
+    "REFUSAL_REASONS",
+    "spec_for",
+    "parse_version",
+    "format_version",
+]
+
+Version = tuple[int, int, int]
+
+HEADER_REQ_BYTES = 9  # cmd:u8 | len:u64
+HEADER_RSP_BYTES = 8  # len:u64
+TENSOR_BYTES = 296  # sizeof(rpc_tensor), packed, GGML_MAX_DIMS=4, GGML_MAX_SRC=10, GGML_MAX_NAME=64
+
+# Payload layouts.
+FIXED = "fixed"  # len must equal `request`; the whole payload is validated before forwarding
+STREAM = "stream"  # len >= `request` (the head); the head is validated, the rest is streamed
+WHOLE = "whole"  # variable len, validated whole (bounded by policy) before forwarding
+
+# Response kinds.
+NO_RESPONSE = -1  # the server sends nothing back
+SIZED_BY_REQUEST = -2  # GET_TENSOR: the payload is the `size` asked for
+
+COMMAND_NAMES: tuple[str, ...] = (
+    "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER",
+    "BUFFER_CLEAR", "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR",
+    "GRAPH_COMPUTE", "GET_DEVICE_MEMORY", "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO",
+    "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
+)  # fmt: skip
+COMMAND_IDS: Mapping[str, int] = {n: i for i, n in enumerate(COMMAND_NAMES)}
+HELLO = COMMAND_IDS["HELLO"]
+
+CATEGORIES: Mapping[str, tuple[str, ...]] = {
+    "handshake": ("HELLO", "DEVICE_COUNT"),
+    "query": ("GET_ALIGNMENT", "GET_MAX_SIZE", "GET_DEVICE_MEMORY", "GET_ALLOC_SIZE"),
+    "alloc": ("ALLOC_BUFFER", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR"),
+    "tensor_io": ("SET_TENSOR", "GET_TENSOR", "COPY_TENSOR", "INIT_TENSOR", "MEMSET_TENSOR"),
+    "cache": ("SET_TENSOR_HASH",),
+    "compute": ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"),
+}
+
+# The versions this build has tables for. 6.x is left out on purpose: its wire changes are known
+# only from unmerged or single-file copies (spec §1 [I]) and no release of it was available to test.
+KNOWN_VERSIONS: tuple[Version, ...] = (
+    (2, 0, 0), (3, 0, 0), (3, 5, 0), (3, 6, 0), (3, 6, 1), (4, 0, 0), (4, 0, 1), (4, 0, 2),
+    (4, 0, 3), (5, 0, 0), (5, 1, 0), (7, 0, 0),
+)  # fmt: skip
+
+# A refused session gets a HELLO answer with version 0.0.N: llama.cpp rejects major 0 and prints
+# "RPC server version mismatch: 0.0.N". No real server ever answers 0.x (v0 had no HELLO).
+REFUSAL_CODES: Mapping[str, int] = {
+    "refused": 1,
+    "version_not_accepted": 2,
+    "identity_not_allowed": 3,
+    "node_unreachable": 4,
+    "upstream_unavailable": 5,
+    "upstream_busy": 6,
+    "too_many_sessions": 7,
+    "shutdown": 8,
+    "tls_failed": 9,
+}
+REFUSAL_REASONS: Mapping[int, str] = {v: k for k, v in REFUSAL_CODES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class CommandRule:
+    """What one command looks like on the wire in one protocol version."""
+
+    cmd: int
+    name: str
+    category: str
+    layout: str  # FIXED, STREAM or WHOLE
+    request: int  # FIXED: exact payload size; STREAM: head size; WHOLE: minimum size
+    response: int  # payload size of the response, NO_RESPONSE or SIZED_BY_REQUEST
+    has_device: bool  # the payload starts with u32 device
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolSpec:
+    """Everything version-dependent about the wire format, for one version."""
+
+    version: Version
+    commands: tuple[CommandRule | None, ...]  # indexed by command id
+    hello_request: int  # HELLO request payload bytes (0 before 4.0.0, 24 after)
+    hello_response: int  # HELLO response payload bytes (3 before 4.0.0, 28 after)
+    multi_device: bool  # >= 3.0.0: commands carry a u32 device index
+    set_tensor_head: int  # rpc_tensor [+ cache_flag] + offset
+    graph_header: int  # bytes before the node ids in GRAPH_COMPUTE (device + n_nodes)
+
+    def rule(self, cmd: int) -> CommandRule | None:
+        """The rule for ``cmd``, or None when this version has no such command."""
+        return self.commands[cmd] if cmd < len(self.commands) else None
+
+
+def _v(version: Version, since: Version) -> bool:
+    return version >= since
+
+
+def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
+    """(name, category, layout, request, response, has_device) for every command of ``v``."""
+    md = _v(v, (3, 0, 0))  # multi-device: u32 device prefixes
+    dev = 4 if md else 0
+    t = TENSOR_BYTES
+    # FREE_BUFFER, BUFFER_CLEAR and INIT_TENSOR answered with an empty frame until 6.x.
+    empty = 0 if v < (6, 0, 0) else NO_RESPONSE
+    rows = [
+        ("ALLOC_BUFFER", dev + 8, 16, md),
+        ("GET_ALIGNMENT", dev, 8, md),
+        ("GET_MAX_SIZE", dev, 8, md),
+        ("BUFFER_GET_BASE", 8, 8, False),
+        ("FREE_BUFFER", 8, empty, False),
+        ("BUFFER_CLEAR", 9, empty, False),
+        # SET_TENSOR: rpc_tensor, [u8 cache_flag since 7.0.0], u64 offset, then the data.
+        ("SET_TENSOR", t + (9 if _v(v, (7, 0, 0)) else 8), NO_RESPONSE, False),
+        ("SET_TENSOR_HASH", t + 16, 1, False),
+        ("GET_TENSOR", t + 16, SIZED_BY_REQUEST, False),
+        ("COPY_TENSOR", 2 * t, 1, False),
+        # GRAPH_COMPUTE answered a status byte until 3.5.0.
+        ("GRAPH_COMPUTE", dev + 8, NO_RESPONSE if _v(v, (3, 5, 0)) else 1, md),
+        ("GET_DEVICE_MEMORY", dev, 16, md),
+        ("INIT_TENSOR", t, empty, False),
+        # GET_ALLOC_SIZE: [u32 device] rpc_tensor [srcs[10] since 3.6.0].
+        ("GET_ALLOC_SIZE", dev + t + (10 * t if _v(v, (3, 6, 0)) else 0), 8, md),
+        ("HELLO", 24 if _v(v, (4, 0, 0)) else 0, 28 if _v(v, (4, 0, 0)) else 3, False),
+    ]
+    if md:
+        rows.append(("DEVICE_COUNT", 0, 4, False))
+    if _v(v, (3, 5, 0)):
+        rows.append(("GRAPH_RECOMPUTE", 4, NO_RESPONSE, True))
+    if _v(v, (5, 0, 0)):
+        rows.append(("MEMSET_TENSOR", t + 17, 0 if v < (6, 0, 0) else NO_RESPONSE, False))
+    layouts = {"SET_TENSOR": STREAM, "GRAPH_COMPUTE": WHOLE}
+    category = {n: c for c, names in CATEGORIES.items() for n in names}
+    return [(n, category[n], layouts.get(n, FIXED), req, rsp, d) for n, req, rsp, d in rows]
+
+
+_SPECS: dict[Version, ProtocolSpec] = {}
+
+
+def spec_for(version: Version) -> ProtocolSpec | None:
+    """The ``ProtocolSpec`` of a known version, or None for a version this build does not know."""
+    if version in _SPECS:
+        return _SPECS[version]
+    if version not in KNOWN_VERSIONS:
+        return None
+    rows = _rows(version)
+    table: list[CommandRule | None] = [None] * len(COMMAND_NAMES)
+    for name, category, layout, request, response, has_device in rows:
+        cmd = COMMAND_IDS[name]
+        table[cmd] = CommandRule(cmd, name, category, layout, request, response, has_device)
+    hello = table[HELLO]
+    assert hello is not None
+    spec = ProtocolSpec(
+        version=version,
+        commands=tuple(table),
+        hello_request=hello.request,
+        hello_response=hello.response,
+        multi_device=version >= (3, 0, 0),
+        set_tensor_head=table[COMMAND_IDS["SET_TENSOR"]].request,  # type: ignore[union-attr]
+        graph_header=8 if version >= (3, 0, 0) else 4,
+    )
+    _SPECS[version] = spec
+    return spec
+
+
+def parse_version(text: str) -> Version:
+    """``"7.0.0"`` -> ``(7, 0, 0)``; raises ValueError on anything else."""
+    parts = text.strip().split(".")
+    if len(parts) != 3 or not all(p.isdigit() and len(p) <= 3 for p in parts):
+        raise ValueError(f"not a version of the form X.Y.Z: {text!r}")
+    major, minor, patch = (int(p) for p in parts)
+    if max(major, minor, patch) > 255:
+        raise ValueError(f"version fields are single bytes on the wire: {text!r}")
+    return (major, minor, patch)
+
+
+def format_version(version: Version) -> str:
+    """``(7, 0, 0)`` -> ``"7.0.0"``."""
+    return "%d.%d.%d" % version
