@@ -1,0 +1,333 @@
+"""Private CA and short-lived leaf certificates, minted with ``cryptography``.
+
+How this works: ``init_ca`` writes a self-signed CA (``ca.pem``, ``ca.key``) into a directory.
+``issue`` loads that CA and signs one leaf (``NAME.pem``, ``NAME.key``) with exactly one extended key
+usage, serverAuth or clientAuth, so a client certificate can never serve and a server certificate can
+never authenticate as a client. Leaves are short-lived (30 days): renew and let the listener reload
+rather than revoke (no CRL/OCSP). Private keys are created with ``os.open(..., 0o600)`` under a
+temporary name and renamed into place, so they are never readable by others, even briefly, and a
+reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import ipaddress
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+from urllib.parse import urlsplit
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .errors import RpcGuardError
+
+__all__ = [
+    "CertError",
+    "CaFiles",
+    "LeafFiles",
+    "KeyType",
+    "init_ca",
+    "issue",
+    "load_cert",
+    "cert_not_after",
+    "describe",
+]
+
+KeyType = Literal["ec", "rsa"]
+
+CA_CERT_NAME = "ca.pem"
+CA_KEY_NAME = "ca.key"
+# Validity starts this far in the past so a peer whose clock is a little behind accepts it.
+CLOCK_SKEW = _dt.timedelta(minutes=5)
+# 2048 bits: the smallest RSA size every TLS stack still accepts; EC P-256 is the default anyway.
+RSA_KEY_BITS = 2048
+# x509 upper bound for a CommonName (RFC 5280 ub-common-name); cryptography enforces it too.
+MAX_COMMON_NAME_CHARS = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_DNS_LABEL_RE = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)\Z")
+_EKU_NAMES = {ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth", ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth"}
+
+
+class CertError(RpcGuardError):
+    """A certificate could not be created, loaded or parsed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class CaFiles:
+    """Paths of the CA certificate and its private key."""
+
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class LeafFiles:
+    """Paths of a leaf certificate and its private key."""
+
+    cert: Path
+    key: Path
+
+
+def init_ca(
+    directory: str | os.PathLike[str],
+    *,
+    common_name: str = "rpcguard CA",
+    days: int = 365 * 5,
+    key_type: KeyType = "ec",
+    force: bool = False,
+) -> CaFiles:
+    """Create ``DIR/ca.pem`` and ``DIR/ca.key``; refuse to replace an existing CA unless ``force``."""
+    d = Path(directory)
+    files = CaFiles(d / CA_CERT_NAME, d / CA_KEY_NAME)
+    if not force:
+        for p in (files.cert, files.key):
+            if p.exists():
+                raise CertError(f"{p}: a CA already exists here (use force=True to replace it)")
+    _check_days(days)
+    cn = _check_common_name(common_name)
+    key = _new_key(key_type)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + _dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(digital_signature=True, key_cert_sign=True, crl_sign=True), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    d.mkdir(parents=True, exist_ok=True)
+    _write_private(files.key, _key_pem(key))
+    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def issue(
+    directory: str | os.PathLike[str],
+    name: str,
+    *,
+    server: bool,
+    dns: Iterable[str] = (),
+    ips: Iterable[str] = (),
+    uris: Iterable[str] = (),
+    days: int = 30,
+    common_name: str | None = None,
+    key_type: KeyType = "ec",
+    force: bool = False,
+    not_before: _dt.datetime | None = None,
+    not_after: _dt.datetime | None = None,
+) -> LeafFiles:
+    """Sign a leaf with the CA in ``directory``; write ``DIR/NAME.pem`` and ``DIR/NAME.key`` (0600).
+
+    ``server=True`` gives EKU serverAuth (and, without any SAN, DNS SAN ``name``); ``server=False``
+    gives EKU clientAuth. An existing leaf is replaced only with ``force=True`` (renewal).
+    ``not_before``/``not_after`` override the validity window (tests mint expired certificates).
+    """
+    d = Path(directory)
+    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
+        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    files = LeafFiles(d / f"{name}.pem", d / f"{name}.key")
+    if not force:
+        for p in (files.cert, files.key):
+            if p.exists():
+                raise CertError(f"{p}: already exists (use force=True to renew it)")
+    _check_days(days)
+    cn = _check_common_name(common_name if common_name is not None else name)
+    sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]
+    sans += [x509.IPAddress(_check_ip(v)) for v in ips]
+    sans += [x509.UniformResourceIdentifier(_check_uri(v)) for v in uris]
+    if server and not sans:
+        sans.append(x509.DNSName(_check_dns(name)))
+
+    ca_cert = load_cert(d / CA_CERT_NAME)
+    ca_key = _load_ca_key(d / CA_KEY_NAME)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    start = not_before if not_before is not None else now - CLOCK_SKEW
+    end = not_after if not_after is not None else min(now + _dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    if end <= start:
+        raise CertError(f"{files.cert}: validity window is empty ({start} .. {end})")
+
+    key = _new_key(key_type)
+    eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            _key_usage(digital_signature=True, key_agreement=isinstance(key, ec.EllipticCurvePrivateKey)),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    # Key first: a reloading listener that sees the new key with the old cert fails the pair check
+    # and keeps its old context until the next poll.
+    _write_private(files.key, _key_pem(key))
+    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
+    """Return the first certificate of a PEM file; ``CertError`` names the file on any failure."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise CertError(f"{path}: cannot read certificate: {exc.strerror or exc}") from exc
+    try:
+        return x509.load_pem_x509_certificates(data)[0]
+    except ValueError as exc:
+        raise CertError(f"{path}: not a PEM certificate") from exc
+
+
+def cert_not_after(path: str | os.PathLike[str]) -> float:
+    """Expiry of the certificate in ``path`` as epoch seconds (the expiry metric's value)."""
+    return load_cert(path).not_valid_after_utc.timestamp()
+
+
+def describe(path: str | os.PathLike[str]) -> str:
+    """One line for people: subject, SANs, EKU, validity and serial of the certificate in ``path``."""
+    cert = load_cert(path)
+    parts = [f"subject={cert.subject.rfc4514_string()}", f"issuer={cert.issuer.rfc4514_string()}"]
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        san = None
+    if san is not None:
+        names = [f"DNS:{v}" for v in san.get_values_for_type(x509.DNSName)]
+        names += [f"IP:{v}" for v in san.get_values_for_type(x509.IPAddress)]
+        names += [f"URI:{v}" for v in san.get_values_for_type(x509.UniformResourceIdentifier)]
+        parts.append("san=" + ",".join(names))
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        parts.append("eku=" + ",".join(_EKU_NAMES.get(oid, oid.dotted_string) for oid in eku))
+    except x509.ExtensionNotFound:
+        pass
+    end = cert.not_valid_after_utc
+    left = end - _dt.datetime.now(_dt.timezone.utc)
+    state = f"expires in {left.days}d" if left.total_seconds() > 0 else "EXPIRED"
+    parts.append(f"not_after={end.isoformat()} ({state})")
+    parts.append(f"serial={cert.serial_number:x}")
+    return " ".join(parts)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _new_key(key_type: str) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
+    if key_type == "ec":
+        return ec.generate_private_key(ec.SECP256R1())
+    if key_type == "rsa":
+        return rsa.generate_private_key(public_exponent=65537, key_size=RSA_KEY_BITS)
+    raise CertError(f"unknown key type {key_type!r}: use 'ec' or 'rsa'")
+
+
+def _key_usage(**on: bool) -> x509.KeyUsage:
+    flags = dict.fromkeys(
+        ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+         "key_cert_sign", "crl_sign", "encipher_only", "decipher_only"),
+        False,
+    )
+    flags.update(on)
+    return x509.KeyUsage(**flags)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as exc:
+        raise CertError(f"{path}: cannot read CA key: {exc.strerror or exc}") from exc
+    except (ValueError, TypeError) as exc:
+        raise CertError(f"{path}: not an unencrypted PEM private key") from exc
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
+        raise CertError(f"{path}: unsupported CA key type {type(key).__name__}")
+    return key
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to a fresh temp file created with ``mode`` and rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # umask may have narrowed it; never widened
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    _write_atomic(path, data, 0o600)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    _write_atomic(path, data, 0o644)
+
+
+def _check_days(days: int) -> None:
+    if not isinstance(days, int) or days < 1:
+        raise CertError(f"days must be a positive integer, got {days!r}")
+
+
+def _check_common_name(cn: str) -> str:
+    if not cn or len(cn) > MAX_COMMON_NAME_CHARS or not cn.isprintable():
+        raise CertError(f"invalid common name {cn!r}: 1-{MAX_COMMON_NAME_CHARS} printable characters")
+    return cn
+
+
+def _check_dns(name: str) -> str:
+    """A lower-case ASCII host name; a single leading ``*.`` wildcard label is allowed."""
+    value = name.lower().rstrip(".")
+    labels = value.split(".")
+    if labels and labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    if len(value) > 253 or not all(_DNS_LABEL_RE.match(label) for label in labels):
+        raise CertError(f"invalid DNS name {name!r}")
+    return value
+
+
+def _check_ip(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError as exc:
+        raise CertError(f"invalid IP address {value!r}") from exc
+
+
+def _check_uri(value: str) -> str:
+    parts = urlsplit(value)
+    if not parts.scheme or not (parts.netloc or parts.path) or any(c.isspace() for c in value):
+        raise CertError(f"invalid URI {value!r}: expected scheme://authority/path, e.g. spiffe://lab/llama")
+    return value

@@ -1,0 +1,201 @@
+"""Peer identity from a verified certificate, and the allow-list that authorizes it.
+
+How this works: once the TLS layer has verified the peer's chain against the private CA, the peer
+certificate (DER) becomes a ``PeerIdentity``: CN, DNS / URI / IP SANs, serial, expiry, fingerprint.
+``Acl.authorize`` is then a pure function of that identity (as in ghostunnel's ``auth/auth.go``):
+the peer passes if any allow-list entry matches, else ``PolicyRefusal("identity_not_allowed")``.
+
+An empty ACL (no entries, ``allow_any=False``) allows every certificate signed by the private CA.
+ghostunnel insists on an explicit ``--allow-all``; we treat "the CA is the allow-list" as the
+default because the CA is ours alone, and the config layer logs a warning when the ACL is empty.
+This module never imports ``ssl``: the TLS layer hands it bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass, field
+
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from .errors import PolicyRefusal
+
+__all__ = ["PeerIdentity", "Acl"]
+
+# label() shows at most this many values per kind, so one log line stays short.
+LABEL_MAX_VALUES = 3
+IpNet = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _printable(text: str) -> str:
+    """Escape control characters: names come from a certificate and end up in log lines."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _norm_ip(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(value)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """What a verified peer certificate says about its holder."""
+
+    common_name: str | None
+    dns: tuple[str, ...]
+    uris: tuple[str, ...]
+    ips: tuple[str, ...]
+    serial: int
+    not_after: float
+    fingerprint_sha256: str
+
+    @classmethod
+    def from_der(cls, der: bytes) -> "PeerIdentity":
+        """Parse a DER certificate (``getpeercert(binary_form=True)``); ``ValueError`` if it is not one."""
+        cert = x509.load_der_x509_certificate(der)
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        cn = cns[0].value if cns else None
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            dns = tuple(v.lower() for v in san.get_values_for_type(x509.DNSName))
+            uris = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+            ips = tuple(str(v) for v in san.get_values_for_type(x509.IPAddress))
+        except x509.ExtensionNotFound:
+            dns, uris, ips = (), (), ()
+        return cls(
+            common_name=cn if isinstance(cn, str) else None,
+            dns=dns,
+            uris=uris,
+            ips=ips,
+            serial=cert.serial_number,
+            not_after=cert.not_valid_after_utc.timestamp(),
+            fingerprint_sha256=hashlib.sha256(der).hexdigest(),
+        )
+
+    def label(self) -> str:
+        """Short human form for logs, e.g. ``CN=client1 URI=spiffe://lab/llama``."""
+        parts = []
+        if self.common_name is not None:
+            parts.append(f"CN={_printable(self.common_name)}")
+        for kind, values in (("DNS", self.dns), ("URI", self.uris), ("IP", self.ips)):
+            if values:
+                shown = ",".join(_printable(v) for v in values[:LABEL_MAX_VALUES])
+                more = len(values) - LABEL_MAX_VALUES
+                parts.append(f"{kind}={shown}" + (f",+{more}" if more > 0 else ""))
+        return " ".join(parts) or f"serial={self.serial:x}"
+
+
+@dataclass(frozen=True)
+class Acl:
+    """Allow-list of peer identities; a peer is allowed if ANY entry matches.
+
+    - ``cns``: exact, case-sensitive CommonName.
+    - ``dns``: DNS SAN, case-insensitive; ``*.lab.example`` matches exactly one extra leftmost label.
+    - ``uris``: URI SAN, exact; an entry ending in ``/*`` matches any URI below that prefix
+      (``spiffe://lab/llama/*`` matches ``spiffe://lab/llama/a/b`` but not ``spiffe://lab/llama``).
+    - ``ips``: IP SAN, an address or a CIDR network (``10.0.0.0/8``); IPv4-mapped IPv6 counts as IPv4.
+    - No entries and ``allow_any=False``: any certificate from the private CA is allowed.
+
+    Invalid entries raise ``ValueError`` (the config layer turns it into a ``ConfigError``).
+    """
+
+    cns: tuple[str, ...] = ()
+    dns: tuple[str, ...] = ()
+    uris: tuple[str, ...] = ()
+    ips: tuple[str, ...] = ()
+    allow_any: bool = False
+    _nets: tuple[IpNet, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        for name in ("cns", "dns", "uris", "ips"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"{name}: expected a list of strings, got a string")
+            object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "dns", tuple(_check_dns_entry(d) for d in self.dns))
+        for uri in self.uris:
+            if not uri or "*" in uri[:-1] or (uri.endswith("*") and not uri.endswith("/*")):
+                raise ValueError(f"uris: {uri!r}: only a trailing '/*' wildcard is supported")
+        nets = []
+        for entry in self.ips:
+            try:
+                net = ipaddress.ip_network(entry, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"ips: {entry!r}: {exc}") from None
+            if isinstance(net, ipaddress.IPv6Network) and net.network_address.ipv4_mapped and net.prefixlen >= 96:
+                net = ipaddress.ip_network(f"{net.network_address.ipv4_mapped}/{net.prefixlen - 96}")
+            nets.append(net)
+        object.__setattr__(self, "_nets", tuple(nets))
+        if self.allow_any and not self.is_empty:
+            raise ValueError("allow_any cannot be combined with allow-list entries")
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there are no entries (then every certificate from the CA is allowed)."""
+        return not (self.cns or self.dns or self.uris or self.ips)
+
+    def allows(self, identity: PeerIdentity) -> bool:
+        """True if ``identity`` passes this ACL."""
+        if self.allow_any or self.is_empty:
+            return True
+        if identity.common_name is not None and identity.common_name in self.cns:
+            return True
+        if any(_dns_match(entry, name) for entry in self.dns for name in identity.dns):
+            return True
+        if any(_uri_match(entry, uri) for entry in self.uris for uri in identity.uris):
+            return True
+        for value in identity.ips:
+            try:
+                ip = _norm_ip(value)
+            except ValueError:
+                continue
+            if any(ip in net for net in self._nets):
+                return True
+        return False
+
+    def authorize(self, identity: PeerIdentity) -> None:
+        """Return if ``identity`` is allowed, else raise ``PolicyRefusal("identity_not_allowed")``."""
+        if not self.allows(identity):
+            raise PolicyRefusal("identity_not_allowed", f"{identity.label()} is not in the allow-list")
+
+    def describe(self) -> str:
+        """One line for logs."""
+        if self.allow_any:
+            return "any certificate from the CA (allow_any)"
+        if self.is_empty:
+            return "any certificate from the CA (no allow-list)"
+        kinds = (("CN", self.cns), ("DNS", self.dns), ("URI", self.uris), ("IP", tuple(map(str, self._nets))))
+        return " ".join(f"{kind}=[{','.join(values)}]" for kind, values in kinds if values)
+
+
+def _check_dns_entry(entry: str) -> str:
+    value = entry.lower().rstrip(".")
+    labels = value.split(".")
+    if not value or "" in labels or "*" in ".".join(labels[1:]) or ("*" in labels[0] and labels[0] != "*"):
+        raise ValueError(f"dns: {entry!r}: expected a host name, optionally with a leading '*.' label")
+    if labels[0] == "*" and len(labels) < 2:
+        raise ValueError(f"dns: {entry!r}: a wildcard needs a parent domain")
+    return value
+
+
+def _dns_match(entry: str, name: str) -> bool:
+    name = name.lower().rstrip(".")
+    if entry.startswith("*."):
+        head, _, rest = name.partition(".")
+        return bool(head) and rest == entry[2:]
+    return name == entry
+
+
+def _uri_match(entry: str, uri: str) -> bool:
+    if not entry.endswith("/*"):
+        return uri == entry
+    prefix = entry[:-1]  # keep the slash: "spiffe://lab/llama/"
+    if not uri.startswith(prefix) or len(uri) == len(prefix):
+        return False
+    # Refuse dot segments and empty segments: "spiffe://lab/llama/../admin" is not under the prefix.
+    return all(seg not in ("", ".", "..") for seg in uri[len(prefix):].split("/"))
+

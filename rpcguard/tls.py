@@ -1,0 +1,254 @@
+"""Mutual-TLS contexts against a private CA, and handshake error -> stable reason mapping.
+
+How this works: ``server_context`` / ``client_context`` check the files first (readable, PEM,
+key matches cert, key not readable by others, EKU fits the role) and raise ``TlsConfigError``
+naming the file, so a bad deployment fails at startup or reload with one clear line instead of an
+OpenSSL error at the first handshake. The contexts trust ``ca`` only (never the system store),
+require a peer certificate on both sides, and default to TLS 1.3.
+
+Cipher suites. ``SSLContext.set_ciphers`` only affects TLS <= 1.2; CPython (3.11, and still 3.13)
+has no binding for OpenSSL's ``SSL_CTX_set_ciphersuites``, so TLS 1.3 uses OpenSSL's default
+suites, in order TLS_AES_256_GCM_SHA384, TLS_CHACHA20_POLY1305_SHA256, TLS_AES_128_GCM_SHA256
+(all AEAD; AES-GCM first suits AES-NI hosts). They can only be changed through the OpenSSL
+config file (``Ciphersuites =`` in a ``system_default`` section, via ``OPENSSL_CONF``). With
+``min_version="1.2"`` the TLS 1.2 list below is ECDHE + AEAD only, AES-GCM before ChaCha20.
+
+``classify_handshake_error`` maps a failed handshake (either side) to the stable reasons of
+docs/design.md with a table of message substrings; the strings were taken from real loopback
+handshakes (tests/unit/test_tls.py asserts them). With TLS 1.3 a client learns that the server
+refused its certificate only on its first read after the handshake, so callers should classify
+that first read error too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import stat
+from pathlib import Path
+from typing import Literal
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from .errors import PolicyRefusal, RpcGuardError
+from .identity import PeerIdentity
+
+__all__ = [
+    "TlsConfigError",
+    "TlsVersion",
+    "server_context",
+    "client_context",
+    "classify_handshake_error",
+    "peer_identity",
+    "HANDSHAKE_ERROR_REASONS",
+    "TLS12_CIPHERS",
+]
+
+TlsVersion = Literal["1.3", "1.2"]
+_VERSIONS = {"1.3": ssl.TLSVersion.TLSv1_3, "1.2": ssl.TLSVersion.TLSv1_2}
+
+# TLS 1.2 only (opt-in): forward secrecy + AEAD. AES-GCM first (AES-NI), 128 before 256 (fewer rounds).
+TLS12_CIPHERS = ":".join(
+    (
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-CHACHA20-POLY1305",
+        "ECDHE-RSA-CHACHA20-POLY1305",
+    )
+)
+
+# (lower-case substring, reason): first match wins, so specific entries come before generic ones.
+# Comments say which side saw the string on loopback with OpenSSL 3.0 (S = server, C = client).
+HANDSHAKE_ERROR_REASONS: tuple[tuple[str, str], ...] = (
+    ("handshake is taking longer", "tls_handshake_timeout"),  # asyncio/uvloop ssl_handshake_timeout
+    ("peer did not return a certificate", "tls_no_client_cert"),  # S: client sent no cert
+    ("certificate required", "tls_no_client_cert"),  # C: tlsv13 alert certificate required
+    ("certificate has expired", "tls_cert_expired"),  # S/C verify: peer's cert expired
+    ("certificate expired", "tls_cert_expired"),  # S/C: sslv3 alert certificate expired
+    ("hostname mismatch", "node_name_mismatch"),  # C: server cert lacks the DNS name
+    ("ip address mismatch", "node_name_mismatch"),  # C: server cert lacks the IP
+    ("unable to get local issuer", "tls_unknown_ca"),  # S/C verify: signed by another CA
+    ("self-signed certificate", "tls_unknown_ca"),  # S/C verify: self-signed peer / CA not ours
+    ("self signed certificate", "tls_unknown_ca"),  # OpenSSL 1.1 spelling
+    ("unknown ca", "tls_unknown_ca"),  # S/C: alert from the side that did not trust us
+    ("unsupported protocol", "tls_protocol_version"),  # S: client offered TLS 1.2 only
+    ("protocol version", "tls_protocol_version"),  # C: tlsv1 alert protocol version
+    ("no protocols available", "tls_protocol_version"),
+    ("wrong version number", "tls_not_tls"),  # S: plain TCP bytes
+    ("http request", "tls_not_tls"),  # S: "GET / HTTP/1.1"
+    ("packet length too long", "tls_not_tls"),
+    ("record layer failure", "tls_not_tls"),  # OpenSSL 3.2+
+    ("unexpected eof", "tls_not_tls"),  # S: connect + close with nothing sent (port probe)
+    ("eof occurred in violation of protocol", "tls_not_tls"),
+    ("unsuitable certificate purpose", "tls_bad_certificate"),  # S/C verify: wrong EKU
+    ("unsupported certificate", "tls_bad_certificate"),  # S/C: alert for wrong EKU
+    ("bad certificate", "tls_bad_certificate"),
+    ("certificate verify failed", "tls_bad_certificate"),
+)
+
+
+class TlsConfigError(RpcGuardError):
+    """A certificate, key or CA file cannot be used; the message names the file."""
+
+
+def server_context(
+    cert: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+    ca: str | os.PathLike[str],
+    *,
+    min_version: TlsVersion = "1.3",
+    allow_insecure_key_perms: bool = False,
+) -> ssl.SSLContext:
+    """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``."""
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, ExtendedKeyUsageOID.SERVER_AUTH,
+                   min_version, allow_insecure_key_perms)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+    return ctx
+
+
+def client_context(
+    cert: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+    ca: str | os.PathLike[str],
+    *,
+    server_name: str,
+    min_version: TlsVersion = "1.3",
+    allow_insecure_key_perms: bool = False,
+) -> ssl.SSLContext:
+    """Client side: present ``cert``/``key``; verify the server against ``ca`` and ``server_name``.
+
+    The caller must wrap with ``server_hostname=server_name`` (a DNS name or an IP literal).
+    """
+    if not server_name or any(c.isspace() for c in server_name):
+        raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
+    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, ExtendedKeyUsageOID.CLIENT_AUTH,
+                   min_version, allow_insecure_key_perms)
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def classify_handshake_error(exc: BaseException) -> str:
+    """Stable reason for a failed handshake (or the first read after it); see docs/design.md."""
+    texts = []
+    seen: BaseException | None = exc
+    while seen is not None and len(texts) < 4:  # the exception and a few causes (asyncio wraps)
+        if isinstance(seen, (TimeoutError, asyncio.TimeoutError)):
+            return "tls_handshake_timeout"
+        texts.append(str(seen))
+        texts.append(str(getattr(seen, "reason", "") or "").replace("_", " "))
+        texts.append(str(getattr(seen, "verify_message", "") or ""))
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(texts).lower()
+    for needle, reason in HANDSHAKE_ERROR_REASONS:
+        if needle in text:
+            return reason
+    return "tls_handshake_failed"
+
+
+def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerIdentity:
+    """Identity of the verified peer; ``PolicyRefusal("tls_no_client_cert")`` if it sent none."""
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        raise PolicyRefusal("tls_no_client_cert", "peer presented no certificate")
+    return PeerIdentity.from_der(der)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _context(
+    protocol: int,
+    cert: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+    ca: str | os.PathLike[str],
+    purpose: x509.ObjectIdentifier,
+    min_version: str,
+    allow_insecure_key_perms: bool,
+) -> ssl.SSLContext:
+    if min_version not in _VERSIONS:
+        raise TlsConfigError(f"min_version {min_version!r}: expected '1.3' or '1.2'")
+    _check_ca(Path(ca))
+    _check_pair(Path(cert), Path(key), purpose, allow_insecure_key_perms)
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = _VERSIONS[min_version]
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    ctx.set_ciphers(TLS12_CIPHERS)  # TLS <= 1.2 only; see the module comment for TLS 1.3
+    try:
+        ctx.load_verify_locations(cafile=os.fspath(ca))  # private CA only: no load_default_certs()
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsConfigError(f"{ca}: cannot load CA certificates: {exc}") from exc
+    try:
+        ctx.load_cert_chain(os.fspath(cert), os.fspath(key))
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsConfigError(f"{cert}, {key}: cannot load certificate and key: {exc}") from exc
+    return ctx
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TlsConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
+
+
+def _check_ca(path: Path) -> None:
+    data = _read(path, "CA file")
+    try:
+        cas = x509.load_pem_x509_certificates(data)
+    except ValueError as exc:
+        raise TlsConfigError(f"{path}: not a PEM CA certificate") from exc
+    for ca in cas:
+        try:
+            is_ca = ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if not is_ca:
+            raise TlsConfigError(f"{path}: {ca.subject.rfc4514_string()} is not a CA certificate (BasicConstraints)")
+
+
+def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier, allow_insecure: bool) -> None:
+    try:
+        cert = x509.load_pem_x509_certificates(_read(cert_path, "certificate"))[0]
+    except ValueError as exc:
+        raise TlsConfigError(f"{cert_path}: not a PEM certificate") from exc
+    _check_key_perms(key_path, allow_insecure)
+    try:
+        key = serialization.load_pem_private_key(_read(key_path, "private key"), password=None)
+    except TypeError as exc:
+        raise TlsConfigError(f"{key_path}: encrypted private keys are not supported") from exc
+    except ValueError as exc:
+        raise TlsConfigError(f"{key_path}: not a PEM private key") from exc
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise TlsConfigError(f"{key_path}: private key does not match certificate {cert_path}")
+    try:
+        ekus = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return  # no EKU extension: any purpose
+    if purpose not in ekus and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in ekus:
+        role = "server (issue --server)" if purpose == ExtendedKeyUsageOID.SERVER_AUTH else "client (issue --client)"
+        raise TlsConfigError(f"{cert_path}: certificate lacks the extended key usage for a {role}")
+
+
+def _check_key_perms(path: Path, allow_insecure: bool) -> None:
+    """Refuse a key others can read. Like PostgreSQL: 0600 or stricter, or 0640 when owned by root."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise TlsConfigError(f"{path}: cannot read private key: {exc.strerror or exc}") from exc
+    if allow_insecure or os.name != "posix":
+        return
+    too_open = stat.S_IMODE(st.st_mode) & (0o037 if st.st_uid == 0 else 0o077)
+    if too_open:
+        raise TlsConfigError(
+            f"{path}: private key is accessible by others (mode {stat.S_IMODE(st.st_mode):04o});"
+            " chmod 600 it (or 640 owned by root), or set allow_insecure_key_perms"
+        )

@@ -1,0 +1,226 @@
+"""rpcguard.certs: CA and leaf issuance, file modes, extensions, validation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import stat
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from rpcguard import certs
+from rpcguard.certs import CertError
+from rpcguard.errors import RpcGuardError
+
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def ext(cert: x509.Certificate, cls):
+    return cert.extensions.get_extension_for_class(cls)
+
+
+@pytest.fixture
+def ca_dir(tmp_path):
+    certs.init_ca(tmp_path)
+    return tmp_path
+
+
+def test_init_ca_writes_files_with_modes(tmp_path):
+    files = certs.init_ca(tmp_path / "pki", common_name="lab CA")
+    assert files == certs.CaFiles(tmp_path / "pki" / "ca.pem", tmp_path / "pki" / "ca.key")
+    assert mode(files.key) == 0o600
+    assert mode(files.cert) == 0o644
+    assert sorted(p.name for p in (tmp_path / "pki").iterdir()) == ["ca.key", "ca.pem"]  # no temp files left
+    ca = certs.load_cert(files.cert)
+    assert ca.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "lab CA"
+    assert ca.issuer == ca.subject
+    bc = ext(ca, x509.BasicConstraints)
+    assert bc.critical and bc.value.ca and bc.value.path_length == 0
+    ku = ext(ca, x509.KeyUsage).value
+    assert ku.key_cert_sign and ku.crl_sign
+    assert isinstance(ca.public_key(), ec.EllipticCurvePublicKey)
+    ca.verify_directly_issued_by(ca)
+    assert abs((ca.not_valid_after_utc - NOW).days - 365 * 5) <= 1
+
+
+def test_init_ca_key_private_even_with_umask_zero(tmp_path):
+    old = os.umask(0)
+    try:
+        files = certs.init_ca(tmp_path)
+    finally:
+        os.umask(old)
+    assert mode(files.key) == 0o600
+
+
+def test_init_ca_refuses_overwrite_unless_forced(ca_dir):
+    before = (ca_dir / "ca.pem").read_bytes()
+    with pytest.raises(CertError, match="already exists"):
+        certs.init_ca(ca_dir)
+    assert (ca_dir / "ca.pem").read_bytes() == before
+    certs.init_ca(ca_dir, force=True)
+    assert (ca_dir / "ca.pem").read_bytes() != before
+
+
+def test_init_ca_refuses_when_only_key_exists(tmp_path):
+    (tmp_path / "ca.key").write_text("x")
+    with pytest.raises(CertError, match="ca.key"):
+        certs.init_ca(tmp_path)
+
+
+def test_cert_error_is_rpcguard_error():
+    assert issubclass(CertError, RpcGuardError)
+
+
+def test_issue_server_leaf(ca_dir):
+    files = certs.issue(ca_dir, "node1", server=True)
+    assert files == certs.LeafFiles(ca_dir / "node1.pem", ca_dir / "node1.key")
+    assert mode(files.key) == 0o600
+    leaf = certs.load_cert(files.cert)
+    ca = certs.load_cert(ca_dir / "ca.pem")
+    leaf.verify_directly_issued_by(ca)
+    assert len(x509.load_pem_x509_certificates(files.cert.read_bytes())) == 1  # leaf only
+    assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "node1"
+    assert list(ext(leaf, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert ext(leaf, x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == ["node1"]
+    bc = ext(leaf, x509.BasicConstraints)
+    assert bc.critical and not bc.value.ca
+    ku = ext(leaf, x509.KeyUsage)
+    assert ku.critical and ku.value.digital_signature and ku.value.key_agreement
+    assert not ku.value.key_cert_sign
+    aki = ext(leaf, x509.AuthorityKeyIdentifier).value.key_identifier
+    assert aki == ext(ca, x509.SubjectKeyIdentifier).value.digest
+    assert ext(leaf, x509.SubjectKeyIdentifier).value == x509.SubjectKeyIdentifier.from_public_key(leaf.public_key())
+    start, end = leaf.not_valid_before_utc, leaf.not_valid_after_utc
+    assert dt.timedelta(minutes=4) < NOW - start < dt.timedelta(minutes=6)
+    assert abs((end - NOW) - dt.timedelta(days=30)) < dt.timedelta(minutes=1)
+
+
+def test_issue_client_leaf_with_sans(ca_dir):
+    files = certs.issue(
+        ca_dir, "client1", server=False, dns=["Gpu1.Lab.Example"], ips=["10.0.0.7", "::1"],
+        uris=["spiffe://lab/llama"], common_name="llama client", days=7,
+    )
+    leaf = certs.load_cert(files.cert)
+    assert list(ext(leaf, x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    san = ext(leaf, x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["gpu1.lab.example"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7"), ipaddress.ip_address("::1")]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://lab/llama"]
+    assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "llama client"
+    assert abs((leaf.not_valid_after_utc - NOW) - dt.timedelta(days=7)) < dt.timedelta(minutes=1)
+
+
+def test_client_without_sans_has_no_san_extension(ca_dir):
+    leaf = certs.load_cert(certs.issue(ca_dir, "c", server=False).cert)
+    with pytest.raises(x509.ExtensionNotFound):
+        ext(leaf, x509.SubjectAlternativeName)
+
+
+def test_server_with_explicit_san_does_not_add_name(ca_dir):
+    leaf = certs.load_cert(certs.issue(ca_dir, "n1", server=True, ips=["127.0.0.1"]).cert)
+    san = ext(leaf, x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == []
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+
+
+def test_issue_rsa(ca_dir):
+    leaf = certs.load_cert(certs.issue(ca_dir, "r", server=True, key_type="rsa").cert)
+    assert isinstance(leaf.public_key(), rsa.RSAPublicKey)
+    ku = ext(leaf, x509.KeyUsage).value
+    assert ku.digital_signature and not ku.key_agreement
+
+
+def test_issue_refuses_overwrite_unless_forced(ca_dir):
+    first = certs.issue(ca_dir, "n", server=True).cert.read_bytes()
+    with pytest.raises(CertError, match="already exists"):
+        certs.issue(ca_dir, "n", server=True)
+    assert certs.issue(ca_dir, "n", server=True, force=True).cert.read_bytes() != first
+    assert mode(ca_dir / "n.key") == 0o600
+
+
+def test_issue_validity_overrides_mint_expired(ca_dir):
+    files = certs.issue(ca_dir, "old", server=False, not_before=NOW - dt.timedelta(days=3),
+                        not_after=NOW - dt.timedelta(days=1))
+    assert certs.cert_not_after(files.cert) == pytest.approx((NOW - dt.timedelta(days=1)).timestamp(), abs=1)
+    assert "EXPIRED" in certs.describe(files.cert)
+    with pytest.raises(CertError, match="empty"):
+        certs.issue(ca_dir, "bad", server=False, not_before=NOW, not_after=NOW - dt.timedelta(seconds=1))
+
+
+def test_leaf_never_outlives_ca(tmp_path):
+    certs.init_ca(tmp_path, days=10)
+    ca = certs.load_cert(tmp_path / "ca.pem")
+    leaf = certs.load_cert(certs.issue(tmp_path, "n", server=True, days=30).cert)
+    assert leaf.not_valid_after_utc == ca.not_valid_after_utc
+
+
+@pytest.mark.parametrize("name", ["", "ca", "CA", "ca.pem", "../x", "a/b", ".hidden", "x y", "n\u00e9", "a\n"])
+def test_issue_rejects_bad_names(ca_dir, name):
+    with pytest.raises(CertError, match="invalid certificate name"):
+        certs.issue(ca_dir, name, server=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ips": ["10.0.0.256"]}, "invalid IP"),
+        ({"ips": ["10.0.0.0/8"]}, "invalid IP"),
+        ({"uris": ["not a uri"]}, "invalid URI"),
+        ({"uris": ["lab/llama"]}, "invalid URI"),
+        ({"dns": ["bad_name.lab"]}, "invalid DNS"),
+        ({"dns": ["a..b"]}, "invalid DNS"),
+        ({"dns": ["-a.b"]}, "invalid DNS"),
+        ({"days": 0}, "days"),
+        ({"common_name": "x" * 65}, "common name"),
+        ({"key_type": "dsa"}, "key type"),
+    ],
+)
+def test_issue_rejects_bad_arguments(ca_dir, kwargs, message):
+    with pytest.raises(CertError, match=message):
+        certs.issue(ca_dir, "n", server=False, **kwargs)
+    assert not (ca_dir / "n.key").exists()
+
+
+def test_server_name_must_be_a_dns_name_without_san(ca_dir):
+    with pytest.raises(CertError, match="invalid DNS name"):
+        certs.issue(ca_dir, "node_1", server=True)
+    certs.issue(ca_dir, "node_2", server=True, dns=["node2.lab"])
+
+
+def test_wildcard_dns_san(ca_dir):
+    leaf = certs.load_cert(certs.issue(ca_dir, "w", server=True, dns=["*.lab.example"]).cert)
+    assert ext(leaf, x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == ["*.lab.example"]
+
+
+def test_issue_without_ca(tmp_path):
+    with pytest.raises(CertError, match="ca.pem"):
+        certs.issue(tmp_path, "n", server=True)
+
+
+def test_load_cert_errors_name_the_file(tmp_path):
+    with pytest.raises(CertError, match="missing.pem"):
+        certs.load_cert(tmp_path / "missing.pem")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("hello")
+    with pytest.raises(CertError, match="junk.pem: not a PEM certificate"):
+        certs.load_cert(junk)
+
+
+def test_cert_not_after_and_describe(ca_dir):
+    files = certs.issue(ca_dir, "n1", server=True, ips=["127.0.0.1"], uris=["spiffe://lab/n1"])
+    leaf = certs.load_cert(files.cert)
+    assert certs.cert_not_after(files.cert) == leaf.not_valid_after_utc.timestamp()
+    text = certs.describe(files.cert)
+    assert "subject=CN=n1" in text
+    assert "san=IP:127.0.0.1,URI:spiffe://lab/n1" in text
+    assert "eku=serverAuth" in text
+    assert "expires in 29d" in text or "expires in 30d" in text
+    assert "\n" not in text
