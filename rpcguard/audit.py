@@ -1,0 +1,48 @@
+"""Logging set-up: human-readable lines by default, JSON lines with ``--log-format json``.
+
+How this works: every module logs through the standard ``logging`` package. The session end
+line of ``relay.Link`` carries the full audit record (identity, peer, listener, upstream,
+protocol version, duration, frames and bytes per command, result and refusal reason) in
+``extra={"audit": ...}``; the JSON formatter emits that record as the line's fields, the text
+formatter keeps the one-line summary. Only the CLI calls ``setup_logging``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+__all__ = ["setup_logging", "JsonFormatter"]
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, plus the audit record if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        audit = getattr(record, "audit", None)
+        if audit:
+            out.update(audit)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def setup_logging(fmt: str = "text", level: str = "info", stream=None) -> None:
+    """Configure the root logger once (the CLI calls this)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # handshake noise is counted by rpcguard

@@ -1,0 +1,378 @@
+"""The per-connection ggml-rpc state machine: framing + session rules + firewall + counters.
+
+How this works: one ``Session`` sits between one llama.cpp client and one server. The relay
+hands it the bytes read from either side (``client_data`` / ``server_data``) and then writes
+out whatever the session queued in ``to_server`` / ``to_client``: the frames it accepted,
+unchanged (memoryviews into the relay's buffer), or rewritten (HELLO with its RDMA caps
+zeroed), plus frames the proxy injects itself. A frame that breaks a rule raises a
+``Refusal``; nothing of that frame has been queued.
+
+Requests are planned from the command table of the version the server announced in its HELLO
+reply (``versions.ProtocolSpec``); until then only HELLO is accepted. Responses carry no
+command id: each response-bearing request pushes an ``_Expect`` entry on a FIFO and the next
+response header is matched against it (size checked exactly), which is also where latency is
+measured and where the session learns buffer handles, bases and device facts for the firewall.
+
+Session phases: AWAIT_HELLO -> AWAIT_HELLO_REPLY -> ACTIVE. ``refusal_answer()`` builds the
+HELLO reply the client-facing side sends when a session is refused before it is ACTIVE.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass, field
+
+from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
+from rpcguard.protocol import encode
+from rpcguard.protocol.firewall import Firewall, FirewallPolicy
+from rpcguard.protocol.framing import BODY, FrameReader
+from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.stats import SessionStats
+from rpcguard.protocol.versions import (
+    COMMAND_IDS,
+    COMMAND_NAMES,
+    FIXED,
+    HELLO,
+    KNOWN_VERSIONS,
+    NO_RESPONSE,
+    REFUSAL_CODES,
+    REFUSAL_REASONS,
+    SIZED_BY_REQUEST,
+    STREAM,
+    ProtocolSpec,
+    Version,
+    format_version,
+    spec_for,
+)
+
+__all__ = ["SessionPolicy", "Session", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation"]
+
+AWAIT_HELLO = "await_hello"
+AWAIT_HELLO_REPLY = "await_hello_reply"
+ACTIVE = "active"
+
+_REQ_HEADER = struct.Struct("<BQ")
+_RSP_HEADER = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_U64x2 = struct.Struct("<QQ")
+_DEV_U64 = struct.Struct("<IQ")
+_ZERO_CAPS = bytes(24)
+
+# GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
+_GET_TENSOR_SIZE_AT = 296 + 8
+# SET_TENSOR_HASH hit: the cached data replaced a SET_TENSOR of the tensor's bytes from offset.
+_CMD = COMMAND_IDS
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """What a session enforces; built from the config by ``rpcguard.policy``."""
+
+    accepted_versions: frozenset[Version] = frozenset(KNOWN_VERSIONS)
+    allowed_commands: frozenset[str] = frozenset(COMMAND_NAMES)
+    # A SET_TENSOR chunk is streamed, so this cap bounds time and server memory (the server
+    # resizes a vector to `len` before reading it), not proxy memory.
+    max_request_bytes: int = 4 << 30
+    # GRAPH_COMPUTE is validated whole in memory before forwarding: bound what one frame may cost.
+    max_graph_bytes: int = 64 << 20
+    mode: str = "enforce"  # or "monitor": firewall violations are counted and forwarded
+    firewall: FirewallPolicy = field(default_factory=FirewallPolicy)
+    clear_new_buffers: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A firewall rule that failed in monitor mode (the frame was forwarded anyway)."""
+
+    reason: str
+    detail: str
+    command: str
+
+
+@dataclass(slots=True)
+class _Expect:
+    cmd: int
+    length: int  # exact response payload size
+    streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
+    swallow: bool = False  # injected by the proxy: do not forward the response
+    t_ns: int = 0
+    ctx: object = None
+
+
+class Session:
+    """One client<->server ggml-rpc connection as seen by the proxy."""
+
+    def __init__(
+        self,
+        policy: SessionPolicy | None = None,
+        upstream: UpstreamFacts | None = None,
+        stats: SessionStats | None = None,
+    ) -> None:
+        self.policy = policy or SessionPolicy()
+        self.state = SessionState(upstream if upstream is not None else UpstreamFacts())
+        self.stats = stats if stats is not None else SessionStats()
+        self.firewall = Firewall(self.state, self.policy.firewall)
+        self.phase = AWAIT_HELLO
+        self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
+        self.version: Version | None = None
+        self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
+        self.violations: list[Violation] = []
+        self.to_server: list = []
+        self.to_client: list = []
+        self._enforce = self.policy.mode == "enforce"
+        self._expect: deque[_Expect] = deque()
+        self._req = FrameReader(_REQ_HEADER, self._plan_request)
+        self._rsp = FrameReader(_RSP_HEADER, self._plan_response)
+        self._now = 0
+        self._handlers = {
+            _CMD["ALLOC_BUFFER"]: self._on_alloc,
+            _CMD["BUFFER_GET_BASE"]: self._on_get_base,
+            _CMD["DEVICE_COUNT"]: self._on_device_count,
+            _CMD["GET_ALIGNMENT"]: self._on_alignment,
+            _CMD["GET_MAX_SIZE"]: self._on_max_size,
+            _CMD["GET_DEVICE_MEMORY"]: self._on_memory,
+            _CMD["SET_TENSOR_HASH"]: self._on_hash,
+        }
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def spec(self) -> ProtocolSpec | None:
+        return self.state.spec
+
+    @property
+    def idle(self) -> bool:
+        """True between frames in both directions with no response outstanding."""
+        return not self._expect and self._req.at_boundary and self._rsp.at_boundary
+
+    @property
+    def mid_frame(self) -> bool:
+        """True while a request frame is partially received or streaming."""
+        return not self._req.at_boundary
+
+    # ----------------------------------------------------------------------------- requests
+    def client_data(self, data: memoryview, now_ns: int = 0) -> None:
+        """Bytes from the client; accepted frames go to ``to_server``."""
+        self._now = now_ns
+        out = self.to_server
+        for ev in self._req.feed(data):
+            if ev[0] == BODY:
+                out.append(ev[1])
+            else:
+                self._on_request(ev[1][0], ev[2], ev[3], out)
+
+    def _plan_request(self, header: tuple) -> tuple[int, int]:
+        cmd, length = header
+        if self.phase != ACTIVE:
+            if self.phase == AWAIT_HELLO_REPLY:
+                raise ProtocolRefusal("data_before_hello_reply", "client sent data before the HELLO reply")
+            if cmd != HELLO:
+                raise ProtocolRefusal("first_frame_not_hello", f"first command is {_name(cmd)}, not HELLO")
+            if length not in (0, 24):
+                raise ProtocolRefusal("hello_bad_size", f"HELLO with {length} payload bytes")
+            return length, 0
+        if cmd == HELLO:
+            raise ProtocolRefusal("hello_repeated", "second HELLO in one session")
+        spec = self.state.spec
+        rule = spec.rule(cmd) if spec is not None else None
+        if rule is None:
+            raise ProtocolRefusal("command_unknown", f"command {cmd} does not exist in {self._vtext()}")
+        if rule.name not in self.policy.allowed_commands:
+            if self._enforce:
+                raise PolicyRefusal("command_not_allowed", f"{rule.name} is not on the allow-list")
+            self.violations.append(Violation("command_not_allowed", "not on the allow-list", rule.name))
+        stats = self.stats
+        stats.req_frames[cmd] += 1
+        stats.req_bytes[cmd] += 9 + length
+        if rule.layout == FIXED:
+            if length != rule.request:
+                raise ProtocolRefusal(
+                    "frame_size_invalid", f"{rule.name} len {length}, expected {rule.request} in {self._vtext()}"
+                )
+            return length, 0
+        if length < rule.request:
+            raise ProtocolRefusal("frame_size_invalid", f"{rule.name} len {length} < {rule.request}")
+        if rule.layout == STREAM:
+            if length > self.policy.max_request_bytes:
+                raise ProtocolRefusal(
+                    "request_too_large", f"{rule.name} len {length} > cap {self.policy.max_request_bytes}"
+                )
+            return rule.request, length - rule.request
+        if length > self.policy.max_graph_bytes:
+            raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self.policy.max_graph_bytes}")
+        return length, 0
+
+    def _on_request(self, cmd: int, head: memoryview, raw: memoryview, out: list) -> None:
+        if cmd == HELLO:
+            self._on_hello_request(head, raw, out)
+            return
+        spec = self.state.spec
+        rule = spec.commands[cmd]  # type: ignore[union-attr]
+        body_len = self._req.body_remaining
+        try:
+            self.firewall.check_request(rule, head, body_len)
+        except FirewallRefusal as refusal:
+            if self._enforce:
+                raise
+            self.violations.append(Violation(refusal.reason, refusal.detail, rule.name))
+        # Effects of the request on the session state.
+        if cmd == _CMD["FREE_BUFFER"]:
+            self.state.free_buffer(_U64.unpack_from(head)[0])
+        elif cmd == _CMD["GRAPH_COMPUTE"]:
+            self.state.graph_stored(_U32.unpack_from(head)[0] if spec.multi_device else 0)  # type: ignore[union-attr]
+        elif cmd == _CMD["SET_TENSOR"]:
+            self.stats.upload_bytes_set += body_len
+        response = rule.response
+        if response != NO_RESPONSE:
+            if response == SIZED_BY_REQUEST:
+                size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
+                exp = _Expect(cmd, size, streamed=True, t_ns=self._now)
+            else:
+                exp = _Expect(cmd, response, t_ns=self._now, ctx=self._context(cmd, head))
+            self._expect.append(exp)
+        out.append(raw)
+
+    def _context(self, cmd: int, head: memoryview) -> object:
+        """What a response handler needs to remember from its request."""
+        if cmd == _CMD["ALLOC_BUFFER"]:
+            return _DEV_U64.unpack_from(head) if self.state.spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
+        if cmd == _CMD["BUFFER_GET_BASE"]:
+            return _U64.unpack_from(head)[0]
+        if cmd in (_CMD["GET_ALIGNMENT"], _CMD["GET_MAX_SIZE"], _CMD["GET_DEVICE_MEMORY"]):
+            return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
+        if cmd == _CMD["SET_TENSOR_HASH"]:
+            return bytes(head)
+        return None
+
+    def _on_hello_request(self, head: memoryview, raw: memoryview, out: list) -> None:
+        self.hello_request_len = len(head)
+        self.stats.req_frames[HELLO] += 1
+        self.stats.req_bytes[HELLO] += len(raw)
+        if len(head) == 24 and head != _ZERO_CAPS:
+            # RDMA transport offer: zero it, or tensor traffic could leave the tunnel (spec §4.4).
+            self.stats.rdma_caps_zeroed_req += 1
+            raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
+        self._expect.append(_Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
+        self.phase = AWAIT_HELLO_REPLY
+        out.append(raw)
+
+    # ----------------------------------------------------------------------------- responses
+    def server_data(self, data: memoryview, now_ns: int = 0) -> None:
+        """Bytes from the server; accepted frames go to ``to_client``."""
+        self._now = now_ns
+        out = self.to_client
+        for ev in self._rsp.feed(data):
+            if ev[0] == BODY:
+                out.append(ev[1])
+            else:
+                self._on_response(ev[2], ev[3], out)
+
+    def _plan_response(self, header: tuple) -> tuple[int, int]:
+        length = header[0]
+        if not self._expect:
+            raise ProtocolRefusal("response_unexpected", f"server sent {length} bytes nobody asked for")
+        exp = self._expect[0]
+        if length != exp.length and not (exp.cmd == HELLO and length in (3, 28)):
+            raise ProtocolRefusal(
+                "response_size_invalid", f"{_name(exp.cmd)} response len {length}, expected {exp.length}"
+            )
+        stats = self.stats
+        stats.rsp_frames[exp.cmd] += 1
+        stats.rsp_bytes[exp.cmd] += 8 + length
+        if not exp.swallow:
+            stats.observe_latency(exp.cmd, self._now - exp.t_ns)
+        return (0, length) if exp.streamed else (length, 0)
+
+    def _on_response(self, head: memoryview, raw: memoryview, out: list) -> None:
+        exp = self._expect.popleft()
+        if exp.cmd == HELLO:
+            raw = self._on_hello_reply(head, raw)
+        else:
+            handler = self._handlers.get(exp.cmd)
+            if handler is not None:
+                handler(exp, head)
+        if not exp.swallow:
+            out.append(raw)
+
+    def _on_hello_reply(self, head: memoryview, raw: memoryview) -> memoryview:
+        version = (head[0], head[1], head[2])
+        if version[0] == 0:
+            # Another rpcguard (the node's `serve`) refused the session: pass its answer on.
+            self.node_refusal = REFUSAL_REASONS.get(version[2], "refused")
+            return memoryview(self.refusal_answer(self.node_refusal))
+        if (len(head) == 28) != (self.hello_request_len == 24):
+            raise PolicyRefusal(
+                "version_not_accepted", f"server {format_version(version)} answered a HELLO of another era"
+            )
+        spec = spec_for(version)
+        if spec is None or version not in self.policy.accepted_versions:
+            why = "unknown to this rpcguard build" if spec is None else "not on the accepted list"
+            raise PolicyRefusal("version_not_accepted", f"server protocol {format_version(version)} is {why}")
+        self.version = version
+        self.state.spec = spec
+        self.state.upstream.learn_version(version)
+        self.phase = ACTIVE
+        if len(head) == 28 and head[4:] != _ZERO_CAPS:
+            self.stats.rdma_caps_zeroed_rsp += 1
+            raw = memoryview(encode.hello_response(version, new_layout=True))
+        if spec.multi_device and self.state.upstream.device_count is None:
+            # Learn the device count for the device-index checks without bothering the client.
+            self._inject(_CMD["DEVICE_COUNT"], b"", 4)
+        return raw
+
+    def _inject(self, cmd: int, payload: bytes, response: int) -> None:
+        self.stats.req_frames[cmd] += 1
+        self.stats.req_bytes[cmd] += 9 + len(payload)
+        self.to_server.append(encode.request(cmd, payload))
+        if response != NO_RESPONSE:
+            self._expect.append(_Expect(cmd, response, swallow=True))
+
+    def _on_alloc(self, exp: _Expect, head: memoryview) -> None:
+        handle, size = _U64x2.unpack_from(head)
+        if handle:
+            device = exp.ctx[0]  # type: ignore[index]
+            self.state.add_buffer(handle, device, size)
+            self.stats.alloc_bytes += size
+            if self.policy.clear_new_buffers:
+                # Tenant isolation: new device memory is not zeroed by the server (spec §2.4).
+                rule = self.state.spec.commands[_CMD["BUFFER_CLEAR"]]  # type: ignore[union-attr]
+                self._inject(_CMD["BUFFER_CLEAR"], struct.pack("<QB", handle, 0), rule.response)
+
+    def _on_get_base(self, exp: _Expect, head: memoryview) -> None:
+        buf = self.state.buffers.get(exp.ctx)  # type: ignore[arg-type]
+        if buf is not None:
+            buf.base = _U64.unpack_from(head)[0]
+
+    def _on_device_count(self, exp: _Expect, head: memoryview) -> None:
+        self.state.upstream.device_count = _U32.unpack_from(head)[0]
+
+    def _on_alignment(self, exp: _Expect, head: memoryview) -> None:
+        self.state.upstream.alignment[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
+
+    def _on_max_size(self, exp: _Expect, head: memoryview) -> None:
+        self.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
+
+    def _on_memory(self, exp: _Expect, head: memoryview) -> None:
+        self.state.upstream.memory[exp.ctx] = _U64x2.unpack_from(head)  # type: ignore[index]
+
+    def _on_hash(self, exp: _Expect, head: memoryview) -> None:
+        if head[0] == 1:
+            req = exp.ctx
+            from rpcguard.protocol.tensor import tensor_region_bytes
+
+            self.stats.upload_bytes_hash_hit += tensor_region_bytes(req)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------------------- refusals
+    def refusal_answer(self, reason: str) -> bytes:
+        """The HELLO reply that refuses this session: version 0.0.N, N = the refusal code."""
+        code = REFUSAL_CODES.get(reason, REFUSAL_CODES["refused"])
+        new_layout = self.hello_request_len != 0
+        return encode.hello_response((0, 0, code), new_layout=new_layout)
+
+    def _vtext(self) -> str:
+        return "protocol " + format_version(self.version) if self.version else "this session"
+
+
+def _name(cmd: int) -> str:
+    return COMMAND_NAMES[cmd] if cmd < len(COMMAND_NAMES) else f"command {cmd}"

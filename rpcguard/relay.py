@@ -1,0 +1,510 @@
+"""The only module that touches transports: one ``Link`` per proxied connection.
+
+How this works: a listener accepts a TCP connection and creates a ``Link``. The link owns two
+``Endpoint`` protocols (the client side and the upstream side) and one sans-IO ``Session``.
+
+* ``serve``: the accepted socket is paused at once, then upgraded with ``loop.start_tls``
+  (server side, client certificate required) so a failed handshake raises here, where it is
+  classified and counted; the verified certificate goes through the ACL; then the upstream
+  slot is taken (the real server serves one client at a time) and a plain TCP connection is
+  opened to the loopback ``ggml-rpc-server``.
+* ``connect``: the accepted loopback socket reads at once; a TLS connection to the node is
+  opened with the node's expected name.
+
+Bytes read on one side go through ``Session.client_data`` / ``server_data`` and whatever the
+session queued is written to the other side. Endpoints are ``BufferedProtocol``s reading into
+a preallocated buffer (TLS decrypts straight into it); accepted frames are forwarded as
+memoryviews into that buffer, so a payload byte is never copied by Python code. A transport
+may keep a memoryview queued (uvloop does not copy), so when the destination still holds
+unsent data after a write, the source switches to a fresh buffer instead of overwriting.
+Flow control: when the destination's write buffer passes its high-water mark the source
+stops reading until it drains, so memory stays flat whatever the tensor size.
+
+A session refused before it is active (TLS, identity, version, upstream down or busy) is
+answered at HELLO with the refusal version 0.0.N so llama.cpp reports a version mismatch
+instead of a crashed server; a refusal mid-session closes both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rpcguard.errors import Refusal
+from rpcguard.identity import Acl
+from rpcguard.metrics import ListenerTraffic
+from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.versions import format_version
+from rpcguard.tls import classify_handshake_error, peer_identity
+
+__all__ = ["Route", "Limits", "UpstreamSlot", "Link", "READ_BUFFER_BYTES"]
+
+log = logging.getLogger("rpcguard.relay")
+
+# One read lands in this buffer. 256 KiB: large enough that a multi-MB SET_TENSOR costs a few
+# Python calls per MB, small enough that many sessions stay cheap.
+READ_BUFFER_BYTES = 256 * 1024
+# A destination holding more than this unsent stops the source from reading (flow control);
+# with the read buffer this bounds per-session memory to a few MB.
+WRITE_HIGH_WATER_BYTES = 2 * 1024 * 1024
+WRITE_LOW_WATER_BYTES = 512 * 1024
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts (seconds, 0 = off) and caps applied to every link of a route."""
+
+    handshake_timeout_s: float = 10.0
+    hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
+    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
+    max_session_s: float = 0.0
+    max_sessions: int = 64
+    upstream_busy: str = "queue"  # or "refuse"
+    queue_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+
+class UpstreamSlot:
+    """The single-client upstream: at most one session holds it; others queue or are refused."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.waiting = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def acquire(self, limits: Limits) -> None:
+        if self._lock.locked() and limits.upstream_busy == "refuse":
+            raise Refusal("upstream_busy", "the upstream serves another session")
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._lock.acquire(), limits.queue_timeout_s or None)
+        except asyncio.TimeoutError:
+            raise Refusal("upstream_busy", f"still busy after {limits.queue_timeout_s:g} s in the queue") from None
+        finally:
+            self.waiting -= 1
+
+    def release(self) -> None:
+        if self._lock.locked():
+            self._lock.release()
+
+
+@dataclass
+class Route:
+    """One listener (serve) or tunnel (connect) and everything its links share."""
+
+    role: str  # "serve" or "connect"
+    name: str
+    upstream_host: str
+    upstream_port: int
+    policy: SessionPolicy
+    traffic: ListenerTraffic
+    limits: Limits = field(default_factory=Limits)
+    facts: UpstreamFacts = field(default_factory=UpstreamFacts)
+    # serve: context for the TLS server side; connect: context toward the node. Callables, so a
+    # reload swaps them for new links while running links keep theirs.
+    ssl_context: Callable[[], ssl.SSLContext] | None = None
+    acl: Callable[[], Acl] | None = None
+    server_name: str | None = None  # connect: expected name in the node's certificate
+    slot: UpstreamSlot | None = None  # serve: the single upstream client slot
+    links: set = field(default_factory=set)
+    on_session_end: Callable[[dict], None] | None = None  # audit sink
+    draining: bool = False
+
+
+class Endpoint(asyncio.BufferedProtocol):
+    """One side of a link: reads into a reusable buffer and reports to the link."""
+
+    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed")
+
+    def __init__(self, link: Link, is_client: bool) -> None:
+        self.link = link
+        self.is_client = is_client
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray(READ_BUFFER_BYTES)
+        self.view = memoryview(self.buf)
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)  # type: ignore[attr-defined]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.link.data(self, self.view[:nbytes])
+
+    def eof_received(self) -> bool:
+        self.link.eof(self)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.link.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.link.pause_other(self)
+
+    def resume_writing(self) -> None:
+        self.link.resume_other(self)
+
+    def fresh_buffer(self) -> None:
+        """The transport may still reference the old buffer: read into a new one."""
+        self.buf = bytearray(READ_BUFFER_BYTES)
+        self.view = memoryview(self.buf)
+
+
+class Link:
+    """One proxied session: client endpoint, upstream endpoint, session, timers, accounting."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.id = next(_ids)
+        self.peer = "-"
+        self.identity = ""
+        self.session = Session(route.policy, route.facts)
+        self.client = Endpoint(self, True)
+        self.upstream: Endpoint | None = None
+        self.upstream_ready = False
+        self.pending: list[bytes] = []  # client bytes accepted before the upstream was connected
+        self.refusal: Refusal | None = None  # refused before ACTIVE: answer at HELLO
+        self.result = ""
+        self.reason = ""
+        self.t0 = time.monotonic()
+        self.last_activity = self.t0
+        self.frame_started = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._slot_held = False
+        self._done = False
+
+    # ----------------------------------------------------------------------------- set-up
+    async def run(self, sock: socket.socket) -> None:
+        """Serve one accepted socket: TLS (serve), identity, upstream slot, upstream connection."""
+        route = self.route
+        loop = asyncio.get_running_loop()
+        try:
+            peer = sock.getpeername()
+            self.peer = f"{peer[0]}:{peer[1]}"
+        except OSError:
+            pass
+        route.links.add(self)
+        route.traffic.session_started(self.session.stats)
+        self._schedule_check()
+        try:
+            if route.role == "serve":
+                if not await self._accept_tls(loop, sock):
+                    return
+            else:
+                await loop.connect_accepted_socket(lambda: self.client, sock)
+            if len(route.links) > route.limits.max_sessions:
+                raise Refusal("too_many_sessions", f"more than {route.limits.max_sessions} sessions")
+            if route.draining:
+                raise Refusal("shutdown", "rpcguard is shutting down")
+            if self.refusal is not None:
+                return
+            if route.slot is not None:
+                route.traffic.queue_depth = route.slot.waiting + 1
+                try:
+                    await route.slot.acquire(route.limits)
+                finally:
+                    route.traffic.queue_depth = route.slot.waiting
+                self._slot_held = True
+                if self._done:
+                    route.slot.release()
+                    self._slot_held = False
+                    return
+            await self._open_upstream(loop)
+        except Refusal as refusal:
+            self._refuse_early(refusal)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never let one link take the listener down
+            log.exception("link %d: unexpected error during set-up", self.id)
+            self._refuse_early(Refusal("refused", f"internal error: {exc!r}"))
+        finally:
+            if self.client.transport is None:
+                sock.close()
+
+    async def _accept_tls(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+        route = self.route
+        assert route.ssl_context is not None
+        try:
+            await loop.connect_accepted_socket(
+                lambda: self.client,
+                sock,
+                ssl=route.ssl_context(),
+                ssl_handshake_timeout=route.limits.handshake_timeout_s or None,
+            )
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            reason = classify_handshake_error(exc)
+            route.traffic.tls_failure(reason)
+            self._finish("refused", reason, f"TLS handshake failed: {exc}")
+            return False
+        transport = self.client.transport
+        if transport is None or self.client.closed:
+            self._finish("error", "tls_handshake_failed", "connection closed during TLS handshake")
+            return False
+        ident = peer_identity(transport.get_extra_info("ssl_object"))
+        self.identity = ident.label()
+        if route.acl is not None:
+            try:
+                route.acl().authorize(ident)
+            except Refusal as refusal:
+                route.traffic.tls_failure(refusal.reason)
+                self.refusal = refusal  # answered at HELLO, so the client sees why
+        return True
+
+    async def _open_upstream(self, loop: asyncio.AbstractEventLoop) -> None:
+        route = self.route
+        endpoint = Endpoint(self, False)
+        kwargs: dict = {}
+        if route.role == "connect":
+            assert route.ssl_context is not None
+            kwargs = dict(
+                ssl=route.ssl_context(),
+                server_hostname=route.server_name,
+                ssl_handshake_timeout=route.limits.handshake_timeout_s or None,
+            )
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(lambda: endpoint, route.upstream_host, route.upstream_port, **kwargs),
+                (route.limits.connect_timeout_s + route.limits.handshake_timeout_s) or None,
+            )
+        except (ssl.SSLError, ssl.CertificateError) as exc:
+            reason = classify_handshake_error(exc)
+            route.traffic.tls_failure(reason)
+            raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
+                          f"TLS to node {self._upstream_text()} failed ({reason}): {exc}") from None
+        except (OSError, asyncio.TimeoutError) as exc:
+            reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
+            raise Refusal(reason, f"cannot reach {self._upstream_text()}: {exc or 'timeout'}") from None
+        if self._done:
+            endpoint.transport.close()  # type: ignore[union-attr]
+            return
+        self.upstream = endpoint
+        self.upstream_ready = True
+        if self.pending:
+            endpoint.transport.writelines(self.pending)  # type: ignore[union-attr]
+            self.pending.clear()
+
+    def _upstream_text(self) -> str:
+        return f"{self.route.upstream_host}:{self.route.upstream_port}"
+
+    def _refuse_early(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+        if self.session.phase == AWAIT_HELLO_REPLY:
+            self._answer_refusal()  # else: answered once the HELLO arrives
+
+    def _answer_refusal(self) -> None:
+        refusal = self.refusal
+        assert refusal is not None
+        transport = self.client.transport
+        if transport is not None and not self.client.closed:
+            transport.write(self.session.refusal_answer(refusal.reason))
+        self._finish("refused", refusal.reason, refusal.detail)
+
+    # ----------------------------------------------------------------------------- data path
+    def data(self, endpoint: Endpoint, view: memoryview) -> None:
+        if self._done:
+            return
+        now = time.monotonic_ns()
+        session = self.session
+        try:
+            if endpoint.is_client:
+                session.client_data(view, now)
+            else:
+                session.server_data(view, now)
+        except Refusal as refusal:
+            self._refused(refusal)
+            return
+        except Exception:  # a bug must cost one session, never the process
+            log.exception("session %d: internal error while parsing", self.id)
+            self._finish("error", "internal_error", "internal error (logged)")
+            return
+        self.last_activity = now / 1e9
+        if session.violations:
+            self._report_violations()
+        if session.to_server:
+            self._flush_to_server(endpoint)
+        if session.to_client:
+            out = session.to_client
+            transport = self.client.transport
+            if transport is not None and not self.client.closed:
+                transport.writelines(out) if len(out) > 1 else transport.write(out[0])
+                if transport.get_write_buffer_size() and not endpoint.is_client:
+                    endpoint.fresh_buffer()
+            out.clear()
+        if session.node_refusal is not None and not self._done:
+            self.refusal = Refusal(session.node_refusal, "refused by the node")
+            self._finish("refused", "node_refused", f"node refused the session: {session.node_refusal}")
+            return
+        if self.refusal is not None and session.phase == AWAIT_HELLO_REPLY:
+            self._answer_refusal()
+
+    def _flush_to_server(self, source: Endpoint) -> None:
+        out = self.session.to_server
+        if self.refusal is not None:
+            out.clear()  # refused: never forward, just wait to answer HELLO
+            return
+        if not self.upstream_ready:
+            self.pending.extend(bytes(chunk) for chunk in out)
+            out.clear()
+            return
+        transport = self.upstream.transport  # type: ignore[union-attr]
+        transport.writelines(out) if len(out) > 1 else transport.write(out[0])  # type: ignore[union-attr]
+        out.clear()
+        if source.is_client and transport.get_write_buffer_size():  # type: ignore[union-attr]
+            source.fresh_buffer()
+
+    def _refused(self, refusal: Refusal) -> None:
+        if self.session.phase != ACTIVE and self.session.hello_request_len is not None:
+            self.refusal = refusal
+            self._answer_refusal()
+        else:
+            self._finish("refused", refusal.reason, refusal.detail)
+
+    def _report_violations(self) -> None:
+        for v in self.session.violations:
+            self.route.traffic.firewall_violation(v.reason, "monitor")
+            log.warning(
+                "monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
+                self.id, self.route.name, self.identity or "-", v.command, v.reason, v.detail,
+            )
+        self.session.violations.clear()
+
+    def eof(self, endpoint: Endpoint) -> None:
+        self._finish_on_close(endpoint, None)
+
+    def lost(self, endpoint: Endpoint, exc: Exception | None) -> None:
+        self._finish_on_close(endpoint, exc)
+
+    def _finish_on_close(self, endpoint: Endpoint, exc: Exception | None) -> None:
+        if self._done:
+            return
+        if endpoint.is_client:
+            clean = self.session.idle or (self.session.phase == ACTIVE and not self.session.mid_frame)
+            self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
+                         "client closed" + (f": {exc}" if exc else ""))
+        elif self.session.phase == AWAIT_HELLO_REPLY:
+            # The server hung up on the HELLO (e.g. a client of another protocol era).
+            self.refusal = Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
+            self._answer_refusal()
+        else:
+            self._finish("error", "upstream_closed", "upstream closed" + (f": {exc}" if exc else ""))
+
+    def pause_other(self, endpoint: Endpoint) -> None:
+        other = self.upstream if endpoint.is_client else self.client
+        if other is not None and other.transport is not None and not other.closed:
+            other.transport.pause_reading()
+
+    def resume_other(self, endpoint: Endpoint) -> None:
+        other = self.upstream if endpoint.is_client else self.client
+        if other is not None and other.transport is not None and not other.closed:
+            other.transport.resume_reading()
+
+    # ----------------------------------------------------------------------------- timers
+    def _schedule_check(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(1.0, self._check_timers)
+
+    def _check_timers(self) -> None:
+        if self._done:
+            return
+        limits = self.route.limits
+        now = time.monotonic()
+        session = self.session
+        if session.phase != ACTIVE and limits.hello_timeout_s and now - self.t0 > limits.hello_timeout_s + (
+            limits.handshake_timeout_s if self.route.role == "serve" else 0
+        ):
+            if self.refusal is not None and session.hello_request_len is not None:
+                self._answer_refusal()
+            else:
+                self._finish("refused", "hello_timeout", "no HELLO exchange in time")
+            return
+        if session.phase == ACTIVE:
+            quiet = now - self.last_activity
+            if limits.idle_timeout_s and session.idle and quiet > limits.idle_timeout_s:
+                self._finish("refused", "idle_timeout", f"idle for {quiet:.0f} s")
+                return
+            if limits.frame_timeout_s and not session.idle and quiet > limits.frame_timeout_s and session.mid_frame:
+                self._finish("refused", "idle_timeout", f"frame stalled for {quiet:.0f} s")
+                return
+        if limits.max_session_s and now - self.t0 > limits.max_session_s:
+            self._finish("refused", "session_lifetime", f"session older than {limits.max_session_s:g} s")
+            return
+        self._schedule_check()
+
+    # ----------------------------------------------------------------------------- teardown
+    def close_for_shutdown(self) -> None:
+        self._finish("refused", "shutdown", "drain timeout reached")
+
+    def _finish(self, result: str, reason: str, detail: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.result, self.reason = result, reason
+        route = self.route
+        for endpoint in (self.client, self.upstream):
+            if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
+                # close() flushes what is queued (the refusal answer); an error aborts.
+                endpoint.transport.close() if result != "error" or endpoint is self.client else endpoint.transport.abort()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._slot_held and route.slot is not None:
+            route.slot.release()
+            self._slot_held = False
+        route.links.discard(self)
+        if result == "refused" and reason:
+            route.traffic.refusal(reason)
+        if self.session.version is not None:
+            route.traffic.upstream_version = format_version(self.session.version)
+        route.traffic.session_ended(self.session.stats, result)
+        record = self.audit_record()
+        level = logging.INFO if result == "ok" else logging.WARNING
+        log.log(
+            level,
+            "session end id=%d role=%s listener=%s peer=%s identity=%s result=%s reason=%s detail=%s",
+            self.id, route.role, route.name, self.peer, self.identity or "-", result, reason or "-", detail,
+            extra={"audit": record},
+        )
+        if route.on_session_end is not None:
+            route.on_session_end(record)
+
+    def audit_record(self) -> dict:
+        """The per-session audit record (one per session, logged at its end)."""
+        s = self.session
+        return {
+            "event": "session_end",
+            "session": self.id,
+            "role": self.route.role,
+            "listener": self.route.name,
+            "peer": self.peer,
+            "identity": self.identity,
+            "upstream": self._upstream_text(),
+            "version": format_version(s.version) if s.version else None,
+            "duration_s": round(time.monotonic() - self.t0, 6),
+            "result": self.result,
+            "reason": self.reason or None,
+            "alloc_bytes": s.stats.alloc_bytes,
+            "upload_bytes": s.stats.upload_bytes_set,
+            "hash_hit_bytes": s.stats.upload_bytes_hash_hit,
+            "commands": s.stats.per_command(),
+        }

@@ -1,0 +1,292 @@
+"""Runtime wiring: listeners, TLS material and its reload, readiness, graceful drain.
+
+How this works: ``Runtime`` turns a ``Config`` into one ``relay.Route`` per listener (serve)
+or tunnel (connect) and one asyncio server per route. TLS contexts live in ``TlsMaterial``;
+routes reach them through a callable, so a reload (SIGHUP, a timer, or a changed file)
+swaps the contexts and allow-lists for *new* sessions while running sessions keep theirs. A
+reload that fails (bad file, key not matching) is logged and counted and the old material
+stays. ``drain()`` stops accepting, waits for running sessions up to the drain timeout, then
+closes the rest. Nothing here prints or exits: the CLI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+
+from rpcguard import policy as policy_mod
+from rpcguard.certs import cert_not_after
+from rpcguard.config import Config, load_config
+from rpcguard.errors import RpcGuardError
+from rpcguard.identity import Acl
+from rpcguard.metrics import Metrics, start_http
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.relay import Link, Route, UpstreamSlot
+from rpcguard.tls import client_context, server_context
+
+__all__ = ["TlsMaterial", "Runtime"]
+
+log = logging.getLogger("rpcguard.server")
+
+
+class TlsMaterial:
+    """The current certificate, key and CA as SSL contexts; replaced whole on reload."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.role = cfg.role
+        self.tls = cfg.tls
+        self.context: ssl.SSLContext = self._build()
+        self.stamp = self._stamp()
+
+    def _build(self) -> ssl.SSLContext:
+        t = self.tls
+        if self.role == "serve":
+            return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
+        # One client context serves every tunnel: the expected node name is given per connection.
+        return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in (self.tls.cert, self.tls.key, self.tls.ca):
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def changed(self) -> bool:
+        return self._stamp() != self.stamp
+
+    def reload(self, tls_cfg=None) -> None:
+        """Build new contexts; on any error the old ones stay and the error propagates."""
+        old = self.tls
+        if tls_cfg is not None:
+            self.tls = tls_cfg
+        try:
+            context = self._build()
+        except Exception:
+            self.tls = old
+            raise
+        self.context = context
+        self.stamp = self._stamp()
+
+    def expiry(self) -> dict[str, float]:
+        return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
+
+
+@dataclass
+class _Listener:
+    route: Route
+    host: str
+    port: int
+    sock: socket.socket | None = None
+    task: asyncio.Task | None = None
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.sock is not None:
+            self.sock.close()
+
+
+class Runtime:
+    """Everything one ``rpcguard serve`` or ``connect`` process runs."""
+
+    def __init__(self, cfg: Config, metrics: Metrics | None = None, config_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.metrics = metrics or Metrics()
+        self.tls = TlsMaterial(cfg)
+        self.listeners: list[_Listener] = []
+        self._acls: dict[str, Acl] = {}
+        self._http: asyncio.AbstractServer | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.stopping = asyncio.Event()
+        self._record_expiry()
+        limits = policy_mod.limits(cfg.limits)
+        if cfg.role == "serve":
+            slots: dict[tuple[str, int], UpstreamSlot] = {}
+            facts: dict[tuple[str, int], UpstreamFacts] = {}
+            for lc in cfg.listeners:
+                key = (lc.upstream.host, lc.upstream.port)
+                self._acls[lc.name] = policy_mod.acl(lc.allow)
+                route = Route(
+                    role="serve", name=lc.name, upstream_host=lc.upstream.host, upstream_port=lc.upstream.port,
+                    policy=policy_mod.session_policy(lc.policy), limits=limits,
+                    traffic=self.metrics.listener("serve", lc.name, upstream=f"{key[0]}:{key[1]}"),
+                    facts=facts.setdefault(key, UpstreamFacts(f"{key[0]}:{key[1]}")),
+                    ssl_context=lambda: self.tls.context, acl=self._acl_getter(lc.name),
+                    slot=slots.setdefault(key, UpstreamSlot()),
+                )
+                self.listeners.append(_Listener(route, lc.listen.host, lc.listen.port))
+        else:
+            for tc in cfg.tunnels:
+                route = Route(
+                    role="connect", name=tc.name, upstream_host=tc.server.host, upstream_port=tc.server.port,
+                    policy=policy_mod.session_policy(tc.policy), limits=limits,
+                    traffic=self.metrics.listener("connect", tc.name, upstream=f"{tc.server.host}:{tc.server.port}"),
+                    facts=UpstreamFacts(f"{tc.server.host}:{tc.server.port}"),
+                    ssl_context=lambda: self.tls.context, server_name=tc.server_name,
+                )
+                self.listeners.append(_Listener(route, tc.listen.host, tc.listen.port))
+
+    def _acl_getter(self, name: str):
+        return lambda: self._acls[name]
+
+    def _record_expiry(self) -> None:
+        for certificate, when in self.tls.expiry().items():
+            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Bind every listener (and the metrics endpoint); raises OSError on a busy port."""
+        loop = asyncio.get_running_loop()
+        try:
+            for lst in self.listeners:
+                route = lst.route
+                family = socket.AF_INET6 if ":" in lst.host else socket.AF_INET
+                lst.sock = socket.create_server((lst.host, lst.port), family=family, backlog=128, reuse_port=False)
+                lst.sock.setblocking(False)
+                lst.port = lst.sock.getsockname()[1]
+                lst.task = loop.create_task(_accept_loop(route, lst.sock))
+                log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, lst.host, lst.port,
+                         route.upstream_host, route.upstream_port)
+            if self.cfg.metrics.listen is not None:
+                m = self.cfg.metrics.listen
+                self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready)
+                log.info("metrics on http://%s:%d/metrics", m.host, self._http.sockets[0].getsockname()[1])
+        except BaseException:
+            await self.close()
+            raise
+        if self.cfg.tls.reload_interval_s:
+            self._tasks.append(loop.create_task(self._watch_files(self.cfg.tls.reload_interval_s)))
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._http.sockets[0].getsockname()[1] if self._http else None
+
+    def install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload("SIGHUP")))
+        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        loop.add_signal_handler(signal.SIGINT, self.stopping.set)
+
+    async def reload(self, why: str) -> bool:
+        """Reload TLS material and allow-lists; keep the old ones if anything is wrong."""
+        try:
+            new_cfg = load_config(self.config_path, self.cfg.role) if self.config_path else None
+            self.tls.reload(new_cfg.tls if new_cfg else None)
+            if new_cfg is not None and self.cfg.role == "serve":
+                for lc in new_cfg.listeners:
+                    if lc.name in self._acls:
+                        self._acls[lc.name] = policy_mod.acl(lc.allow)
+            self._record_expiry()
+        except (RpcGuardError, OSError, ValueError, ssl.SSLError) as exc:
+            self.metrics.reload("error")
+            log.error("reload (%s) failed, keeping the previous certificates: %s", why, exc)
+            return False
+        self.metrics.reload("ok")
+        log.info("reloaded certificates and allow-lists (%s)", why)
+        return True
+
+    async def _watch_files(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if self.tls.changed():
+                await self.reload("file change")
+
+    async def ready(self) -> tuple[bool, str]:
+        """/readyz: certificates valid and every upstream reachable (without stealing a busy slot)."""
+        now = time.time()
+        try:
+            expiry = self.tls.expiry()
+        except Exception as exc:  # unreadable file after a bad rotation
+            return False, f"certificate unreadable: {exc}"
+        for name, when in expiry.items():
+            if when <= now:
+                return False, f"{name} certificate expired"
+        lines = []
+        for lst in self.listeners:
+            route = lst.route
+            if route.role != "serve":
+                lines.append(f"{route.name}: listening")
+                continue
+            if route.slot is not None and route.slot.busy:
+                lines.append(f"{route.name}: upstream in use by a session")
+                continue
+            ok = await _probe_tcp(route.upstream_host, route.upstream_port, route.slot)
+            if not ok:
+                return False, f"{route.name}: upstream {route.upstream_host}:{route.upstream_port} unreachable"
+            lines.append(f"{route.name}: upstream reachable")
+        return True, "; ".join(lines)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop accepting, let sessions finish up to ``timeout_s``, close the rest; returns how many were cut."""
+        for lst in self.listeners:
+            lst.route.draining = True
+            lst.close()
+        deadline = time.monotonic() + timeout_s
+        while any(lst.route.links for lst in self.listeners) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut = 0
+        for lst in self.listeners:
+            for link in list(lst.route.links):
+                link.close_for_shutdown()
+                cut += 1
+        await self.close()
+        return cut
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for lst in self.listeners:
+            lst.close()
+        if self._http is not None:
+            self._http.close()
+        await asyncio.sleep(0)
+
+
+async def _accept_loop(route: Route, sock: socket.socket) -> None:
+    """Accept connections for one route; each runs as its own link task."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(sock)
+        except asyncio.CancelledError:
+            raise
+        except OSError as exc:  # EMFILE and friends: back off instead of spinning
+            log.error("%s %s: accept failed: %s", route.role, route.name, exc)
+            await asyncio.sleep(0.1)
+            continue
+        conn.setblocking(False)
+        link = Link(route)
+        task = loop.create_task(link.run(conn))
+        _LINK_TASKS.add(task)
+        task.add_done_callback(_LINK_TASKS.discard)
+
+
+_LINK_TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+async def _probe_tcp(host: str, port: int, slot: UpstreamSlot | None) -> bool:
+    """Connect and hang up, holding the upstream slot so no session races the probe."""
+    if slot is not None:
+        if slot.busy:
+            return True
+        await slot._lock.acquire()
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+        writer.close()
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    finally:
+        if slot is not None:
+            slot.release()
