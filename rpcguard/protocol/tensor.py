@@ -1,0 +1,192 @@
+"""rpc_tensor decoding, exact ggml_nbytes, and the per-tensor firewall rules.
+
+How this works: ``decode_tensor`` turns 296 wire bytes into a flat ``RpcTensor`` tuple with one
+``TENSOR_STRUCT.unpack_from`` call. ``nbytes`` is ggml's ``ggml_nbytes`` in exact Python ints
+(the server computes it in wrapping 64-bit arithmetic, spec §3.1). ``check_tensor`` applies the
+"every T" row of spec §6.2 and returns the tensor's nbytes for the command-level range checks;
+which rule groups run is a small bit mask (``CHECK_*``) the firewall derives from its policy.
+
+Rules (reason strings are stable, see docs/design.md):
+  * ``tensor_type_invalid``       type unknown to that version or a removed type (blck_size 0)
+  * ``tensor_shape_invalid``      ne[0] not a multiple of the block size (#25288), or more
+                                  elements than ggml_new_tensor accepts (int64, a server abort)
+  * ``tensor_nbytes_overflow``    exact nbytes >= 2^63
+  * ``tensor_flags_invalid``      flag bits above bit 4
+  * ``tensor_name_unterminated``  no NUL inside the 64 name bytes
+  * ``tensor_data_without_buffer`` buffer == 0 but data != 0 (CVE-2026-34159)
+  * ``buffer_unknown``            non-zero buffer that is not a live handle of this session
+  * ``tensor_out_of_buffer``      data range not inside the buffer, or the buffer base unknown
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Mapping
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.encode import TENSOR_STRUCT
+from rpcguard.protocol.ggml import TYPES, TypeInfo, types_for
+from rpcguard.protocol.state import SessionState
+from rpcguard.protocol.versions import TENSOR_BYTES, Version
+
+__all__ = [
+    "RpcTensor",
+    "decode_tensor",
+    "nbytes",
+    "check_tensor",
+    "types_of",
+    "CHECK_TENSOR",
+    "CHECK_BUFFER",
+    "FOREIGN_BUFFER_OK",
+    "STRICT",
+    "NBYTES_LIMIT",
+    "FLAGS_MASK",
+    "TENSOR_CACHE_MAX",
+]
+
+# Rule groups for check_tensor (bit mask).
+CHECK_TENSOR = 1  # type, shape, nbytes, flags, name
+CHECK_BUFFER = 2  # buffer/data consistency and the data range inside the buffer
+# GET_ALLOC_SIZE only: the server treats an unknown handle as "no buffer" and never touches the
+# data there, and the 7.0.0 client serialises srcs living on *another* RPC server with that
+# server's handle, so an unknown handle is not refused for it (known handles are range-checked).
+FOREIGN_BUFFER_OK = 4
+STRICT = CHECK_TENSOR | CHECK_BUFFER
+
+NBYTES_LIMIT = 1 << 63  # the server's size_t arithmetic wraps; anything this large is a lie
+INT64_MAX = (1 << 63) - 1  # ggml_new_tensor_impl asserts the element count fits in int64_t
+FLAGS_MASK = 0x1F  # INPUT, OUTPUT, PARAM, LOSS, COMPUTE; other bits are undefined (spec §3.1)
+# Validated tensors are remembered by their 296 raw bytes (SessionState.tensor_cache). A graph's
+# weight tensors repeat every token; node ids change when shapes change, so the cache is bounded:
+# 65536 entries is about 30 MB, several times the tensors of one large-model graph.
+TENSOR_CACHE_MAX = 1 << 16
+
+_FIELDS = (
+    ["id", "type", "buffer", "ne0", "ne1", "ne2", "ne3", "nb0", "nb1", "nb2", "nb3", "op"]
+    + [f"param{i}" for i in range(16)]
+    + ["flags"]
+    + [f"src{i}" for i in range(10)]
+    + ["view_src", "view_offs", "data", "name", "use_count"]
+)
+_Base = namedtuple("_Base", _FIELDS)  # type: ignore[misc]
+
+
+class RpcTensor(_Base):
+    """One decoded ``rpc_tensor`` (spec §3.1); fields flat, in wire order, ``name`` is 64 raw bytes."""
+
+    __slots__ = ()
+
+    @property
+    def ne(self) -> tuple[int, int, int, int]:
+        return self[3:7]  # type: ignore[return-value]
+
+    @property
+    def nb(self) -> tuple[int, int, int, int]:
+        return self[7:11]  # type: ignore[return-value]
+
+    @property
+    def op_params(self) -> tuple[int, ...]:
+        return self[12:28]
+
+    @property
+    def src(self) -> tuple[int, ...]:
+        return self[29:39]
+
+
+_make = RpcTensor._make
+_unpack_from = TENSOR_STRUCT.unpack_from
+assert len(_FIELDS) == len(TENSOR_STRUCT.unpack(bytes(TENSOR_BYTES)))
+
+
+def decode_tensor(buf: memoryview | bytes, offset: int = 0) -> RpcTensor:
+    """The ``rpc_tensor`` at ``offset`` of ``buf`` (caller guarantees 296 bytes are there)."""
+    return _make(_unpack_from(buf, offset))
+
+
+def nbytes(t: RpcTensor, info: TypeInfo) -> int:
+    """``ggml_nbytes`` in exact integers: 0 if any ne is 0 (strides of size-1 dims never count)."""
+    ne0, ne1, ne2, ne3 = t.ne0, t.ne1, t.ne2, t.ne3
+    if not (ne0 and ne1 and ne2 and ne3):
+        return 0
+    blck = info.blck_size
+    if blck == 1:
+        n = info.type_size + (ne0 - 1) * t.nb0
+    else:
+        n = ne0 * t.nb0 // blck
+    return n + (ne1 - 1) * t.nb1 + (ne2 - 1) * t.nb2 + (ne3 - 1) * t.nb3
+
+
+_TYPES_BY_VERSION: dict[Version | None, Mapping[int, TypeInfo]] = {}
+
+
+def types_of(version: Version | None) -> Mapping[int, TypeInfo]:
+    """Valid types of ``version``: ids below its GGML_TYPE_COUNT when that was read, else all known.
+
+    New types never bump the protocol version (spec §6.3), so for a version whose type enum was not
+    read, every type known to any version is accepted; its server rejects the rest itself.
+    """
+    table = _TYPES_BY_VERSION.get(version)
+    if table is None:
+        table = (types_for(version) if version is not None else None) or TYPES
+        _TYPES_BY_VERSION[version] = table
+    return table
+
+
+def _refuse(reason: str, t: RpcTensor, what: str) -> FirewallRefusal:
+    return FirewallRefusal(reason, f"tensor id={t.id:#x}: {what}")
+
+
+def check_tensor(t: RpcTensor, state: SessionState, checks: int = STRICT) -> int:
+    """Apply the per-tensor rules (spec §6.2 "every T") and return ``nbytes(t)``.
+
+    Raises ``FirewallRefusal``. With ``CHECK_TENSOR`` off, a tensor whose type has no size
+    information counts as 0 bytes (nothing to range-check).
+    """
+    spec = state.spec
+    info = types_of(spec.version if spec is not None else None).get(t.type)
+    if info is None:
+        if checks & CHECK_TENSOR:
+            raise _refuse("tensor_type_invalid", t, f"type {t.type} is not a valid ggml type here")
+        return 0
+    n = nbytes(t, info)
+    if checks & CHECK_TENSOR:
+        ne0 = t.ne0
+        if ne0 % info.blck_size:
+            raise _refuse(
+                "tensor_shape_invalid", t, f"ne[0]={ne0} not a multiple of block size {info.blck_size} ({info.name})"
+            )
+        # ggml_new_tensor_impl: GGML_ASSERT(INT64_MAX / ne[i] > current) for each ne[i] > 1.
+        cur = ne0
+        for ne in (t.ne1, t.ne2, t.ne3):
+            if ne > 1:
+                if INT64_MAX // ne <= cur:
+                    raise _refuse("tensor_shape_invalid", t, "element count does not fit in int64")
+                cur *= ne
+        if n >= NBYTES_LIMIT:
+            raise _refuse("tensor_nbytes_overflow", t, f"nbytes {n} >= 2^63")
+        if t.flags & ~FLAGS_MASK:
+            raise _refuse("tensor_flags_invalid", t, f"flags {t.flags:#x} has bits above {FLAGS_MASK:#x}")
+        if b"\0" not in t.name:
+            raise _refuse("tensor_name_unterminated", t, "no NUL in the 64 name bytes")
+    if checks & CHECK_BUFFER:
+        handle = t.buffer
+        if handle == 0:
+            if t.data != 0:
+                raise _refuse("tensor_data_without_buffer", t, f"buffer=0 but data={t.data:#x}")
+            return n
+        buf = state.buffers.get(handle)
+        if buf is None:
+            if checks & FOREIGN_BUFFER_OK:
+                return n
+            raise _refuse("buffer_unknown", t, f"buffer {handle:#x} is not a live buffer of this session")
+        base = buf.base
+        if base is None:
+            raise _refuse("tensor_out_of_buffer", t, f"base of buffer {handle:#x} unknown (no BUFFER_GET_BASE yet)")
+        data = t.data
+        if data < base or data + n > base + buf.size:
+            raise _refuse(
+                "tensor_out_of_buffer",
+                t,
+                f"data [{data:#x}, +{n}) outside buffer {handle:#x} [{base:#x}, +{buf.size})",
+            )
+    return n
