@@ -405,8 +405,20 @@ class Link:
             self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
                          "client closed" + (f": {exc}" if exc else ""))
         elif self.session.phase == AWAIT_HELLO_REPLY:
-            # The server hung up on the HELLO (e.g. a client of another protocol era).
-            self.refusal = Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
+            if isinstance(exc, ssl.SSLError):
+                # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
+                reason = classify_handshake_error(exc)
+                self.route.traffic.tls_failure(reason)
+                self.refusal = Refusal("tls_failed", f"the node refused the TLS session ({reason}): {exc}")
+            elif self.route.role == "connect":
+                # A node's rpcguard answers every HELLO, refusals included: a bare close means
+                # its TLS layer dropped us after the handshake (certificate refused).
+                self.route.traffic.tls_failure("tls_handshake_failed")
+                self.refusal = Refusal("tls_failed", "the node closed the TLS session before answering HELLO: "
+                                       "its rpcguard refused this certificate (see the node's log)")
+            else:
+                # The server hung up on the HELLO (e.g. a client of another protocol era).
+                self.refusal = Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
             self._answer_refusal()
         else:
             self._finish("error", "upstream_closed", "upstream closed" + (f": {exc}" if exc else ""))

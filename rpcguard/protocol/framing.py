@@ -4,12 +4,13 @@ How this works: a ggml-rpc frame is a fixed header (``cmd:u8 len:u64`` for reque
 ``len:u64`` for responses) and ``len`` payload bytes. The owner of a ``FrameReader`` decides,
 per frame, how many payload bytes form the *head* (the part that must be seen whole and
 validated before any byte of the frame is forwarded) and how many form the *body* (streamed
-through untouched). ``feed()`` turns arbitrary chunks of the byte stream into two kinds of
-events:
+through untouched). ``feed()`` turns arbitrary chunks of the byte stream into two callbacks,
+made in stream order and before the next frame is planned (so a frame can change the rules
+for the one after it, as HELLO does):
 
-* ``(FRAME, header, head, raw)``: the header fields, the head as a memoryview, and ``raw``,
+* ``on_frame(header, head, raw)``: the header fields, the head as a memoryview, and ``raw``,
   the header and head bytes exactly as received (what to forward unless rewritten).
-* ``(BODY, chunk)``: a slice of the body, a memoryview into the caller's buffer.
+* ``on_body(chunk)``: a slice of the body, a memoryview into the caller's buffer.
 
 When a header and head arrive in one chunk, the views point into that chunk: no copy. Only
 a head split across reads is copied into a small reassembly buffer, bounded by what
@@ -22,24 +23,26 @@ from __future__ import annotations
 import struct
 from typing import Callable
 
-__all__ = ["FRAME", "BODY", "FrameReader"]
-
-FRAME = 0
-BODY = 1
+__all__ = ["FrameReader"]
 
 # plan(header fields) -> (head_len, body_len); raises a Refusal to reject the frame.
 Plan = Callable[[tuple], tuple[int, int]]
+OnFrame = Callable[[tuple, memoryview, memoryview], None]
+OnBody = Callable[[memoryview], None]
 
 
 class FrameReader:
     """Splits a byte stream into frames; see the module docstring."""
 
-    __slots__ = ("_header", "_hsize", "_plan", "_buf", "_need", "_parsed", "_body", "_body_after")
+    __slots__ = ("_header", "_hsize", "_plan", "_on_frame", "_on_body", "_buf", "_need", "_parsed", "_body",
+                 "_body_after")
 
-    def __init__(self, header: struct.Struct, plan: Plan) -> None:
+    def __init__(self, header: struct.Struct, plan: Plan, on_frame: OnFrame, on_body: OnBody) -> None:
         self._header = header
         self._hsize = header.size
         self._plan = plan
+        self._on_frame = on_frame
+        self._on_body = on_body
         self._buf = bytearray()  # reassembly of a header/head split across reads
         self._need = header.size  # bytes the reassembly buffer must reach
         self._parsed: tuple | None = None  # header fields once the header is complete
@@ -55,17 +58,16 @@ class FrameReader:
     def body_remaining(self) -> int:
         return self._body
 
-    def feed(self, data: memoryview) -> list[tuple]:
-        """Consume ``data`` whole; return the events it completes, in order."""
-        out: list[tuple] = []
+    def feed(self, data: memoryview) -> None:
+        """Consume ``data`` whole, calling back for every frame head and body slice it completes."""
         pos = 0
         n = len(data)
         hsize = self._hsize
         while pos < n:
             if self._body:
                 take = min(self._body, n - pos)
-                out.append((BODY, data[pos : pos + take]))
                 self._body -= take
+                self._on_body(data[pos : pos + take])
                 pos += take
                 continue
             if not self._buf and self._parsed is None and n - pos >= hsize:
@@ -74,8 +76,8 @@ class FrameReader:
                 head_len, body_len = self._plan(fields)
                 end = pos + hsize + head_len
                 if end <= n:
-                    out.append((FRAME, fields, data[pos + hsize : end], data[pos:end]))
                     self._body = body_len
+                    self._on_frame(fields, data[pos + hsize : end], data[pos:end])
                     pos = end
                     continue
                 # Head split across reads: keep what we have and wait for the rest.
@@ -83,7 +85,7 @@ class FrameReader:
                 self._body_after = body_len
                 self._need = hsize + head_len
                 self._buf += data[pos:]
-                return out
+                return
             # Slow path: reassemble the header and/or head.
             take = min(self._need - len(self._buf), n - pos)
             self._buf += data[pos : pos + take]
@@ -99,9 +101,9 @@ class FrameReader:
                 if len(self._buf) < self._need:
                     continue
             raw = memoryview(bytes(self._buf))
-            out.append((FRAME, self._parsed, raw[hsize:], raw))
+            fields = self._parsed
             self._body = self._body_after
             self._buf.clear()
             self._parsed = None
             self._need = hsize
-        return out
+            self._on_frame(fields, raw[hsize:], raw)

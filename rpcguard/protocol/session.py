@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.firewall import Firewall, FirewallPolicy
-from rpcguard.protocol.framing import BODY, FrameReader
+from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import (
@@ -123,8 +123,8 @@ class Session:
         self.to_client: list = []
         self._enforce = self.policy.mode == "enforce"
         self._expect: deque[_Expect] = deque()
-        self._req = FrameReader(_REQ_HEADER, self._plan_request)
-        self._rsp = FrameReader(_RSP_HEADER, self._plan_response)
+        self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
+        self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
         self._handlers = {
             _CMD["ALLOC_BUFFER"]: self._on_alloc,
@@ -155,12 +155,7 @@ class Session:
     def client_data(self, data: memoryview, now_ns: int = 0) -> None:
         """Bytes from the client; accepted frames go to ``to_server``."""
         self._now = now_ns
-        out = self.to_server
-        for ev in self._req.feed(data):
-            if ev[0] == BODY:
-                out.append(ev[1])
-            else:
-                self._on_request(ev[1][0], ev[2], ev[3], out)
+        self._req.feed(data)
 
     def _plan_request(self, header: tuple) -> tuple[int, int]:
         cmd, length = header
@@ -203,7 +198,9 @@ class Session:
             raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self.policy.max_graph_bytes}")
         return length, 0
 
-    def _on_request(self, cmd: int, head: memoryview, raw: memoryview, out: list) -> None:
+    def _on_request(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+        cmd = header[0]
+        out = self.to_server
         if cmd == HELLO:
             self._on_hello_request(head, raw, out)
             return
@@ -261,12 +258,7 @@ class Session:
     def server_data(self, data: memoryview, now_ns: int = 0) -> None:
         """Bytes from the server; accepted frames go to ``to_client``."""
         self._now = now_ns
-        out = self.to_client
-        for ev in self._rsp.feed(data):
-            if ev[0] == BODY:
-                out.append(ev[1])
-            else:
-                self._on_response(ev[2], ev[3], out)
+        self._rsp.feed(data)
 
     def _plan_response(self, header: tuple) -> tuple[int, int]:
         length = header[0]
@@ -284,7 +276,8 @@ class Session:
             stats.observe_latency(exp.cmd, self._now - exp.t_ns)
         return (0, length) if exp.streamed else (length, 0)
 
-    def _on_response(self, head: memoryview, raw: memoryview, out: list) -> None:
+    def _on_response(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+        out = self.to_client
         exp = self._expect.popleft()
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)

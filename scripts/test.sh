@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up everything the tests need (venv, real llama.cpp peers, promtool, Prometheus) and run them.
+# Usage: scripts/test.sh [pytest args]     e.g. scripts/test.sh tests/unit -q
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+bash "$ROOT/.ci/install-ops-tools.sh" >&2
+# The version matrix CI runs (newest, 5.0.0, 3.6.1); each older build ~5 min the first time.
+export RPCGUARD_MATRIX="${RPCGUARD_MATRIX:-7.0.0,5.0.0,3.6.1}"
+if [ -f "$ROOT/tests/realpeer/matrix.sh" ]; then
+  say "real llama.cpp peers for protocol versions $RPCGUARD_MATRIX"
+  bash "$ROOT/tests/realpeer/matrix.sh" ${RPCGUARD_MATRIX//,/ } >&2
+fi
+say "running the tests"
+exec "$PY" -m pytest "${@:-tests}"

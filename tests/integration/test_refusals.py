@@ -1,0 +1,197 @@
+"""Every refusal of issue 2, against the real server and client: refused, counted with its
+reason, and the proxy keeps serving a real llama.cpp session afterwards.
+
+Refusals before or at HELLO must reach llama.cpp as a version mismatch (0.0.N), never as
+"Remote RPC server crashed".
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import ssl
+
+import pytest
+
+from rpcguard import certs
+from rpcguard.protocol import encode
+from rpcguard.protocol.versions import REFUSAL_CODES
+from tests.support import realpeer
+from tests.support.guard import start_guard
+
+
+def mismatch(run: realpeer.ClientRun, reason: str) -> None:
+    """The real client was refused at HELLO with the 0.0.N answer of ``reason``."""
+    assert not run.ok
+    assert f"RPC server version mismatch: 0.0.{REFUSAL_CODES[reason]}" in run.output, run.output[-3000:]
+    assert "crashed" not in run.output
+
+
+def still_serves(connect, models) -> None:
+    run = realpeer.run_client(connect.endpoint, models["tiny"], n=4)
+    assert run.ok, run.output[-3000:]
+
+
+def tls_client(pki, cert=None, key=None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(pki.path("ca"))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def raw_tls(pki, port, *steps: bytes, cert=None, key=None) -> bytes:
+    """Speak to serve over mTLS like a client that waits for answers: send each step, read what
+    comes back (HELLO's 36-byte answer after the first), until the server closes."""
+    ctx = tls_client(pki, cert or pki.path(pki.client), key or pki.path(pki.client, "key"))
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=pki.node) as s:
+            try:
+                for i, frames in enumerate(steps):
+                    s.sendall(frames)
+                    want = len(got) + (36 if i == 0 and frames[:1] == b"\x0e" else 1 << 20)
+                    while len(got) < want and (chunk := s.recv(65536)):
+                        got += chunk
+                    if not chunk:
+                        break
+            except (ssl.SSLError, ConnectionError):
+                pass
+    return got
+
+
+def test_no_client_certificate(pki, pair, models):
+    connect, serve = pair()
+    assert _no_cert(pki, serve.port) == b""
+    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_no_client_cert") == 1
+    still_serves(connect, models)
+
+
+def _no_cert(pki, port):
+    ctx = tls_client(pki)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=pki.node) as s:
+            try:
+                s.sendall(encode.hello_request())
+                return s.recv(100)  # TLS 1.3: the refusal shows on the first read (alert or close)
+            except (ssl.SSLError, ConnectionError):
+                return b""
+
+
+@pytest.mark.parametrize("case", ["other_ca", "expired"])
+def test_bad_client_certificate_reaches_llama_as_version_mismatch(pki, pair, models, workdir, case):
+    connect, serve = pair()
+    if case == "other_ca":
+        certs.init_ca(workdir / "other", force=True)
+        files = certs.issue(workdir / "other", "mallory", server=False)
+        reason = "tls_unknown_ca"
+    else:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        files = certs.issue(pki.dir, "expired", server=False, force=True,
+                            not_before=now - datetime.timedelta(hours=2), not_after=now - datetime.timedelta(hours=1))
+        reason = "tls_cert_expired"
+    bad = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                           *pki.connect_args(str(files.cert), str(files.key))])
+    try:
+        run = realpeer.run_client(bad.endpoint, models["tiny"], n=4)
+        mismatch(run, "tls_failed")
+        assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason=reason) >= 1
+        assert bad.value("rpcguard_refusals_total", reason="tls_failed") >= 1
+    finally:
+        bad.stop()
+    still_serves(connect, models)
+
+
+def test_identity_not_on_allow_list(pki, pair, models, workdir):
+    _, serve = pair(serve_args=["--allow-cn", "someone-else"])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
+    try:
+        run = realpeer.run_client(connect.endpoint, models["tiny"], n=4)
+        mismatch(run, "identity_not_allowed")
+        assert serve.value("rpcguard_refusals_total", reason="identity_not_allowed") >= 1
+        assert "identity_not_allowed" in serve.output() and "CN=client1" in serve.output()
+    finally:
+        connect.stop()
+
+
+def test_allowed_identity_by_uri_san(pki, pair, models):
+    cert, key = pki.issue("spiffe-client", server=False, uris=["spiffe://lab/llama/a"])
+    connect, serve = pair(serve_args=["--allow-uri", "spiffe://lab/llama/*"])
+    # the pair's connect presents client1 (no URI SAN): refused; a URI-SAN client is allowed
+    mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "identity_not_allowed")
+    got = raw_tls(pki, serve.port, encode.hello_request(), cert=cert, key=key)
+    assert got[:8] == (28).to_bytes(8, "little") and got[8:11] == bytes([7, 0, 0])
+
+
+def test_plain_tcp_to_the_tls_port(pair, models):
+    connect, serve = pair()
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=10) as s:
+        s.sendall(encode.hello_request())
+        s.settimeout(10)
+        try:
+            s.recv(100)  # whatever comes back (a TLS alert or nothing), the connection ends
+        except ConnectionError:
+            pass
+    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_not_tls") >= 1
+    still_serves(connect, models)
+
+
+def test_first_frame_not_hello(pki, pair, models):
+    connect, serve = pair()
+    assert raw_tls(pki, serve.port, encode.request("DEVICE_COUNT")) == b""
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="first_frame_not_hello") == 1
+    with socket.create_connection(("127.0.0.1", connect.port), timeout=10) as s:
+        s.sendall(encode.request("ALLOC_BUFFER", bytes(12)))
+        assert s.recv(100) == b""
+    assert connect.wait_value("rpcguard_refusals_total", 1, reason="first_frame_not_hello") == 1
+    still_serves(connect, models)
+
+
+def test_disallowed_command(pki, pair, models, workdir):
+    cfg = workdir / "serve.yaml"
+    cfg.write_text("policy:\n  allow_commands: ['@handshake', '@query']\n")
+    connect, serve = pair(serve_args=["--config", str(cfg)])
+    got = raw_tls(pki, serve.port, encode.hello_request(),
+                  encode.request("ALLOC_BUFFER", bytes(4) + (1 << 20).to_bytes(8, "little")))
+    assert got[8:11] == bytes([7, 0, 0]) and len(got) == 36  # HELLO answered, then closed
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="command_not_allowed") == 1
+    # a real llama.cpp session needs ALLOC_BUFFER: it is cut, the proxy stays up
+    run = realpeer.run_client(connect.endpoint, models["tiny"], n=2)
+    assert not run.ok
+    assert serve.value("rpcguard_refusals_total", reason="command_not_allowed") >= 2
+    assert serve.proc.alive() and connect.proc.alive()
+
+
+def test_server_version_not_accepted(pki, pair, models, workdir):
+    cfg = workdir / "serve.yaml"
+    cfg.write_text("policy:\n  accepted_versions: ['5.0.0']\n")
+    connect, serve = pair(serve_args=["--config", str(cfg)])
+    mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "version_not_accepted")
+    assert serve.value("rpcguard_refusals_total", reason="version_not_accepted") >= 1
+    assert "7.0.0" in serve.output() and "not on the accepted list" in serve.output()
+    assert connect.value("rpcguard_refusals_total", reason="node_refused") >= 1
+
+
+def test_upstream_down(pki, pair, models, workdir):
+    dead = realpeer.free_port()
+    connect, serve = pair(upstream_port=dead)
+    mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "upstream_unavailable")
+    assert serve.value("rpcguard_refusals_total", reason="upstream_unavailable") >= 1
+    # the server comes up: the same proxies serve the next session
+    proc, _ = realpeer.start_rpc_server(workdir, port=dead)
+    try:
+        still_serves(connect, models)
+    finally:
+        proc.stop()
+
+
+def test_connect_node_unreachable(pki, models, workdir):
+    connect = start_guard("connect", workdir, ["--server", f"127.0.0.1:{realpeer.free_port()}",
+                                               "--server-name", pki.node, *pki.connect_args()])
+    try:
+        mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "node_unreachable")
+        assert connect.value("rpcguard_refusals_total", reason="node_unreachable") >= 1
+    finally:
+        connect.stop()

@@ -1,0 +1,110 @@
+"""Run rpcguard itself as a real process (python -m rpcguard) and read its metrics."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rpcguard import certs
+from tests.support.realpeer import PYTHON, Proc, free_port, start, wait_port
+
+
+@dataclass
+class Pki:
+    """A private CA with a node (server) and a client certificate, minted per test session."""
+
+    dir: Path
+    node: str = "node1"
+    client: str = "client1"
+
+    def __post_init__(self) -> None:
+        certs.init_ca(self.dir, force=True)
+        certs.issue(self.dir, self.node, server=True, dns=[self.node], ips=["127.0.0.1"], force=True)
+        certs.issue(self.dir, self.client, server=False, force=True)
+
+    def path(self, name: str, ext: str = "pem") -> str:
+        return str(self.dir / f"{name}.{ext}")
+
+    def issue(self, name: str, **kw) -> tuple[str, str]:
+        files = certs.issue(self.dir, name, force=True, **kw)
+        return str(files.cert), str(files.key)
+
+    def serve_args(self) -> list[str]:
+        return ["--cert", self.path(self.node), "--key", self.path(self.node, "key"), "--ca", self.path("ca")]
+
+    def connect_args(self, cert: str | None = None, key: str | None = None, ca: str | None = None) -> list[str]:
+        return ["--cert", cert or self.path(self.client), "--key", key or self.path(self.client, "key"),
+                "--ca", ca or self.path("ca")]
+
+
+@dataclass
+class Guard:
+    """A running rpcguard serve/connect process."""
+
+    proc: Proc
+    port: int
+    metrics_port: int
+    role: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as rsp:
+            return rsp.read().decode()
+
+    def samples(self, name: str) -> list:
+        out = []
+        for fam in text_string_to_metric_families(self.metrics_text()):
+            out.extend(s for s in fam.samples if s.name == name)
+        return out
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+        return sum(s.value for s in self.samples(name) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def wait_value(self, name: str, minimum: float, timeout: float = 10.0, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            v = self.value(name, **labels)
+            if v >= minimum or time.monotonic() > deadline:
+                return v
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        return self.proc.output()
+
+    def stop(self, **kw) -> int:
+        return self.proc.stop(**kw)
+
+
+def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None = None,
+                env: dict | None = None, ready: bool = True) -> Guard:
+    """Start ``rpcguard ROLE ARGS --listen 127.0.0.1:PORT --metrics 127.0.0.1:MPORT`` and wait for it."""
+    port = port or free_port()
+    mport = free_port()
+    cmd = [PYTHON, "-m", "rpcguard", role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}",
+           *args]
+    if role == "connect" and "--no-check" not in args:
+        cmd.append("--no-check")
+    proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}", env)
+    if ready:
+        wait_for_line(proc, "RPCGUARD_READY")
+        wait_port(port)
+    return Guard(proc, port, mport, role)
+
+
+def wait_for_line(proc: Proc, text: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.output():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.output()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name} did not print {text!r}:\n{proc.output()}")
+        time.sleep(0.02)

@@ -1,0 +1,210 @@
+"""Session: HELLO rules, the response FIFO, state learning, refusals; vectors whole/bytewise/trailing."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpcguard.errors import PolicyRefusal, ProtocolRefusal, Refusal
+from rpcguard.protocol import encode
+from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
+from rpcguard.protocol.state import UpstreamFacts
+from tests.support import vectors as V
+
+
+def out(chunks) -> bytes:
+    data = b"".join(bytes(c) for c in chunks)
+    chunks.clear()
+    return data
+
+
+def feed(fn, data: bytes, how: str) -> None:
+    for _, chunks in [r for r in V.runs(data) if r[0] == how]:
+        for c in chunks:
+            fn(memoryview(bytearray(c)))
+
+
+def active(version=(7, 0, 0), devices=1, policy=None) -> Session:
+    s = Session(policy, UpstreamFacts(device_count=devices, version=version))
+    s.client_data(memoryview(encode.hello_request(version)))
+    s.server_data(memoryview(encode.hello_response(version)))
+    out(s.to_server), out(s.to_client)
+    assert s.phase == ACTIVE
+    return s
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise"])
+def test_hello_exchange_forwards_unchanged(how):
+    s = Session(upstream=UpstreamFacts(device_count=1))
+    feed(s.client_data, V.HELLO_REQ_V4, how)
+    assert out(s.to_server) == V.HELLO_REQ_V4 and s.phase == AWAIT_HELLO_REPLY
+    feed(s.server_data, V.HELLO_RSP_700, how)
+    assert out(s.to_client) == V.HELLO_RSP_700
+    assert s.phase == ACTIVE and s.version == (7, 0, 0)
+
+
+def test_rdma_caps_zeroed_both_directions():
+    s = Session(upstream=UpstreamFacts(device_count=1))
+    s.client_data(memoryview(V.HELLO_REQ_RDMA))
+    assert out(s.to_server) == V.HELLO_REQ_V4
+    caps = bytes(range(1, 25))
+    s.server_data(memoryview(encode.hello_response((7, 0, 0), caps=caps)))
+    assert out(s.to_client) == V.HELLO_RSP_700
+    assert s.stats.rdma_caps_zeroed_req == 1 and s.stats.rdma_caps_zeroed_rsp == 1
+
+
+def test_old_era_hello():
+    s = Session(upstream=UpstreamFacts(device_count=1))
+    s.client_data(memoryview(V.HELLO_REQ_V1))
+    s.server_data(memoryview(V.HELLO_RSP_361))
+    assert s.version == (3, 6, 1) and out(s.to_client) == V.HELLO_RSP_361
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (V.DEVICE_COUNT_REQ, "first_frame_not_hello"),
+    (encode.request("HELLO", bytes(5)), "hello_bad_size"),
+])
+def test_bad_first_frame(frame, reason):
+    with pytest.raises(ProtocolRefusal) as e:
+        Session().client_data(memoryview(frame))
+    assert e.value.reason == reason
+
+
+def test_data_before_hello_reply_and_second_hello():
+    s = Session()
+    with pytest.raises(ProtocolRefusal) as e:
+        s.client_data(memoryview(V.HELLO_REQ_V4 + V.DEVICE_COUNT_REQ))
+    assert e.value.reason == "data_before_hello_reply"
+    s = active()
+    with pytest.raises(ProtocolRefusal) as e:
+        s.client_data(memoryview(V.HELLO_REQ_V4))
+    assert e.value.reason == "hello_repeated"
+
+
+@pytest.mark.parametrize("version,accepted,expect", [
+    ((7, 0, 0), None, None),
+    ((7, 0, 0), {(5, 0, 0)}, "version_not_accepted"),
+    ((6, 0, 0), None, "version_not_accepted"),  # unknown to this build
+])
+def test_version_policy(version, accepted, expect):
+    policy = SessionPolicy(accepted_versions=frozenset(accepted)) if accepted else None
+    s = Session(policy, UpstreamFacts(device_count=1))
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    if expect is None:
+        s.server_data(memoryview(encode.hello_response(version)))
+        assert s.phase == ACTIVE
+    else:
+        with pytest.raises(PolicyRefusal) as e:
+            s.server_data(memoryview(encode.hello_response(version)))
+        assert e.value.reason == expect and out(s.to_client) == b""
+
+
+def test_refusal_answer_matches_the_clients_hello_era():
+    s = Session()
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    ans = s.refusal_answer("upstream_busy")
+    assert ans == encode.response(bytes([0, 0, 6, 0]) + bytes(24))
+    s = Session()
+    s.client_data(memoryview(V.HELLO_REQ_V1))
+    assert s.refusal_answer("nonsense") == encode.response(bytes([0, 0, 1]))
+
+
+def test_node_refusal_is_passed_through_and_decoded():
+    s = Session()
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    s.server_data(memoryview(encode.hello_response((0, 0, 3), new_layout=True)))
+    assert s.node_refusal == "identity_not_allowed"
+    assert out(s.to_client) == encode.response(bytes([0, 0, 3, 0]) + bytes(24))
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise"])
+def test_alloc_and_base_are_learned(how):
+    s = active()
+    feed(s.client_data, V.ALLOC_REQ_1MIB, how)
+    feed(s.server_data, V.ALLOC_RSP, how)
+    feed(s.client_data, V.GET_BASE_REQ, how)
+    feed(s.server_data, V.GET_BASE_RSP, how)
+    buf = s.state.buffers[V.HANDLE]
+    assert (buf.size, buf.base, buf.device) == (1 << 20, V.BASE, 0)
+    assert s.stats.alloc_bytes == 1 << 20
+    assert out(s.to_server) == V.ALLOC_REQ_1MIB + V.GET_BASE_REQ
+    assert out(s.to_client) == V.ALLOC_RSP + V.GET_BASE_RSP
+    s.client_data(memoryview(V.FREE_REQ))
+    assert V.HANDLE not in s.state.buffers and s.idle  # 7.0.0: FREE_BUFFER has no response
+
+
+def test_failed_alloc_learns_nothing():
+    s = active()
+    s.client_data(memoryview(V.ALLOC_REQ_1MIB))
+    s.server_data(memoryview(V.ALLOC_RSP_FAILED))
+    assert s.state.buffers == {}
+
+
+def test_response_fifo_and_size_checks():
+    s = active()
+    with pytest.raises(ProtocolRefusal) as e:
+        s.server_data(memoryview(V.GET_ALIGNMENT_RSP_32))
+    assert e.value.reason == "response_unexpected"
+    s = active()
+    s.client_data(memoryview(V.GET_ALIGNMENT_REQ))
+    with pytest.raises(ProtocolRefusal) as e:
+        s.server_data(memoryview(V.DEVICE_COUNT_RSP_2))
+    assert e.value.reason == "response_size_invalid"
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (encode.request(99), "command_unknown"),
+    (encode.request("GET_ALIGNMENT", bytes(8)), "frame_size_invalid"),
+    (encode.request("SET_TENSOR", bytes(10)), "frame_size_invalid"),
+    (encode.request("GRAPH_COMPUTE", b"", length=1 << 40), "request_too_large"),
+    (encode.request("SET_TENSOR", b"", length=1 << 40), "request_too_large"),
+])
+def test_frame_rules(frame, reason):
+    s = active()
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(frame))
+    assert e.value.reason == reason and out(s.to_server) == b""
+
+
+def test_allow_list_enforce_and_monitor():
+    allowed = frozenset({"HELLO", "DEVICE_COUNT", "GET_ALIGNMENT"})
+    s = active(policy=SessionPolicy(allowed_commands=allowed))
+    with pytest.raises(PolicyRefusal):
+        s.client_data(memoryview(V.ALLOC_REQ_1MIB))
+    s = active(policy=SessionPolicy(allowed_commands=allowed, mode="monitor"))
+    s.client_data(memoryview(V.ALLOC_REQ_1MIB))
+    assert out(s.to_server) == V.ALLOC_REQ_1MIB
+    assert [v.reason for v in s.violations] == ["command_not_allowed"]
+
+
+def test_device_count_is_learned_by_injection_when_unknown():
+    s = Session()
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    out(s.to_server)
+    s.server_data(memoryview(V.HELLO_RSP_700))
+    assert out(s.to_server) == V.DEVICE_COUNT_REQ  # injected
+    s.server_data(memoryview(V.DEVICE_COUNT_RSP_2))
+    assert out(s.to_client) == V.HELLO_RSP_700  # the injected answer is swallowed
+    assert s.state.upstream.device_count == 2 and s.idle
+
+
+def test_get_tensor_response_is_streamed():
+    s = active()
+    s.state.add_buffer(V.HANDLE, 0, 1 << 20)
+    s.state.buffers[V.HANDLE].base = V.BASE
+    t = encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(4096, 1, 1, 1))
+    s.client_data(memoryview(encode.request("GET_TENSOR", encode.pack_tensor(t) + struct.pack("<QQ", 0, 16384))))
+    payload = bytes(range(256)) * 64
+    rsp = encode.response(payload)
+    for i in range(0, len(rsp), 1000):
+        s.server_data(memoryview(rsp[i:i + 1000]))
+    assert out(s.to_client) == rsp and s.idle
+
+
+def test_latency_is_measured_request_to_response():
+    s = active()
+    s.client_data(memoryview(V.GET_ALIGNMENT_REQ), now_ns=1_000)
+    s.server_data(memoryview(V.GET_ALIGNMENT_RSP_32), now_ns=301_000)
+    assert s.stats.lat_sum_ns[1] == 300_000 and s.stats.lat_count[1] == 1
+    assert s.state.upstream.alignment[0] == 32
