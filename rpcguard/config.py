@@ -22,6 +22,9 @@ from typing import Any, Callable, Literal, Mapping
 
 import yaml
 
+from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
+from rpcguard.protocol.versions import COMMAND_NAMES
+
 from .errors import ConfigError
 
 __all__ = [
@@ -37,23 +40,9 @@ log = logging.getLogger("rpcguard.config")
 ROLES = ("serve", "connect")
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
-#: ggml-rpc command names; the index is the wire command id (llama.cpp RPC protocol 3.x).
-COMMAND_NAMES: tuple[str, ...] = (
-    "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER",
-    "BUFFER_CLEAR", "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR",
-    "GRAPH_COMPUTE", "GET_DEVICE_MEMORY", "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO",
-    "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
-)
-#: ``allow_commands`` categories (``"@name"``); every command is in exactly one. Same members as
-#: ``protocol.versions.CATEGORIES`` (keys without "@"), which ``policy.expand_commands`` uses.
-CATEGORIES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "@handshake": ("HELLO", "DEVICE_COUNT"),
-    "@query": ("GET_ALIGNMENT", "GET_MAX_SIZE", "GET_DEVICE_MEMORY", "GET_ALLOC_SIZE"),
-    "@alloc": ("ALLOC_BUFFER", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR"),
-    "@tensor_io": ("SET_TENSOR", "GET_TENSOR", "COPY_TENSOR", "INIT_TENSOR", "MEMSET_TENSOR"),
-    "@cache": ("SET_TENSOR_HASH",),  # the rpc-server's on-disk tensor cache (-c)
-    "@compute": ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"),
-})
+#: ggml-rpc command names (index = wire id) and the ``allow_commands`` categories (``"@name"``),
+#: both from the one command table in ``protocol.versions``.
+CATEGORIES: Mapping[str, tuple[str, ...]] = MappingProxyType({"@" + k: v for k, v in _CATEGORIES.items()})
 #: Firewall check switches (``policy.checks``); all on by default.
 CHECK_NAMES: tuple[str, ...] = (
     "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
@@ -128,7 +117,10 @@ class PolicyConfig:
 class LimitsConfig:
     handshake_timeout_s: float = 10.0
     hello_timeout_s: float = 10.0
-    idle_timeout_s: float = 900.0
+    # 0 = off: llama-server keeps its model connection open and quiet between requests for hours,
+    # and llama.cpp aborts when it is closed. A frame that stalls half-way is cut by frame_timeout_s.
+    idle_timeout_s: float = 0.0
+    frame_timeout_s: float = 60.0  # a request frame started but not finished (slowloris)
     max_session_s: float = 0.0  # 0 = off
     max_sessions: int = 64
     upstream_busy: Literal["queue", "refuse"] = "queue"
@@ -390,8 +382,8 @@ _POLICY_READERS: dict[str, Reader] = {
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
 }
 _LIMIT_READERS: dict[str, Reader] = {
-    "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(),
-    "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
+    "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
+    "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
     "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
     "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
 }

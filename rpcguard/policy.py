@@ -64,7 +64,7 @@ def limits(cfg: LimitsConfig) -> Limits:
         handshake_timeout_s=cfg.handshake_timeout_s,
         hello_timeout_s=cfg.hello_timeout_s,
         idle_timeout_s=cfg.idle_timeout_s,
-        frame_timeout_s=getattr(cfg, "frame_timeout_s", Limits.frame_timeout_s),
+        frame_timeout_s=cfg.frame_timeout_s,
         max_session_s=cfg.max_session_s,
         max_sessions=cfg.max_sessions,
         upstream_busy=cfg.upstream_busy,

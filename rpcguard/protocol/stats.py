@@ -16,6 +16,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping
 
+from rpcguard.protocol.versions import COMMAND_NAMES
+
 __all__ = [
     "N_COMMANDS",
     "LATENCY_BUCKETS_S",
@@ -42,14 +44,9 @@ LATENCY_BUCKETS_NS: tuple[int, ...] = tuple(round(b * 1_000_000_000) for b in LA
 # Number of per-command bucket slots: one per bound plus the +Inf slot (last index).
 N_LATENCY_BUCKETS = len(LATENCY_BUCKETS_S) + 1
 
-# Command names of ggml-rpc (llama.cpp rpc_cmd enum order), used for metric labels and the
+# Command names (the wire ids of protocol/versions.py), used for metric labels and the
 # audit log. Ids missing here are named "CMD_<n>" (see command_name()).
-DEFAULT_COMMAND_NAMES: Mapping[int, str] = dict(enumerate((
-    "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER",
-    "BUFFER_CLEAR", "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR",
-    "GRAPH_COMPUTE", "GET_DEVICE_MEMORY", "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO",
-    "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
-)))
+DEFAULT_COMMAND_NAMES: Mapping[int, str] = dict(enumerate(COMMAND_NAMES))
 
 
 def command_name(names: Mapping[int, str], cmd: int) -> str:

@@ -154,7 +154,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("count-bool", serve_data, top("policy", max_graph_nodes=True), "policy.max_graph_nodes: must be an integer > 0, got True"),
     ("count-zero", serve_data, top("limits", max_sessions=0), "limits.max_sessions: must be an integer > 0, got 0"),
     ("clear-not-bool", serve_data, top("policy", clear_new_buffers=1), "policy.clear_new_buffers: must be true or false, got 1"),
-    ("duration-zero", serve_data, top("limits", idle_timeout_s=0), "limits.idle_timeout_s: must be a number of seconds > 0, got 0"),
+    ("duration-zero", serve_data, top("limits", hello_timeout_s=0), "limits.hello_timeout_s: must be a number of seconds > 0, got 0"),
     ("duration-str", serve_data, top("limits", hello_timeout_s="10s"),
      "limits.hello_timeout_s: must be a number of seconds > 0, got '10s'"),
     ("duration-nan", serve_data, top("limits", queue_timeout_s=float("nan")),
