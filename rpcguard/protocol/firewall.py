@@ -1,0 +1,250 @@
+"""The frame firewall: per-command validation of request payloads (spec §6.2).
+
+How this works: the session has already matched the frame to a ``CommandRule`` of the
+negotiated version and checked its length class; it hands the firewall the validated head of
+the payload (the whole payload for fixed-size commands and GRAPH_COMPUTE; for SET_TENSOR only
+rpc_tensor [+ cache_flag] + offset, with ``body_len`` data bytes still to come). ``_HANDLERS``
+maps each command name to the method that checks it; commands without a row (HELLO,
+DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
+stable reason from docs/design.md and never anything else. The firewall only reads
+``SessionState``: the session records buffers, bases, frees and stored graphs.
+
+Check groups (``FirewallPolicy.disabled_checks``): ``tensor`` (per-tensor type/shape/nbytes/
+flags/name, SET_TENSOR cache_flag), ``buffer_bounds`` (handles, data ranges, SET/GET/MEMSET/
+COPY ranges, ALLOC_BUFFER size), ``graph_structure``, ``graph_ops``, ``op_params`` (op_params
+and shape rules of ACC/SET/PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both
+GRAPH_RECOMPUTE rules), ``device_index``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.state import Buffer, SessionState
+from rpcguard.protocol.tensor import (
+    CHECK_BUFFER,
+    CHECK_TENSOR,
+    FOREIGN_BUFFER_OK,
+    RpcTensor,
+    check_tensor,
+    decode_tensor,
+)
+from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
+
+__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES"]
+
+CHECK_NAMES: tuple[str, ...] = (
+    "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
+    "device_index",
+)  # fmt: skip
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_U64x2 = struct.Struct("<QQ")
+_DEV_U64 = struct.Struct("<IQ")
+
+# Handler per command name (a table, like h11's READERS). Commands absent here carry nothing to check.
+_HANDLERS: Mapping[str, str] = {
+    "ALLOC_BUFFER": "_alloc_buffer",
+    "GET_ALIGNMENT": "_device_only",
+    "GET_MAX_SIZE": "_device_only",
+    "GET_DEVICE_MEMORY": "_device_only",
+    "BUFFER_GET_BASE": "_handle",
+    "FREE_BUFFER": "_handle",
+    "BUFFER_CLEAR": "_handle",
+    "SET_TENSOR": "_set_tensor",
+    "SET_TENSOR_HASH": "_set_tensor_hash",
+    "GET_TENSOR": "_get_tensor",
+    "MEMSET_TENSOR": "_get_tensor",  # T, u64 offset, u64 size (+ u8 value): same ranges
+    "COPY_TENSOR": "_copy_tensor",
+    "INIT_TENSOR": "_init_tensor",
+    "GET_ALLOC_SIZE": "_get_alloc_size",
+    "GRAPH_COMPUTE": "_graph_compute",
+    "GRAPH_RECOMPUTE": "_graph_recompute",
+}
+
+
+@dataclass(frozen=True)
+class FirewallPolicy:
+    """Which firewall checks run and the caps they use."""
+
+    disabled_checks: frozenset[str] = frozenset()
+    # Caps on one GRAPH_COMPUTE: real decode graphs have a few thousand nodes; the server
+    # allocates per node and per tensor before validating anything.
+    max_graph_nodes: int = 262144
+    max_graph_tensors: int = 1048576
+    max_alloc_bytes: int = 0  # 0: no cap beyond the server's GET_MAX_SIZE
+    # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
+    # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
+    denied_ops: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.disabled_checks) - set(CHECK_NAMES)
+        if unknown:
+            raise ValueError(f"unknown firewall checks {sorted(unknown)}; known: {', '.join(CHECK_NAMES)}")
+
+
+class Firewall:
+    """Per-session request validation; ``check_request`` raises ``FirewallRefusal``."""
+
+    def __init__(self, state: SessionState, policy: FirewallPolicy) -> None:
+        self.state = state
+        self.policy = policy
+        on = {name: name not in policy.disabled_checks for name in CHECK_NAMES}
+        self._tensor = on["tensor"]
+        self._bounds = on["buffer_bounds"]
+        self._device = on["device_index"]
+        self._recompute = on["recompute_after_free"]
+        self._tchecks = (CHECK_TENSOR if self._tensor else 0) | (CHECK_BUFFER if self._bounds else 0)
+        self._graph = GraphValidator(
+            max_nodes=policy.max_graph_nodes,
+            max_tensors=policy.max_graph_tensors,
+            tensor_checks=self._tchecks,
+            structure=on["graph_structure"],
+            ops=on["graph_ops"],
+            op_params=on["op_params"],
+            device=self._device,
+            extra_denied=frozenset(policy.denied_ops),
+        )
+        self._table: dict[str, Callable[[CommandRule, memoryview, int], None]] = {
+            name: getattr(self, method) for name, method in _HANDLERS.items()
+        }
+
+    def check_request(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        """Validate one request (see the module docstring for what ``payload`` holds)."""
+        handler = self._table.get(rule.name)
+        if handler is None:
+            return
+        # The session guarantees these sizes; re-checked so that no payload can make a handler
+        # fail with anything but a FirewallRefusal. GRAPH_COMPUTE sizes are the graph's own rule.
+        if rule.layout != WHOLE and len(payload) != rule.request:
+            raise FirewallRefusal("frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}")
+        handler(rule, payload, body_len)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_device(self, device: int) -> None:
+        if self._device:
+            count = self.state.device_count()
+            if device >= count:
+                raise FirewallRefusal("device_out_of_range", f"device {device} >= device count {count}")
+
+    def _buffer_tensor(self, payload: memoryview, offset: int = 0, what: str = "tensor") -> tuple[RpcTensor, int, Buffer | None]:
+        """Decode and check a tensor that must live in a known buffer; the Buffer is None only
+        when ``buffer_bounds`` is off (then no range check follows)."""
+        t = decode_tensor(payload, offset)
+        n = check_tensor(t, self.state, self._tchecks)
+        if not self._bounds:
+            return t, n, None
+        if t.buffer == 0:
+            raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
+        return t, n, self.state.buffers[t.buffer]  # known: check_tensor refused unknown handles
+
+    def _range(self, t: RpcTensor, n: int, buf: Buffer | None, offset: int, size: int) -> None:
+        """``[data+offset, +size)`` inside the buffer (the server's own bounds, checked first) and
+        ``offset+size <= nbytes`` (ggml_backend_tensor_set/get GGML_ASSERT it: a server abort)."""
+        if buf is None:
+            return
+        if t.data + offset + size > buf.base + buf.size:  # type: ignore[operator]
+            raise FirewallRefusal(
+                "range_out_of_buffer",
+                f"tensor id={t.id:#x}: [{t.data:#x}+{offset}, +{size}) past the end of buffer {buf.handle:#x}",
+            )
+        if offset + size > n:
+            raise FirewallRefusal(
+                "range_out_of_tensor", f"tensor id={t.id:#x}: offset {offset} + size {size} > nbytes {n}"
+            )
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    def _device_only(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        if rule.has_device:
+            self._check_device(_U32.unpack_from(payload)[0])
+
+    def _alloc_buffer(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        # size 0 is legal: the server returns a dummy buffer with base NULL (the real client never
+        # sends it, ggml_backend_buft_alloc_buffer short-circuits), so it is not refused.
+        device, size = _DEV_U64.unpack_from(payload) if rule.has_device else (0, _U64.unpack_from(payload)[0])
+        self._check_device(device)
+        if not self._bounds:
+            return
+        cap = self.policy.max_alloc_bytes
+        if cap and size > cap:
+            raise FirewallRefusal("alloc_size_invalid", f"size {size} > cap {cap}")
+        max_size = self.state.upstream.max_size.get(device)
+        if max_size is not None and size > max_size:
+            raise FirewallRefusal("alloc_size_invalid", f"size {size} > GET_MAX_SIZE {max_size} of device {device}")
+
+    def _handle(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        if self._bounds:
+            handle = _U64.unpack_from(payload)[0]
+            if handle not in self.state.buffers:
+                raise FirewallRefusal("buffer_unknown", f"{rule.name}: {handle:#x} is not a live buffer of this session")
+
+    def _set_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        t, n, buf = self._buffer_tensor(payload)
+        at = TENSOR_BYTES
+        if rule.request == TENSOR_BYTES + 9:  # >= 7.0.0: u8 cache_flag before the offset
+            flag = payload[at]
+            if self._tensor and flag > 1:
+                raise FirewallRefusal("set_tensor_flag_invalid", f"cache_flag {flag} not 0 or 1")
+            at += 1
+        self._range(t, n, buf, _U64.unpack_from(payload, at)[0], body_len)
+
+    def _set_tensor_hash(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        # The data size is the size of the server's cache file, unknown here: only the offset is
+        # checked. (A cache file larger than the tensor makes the server abort; see the report.)
+        t, n, buf = self._buffer_tensor(payload)
+        self._range(t, n, buf, _U64.unpack_from(payload, TENSOR_BYTES)[0], 0)
+
+    def _get_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        t, n, buf = self._buffer_tensor(payload)
+        offset, size = _U64x2.unpack_from(payload, TENSOR_BYTES)
+        self._range(t, n, buf, offset, size)
+
+    def _copy_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        src, n_src, _ = self._buffer_tensor(payload, 0, "src")
+        dst, _, dbuf = self._buffer_tensor(payload, TENSOR_BYTES, "dst")
+        if dbuf is not None and dst.data + n_src > dbuf.base + dbuf.size:  # type: ignore[operator]
+            raise FirewallRefusal(
+                "copy_out_of_buffer",
+                f"dst data {dst.data:#x} + nbytes(src) {n_src} past the end of buffer {dbuf.handle:#x}",
+            )
+
+    def _init_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        # CUDA's init_tensor pads quantized rows past nbytes; here the tensor range is held to the
+        # buffer end (check_tensor), not to a padded size the proxy cannot know.
+        self._buffer_tensor(payload)
+
+    def _get_alloc_size(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        at = 0
+        if rule.has_device:
+            self._check_device(_U32.unpack_from(payload)[0])
+            at = 4
+        checks = self._tchecks | FOREIGN_BUFFER_OK
+        state = self.state
+        check_tensor(decode_tensor(payload, at), state, checks)
+        for off in range(at + TENSOR_BYTES, len(payload), TENSOR_BYTES):
+            src = decode_tensor(payload, off)
+            if src.id != 0:  # id 0 means "no src": the server skips it
+                check_tensor(src, state, checks)
+
+    def _graph_compute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        self._graph.check(payload, self.state)
+
+    def _graph_recompute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        device = _U32.unpack_from(payload)[0]
+        self._check_device(device)
+        if not self._recompute:
+            return
+        state = self.state
+        if state.freed_since_graph:
+            raise FirewallRefusal(
+                "recompute_after_free", f"device {device}: a FREE_BUFFER came after the last GRAPH_COMPUTE"
+            )
+        if device not in state.graph_devices:
+            raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
