@@ -28,6 +28,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.firewall import Firewall, FirewallPolicy
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import (
     COMMAND_IDS,
@@ -40,6 +41,7 @@ from rpcguard.protocol.versions import (
     REFUSAL_REASONS,
     SIZED_BY_REQUEST,
     STREAM,
+    TENSOR_BYTES,
     ProtocolSpec,
     Version,
     format_version,
@@ -351,10 +353,14 @@ class Session:
 
     def _on_hash(self, exp: _Expect, head: memoryview) -> None:
         if head[0] == 1:
-            req = exp.ctx
-            from rpcguard.protocol.tensor import tensor_region_bytes
-
-            self.stats.upload_bytes_hash_hit += tensor_region_bytes(req)  # type: ignore[arg-type]
+            # A hit: the server wrote the tensor from its cache instead of receiving it. The client
+            # hashes whole tensors (offset 0, nbytes), so count what a SET_TENSOR would have sent.
+            req: bytes = exp.ctx  # type: ignore[assignment]
+            t = decode_tensor(req)
+            info = types_of(self.version).get(t.type)
+            offset = _U64.unpack_from(req, TENSOR_BYTES)[0]
+            if info is not None:
+                self.stats.upload_bytes_hash_hit += max(0, nbytes(t, info) - offset)
 
     # ----------------------------------------------------------------------------- refusals
     def refusal_answer(self, reason: str) -> bytes:

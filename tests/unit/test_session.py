@@ -208,3 +208,16 @@ def test_latency_is_measured_request_to_response():
     s.server_data(memoryview(V.GET_ALIGNMENT_RSP_32), now_ns=301_000)
     assert s.stats.lat_sum_ns[1] == 300_000 and s.stats.lat_count[1] == 1
     assert s.state.upstream.alignment[0] == 32
+
+
+def test_hash_hit_counts_the_tensor_bytes_the_cache_saved():
+    s = active()
+    s.state.add_buffer(V.HANDLE, 0, 1 << 24)
+    s.state.buffers[V.HANDLE].base = V.BASE
+    t = encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(1 << 20, 1, 1, 1))  # 4 MiB of f32
+    frame = encode.request("SET_TENSOR_HASH", encode.pack_tensor(t) + struct.pack("<QQ", 0, 0xFEED))
+    s.client_data(memoryview(frame))
+    s.server_data(memoryview(encode.response(b"\x01")))
+    s.client_data(memoryview(frame))
+    s.server_data(memoryview(encode.response(b"\x00")))  # a miss: the client sends SET_TENSOR next
+    assert s.stats.upload_bytes_hash_hit == 4 << 20
