@@ -191,6 +191,8 @@ class Link:
         self.reason = ""
         self.t0 = time.monotonic()
         self.last_activity = self.t0
+        self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
+        self.t_upstream = self.t0
         self.frame_started = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._slot_held = False
@@ -215,6 +217,7 @@ class Link:
                     return
             else:
                 await loop.connect_accepted_socket(lambda: self.client, sock)
+            self.t_accepted = time.monotonic()
             if len(route.links) > route.limits.max_sessions:
                 raise Refusal("too_many_sessions", f"more than {route.limits.max_sessions} sessions")
             if route.draining:
@@ -302,6 +305,7 @@ class Link:
             return
         self.upstream = endpoint
         self.upstream_ready = True
+        self.t_upstream = time.monotonic()
         if self.pending:
             endpoint.transport.writelines(self.pending)  # type: ignore[union-attr]
             self.pending.clear()
@@ -443,21 +447,25 @@ class Link:
         limits = self.route.limits
         now = time.monotonic()
         session = self.session
-        if session.phase != ACTIVE and limits.hello_timeout_s and now - self.t0 > limits.hello_timeout_s + (
-            limits.handshake_timeout_s if self.route.role == "serve" else 0
-        ):
-            if self.refusal is not None and session.hello_request_len is not None:
+        if session.phase != ACTIVE and limits.hello_timeout_s:
+            if session.hello_request_len is None:
+                # The client has not sent its HELLO (the clock starts after the TLS handshake).
+                if now - self.t_accepted > limits.hello_timeout_s:
+                    self._finish("refused", "hello_timeout", f"no HELLO within {limits.hello_timeout_s:g} s")
+                    return
+            elif self.upstream_ready and now - self.t_upstream > limits.hello_timeout_s:
+                # Queueing for the upstream is bounded by queue_timeout_s; a server that takes the
+                # connection but never answers HELLO is bounded here.
+                self.refusal = Refusal("upstream_unavailable", "the upstream did not answer HELLO")
                 self._answer_refusal()
-            else:
-                self._finish("refused", "hello_timeout", "no HELLO exchange in time")
-            return
+                return
         if session.phase == ACTIVE:
             quiet = now - self.last_activity
             if limits.idle_timeout_s and session.idle and quiet > limits.idle_timeout_s:
                 self._finish("refused", "idle_timeout", f"idle for {quiet:.0f} s")
                 return
             if limits.frame_timeout_s and not session.idle and quiet > limits.frame_timeout_s and session.mid_frame:
-                self._finish("refused", "idle_timeout", f"frame stalled for {quiet:.0f} s")
+                self._finish("refused", "frame_timeout", f"a request frame stalled for {quiet:.0f} s")
                 return
         if limits.max_session_s and now - self.t0 > limits.max_session_s:
             self._finish("refused", "session_lifetime", f"session older than {limits.max_session_s:g} s")
