@@ -133,8 +133,10 @@ class Endpoint(asyncio.BufferedProtocol):
         self.link = link
         self.is_client = is_client
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray(READ_BUFFER_BYTES)
-        self.view = memoryview(self.buf)
+        # Allocated on the first read, not here: a TLS handshake that never completes (a flood of
+        # idle or garbage sockets) must not cost a read buffer per accepted socket.
+        self.buf: bytearray | None = None
+        self.view: memoryview | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
@@ -148,10 +150,12 @@ class Endpoint(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)  # type: ignore[attr-defined]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view
+        if self.view is None:
+            self.fresh_buffer()
+        return self.view  # type: ignore[return-value]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.link.data(self, self.view[:nbytes])
+        self.link.data(self, self.view[:nbytes])  # type: ignore[index]
 
     def eof_received(self) -> bool:
         self.link.eof(self)
