@@ -197,6 +197,7 @@ class Link:
         self.last_activity = self.t0
         self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
         self.t_upstream = self.t0
+        self.admitted = False  # past the TLS handshake (serve) / accepted (connect): counts in max_sessions
         self.frame_started = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._slot_held = False
@@ -222,7 +223,10 @@ class Link:
             else:
                 await loop.connect_accepted_socket(lambda: self.client, sock)
             self.t_accepted = time.monotonic()
-            if len(route.links) > route.limits.max_sessions:
+            # Only admitted links count: sockets still in their TLS handshake (bounded by
+            # handshake_timeout_s) must not let an unauthenticated flood lock clients out.
+            self.admitted = True
+            if sum(link.admitted for link in route.links) > route.limits.max_sessions:
                 raise Refusal("too_many_sessions", f"more than {route.limits.max_sessions} sessions")
             if route.draining:
                 raise Refusal("shutdown", "rpcguard is shutting down")
