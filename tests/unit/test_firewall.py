@@ -286,3 +286,62 @@ def test_disabled_tensor_and_bounds():
     check("SET_TENSOR", set_head(data=0), 4, disabled_checks=frozenset({"buffer_bounds"}))
     check("BUFFER_CLEAR", struct.pack("<QB", 1, 0), disabled_checks=frozenset({"buffer_bounds"}))
     check("ALLOC_BUFFER", ALLOC_1MIB, max_alloc_bytes=1, disabled_checks=frozenset({"buffer_bounds"}))
+
+
+# -- the regression corpus (tests/corpus), offline --------------------------------------------
+
+from rpcguard.protocol.versions import KNOWN_VERSIONS, STREAM  # noqa: E402
+from tests.corpus import CASES, CaseContext  # noqa: E402
+
+
+def run_case(case, version) -> str | None:
+    """Feed a case's frames to the firewall after a simulated preamble; all but the last must
+    pass. Returns the last frame's refusal reason (None if it passed)."""
+    st = state(version, base=BASE)
+    ctx = CaseContext(version, HANDLE, BASE, SIZE)
+    fw = Firewall(st, FirewallPolicy(**case.policy))
+    frames = case.build(ctx)
+    for i, frame in enumerate(frames):
+        cmd, length = struct.unpack_from("<BQ", frame)
+        rule = st.spec.commands[cmd]
+        if length > (4 << 30):  # the session's request cap, before the firewall sees anything
+            assert i == len(frames) - 1
+            return "request_too_large"
+        payload = memoryview(frame)[9:]
+        head = payload[: rule.request] if rule.layout == STREAM else payload
+        try:
+            fw.check_request(rule, head, length - len(head))
+        except FirewallRefusal as exc:
+            assert i == len(frames) - 1, f"{case.id}: frame {i} refused early: {exc}"
+            return exc.reason
+        if rule.name == "FREE_BUFFER":
+            st.free_buffer(HANDLE)
+        elif rule.name == "GRAPH_COMPUTE":
+            st.graph_stored(0)
+    return None
+
+
+def test_corpus_ids_unique_and_well_formed():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+    for c in CASES:
+        assert c.effect in {"abort", "close", "memory", "silent", "hang"}
+        assert c.dangerous or c.effect in {"abort", "close"}, c.id
+
+
+@pytest.mark.parametrize(
+    "case,version",
+    [(c, v) for c in CASES for v in KNOWN_VERSIONS if c.applies(v)],
+    ids=lambda x: x.id if hasattr(x, "id") else "%d.%d.%d" % x,
+)
+def test_corpus_case_refused_with_its_reason(case, version):
+    assert run_case(case, version) == case.expected_reason
+
+
+def test_corpus_policy_cases_pass_without_the_opt_in():
+    for case in CASES:
+        if case.policy:
+            st = state()
+            frame = case.build(CaseContext((7, 0, 0), HANDLE, BASE, SIZE))[-1]
+            rule = st.spec.commands[frame[0]]
+            Firewall(st, FirewallPolicy()).check_request(rule, memoryview(frame)[9:], 0)
