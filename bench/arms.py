@@ -1,0 +1,308 @@
+"""The four benchmark arms: how to put each one between a client and a real ggml-rpc-server.
+
+How this works: ``start_arm(name, ...)`` starts a fresh real ``ggml-rpc-server`` (the binary) on
+a free loopback port, then the arm's proxy pair in front of it, and returns an ``ArmStack``
+whose ``endpoint`` is what the client dials. Every pair is a client-side proxy (next to
+llama.cpp, plain TCP in) and a server-side proxy (next to the server, plain TCP out), joined by
+mutual TLS 1.3 with client certificates required, all from the same private CA minted by
+rpcguard's own ``certs`` module (``tests.support.guard.Pki``):
+
+* ``direct``: no proxy.
+* ``stunnel``: two Debian ``stunnel4`` processes (``sslVersionMin = TLSv1.3``, ``verifyChain``,
+  ``requireCert``/``checkHost``, TCP_NODELAY both ways).
+* ``haproxy``: two Debian ``haproxy`` processes in ``mode tcp`` (``ssl crt ... ca-file ...
+  verify required``, ``ssl-min-ver TLSv1.3``). HAProxy wants certificate and key in one PEM.
+* ``rpcguard``: ``rpcguard connect`` -> ``rpcguard serve`` with validation in enforce mode.
+
+``ArmStack.sample()`` reads each proxy process's peak RSS (``VmHWM``) and CPU time from /proc.
+With ``profile_dir`` set, ``py-spy record`` is attached to each rpcguard process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.guard import Pki, start_guard
+from tests.support.realpeer import Proc, free_port, start, start_rpc_server, wait_port
+
+__all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "check_mtls", "tool_versions"]
+
+ARMS = ("direct", "stunnel", "haproxy", "rpcguard")
+NODE = "node1"  # the node (server) certificate name; also the expected name on the client side
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# HAProxy: the model connection stays idle between requests for as long as llama.cpp runs, so
+# client/server timeouts are long; connect is loopback. 64 KiB buffers (default 16 KiB) cost
+# 4x fewer syscalls per MB on bulk uploads; we measured both and keep the faster (see README).
+HAPROXY_BUFSIZE = 65536
+_HAPROXY_GLOBAL = f"""global
+    tune.bufsize {HAPROXY_BUFSIZE}
+    tune.ssl.cachesize 1000
+    ssl-default-bind-options ssl-min-ver TLSv1.3
+    ssl-default-server-options ssl-min-ver TLSv1.3
+
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 1h
+    timeout server 1h
+    timeout client-fin 5s
+    timeout server-fin 5s
+"""
+
+
+@dataclass
+class ArmStack:
+    """A running server plus the arm's proxies (label -> process)."""
+
+    arm: str
+    endpoint: str
+    server: Proc
+    tls_port: int = 0  # the server-side proxy's TLS port (0 for direct)
+    proxies: dict[str, Proc] = field(default_factory=dict)
+    profilers: list[subprocess.Popen] = field(default_factory=list)
+    baseline: dict[str, dict] = field(default_factory=dict)  # sample() right after start-up
+
+    def alive(self) -> bool:
+        return self.server.alive() and all(p.alive() for p in self.proxies.values())
+
+    def sample(self) -> dict[str, dict]:
+        """Peak RSS (MB, VmHWM) and CPU seconds of each proxy process so far; ``*_delta`` keys
+        subtract the start-up sample (Python start-up and imports cost ~0.3 s of CPU)."""
+        out = {}
+        for label, p in self.proxies.items():
+            now = proc_sample(p.popen.pid)
+            base = self.baseline.get(label, {})
+            for key in ("cpu_s", "user_s", "sys_s", "syscr", "syscw"):
+                if key in now and key in base:
+                    now[key + "_delta"] = round(now[key] - base[key], 3)
+            now["vmhwm_startup_mb"] = base.get("vmhwm_mb")
+            out[label] = now
+        return out
+
+    def rebaseline(self) -> None:
+        """Take the start-up sample again (after the mTLS check's handshakes)."""
+        self.baseline = {label: proc_sample(p.popen.pid) for label, p in self.proxies.items()}
+
+    def logs(self) -> dict[str, str]:
+        return {label: p.output()[-2000:] for label, p in {"server": self.server, **self.proxies}.items()}
+
+    def stop(self) -> None:
+        for prof in self.profilers:
+            if prof.poll() is None:
+                prof.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for prof in self.profilers:
+            try:
+                prof.wait(30)
+            except subprocess.TimeoutExpired:
+                prof.kill()
+                prof.wait(5)
+        for p in list(self.proxies.values())[::-1]:
+            p.stop(timeout=10)
+        self.server.stop(timeout=10)
+
+
+def proc_sample(pid: int) -> dict:
+    """VmHWM / VmRSS in MB (1e6 bytes), user / system CPU seconds and syscall counts of a process."""
+    out: dict = {"pid": pid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM:", "VmRSS:")):
+                    key, kb = line.split()[:2]
+                    out[key[:-1].lower() + "_mb"] = int(kb) * 1024 / 1e6
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out["user_s"] = int(fields[11]) / _CLK_TCK
+        out["sys_s"] = int(fields[12]) / _CLK_TCK
+        out["cpu_s"] = out["user_s"] + out["sys_s"]
+        with open(f"/proc/{pid}/io") as f:  # read/write-family syscall counts (reads include recv)
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in ("syscr", "syscw", "rchar", "wchar"):
+                    out[key] = int(val)
+    except (OSError, IndexError, ValueError):
+        out["gone"] = True
+    return out
+
+
+def _combined_pem(pki: Pki, name: str) -> str:
+    """HAProxy's ``crt``: certificate chain and private key in one file (mode 0600)."""
+    path = pki.dir / f"{name}-combined.pem"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(Path(pki.path(name)).read_text() + Path(pki.path(name, "key")).read_text())
+    return str(path)
+
+
+def _stunnel(workdir: Path, tag: str, conf: str) -> Proc:
+    path = workdir / f"stunnel-{tag}.conf"
+    path.write_text(conf)
+    return start([shutil.which("stunnel4") or "stunnel4", str(path)], workdir / f"stunnel-{tag}.log",
+                 f"stunnel {tag}")
+
+
+def _stunnel_pair(workdir: Path, pki: Pki, server_port: int) -> tuple[str, int, dict[str, Proc]]:
+    mid, front = free_port(), free_port()
+    common = "foreground = yes\npid =\ndebug = warning\nsocket = l:TCP_NODELAY=1\nsocket = r:TCP_NODELAY=1\n"
+    srv = _stunnel(workdir, f"server-{mid}", common + f"""
+[rpc]
+accept = 127.0.0.1:{mid}
+connect = 127.0.0.1:{server_port}
+cert = {pki.path(NODE)}
+key = {pki.path(NODE, 'key')}
+CAfile = {pki.path('ca')}
+requireCert = yes
+verifyChain = yes
+sslVersionMin = TLSv1.3
+""")
+    wait_port(mid, proc=srv.popen)
+    cli = _stunnel(workdir, f"client-{front}", common + f"""
+[rpc]
+client = yes
+accept = 127.0.0.1:{front}
+connect = 127.0.0.1:{mid}
+cert = {pki.path(pki.client)}
+key = {pki.path(pki.client, 'key')}
+CAfile = {pki.path('ca')}
+verifyChain = yes
+checkHost = {NODE}
+sni = {NODE}
+sslVersionMin = TLSv1.3
+""")
+    wait_port(front, proc=cli.popen)
+    return f"127.0.0.1:{front}", mid, {"client-side": cli, "server-side": srv}
+
+
+def _haproxy(workdir: Path, tag: str, conf: str) -> Proc:
+    path = workdir / f"haproxy-{tag}.cfg"
+    path.write_text(_HAPROXY_GLOBAL + conf)
+    subprocess.run(["haproxy", "-c", "-q", "-f", str(path)], check=True, capture_output=True, timeout=30)
+    # -db: foreground, no master/worker: the pid we hold is the process that proxies.
+    return start(["haproxy", "-db", "-f", str(path)], workdir / f"haproxy-{tag}.log", f"haproxy {tag}")
+
+
+def _haproxy_pair(workdir: Path, pki: Pki, server_port: int) -> tuple[str, int, dict[str, Proc]]:
+    mid, front = free_port(), free_port()
+    srv = _haproxy(workdir, f"server-{mid}", f"""
+frontend tls_in
+    bind 127.0.0.1:{mid} ssl crt {_combined_pem(pki, NODE)} ca-file {pki.path('ca')} verify required ssl-min-ver TLSv1.3
+    default_backend rpc
+
+backend rpc
+    server rpc 127.0.0.1:{server_port}
+""")
+    wait_port(mid, proc=srv.popen)
+    cli = _haproxy(workdir, f"client-{front}", f"""
+frontend llama_in
+    bind 127.0.0.1:{front}
+    default_backend node
+
+backend node
+    server {NODE} 127.0.0.1:{mid} ssl crt {_combined_pem(pki, pki.client)} ca-file {pki.path('ca')} verify required verifyhost {NODE} sni str({NODE}) ssl-min-ver TLSv1.3
+""")
+    wait_port(front, proc=cli.popen)
+    return f"127.0.0.1:{front}", mid, {"client-side": cli, "server-side": srv}
+
+
+def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int) -> tuple[str, int, dict[str, Proc]]:
+    serve = start_guard("serve", workdir, pki.serve_args() + [
+        "--upstream", f"127.0.0.1:{server_port}", "--mode", "enforce", "--allow-cn", pki.client])
+    connect = start_guard("connect", workdir, pki.connect_args() + [
+        "--server", f"127.0.0.1:{serve.port}", "--server-name", NODE, "--mode", "enforce"])
+    return connect.endpoint, serve.port, {"connect": connect.proc, "serve": serve.proc}
+
+
+_PAIRS = {"stunnel": _stunnel_pair, "haproxy": _haproxy_pair, "rpcguard": _rpcguard_pair}
+
+
+def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = None,
+              profile_tag: str = "") -> ArmStack:
+    """A fresh real server and the arm's proxies in front of it (nothing for ``direct``)."""
+    server, server_port = start_rpc_server(workdir, binary=True)
+    if arm == "direct":
+        return ArmStack(arm, f"127.0.0.1:{server_port}", server)
+    try:
+        endpoint, tls_port, proxies = _PAIRS[arm](workdir, pki, server_port)
+    except BaseException:
+        server.stop()
+        raise
+    stack = ArmStack(arm, endpoint, server, tls_port, proxies)
+    stack.baseline = {label: proc_sample(p.popen.pid) for label, p in proxies.items()}
+    if profile_dir is not None and arm == "rpcguard":
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        for label, p in proxies.items():
+            out = profile_dir / f"{profile_tag}{label}.txt"
+            stack.profilers.append(subprocess.Popen(
+                [str(Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parent.parent / ".venv"))
+                     / "bin" / "py-spy"),
+                 "record", "--pid", str(p.popen.pid), "--native", "--rate", "200", "--format", "raw",
+                 "-o", str(out)],
+                stdout=subprocess.DEVNULL, stderr=open(profile_dir / f"{profile_tag}{label}.pyspy.log", "wb")))
+        time.sleep(1.0)  # let py-spy attach before the first client
+    return stack
+
+
+def check_mtls(pki: Pki, port: int) -> dict[str, bool]:
+    """Prove the server-side proxy speaks TLS 1.3 only and requires a client certificate.
+
+    Returns ``{"tls13": ..., "no_cert_refused": ..., "tls12_refused": ...}``; all True is the
+    configuration the issue asks for. With TLS 1.3 a missing client certificate is detected by
+    the server after the client's handshake completes, so the refusal shows on the first read.
+    """
+    def attempt(cert: bool, max_version: ssl.TLSVersion | None) -> str:
+        ctx = ssl.create_default_context(cafile=pki.path("ca"))
+        if cert:
+            ctx.load_cert_chain(pki.path(pki.client), pki.path(pki.client, "key"))
+        if max_version is not None:
+            ctx.maximum_version = max_version
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                with ctx.wrap_socket(raw, server_hostname=NODE) as tls:
+                    version = tls.version() or ""
+                    tls.settimeout(0.5)
+                    try:
+                        if not tls.recv(1):
+                            return "closed"
+                    except (socket.timeout, TimeoutError):
+                        return version  # still open: accepted (the upstream waits for a HELLO)
+                    return version
+        except (ssl.SSLError, OSError):
+            return "refused"
+
+    return {"tls13": attempt(True, None) == "TLSv1.3",
+            "no_cert_refused": attempt(False, None) in ("refused", "closed"),
+            "tls12_refused": attempt(True, ssl.TLSVersion.TLSv1_2) == "refused"}
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions of the proxies and of OpenSSL, for the results header."""
+    def first_line(cmd: list[str]) -> str:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            return (p.stdout + p.stderr).strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return "missing"
+    return {
+        "haproxy": first_line(["haproxy", "-v"]),
+        "stunnel": next((l for l in _all_lines(["stunnel4", "-version"]) if l.startswith("stunnel ")), "missing"),
+        "openssl": first_line(["openssl", "version"]),
+        "python_ssl": ssl.OPENSSL_VERSION,
+    }
+
+
+def _all_lines(cmd: list[str]) -> list[str]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        return (p.stdout + p.stderr).splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
