@@ -1,0 +1,396 @@
+#!/usr/bin/env python3
+"""What the frame firewall costs, measured on REAL llama.cpp traffic (issue 3).
+
+Usage (from the repository root, with the real peers built by tests/realpeer/setup.sh):
+
+    .venv/bin/python bench/validation_bench.py [--n-tokens 64] [--reps 5] [--e2e-reps 5] [--json FILE]
+
+How this works:
+
+1. **Capture.** A real ``ggml-rpc-server`` runs on loopback with a tiny TCP relay in front of it
+   (``CaptureRelay``, in this process) that forwards and records every chunk of every
+   connection, in arrival order and with its direction. The real llama.cpp client
+   (``tests/realpeer/rpc_client_smoke.py``) loads the ~105 MB f16 ``bench`` model through the
+   relay and generates ``--n-tokens`` greedy tokens. The longest connection is the model session.
+2. **Direct baseline, same run.** The same client runs ``--reps`` times directly against the
+   server; its "tok/s after the first" gives the direct time per generated token.
+3. **Offline replay.** The recorded model session is fed, chunk by chunk and in the recorded
+   order, into ``rpcguard.protocol.session.Session`` (what ``connect`` and ``serve`` each run per
+   connection), once with the default policy (enforce, every check on) and once with every
+   firewall check switched off (``FirewallPolicy.disabled_checks`` = all: framing, session rules
+   and counters only). The difference is the firewall's own cost. Time spent after the first
+   GRAPH_COMPUTE (prompt processing + generation) divided by the generated tokens is the added
+   time per token, shown against the direct time per token.
+4. **GRAPH_COMPUTE throughput.** Every recorded GRAPH_COMPUTE frame is re-validated in a
+   session replayed up to the byte where that frame starts (so its buffers and bases are
+   known): *warm* (the per-session cache of already validated tensors holds the weights, as
+   from the second graph of a session on) and *cold* (cache emptied before every frame, the
+   worst case), plus the framing-only baseline. Frames per second and µs per frame.
+   The 7.0.0 client sends GRAPH_COMPUTE only when the graph changes and GRAPH_RECOMPUTE (4
+   bytes) for the other tokens, so the "one cold GRAPH_COMPUTE per token" line is a bound for
+   clients that never reuse a graph, not what 7.0.0 costs.
+5. **End to end** (``--e2e-reps``, 0 = off). The real client through ``rpcguard connect`` ->
+   ``rpcguard serve`` with every check on, and with every check off (``policy.checks``), in
+   alternation with direct runs: time per token as llama.cpp sees it (TLS and relay included).
+
+This is a benchmark, not a test: it never fails on a slow figure, it prints them. The target of
+issue 3 is < 5 % added time per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from rpcguard.protocol.firewall import CHECK_NAMES, FirewallPolicy  # noqa: E402
+from rpcguard.protocol.session import Session, SessionPolicy  # noqa: E402
+from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
+from rpcguard.protocol.versions import COMMAND_IDS, HELLO  # noqa: E402
+from tests.support import realpeer  # noqa: E402
+
+CACHE = Path(os.environ.get("RPCGUARD_BENCH_CACHE") or Path.home() / ".cache" / "rpcguard-bench")
+GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
+C2S, S2C = 0, 1
+FULL = SessionPolicy()
+FRAMING_ONLY = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset(CHECK_NAMES)))
+
+
+# ------------------------------------------------------------------------------ capture relay
+@dataclass
+class Conn:
+    chunks: list[tuple[int, bytes]] = field(default_factory=list)  # (direction, bytes) in order
+    c2s: int = 0
+    s2c: int = 0
+
+
+class CaptureRelay:
+    """Plain TCP relay 127.0.0.1:port -> target that records every chunk of every connection.
+
+    A chunk is recorded before it is forwarded, so a response is always recorded after the
+    request that caused it: the recorded order is a valid order to replay into a Session."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.conns: list[Conn] = []
+        self._lock = threading.Lock()
+        self._ls = socket.create_server(("127.0.0.1", 0))
+        self.port = self._ls.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                c, _ = self._ls.accept()
+            except OSError:
+                return
+            s = socket.create_connection(("127.0.0.1", self.target))
+            for x in (c, s):
+                x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn()
+            with self._lock:
+                self.conns.append(conn)
+            threading.Thread(target=self._pump, args=(c, s, conn, C2S), daemon=True).start()
+            threading.Thread(target=self._pump, args=(s, c, conn, S2C), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, conn: Conn, direction: int) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self._lock:
+                    conn.chunks.append((direction, data))
+                    if direction == C2S:
+                        conn.c2s += len(data)
+                    else:
+                        conn.s2c += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for x in (src, dst):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        self._ls.close()
+
+
+# ------------------------------------------------------------------------------ replay
+def c2s_frames(chunks: list[tuple[int, bytes]]) -> list[tuple[int, int, int]]:
+    """(offset in the client->server stream, command, payload length) of every request frame."""
+    stream = b"".join(d for direction, d in chunks if direction == C2S)
+    out, pos = [], 0
+    while pos + 9 <= len(stream):
+        cmd, n = stream[pos], int.from_bytes(stream[pos + 1 : pos + 9], "little")
+        out.append((pos, cmd, n))
+        pos += 9 + n
+    return out
+
+
+def recorded_version(chunks) -> tuple[int, int, int]:
+    """The protocol version of the server's HELLO reply (the first server->client bytes)."""
+    first = next(d for direction, d in chunks if direction == S2C)
+    return (first[8], first[9], first[10])
+
+
+def new_session(policy: SessionPolicy, version: tuple[int, int, int], devices: int) -> Session:
+    # The upstream's version and device count are known from earlier connections (as in the
+    # proxy, UpstreamFacts outlive sessions): so the session does not inject a DEVICE_COUNT
+    # whose answer the recording does not hold.
+    return Session(policy, UpstreamFacts(version=version, device_count=devices))
+
+
+def replay(chunks, policy: SessionPolicy, devices: int, *, stop_at: int | None = None) -> tuple[Session, int, int]:
+    """Feed the recorded chunks into a fresh Session. Returns (session, ns before the first
+    GRAPH_COMPUTE, ns from it on). With ``stop_at``, stop at that client->server offset."""
+    s = new_session(policy, recorded_version(chunks), devices)
+    c2s_pos = 0
+    t_load = t_infer = 0
+    clock = time.perf_counter_ns
+    stats = s.stats.req_frames
+    to_server, to_client = s.to_server, s.to_client
+    for direction, data in chunks:
+        mv = memoryview(data)
+        if direction == C2S:
+            if stop_at is not None and c2s_pos + len(data) > stop_at:
+                mv = mv[: stop_at - c2s_pos]
+                if mv:
+                    s.client_data(mv)
+                return s, t_load, t_infer
+            before = stats[GRAPH_COMPUTE]
+            t0 = clock()
+            s.client_data(mv)
+            dt = clock() - t0
+            c2s_pos += len(data)
+            if before or stats[GRAPH_COMPUTE]:
+                t_infer += dt
+            else:
+                t_load += dt
+        else:
+            t0 = clock()
+            s.server_data(mv)
+            dt = clock() - t0
+            if stats[GRAPH_COMPUTE]:
+                t_infer += dt
+            else:
+                t_load += dt
+        to_server.clear()
+        to_client.clear()
+    return s, t_load, t_infer
+
+
+def graph_rates(chunks, frames, devices: int, min_s: float) -> list[dict]:
+    """Validation rate of every recorded GRAPH_COMPUTE frame: warm, cold and framing only."""
+    stream = b"".join(d for direction, d in chunks if direction == C2S)
+    out = []
+    for off, cmd, n in frames:
+        if cmd != GRAPH_COMPUTE:
+            continue
+        raw = memoryview(stream[off : off + 9 + n])
+        row = {"offset": off, "bytes": 9 + n, "n_nodes": int.from_bytes(raw[13:17], "little")}
+        row["n_tensors"] = int.from_bytes(raw[17 + 8 * row["n_nodes"] : 21 + 8 * row["n_nodes"]], "little")
+        for name, policy, cold in (("warm", FULL, False), ("cold", FULL, True), ("framing", FRAMING_ONLY, False)):
+            s, _, _ = replay(chunks, policy, devices, stop_at=off)
+            cache = s.state.tensor_cache
+            s.client_data(raw)  # first pass fills the cache (and proves the frame valid here)
+            s.to_server.clear()
+            times = []
+            t_end = time.perf_counter() + min_s
+            while time.perf_counter() < t_end or len(times) < 20:
+                if cold:
+                    cache.clear()
+                t0 = time.perf_counter_ns()
+                s.client_data(raw)
+                times.append(time.perf_counter_ns() - t0)
+                s.to_server.clear()
+            med = statistics.median(times)
+            row[name + "_us"] = med / 1e3
+            row[name + "_per_s"] = 1e9 / med
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------ real runs
+def run(endpoint: str, model: Path, n: int) -> realpeer.ClientRun:
+    r = realpeer.run_client(endpoint, model, n=n, timeout=600)
+    if not r.ok:
+        raise SystemExit(f"client run against {endpoint} failed:\n{r.output[-3000:]}")
+    return r
+
+
+def ms_per_token(r: realpeer.ClientRun) -> float:
+    return 1000.0 / r.gen_tps if r.gen_tps else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-args", default="--preset bench",
+                    help="make_tiny_model.py arguments (default: --preset bench, ~105 MB f16)")
+    ap.add_argument("--n-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5, help="direct runs for the baseline")
+    ap.add_argument("--replays", type=int, default=5, help="offline replays per policy")
+    ap.add_argument("--e2e-reps", type=int, default=5, help="end-to-end runs per arm (0 = skip)")
+    ap.add_argument("--min-s", type=float, default=0.5, help="seconds per GRAPH_COMPUTE rate measurement")
+    ap.add_argument("--json", help="also write the figures to this file")
+    a = ap.parse_args()
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    margs = a.model_args.split()
+    model = realpeer.make_model(CACHE / ("validation-" + "_".join(x.strip("-") for x in margs) + ".gguf"), *margs)
+    work = Path(tempfile.mkdtemp(prefix="rpcguard-valbench-"))
+    server, port = realpeer.start_rpc_server(work)
+    direct_ep = f"127.0.0.1:{port}"
+    res: dict = {"model": str(model), "model_mb": model.stat().st_size / 1e6, "n_tokens": a.n_tokens,
+                 "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        # 1. capture
+        relay = CaptureRelay(port)
+        cap = run(f"127.0.0.1:{relay.port}", model, a.n_tokens)
+        time.sleep(0.3)
+        relay.close()
+        sess = max(relay.conns, key=lambda c: c.c2s)
+        frames = c2s_frames(sess.chunks)
+        counts: dict[str, int] = {}
+        from rpcguard.protocol.versions import COMMAND_NAMES
+        for _, cmd, _ in frames:
+            counts[COMMAND_NAMES[cmd]] = counts.get(COMMAND_NAMES[cmd], 0) + 1
+        res["capture"] = {"connections": len(relay.conns), "session_c2s_bytes": sess.c2s,
+                          "session_s2c_bytes": sess.s2c, "session_chunks": len(sess.chunks), "requests": counts}
+        devices = 1
+
+        # 2. direct baseline (same run)
+        direct = [run(direct_ep, model, a.n_tokens) for _ in range(a.reps)]
+        assert all(r.tokens == cap.tokens for r in direct), "direct tokens differ from the captured run"
+        d_ms = statistics.median(ms_per_token(r) for r in direct)
+        res["direct_ms_per_token"] = d_ms
+        res["direct_ms_per_token_all"] = [ms_per_token(r) for r in direct]
+
+        # 3. offline replay of the whole session
+        rep = {}
+        for name, policy in (("full", FULL), ("framing", FRAMING_ONLY)):
+            loads, infers = [], []
+            for _ in range(a.replays):
+                s, t_load, t_infer = replay(sess.chunks, policy, devices)
+                assert s.stats.req_frames[GRAPH_COMPUTE] == counts.get("GRAPH_COMPUTE", 0)
+                loads.append(t_load)
+                infers.append(t_infer)
+            rep[name] = {"load_ms": min(loads) / 1e6, "inference_ms": min(infers) / 1e6}
+        fw_infer_ms = max(0.0, rep["full"]["inference_ms"] - rep["framing"]["inference_ms"])
+        rep["firewall_inference_ms"] = fw_infer_ms
+        rep["firewall_load_ms"] = rep["full"]["load_ms"] - rep["framing"]["load_ms"]
+        rep["session_ms_per_token"] = rep["full"]["inference_ms"] / a.n_tokens
+        rep["firewall_ms_per_token"] = fw_infer_ms / a.n_tokens
+        rep["session_pct_of_direct_token"] = 100 * rep["session_ms_per_token"] / d_ms
+        rep["firewall_pct_of_direct_token"] = 100 * rep["firewall_ms_per_token"] / d_ms
+        res["replay"] = rep
+
+        # 4. GRAPH_COMPUTE validation rates
+        graphs = graph_rates(sess.chunks, frames, devices, a.min_s)
+        res["graphs"] = graphs
+        decode = graphs[-1]  # the last graph is a single-token decode graph
+        res["cold_graph_per_token_pct"] = 100 * (decode["cold_us"] / 1e3) / d_ms
+        res["warm_graph_per_token_pct"] = 100 * (decode["warm_us"] / 1e3) / d_ms
+
+        # 5. end to end through the real proxies
+        if a.e2e_reps:
+            res["e2e"] = e2e(work, model, a.n_tokens, a.e2e_reps, direct_ep, cap.tokens)
+    finally:
+        server.stop()
+
+    report(res)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def e2e(work: Path, model: Path, n: int, reps: int, direct_ep: str, tokens: list[int]) -> dict:
+    from tests.support.guard import Pki, start_guard
+
+    pki = Pki(work / "pki")
+    off = work / "checks-off.yaml"
+    off.write_text("policy:\n  checks:\n" + "".join(f"    {c}: false\n" for c in CHECK_NAMES))
+    port = int(direct_ep.rsplit(":", 1)[1])
+    guards = []
+    arms = {}
+    try:
+        for name, extra in (("rpcguard", []), ("rpcguard_checks_off", ["--config", str(off)])):
+            serve = start_guard("serve", work, ["--upstream", direct_ep, *pki.serve_args(), *extra])
+            connect = start_guard("connect", work, ["--server", serve.endpoint, "--server-name", pki.node,
+                                                    *pki.connect_args(), *extra])
+            guards += [serve, connect]
+            arms[name] = (connect.endpoint, serve, connect)
+        order = [("direct", direct_ep)] + [(k, v[0]) for k, v in arms.items()]
+        got: dict[str, list[float]] = {k: [] for k, _ in order}
+        for _ in range(reps):
+            for name, ep in order:
+                r = run(ep, model, n)
+                if r.tokens != tokens:
+                    raise SystemExit(f"{name}: tokens differ from direct")
+                got[name].append(ms_per_token(r))
+        for name, (_, serve, connect) in arms.items():
+            for g in (serve, connect):
+                if g.value("rpcguard_refusals_total"):
+                    raise SystemExit(f"{name}: {g.role} refused something:\n{g.output()[-2000:]}")
+        med = {k: statistics.median(v) for k, v in got.items()}
+        return {"ms_per_token": med, "all": got,
+                "rpcguard_vs_direct": med["rpcguard"] / med["direct"],
+                "checks_on_vs_off": med["rpcguard"] / med["rpcguard_checks_off"]}
+    finally:
+        for g in guards:
+            g.stop()
+
+
+def report(r: dict) -> None:
+    p = print
+    cap = r["capture"]
+    p(f"model {r['model']} ({r['model_mb']:.0f} MB), {r['n_tokens']} generated tokens, "
+      f"Python {r['python']}, {r['cpus']} CPUs")
+    p(f"captured: {cap['connections']} connections; model session {cap['session_c2s_bytes'] / 1e6:.1f} MB "
+      f"client->server in {cap['session_chunks']} chunks; requests {cap['requests']}")
+    d = r["direct_ms_per_token"]
+    p(f"direct (same run): {d:.3f} ms per generated token (median of "
+      f"{', '.join(f'{x:.3f}' for x in r['direct_ms_per_token_all'])})")
+    rep = r["replay"]
+    p("\noffline replay of the model session through rpcguard.protocol.session.Session (best of N):")
+    p(f"  {'':28s} {'load':>10s} {'prompt+generation':>18s}")
+    for name in ("full", "framing"):
+        label = "enforce, every check on" if name == "full" else "framing only (checks off)"
+        p(f"  {label:28s} {rep[name]['load_ms']:8.2f} ms {rep[name]['inference_ms']:15.2f} ms")
+    p(f"  firewall (difference)        {rep['firewall_load_ms']:8.2f} ms {rep['firewall_inference_ms']:15.2f} ms")
+    p(f"  per generated token: session {rep['session_ms_per_token'] * 1000:.1f} µs "
+      f"= {rep['session_pct_of_direct_token']:.2f} % of a direct token; firewall alone "
+      f"{rep['firewall_ms_per_token'] * 1000:.1f} µs = {rep['firewall_pct_of_direct_token']:.2f} %  (target < 5 %)")
+    p("\nGRAPH_COMPUTE validation (Session.client_data on the recorded frame, median):")
+    p(f"  {'nodes':>6s} {'tensors':>8s} {'bytes':>9s} | {'warm µs':>8s} {'frames/s':>9s} | "
+      f"{'cold µs':>8s} {'frames/s':>9s} | {'framing µs':>10s}  cold/framing")
+    for g in r["graphs"]:
+        p(f"  {g['n_nodes']:6d} {g['n_tensors']:8d} {g['bytes']:9d} | {g['warm_us']:8.1f} {g['warm_per_s']:9.0f} | "
+          f"{g['cold_us']:8.1f} {g['cold_per_s']:9.0f} | {g['framing_us']:10.1f}  {g['cold_us'] / g['framing_us']:.1f}x")
+    p(f"  one decode GRAPH_COMPUTE per token would add: warm {r['warm_graph_per_token_pct']:.2f} %, "
+      f"cold {r['cold_graph_per_token_pct']:.2f} % of a direct token (7.0.0 sends GRAPH_RECOMPUTE instead)")
+    if "e2e" in r:
+        e = r["e2e"]
+        p("\nend to end, real client (median ms per generated token, arms alternated):")
+        for k, v in e["ms_per_token"].items():
+            p(f"  {k:22s} {v:8.3f} ms  ({', '.join(f'{x:.2f}' for x in e['all'][k])})")
+        p(f"  rpcguard / direct = {e['rpcguard_vs_direct']:.3f}; checks on / checks off = {e['checks_on_vs_off']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
