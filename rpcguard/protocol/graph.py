@@ -167,7 +167,9 @@ class GraphValidator:
         """Validate one GRAPH_COMPUTE payload; returns its device index. Raises FirewallRefusal."""
         spec = state.spec
         assert spec is not None
-        mv = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
+        mv = memoryview(payload)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
         size = len(mv)
         head = spec.graph_header  # [u32 device] u32 n_nodes
         if size < head:

@@ -123,6 +123,15 @@ def test_refuses_element_count_beyond_int64():
     assert refused(t) == "tensor_shape_invalid"
 
 
+def test_element_count_rule_matches_ggml_new_tensor():
+    # ggml skips ne[i] <= 1 in its int64 check: an empty tensor (ne1 = 0) can still abort the
+    # server, while ne0 = 0 keeps the running product at 0 and always passes.
+    big = 0xFFFFFFFF
+    assert refused(tensor(ne=(big, 0, big, big), nb=(0, 0, 0, 0), buffer=0, data=0)) == "tensor_shape_invalid"
+    assert check_tensor(tensor(ne=(0, big, big, big), nb=(0, 0, 0, 0), buffer=0, data=0), state()) == 0
+    assert check_tensor(tensor(ne=(1 << 31, 1 << 31, 1, 1), nb=(0, 0, 0, 0), buffer=0, data=0), state()) == 4
+
+
 def test_refuses_nbytes_overflow():
     big = 0xFFFFFFFF
     t = tensor(ne=(big, 1, 1, 1), nb=(big, big, big, big), buffer=0, data=0)
