@@ -457,13 +457,18 @@ class Link:
         session = self.session
         if session.phase != ACTIVE and limits.hello_timeout_s:
             if session.hello_request_len is None:
-                # The client has not sent its HELLO (the clock starts after the TLS handshake).
-                if now - self.t_accepted > limits.hello_timeout_s:
+                # The client has not sent its HELLO. The clock starts after the TLS handshake
+                # (admitted); the handshake itself is bounded by handshake_timeout_s.
+                if self.admitted and now - self.t_accepted > limits.hello_timeout_s:
                     self._finish("refused", "hello_timeout", f"no HELLO within {limits.hello_timeout_s:g} s")
                     return
-            elif self.upstream_ready and now - self.t_upstream > limits.hello_timeout_s:
+            elif self.upstream_ready and now - self.t_upstream > limits.hello_timeout_s + (
+                limits.queue_timeout_s if self.route.role == "connect" else 0
+            ):
                 # Queueing for the upstream is bounded by queue_timeout_s; a server that takes the
-                # connection but never answers HELLO is bounded here.
+                # connection but never answers HELLO is bounded here. connect's upstream is the
+                # node's serve, which may queue the HELLO behind another session for its own
+                # queue_timeout_s (then answers upstream_busy itself).
                 self.refusal = Refusal("upstream_unavailable", "the upstream did not answer HELLO")
                 self._answer_refusal()
                 return
