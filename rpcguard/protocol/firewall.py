@@ -122,7 +122,9 @@ class Firewall:
         # The session guarantees these sizes; re-checked so that no payload can make a handler
         # fail with anything but a FirewallRefusal. GRAPH_COMPUTE sizes are the graph's own rule.
         if rule.layout != WHOLE and len(payload) != rule.request:
-            raise FirewallRefusal("frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}")
+            raise FirewallRefusal(
+                "frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}"
+            )
         handler(rule, payload, body_len)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -133,7 +135,9 @@ class Firewall:
             if device >= count:
                 raise FirewallRefusal("device_out_of_range", f"device {device} >= device count {count}")
 
-    def _buffer_tensor(self, payload: memoryview, offset: int = 0, what: str = "tensor") -> tuple[RpcTensor, int, Buffer | None]:
+    def _buffer_tensor(
+        self, payload: memoryview, offset: int = 0, what: str = "tensor"
+    ) -> tuple[RpcTensor, int, Buffer | None]:
         """Decode and check a tensor that must live in a known buffer; the Buffer is None only
         when ``buffer_bounds`` is off (then no range check follows)."""
         t = decode_tensor(payload, offset)
@@ -183,7 +187,9 @@ class Firewall:
         if self._bounds:
             handle = _U64.unpack_from(payload)[0]
             if handle not in self.state.buffers:
-                raise FirewallRefusal("buffer_unknown", f"{rule.name}: {handle:#x} is not a live buffer of this session")
+                raise FirewallRefusal(
+                    "buffer_unknown", f"{rule.name}: {handle:#x} is not a live buffer of this session"
+                )
 
     def _set_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         t, n, buf = self._buffer_tensor(payload)

@@ -84,7 +84,11 @@ def test_accepts_chain_with_views_and_use_counts():
 
 def test_accepts_cpu_side_tensors_without_buffer():
     # 7.0.0 sends buffer=0, data=0 for tensors outside this server's buffers (transitive srcs).
-    tensors = [T(0x10, buffer=0), T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10,), buffer=0), T(0x30, 2, op=OPS["CPY"], src=(0x20,))]
+    tensors = [
+        T(0x10, buffer=0),
+        T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10,), buffer=0),
+        T(0x30, 2, op=OPS["CPY"], src=(0x20,)),
+    ]
     assert run([0x30], tensors) == 0
 
 
