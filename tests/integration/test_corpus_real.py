@@ -299,3 +299,29 @@ def test_effect_on_unprotected_server(case: Case, workdir):
             assert _hello_probe(port), "the unprotected server stopped serving after a close"
     finally:
         server.stop()
+
+
+def test_monitor_mode_counts_and_forwards(workdir, pki, models, baseline):
+    """policy.mode=monitor: a violation is logged and counted on both sides, and the frame is
+    forwarded: here a harmless case, which the real server then refuses itself (it closes)."""
+    case = next(c for c in SAFE if c.id == "cve-2024-type-table-overflow")
+    assert case.effect == "close"
+    server, port = realpeer.start_rpc_server(workdir)
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{port}", "--mode", "monitor",
+                                           *pki.serve_args()])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               "--mode", "monitor", *pki.connect_args()])
+    st = Stack(server, port, serve, connect)
+    try:
+        with plain(connect.port) as s:
+            got = attack(s, case)
+        assert got.ending == "closed" and got.tail == b""
+        for g in (connect, serve):
+            assert g.wait_value("rpcguard_firewall_violations_total", 1, reason=case.expected_reason,
+                                mode="monitor") == 1, g.metrics_text()
+            assert refusals(g, case.expected_reason) == 0
+            assert "monitor: would refuse" in g.output() and case.expected_reason in g.output()
+        assert "invalid tensor type received" in server.output()  # the frame reached the server
+        still_serves(st, models, baseline)
+    finally:
+        st.stop()
