@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal, Mapping
 import yaml
 
 from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
+from rpcguard.protocol.ggml import OP_TABLES
 from rpcguard.protocol.versions import COMMAND_NAMES
 
 from .errors import ConfigError
@@ -38,6 +39,7 @@ __all__ = [
 log = logging.getLogger("rpcguard.config")
 
 ROLES = ("serve", "connect")
+_OP_NAMES = frozenset(name for table in OP_TABLES.values() for name in table.ids)
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 #: ggml-rpc command names (index = wire id) and the ``allow_commands`` categories (``"@name"``),
@@ -106,6 +108,7 @@ class PolicyConfig:
     max_graph_tensors: int = 1048576
     max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
     clear_new_buffers: bool = False  # inject BUFFER_CLEAR after each ALLOC_BUFFER
+    denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
     disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
 
     def check_enabled(self, name: str) -> bool:
@@ -303,6 +306,8 @@ _uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain
 _server_name = _reader(_host_ok, "a host name or IP address")
 _command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),
                    f"a command name like SET_TENSOR or a category ({', '.join(CATEGORIES)})")
+_op = _reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
+              "a ggml op name like SSM_SCAN or GATED_DELTA_NET (see rpcguard/protocol/ggml.py)")
 _listen, _connect = _via(parse_address, allow_port_zero=True), _via(parse_address)  # listen :0 = any port
 
 
@@ -380,6 +385,7 @@ _POLICY_READERS: dict[str, Reader] = {
     "allow_commands": _list(_command), "max_request_bytes": _via(parse_size, allow_zero=False),
     "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
+    "denied_ops": _list(_op),
 }
 _LIMIT_READERS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),

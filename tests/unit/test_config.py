@@ -134,7 +134,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
      "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, checks, "
-     "clear_new_buffers, max_alloc_bytes, max_graph_bytes, max_graph_nodes, max_graph_tensors, max_request_bytes, mode)"),
+     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_nodes, max_graph_tensors, max_request_bytes, mode)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
@@ -598,3 +598,10 @@ def test_examples_show_every_key(name: str) -> None:
     assert set(raw["limits"]) == names(LimitsConfig) and set(raw["log"]) == names(LogConfig)
     assert set(raw["tls"]) == {"cert", "key", "ca", "min_version", "reload_interval_s"}
     assert set(raw["metrics"]) == {"listen", "unsafe_public"}
+
+
+def test_denied_ops_are_validated_and_reach_the_firewall(tmp_path):
+    from rpcguard.policy import session_policy
+
+    cfg = PolicyConfig(denied_ops=("SSM_SCAN",))
+    assert session_policy(cfg).firewall.denied_ops == frozenset({"SSM_SCAN"})
