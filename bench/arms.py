@@ -15,7 +15,8 @@ rpcguard's own ``certs`` module (``tests.support.guard.Pki``):
 * ``rpcguard``: ``rpcguard connect`` -> ``rpcguard serve`` with validation in enforce mode.
 
 ``ArmStack.sample()`` reads each proxy process's peak RSS (``VmHWM``) and CPU time from /proc.
-With ``profile_dir`` set, ``py-spy record`` is attached to each rpcguard process.
+With ``profile_dir`` set, each rpcguard process runs under cProfile, or gets ``py-spy record``
+or ``perf record`` attached (bench/profile_summary.py reads all three).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.guard import Pki, start_guard
-from tests.support.realpeer import Proc, free_port, start, start_rpc_server, wait_port
+from tests.support.guard import Pki, wait_for_line
+from tests.support.realpeer import PYTHON, Proc, free_port, start, start_rpc_server, wait_port
 
 __all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "check_mtls", "tool_versions"]
 
@@ -98,7 +99,7 @@ class ArmStack:
     def stop(self) -> None:
         for prof in self.profilers:
             if prof.poll() is None:
-                prof.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+                prof.send_signal(signal.SIGINT)  # py-spy and perf write their output on SIGINT
         for prof in self.profilers:
             try:
                 prof.wait(30)
@@ -214,41 +215,71 @@ backend node
     return f"127.0.0.1:{front}", mid, {"client-side": cli, "server-side": srv}
 
 
-def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int) -> tuple[str, int, dict[str, Proc]]:
-    serve = start_guard("serve", workdir, pki.serve_args() + [
-        "--upstream", f"127.0.0.1:{server_port}", "--mode", "enforce", "--allow-cn", pki.client])
-    connect = start_guard("connect", workdir, pki.connect_args() + [
-        "--server", f"127.0.0.1:{serve.port}", "--server-name", NODE, "--mode", "enforce"])
-    return connect.endpoint, serve.port, {"connect": connect.proc, "serve": serve.proc}
+def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | None) -> tuple[Proc, int]:
+    """``python -m rpcguard ROLE`` (as tests.support.guard.start_guard), optionally under cProfile
+    (bench/cprofile_rpcguard.py: CPU-time clock; the file is written when the arm stops)."""
+    port = free_port()
+    if cprofile:
+        py = [PYTHON, str(Path(__file__).resolve().parent / "cprofile_rpcguard.py"), str(cprofile)]
+    else:
+        py = [PYTHON, "-m", "rpcguard"]
+    cmd = py + [role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{free_port()}",
+                *args]
+    proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}")
+    wait_for_line(proc, "RPCGUARD_READY", timeout=60)
+    wait_port(port, proc=proc.popen)
+    return proc, port
+
+
+def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | None = None
+                   ) -> tuple[str, int, dict[str, Proc]]:
+    serve, sport = _start_rpcguard("serve", workdir, pki.serve_args() + [
+        "--upstream", f"127.0.0.1:{server_port}", "--mode", "enforce", "--allow-cn", pki.client],
+        Path(f"{cprofile}serve.cprofile") if cprofile else None)
+    connect, cport = _start_rpcguard("connect", workdir, pki.connect_args() + [
+        "--server", f"127.0.0.1:{sport}", "--server-name", NODE, "--mode", "enforce", "--no-check"],
+        Path(f"{cprofile}connect.cprofile") if cprofile else None)
+    return f"127.0.0.1:{cport}", sport, {"connect": connect, "serve": serve}
 
 
 _PAIRS = {"stunnel": _stunnel_pair, "haproxy": _haproxy_pair, "rpcguard": _rpcguard_pair}
 
 
+def _profiler(kind: str, pid: int, out: Path) -> subprocess.Popen:
+    """``py-spy`` (Python + native frames, raw collapsed stacks) or ``perf`` (on-CPU, dwarf stacks)."""
+    if kind == "perf":
+        cmd = ["perf", "record", "-F", "499", "-e", "cpu-clock", "--call-graph", "dwarf", "-p", str(pid),
+               "-o", str(out) + ".perf.data"]
+    else:
+        venv = Path(os.environ.get("VIRTUAL_ENV") or Path(__file__).resolve().parent.parent / ".venv")
+        cmd = [str(venv / "bin" / "py-spy"), "record", "--pid", str(pid), "--native", "--rate", "200",
+               "--format", "raw", "-o", str(out) + ".pyspy.txt"]
+    with open(str(out) + f".{kind}.log", "wb") as log:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+
+
 def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = None,
-              profile_tag: str = "") -> ArmStack:
+              profile_tag: str = "", profiler: str = "py-spy") -> ArmStack:
     """A fresh real server and the arm's proxies in front of it (nothing for ``direct``)."""
     server, server_port = start_rpc_server(workdir, binary=True)
     if arm == "direct":
         return ArmStack(arm, f"127.0.0.1:{server_port}", server)
     try:
-        endpoint, tls_port, proxies = _PAIRS[arm](workdir, pki, server_port)
+        if arm == "rpcguard" and profile_dir is not None and profiler == "cprofile":
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, profile_dir / profile_tag)
+        else:
+            endpoint, tls_port, proxies = _PAIRS[arm](workdir, pki, server_port)
     except BaseException:
         server.stop()
         raise
     stack = ArmStack(arm, endpoint, server, tls_port, proxies)
     stack.baseline = {label: proc_sample(p.popen.pid) for label, p in proxies.items()}
-    if profile_dir is not None and arm == "rpcguard":
+    if profile_dir is not None and arm == "rpcguard" and profiler != "cprofile":
         profile_dir.mkdir(parents=True, exist_ok=True)
         for label, p in proxies.items():
-            out = profile_dir / f"{profile_tag}{label}.txt"
-            stack.profilers.append(subprocess.Popen(
-                [str(Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parent.parent / ".venv"))
-                     / "bin" / "py-spy"),
-                 "record", "--pid", str(p.popen.pid), "--native", "--rate", "200", "--format", "raw",
-                 "-o", str(out)],
-                stdout=subprocess.DEVNULL, stderr=open(profile_dir / f"{profile_tag}{label}.pyspy.log", "wb")))
-        time.sleep(1.0)  # let py-spy attach before the first client
+            stack.profilers.append(_profiler(profiler, p.popen.pid, profile_dir / f"{profile_tag}{label}"))
+        time.sleep(1.0)  # let the profilers attach before the first client
     return stack
 
 

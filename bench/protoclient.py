@@ -10,6 +10,8 @@ BUFFER_GET_BASE, then either
   first 64 KiB then checks that the bytes arrived intact. Every frame is a valid tensor write,
   so rpcguard's firewall in enforce mode forwards it.
 * ``ping``: GET_ALIGNMENT request/response round trips, timed one by one.
+* ``burst``: the shape of one decode step (small SET_TENSORs sent piecewise, then a GET_TENSOR
+  round trip), timed per step.
 
 Frames are built with ``rpcguard.protocol.encode`` (no hand-written byte strings). The payload
 is sent from one preallocated buffer, header and body as two ``sendall`` calls, as the real
@@ -35,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from rpcguard.protocol.encode import TensorSpec, pack_tensor, request  # noqa: E402
 
-__all__ = ["RpcClient", "bulk", "ping"]
+__all__ = ["RpcClient", "bulk", "ping", "burst"]
 
 MIB = 1024 * 1024
 F32 = 0  # GGML_TYPE_F32
@@ -171,9 +173,56 @@ def ping(endpoint: str, *, count: int = 2000, warmup: int = 50) -> dict:
             "min_us": rtts[0] / 1e3, "max_us": rtts[-1] / 1e3}
 
 
+def burst(endpoint: str, *, count: int = 1000, frames: int = 5, frame_bytes: int = 512,
+          get_bytes: int = 2048, warmup: int = 20) -> dict:
+    """A decode step's traffic shape: ``frames`` small SET_TENSORs, then a GET_TENSOR round trip.
+
+    The real client (7.0.0) sends the command byte, the size and the payload of every frame with
+    separate ``send`` calls and TCP_NODELAY, so one token is ~20 small segments and one response
+    (tests/realpeer capture of the tiny model). This mode does the same, to time what a proxy
+    adds per token independently of the model's compute time.
+    """
+    c, tensor = _open(endpoint, 1 << 20)
+    try:
+        sock = c.sock
+        data = os.urandom(frame_bytes)
+        set_tail = _SET_TAIL.pack(0, 0)
+        set_size = struct.pack("<Q", len(tensor) + len(set_tail) + frame_bytes)
+        get_payload = tensor + _GET_TAIL.pack(0, get_bytes)
+        get_size = struct.pack("<Q", len(get_payload))
+        set_cmd, get_cmd = bytes([6]), bytes([8])
+        want = 8 + get_bytes
+        buf = bytearray(want)
+        view = memoryview(buf)
+        times = []
+        for i in range(warmup + count):
+            t0 = time.perf_counter_ns()
+            for _ in range(frames):
+                sock.sendall(set_cmd)
+                sock.sendall(set_size)
+                sock.sendall(tensor + set_tail + data)
+            sock.sendall(get_cmd)
+            sock.sendall(get_size)
+            sock.sendall(get_payload)
+            got = 0
+            while got < want:
+                k = sock.recv_into(view[got:])
+                if not k:
+                    raise ConnectionError("connection closed during GET_TENSOR")
+                got += k
+            if i >= warmup:
+                times.append(time.perf_counter_ns() - t0)
+        intact = bytes(buf[8:8 + min(frame_bytes, get_bytes)]) == data[:min(frame_bytes, get_bytes)]
+    finally:
+        c.close()
+    times.sort()
+    return {"count": count, "frames": frames, "median_us": times[len(times) // 2] / 1e3,
+            "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, "intact": intact}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["bulk", "ping"])
+    ap.add_argument("mode", choices=["bulk", "ping", "burst"])
     ap.add_argument("endpoint", help="HOST:PORT of the server or of a proxy in front of it")
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--frame-mib", type=int, default=8)
@@ -183,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "bulk":
         out = bulk(a.endpoint, total_bytes=a.total_mib * MIB, frame_bytes=a.frame_mib * MIB,
                    buffer_bytes=a.buffer_mib * MIB)
+    elif a.mode == "burst":
+        out = burst(a.endpoint, count=a.count)
     else:
         out = ping(a.endpoint, count=a.count)
     print(json.dumps(out))

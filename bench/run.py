@@ -64,7 +64,7 @@ MODELS = {
 class Workload:
     name: str
     title: str
-    kind: str  # "client" (real llama.cpp), "bulk" or "ping" (bench/protoclient.py)
+    kind: str  # "client" (real llama.cpp), "bulk", "ping" or "burst" (bench/protoclient.py)
     unit: str
     higher_better: bool
     reps: int
@@ -84,9 +84,11 @@ WORKLOADS = {w.name: w for w in (
     Workload("bulk", "synthetic SET_TENSOR upload, 512 MiB in 8 MiB frames", "bulk", "MB/s", True, 5, 2),
     Workload("ping", "synthetic GET_ALIGNMENT round trip, 2000 pings (median of the run)", "ping", "us", False,
              5, 2),
+    Workload("burst", "synthetic decode-step shape: 5 small SET_TENSOR + GET_TENSOR round trip, 1000 steps",
+             "burst", "us", False, 5, 2),
     Workload("rss", "rpcguard peak RSS vs tensor size (fresh pair per case)", "rss", "MB", False, 1, 1),
 )}
-DEFAULT_WORKLOADS = ("load", "gen100", "gentiny", "bulk", "ping", "rss")
+DEFAULT_WORKLOADS = ("load", "gen100", "gentiny", "bulk", "ping", "burst", "rss")
 RSS_TARGET_MB = 80.0
 
 
@@ -119,10 +121,12 @@ def offloaded_bytes(path: Path) -> int:
 def start_arm_retry(arm: str, work: Path, pki: Pki, args, tag: str) -> armlib.ArmStack:
     """Start an arm; one retry, since a free port picked by bind(0) can be taken by another job."""
     try:
-        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag)
+        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag,
+                                profiler=args.profiler)
     except (RuntimeError, TimeoutError, OSError, subprocess.CalledProcessError) as exc:
         print(f"   {arm}: start failed ({exc!s:.200}); retrying once", flush=True)
-        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag)
+        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag,
+                                profiler=args.profiler)
 
 
 def measure(wl: Workload, endpoint: str, model: Path | None, model_bytes: int) -> tuple[float, dict]:
@@ -144,6 +148,11 @@ def measure(wl: Workload, endpoint: str, model: Path | None, model_bytes: int) -
         if not out["intact"]:
             raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
         return out["mb_s"], out
+    if wl.kind == "burst":
+        out = protoclient.burst(endpoint)
+        if not out["intact"]:
+            raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
+        return out["median_us"], out
     out = protoclient.ping(endpoint)
     return out["median_us"], out
 
@@ -214,8 +223,8 @@ def run_rss(work: Path, pki: Pki, args) -> dict:
     ]
     print("\n== rss: rpcguard peak RSS (VmHWM) per process, fresh pair per case", flush=True)
     out = []
-    for label, model_name, frame in cases:
-        stack = start_arm_retry("rpcguard", work, pki, args, "rss-")
+    for i, (label, model_name, frame) in enumerate(cases):
+        stack = start_arm_retry("rpcguard", work, pki, args, f"rss{i}-")
         detail: dict = {}
         try:
             if model_name:
@@ -320,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="repetitions per workload (overrides the defaults and --quick)")
     ap.add_argument("--max-minutes", type=float, default=45.0,
                     help="time budget: no new repetition starts after this (default 45)")
-    ap.add_argument("--profile", type=Path, help="attach py-spy (--native, raw) to the rpcguard processes; "
-                                                 "writes DIR/<workload>-<serve|connect>.txt")
+    ap.add_argument("--profile", type=Path, help="attach a profiler to the rpcguard processes; writes "
+                                                 "DIR/<workload>-<serve|connect>.* (see bench/profile_summary.py)")
+    ap.add_argument("--profiler", choices=["perf", "py-spy", "cprofile"], default="perf",
+                    help="perf: on-CPU samples by library (default); py-spy: Python + native frames, "
+                         "wall-clock samples; cprofile: Python functions (adds overhead)")
     ap.add_argument("--json", type=Path, help="where to write the raw results (default bench/results/<ts>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs, PKI)")
     args = ap.parse_args(argv)
