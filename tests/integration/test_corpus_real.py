@@ -325,3 +325,31 @@ def test_monitor_mode_counts_and_forwards(workdir, pki, models, baseline):
         still_serves(st, models, baseline)
     finally:
         st.stop()
+
+
+def test_enforce_refusal_counts_as_firewall_violation(stacks, models, baseline):
+    """A frame refused by a firewall rule in enforce mode is a firewall violation with
+    mode="enforce" (docs/design.md metrics table): the critical alert RpcguardFirewallViolations
+    (deploy/prometheus/rpcguard-rules.yml) and the dashboard's violations panel select exactly
+    ``rpcguard_firewall_violations_total{mode="enforce"}``."""
+    case = next(c for c in APPLICABLE if c.id == "cve-2024-type-table-overflow")
+    st = stacks(case)
+
+    def violations(g: Guard) -> float:
+        return g.value("rpcguard_firewall_violations_total", reason=case.expected_reason, mode="enforce")
+
+    before_refused, before = refusals(st.connect, case.expected_reason), violations(st.connect)
+    with plain(st.connect.port) as s:
+        got = attack(s, case)
+    assert got.ending == "closed" and got.tail == b""
+    assert st.connect.wait_value("rpcguard_refusals_total", before_refused + 1,
+                                 reason=case.expected_reason) == before_refused + 1
+    after = st.connect.wait_value("rpcguard_firewall_violations_total", before + 1, timeout=3,
+                                  reason=case.expected_reason, mode="enforce")
+    assert after == before + 1, (
+        f"refused with {case.expected_reason} in enforce mode, but rpcguard_firewall_violations_total"
+        f'{{mode="enforce"}} did not move ({before} -> {after}): the RpcguardFirewallViolations alert '
+        f"never fires for blocked exploits.\n"
+        + "\n".join(l for l in st.connect.metrics_text().splitlines() if "firewall_violations" in l
+                    or "refusals_total" in l))
+    still_serves(st, models, baseline)
