@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 
-__all__ = ["setup_logging", "JsonFormatter"]
+__all__ = ["setup_logging", "JsonFormatter", "TextFormatter"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -35,13 +35,36 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, separators=(",", ":"), default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """Human-readable lines; a session end line also gets the audit fields its message lacks
+    (upstream, protocol version, duration, model bytes), before the free-text ``detail=``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        audit = getattr(record, "audit", None)
+        if not audit:
+            return super().format(record)
+        msg = record.getMessage()
+        extra = []
+        for key, value in (("upstream", audit.get("upstream")), ("version", audit.get("version")),
+                           ("duration", f"{audit.get('duration_s') or 0:.3f}s"),
+                           ("alloc_bytes", audit.get("alloc_bytes")), ("upload_bytes", audit.get("upload_bytes"))):
+            if value not in (None, "", 0) and f" {key}=" not in msg:
+                extra.append(f"{key}={value}")
+        if extra:
+            text = " ".join(extra)
+            msg = msg.replace(" detail=", f" {text} detail=", 1) if " detail=" in msg else f"{msg} {text}"
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = msg, None
+        return super().format(copy)
+
+
 def setup_logging(fmt: str = "text", level: str = "info", stream=None) -> None:
     """Configure the root logger once (the CLI calls this)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

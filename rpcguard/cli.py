@@ -108,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rpcguard.config import build_config
 
         role = "connect" if a.command == "check" else a.command
-        cfg = build_config(role, file=a.config, overrides=_overrides(a))
+        overrides = _overrides(a)
+        if a.command == "check" and a.server:
+            overrides["listen"] = "127.0.0.1:0"  # check binds nothing; a tunnel needs a listen address
+        cfg = build_config(role, file=a.config, overrides=overrides)
     except ConfigError as exc:
         print(f"rpcguard: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -118,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log.format, cfg.log.level)
     if a.command == "check":
         return _run(_check_nodes(cfg))
-    return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check)))
+    return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check), overrides=_overrides(a)))
 
 
 def _run(coro) -> int:
@@ -134,12 +137,12 @@ def _run(coro) -> int:
         return EXIT_OK
 
 
-async def _serve(cfg, config_path: str | None, *, check: bool) -> int:
+async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict | None = None) -> int:
     from rpcguard.server import Runtime
     from rpcguard.tls import TlsConfigError
 
     try:
-        rt = Runtime(cfg, config_path=config_path)
+        rt = Runtime(cfg, config_path=config_path, overrides=overrides)
     except (TlsConfigError, RpcGuardError) as exc:
         print(f"rpcguard: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from rpcguard import policy as policy_mod
 from rpcguard.certs import cert_not_after
-from rpcguard.config import Config, load_config
+from rpcguard.config import Config, build_config
 from rpcguard.errors import RpcGuardError
 from rpcguard.identity import Acl
 from rpcguard.metrics import Metrics, start_http
@@ -42,6 +42,7 @@ class TlsMaterial:
         self.role = cfg.role
         self.tls = cfg.tls
         self.context: ssl.SSLContext = self._build()
+        self.loaded_expiry = self._read_expiry()  # of the material in use, not of the files now on disk
         self.stamp = self._stamp()
 
     def _build(self) -> ssl.SSLContext:
@@ -50,6 +51,14 @@ class TlsMaterial:
             return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
         # One client context serves every tunnel: the expected node name is given per connection.
         return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
+
+    def _read_expiry(self) -> dict[str, float]:
+        """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
+        from cryptography import x509
+
+        with open(self.tls.ca, "rb") as f:
+            cas = x509.load_pem_x509_certificates(f.read())
+        return {"cert": cert_not_after(self.tls.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
 
     def _stamp(self) -> tuple:
         out = []
@@ -71,13 +80,16 @@ class TlsMaterial:
             self.tls = tls_cfg
         try:
             context = self._build()
+            expiry = self._read_expiry()
         except Exception:
             self.tls = old
             raise
         self.context = context
+        self.loaded_expiry = expiry
         self.stamp = self._stamp()
 
     def expiry(self) -> dict[str, float]:
+        """notAfter of the files on disk now (raises if one became unreadable)."""
         return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
 
 
@@ -99,9 +111,11 @@ class _Listener:
 class Runtime:
     """Everything one ``rpcguard serve`` or ``connect`` process runs."""
 
-    def __init__(self, cfg: Config, metrics: Metrics | None = None, config_path: str | None = None) -> None:
+    def __init__(self, cfg: Config, metrics: Metrics | None = None, config_path: str | None = None,
+                 overrides: dict | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        self.overrides = dict(overrides or {})  # CLI flags: a reload lays them over the file again
         self.metrics = metrics or Metrics()
         self.tls = TlsMaterial(cfg)
         self.listeners: list[_Listener] = []
@@ -141,7 +155,7 @@ class Runtime:
         return lambda: self._acls[name]
 
     def _record_expiry(self) -> None:
-        for certificate, when in self.tls.expiry().items():
+        for certificate, when in self.tls.loaded_expiry.items():
             self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -181,7 +195,8 @@ class Runtime:
     async def reload(self, why: str) -> bool:
         """Reload TLS material and allow-lists; keep the old ones if anything is wrong."""
         try:
-            new_cfg = load_config(self.config_path, self.cfg.role) if self.config_path else None
+            new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
+                       if self.config_path or self.overrides else None)
             self.tls.reload(new_cfg.tls if new_cfg else None)
             if new_cfg is not None and self.cfg.role == "serve":
                 for lc in new_cfg.listeners:
@@ -196,22 +211,39 @@ class Runtime:
         log.info("reloaded certificates and allow-lists (%s)", why)
         return True
 
+    def _files_stamp(self) -> tuple:
+        """TLS files and the config file (allow-lists): what a file-change reload watches."""
+        try:
+            st = os.stat(self.config_path) if self.config_path else None
+            conf = (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
+        except OSError:
+            conf = None
+        return self.tls._stamp(), conf
+
     async def _watch_files(self, interval: float) -> None:
+        # Reload when the files differ from the last ones seen, whether that reload worked or
+        # not: a broken file is reported once (not at every poll) and retried when it changes.
+        seen = self._files_stamp()
         while True:
             await asyncio.sleep(interval)
-            if self.tls.changed():
+            now = self._files_stamp()
+            if now != seen:
+                seen = now
                 await self.reload("file change")
 
     async def ready(self) -> tuple[bool, str]:
         """/readyz: certificates valid and every upstream reachable (without stealing a busy slot)."""
+        if any(lst.route.draining for lst in self.listeners):
+            return False, "draining: not accepting new sessions"  # take this node out of rotation
         now = time.time()
         try:
-            expiry = self.tls.expiry()
-        except Exception as exc:  # unreadable file after a bad rotation
+            on_disk = self.tls.expiry()
+        except Exception as exc:  # unreadable file after a bad rotation: a restart would fail
             return False, f"certificate unreadable: {exc}"
-        for name, when in expiry.items():
-            if when <= now:
-                return False, f"{name} certificate expired"
+        for expiry, what in ((self.tls.loaded_expiry, "in use"), (on_disk, "on disk")):
+            for name, when in expiry.items():
+                if when <= now:
+                    return False, f"{name} certificate {what} expired"
         lines = []
         for lst in self.listeners:
             route = lst.route
@@ -276,17 +308,18 @@ _LINK_TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only
 
 
 async def _probe_tcp(host: str, port: int, slot: UpstreamSlot | None) -> bool:
-    """Connect and hang up, holding the upstream slot so no session races the probe."""
-    if slot is not None:
-        if slot.busy:
-            return True
-        await slot._lock.acquire()
+    """Connect and hang up, only while no session holds the upstream.
+
+    The probe never takes the slot itself: with ``upstream_busy: refuse`` a session arriving
+    during a probe would be refused as busy (a scraper polling /readyz refused real llama.cpp
+    sessions). A session that races the probe is harmless: the single-client server handles
+    the two connections one after the other, and the probe's carries no bytes.
+    """
+    if slot is not None and slot.busy:
+        return True
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
         writer.close()
         return True
     except (OSError, asyncio.TimeoutError):
         return False
-    finally:
-        if slot is not None:
-            slot.release()
