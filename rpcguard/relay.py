@@ -55,6 +55,10 @@ READ_BUFFER_BYTES = 256 * 1024
 # with the read buffer this bounds per-session memory to a few MB.
 WRITE_HIGH_WATER_BYTES = 2 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 512 * 1024
+# serve: a finished session's upstream connection is half-closed and read until the server hangs
+# up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
+# it has answered the command it is running, so this only bounds a server that never does.
+UPSTREAM_DRAIN_S = 5.0
 
 _ids = itertools.count(1)
 
@@ -201,6 +205,7 @@ class Link:
         self.frame_started = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._slot_held = False
+        self._drain_timer: asyncio.TimerHandle | None = None  # serve: upstream being drained
         self._done = False
 
     # ----------------------------------------------------------------------------- set-up
@@ -407,7 +412,39 @@ class Link:
         self._finish_on_close(endpoint, None)
 
     def lost(self, endpoint: Endpoint, exc: Exception | None) -> None:
+        if endpoint is self.upstream and self._drain_timer is not None:
+            self._upstream_drained()
+            return
         self._finish_on_close(endpoint, exc)
+
+    def _drain_upstream(self, endpoint: Endpoint) -> bool:
+        """Half-close the upstream and drop what it still sends until it hangs up; the slot is
+        kept until then (``UPSTREAM_DRAIN_S`` at most).
+
+        ggml-rpc-server does not ignore SIGPIPE: a response written to a connection closed under
+        it (a client gone while a command runs, a refusal, a drain) kills the server. After our
+        EOF it answers the command it is running, reads the EOF and closes its side.
+        """
+        transport = endpoint.transport
+        try:
+            transport.write_eof()  # type: ignore[union-attr]
+            transport.resume_reading()  # type: ignore[union-attr]  # flow control may have paused it
+        except Exception:
+            return False
+        self._drain_timer = asyncio.get_running_loop().call_later(UPSTREAM_DRAIN_S, self._upstream_drained, True)
+        return True
+
+    def _upstream_drained(self, timed_out: bool = False) -> None:
+        if self._drain_timer is None:
+            return
+        self._drain_timer.cancel()
+        self._drain_timer = None
+        upstream = self.upstream
+        if timed_out and upstream is not None and upstream.transport is not None and not upstream.closed:
+            upstream.transport.abort()
+        if self._slot_held and self.route.slot is not None:
+            self.route.slot.release()
+            self._slot_held = False
 
     def _finish_on_close(self, endpoint: Endpoint, exc: Exception | None) -> None:
         if self._done:
@@ -416,7 +453,10 @@ class Link:
             clean = self.session.idle or (self.session.phase == ACTIVE and not self.session.mid_frame)
             self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
                          "client closed" + (f": {exc}" if exc else ""))
-        elif self.session.phase == AWAIT_HELLO_REPLY:
+        elif self.session.phase != ACTIVE:
+            # Before the session is active the client must get the 0.0.N answer, even when the
+            # upstream went away before the client's HELLO arrived (then data() answers it).
+            self.upstream_ready = False
             if isinstance(exc, ssl.SSLError):
                 # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
                 reason = classify_handshake_error(exc)
@@ -431,7 +471,8 @@ class Link:
             else:
                 # The server hung up on the HELLO (e.g. a client of another protocol era).
                 self.refusal = Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
-            self._answer_refusal()
+            if self.session.phase == AWAIT_HELLO_REPLY:
+                self._answer_refusal()
         else:
             self._finish("error", "upstream_closed", "upstream closed" + (f": {exc}" if exc else ""))
 
@@ -497,11 +538,13 @@ class Link:
         route = self.route
         for endpoint in (self.client, self.upstream):
             if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
+                if endpoint is self.upstream and route.role == "serve" and self._drain_upstream(endpoint):
+                    continue
                 # close() flushes what is queued (the refusal answer); an error aborts.
                 endpoint.transport.close() if result != "error" or endpoint is self.client else endpoint.transport.abort()
         if self._timer is not None:
             self._timer.cancel()
-        if self._slot_held and route.slot is not None:
+        if self._slot_held and route.slot is not None and self._drain_timer is None:
             route.slot.release()
             self._slot_held = False
         route.links.discard(self)

@@ -566,8 +566,6 @@ def test_stuck_session_cannot_block_the_node(pki, pair, models, workdir):
     stuck.close()
 
 
-@pytest.mark.xfail(strict=True, reason="relay.Link._finish_on_close: an upstream close/TLS alert before the "
-                   "client's HELLO finishes the link as upstream_closed instead of answering the HELLO 0.0.9")
 def test_node_refusal_before_the_client_hello_is_still_answered_at_hello(pki, pair, workdir):
     """connect opens TLS to the node at accept; with TLS 1.3 the node's refusal of the client
     certificate arrives right after the handshake, often before llama.cpp's HELLO. The HELLO
