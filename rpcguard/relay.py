@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rpcguard.errors import Refusal
+from rpcguard.errors import FirewallRefusal, Refusal
 from rpcguard.identity import Acl
 from rpcguard.metrics import ListenerTraffic
 from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
@@ -199,6 +199,7 @@ class Link:
         self.reason = ""
         self.t0 = time.monotonic()
         self.last_activity = self.t0
+        self.refused_command = "-"  # command of the frame that was refused
         self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
         self.t_upstream = self.t0
         self.admitted = False  # past the TLS handshake (serve) / accepted (connect): counts in max_sessions
@@ -393,6 +394,9 @@ class Link:
             source.fresh_buffer()
 
     def _refused(self, refusal: Refusal) -> None:
+        self.refused_command = self.session.command_name
+        if isinstance(refusal, FirewallRefusal):
+            self.route.traffic.firewall_violation(refusal.reason, "enforce")
         if self.session.phase != ACTIVE and self.session.hello_request_len is not None:
             self.refusal = refusal
             self._answer_refusal()
@@ -557,8 +561,9 @@ class Link:
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(
             level,
-            "session end id=%d role=%s listener=%s peer=%s identity=%s result=%s reason=%s detail=%s",
-            self.id, route.role, route.name, self.peer, self.identity or "-", result, reason or "-", detail,
+            "session end id=%d role=%s listener=%s peer=%s identity=%s result=%s reason=%s command=%s detail=%s",
+            self.id, route.role, route.name, self.peer, self.identity or "-", result, reason or "-",
+            self.refused_command, detail,
             extra={"audit": record},
         )
         if route.on_session_end is not None:
@@ -579,6 +584,7 @@ class Link:
             "duration_s": round(time.monotonic() - self.t0, 6),
             "result": self.result,
             "reason": self.reason or None,
+            "command": self.refused_command if self.refused_command != "-" else None,
             "alloc_bytes": s.stats.alloc_bytes,
             "upload_bytes": s.stats.upload_bytes_set,
             "hash_hit_bytes": s.stats.upload_bytes_hash_hit,

@@ -121,6 +121,7 @@ class Session:
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
         self.violations: list[Violation] = []
+        self.command: int | None = None  # command of the frame being handled (named in refusals)
         self.to_server: list = []
         self.to_client: list = []
         self._enforce = self.policy.mode == "enforce"
@@ -144,6 +145,11 @@ class Session:
         return self.state.spec
 
     @property
+    def command_name(self) -> str:
+        """Name of the command being handled, for refusal logs ("-" before the first frame)."""
+        return "-" if self.command is None else _name(self.command)
+
+    @property
     def idle(self) -> bool:
         """True between frames in both directions with no response outstanding."""
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
@@ -161,6 +167,7 @@ class Session:
 
     def _plan_request(self, header: tuple) -> tuple[int, int]:
         cmd, length = header
+        self.command = cmd
         if self.phase != ACTIVE:
             if self.phase == AWAIT_HELLO_REPLY:
                 raise ProtocolRefusal("data_before_hello_reply", "client sent data before the HELLO reply")
@@ -267,6 +274,7 @@ class Session:
         if not self._expect:
             raise ProtocolRefusal("response_unexpected", f"server sent {length} bytes nobody asked for")
         exp = self._expect[0]
+        self.command = exp.cmd
         if length != exp.length and not (exp.cmd == HELLO and length in (3, 28)):
             raise ProtocolRefusal(
                 "response_size_invalid", f"{_name(exp.cmd)} response len {length}, expected {exp.length}"
