@@ -27,7 +27,7 @@ from rpcguard.errors import RpcGuardError
 from rpcguard.identity import Acl
 from rpcguard.metrics import Metrics, start_http
 from rpcguard.protocol.state import UpstreamFacts
-from rpcguard.relay import Link, Route, UpstreamSlot
+from rpcguard.relay import UPSTREAM_DRAIN_S, Link, Route, UpstreamSlot
 from rpcguard.tls import client_context, server_context
 
 __all__ = ["TlsMaterial", "Runtime"]
@@ -272,6 +272,13 @@ class Runtime:
             for link in list(lst.route.links):
                 link.close_for_shutdown()
                 cut += 1
+        # An ended session keeps its upstream slot until the server has hung up (relay's
+        # _drain_upstream: ggml-rpc-server dies of SIGPIPE on a connection closed under it).
+        deadline = time.monotonic() + UPSTREAM_DRAIN_S
+        while any(lst.route.slot is not None and lst.route.slot.busy for lst in self.listeners) and (
+            time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.02)
         await self.close()
         return cut
 
