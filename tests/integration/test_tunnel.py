@@ -36,3 +36,17 @@ def test_latency_histogram_and_build_info(models, pair):
     assert serve.value("rpcguard_command_duration_seconds_count", command="HELLO") >= 7
     assert serve.value("rpcguard_build_info") == 1
     assert connect.value("rpcguard_sessions_active") == 0
+
+
+def test_clear_new_buffers_keeps_tokens_identical(models, pair, rpc_server, workdir):
+    """Tenant isolation (policy.clear_new_buffers) zeroes every new buffer without changing results."""
+    direct = realpeer.run_client(f"127.0.0.1:{rpc_server}", models["tiny"], n=12)
+    cfg = workdir / "serve.yaml"
+    cfg.write_text("policy:\n  clear_new_buffers: true\n")
+    connect, serve = pair(serve_args=["--config", str(cfg)])
+    guarded = realpeer.run_client(connect.endpoint, models["tiny"], n=12)
+    assert guarded.ok and guarded.tokens == direct.tokens
+    allocs = serve.value("rpcguard_frames_total", command="ALLOC_BUFFER", direction="request")
+    clears_seen_by_client_side = connect.value("rpcguard_frames_total", command="BUFFER_CLEAR", direction="request")
+    clears_sent_upstream = serve.value("rpcguard_frames_total", command="BUFFER_CLEAR", direction="request")
+    assert allocs >= 1 and clears_sent_upstream == clears_seen_by_client_side + allocs

@@ -221,3 +221,17 @@ def test_hash_hit_counts_the_tensor_bytes_the_cache_saved():
     s.client_data(memoryview(frame))
     s.server_data(memoryview(encode.response(b"\x00")))  # a miss: the client sends SET_TENSOR next
     assert s.stats.upload_bytes_hash_hit == 4 << 20
+
+
+@pytest.mark.parametrize("version,clear_response", [((7, 0, 0), None), ((5, 0, 0), b"")])
+def test_clear_new_buffers_injects_a_clear_before_the_client_can_read(version, clear_response):
+    s = active(version=version, policy=SessionPolicy(clear_new_buffers=True))
+    s.client_data(memoryview(V.ALLOC_REQ_1MIB))
+    s.server_data(memoryview(V.ALLOC_RSP))
+    assert out(s.to_server) == V.ALLOC_REQ_1MIB + encode.request("BUFFER_CLEAR", struct.pack("<QB", V.HANDLE, 0))
+    assert out(s.to_client) == V.ALLOC_RSP
+    s.client_data(memoryview(V.GET_BASE_REQ))
+    if clear_response is not None:  # <= 5.x answers BUFFER_CLEAR with an empty frame: swallowed
+        s.server_data(memoryview(encode.response(clear_response)))
+    s.server_data(memoryview(V.GET_BASE_RSP))
+    assert out(s.to_client) == V.GET_BASE_RSP and s.idle
