@@ -9,8 +9,10 @@ For every version V:
     refused, no firewall violation, and serve reports ``upstream_protocol_info{version="V"}``.
 For every ordered pair (A, B), A != B, of the matrix: client A against server B, directly and
 through the pair. Where llama.cpp accepts the server, the pair must give the same tokens; where it
-refuses, the pair must refuse cleanly (the client names a version mismatch or ends with no RPC
-device) and both proxies must stay up and carry a normal session afterwards.
+refuses at the handshake, the pair must refuse cleanly (the client names a version mismatch or ends
+with no RPC device); where the handshake passes but the session dies in compute (4.0.0 <-> 4.0.2),
+the pair must not let the real server crash. After any refusal the server and both proxies must be
+up and carry a normal session.
 
 ``RPCGUARD_MATRIX_REPORT=FILE`` appends one JSON line per run (outcome, timings) for docs/matrix.md.
 """
@@ -75,8 +77,10 @@ class Run:
         peer(version)
         t0 = time.monotonic()
         try:
+            # -v: 2.0.0 connects inside Llama(), whose quiet mode silences stderr (and the reason)
             self.result: realpeer.ClientRun | None = realpeer.run_client(endpoint, model, n=N_TOKENS,
-                                                                          version=version, timeout=180)
+                                                                          version=version, timeout=180,
+                                                                          extra=["-v"])
             self.output = self.result.output
         except subprocess.TimeoutExpired as exc:
             self.result = None
@@ -93,12 +97,15 @@ class Run:
 
     @property
     def outcome(self) -> str:
+        """ok | refused (the client rejected the server: clean) | aborted (the connection closed at
+        the handshake, llama.cpp aborted) | crashed_in_compute (the model loaded, then the
+        connection died mid-session) | failed (anything else, e.g. a hang)."""
         if self.ok:
             return "ok"
         if CLEAN_REFUSAL.search(self.output):
             return "refused"
         if ANY_REFUSAL.search(self.output):
-            return "aborted"
+            return "crashed_in_compute" if self.result and self.result.load_s is not None else "aborted"
         return "failed"
 
     def summary(self) -> str:
@@ -107,7 +114,8 @@ class Run:
                 if ANY_REFUSAL.search(line) or "RPC_CLIENT_OK" in line or "error" in line.lower()
                 or "token ids" in line or "TIMEOUT" in line]
         rc = self.result.rc if self.result else None
-        return f"rc={rc} " + " | ".join(dict.fromkeys(line.strip() for line in keep))[:600]
+        keep = [re.sub(r"\S*/vendor/llama\.cpp/", "", line.strip()) for line in keep]  # build dir noise
+        return f"rc={rc} " + " | ".join(dict.fromkeys(keep))[:600]
 
     def fields(self) -> dict:
         r = self.result
@@ -183,13 +191,18 @@ def guard_logs(*guards: Guard) -> str:
 _direct: dict[tuple[str, str], Run] = {}
 
 
+def server_alive(srv: Server) -> bool:
+    time.sleep(0.3)  # a crash (abort/SIGSEGV) right after the client's failure
+    return srv.proc.alive()
+
+
 def direct_run(workdir: Path, servers, model: Path, client: str, server: str) -> Run:
     """Client ``client`` straight against a fresh server ``server`` (cached per module run)."""
     key = (client, server)
     if key not in _direct:
         srv = servers(server)
         _direct[key] = run = Run(srv.endpoint, model, client)
-        report(kind="direct", client=client, server=server, **run.fields())
+        report(kind="direct", client=client, server=server, server_alive=server_alive(srv), **run.fields())
     return _direct[key]
 
 
@@ -232,7 +245,22 @@ def test_pair_same_version(version, workdir, servers, guard_pair, tiny):
 # mixed versions
 
 
-@pytest.mark.parametrize("client,server", MIXED, ids=[f"client{a}-server{b}" for a, b in MIXED])
+# llama.cpp accepts a patch-level difference (same major, client minor >= server minor), but ggml's op
+# enum is not stable across patches: 4.0.2 inserted COL2IM_1D and LIGHTNING_INDEXER, so GLU is 95 in
+# 4.0.0 and 97 in 4.0.2. rpcguard can only check a graph against the SERVER's op table (HELLO carries
+# no client version).
+KNOWN_BUGS = {
+    ("4.0.0", "4.0.2"): "rpcguard passes the 4.0.0 client's GLU node (op 95), which the 4.0.2 server runs as "
+                        "OPT_STEP_ADAMW without src[2..4]: SIGSEGV in ggml_are_same_shape <- "
+                        "ggml_compute_forward_opt_step_adamw (graph.py checks only src[0]; see docs/matrix.md)",
+}
+MIXED_PARAMS = [pytest.param(a, b, id=f"client{a}-server{b}",
+                             marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(a, b)])]
+                             if (a, b) in KNOWN_BUGS else [])
+                for a, b in MIXED]
+
+
+@pytest.mark.parametrize("client,server", MIXED_PARAMS)
 def test_mixed_versions(client, server, workdir, servers, guard_pair, tiny):
     direct = direct_run(workdir, servers, tiny, client, server)
     assert direct.outcome != "failed", f"direct client {client} vs server {server}: unexplained failure:\n" \
@@ -241,7 +269,8 @@ def test_mixed_versions(client, server, workdir, servers, guard_pair, tiny):
     srv = servers(server)
     connect, serve = guard_pair(srv.port)
     run = Run(connect.endpoint, tiny, client)
-    report(kind="pair", client=client, server=server, refusals_serve=refusals(serve),
+    alive = server_alive(srv)
+    report(kind="pair", client=client, server=server, server_alive=alive, refusals_serve=refusals(serve),
            refusals_connect=refusals(connect), **run.fields())
     logs = guard_logs(connect, serve)
     if direct.ok:
@@ -250,14 +279,21 @@ def test_mixed_versions(client, server, workdir, servers, guard_pair, tiny):
         assert run.tokens == direct.tokens
         for g in (connect, serve):
             assert violations(g) == 0, f"{g.role} firewall violations\n{logs}"
-    else:
-        # llama.cpp refuses (or crashes on) this server: the pair must refuse, and cleanly.
+        return
+    if direct.outcome in ("refused", "aborted"):
+        # llama.cpp refuses (or is closed on) at the handshake: the pair must refuse, and cleanly.
         assert run.outcome == "refused", \
             f"direct: {direct.summary()}\npair: {run.summary()}\n{run.output[-2000:]}\n{logs}"
-        assert connect.proc.alive() and serve.proc.alive(), logs
-        # ...and both proxies still carry a normal session (a client that matches the server).
-        after = Run(connect.endpoint, tiny, server)
-        assert after.ok, f"normal {server} session after the refusal failed:\n{after.summary()}\n{logs}"
-        same = _direct.get((server, server))
-        if same is not None and same.ok:
-            assert after.tokens == same.tokens
+    else:
+        # the handshake passes but the session dies in compute (the server crashes directly):
+        # the pair cannot make it work, but must not let the server crash.
+        assert not run.ok, f"pair succeeded where llama.cpp fails: {run.summary()}"
+    assert alive, f"the real {server} server died behind rpcguard (client {client}):\n" \
+                  f"{srv.proc.output()[-1500:]}\npair: {run.summary()}\n{logs}"
+    assert connect.proc.alive() and serve.proc.alive(), logs
+    # ...and both proxies still carry a normal session (a client that matches the server).
+    after = Run(connect.endpoint, tiny, server)
+    assert after.ok, f"normal {server} session after the refusal failed:\n{after.summary()}\n{logs}"
+    same = _direct.get((server, server))
+    if same is not None and same.ok:
+        assert after.tokens == same.tokens
