@@ -41,7 +41,7 @@ from rpcguard.identity import Acl
 from rpcguard.metrics import ListenerTraffic
 from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
-from rpcguard.protocol.versions import format_version
+from rpcguard.protocol.versions import format_version, spec_for
 from rpcguard.tls import classify_handshake_error, peer_identity
 
 __all__ = ["Route", "Limits", "UpstreamSlot", "Link", "READ_BUFFER_BYTES"]
@@ -473,12 +473,22 @@ class Link:
                 self.refusal = Refusal("tls_failed", "the node closed the TLS session before answering HELLO: "
                                        "its rpcguard refused this certificate (see the node's log)")
             else:
-                # The server hung up on the HELLO (e.g. a client of another protocol era).
-                self.refusal = Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
+                self.refusal = self._hello_closed_refusal()
             if self.session.phase == AWAIT_HELLO_REPLY:
                 self._answer_refusal()
         else:
             self._finish("error", "upstream_closed", "upstream closed" + (f": {exc}" if exc else ""))
+
+    def _hello_closed_refusal(self) -> Refusal:
+        """The upstream hung up on the HELLO: say why when its version tells (a HELLO of the other era)."""
+        known = self.route.facts.version
+        spec = spec_for(known) if known is not None else None
+        sent = self.session.hello_request_len
+        if spec is not None and sent is not None and sent != spec.hello_request:
+            era = "pre-4.0.0 (0-byte)" if sent == 0 else ">= 4.0.0 (24-byte)"
+            return Refusal("version_not_accepted", f"the client sent a {era} HELLO; the upstream speaks "
+                                                   f"{format_version(known)} and closed the connection")
+        return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
 
     def pause_other(self, endpoint: Endpoint) -> None:
         other = self.upstream if endpoint.is_client else self.client

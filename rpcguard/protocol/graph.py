@@ -93,12 +93,27 @@ class OpRules:
     denied: frozenset[int]  # custom ops (function pointers in op_params) + opt-in extras
     src0_optional: frozenset[int]  # ops whose constructor sets no src[0]: NONE, ARANGE, CUSTOM
     special: Mapping[int, str]  # op id -> name of its per-node check in _SPECIAL
+    required_srcs: Mapping[int, int]  # op id -> leading srcs that must be present
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
 
 
 _RULES: dict[tuple[Version, frozenset[str]], OpRules | None] = {}
+
+
+# Sources an op's constructor always sets from non-NULL arguments and its CPU kernel reads
+# unconditionally (ggml.c / ggml-cpu/ops.cpp, 2.0.0-7.0.0; the smallest count over those versions,
+# e.g. SET_ROWS set two sources before 3.6.1). Optional inputs (masks, freq factors) are left out.
+REQUIRED_SRCS: Mapping[str, int] = {
+    **dict.fromkeys(("ADD", "SUB", "MUL", "DIV", "ADD1", "ACC", "SET", "CPY", "CONCAT", "MUL_MAT", "OUT_PROD",
+                     "GET_ROWS", "GET_ROWS_BACK", "SET_ROWS", "SILU_BACK", "RMS_NORM_BACK", "COUNT_EQUAL",
+                     "CROSS_ENTROPY_LOSS", "SOFT_MAX_BACK", "ROPE"), 2),
+    **dict.fromkeys(("MUL_MAT_ID", "ADD_ID", "CROSS_ENTROPY_LOSS_BACK", "OPT_STEP_SGD", "FLASH_ATTN_EXT",
+                     "ADD_REL_POS"), 3),
+    "OPT_STEP_ADAMW": 5,
+    "GATED_LINEAR_ATTN": 5,
+}
 
 
 def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> OpRules | None:
@@ -120,6 +135,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             # (0 args possible); NONE is a leaf/param. Checked in 2.0.0-7.0.0 sources.
             src0_optional=frozenset({0} | ({get("ARANGE"), get("CUSTOM")} - {-1})),
             special=special,
+            required_srcs={ids[n]: k for n, k in REQUIRED_SRCS.items() if n in ids},
         )
     _RULES[key] = rules
     return rules
@@ -220,7 +236,7 @@ class GraphValidator:
             rules = op_rules(spec.version, self.extra_denied)
             if rules is not None:
                 ops = _u32(region)[_I_OP::_I].tolist()
-                self._ops(rules, ops, ids, npos, srcs[0], region, pos)
+                self._ops(rules, ops, ids, npos, srcs, region, pos)
         return device
 
     # -- structure ---------------------------------------------------------------------------
@@ -306,10 +322,11 @@ class GraphValidator:
         ops: list[int],
         ids: list[int],
         npos: list[int],
-        src0: list[int],
+        srcs: list[list[int]],
         region: memoryview,
         pos: dict[int, int],
     ) -> None:
+        src0 = srcs[0]
         if self.ops:
             if max(ops) >= rules.count:
                 i = next(i for i, op in enumerate(ops) if op >= rules.count)
@@ -327,6 +344,17 @@ class GraphValidator:
                         raise _refuse(
                             "graph_src_missing", f"node id={ids[p]:#x} op {rules.name(ops[p])} has no src[0]"
                         )
+            # Ops whose CPU kernels read several sources unconditionally (e.g. OPT_STEP_ADAMW's five):
+            # a missing one is a NULL dereference on the server.
+            need = rules.required_srcs
+            if not need.keys().isdisjoint(node_ops):
+                for p, op in zip(npos, node_ops):
+                    k = need.get(op)
+                    if k is not None:
+                        for i in range(1, k):
+                            if srcs[i][p] == 0:
+                                raise _refuse("graph_src_missing",
+                                              f"node id={ids[p]:#x} op {rules.name(op)} has no src[{i}]")
         special = rules.special
         if self.op_params and not special.keys().isdisjoint(node_ops):
             for p, op in zip(npos, node_ops):

@@ -249,11 +249,7 @@ def test_pair_same_version(version, workdir, servers, guard_pair, tiny):
 # enum is not stable across patches: 4.0.2 inserted COL2IM_1D and LIGHTNING_INDEXER, so GLU is 95 in
 # 4.0.0 and 97 in 4.0.2. rpcguard can only check a graph against the SERVER's op table (HELLO carries
 # no client version).
-KNOWN_BUGS = {
-    ("4.0.0", "4.0.2"): "rpcguard passes the 4.0.0 client's GLU node (op 95), which the 4.0.2 server runs as "
-                        "OPT_STEP_ADAMW without src[2..4]: SIGSEGV in ggml_are_same_shape <- "
-                        "ggml_compute_forward_opt_step_adamw (graph.py checks only src[0]; see docs/matrix.md)",
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}  # (client, server) -> why the pair still fails
 MIXED_PARAMS = [pytest.param(a, b, id=f"client{a}-server{b}",
                              marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[(a, b)])]
                              if (a, b) in KNOWN_BUGS else [])

@@ -137,7 +137,8 @@ def graphs(draw, state: SessionState) -> tuple[list[int], list[TensorSpec]]:
         t = draw(tensors(state, id=ids[n_leaves + j]))
         k = len(out)
         t.op = draw(st.sampled_from([1, 2, 7]))  # DUP, ADD, MUL: same ids in every op table read
-        t.src = tuple(out[draw(st.integers(0, k - 1))].id for _ in range(draw(st.integers(1, 3))))
+        n_src = draw(st.integers(1 if t.op == 1 else 2, 3))  # ADD and MUL need both sources
+        t.src = tuple(out[draw(st.integers(0, k - 1))].id for _ in range(n_src))
         if draw(st.booleans()):
             t.view_src = out[draw(st.integers(0, k - 1))].id
         out.append(t)

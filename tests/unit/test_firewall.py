@@ -245,8 +245,8 @@ def test_get_alloc_size_older_layouts(version, prefix):
 
 
 def graph(**node) -> bytes:
-    node.setdefault("src", (0x10,))
-    node.setdefault("op", 2)
+    node.setdefault("src", (0x10, 0x10))
+    node.setdefault("op", 2)  # ADD
     leaf = TensorSpec(id=0x10, buffer=HANDLE, data=BASE)
     return graph_payload([0x20], [leaf, TensorSpec(id=0x20, buffer=HANDLE, data=BASE + 16, **node)])
 
@@ -254,13 +254,14 @@ def graph(**node) -> bytes:
 def test_graph_compute():
     check("GRAPH_COMPUTE", graph())
     assert reason("GRAPH_COMPUTE", graph(src=(0x99,))) == "graph_src_missing"
+    assert reason("GRAPH_COMPUTE", graph(src=(0x10,))) == "graph_src_missing"  # ADD reads src[1]
     assert reason("GRAPH_COMPUTE", graph(op=95)) == "graph_op_denied"
     assert reason("GRAPH_COMPUTE", graph(), max_graph_tensors=1) == "graph_too_large"
 
 
 def test_graph_compute_disabled_groups():
     check("GRAPH_COMPUTE", graph(op=95), disabled_checks=frozenset({"graph_ops"}))
-    check("GRAPH_COMPUTE", graph(src=(0x99,)), disabled_checks=frozenset({"graph_structure"}))
+    check("GRAPH_COMPUTE", graph(src=(0x99, 0x99)), disabled_checks=frozenset({"graph_structure"}))
     payload = graph(op=33, src=(0x10, 0x10), op_params=(-1,))
     assert reason("GRAPH_COMPUTE", payload) == "graph_op_params_invalid"
     check("GRAPH_COMPUTE", payload, disabled_checks=frozenset({"op_params"}))

@@ -86,10 +86,20 @@ def test_accepts_cpu_side_tensors_without_buffer():
     # 7.0.0 sends buffer=0, data=0 for tensors outside this server's buffers (transitive srcs).
     tensors = [
         T(0x10, buffer=0),
-        T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10,), buffer=0),
-        T(0x30, 2, op=OPS["CPY"], src=(0x20,)),
+        T(0x11, buffer=0),
+        T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10, 0x11), buffer=0),
+        T(0x30, 2, op=OPS["CPY"], src=(0x20, 0x10)),
     ]
     assert run([0x30], tensors) == 0
+
+
+@pytest.mark.parametrize("op,srcs", [("OPT_STEP_ADAMW", 4), ("OPT_STEP_SGD", 2), ("MUL_MAT", 1), ("SET_ROWS", 1)])
+def test_ops_that_read_several_sources_need_them_all(op, srcs):
+    # A 4.0.0 client's GLU (op 95) reaches a 4.0.2 server as OPT_STEP_ADAMW: its kernel reads
+    # src[0..4] and the server crashed on the NULL ones (found by the version matrix).
+    leaves = [T(0x10 + i) for i in range(5)]
+    node = T(0x30, 5, op=OPS[op], src=tuple(0x10 + i for i in range(srcs)))
+    assert reason([0x30], leaves + [node]) == "graph_src_missing"
 
 
 def test_returns_device_and_checks_it():
