@@ -41,8 +41,8 @@ NODE = "node1"  # the node (server) certificate name; also the expected name on 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # HAProxy: the model connection stays idle between requests for as long as llama.cpp runs, so
-# client/server timeouts are long; connect is loopback. 64 KiB buffers (default 16 KiB) cost
-# 4x fewer syscalls per MB on bulk uploads; we measured both and keep the faster (see README).
+# client/server timeouts are long; connect is loopback. 64 KiB buffers (default 16 KiB) mean 4x
+# fewer syscalls per MB; measured here: bulk 591 vs 535 MB/s, ~413 MB load 403 vs 391 MB/s.
 HAPROXY_BUFSIZE = 65536
 _HAPROXY_GLOBAL = f"""global
     tune.bufsize {HAPROXY_BUFSIZE}
