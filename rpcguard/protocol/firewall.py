@@ -68,6 +68,11 @@ _HANDLERS: Mapping[str, str] = {
 }
 
 
+# Heads whose validity depends only on the head bytes, the body length and the live buffers.
+_CACHEABLE = frozenset({"SET_TENSOR", "GET_TENSOR", "SET_TENSOR_HASH", "MEMSET_TENSOR"})
+HEAD_CACHE_MAX = 4096  # entries of ~300 bytes: bounded memory per session
+
+
 @dataclass(frozen=True)
 class FirewallPolicy:
     """Which firewall checks run and the caps they use."""
@@ -125,6 +130,18 @@ class Firewall:
             raise FirewallRefusal(
                 "frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}"
             )
+        if rule.name in _CACHEABLE:
+            # During generation the client sends the same few tensor heads (inputs, positions,
+            # logits) every token: a head accepted once stays valid until a buffer is freed.
+            key = bytes(payload)
+            cache = self.state.head_cache
+            if cache.get(key) == body_len:
+                return
+            handler(rule, payload, body_len)
+            if len(cache) >= HEAD_CACHE_MAX:
+                cache.clear()
+            cache[key] = body_len
+            return
         handler(rule, payload, body_len)
 
     # -- helpers -----------------------------------------------------------------------------

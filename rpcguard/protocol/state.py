@@ -63,6 +63,7 @@ class SessionState:
     graph_devices: set[int] = field(default_factory=set)  # devices with a stored, validated graph
     freed_since_graph: bool = False  # a FREE_BUFFER happened after the last GRAPH_COMPUTE
     tensor_cache: dict[bytes, int] = field(default_factory=dict)  # validated rpc_tensor -> nbytes
+    head_cache: dict[bytes, int] = field(default_factory=dict)  # validated request heads -> body_len
 
     def device_count(self) -> int:
         """Devices the upstream exposes; 1 before multi-device versions or when unknown."""
@@ -78,6 +79,7 @@ class SessionState:
         self.graph_devices.clear()
         self.freed_since_graph = True
         self.tensor_cache.clear()
+        self.head_cache.clear()
 
     def graph_stored(self, device: int) -> None:
         self.graph_devices.add(device)

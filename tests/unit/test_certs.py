@@ -16,7 +16,6 @@ from rpcguard import certs
 from rpcguard.certs import CertError
 from rpcguard.errors import RpcGuardError
 
-NOW = dt.datetime.now(dt.timezone.utc)
 
 
 def mode(path) -> int:
@@ -34,6 +33,7 @@ def ca_dir(tmp_path):
 
 
 def test_init_ca_writes_files_with_modes(tmp_path):
+    NOW = dt.datetime.now(dt.timezone.utc)  # per test: collection may run long before
     files = certs.init_ca(tmp_path / "pki", common_name="lab CA")
     assert files == certs.CaFiles(tmp_path / "pki" / "ca.pem", tmp_path / "pki" / "ca.key")
     assert mode(files.key) == 0o600
@@ -80,6 +80,7 @@ def test_cert_error_is_rpcguard_error():
 
 
 def test_issue_server_leaf(ca_dir):
+    NOW = dt.datetime.now(dt.timezone.utc)  # per test: collection may run long before
     files = certs.issue(ca_dir, "node1", server=True)
     assert files == certs.LeafFiles(ca_dir / "node1.pem", ca_dir / "node1.key")
     assert mode(files.key) == 0o600
@@ -104,6 +105,7 @@ def test_issue_server_leaf(ca_dir):
 
 
 def test_issue_client_leaf_with_sans(ca_dir):
+    NOW = dt.datetime.now(dt.timezone.utc)  # per test: collection may run long before
     files = certs.issue(
         ca_dir, "client1", server=False, dns=["Gpu1.Lab.Example"], ips=["10.0.0.7", "::1"],
         uris=["spiffe://lab/llama"], common_name="llama client", days=7,
@@ -147,6 +149,7 @@ def test_issue_refuses_overwrite_unless_forced(ca_dir):
 
 
 def test_issue_validity_overrides_mint_expired(ca_dir):
+    NOW = dt.datetime.now(dt.timezone.utc)  # per test: collection may run long before
     files = certs.issue(ca_dir, "old", server=False, not_before=NOW - dt.timedelta(days=3),
                         not_after=NOW - dt.timedelta(days=1))
     assert certs.cert_not_after(files.cert) == pytest.approx((NOW - dt.timedelta(days=1)).timestamp(), abs=1)

@@ -346,3 +346,14 @@ def test_corpus_policy_cases_pass_without_the_opt_in():
             frame = case.build(CaseContext((7, 0, 0), HANDLE, BASE, SIZE))[-1]
             rule = st.spec.commands[frame[0]]
             Firewall(st, FirewallPolicy()).check_request(rule, memoryview(frame)[9:], 0)
+
+
+def test_accepted_heads_are_cached_until_a_buffer_is_freed():
+    st = state()
+    check("SET_TENSOR", set_head(8), 8, st=st)
+    assert st.head_cache  # the next identical head costs a dict lookup
+    check("SET_TENSOR", set_head(8), 8, st=st)
+    assert reason("SET_TENSOR", set_head(8), 9, st=st) == "range_out_of_tensor"  # body length is part of the key
+    st.free_buffer(HANDLE)
+    assert not st.head_cache
+    assert reason("SET_TENSOR", set_head(8), 8, st=st) == "buffer_unknown"
