@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.support import realpeer  # noqa: E402
-from tests.support.guard import Guard, Pki, start_guard  # noqa: E402
+from tests.support.guard import Guard, Pki, start_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,13 +58,7 @@ def pair(workdir, pki, rpc_server):
     guards: list[Guard] = []
 
     def make(serve_args=(), connect_args=(), upstream_port=None):
-        serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{upstream_port or rpc_server}",
-                                               *pki.serve_args(), *serve_args])
-        guards.append(serve)
-        connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
-                                                   *pki.connect_args(), *connect_args])
-        guards.append(connect)
-        return connect, serve
+        return start_pair(workdir, pki, upstream_port or rpc_server, guards, serve_args, connect_args)
 
     yield make
     for g in guards:

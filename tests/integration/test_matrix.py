@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import realpeer
-from tests.support.guard import Guard, start_guard
+from tests.support.guard import Guard, start_pair
 
 MATRIX = [v.strip() for v in os.environ.get("RPCGUARD_MATRIX", "7.0.0,5.0.0,3.6.1").split(",") if v.strip()]
 MIXED = [(a, b) for a, b in itertools.permutations(MATRIX, 2)]
@@ -164,12 +164,7 @@ def guard_pair(workdir, pki):
     guards: list[Guard] = []
 
     def make(upstream_port: int) -> tuple[Guard, Guard]:
-        serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{upstream_port}", *pki.serve_args()])
-        guards.append(serve)
-        connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
-                                                   *pki.connect_args()])
-        guards.append(connect)
-        return connect, serve
+        return start_pair(workdir, pki, upstream_port, guards)
 
     yield make
     for g in guards:

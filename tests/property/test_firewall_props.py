@@ -166,13 +166,18 @@ def gpayload(state: SessionState, nodes, ts) -> bytes:
 # -- valid frames pass ----------------------------------------------------------------------
 
 
+
+def valid_tensor_frame(data):
+    """A session and a valid tensor-bearing frame in it: (state, command, name, head, body_len, tensor)."""
+    state = data.draw(sessions())
+    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
+    return (state, command, *data.draw(tensor_frames(state, command)))
+
 @PROPS
 @given(st.data())
 def test_valid_tensor_frames_pass(data):
     """Every tensor inside a known buffer, with offset/size inside nbytes, is accepted."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    name, head, k, _ = data.draw(tensor_frames(state, command))
+    state, command, name, head, k, _ = valid_tensor_frame(data)
     check(state, name, head, k)
 
 
@@ -241,9 +246,7 @@ def test_field_mutation_only_refuses(data):
 @given(st.data())
 def test_invalid_type_refused(data):
     """Invariant: type is a valid ggml type of that version with a non-zero block size."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, t = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, t = valid_tensor_frame(data)
     bad = data.draw(st.sampled_from(REMOVED_TYPES) | st.integers(43, 0xFFFFFFFF))
     assert reason(state, command, struct.pack("<I", bad).join([head[:8], head[12:]]), k) == "tensor_type_invalid"
 
@@ -252,9 +255,7 @@ def test_invalid_type_refused(data):
 @given(st.data())
 def test_undefined_flags_refused(data):
     """Invariant: only flag bits 0-4 are defined."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, t = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, t = valid_tensor_frame(data)
     flags = t.flags | (1 << data.draw(st.integers(5, 31)))
     assert reason(state, command, head[:120] + struct.pack("<I", flags) + head[124:], k) == "tensor_flags_invalid"
 
@@ -263,9 +264,7 @@ def test_undefined_flags_refused(data):
 @given(st.data())
 def test_unterminated_name_refused(data):
     """Invariant: the 64 name bytes contain a NUL."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, _ = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, _ = valid_tensor_frame(data)
     name = data.draw(st.binary(min_size=64, max_size=64).filter(lambda b: b"\0" not in b))
     assert reason(state, command, head[:228] + name + head[292:], k) == "tensor_name_unterminated"
 
@@ -274,9 +273,7 @@ def test_unterminated_name_refused(data):
 @given(st.data())
 def test_ne0_not_multiple_of_block_refused(data):
     """Invariant: ne[0] is a multiple of the type's block size."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, t = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, t = valid_tensor_frame(data)
     blck = TYPES[t.type].blck_size
     assume(blck > 1)
     ne0 = t.ne[0] + data.draw(st.integers(1, blck - 1))
@@ -287,9 +284,7 @@ def test_ne0_not_multiple_of_block_refused(data):
 @given(st.data())
 def test_data_without_buffer_refused(data):
     """Invariant: buffer == 0 implies data == 0."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, t = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, t = valid_tensor_frame(data)
     assert reason(state, command, head[:12] + bytes(8) + head[20:], k) == "tensor_data_without_buffer"
 
 
@@ -297,9 +292,7 @@ def test_data_without_buffer_refused(data):
 @given(st.data())
 def test_unknown_buffer_refused(data):
     """Invariant: a non-zero buffer is a live handle of this session."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, _ = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, _ = valid_tensor_frame(data)
     handle = data.draw(st.integers(1, U64).filter(lambda h: h not in state.buffers))
     assert reason(state, command, head[:12] + struct.pack("<Q", handle) + head[20:], k) == "buffer_unknown"
 
@@ -308,9 +301,7 @@ def test_unknown_buffer_refused(data):
 @given(st.data())
 def test_data_outside_buffer_refused(data):
     """Invariant: [data, data + nbytes) lies inside the tensor's buffer."""
-    state = data.draw(sessions())
-    command = data.draw(st.sampled_from(TENSOR_COMMANDS).filter(lambda c: applicable(state, c)))
-    _, head, k, t = data.draw(tensor_frames(state, command))
+    state, command, _, head, k, t = valid_tensor_frame(data)
     buf = state.buffers[t.buffer]
     n = _n(t)
     below = st.integers(0, buf.base - 1)  # type: ignore[operator]

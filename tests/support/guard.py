@@ -108,3 +108,15 @@ def wait_for_line(proc: Proc, text: str, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{proc.name} did not print {text!r}:\n{proc.output()}")
         time.sleep(0.02)
+
+
+def start_pair(workdir: Path, pki: Pki, upstream_port: int, guards: list[Guard],
+               serve_args=(), connect_args=()) -> tuple[Guard, Guard]:
+    """connect -> serve -> 127.0.0.1:upstream_port; both are appended to ``guards`` for cleanup."""
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{upstream_port}", *pki.serve_args(),
+                                           *serve_args])
+    guards.append(serve)
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args(), *connect_args])
+    guards.append(connect)
+    return connect, serve
