@@ -155,12 +155,12 @@ def test_disallowed_command(pki, pair, models, workdir):
     connect, serve = pair(serve_args=["--config", str(cfg)])
     got = raw_tls(pki, serve.port, encode.hello_request(),
                   encode.request("ALLOC_BUFFER", bytes(4) + (1 << 20).to_bytes(8, "little")))
-    assert got[8:11] == bytes([7, 0, 0]) and len(got) == 36  # HELLO answered, then closed
-    assert serve.wait_value("rpcguard_refusals_total", 1, reason="command_not_allowed") == 1
+    assert got[8:11] == bytes([7, 0, 0]) and len(got) == 36, got  # HELLO answered, then closed
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="command_not_allowed") == 1, serve.output()[-3000:]
     # a real llama.cpp session needs ALLOC_BUFFER: it is cut, the proxy stays up
     run = realpeer.run_client(connect.endpoint, models["tiny"], n=2)
     assert not run.ok
-    assert serve.value("rpcguard_refusals_total", reason="command_not_allowed") >= 2
+    assert serve.wait_value("rpcguard_refusals_total", 2, reason="command_not_allowed") >= 2, serve.output()[-3000:]
     assert serve.proc.alive() and connect.proc.alive()
 
 
