@@ -10,4 +10,4 @@ if [ -f "$ROOT/tests/realpeer/matrix.sh" ]; then
   bash "$ROOT/tests/realpeer/matrix.sh" ${RPCGUARD_MATRIX//,/ } >&2
 fi
 say "running the tests"
-exec "$PY" -m pytest "${@:-tests}"
+exec "$PY" -m pytest "$@"
