@@ -89,7 +89,7 @@ def init_ca(
     if not force:
         for p in (files.cert, files.key):
             if p.exists():
-                raise CertError(f"{p}: a CA already exists here (use force=True to replace it)")
+                raise CertError(f"{p}: a CA already exists here (--force replaces it)")
     _check_days(days)
     cn = _check_common_name(common_name)
     key = _new_key(key_type)
@@ -144,7 +144,7 @@ def issue(
     if not force:
         for p in (files.cert, files.key):
             if p.exists():
-                raise CertError(f"{p}: already exists (use force=True to renew it)")
+                raise CertError(f"{p}: already exists (--force renews it)")
     _check_days(days)
     cn = _check_common_name(common_name if common_name is not None else name)
     sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]

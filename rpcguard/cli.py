@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     iss.add_argument("--ip", action="append", default=[])
     iss.add_argument("--uri", action="append", default=[])
     iss.add_argument("--days", type=int, default=30)
+    iss.add_argument("--force", action="store_true", help="replace an existing NAME.pem/NAME.key (renewal)")
 
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint")
     st.add_argument("--metrics", default="127.0.0.1:9450", help="HOST:PORT of the instance's metrics")
@@ -206,7 +207,8 @@ def _certs(a: argparse.Namespace) -> int:
         files = certs.init_ca(a.dir, days=a.days, force=a.force)
         print(f"wrote {files.cert} and {files.key} (0600)")
     else:
-        files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days)
+        files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days,
+                            force=a.force)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
     return EXIT_OK
 
