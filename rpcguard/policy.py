@@ -13,7 +13,7 @@ from rpcguard.identity import Acl
 from rpcguard.protocol.firewall import FirewallPolicy
 from rpcguard.protocol.session import SessionPolicy
 from rpcguard.protocol.versions import CATEGORIES, COMMAND_NAMES, KNOWN_VERSIONS, parse_version
-from rpcguard.relay import Limits
+from rpcguard.route import Limits
 
 __all__ = ["session_policy", "acl", "limits", "expand_commands"]
 

@@ -1,13 +1,15 @@
 """The only module that touches transports: one ``Link`` per proxied connection.
 
-How this works: a listener accepts a TCP connection and creates a ``Link``. The link owns two
-``Endpoint`` protocols (the client side and the upstream side) and one sans-IO ``Session``.
+How this works: a listener's accept loop (server.py) hands each accepted socket to a new
+``Link``, which owns two ``Endpoint`` protocols (the client side and the upstream side) and one
+sans-IO ``Session``; routes (``route.py``) hold what the links of a listener share.
 
-* ``serve``: the accepted socket is paused at once, then upgraded with ``loop.start_tls``
-  (server side, client certificate required) so a failed handshake raises here, where it is
-  classified and counted; the verified certificate goes through the ACL; then the upstream
-  slot is taken (the real server serves one client at a time) and a plain TCP connection is
-  opened to the loopback ``ggml-rpc-server``.
+* ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (server side,
+  client certificate required), so a failed handshake raises here, where it is classified and
+  counted; the verified certificate goes through the ACL; then the upstream slot is taken (the
+  real server serves one client at a time) and a plain TCP connection is opened to the
+  loopback ``ggml-rpc-server``. At the end the upstream is half-closed and drained, never cut
+  under a response (the server dies of SIGPIPE).
 * ``connect``: the accepted loopback socket reads at once; a TLS connection to the node is
   opened with the node's expected name.
 
@@ -33,18 +35,14 @@ import logging
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, Refusal
-from rpcguard.identity import Acl
-from rpcguard.metrics import ListenerTraffic
-from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
-from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session
 from rpcguard.protocol.versions import format_version, spec_for
+from rpcguard.route import UPSTREAM_DRAIN_S, Route
 from rpcguard.tls import classify_handshake_error, peer_identity
 
-__all__ = ["Route", "Limits", "UpstreamSlot", "Link", "READ_BUFFER_BYTES"]
+__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES"]
 
 log = logging.getLogger("rpcguard.relay")
 
@@ -55,10 +53,6 @@ READ_BUFFER_BYTES = 256 * 1024
 # with the read buffer this bounds per-session memory to a few MB.
 WRITE_HIGH_WATER_BYTES = 2 * 1024 * 1024
 WRITE_LOW_WATER_BYTES = 512 * 1024
-# serve: a finished session's upstream connection is half-closed and read until the server hangs
-# up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
-# it has answered the command it is running, so this only bounds a server that never does.
-UPSTREAM_DRAIN_S = 5.0
 
 # Several small frames queued in one turn are joined into one write: a TLS transport makes a
 # record (and often a syscall) per element of writelines(). Large chunks are never copied.
@@ -74,79 +68,6 @@ def _write(transport: asyncio.Transport, out: list) -> None:
         transport.write(b"".join(out))
     else:
         transport.writelines(out)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Timeouts (seconds, 0 = off) and caps applied to every link of a route."""
-
-    handshake_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
-    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
-    max_session_s: float = 0.0
-    max_sessions: int = 64
-    upstream_busy: str = "queue"  # or "refuse"
-    queue_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-
-
-class UpstreamSlot:
-    """The single-client upstream: at most one session holds it; others queue or are refused."""
-
-    def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-        self.waiting = 0
-        self.draining = False  # the holder's session is over; only its upstream drain remains
-
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
-    async def acquire(self, limits: Limits) -> None:
-        refuse = limits.upstream_busy == "refuse"
-        if self._lock.locked() and refuse and not self.draining:
-            raise Refusal("upstream_busy", "the upstream serves another session")
-        # Queue mode waits up to queue_timeout_s; refuse mode waits only for a finished session's
-        # drain (llama.cpp opens its next connection right after closing the previous one).
-        timeout = UPSTREAM_DRAIN_S if refuse else (limits.queue_timeout_s or None)
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            where = "waiting for the previous session to close" if refuse else "in the queue"
-            raise Refusal("upstream_busy", f"still busy after {timeout:g} s {where}") from None
-        finally:
-            self.waiting -= 1
-        self.draining = False
-
-    def release(self) -> None:
-        self.draining = False
-        if self._lock.locked():
-            self._lock.release()
-
-
-@dataclass
-class Route:
-    """One listener (serve) or tunnel (connect) and everything its links share."""
-
-    role: str  # "serve" or "connect"
-    name: str
-    upstream_host: str
-    upstream_port: int
-    policy: SessionPolicy
-    traffic: ListenerTraffic
-    limits: Limits = field(default_factory=Limits)
-    facts: UpstreamFacts = field(default_factory=UpstreamFacts)
-    # serve: context for the TLS server side; connect: context toward the node. Callables, so a
-    # reload swaps them for new links while running links keep theirs.
-    ssl_context: Callable[[], ssl.SSLContext] | None = None
-    acl: Callable[[], Acl] | None = None
-    server_name: str | None = None  # connect: expected name in the node's certificate
-    slot: UpstreamSlot | None = None  # serve: the single upstream client slot
-    links: set = field(default_factory=set)
-    on_session_end: Callable[[dict], None] | None = None  # audit sink
-    draining: bool = False
 
 
 class Endpoint(asyncio.BufferedProtocol):

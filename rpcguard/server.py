@@ -27,7 +27,8 @@ from rpcguard.errors import RpcGuardError
 from rpcguard.identity import Acl
 from rpcguard.metrics import Metrics, start_http
 from rpcguard.protocol.state import UpstreamFacts
-from rpcguard.relay import UPSTREAM_DRAIN_S, Link, Route, UpstreamSlot
+from rpcguard.relay import Link
+from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tls import client_context, server_context
 
 __all__ = ["TlsMaterial", "Runtime"]

@@ -1,0 +1,101 @@
+"""What the links of one listener (serve) or tunnel (connect) share: limits, the upstream slot.
+
+How this works: ``Route`` is built once per listener by ``server.Runtime`` and handed to every
+``relay.Link`` it accepts. It carries the resolved policy and limits, the per-upstream facts
+cache, the TLS context and ACL getters (swapped on reload), and, for ``serve``, the
+``UpstreamSlot``: ggml-rpc-server serves one client at a time, so one session holds the slot
+and the others queue for it (bounded) or are refused, per ``limits.upstream_busy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rpcguard.errors import Refusal
+from rpcguard.identity import Acl
+from rpcguard.metrics import ListenerTraffic
+from rpcguard.protocol.session import SessionPolicy
+from rpcguard.protocol.state import UpstreamFacts
+
+__all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
+
+# serve: a finished session's upstream connection is half-closed and read until the server hangs
+# up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
+# it has answered the command it is running, so this only bounds a server that never does.
+UPSTREAM_DRAIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts (seconds, 0 = off) and caps applied to every link of a route."""
+
+    handshake_timeout_s: float = 10.0
+    hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
+    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
+    max_session_s: float = 0.0
+    max_sessions: int = 64
+    upstream_busy: str = "queue"  # or "refuse"
+    queue_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+
+class UpstreamSlot:
+    """The single-client upstream: at most one session holds it; others queue or are refused."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.waiting = 0
+        self.draining = False  # the holder's session is over; only its upstream drain remains
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def acquire(self, limits: Limits) -> None:
+        refuse = limits.upstream_busy == "refuse"
+        if self._lock.locked() and refuse and not self.draining:
+            raise Refusal("upstream_busy", "the upstream serves another session")
+        # Queue mode waits up to queue_timeout_s; refuse mode waits only for a finished session's
+        # drain (llama.cpp opens its next connection right after closing the previous one).
+        timeout = UPSTREAM_DRAIN_S if refuse else (limits.queue_timeout_s or None)
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            where = "waiting for the previous session to close" if refuse else "in the queue"
+            raise Refusal("upstream_busy", f"still busy after {timeout:g} s {where}") from None
+        finally:
+            self.waiting -= 1
+        self.draining = False
+
+    def release(self) -> None:
+        self.draining = False
+        if self._lock.locked():
+            self._lock.release()
+
+
+@dataclass
+class Route:
+    """One listener (serve) or tunnel (connect) and everything its links share."""
+
+    role: str  # "serve" or "connect"
+    name: str
+    upstream_host: str
+    upstream_port: int
+    policy: SessionPolicy
+    traffic: ListenerTraffic
+    limits: Limits = field(default_factory=Limits)
+    facts: UpstreamFacts = field(default_factory=UpstreamFacts)
+    # serve: context for the TLS server side; connect: context toward the node. Callables, so a
+    # reload swaps them for new links while running links keep theirs.
+    ssl_context: Callable[[], ssl.SSLContext] | None = None
+    acl: Callable[[], Acl] | None = None
+    server_name: str | None = None  # connect: expected name in the node's certificate
+    slot: UpstreamSlot | None = None  # serve: the single upstream client slot
+    links: set = field(default_factory=set)
+    on_session_end: Callable[[dict], None] | None = None  # audit sink
+    draining: bool = False
