@@ -146,6 +146,7 @@ class Link:
         self.t0 = time.monotonic()
         self.last_activity = self.t0
         self.refused_command = "-"  # command of the frame that was refused
+        self.client_blocked_since = 0.0  # when the client's write buffer filled up (flow control)
         self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
         self.t_upstream = self.t0
         self.admitted = False  # past the TLS handshake (serve) / accepted (connect): counts in max_sessions
@@ -439,11 +440,15 @@ class Link:
         return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
 
     def pause_other(self, endpoint: Endpoint) -> None:
+        if endpoint.is_client:
+            self.client_blocked_since = time.monotonic()  # the client is not reading its responses
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
             other.transport.pause_reading()
 
     def resume_other(self, endpoint: Endpoint) -> None:
+        if endpoint.is_client:
+            self.client_blocked_since = 0.0
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
             other.transport.resume_reading()
@@ -483,6 +488,11 @@ class Link:
             if limits.frame_timeout_s and not session.idle and quiet > limits.frame_timeout_s and session.mid_frame:
                 self._finish("refused", "frame_timeout", f"a request frame stalled for {quiet:.0f} s")
                 return
+        if limits.frame_timeout_s and self.client_blocked_since and now - self.client_blocked_since > limits.frame_timeout_s:
+            # A client that stops reading its responses would hold the single upstream slot forever.
+            self._finish("refused", "frame_timeout",
+                         f"the client has not read its responses for {now - self.client_blocked_since:.0f} s")
+            return
         if limits.max_session_s and now - self.t0 > limits.max_session_s:
             self._finish("refused", "session_lifetime", f"session older than {limits.max_session_s:g} s")
             return

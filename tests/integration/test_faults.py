@@ -35,7 +35,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.encode import TensorSpec, pack_tensor
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import procinfo, realpeer
-from tests.support.guard import start_guard
+from tests.support.guard import start_pair
 
 MiB = 1 << 20
 N_TOKENS = 12
@@ -93,12 +93,7 @@ def guards(workdir, pki):
             path = workdir / "limits.yaml"
             path.write_text(config)
             extra = ["--config", str(path)]
-        serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{upstream_port}", *pki.serve_args(), *extra])
-        started.append(serve)
-        connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
-                                                   *pki.connect_args(), *extra])
-        started.append(connect)
-        return connect, serve
+        return start_pair(workdir, pki, upstream_port, started, extra, extra)
 
     yield make
     for g in reversed(started):
@@ -371,6 +366,27 @@ def test_client_that_stops_reading_stays_bounded(rpc_server, guards, models, dir
     procinfo.record("client_stops_reading", requested_mib=4 * size // MiB, unread_at_client_kib=waiting // 1024,
                     serve_peak_growth_mib=round(grown["serve"], 1), connect_peak_growth_mib=round(grown["connect"], 1),
                     session_end_s=round(ended_s, 3), **_numbers(track, after))
+
+
+def test_client_that_never_reads_is_cut_and_frees_the_upstream(rpc_server, guards, models, direct):
+    """A stalled reader would hold the single upstream slot for ever: once its write buffer has
+    been full for frame_timeout_s (2 s here) the session is cut, counted, and the slot freed."""
+    connect, serve = guards(rpc_server, config=SHORT_LIMITS)
+    c = RawClient(connect.port)
+    assert c.hello() == V7
+    t = c.alloc(256 * MiB)
+    c.sock.sendall(get_tensor(t, 256 * MiB))  # never read
+    t0 = time.monotonic()
+    # Both proxies see a reader that stopped (connect's client, serve's peer connect): whichever
+    # times out first cuts the session.
+    def cut() -> float:
+        return sum(g.value("rpcguard_refusals_total", reason="frame_timeout") for g in (connect, serve))
+    assert wait_for(lambda: cut() >= 1, 10, 0.1), connect.output()[-2000:] + serve.output()[-2000:]
+    cut_s = time.monotonic() - t0
+    assert 2 <= cut_s < 6, cut_s
+    assert "has not read its responses" in connect.output() + serve.output()
+    same_tokens(connect.endpoint, models["tiny"], direct["tiny"])  # the upstream is free again
+    c.close()
 
 
 # ----------------------------------------------------------------------------- node restart
