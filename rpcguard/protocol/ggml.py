@@ -180,48 +180,21 @@ _OPS_3_6_1: tuple[str, ...] = (
     "OPT_STEP_SGD", "GLU",  # 94-95
 )  # fmt: skip
 
-# enum ggml_op, GGML_OP_COUNT = 98.
-# 4.0.2: llama-cpp-python 0.3.34, vendor/llama.cpp/ggml/include/ggml.h:481-591
-_OPS_4_0_2: tuple[str, ...] = (
-    "NONE", "DUP", "ADD", "ADD_ID", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT",  # 0-10
-    "LOG", "SIN", "COS", "SUM", "SUM_ROWS", "CUMSUM", "MEAN", "ARGMAX", "COUNT_EQUAL",  # 11-19
-    "REPEAT", "REPEAT_BACK", "CONCAT", "SILU_BACK", "NORM", "RMS_NORM", "RMS_NORM_BACK",  # 20-26
-    "GROUP_NORM", "L2_NORM", "MUL_MAT", "MUL_MAT_ID", "OUT_PROD", "SCALE", "SET", "CPY",  # 27-34
-    "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "GET_ROWS", "GET_ROWS_BACK",  # 35-41
-    "SET_ROWS", "DIAG", "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "SOFT_MAX_BACK",  # 42-47
-    "ROPE", "ROPE_BACK", "CLAMP", "CONV_TRANSPOSE_1D", "IM2COL", "IM2COL_BACK",  # 48-53
-    "IM2COL_3D", "COL2IM_1D", "CONV_2D", "CONV_3D", "CONV_2D_DW", "CONV_TRANSPOSE_2D",  # 54-59
-    "POOL_1D", "POOL_2D", "POOL_2D_BACK", "UPSCALE", "PAD", "PAD_REFLECT_1D", "ROLL",  # 60-66
-    "ARANGE", "TIMESTEP_EMBEDDING", "ARGSORT", "TOP_K", "LEAKY_RELU", "TRI", "FILL",  # 67-73
-    "FLASH_ATTN_EXT", "FLASH_ATTN_BACK", "SSM_CONV", "SSM_SCAN", "WIN_PART", "WIN_UNPART",  # 74-79
-    "GET_REL_POS", "ADD_REL_POS", "RWKV_WKV6", "GATED_LINEAR_ATTN", "RWKV_WKV7",  # 80-84
-    "SOLVE_TRI", "GATED_DELTA_NET", "LIGHTNING_INDEXER", "UNARY", "MAP_CUSTOM1",  # 85-89
-    "MAP_CUSTOM2", "MAP_CUSTOM3", "CUSTOM", "CROSS_ENTROPY_LOSS",  # 90-93
-    "CROSS_ENTROPY_LOSS_BACK", "OPT_STEP_ADAMW", "OPT_STEP_SGD", "GLU",  # 94-97
-)  # fmt: skip
+def _inserted(base: tuple[str, ...], after: str, *names: str) -> tuple[str, ...]:
+    """``base`` with ``names`` inserted after ``after``: how each later enum grew (ids shift)."""
+    i = base.index(after) + 1
+    return base[:i] + names + base[i:]
 
-# enum ggml_op, GGML_OP_COUNT = 101.
+
+# enum ggml_op, GGML_OP_COUNT = 98: 3.6.1 plus COL2IM_1D (55) and LIGHTNING_INDEXER (87).
+# 4.0.2: llama-cpp-python 0.3.34, vendor/llama.cpp/ggml/include/ggml.h:481-591
+_OPS_4_0_2 = _inserted(_inserted(_OPS_3_6_1, "IM2COL_3D", "COL2IM_1D"), "GATED_DELTA_NET", "LIGHTNING_INDEXER")
+
+# enum ggml_op, GGML_OP_COUNT = 101: 4.0.2 plus DSV4_HC_COMB, DSV4_HC_PRE, DSV4_HC_POST (88-90).
 # 5.0.0: llama-cpp-python 0.3.35, vendor/llama.cpp/ggml/include/ggml.h:481-594
 # 7.0.0: llama-cpp-python 0.3.36, vendor/llama.cpp/ggml/include/ggml.h:492-605
 # The enums of 5.0.0 and 7.0.0 are identical (compared name by name).
-_OPS_5_0_0: tuple[str, ...] = (
-    "NONE", "DUP", "ADD", "ADD_ID", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT",  # 0-10
-    "LOG", "SIN", "COS", "SUM", "SUM_ROWS", "CUMSUM", "MEAN", "ARGMAX", "COUNT_EQUAL",  # 11-19
-    "REPEAT", "REPEAT_BACK", "CONCAT", "SILU_BACK", "NORM", "RMS_NORM", "RMS_NORM_BACK",  # 20-26
-    "GROUP_NORM", "L2_NORM", "MUL_MAT", "MUL_MAT_ID", "OUT_PROD", "SCALE", "SET", "CPY",  # 27-34
-    "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "GET_ROWS", "GET_ROWS_BACK",  # 35-41
-    "SET_ROWS", "DIAG", "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "SOFT_MAX_BACK",  # 42-47
-    "ROPE", "ROPE_BACK", "CLAMP", "CONV_TRANSPOSE_1D", "IM2COL", "IM2COL_BACK",  # 48-53
-    "IM2COL_3D", "COL2IM_1D", "CONV_2D", "CONV_3D", "CONV_2D_DW", "CONV_TRANSPOSE_2D",  # 54-59
-    "POOL_1D", "POOL_2D", "POOL_2D_BACK", "UPSCALE", "PAD", "PAD_REFLECT_1D", "ROLL",  # 60-66
-    "ARANGE", "TIMESTEP_EMBEDDING", "ARGSORT", "TOP_K", "LEAKY_RELU", "TRI", "FILL",  # 67-73
-    "FLASH_ATTN_EXT", "FLASH_ATTN_BACK", "SSM_CONV", "SSM_SCAN", "WIN_PART", "WIN_UNPART",  # 74-79
-    "GET_REL_POS", "ADD_REL_POS", "RWKV_WKV6", "GATED_LINEAR_ATTN", "RWKV_WKV7",  # 80-84
-    "SOLVE_TRI", "GATED_DELTA_NET", "LIGHTNING_INDEXER", "DSV4_HC_COMB", "DSV4_HC_PRE",  # 85-89
-    "DSV4_HC_POST", "UNARY", "MAP_CUSTOM1", "MAP_CUSTOM2", "MAP_CUSTOM3", "CUSTOM",  # 90-95
-    "CROSS_ENTROPY_LOSS", "CROSS_ENTROPY_LOSS_BACK", "OPT_STEP_ADAMW", "OPT_STEP_SGD",  # 96-99
-    "GLU",  # 100-100
-)  # fmt: skip
+_OPS_5_0_0 = _inserted(_OPS_4_0_2, "LIGHTNING_INDEXER", "DSV4_HC_COMB", "DSV4_HC_PRE", "DSV4_HC_POST")
 
 OP_TABLES: Mapping[Version, OpTable] = {
     (2, 0, 0): _table((2, 0, 0), _OPS_2_0_0, "llama-cpp-python 0.3.16 ggml/include/ggml.h:450"),
