@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -213,6 +214,18 @@ def _certs(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+RECENT_SHOWN = 10  # recent refusals printed by `rpcguard status`
+
+
+def _recent_refusals(metrics_url: str) -> list[dict]:
+    """The instance's last refusals (GET /refusals next to /metrics); [] if it has none."""
+    try:
+        with urllib.request.urlopen(metrics_url.rsplit("/metrics", 1)[0] + "/refusals", timeout=5) as rsp:
+            return json.loads(rsp.read().decode())
+    except (OSError, ValueError):
+        return []
+
+
 def _status(address: str) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -237,8 +250,13 @@ def _status(address: str) -> int:
     for s in samples("rpcguard_upstream_protocol_info"):
         print(f"  upstream {s.labels['upstream']} speaks protocol {s.labels['version']}")
     refusals = [s for s in samples("rpcguard_refusals") if s.name == "rpcguard_refusals_total" and s.value]
-    print("  refusals: " + (", ".join(f"{s.labels['reason']}={int(s.value)} ({s.labels['listener']})"
-                                      for s in refusals) or "none"))
+    print("  refusals since start: " + (", ".join(f"{s.labels['reason']}={int(s.value)} ({s.labels['listener']})"
+                                                  for s in refusals) or "none"))
+    for r in _recent_refusals(url)[-RECENT_SHOWN:]:
+        ago = time.time() - r.get("time", 0)
+        print(f"    {ago:7.0f} s ago  {r.get('role')} {r.get('listener')}  {r.get('reason')}"
+              f"  peer={r.get('peer')} identity={r.get('identity') or '-'}"
+              + (f" command={r['command']}" if r.get("command") else "") + f"  {r.get('detail') or ''}")
     now = time.time()
     for s in samples("rpcguard_certificate_expiry_timestamp_seconds"):
         days = (s.value - now) / 86400

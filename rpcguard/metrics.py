@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import platform
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
@@ -229,7 +232,14 @@ class Metrics:
         self._listeners: dict[tuple[str, str], ListenerTraffic] = {}
         self._cert_expiry: dict[tuple[str, str], float] = {}
         self._reloads: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
+        # The last refusals with their peer, for a person at a terminal (GET /refusals,
+        # `rpcguard status`); bounded, and never a metric label (peers are unbounded).
+        self.recent_refusals: deque[dict] = deque(maxlen=RECENT_REFUSALS)
         self.registry.register(_Collector(self))
+
+    def note_refusal(self, **fields: object) -> None:
+        """Remember one refusal (time, role, listener, peer, identity, reason, detail)."""
+        self.recent_refusals.append({"time": round(time.time(), 3), **fields})
 
     def listener(self, role: str, listener: str, *, upstream: str = "",
                  command_names: Mapping[int, str] | None = None) -> ListenerTraffic:
@@ -266,6 +276,9 @@ class Metrics:
     def exposition(self) -> bytes:
         """The text exposition of the registry (what GET /metrics returns)."""
         return generate_latest(self.registry)
+
+
+RECENT_REFUSALS = 50  # refusals kept for /refusals
 
 
 # --- HTTP endpoint ----------------------------------------------------------------------
@@ -326,6 +339,9 @@ async def _answer(metrics: Metrics, ready: ReadyCheck | None, head: bytes, timeo
         return _response(200, body, _METRICS_TYPE)
     if path == "/healthz":
         return _response(200, b"ok\n")
+    if path == "/refusals":
+        body = json.dumps(list(metrics.recent_refusals), separators=(",", ":")).encode() + b"\n"
+        return _response(200, body, "application/json")
     if path == "/readyz":
         ok, text = True, "ready"
         if ready is not None:

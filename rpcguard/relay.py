@@ -146,6 +146,7 @@ class Link:
         self.t0 = time.monotonic()
         self.last_activity = self.t0
         self.refused_command = "-"  # command of the frame that was refused
+        self.detail = ""
         self.client_blocked_since = 0.0  # when the client's write buffer filled up (flow control)
         self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
         self.t_upstream = self.t0
@@ -506,7 +507,7 @@ class Link:
         if self._done:
             return
         self._done = True
-        self.result, self.reason = result, reason
+        self.result, self.reason, self.detail = result, reason, detail
         route = self.route
         for endpoint in (self.client, self.upstream):
             if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
@@ -553,6 +554,7 @@ class Link:
             "result": self.result,
             "reason": self.reason or None,
             "command": self.refused_command if self.refused_command != "-" else None,
+            "detail": self.detail,
             "alloc_bytes": s.stats.alloc_bytes,
             "upload_bytes": s.stats.upload_bytes_set,
             "hash_hit_bytes": s.stats.upload_bytes_hash_hit,

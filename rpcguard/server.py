@@ -140,6 +140,7 @@ class Runtime:
                     ssl_context=lambda: self.tls.context, acl=self._acl_getter(lc.name),
                     slot=slots.setdefault(key, UpstreamSlot()),
                 )
+                route.on_session_end = self._session_ended
                 self.listeners.append(_Listener(route, lc.listen.host, lc.listen.port))
         else:
             for tc in cfg.tunnels:
@@ -150,7 +151,13 @@ class Runtime:
                     facts=UpstreamFacts(f"{tc.server.host}:{tc.server.port}"),
                     ssl_context=lambda: self.tls.context, server_name=tc.server_name,
                 )
+                route.on_session_end = self._session_ended
                 self.listeners.append(_Listener(route, tc.listen.host, tc.listen.port))
+
+    def _session_ended(self, record: dict) -> None:
+        if record.get("result") == "refused":
+            self.metrics.note_refusal(**{k: record.get(k) for k in (
+                "role", "listener", "peer", "identity", "reason", "command", "detail")})
 
     def _acl_getter(self, name: str):
         return lambda: self._acls[name]

@@ -816,6 +816,8 @@ def test_status_reads_a_running_instance(pki, pair, models, workdir):
     out = p.stdout
     assert re.search(r"serve listener0: 1 active, error \d+, ok \d+, refused 1", out), out
     assert "upstream_busy=1 (listener0)" in out
+    # the recent refusal with its peer and identity (GET /refusals)
+    assert re.search(r"s ago  serve listener0  upstream_busy  peer=127\.0\.0\.1:\d+ identity=CN=client1", out), out
     assert "upstream 127.0.0.1:" in out and "speaks protocol 7.0.0" in out
     days = (not_after(pki.path(pki.node)) - time.time()) / 86400
     assert f"certificate cert expires in {days:.1f} days" in out or f"expires in {days - 0.1:.1f}" in out, out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import platform
 import re
 import time
@@ -333,3 +334,24 @@ def test_http_connection_cap(run, monkeypatch: pytest.MonkeyPatch) -> None:  # t
         assert (await _request(port, _get("/healthz")))[0] == 200
 
     run(_with_server(body))
+
+
+def test_recent_refusals_are_bounded_and_served_as_json(run) -> None:  # type: ignore[no-untyped-def]
+    m = Metrics()
+    for i in range(metrics_mod.RECENT_REFUSALS + 5):
+        m.note_refusal(role="serve", listener="gpu0", peer=f"10.0.0.{i}:1", reason="identity_not_allowed")
+    assert len(m.recent_refusals) == metrics_mod.RECENT_REFUSALS
+    assert m.recent_refusals[-1]["peer"] == f"10.0.0.{metrics_mod.RECENT_REFUSALS + 4}:1"
+
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            status, headers, text = await _request(port, _get("/refusals"))
+        finally:
+            server.close()
+        assert status == 200 and headers["content-type"] == "application/json"
+        got = json.loads(text)
+        assert len(got) == metrics_mod.RECENT_REFUSALS and got[0]["reason"] == "identity_not_allowed"
+
+    run(body())
