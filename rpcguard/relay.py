@@ -147,6 +147,7 @@ class Link:
         self.last_activity = self.t0
         self.refused_command = "-"  # command of the frame that was refused
         self.detail = ""
+        self._hello_seen: asyncio.Event | None = None  # serve: set when the client's HELLO arrives
         self.client_blocked_since = 0.0  # when the client's write buffer filled up (flow control)
         self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
         self.t_upstream = self.t0
@@ -187,6 +188,14 @@ class Link:
             if self.refusal is not None:
                 return
             if route.slot is not None:
+                # Take the single upstream slot only once the client has said HELLO: an
+                # authenticated client that sends nothing must not block the node meanwhile
+                # (it is cut by hello_timeout_s without ever holding the slot).
+                if self.session.hello_request_len is None:
+                    self._hello_seen = asyncio.Event()
+                    await self._hello_seen.wait()
+                    if self._done:
+                        return
                 route.traffic.queue_depth = route.slot.waiting + 1
                 try:
                     await route.slot.acquire(route.limits)
@@ -307,6 +316,8 @@ class Link:
             self._finish("error", "internal_error", "internal error (logged)")
             return
         self.last_activity = now / 1e9
+        if self._hello_seen is not None and session.hello_request_len is not None:
+            self._hello_seen.set()
         if session.violations:
             self._report_violations()
         if session.to_server:
@@ -507,6 +518,8 @@ class Link:
         if self._done:
             return
         self._done = True
+        if self._hello_seen is not None:
+            self._hello_seen.set()  # wake run() so it ends
         self.result, self.reason, self.detail = result, reason, detail
         route = self.route
         for endpoint in (self.client, self.upstream):
