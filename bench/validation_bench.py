@@ -364,7 +364,6 @@ def e2e(work: Path, model: Path, n: int, reps: int, direct_ep: str, tokens: list
     pki = Pki(work / "pki")
     off = work / "checks-off.yaml"
     off.write_text("policy:\n  checks:\n" + "".join(f"    {c}: false\n" for c in CHECK_NAMES))
-    port = int(direct_ep.rsplit(":", 1)[1])
     guards = []
     arms = {}
     try:

@@ -63,9 +63,10 @@ _DEV_U64 = struct.Struct("<IQ")
 _ZERO_CAPS = bytes(24)
 
 # GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
-_GET_TENSOR_SIZE_AT = 296 + 8
-# SET_TENSOR_HASH hit: the cached data replaced a SET_TENSOR of the tensor's bytes from offset.
+_GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
 _CMD = COMMAND_IDS
+# Commands whose request changes session state (compared per frame: plain ints, no lookups).
+_FREE_BUFFER, _GRAPH_COMPUTE, _SET_TENSOR = _CMD["FREE_BUFFER"], _CMD["GRAPH_COMPUTE"], _CMD["SET_TENSOR"]
 
 
 @dataclass(frozen=True)
@@ -223,11 +224,11 @@ class Session:
                 raise
             self.violations.append(Violation(refusal.reason, refusal.detail, rule.name))
         # Effects of the request on the session state.
-        if cmd == _CMD["FREE_BUFFER"]:
+        if cmd == _FREE_BUFFER:
             self.state.free_buffer(_U64.unpack_from(head)[0])
-        elif cmd == _CMD["GRAPH_COMPUTE"]:
+        elif cmd == _GRAPH_COMPUTE:
             self.state.graph_stored(_U32.unpack_from(head)[0] if spec.multi_device else 0)  # type: ignore[union-attr]
-        elif cmd == _CMD["SET_TENSOR"]:
+        elif cmd == _SET_TENSOR:
             self.stats.upload_bytes_set += body_len
         response = rule.response
         if response != NO_RESPONSE:
