@@ -85,7 +85,8 @@ class OpRule:
     derive: Derive
     optional: int = 0  # further sources it may set (masks, freq factors, sinks)
     params: int = 0  # leading op_params slots it may set; the rest must be 0
-    since: Version = (0, 0, 0)
+    since: Version = (0, 0, 0)  # first protocol version the row holds for
+    until: Version = (99, 0, 0)  # first version it no longer holds for (a later row takes over)
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -259,6 +260,14 @@ def _set_rows(n: RpcTensor, s: Srcs) -> Result:
 
 # ggml-cpu.cpp:434-442: CPY/SET_ROWS into these types abort (no from_float).
 _NO_FROM_FLOAT = frozenset({16, 17, 18, 19, 21, 22, 29})  # iq2_xxs iq2_xs iq3_xxs iq1_s iq3_s iq2_s iq1_m
+
+
+def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_set_rows before 4.0.0 (0.3.20 ggml.c): the source rows are F32 only."""
+    b = s[0]
+    assert b is not None
+    _types(n, "SET_ROWS", ONLY_F32, b)
+    return _set_rows(n, s)
 
 
 def _cpy(n: RpcTensor, s: Srcs) -> Result:
@@ -712,11 +721,14 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("PERMUTE", "ggml.c:3887 ggml_permute", 1, _permute, params=4),
     OpRule("TRANSPOSE", "ggml.c:3943 ggml_transpose", 1, _transpose),
     OpRule("GET_ROWS", "ggml.c:3963 ggml_get_rows", 2, _get_rows),
-    OpRule("SET_ROWS", "ggml.c:4009 ggml_set_rows", 3, _set_rows),
+    OpRule("SET_ROWS", "ggml.c:4009 ggml_set_rows", 3, _set_rows, since=(4, 0, 0)),
+    OpRule("SET_ROWS", "0.3.20 ggml.c ggml_set_rows (F32 rows)", 3, _set_rows_f32, until=(4, 0, 0)),
     OpRule("DIAG_MASK_INF", "ggml.c:4071 ggml_diag_mask_inf", 1, _diag_mask, params=1),
     OpRule("DIAG_MASK_ZERO", "ggml.c:4103 ggml_diag_mask_zero", 1, _diag_mask, params=1),
     OpRule("SOFT_MAX", "ggml.c:4200 ggml_soft_max_ext", 1, _soft_max, optional=2, params=2),
-    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16),
+    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
+    # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
+    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
     OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _clamp, params=2),
     OpRule("PAD", "ggml.c:5243 ggml_pad_ext", 1, _pad, params=9),
     OpRule("TIMESTEP_EMBEDDING", "ggml.c:5358 ggml_timestep_embedding", 1, _timestep_embedding, params=2),
@@ -730,12 +742,14 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4),
 )
 
-RULES: Mapping[str, OpRule] = {r.op: r for r in _ROWS}
+RULES: Mapping[str, tuple[OpRule, ...]] = {
+    op: tuple(r for r in _ROWS if r.op == op) for op in dict.fromkeys(r.op for r in _ROWS)
+}
 
 
 def rule_for(op: str, version: Version) -> OpRule | None:
     """The verified rule of ``op`` for ``version``, or None (the op is refused by default)."""
-    rule = RULES.get(op)
-    if rule is None or version < rule.since:
-        return None
-    return rule
+    for rule in RULES.get(op, ()):
+        if rule.since <= version < rule.until:
+            return rule
+    return None
