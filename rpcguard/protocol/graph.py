@@ -225,7 +225,7 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, pos, state)
+            self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, srcs, pos, state)
         return device
 
     # -- structure ---------------------------------------------------------------------------
@@ -335,6 +335,7 @@ class GraphValidator:
         region: memoryview,
         ids: list[int],
         npos: list[int],
+        srcs: list[list[int]],
         pos: dict[int, int],
         state: SessionState,
     ) -> None:
@@ -365,6 +366,7 @@ class GraphValidator:
             return t
 
         step = TENSOR_BYTES
+        getp = pos.get
         for p in npos:
             op = ops[p]
             if op == rules.none:
@@ -380,18 +382,16 @@ class GraphValidator:
                 continue
             if not self.op_params:
                 continue
-            node = decode_tensor(region, p * step)
-            src_pos = [pos.get(sid) if sid else None for sid in node[29:40]]
+            src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             # A node's verdict depends only on its bytes and those of its sources and view root.
-            key = region[p * step : (p + 1) * step].tobytes() + b"".join(
-                region[q * step : (q + 1) * step] for q in src_pos if q is not None
-            )
+            key = b"".join([region[q * step : (q + 1) * step] for q in (p, *src_pos) if q is not None])
             if key in cache:
                 continue
-            srcs = [tensor(q) if q is not None else None for q in src_pos[:10]]
-            if node.view_src and node.view_src not in by_id and src_pos[10] is not None:
-                tensor(src_pos[10])
-            check_node(rule, node, srcs, by_id)
+            node = decode_tensor(region, p * step)
+            node_srcs = [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]]
+            if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
+                tensor(src_pos[GGML_MAX_SRC])  # type: ignore[arg-type]
+            check_node(rule, node, node_srcs, by_id)
             if len(cache) >= NODE_CACHE_MAX:
                 cache.clear()
             cache.add(key)

@@ -467,8 +467,16 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (v.ne0, q.ne2, q.ne1, q.ne3))
 
 
-GLU_OP_COUNT = 7
-UNARY_OP_COUNT = 22
+GLU_OP_COUNT = 7  # ggml.h:634-643 (7.0.0)
+UNARY_OP_COUNT = 22  # ggml.h:608-631 (7.0.0); older versions have fewer, their ids are a prefix
+UNARY_OP_XIELU = 17
+
+
+def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
+    """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35; SWIGLU_CLAMP came with 7.0.0)."""
+    if n.param0 >= GLU_OP_COUNT - 1:
+        raise refuse(n, "GLU", f"glu op {n.param0} unknown before 7.0.0", "graph_op_params_invalid")
+    return _glu(n, s)
 
 
 def _glu(n: RpcTensor, s: Srcs) -> Result:
@@ -488,14 +496,20 @@ def _glu(n: RpcTensor, s: Srcs) -> Result:
 
 
 def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    """ggml_unary_impl ggml.c:6010: a with contiguous rows, op_params[0] the unary op;
-    unary-ops.cpp / ops.cpp handle F32 and F16 (BF16 for some)."""
+    """ggml_unary_impl ggml.c:6010: a with contiguous rows, op_params[0] the unary op (XIELU,
+    ggml.c ggml_xielu, also sets four float params and has no inplace form); unary-ops.cpp
+    apply_unary_op (:111) handles F32/F16/BF16 with unit nb0, its functor path (XIELU, :194)
+    needs ggml_is_contiguous_1."""
     a = s[0]
     assert a is not None
-    if not 0 <= n.param0 < UNARY_OP_COUNT:
-        raise refuse(n, "UNARY", f"unary op {n.param0}", "graph_op_params_invalid")
-    _types(n, "UNARY", F32_F16, a)
+    op = n.param0
+    if not 0 <= op < UNARY_OP_COUNT or (op != UNARY_OP_XIELU and any(n.op_params[1:5])):
+        raise refuse(n, "UNARY", f"unary op {op} params {n.op_params[:5]}", "graph_op_params_invalid")
+    _types(n, "UNARY", FLOAT, a)
     _need(rows_contiguous(a) and a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
+    if op == UNARY_OP_XIELU:
+        _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
+        return New(a.type, a.ne)
     return _dup_or_inplace(a)
 
 
@@ -738,8 +752,9 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
     OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext", 3, _flash_attn_ext, optional=2, params=4),
-    OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=1),
-    OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4),
+    OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
+    OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
+    OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
 )
 
 RULES: Mapping[str, tuple[OpRule, ...]] = {
