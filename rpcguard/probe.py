@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass
+from typing import Iterable
 
 from rpcguard.errors import Refusal
 from rpcguard.protocol import encode
@@ -40,6 +41,10 @@ __all__ = ["ProbeResult", "probe_node", "tls_probe", "VERDICT_WAIT_S"]
 VERDICT_WAIT_S = 0.5
 _READ_BYTES = 65536
 _NEW_HELLO = (4, 0, 0)
+# A node that refuses our certificate may just close (its alert is not always flushed): what we
+# know of our own certificate (preflight.certificate_warnings kinds) names the likely cause.
+_CAUSE_OF_OWN_WARNING = (("expired", "tls_cert_expired"), ("untrusted", "tls_unknown_ca"),
+                         ("not_yet_valid", "tls_bad_certificate"))
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,12 @@ async def _open(host: str, port: int, ctx: ssl.SSLContext, server_name: str, tim
     except (OSError, asyncio.TimeoutError) as exc:
         if isinstance(exc.__cause__ or exc.__context__, ssl.SSLError):
             raise _tls_failure(exc.__cause__ or exc.__context__, "TLS handshake with the node failed") from None
-        raise _Failed("node_unreachable", f"cannot reach the node: {exc or 'timeout'}") from None
+        if isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError):
+            # TCP was accepted, then closed during the handshake (the data path says the same)
+            raise _Failed("node_unreachable", "the node closed the connection during the TLS handshake "
+                                              f"({type(exc).__name__}: {exc or 'no detail'})") from None
+        what = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+        raise _Failed("node_unreachable", f"cannot reach the node: {what}") from None
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
@@ -104,13 +114,26 @@ async def _read(reader: asyncio.StreamReader, timeout: float) -> bytes:
         return await asyncio.wait_for(reader.read(_READ_BYTES), timeout)
     except ssl.SSLError as exc:
         raise _tls_failure(exc, "the node refused the TLS session") from None
+    except asyncio.TimeoutError:
+        raise  # an OSError too since Python 3.11: the callers tell silence from a close
     except (ConnectionError, OSError) as exc:
         if isinstance(exc.__cause__ or exc.__context__, ssl.SSLError):
             raise _tls_failure(exc.__cause__ or exc.__context__, "the node refused the TLS session") from None
         return b""  # reset: the same as a close for what it tells
 
 
-async def _hello(reader, writer, session: Session, hello: bytes, timeout: float) -> None:
+def _closed_on_us(when: str, own_warnings: frozenset[str]) -> _Failed:
+    """The node closed the TLS session without a word: it refused our certificate."""
+    for kind, cause in _CAUSE_OF_OWN_WARNING:
+        if kind in own_warnings:
+            return _Failed("tls_failed", f"the node closed the TLS session {when}; this side's certificate is "
+                                         f"{kind.replace('_', ' ')} (rpcguard check-config says more)", cause)
+    return _Failed("tls_failed", f"the node closed the TLS session {when}: its rpcguard refused this certificate "
+                                 "(see the node's log: CA, expiry or usage)", "tls_handshake_failed")
+
+
+async def _hello(reader, writer, session: Session, hello: bytes, timeout: float,
+                 own_warnings: frozenset[str]) -> None:
     session.client_data(memoryview(hello))
     while True:
         if session.to_server:
@@ -123,8 +146,7 @@ async def _hello(reader, writer, session: Session, hello: bytes, timeout: float)
         except asyncio.TimeoutError:
             raise _Failed("upstream_unavailable", f"the node did not answer HELLO within {timeout:g} s") from None
         if not data:
-            raise _Failed("tls_failed", "the node closed the TLS session before answering HELLO: its rpcguard "
-                                        "refused this certificate (see the node's log)", "tls_handshake_failed")
+            raise _closed_on_us("before answering HELLO", own_warnings)
         session.server_data(memoryview(data))
         session.to_client.clear()
 
@@ -146,15 +168,19 @@ async def probe_node(
     *,
     policy: SessionPolicy | None = None,
     timeout: float = 10.0,
+    own_warnings: Iterable[str] = (),
 ) -> ProbeResult:
-    """Probe one node over ONE connection; never raises for network or protocol trouble."""
+    """Probe one node over ONE connection; never raises for network or protocol trouble.
+
+    ``own_warnings``: kinds of ``preflight.certificate_warnings`` for this side's certificate.
+    """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     policy = policy or SessionPolicy()
     session = Session(policy)
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
-            await _hello(reader, writer, session, _hello_frame(policy), timeout)
+            await _hello(reader, writer, session, _hello_frame(policy), timeout, frozenset(own_warnings))
         finally:
             await _close(writer)
     except _Failed as f:
@@ -169,7 +195,8 @@ async def probe_node(
 
 
 async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server_name: str, *,
-                    timeout: float = 10.0, verdict_wait_s: float = VERDICT_WAIT_S) -> ProbeResult:
+                    timeout: float = 10.0, verdict_wait_s: float = VERDICT_WAIT_S,
+                    own_warnings: Iterable[str] = ()) -> ProbeResult:
     """TCP + TLS handshake + the node's verdict on our certificate; no HELLO, no upstream slot."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
@@ -177,8 +204,7 @@ async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server
         try:
             data = await _read(reader, verdict_wait_s)
             if not data:
-                raise _Failed("tls_failed", "the node closed the TLS session right after the handshake: its "
-                                            "rpcguard refused this certificate", "tls_handshake_failed")
+                raise _closed_on_us("right after the handshake", frozenset(own_warnings))
         except asyncio.TimeoutError:
             pass  # nothing to read: the node accepted us and waits for a HELLO
         finally:

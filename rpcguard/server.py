@@ -318,7 +318,8 @@ class Runtime:
             if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
                 result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
                                          route.server_name or route.upstream_host,
-                                         timeout=self.cfg.limits.connect_timeout_s + self.cfg.limits.handshake_timeout_s)
+                                         timeout=self.cfg.limits.connect_timeout_s + self.cfg.limits.handshake_timeout_s,
+                                         own_warnings=[w.kind for w in self.cert_warnings])
                 why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
                 seen = self._node_seen[route.name] = (time.monotonic(), result.ok, why)
             return seen[1], seen[2]
