@@ -157,6 +157,8 @@ class _Held(logging.Handler):
 def _fail(message: str, code: int, json_log: bool = False) -> int:
     """The one line a failed command ends with: plain on stderr, or a JSON log line in a JSON stream."""
     if json_log:
+        if not logging.getLogger().handlers:  # failed before logging was set up: stay one JSON stream
+            setup_logging("json")
         log.error(message)
     else:
         print(f"rpcguard: {message}", file=sys.stderr)
@@ -194,6 +196,8 @@ def _main(a: argparse.Namespace) -> int:
         overrides = _overrides(a)
         if a.command == "check" and a.server:
             overrides["listen"] = "127.0.0.1:0"  # check binds nothing; a tunnel needs a listen address
+        elif a.command == "check" and not a.config:
+            raise ConfigError("--server", "required (HOST:PORT of the node), or --config with tunnels")
         with held:
             cfg = build_config(role, file=a.config, overrides=overrides)
     except ConfigError as exc:
@@ -363,23 +367,30 @@ def _status(addresses: list[str] | None) -> int:
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=5) as rsp:
-                text = rsp.read().decode("utf-8", "replace")
-            _status_one(url, text)
-            shown += 1
+                fam = _families(rsp.read().decode("utf-8", "replace"))
         except (OSError, ValueError) as exc:  # URLError/HTTPError are OSErrors; a page that is not metrics
             failed.append(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}")
+            continue
+        _status_one(url, fam)  # a BrokenPipeError of our stdout goes up to main()
+        shown += 1
     for line in failed if (addresses or not shown) else ():
         print(f"rpcguard status: {line}", file=sys.stderr)
     return EXIT_FAIL if (failed and addresses) or not shown else EXIT_OK
 
 
-def _status_one(url: str, text: str) -> None:
+def _families(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    fam = {f.name: f for f in text_string_to_metric_families(text)}
+    try:
+        fam = {f.name: f for f in text_string_to_metric_families(text)}
+    except ValueError as exc:
+        raise ValueError(f"not an rpcguard metrics page ({exc})") from None
     if not any(name.startswith("rpcguard_") for name in fam):
         raise ValueError("not an rpcguard metrics page")
+    return fam
 
+
+def _status_one(url: str, fam: dict) -> None:
     def samples(name: str):
         return fam[name].samples if name in fam else []
 
