@@ -291,3 +291,56 @@ def test_flags_reach_the_config(pki, tmp_path):
                                    "--metrics-unsafe-public"))
     cfg = build_config("serve", overrides=_overrides(a))
     assert cfg.tls.reload_interval_s == 2.5 and cfg.metrics.unsafe_public and cfg.metrics.listen.port == 0
+
+
+def test_json_log_stream_is_pure_json_from_start_to_stop(pki, tmp_path):
+    """--log-format json: every stderr line is JSON (config warnings, ready, drain), stdout empty."""
+    import signal
+    import time
+
+    t = _Ctx(tmp_path, pki, 0, 0)
+    cfg = Path(t.config(cert=pki.path("expired-node"), key=pki.path("expired-node", "key")))  # warns at start
+    proc = subprocess.Popen([PYTHON, "-m", "rpcguard", "serve", "--config", str(cfg), "--metrics", "",
+                             "--log-format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if '"msg":"ready:' in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines += rest.splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert out == "" and proc.returncode == 0
+    msgs = [r["msg"] for r in records]
+    assert any(m.startswith("certificate expired") for m in msgs) and any(m.startswith("ready:") for m in msgs), msgs
+    assert sum("listening on" in m for m in msgs) == 1, msgs
+
+
+def test_records_logged_while_reading_the_config_come_out_in_the_chosen_format():
+    import io
+    import logging
+
+    from rpcguard.audit import setup_logging
+    from rpcguard.cli import _Held
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        with _Held() as held:
+            logging.getLogger("rpcguard.config").warning("early %s", "warning")
+        stream = io.StringIO()
+        setup_logging("json", stream=stream)
+        held.replay()
+        assert json.loads(stream.getvalue())["msg"] == "early warning"
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
