@@ -315,12 +315,16 @@ def _certs(a: argparse.Namespace) -> int:
                             force=a.force, ca_dir=a.ca_dir)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
     elif a.certs_command == "csr":
-        files = certs.make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
+        from rpcguard.csr import make_csr
+
+        files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
         print(f"wrote {files.key} (0600, keep it here) and {files.cert}: sign it on the CA machine with "
               f"rpcguard certs sign --ca-dir CADIR {files.cert.name} --out {a.name}.pem")
     else:
+        from rpcguard.csr import sign_csr
+
         server = True if a.server else False if a.client else None
-        out = certs.sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force)
+        out = sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force)
         print(f"wrote {out}: {certs.describe(out)}")
     return EXIT_OK
 

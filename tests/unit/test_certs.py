@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rpcguard import certs
+from rpcguard import certs, csr
 from rpcguard.certs import CertError
 from rpcguard.errors import RpcGuardError
 
@@ -246,9 +246,9 @@ def test_csr_then_sign_gives_what_issue_gives(tmp_path):
     certs.init_ca(tmp_path / "ca")
     node = tmp_path / "node"
     node.mkdir()
-    req = certs.make_csr(node, "node1", server=True, dns=["Node1.Lab."], ips=["10.0.0.5"])
+    req = csr.make_csr(node, "node1", server=True, dns=["Node1.Lab."], ips=["10.0.0.5"])
     assert mode(req.key) == 0o600 and req.cert.name == "node1.csr"
-    out = certs.sign_csr(tmp_path / "ca", req.cert, node / "node1.pem")
+    out = csr.sign_csr(tmp_path / "ca", req.cert, node / "node1.pem")
     cert = certs.load_cert(out)
     ref = certs.load_cert(certs.issue(tmp_path / "ca", "ref", server=True, dns=["node1.lab"], ips=["10.0.0.5"]).cert)
     for cls in (x509.SubjectAlternativeName, x509.ExtendedKeyUsage, x509.KeyUsage, x509.BasicConstraints):
@@ -267,14 +267,14 @@ def test_csr_then_sign_gives_what_issue_gives(tmp_path):
 
 def test_sign_kind_follows_the_csr_and_must_match(tmp_path):
     certs.init_ca(tmp_path)
-    req = certs.make_csr(tmp_path, "c1", server=False, uris=["spiffe://lab/llama/1"])
+    req = csr.make_csr(tmp_path, "c1", server=False, uris=["spiffe://lab/llama/1"])
     with pytest.raises(CertError, match="asks for a client certificate"):
-        certs.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem", server=True)
-    out = certs.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem")
+        csr.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem", server=True)
+    out = csr.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem")
     assert list(ext(certs.load_cert(out), x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
     with pytest.raises(CertError, match="already exists"):
-        certs.sign_csr(tmp_path, req.cert, out)
-    certs.sign_csr(tmp_path, req.cert, out, force=True, days=2)
+        csr.sign_csr(tmp_path, req.cert, out)
+    csr.sign_csr(tmp_path, req.cert, out, force=True, days=2)
 
 
 def _foreign_csr(tmp_path, name="evil", sans=(), ekus=(ExtendedKeyUsageOID.CLIENT_AUTH,)):
@@ -295,7 +295,7 @@ def _foreign_csr(tmp_path, name="evil", sans=(), ekus=(ExtendedKeyUsageOID.CLIEN
 def test_sign_applies_the_issue_rules_to_a_hand_made_csr(tmp_path):
     certs.init_ca(tmp_path)
     # a CSR asking to be a CA gets a plain leaf: the CA decides the extensions
-    out = certs.sign_csr(tmp_path, _foreign_csr(tmp_path), tmp_path / "evil.pem")
+    out = csr.sign_csr(tmp_path, _foreign_csr(tmp_path), tmp_path / "evil.pem")
     assert ext(certs.load_cert(out), x509.BasicConstraints).value.ca is False
     cases = [
         (dict(name="../x"), "invalid certificate name"),
@@ -307,13 +307,13 @@ def test_sign_applies_the_issue_rules_to_a_hand_made_csr(tmp_path):
     ]
     for kw, msg in cases:
         with pytest.raises(CertError, match=msg):
-            certs.sign_csr(tmp_path, _foreign_csr(tmp_path, **kw), tmp_path / "x.pem")
+            csr.sign_csr(tmp_path, _foreign_csr(tmp_path, **kw), tmp_path / "x.pem")
     assert not (tmp_path / "x.pem").exists()
 
 
 def test_sign_refuses_a_tampered_csr_and_bad_files(tmp_path):
     certs.init_ca(tmp_path)
-    req = certs.make_csr(tmp_path, "t1", server=False)
+    req = csr.make_csr(tmp_path, "t1", server=False)
     data = bytearray(x509.load_pem_x509_csr(req.cert.read_bytes()).public_bytes(
         __import__("cryptography.hazmat.primitives.serialization", fromlist=["Encoding"]).Encoding.DER))
     data[-5] ^= 0xFF  # flip a signature byte
@@ -323,13 +323,13 @@ def test_sign_refuses_a_tampered_csr_and_bad_files(tmp_path):
     tampered.write_text("-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(data)).decode()
                         + "-----END CERTIFICATE REQUEST-----\n")
     with pytest.raises(CertError, match="signature|not a PEM"):
-        certs.sign_csr(tmp_path, tampered, tmp_path / "t.pem")
+        csr.sign_csr(tmp_path, tampered, tmp_path / "t.pem")
     with pytest.raises(CertError, match="cannot read CSR"):
-        certs.sign_csr(tmp_path, tmp_path / "missing.csr", tmp_path / "t.pem")
+        csr.sign_csr(tmp_path, tmp_path / "missing.csr", tmp_path / "t.pem")
     with pytest.raises(CertError, match="not a PEM certificate signing request"):
-        certs.sign_csr(tmp_path, tmp_path / "ca.pem", tmp_path / "t.pem")
+        csr.sign_csr(tmp_path, tmp_path / "ca.pem", tmp_path / "t.pem")
     with pytest.raises(CertError, match="no such directory"):
-        certs.make_csr(tmp_path / "nodir", "t2", server=True)
+        csr.make_csr(tmp_path / "nodir", "t2", server=True)
 
 
 def test_write_errors_are_cert_errors(tmp_path):
