@@ -28,6 +28,7 @@ EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
 # Logged (stderr, text or JSON) once every listener is bound and the material loaded; under
 # systemd the same moment sends READY=1. Nothing is ever written to stdout by serve/connect.
 READY_MESSAGE = "ready:"
+_LOGGING = [False]  # set once setup_logging() ran in this process
 
 
 def _common_tls(p: argparse.ArgumentParser) -> None:
@@ -157,7 +158,7 @@ class _Held(logging.Handler):
 def _fail(message: str, code: int, json_log: bool = False) -> int:
     """The one line a failed command ends with: plain on stderr, or a JSON log line in a JSON stream."""
     if json_log:
-        if not logging.getLogger().handlers:  # failed before logging was set up: stay one JSON stream
+        if not _LOGGING[0]:  # failed before logging was set up: stay one JSON stream
             setup_logging("json")
         log.error(message)
     else:
@@ -205,6 +206,7 @@ def _main(a: argparse.Namespace) -> int:
     except (CertError, RpcGuardError) as exc:
         return _fail(str(exc), EXIT_CONFIG, json_log)
     setup_logging(cfg.log.format, cfg.log.level)
+    _LOGGING[0] = True
     held.replay()
     json_log = cfg.log.format == "json"
     if a.command == "check":

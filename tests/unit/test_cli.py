@@ -192,11 +192,31 @@ class _Ctx:
         return str(path)
 
 
+def main_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``rpcguard.cli.main(args)`` in this process (a process per case would cost ~0.7 s each):
+    an exception escaping main() fails the test, as a traceback would reach the user."""
+    import logging
+
+    from rpcguard import cli
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, cli._LOGGING[0]
+    try:
+        try:
+            code = cli.main(args)
+        except SystemExit as exc:  # argparse
+            code = exc.code
+        out = capsys.readouterr()
+    finally:
+        root.handlers[:], root.level, cli._LOGGING[0] = saved
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_ends_in_one_clear_line(case, pki, tmp_path, busy_port, pages):
+def test_bad_input_ends_in_one_clear_line(case, pki, tmp_path, busy_port, pages, capsys):
     name, argv, code, text = case
     t = _Ctx(tmp_path, pki, busy_port, pages)
-    p = rg(*[str(a) for a in argv(pki, t)])
+    p = main_in_process([str(a) for a in argv(pki, t)], capsys)
     out = p.stdout + p.stderr
     assert "Traceback" not in out, out
     assert p.returncode == code, (p.returncode, out)
