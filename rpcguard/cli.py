@@ -270,7 +270,9 @@ async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
     own = [w.kind for w in certificate_warnings(cfg.tls.cert, cfg.tls.ca)]
     results = await asyncio.gather(*(
         probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=session_policy(t.policy),
-                   timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s, own_warnings=own)
+                   timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s, own_warnings=own,
+                   # as the data path: a node in queue mode answers once its upstream is free
+                   hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)
         for t in cfg.tunnels
     ))
     return [(r.line(), r.ok) for r in results]

@@ -144,7 +144,8 @@ async def _hello(reader, writer, session: Session, hello: bytes, timeout: float,
         try:
             data = await _read(reader, timeout)
         except asyncio.TimeoutError:
-            raise _Failed("upstream_unavailable", f"the node did not answer HELLO within {timeout:g} s") from None
+            raise _Failed("upstream_unavailable", f"the node did not answer HELLO within {timeout:g} s "
+                                                  "(its upstream hangs, or another session holds it)") from None
         if not data:
             raise _closed_on_us("before answering HELLO", own_warnings)
         session.server_data(memoryview(data))
@@ -169,9 +170,12 @@ async def probe_node(
     policy: SessionPolicy | None = None,
     timeout: float = 10.0,
     own_warnings: Iterable[str] = (),
+    hello_timeout: float | None = None,
 ) -> ProbeResult:
     """Probe one node over ONE connection; never raises for network or protocol trouble.
 
+    ``timeout`` bounds the connect and the handshake; ``hello_timeout`` (default ``timeout``) the
+    wait for the HELLO reply, which a node in queue mode sends only once its upstream is free.
     ``own_warnings``: kinds of ``preflight.certificate_warnings`` for this side's certificate.
     """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -180,7 +184,8 @@ async def probe_node(
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
-            await _hello(reader, writer, session, _hello_frame(policy), timeout, frozenset(own_warnings))
+            await _hello(reader, writer, session, _hello_frame(policy), hello_timeout or timeout,
+                         frozenset(own_warnings))
         finally:
             await _close(writer)
     except _Failed as f:
