@@ -25,6 +25,7 @@ __all__ = ["main"]
 log = logging.getLogger("rpcguard")
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C outside serve/connect (which drain and exit 0), like a shell
 # Logged (stderr, text or JSON) once every listener is bound and the material loaded; under
 # systemd the same moment sends READY=1. Nothing is ever written to stdout by serve/connect.
 READY_MESSAGE = "ready:"
@@ -177,6 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_FAIL
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: still one line for the user, the details for the report
+        return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it with the command line",
+                     EXIT_FAIL, _LOGGING[0] and getattr(a, "log_format", None) == "json")
 
 
 def _main(a: argparse.Namespace) -> int:

@@ -364,3 +364,15 @@ def test_records_logged_while_reading_the_config_come_out_in_the_chosen_format()
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys, tmp_path):
+    """A bug (here: a failure injected into certs.init_ca) still ends in one line and exit 1."""
+    from rpcguard import certs
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(certs, "init_ca", boom)
+    p = main_in_process(["certs", "init-ca", str(tmp_path)], capsys)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "internal error (RuntimeError: injected)" in p.stderr
