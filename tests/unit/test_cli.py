@@ -110,6 +110,8 @@ CASES = [
     ("serve-binary-config", lambda p, t: ["serve", "--config", str(p.dir / "garbage.pem")], 2, "config error"),
     ("connect-server-cert", lambda p, t: ["connect", "--listen", "127.0.0.1:0", "--server", "127.0.0.1:1",
                                           "--metrics", "", *tls(p)], 2, "extended key usage"),
+    ("connect-busy-port", lambda p, t: ["connect", "--listen", f"127.0.0.1:{t.busy}", "--server", "127.0.0.1:1",
+                                        "--metrics", "", "--no-check", *ctls(p)], 1, "cannot listen"),
     ("connect-public-listen", lambda p, t: ["connect", "--listen", "10.0.0.1:5000", "--server", "127.0.0.1:1",
                                             *ctls(p)], 2, "--unsafe-listen"),
     ("check-closed-port", lambda p, t: ["check", "--server", f"127.0.0.1:{free_port()}", "--server-name", "node1",
