@@ -40,6 +40,9 @@ log = logging.getLogger("rpcguard.server")
 # connect's /readyz: how long what is known about a node (a probe's or a session's outcome) is
 # trusted before the next /readyz probes it again (TLS handshake only, see probe.tls_probe).
 NODE_CHECK_INTERVAL_S = 15.0
+# ...and how long that probe may take: /readyz answers within metrics.READ_TIMEOUT_S (5 s), and a
+# node that drops packets must read as "node_unreachable", not as a timed-out readiness check.
+NODE_PROBE_TIMEOUT_S = 3.0
 # Session outcomes that say the tunnel cannot work now (the node's rpcguard or server is at fault).
 _NODE_DOWN_REASONS = frozenset({"node_unreachable", "tls_failed", "node_name_mismatch", "identity_not_allowed",
                                 "version_not_accepted", "upstream_unavailable"})
@@ -286,13 +289,14 @@ class Runtime:
             if when <= now:
                 return False, f"{name} certificate in use expired"
         lines = []
+        tunnels = [lst.route for lst in self.listeners if lst.route.role != "serve"]
+        for route, (ok, why) in zip(tunnels, await asyncio.gather(*(self._node_ready(r) for r in tunnels))):
+            if not ok:
+                return False, f"{route.name}: node {route.upstream_host}:{route.upstream_port}: {why}"
+            lines.append(f"{route.name}: node answers ({why})")
         for lst in self.listeners:
             route = lst.route
             if route.role != "serve":
-                ok, why = await self._node_ready(route)
-                if not ok:
-                    return False, f"{route.name}: node {route.upstream_host}:{route.upstream_port}: {why}"
-                lines.append(f"{route.name}: node answers ({why})")
                 continue
             if route.slot is not None and route.slot.busy:
                 lines.append(f"{route.name}: upstream in use by a session")
@@ -318,7 +322,8 @@ class Runtime:
             if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
                 result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
                                          route.server_name or route.upstream_host,
-                                         timeout=self.cfg.limits.connect_timeout_s + self.cfg.limits.handshake_timeout_s,
+                                         timeout=min(NODE_PROBE_TIMEOUT_S, self.cfg.limits.connect_timeout_s
+                                                     + self.cfg.limits.handshake_timeout_s),
                                          own_warnings=[w.kind for w in self.cert_warnings])
                 why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
                 seen = self._node_seen[route.name] = (time.monotonic(), result.ok, why)
