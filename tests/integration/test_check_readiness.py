@@ -80,3 +80,32 @@ def test_serve_readyz_reflects_the_certificate_in_use_not_the_file(pki, workdir,
         assert status == 200 and "upstream reachable" in body, body
     finally:
         serve.stop()
+
+
+def test_connect_readyz_reuses_the_last_session_outcome(pki):
+    """A session's outcome is fresher than any probe: it decides /readyz without a connection."""
+    import asyncio
+
+    from rpcguard.config import build_config
+    from rpcguard.server import Runtime
+
+    dead = realpeer.free_port()  # nothing listens: only the session records can make it ready
+    cfg = build_config("connect", overrides={"listen": "127.0.0.1:0", "server": f"127.0.0.1:{dead}",
+                                             "server_name": pki.node, "cert": pki.path(pki.client),
+                                             "key": pki.path(pki.client, "key"), "ca": pki.path("ca")})
+
+    async def run():
+        rt = Runtime(cfg)
+        rt._session_ended({"listener": "tunnel0", "result": "ok", "version": "7.0.0"})
+        first = await rt.ready()
+        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
+                           "detail": "not on the allow-list"})
+        second = await rt.ready()
+        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
+        third = await rt.ready()  # busy is the node answering: the last verdict stands
+        return first, second, third
+
+    first, second, third = asyncio.run(run())
+    assert first == (True, "tunnel0: node answers (a session got through)"), first
+    assert second[0] is False and "identity_not_allowed: not on the allow-list" in second[1], second
+    assert third == second
