@@ -101,7 +101,7 @@ CASES = [
     ("serve-leaf-as-ca", lambda p, t: serve(p, ca=p.path(p.node)), 2, "not a CA"),
     ("serve-bad-listen", lambda p, t: serve(p, "--listen", "nohostport"), 2, "--listen"),
     ("serve-public-upstream", lambda p, t: serve(p, "--upstream", "10.1.2.3:50052"), 2, "--unsafe-upstream"),
-    ("serve-public-metrics", lambda p, t: serve(p, "--metrics", "0.0.0.0:9450"), 2, "unsafe_public"),
+    ("serve-public-metrics", lambda p, t: serve(p, "--metrics", "0.0.0.0:9450"), 2, "--metrics-unsafe-public"),
     ("serve-bad-reload", lambda p, t: serve(p, "--tls-reload-interval-s", "-1"), 2, "--tls-reload-interval-s"),
     ("serve-busy-port", lambda p, t: ["serve", "--listen", f"127.0.0.1:{t.busy}", "--upstream", "127.0.0.1:1",
                                       "--metrics", "", *tls(p)], 1, "cannot listen"),
