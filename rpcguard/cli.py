@@ -387,8 +387,12 @@ def _status(addresses: list[str] | None) -> int:
             continue
         _status_one(url, fam)  # a BrokenPipeError of our stdout goes up to main()
         shown += 1
-    for line in failed if (addresses or not shown) else ():
-        print(f"rpcguard status: {line}", file=sys.stderr)
+    if addresses:
+        for line in failed:
+            print(f"rpcguard status: {line}", file=sys.stderr)
+    elif not shown:
+        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(urls)} "
+              "(serve, connect); pass --metrics HOST:PORT", file=sys.stderr)
     return EXIT_FAIL if (failed and addresses) or not shown else EXIT_OK
 
 
