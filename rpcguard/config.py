@@ -441,8 +441,8 @@ def _parse_metrics(data: Any, role: str) -> tuple[MetricsConfig, str]:
     raw, path = s.raw("listen")
     listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else _listen(raw, path)
     if listen is not None and not listen.is_loopback() and not unsafe:
-        raise ConfigError(path, f"{listen} is not loopback; set metrics.unsafe_public: true to serve "
-                                "metrics beyond this host")
+        how = "pass --metrics-unsafe-public" if path.startswith("--") else "set metrics.unsafe_public: true"
+        raise ConfigError(path, f"{listen} is not loopback; {how} to serve metrics beyond this host")
     return MetricsConfig(listen, unsafe), path
 
 

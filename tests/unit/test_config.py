@@ -530,7 +530,7 @@ def test_flags_over_file(base: Path, tmp_path: Path, monkeypatch) -> None:
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "mode": "audit"},
      "--mode: must be one of enforce, monitor, got 'audit'"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "metrics": "0.0.0.0:9450"},
-     "--metrics: 0.0.0.0:9450 is not loopback; set metrics.unsafe_public: true to serve metrics beyond this host"),
+     "--metrics: 0.0.0.0:9450 is not loopback; pass --metrics-unsafe-public to serve metrics beyond this host"),
     ("serve", {"listen": "127.0.0.1:9450", "upstream": "127.0.0.1:1"}, "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "tls_min_version": "1.0"},
      "--tls-min-version: must be one of 1.3, 1.2, got '1.0'"),
