@@ -111,6 +111,7 @@ class PolicyConfig:
     denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
     # ggml ops forwarded without a verified rule (default deny; "*" = every op): logged, counted
     allow_unverified_ops: tuple[str, ...] = ()
+    max_graph_cpu_ms: int = 500  # CPU one GRAPH_COMPUTE may take to validate (graph_too_costly)
     disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
 
     def check_enabled(self, name: str) -> bool:
@@ -390,6 +391,7 @@ _POLICY_READERS: dict[str, Reader] = {
     "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
     "denied_ops": _list(_op), "allow_unverified_ops": _list(_op_or_all),
+    "max_graph_cpu_ms": _count,
 }
 _LIMIT_READERS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),

@@ -50,6 +50,7 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
             max_alloc_bytes=cfg.max_alloc_bytes,
             denied_ops=frozenset(cfg.denied_ops),
             allow_unverified_ops=frozenset(cfg.allow_unverified_ops),
+            max_graph_cpu_s=cfg.max_graph_cpu_ms / 1000,
         ),
         clear_new_buffers=cfg.clear_new_buffers,
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.graph import MAX_GRAPH_CPU_S, GraphValidator
 from rpcguard.protocol.state import Buffer, SessionState
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
@@ -89,6 +89,7 @@ class FirewallPolicy:
     # Default deny: a graph node whose op has no verified rule (oprules.py) is refused unless
     # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
     allow_unverified_ops: frozenset[str] = frozenset()
+    max_graph_cpu_s: float = MAX_GRAPH_CPU_S  # graph_too_costly past this much validation CPU
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)
@@ -118,6 +119,7 @@ class Firewall:
             device=self._device,
             extra_denied=frozenset(policy.denied_ops),
             allow_unverified=frozenset(policy.allow_unverified_ops),
+            max_cpu_s=policy.max_graph_cpu_s,
         )
         self._table: dict[str, Callable[[CommandRule, memoryview, int], None]] = {
             name: getattr(self, method) for name, method in _HANDLERS.items()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from time import thread_time
 from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
@@ -66,6 +67,11 @@ _OP_TABLES_SINCE: Version = (3, 6, 1)  # from here GGML_OP_COUNT is pinned to th
 # Accepted nodes are remembered per session by their bytes and their sources' bytes; a decode
 # graph has a few thousand nodes, 65536 entries (~40 MB at most) cover several graphs.
 NODE_CACHE_MAX = 1 << 16
+# CPU time one graph may take to validate (thread time, so a loaded machine does not inflate
+# it): a real 16-layer decode graph (581 nodes) takes ~10 ms cold, the largest real graphs a few
+# hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
+MAX_GRAPH_CPU_S = 0.5
+_BUDGET_STRIDE = 255  # check the clock every 256 tensors/nodes
 
 
 def _u64(view: memoryview) -> memoryview | array:
@@ -152,6 +158,7 @@ class GraphValidator:
         device: bool = True,
         extra_denied: frozenset[str] = frozenset(),
         allow_unverified: frozenset[str] = frozenset(),
+        max_cpu_s: float = MAX_GRAPH_CPU_S,
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -166,11 +173,14 @@ class GraphValidator:
         self.extra_denied = extra_denied
         # Ops the site forwards without a verified rule ("*": every op), counted per use.
         self.allow_unverified = allow_unverified
+        self.max_cpu_s = max_cpu_s
+        self._deadline = 0.0
 
     # -- entry point -------------------------------------------------------------------------
 
     def check(self, payload: memoryview, state: SessionState) -> int:
         """Validate one GRAPH_COMPUTE payload; returns its device index. Raises FirewallRefusal."""
+        self._deadline = thread_time() + self.max_cpu_s
         spec = state.spec
         assert spec is not None
         mv = memoryview(payload)
@@ -227,6 +237,12 @@ class GraphValidator:
         if self.ops or self.op_params:
             self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, srcs, pos, state)
         return device
+
+    def _budget(self) -> None:
+        """The proxy's own cost per graph is bounded: a graph whose validation takes more CPU
+        than ``max_cpu_s`` is refused (it would stall every other session of this process)."""
+        if thread_time() > self._deadline:
+            raise _refuse("graph_too_costly", f"validation took more than {self.max_cpu_s * 1e3:.0f} ms of CPU")
 
     # -- structure ---------------------------------------------------------------------------
 
@@ -300,7 +316,9 @@ class GraphValidator:
         touched.discard(pos.get(0))  # type: ignore[arg-type]
         cache = state.layout_cache.setdefault(device, set())
         step = TENSOR_BYTES
-        for q in touched:
+        for i, q in enumerate(touched):
+            if not i & _BUDGET_STRIDE:
+                self._budget()
             key = region[q * step : (q + 1) * step].tobytes()
             if key not in cache:
                 check_layout(decode_tensor(key), state, device)
@@ -320,7 +338,9 @@ class GraphValidator:
         if not misses:
             return
         cacheable = checks == STRICT
-        for key in misses:
+        for i, key in enumerate(misses):
+            if not i & _BUDGET_STRIDE:
+                self._budget()
             n = check_tensor(decode_tensor(key), state, checks)
             if cacheable:
                 if len(cache) >= TENSOR_CACHE_MAX:
@@ -367,7 +387,9 @@ class GraphValidator:
 
         step = TENSOR_BYTES
         getp = pos.get
-        for p in npos:
+        for i, p in enumerate(npos):
+            if not i & _BUDGET_STRIDE:
+                self._budget()
             op = ops[p]
             if op == rules.none:
                 continue  # a PARAM leaf listed as a node: never computed

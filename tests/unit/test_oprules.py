@@ -209,3 +209,16 @@ def test_coverage_report():
         print(f"{'.'.join(map(str, v))}: {have}/{total} ops verified; without a rule: {' '.join(missing)}")
         if total:
             assert have >= 50
+
+
+def test_cost_per_graph_is_bounded():
+    # A crafted graph that would keep the event loop busy is refused once its validation has
+    # used the CPU budget (thread time), not after it finished.
+    leaves = [T(0x10 + i, F32, (4, 1, 1, 1)) for i in range(4)]
+    nodes = [T(0x100000 + j, F32, (4, 1, 1, 1), op=OPS["ADD"], src=(0x10 + j % 4, 0x10 + (j + 1) % 4),
+               data=BASE + 0x100 * (j % 4096)) for j in range(3000)]
+    payload = memoryview(graph_payload([t.id for t in nodes], leaves + nodes))
+    GraphValidator(max_nodes=1 << 16, max_tensors=1 << 16).check(payload, state())
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=1 << 16, max_tensors=1 << 16, max_cpu_s=0.001).check(payload, state())
+    assert exc.value.reason == "graph_too_costly"
