@@ -33,6 +33,9 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca", help="the private CA that signs the peers' certificates")
     p.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
     p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off)")
+    p.add_argument("--web-config", metavar="FILE",
+                   help="TLS, client certificates and basic auth of the metrics endpoint "
+                        "(Prometheus exporter-toolkit web config format)")
     p.add_argument("--mode", choices=["enforce", "monitor"], help="firewall mode (default enforce)")
     p.add_argument("--log-format", choices=["text", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -92,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    keys = ("cert", "key", "ca", "tls_min_version", "metrics", "mode", "log_format", "log_level", "listen",
+    keys = ("cert", "key", "ca", "tls_min_version", "metrics", "web_config", "mode", "log_format", "log_level", "listen",
             "upstream", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "server",
             "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}

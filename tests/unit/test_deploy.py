@@ -103,8 +103,11 @@ def test_design_table_parses():
     assert len(metrics) >= 16
     assert metrics["rpcguard_command_duration_seconds"]["type"] == "histogram"
     assert metrics["rpcguard_frames_total"]["labels"] == {"role", "listener", "direction", "command"}
-    assert metrics["rpcguard_upstream_protocol_info"]["labels"] == {"listener", "upstream", "version"}
-    assert metrics["rpcguard_reload_total"]["labels"] == {"result"}
+    assert metrics["rpcguard_upstream_protocol_info"]["labels"] == {"role", "listener", "upstream", "version"}
+    assert metrics["rpcguard_reload_total"]["labels"] == {"role", "result"}
+    # both sides export these series: `role` tells them apart on every one
+    for name, m in metrics.items():
+        assert "role" in m["labels"], name
 
 
 # ----------------------------------------------------------------------------- dashboard
