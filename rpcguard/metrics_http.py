@@ -2,8 +2,8 @@
 
 How this works: one asyncio server on the event-loop thread (no ``start_http_server`` thread),
 one request per connection (``Connection: close``), bounded header size, read time and
-connection count. With a web config (``rpcguard.webconfig``) each connection first does its TLS
-handshake on the accepted socket (``StreamWriter.start_tls``), so a failed handshake is
+connection count. With a web config (``rpcguard.webconfig``) each accepted socket does its TLS
+handshake in ``loop.connect_accepted_socket``, so a failed handshake is
 classified (``tls.classify_handshake_error``), counted in ``rpcguard_web_refusals_total`` and
 logged with the peer, like a refused proxy session. The guard is fetched per connection through
 a callable, so a reload swaps it for new connections only.
@@ -22,6 +22,7 @@ import asyncio
 import gzip
 import json
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 
@@ -133,20 +134,29 @@ class _Endpoint:
             return _response(200 if ok else 503, body, extra=extra)
         return _response(404, b"not found\n", extra=extra)
 
-    async def handshake(self, writer: asyncio.StreamWriter, guard: WebGuard, peer: object) -> bool:
+
+class _Server:
+    """The listening socket and its accept task; ``sockets``/``close``/``wait_closed`` like asyncio's."""
+
+    def __init__(self, sock: socket.socket, task: asyncio.Task) -> None:
+        self.sockets = [sock]
+        self._task = task
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.sockets[0].close()
+
+    async def wait_closed(self) -> None:
         try:
-            await asyncio.wait_for(writer.start_tls(guard.context, ssl_handshake_timeout=self.timeout_s),
-                                   self.timeout_s + 1)
-        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-            self.refuse(classify_handshake_error(exc), peer, f"TLS handshake failed: {exc}")
-            return False
-        return True
+            await self._task
+        except asyncio.CancelledError:
+            pass
 
 
 async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None = None,
                      web: Callable[[], WebGuard | None] | None = None,
                      before_scrape: Callable[[], Awaitable[None]] | None = None,
-                     read_timeout_s: float = READ_TIMEOUT_S) -> asyncio.AbstractServer:
+                     read_timeout_s: float = READ_TIMEOUT_S) -> _Server:
     """Serve GET /metrics, /refusals, /healthz and /readyz on ``host:port`` from the running loop.
 
     ``ready`` returns ``(ok, text)`` for /readyz (200 or 503); without it /readyz is always 200.
@@ -154,24 +164,40 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
     headers), read once per connection; None or a guard without context = plain HTTP.
     ``before_scrape`` refreshes gauges before /metrics is rendered. Port 0 picks a free port
     (see ``server.sockets``). Close the returned server to stop.
+
+    Sockets are accepted here and wrapped with ``connect_accepted_socket`` (TLS included), so a
+    failed handshake raises to us and is counted; a TLS upgrade after ``start_server`` would race
+    the ClientHello into the plain reader.
     """
     endpoint = _Endpoint(metrics, ready, web, before_scrape, read_timeout_s)
+    loop = asyncio.get_running_loop()
     active = 0
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(conn: socket.socket, peer: object) -> None:
         nonlocal active
+        guard = web() if web is not None else None
+        context = guard.context if guard is not None else None
         if active >= MAX_HTTP_CONNECTIONS:
-            writer.write(_response(503, b"too many connections\n"))
-            writer.close()
+            if context is None:  # plain HTTP: say why; a TLS client could not read it anyway
+                try:
+                    conn.send(_response(503, b"too many connections\n"))
+                except OSError:
+                    pass
+            conn.close()
             return
         active += 1
-        peer = writer.get_extra_info("peername")
-        peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else peer
+        writer = None
         try:
-            guard = web() if web is not None else None
-            if guard is not None and guard.context is not None and not await endpoint.handshake(writer, guard, peer):
-                writer.transport.abort()
+            reader = asyncio.StreamReader(limit=MAX_HEADER_BYTES)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            try:
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: protocol, conn, ssl=context, ssl_handshake_timeout=read_timeout_s if context else None)
+            except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                endpoint.refuse(classify_handshake_error(exc), peer, f"TLS handshake failed: {exc}")
+                conn.close()
                 return
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), read_timeout_s)
             except asyncio.LimitOverrunError:
@@ -183,13 +209,37 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
             writer.write(out)
             await asyncio.wait_for(writer.drain(), read_timeout_s)
         except (asyncio.TimeoutError, ConnectionError, ssl.SSLError):
-            writer.transport.abort()  # peer not reading: drop instead of buffering
+            if writer is not None:
+                writer.transport.abort()  # peer not reading: drop instead of buffering
         finally:
             active -= 1
-            writer.close()
-            try:
-                await asyncio.wait_for(writer.wait_closed(), read_timeout_s)
-            except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
-                writer.transport.abort()
+            if writer is not None:
+                writer.close()
+                try:
+                    await asyncio.wait_for(writer.wait_closed(), read_timeout_s)
+                except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+                    writer.transport.abort()
 
-    return await asyncio.start_server(handle, host, port, limit=MAX_HEADER_BYTES)
+    async def accept(sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                log.error("metrics endpoint: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else addr
+            task = loop.create_task(handle(conn, peer))
+            _TASKS.add(task)
+            task.add_done_callback(_TASKS.discard)
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    sock.setblocking(False)
+    return _Server(sock, loop.create_task(accept(sock)))
+
+
+_TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
