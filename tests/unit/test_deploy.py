@@ -199,9 +199,11 @@ def test_dashboard_has_the_required_views():
 # ----------------------------------------------------------------------------- alert rules
 
 REQUIRED_ALERTS = {
-    "RpcguardCertificateExpiresSoon", "RpcguardRefusalsRising", "RpcguardProtocolVersionSkew",
-    "RpcguardUpstreamDown", "RpcguardDown", "RpcguardFirewallViolations",
+    "RpcguardCertificateExpiresSoon", "RpcguardCertificateExpiresVerySoon", "RpcguardRefusalsRising",
+    "RpcguardProtocolVersionSkew", "RpcguardUpstreamDown", "RpcguardDown", "RpcguardFirewallViolations",
+    "RpcguardClientNotAllowed", "RpcguardReloadFailed",
 }
+RUNBOOK = ROOT / "docs" / "runbook.md"
 
 
 def load_rules() -> list[dict]:
@@ -226,6 +228,48 @@ def test_rules_use_design_metrics_and_are_annotated():
                     errors.append(f"{name}: annotation {key} missing")
     assert not errors, "\n".join(errors)
     assert 'up{job="rpcguard"}' in alerts["RpcguardDown"]["expr"]
+
+
+def runbook_anchors() -> dict[str, str]:
+    """GitHub-style anchors of docs/runbook.md's sections -> section text."""
+    text = RUNBOOK.read_text(encoding="utf-8")
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {re.sub(r"[^a-z0-9 _-]", "", title.strip().lower()).replace(" ", "-"): body
+            for title, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_every_alert_has_a_runbook_section():
+    anchors = runbook_anchors()
+    alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
+    for name, rule in alerts.items():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.endswith(f"docs/runbook.md#{name.lower()}"), (name, url)
+        body = anchors.get(name.lower())
+        assert body is not None, f"docs/runbook.md has no section '## {name}'"
+        for part in ("**Meaning.**", "**First checks.**", "**Fix.**"):
+            assert part in body, (name, part)
+    assert set(anchors) == {a.lower() for a in alerts}, "runbook sections without an alert"
+
+
+def test_state_alerts_use_state_gauges():
+    """Faults that last are alerted on gauges, so they cannot clear while the fault remains."""
+    alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
+    assert "rpcguard_upstream_up" in alerts["RpcguardUpstreamDown"]["expr"]
+    assert "increase(" not in alerts["RpcguardUpstreamDown"]["expr"]
+    assert "rpcguard_reload_last_successful" in alerts["RpcguardReloadFailed"]["expr"]
+    assert "increase(" not in alerts["RpcguardReloadFailed"]["expr"]
+    skew = alerts["RpcguardProtocolVersionSkew"]["expr"]
+    assert skew.count("rpcguard_upstream_protocol_info{") == skew.count('rpcguard_upstream_protocol_info{role="serve"}')
+    assert 'reason="identity_not_allowed"' in alerts["RpcguardClientNotAllowed"]["expr"]
+
+
+def test_rule_tests_pin_each_defect_of_issue_11():
+    doc = yaml.safe_load(RULES_TEST.read_text(encoding="utf-8"))
+    defects = {case["name"]: {a["alertname"] for a in case["alert_rule_test"]} for case in doc["tests"]
+               if case["name"].startswith("DEFECT")}
+    covered = set().union(*defects.values())
+    assert {"RpcguardProtocolVersionSkew", "RpcguardUpstreamDown", "RpcguardReloadFailed",
+            "RpcguardClientNotAllowed", "RpcguardCertificateExpiresVerySoon"} <= covered, defects
 
 
 def test_rule_tests_cover_every_alert_firing_and_not_firing():
