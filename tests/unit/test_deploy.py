@@ -186,14 +186,28 @@ def test_dashboard_has_the_required_views():
     exprs = " ".join(e for _, e in dashboard_exprs(load_dashboard()))
     flat = re.sub(r"\s+", " ", exprs)
     for q in ("0.5", "0.9", "0.99"):
-        assert f"histogram_quantile({q}, sum by (command, le) (rate(rpcguard_command_duration_seconds_bucket" in flat
+        # latency split by role: connect's includes the network and the node, serve's only the server
+        assert f"histogram_quantile({q}, sum by (role, command, le) (rate(rpcguard_command_duration_seconds_bucket" in flat
     assert 'kind="hash_hit"' in flat and 'kind="set_tensor"' in flat  # cache hit ratio
-    assert "count by (version) (rpcguard_upstream_protocol_info)" in flat  # version skew
+    assert 'count by (version) (rpcguard_upstream_protocol_info{role="serve"})' in flat  # version skew, nodes only
     assert "rpcguard_certificate_expiry_timestamp_seconds" in flat and "time()" in flat
     for metric in ("sessions_active", "sessions_total", "refusals_total", "tls_handshake_failures_total",
                    "frames_total", "bytes_total", "alloc_bytes_total", "upload_bytes_total",
-                   "firewall_violations_total", "upstream_queue_depth", "reload_total"):
+                   "firewall_violations_total", "upstream_queue_depth", "reload_total", "upstream_up",
+                   "reload_last_successful", "reload_last_success_timestamp_seconds", "web_refusals_total"):
         assert f"rpcguard_{metric}" in flat, metric
+
+
+def test_dashboard_has_a_process_and_readiness_row():
+    dash = load_dashboard()
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    row = next(r for r in rows if "readiness" in r["title"].lower())
+    below = sorted((p for p in dash["panels"] if p["type"] != "row" and p["gridPos"]["y"] > row["gridPos"]["y"]),
+                   key=lambda p: p["gridPos"]["y"])
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for needle in ("process_resident_memory_bytes", "process_open_fds", "process_max_fds", "process_cpu_seconds_total",
+                   "rpcguard_upstream_up", 'up{job="rpcguard"', "rpcguard_reload_last_successful"):
+        assert needle in exprs, needle
 
 
 # ----------------------------------------------------------------------------- alert rules
