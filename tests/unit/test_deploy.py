@@ -324,10 +324,39 @@ def test_promtool_test_rules():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_promtool_check_config():
-    res = run([promtool(), "check", "config", str(PROM_CONFIG)])
+def test_promtool_check_config(tmp_path):
+    # promtool checks that the scrape job's TLS files exist: point them at real ones
+    from rpcguard import certs
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "prometheus", server=False)
+    (tmp_path / "password").write_text("change-me\n")
+    text = PROM_CONFIG.read_text(encoding="utf-8")
+    assert "/etc/prometheus/rpcguard/" in text and "scheme: https" in text and "basic_auth:" in text
+    cfg = tmp_path / PROM_CONFIG.name
+    cfg.write_text(text.replace("/etc/prometheus/rpcguard/", f"{tmp_path}/"), encoding="utf-8")
+    shutil.copyfile(RULES, tmp_path / RULES.name)
+    res = run([promtool(), "check", "config", str(cfg)])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "rule files found" in res.stdout  # the rule_files path resolved
+
+
+def test_web_config_example_is_valid(tmp_path):
+    """deploy/prometheus/rpcguard-web.example.yml loads with rpcguard's own parser."""
+    import bcrypt
+
+    from rpcguard import certs
+    from rpcguard.webconfig import WebGuard, load_web_config
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "metrics", server=True, dns=["localhost"])
+    text = (DEPLOY / "prometheus" / "rpcguard-web.example.yml").read_text(encoding="utf-8")
+    path = tmp_path / "web.yml"
+    path.write_text(text.replace("/etc/rpcguard/certs/", f"{tmp_path}/"), encoding="utf-8")
+    wc = load_web_config(str(path))
+    assert wc.tls and wc.authenticates and wc.client_auth_type == "RequireAndVerifyClientCert"
+    assert bcrypt.checkpw(b"change-me", dict(wc.users)["prometheus"])
+    assert WebGuard(wc).context is not None
 
 
 def grafana_to_promql(expr: str) -> str:
