@@ -50,19 +50,8 @@ import yaml
 
 from .errors import ConfigError
 
-__all__ = [
-    "WebConfig",
-    "WebGuard",
-    "BasicAuth",
-    "load_web_config",
-    "CLIENT_AUTH_TYPES",
-    "TLS_VERSIONS",
-    "GO_CIPHER_SUITES",
-    "ALLOWED_HEADERS",
-    "AUTH_REASONS",
-    "MAX_CONCURRENT_BCRYPT",
-    "AUTH_CACHE_ENTRIES",
-]
+__all__ = ["WebConfig", "WebGuard", "BasicAuth", "load_web_config", "CLIENT_AUTH_TYPES", "TLS_VERSIONS",
+           "GO_CIPHER_SUITES", "ALLOWED_HEADERS", "AUTH_REASONS", "MAX_CONCURRENT_BCRYPT", "AUTH_CACHE_ENTRIES"]
 
 # exporter-toolkit client_auth_type -> Python verify mode; None = not possible with Python's ssl.
 CLIENT_AUTH_TYPES: Mapping[str, ssl.VerifyMode | None] = {

@@ -412,3 +412,31 @@ def test_recent_refusals_are_bounded_and_served_as_json(run) -> None:  # type: i
         assert len(got) == metrics_mod.RECENT_REFUSALS and got[0]["reason"] == "identity_not_allowed"
 
     run(body())
+
+
+def _without_process(text: bytes) -> list[bytes]:
+    """Exposition lines minus the process collector's samples (CPU time moves between two reads)."""
+    return [ln for ln in text.split(b"\n") if not ln.startswith(b"process_")]
+
+
+def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
+    from prometheus_client.exposition import generate_latest
+
+    m, lt = _populated()
+    odd = m.listener("serve", 'we"ird\\name\nx')  # escaping of label values
+    odd.refusal('odd"reason\\')
+    fast = m.exposition()
+    assert _without_process(fast) == _without_process(generate_latest(m.registry))
+    assert b'listener="we\\"ird\\\\name\\nx"' in fast
+    assert sum(ln.startswith(b"process_") for ln in fast.split(b"\n")) >= 5
+
+
+def test_unsupported_families_fall_back_to_generate_latest() -> None:
+    from prometheus_client import Info
+    from prometheus_client.exposition import generate_latest
+
+    m = Metrics(CollectorRegistry(), role="serve")
+    Info("extra", "an info family the fast path does not write", registry=m.registry).info({"a": "b"})
+    text = m.exposition()
+    assert b'extra_info{a="b"} 1.0' in text
+    assert _without_process(text) == _without_process(generate_latest(m.registry))
