@@ -96,6 +96,9 @@ AUTH_REASONS = ("auth_required", "auth_failed", "client_san_not_allowed")
 MAX_CONCURRENT_BCRYPT = 2  # bcrypt checks running at once (each one is a core for ~70 ms)
 AUTH_CACHE_ENTRIES = 64  # successful (user, password) pairs remembered
 _BCRYPT_PREFIXES = (b"$2a$", b"$2b$", b"$2y$")
+# A cost-10 hash of a random password nobody knows (made once, like exporter-toolkit's): hashing
+# one at load time would block the event loop for ~100 ms at every reload.
+_DUMMY_HASH = b"$2b$10$3Q3hoNe7/QhqZpcWQx.KMu07VlpugqqfRrDTSH9IA6UoXooKArexC"
 _TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "client_ca", "client_auth_type", "client_allowed_sans",
              "min_version", "max_version", "cipher_suites", "prefer_server_cipher_suites"}
 _TLS_REFUSED = {"cert": "inline certificates are not supported; use cert_file",
@@ -331,8 +334,7 @@ class BasicAuth:
         self._key = secrets.token_bytes(32)
         self._ok: OrderedDict[bytes, None] = OrderedDict()
         self._sem = asyncio.Semaphore(MAX_CONCURRENT_BCRYPT)
-        # checked for unknown users so that timing does not reveal which names exist
-        self._dummy = bcrypt.hashpw(b"rpcguard-dummy", bcrypt.gensalt(rounds=10))
+        self._dummy = _DUMMY_HASH  # checked for unknown users: timing does not tell which names exist
         self.bcrypt_checks = 0  # bcrypt computations done (tests, benchmarks)
 
     def __bool__(self) -> bool:

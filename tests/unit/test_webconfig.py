@@ -371,3 +371,14 @@ def test_runtime_reloads_the_web_config_and_keeps_it_on_error(pki: Path, tmp_pat
     before = rt._files_stamp()
     write(tmp_path, data)
     assert rt._files_stamp() != before
+
+
+def test_loading_a_web_config_computes_no_bcrypt(pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload runs on the event loop: building the guard must not hash (only checks do, in a thread)."""
+    def no_hashing(*_a: object, **_k: object) -> None:
+        raise AssertionError("bcrypt work while loading the web config")
+
+    monkeypatch.setattr(bcrypt, "hashpw", no_hashing)
+    monkeypatch.setattr(bcrypt, "checkpw", no_hashing)
+    guard = WebGuard.load(write(tmp_path, mtls(pki)))
+    assert guard.auth is not None and guard.auth.bcrypt_checks == 0
