@@ -440,3 +440,41 @@ def test_unsupported_families_fall_back_to_generate_latest() -> None:
     text = m.exposition()
     assert b'extra_info{a="b"} 1.0' in text
     assert _without_process(text) == _without_process(generate_latest(m.registry))
+
+
+def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's rpcguard_upstream_up: a TCP probe before a scrape, and what sessions tell."""
+    import socket
+
+    from rpcguard import certs, server
+    from rpcguard.config import build_config
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens on `port` now
+    ov = {"cert": str(tmp_path / "node.pem"), "key": str(tmp_path / "node.key"), "ca": str(tmp_path / "ca.pem"),
+          "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{port}", "metrics": ""}
+    rt = server.Runtime(build_config("serve", overrides=ov), metrics=Metrics(CollectorRegistry()))
+    g = lambda: rt.metrics.registry.get_sample_value(  # noqa: E731
+        "rpcguard_upstream_up", {"role": "serve", "listener": rt.listeners[0].route.name})
+    assert g() is None  # not known before the first probe
+    asyncio.run(rt._probe_upstreams())
+    assert g() == 0
+    up = socket.create_server(("127.0.0.1", port))
+    try:
+        asyncio.run(rt._probe_upstreams())
+        assert g() == 0  # probed less than UPSTREAM_PROBE_S ago: the last result stands
+        monkeypatch.setattr(server, "UPSTREAM_PROBE_S", 0.0)
+        asyncio.run(rt._probe_upstreams())
+        assert g() == 1
+    finally:
+        up.close()
+    name = rt.listeners[0].route.name
+    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "upstream_unavailable"})
+    assert g() == 0
+    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "identity_not_allowed"})
+    assert g() == 0  # tells nothing about the upstream
+    rt._session_ended({"role": "serve", "listener": name, "result": "ok", "reason": "", "version": "7.0.0"})
+    assert g() == 1
