@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import signal
 import ssl
 import subprocess
 import time
@@ -237,3 +238,16 @@ def test_prometheus_scrapes_two_instances_over_mtls_with_basic_auth(pair, pki, m
     assert ok == {"serve": 1.0, "connect": 1.0}, ok
     fds = api(port, "/api/v1/query", query='process_open_fds{job="rpcguard"}')["result"]
     assert len(fds) == 2 and all(float(r["value"][1]) > 3 for r in fds), fds
+
+    # SIGHUP reloads the web config: the password "guess" becomes the right one for serve, so the
+    # wrong-password job comes up and the good job's serve target goes down (connect unchanged)
+    data = yaml.safe_load(web.read_text())
+    data["basic_auth_users"]["prometheus"] = bcrypt.hashpw(b"guess", bcrypt.gensalt(10)).decode()
+    web.write_text(yaml.safe_dump(data))
+    serve.proc.popen.send_signal(signal.SIGHUP)
+    want_up = {"rpcguard/node": "0", "rpcguard/client": "1", "no-client-cert/-": "0", "wrong-password/-": "1"}
+    deadline = time.monotonic() + 30
+    while (ups := up()) != want_up and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ups == want_up, (ups, serve.output()[-2000:])
+    assert "reloaded certificates and allow-lists (SIGHUP)" in serve.output()
