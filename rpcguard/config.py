@@ -139,6 +139,7 @@ class LimitsConfig:
 class MetricsConfig:
     listen: Address | None = None  # None = metrics HTTP endpoint disabled
     unsafe_public: bool = False
+    web_config: str | None = None  # exporter-toolkit web config file (TLS, basic auth), absolute
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,15 +438,24 @@ def _parse_acl(data: Any, path: str) -> AclConfig:
     return AclConfig(**_Section(data, path, set(_ACL_READERS)).read_all(_ACL_READERS))
 
 
-def _parse_metrics(data: Any, role: str) -> tuple[MetricsConfig, str]:
-    s = _Section(data, "metrics", {"listen", "unsafe_public"})
+def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
+    from .webconfig import load_web_config
+
+    s = _Section(data, "metrics", {"listen", "unsafe_public", "web_config"})
     unsafe = s.get("unsafe_public", _bool, False)
+    web_path = s.get("web_config", _file(base_dir), None)
+    web = load_web_config(web_path) if web_path else None
     raw, path = s.raw("listen")
     listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else _listen(raw, path)
-    if listen is not None and not listen.is_loopback() and not unsafe:
+    # Beyond loopback the endpoint must authenticate (TLS plus a verified client certificate
+    # or a password), or the operator says unsafe_public: /refusals names peers and identities.
+    if listen is not None and not listen.is_loopback() and not unsafe and not (web and web.tls and web.authenticates):
+        why = ("its web config must enable TLS and require RequireAndVerifyClientCert or basic_auth_users"
+               if web else "set metrics.web_config (TLS + client certificates or basic auth)")
         how = "pass --metrics-unsafe-public" if path.startswith("--") else "set metrics.unsafe_public: true"
-        raise ConfigError(path, f"{listen} is not loopback; {how} to serve metrics beyond this host")
-    return MetricsConfig(listen, unsafe), path
+        raise ConfigError(path, f"{listen} is not loopback; {why}, or {how} to serve metrics beyond this host "
+                                "unprotected")
+    return MetricsConfig(listen, unsafe, web_path), path
 
 
 def _clash(a: Address, b: Address) -> bool:
@@ -532,7 +542,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
             raise ConfigError(str(k), f"only valid for rpcguard {other} (this is a {role} config)")
     _Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
     tls = _parse_tls(data.get("tls"), base_dir)
-    metrics, metrics_path = _parse_metrics(data.get("metrics"), role)
+    metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
     _parse_policy([(data.get("policy"), "policy")])  # report top-level errors even if overridden
     if role == "serve":
         _parse_acl(data.get("allow"), "allow")
@@ -602,6 +612,7 @@ _GLOBAL_FLAGS = {
     "cert": ("tls", "cert"), "key": ("tls", "key"), "ca": ("tls", "ca"),
     "tls_min_version": ("tls", "min_version"), "tls_reload_interval_s": ("tls", "reload_interval_s"),
     "metrics": ("metrics", "listen"), "metrics_unsafe_public": ("metrics", "unsafe_public"),
+    "web_config": ("metrics", "web_config"),
     "log_format": ("log", "format"), "log_level": ("log", "level"), "mode": ("policy", "mode"),
 }
 # flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)

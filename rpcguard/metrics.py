@@ -1,4 +1,4 @@
-"""Prometheus metrics: lock-free counters, a custom collector, and an asyncio HTTP endpoint.
+"""Prometheus metrics: lock-free counters, a custom collector, process metrics, fast exposition.
 
 How this works: client_python's ``Counter.labels(...).inc()`` looks the child up in a dict
 and takes a lock on every call; at tens of thousands of frames per second that is real cost
@@ -6,11 +6,17 @@ on the single proxy thread. So the hot path only bumps plain ints in
 :class:`~rpcguard.protocol.stats.SessionStats` lists and in :class:`ListenerTraffic` dicts,
 and a custom collector (registered on an injectable ``CollectorRegistry``) turns them into
 metric families at scrape time: for each listener it sums the folded totals of finished
-sessions and the live counters of running ones.
+sessions and the live counters of running ones. Every known label value (reasons from
+``rpcguard.reasons``, firewall modes, session results, the listener's commands) is exported
+at 0 from the start, so a series exists before its first event. prometheus_client's
+``ProcessCollector`` and ``PlatformCollector`` sit on the same registry (``process_*``: CPU,
+RSS, fds, start time), read from /proc at scrape time only.
 
-Everything runs on the event-loop thread, including the HTTP server below (no
-``start_http_server`` thread), so a scrape never races the counters it reads. The caller
-chooses the bind address; the config default is loopback (``127.0.0.1:9450`` for serve,
+The exposition is written by ``_render`` (byte-identical to ``generate_latest`` for the
+families used here, with the label text cached) because the zero-initialised series made
+``generate_latest`` cost ~10x more per scrape on the event-loop thread. The HTTP endpoint
+(TLS, basic auth, /refusals, health) is ``rpcguard.metrics_http``; ``start_http`` is
+re-exported here. The config default is loopback (``127.0.0.1:9450`` for serve,
 ``127.0.0.1:9451`` for connect) because the metrics name peers and listeners.
 
 Reading the exposition back (``rpcguard status``, tests):
@@ -19,21 +25,20 @@ Reading the exposition back (``rpcguard status``, tests):
 
 from __future__ import annotations
 
-import asyncio
-import gzip
-import json
 import platform
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client import exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from rpcguard import __version__
+from rpcguard.metrics_http import MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
+from rpcguard.reasons import FIREWALL_REASONS, REFUSAL_REASONS, TLS_REASONS
+from rpcguard.webconfig import AUTH_REASONS
 from rpcguard.protocol.stats import (
     DEFAULT_COMMAND_NAMES,
     LATENCY_BUCKETS_S,
@@ -48,6 +53,7 @@ __all__ = [
     "RELOAD_RESULTS",
     "CERTIFICATES",
     "FIREWALL_MODES",
+    "WEB_REFUSAL_REASONS",
     "ListenerTraffic",
     "Metrics",
     "start_http",
@@ -61,6 +67,8 @@ SESSION_RESULTS = ("ok", "refused", "error")
 RELOAD_RESULTS = ("ok", "error")
 CERTIFICATES = ("cert", "ca")
 FIREWALL_MODES = ("enforce", "monitor")
+# Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
+WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS))
 
 _LE = tuple(floatToGoString(b) for b in LATENCY_BUCKETS_S) + ("+Inf",)
 _NS_PER_S = 1_000_000_000
@@ -72,7 +80,7 @@ class ListenerTraffic:
     __slots__ = (
         "role", "listener", "command_names", "totals", "live", "sessions_total",
         "refusals", "tls_failures", "firewall_violations", "queue_depth", "upstream",
-        "upstream_version",
+        "upstream_version", "upstream_up",
     )
 
     def __init__(self, role: str, listener: str, *, upstream: str = "",
@@ -85,12 +93,16 @@ class ListenerTraffic:
         self.totals = SessionStats()  # finished sessions, folded in by session_ended()
         self.live: set[SessionStats] = set()  # running sessions, read at scrape time
         self.sessions_total: dict[str, int] = dict.fromkeys(SESSION_RESULTS, 0)
-        self.refusals: dict[str, int] = {}
-        self.tls_failures: dict[str, int] = {}
-        self.firewall_violations: dict[tuple[str, str], int] = {}
+        # Every known label value starts at 0 (a dashboard shows 0, not "No data"; increase()
+        # sees the first event); unknown ones still count, added on first use.
+        self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
+        self.tls_failures: dict[str, int] = dict.fromkeys(TLS_REASONS, 0)
+        self.firewall_violations: dict[tuple[str, str], int] = {
+            (r, mode): 0 for r in FIREWALL_REASONS for mode in FIREWALL_MODES}
         self.queue_depth = 0  # sessions waiting for the upstream (upstream_queue_depth)
         self.upstream = upstream  # upstream address, label of upstream_protocol_info
         self.upstream_version: str | None = None  # "3.0.0" once the upstream answered HELLO
+        self.upstream_up: bool | None = None  # last seen reachable / not; None = not known yet
 
     def session_started(self, stats: SessionStats) -> None:
         """Make a running session's counters visible to scrapes."""
@@ -146,15 +158,22 @@ def _families() -> dict[str, CounterMetricFamily | GaugeMetricFamily | Histogram
         "refusals": c("rpcguard_refusals", "Refused sessions.", labels=rl + ["reason"]),
         "tls": c("rpcguard_tls_handshake_failures", "Failed TLS handshakes.", labels=rl + ["reason"]),
         "upstream": g("rpcguard_upstream_protocol_info", "RPC protocol version of the upstream.",
-                      labels=["listener", "upstream", "version"]),
-        "build": g("rpcguard_build_info", "rpcguard build.", labels=["version", "python"]),
+                      labels=rl + ["upstream", "version"]),
+        "up": g("rpcguard_upstream_up", "1 if the upstream (serve: ggml-rpc-server; connect: the node) "
+                "answered the last connection or probe, 0 if not.", labels=rl),
+        "build": g("rpcguard_build_info", "rpcguard build.", labels=["role", "version", "python"]),
         "cert": g("rpcguard_certificate_expiry_timestamp_seconds",
                   "notAfter of the loaded certificates, Unix time.", labels=["role", "certificate"]),
         "certwarn": g("rpcguard_certificate_warning", "1 while the loaded certificate has this problem.",
                       labels=["role", "kind"]),
-        "reload": c("rpcguard_reload", "Configuration / certificate reloads.", labels=["result"]),
-        "queue": g("rpcguard_upstream_queue_depth", "Sessions waiting for the upstream.",
-                   labels=["listener"]),
+        "reload": c("rpcguard_reload", "Configuration / certificate reloads.", labels=["role", "result"]),
+        "reload_ok": g("rpcguard_reload_last_successful", "1 if the last load of configuration and "
+                       "certificates (start or reload) worked, 0 if it failed.", labels=["role"]),
+        "reload_time": g("rpcguard_reload_last_success_timestamp_seconds",
+                         "Unix time of the last successful load (start or reload).", labels=["role"]),
+        "web": c("rpcguard_web_refusals", "Requests refused by the metrics endpoint (TLS, client "
+                 "certificate, basic auth).", labels=["role", "reason"]),
+        "queue": g("rpcguard_upstream_queue_depth", "Sessions waiting for the upstream.", labels=rl),
         "alloc": c("rpcguard_alloc_bytes", "ALLOC_BUFFER sizes granted.", labels=rl),
         "upload": c("rpcguard_upload_bytes", "Tensor bytes uploaded.", labels=rl + ["kind"]),
         "firewall": c("rpcguard_firewall_violations", "Firewall rule violations.",
@@ -179,29 +198,32 @@ class _Collector:
         f = _families()
         for lt in tuple(m._listeners.values()):
             self._listener(f, lt)
-        f["build"].add_metric([__version__, platform.python_version()], 1)
+        f["build"].add_metric([m.role, __version__, platform.python_version()], 1)
         for (role, cert), epoch_s in m._cert_expiry.items():
             f["cert"].add_metric([role, cert], epoch_s)
         for (role, kind), on in m.cert_warnings.items():
             f["certwarn"].add_metric([role, kind], on)
         for result, n in m._reloads.items():
-            f["reload"].add_metric([result], n)
+            f["reload"].add_metric([m.role, result], n)
+        f["reload_ok"].add_metric([m.role], 1 if m.reload_last_ok else 0)
+        f["reload_time"].add_metric([m.role], m.reload_last_success_s)
+        for reason, n in m.web_refusals.items():
+            f["web"].add_metric([m.role, reason], n)
         return iter(f.values())
 
     @staticmethod
     def _listener(f: dict, lt: ListenerTraffic) -> None:
         agg = lt.snapshot()
         rl = [lt.role, lt.listener]
+        known = lt.command_names
         for cmd in range(N_COMMANDS):
             name = None
             for direction, frames, nbytes in (("request", agg.req_frames[cmd], agg.req_bytes[cmd]),
                                               ("response", agg.rsp_frames[cmd], agg.rsp_bytes[cmd])):
-                if frames or nbytes:
-                    name = name or command_name(lt.command_names, cmd)
-                    if frames:
-                        f["frames"].add_metric(rl + [direction, name], frames)
-                    if nbytes:
-                        f["bytes"].add_metric(rl + [direction, name], nbytes)
+                if frames or nbytes or cmd in known:  # every command of the version, 0 included
+                    name = name or command_name(known, cmd)
+                    f["frames"].add_metric(rl + [direction, name], frames)
+                    f["bytes"].add_metric(rl + [direction, name], nbytes)
             if agg.lat_count[cmd]:
                 cumulative, buckets = 0, []
                 for le, n in zip(_LE, agg.lat_buckets[cmd]):
@@ -217,8 +239,10 @@ class _Collector:
         for reason, n in lt.tls_failures.items():
             f["tls"].add_metric(rl + [reason], n)
         if lt.upstream_version is not None:
-            f["upstream"].add_metric([lt.listener, lt.upstream, lt.upstream_version], 1)
-        f["queue"].add_metric([lt.listener], lt.queue_depth)
+            f["upstream"].add_metric(rl + [lt.upstream, lt.upstream_version], 1)
+        if lt.upstream_up is not None:
+            f["up"].add_metric(rl, 1 if lt.upstream_up else 0)
+        f["queue"].add_metric(rl, lt.queue_depth)
         f["alloc"].add_metric(rl, agg.alloc_bytes)
         f["upload"].add_metric(rl + ["set_tensor"], agg.upload_bytes_set)
         f["upload"].add_metric(rl + ["hash_hit"], agg.upload_bytes_hash_hit)
@@ -231,16 +255,25 @@ class _Collector:
 class Metrics:
     """All rpcguard metrics of one process, exported through ``self.registry``."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, role: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.role = role  # label of the process-level series; the Runtime sets it
         self._listeners: dict[tuple[str, str], ListenerTraffic] = {}
         self._cert_expiry: dict[tuple[str, str], float] = {}
         self._reloads: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
         self.cert_warnings: dict[tuple[str, str], float] = {}  # (role, kind) -> 0/1, set by server.Runtime
+        # The configuration was loaded once before this object exists: that counts as a success.
+        self.reload_last_ok = True
+        self.reload_last_success_s = time.time()
+        self.web_refusals: dict[str, int] = dict.fromkeys(WEB_REFUSAL_REASONS, 0)
         # The last refusals with their peer, for a person at a terminal (GET /refusals,
         # `rpcguard status`); bounded, and never a metric label (peers are unbounded).
         self.recent_refusals: deque[dict] = deque(maxlen=RECENT_REFUSALS)
         self.registry.register(_Collector(self))
+        # process_* (CPU, RSS, fds, start time) and python_info: read from /proc at scrape
+        # time only, so the hot path is untouched.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     def note_refusal(self, **fields: object) -> None:
         """Remember one refusal (time, role, listener, peer, identity, reason, detail)."""
@@ -273,128 +306,68 @@ class Metrics:
         self._cert_expiry[(role, certificate)] = float(epoch_s)
 
     def reload(self, result: str) -> None:
-        """Count a reload attempt; ``result`` is ``ok`` or ``error``."""
+        """Count a reload attempt; ``result`` is ``ok`` or ``error`` (also the last-result gauges)."""
         if result not in self._reloads:
             raise ValueError(f"result must be one of {RELOAD_RESULTS}, not {result!r}")
         self._reloads[result] += 1
+        self.reload_last_ok = result == "ok"
+        if self.reload_last_ok:
+            self.reload_last_success_s = time.time()
+
+    def web_refusal(self, reason: str) -> None:
+        """Count a request the metrics endpoint refused (``web_refusals_total{reason}``)."""
+        self.web_refusals[reason] = self.web_refusals.get(reason, 0) + 1
 
     def exposition(self) -> bytes:
-        """The text exposition of the registry (what GET /metrics returns)."""
-        return generate_latest(self.registry)
+        """The text exposition of the registry (what GET /metrics returns); see ``_render``."""
+        try:
+            return _render(self.registry.collect())
+        except _Unsupported:
+            return generate_latest(self.registry)
+
+
+class _Unsupported(Exception):
+    """A family or sample ``_render`` does not write; ``generate_latest`` does it all instead."""
+
+
+_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram"}
+_LABELS: dict[tuple, str] = {}  # label items -> rendered "{k="v",...}" (bounded, see _label_text)
+_MAX_LABEL_CACHE = 50_000
+_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", '"': '\\"'})  # label values, as client_python
+
+
+def _label_text(items: tuple) -> str:
+    text = _LABELS.get(items)
+    if text is None:
+        if len(_LABELS) > _MAX_LABEL_CACHE:
+            _LABELS.clear()
+        text = "{" + ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in sorted(items)) + "}" if items else ""
+        _LABELS[items] = text
+    return text
+
+
+def _render(families) -> bytes:
+    """Text format 0.0.4, byte for byte what ``generate_latest`` writes for these families.
+
+    The exporter exports every known label value (about 220 series per listener), and
+    ``generate_latest`` re-validates and re-escapes every label of every sample on every
+    scrape (~10 us per sample on the event-loop thread that also relays frames). The label
+    sets repeat from scrape to scrape, so their text is cached. Only counter, gauge and
+    histogram families without timestamps or ``_created`` samples are written here.
+    """
+    out = []
+    for f in families:
+        mtype = _TYPES.get(f.type)
+        if mtype is None:
+            raise _Unsupported(f.type)
+        mname = f.name + "_total" if mtype == "counter" else f.name
+        doc = f.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {mtype}\n")
+        for sample in f.samples:
+            if sample.timestamp is not None or sample.name.endswith(("_created", "_gsum", "_gcount")):
+                raise _Unsupported(sample.name)
+            out.append(f"{sample.name}{_label_text(tuple(sample.labels.items()))} {floatToGoString(sample.value)}\n")
+    return "".join(out).encode()
 
 
 RECENT_REFUSALS = 50  # refusals kept for /refusals
-
-
-# --- HTTP endpoint ----------------------------------------------------------------------
-
-# A scrape request is a request line plus a few headers (well under 1 KiB); 8 KiB is what
-# common servers accept and bounds the memory a client can make us buffer per connection.
-MAX_HEADER_BYTES = 8 * 1024
-# Time allowed to send the request headers (and to take the response): a slow or silent
-# client cannot hold a connection open longer than this.
-READ_TIMEOUT_S = 5.0
-# Concurrent connections served; beyond it new ones get 503 at once (bounds fds and tasks).
-MAX_HTTP_CONNECTIONS = 64
-
-ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
-_TEXT = "text/plain; charset=utf-8"
-# generate_latest() writes text format 0.0.4. client_python >= 0.22 made CONTENT_TYPE_LATEST
-# "version=1.0.0" (which also wants an escaping= parameter) and serves 0.0.4 by default itself;
-# older releases only have CONTENT_TYPE_LATEST, which is 0.0.4 there.
-_METRICS_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
-
-
-def _response(status: int, body: bytes, content_type: str = _TEXT, extra: str = "") -> bytes:
-    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n")
-    return head.encode("latin-1") + body
-
-
-def _gzip_accepted(headers: dict[str, str]) -> bool:
-    tokens = headers.get("accept-encoding", "").split(",")
-    return any(t.split(";", 1)[0].strip().lower() == "gzip" for t in tokens)
-
-
-async def _answer(metrics: Metrics, ready: ReadyCheck | None, head: bytes, timeout_s: float) -> bytes:
-    """Route one request head to its response bytes."""
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-        return _response(400, b"bad request\n")
-    method, target = parts[0], parts[1]
-    if method != "GET":
-        return _response(405, b"method not allowed\n", extra="Allow: GET\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    path = target.split("?", 1)[0]
-    if path == "/metrics":
-        try:
-            body = metrics.exposition()
-        except Exception as exc:  # a bug in a collector must not kill the endpoint
-            return _response(500, f"collect failed: {type(exc).__name__}\n".encode())
-        if _gzip_accepted(headers):
-            return _response(200, gzip.compress(body), _METRICS_TYPE, "Content-Encoding: gzip\r\n")
-        return _response(200, body, _METRICS_TYPE)
-    if path == "/healthz":
-        return _response(200, b"ok\n")
-    if path == "/refusals":
-        body = json.dumps(list(metrics.recent_refusals), separators=(",", ":")).encode() + b"\n"
-        return _response(200, body, "application/json")
-    if path == "/readyz":
-        ok, text = True, "ready"
-        if ready is not None:
-            try:
-                ok, text = await asyncio.wait_for(ready(), timeout_s)
-            except Exception as exc:
-                ok, text = False, f"readiness check failed: {type(exc).__name__}"
-        body = text.encode() if text.endswith("\n") else (text + "\n").encode()
-        return _response(200 if ok else 503, body)
-    return _response(404, b"not found\n")
-
-
-async def start_http(metrics: Metrics, host: str, port: int, *, ready: ReadyCheck | None = None,
-                     read_timeout_s: float = READ_TIMEOUT_S) -> asyncio.AbstractServer:
-    """Serve GET /metrics, /healthz and /readyz on ``host:port`` from the running loop.
-
-    One request per connection (``Connection: close``). ``ready`` returns ``(ok, text)``
-    for /readyz (200 or 503); without it /readyz is always 200. Port 0 picks a free port
-    (see ``server.sockets``). Close the returned server to stop.
-    """
-    active = 0
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        if active >= MAX_HTTP_CONNECTIONS:
-            writer.write(_response(503, b"too many connections\n"))
-            writer.close()
-            return
-        active += 1
-        try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), read_timeout_s)
-            except asyncio.LimitOverrunError:
-                out = _response(431, b"request header too large\n")
-            except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
-                return  # client went away or stayed silent: nothing worth answering
-            else:
-                out = await _answer(metrics, ready, head, read_timeout_s)
-            writer.write(out)
-            await asyncio.wait_for(writer.drain(), read_timeout_s)
-        except (asyncio.TimeoutError, ConnectionError):
-            writer.transport.abort()  # peer not reading: drop instead of buffering
-        finally:
-            active -= 1
-            writer.close()
-            try:
-                await asyncio.wait_for(writer.wait_closed(), read_timeout_s)
-            except (asyncio.TimeoutError, ConnectionError, OSError):
-                writer.transport.abort()
-
-    return await asyncio.start_server(handle, host, port, limit=MAX_HEADER_BYTES)

@@ -141,6 +141,7 @@ class Link:
         self.upstream_ready = False
         self.pending: list[bytes] = []  # client bytes accepted before the upstream was connected
         self.refusal: Refusal | None = None  # refused before ACTIVE: answer at HELLO
+        self.identity_refused = False  # the certificate is not on the allow-list (a refusal even without HELLO)
         self.result = ""
         self.reason = ""
         self.t0 = time.monotonic()
@@ -243,8 +244,10 @@ class Link:
             try:
                 route.acl().authorize(ident)
             except Refusal as refusal:
-                route.traffic.tls_failure(refusal.reason)
-                self.refusal = refusal  # answered at HELLO, so the client sees why
+                # Not a TLS failure (the handshake worked): counted in refusals_total when the
+                # session ends, answered at HELLO so the client sees why.
+                self.refusal = refusal
+                self.identity_refused = True
         return True
 
     async def _open_upstream(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -414,7 +417,9 @@ class Link:
     def _finish_on_close(self, endpoint: Endpoint, exc: Exception | None) -> None:
         if self._done:
             return
-        if endpoint.is_client:
+        if endpoint.is_client and self.identity_refused and self.refusal is not None:
+            self._finish("refused", self.refusal.reason, self.refusal.detail)  # left before its HELLO
+        elif endpoint.is_client:
             clean = self.session.idle or (self.session.phase == ACTIVE and not self.session.mid_frame)
             self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
                          "client closed" + (f": {exc}" if exc else ""))

@@ -32,6 +32,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tls import client_context, server_context
+from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
 
@@ -134,7 +135,10 @@ class Runtime:
         self.config_path = config_path
         self.overrides = dict(overrides or {})  # CLI flags: a reload lays them over the file again
         self.metrics = metrics or Metrics()
+        self.metrics.role = cfg.role
         self.tls = TlsMaterial(cfg)
+        self.web = WebGuard.load(cfg.metrics.web_config)  # metrics endpoint TLS/auth; swapped on reload
+        self._upstreams_probed_at = 0.0
         self.listeners: list[_Listener] = []
         self._acls: dict[str, Acl] = {}
         self._http: asyncio.AbstractServer | None = None
@@ -177,6 +181,9 @@ class Runtime:
             if down or record.get("version"):
                 why = f"{record.get('reason')}: {record.get('detail')}" if down else "a session got through"
                 self._node_seen[record["listener"]] = (time.monotonic(), not down, why)
+        up = _upstream_outcome(record)
+        if up is not None:
+            self.metrics.listener(record["role"], record["listener"]).upstream_up = up
         if record.get("result") == "refused":
             self.metrics.note_refusal(**{k: record.get(k) for k in (
                 "role", "listener", "peer", "identity", "reason", "command", "detail")})
@@ -211,8 +218,10 @@ class Runtime:
                          route.upstream_host, route.upstream_port)
             if self.cfg.metrics.listen is not None:
                 m = self.cfg.metrics.listen
-                self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready)
-                log.info("metrics on http://%s:%d/metrics", m.host, self._http.sockets[0].getsockname()[1])
+                self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready, web=lambda: self.web,
+                                              before_scrape=self._probe_upstreams)
+                log.info("metrics on %s://%s:%d/metrics", "https" if self.web.context else "http", m.host,
+                         self._http.sockets[0].getsockname()[1])
         except BaseException:
             await self.close()
             raise
@@ -240,7 +249,9 @@ class Runtime:
         try:
             new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
                        if self.config_path or self.overrides else None)
+            web = WebGuard.load((new_cfg or self.cfg).metrics.web_config)
             self.tls.reload(new_cfg.tls if new_cfg else None)
+            self.web = web
             if new_cfg is not None and self.cfg.role == "serve":
                 for lc in new_cfg.listeners:
                     if lc.name in self._acls:
@@ -263,7 +274,14 @@ class Runtime:
             conf = (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
         except OSError:
             conf = None
-        return self.tls._stamp(), conf
+        web = []
+        for path in self.web.config.files() if self.web.config else ():
+            try:
+                st = os.stat(path)
+                web.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                web.append(None)
+        return self.tls._stamp(), conf, tuple(web)
 
     async def _watch_files(self, interval: float) -> None:
         # Reload when the files differ from the last ones seen, whether that reload worked or
@@ -302,6 +320,7 @@ class Runtime:
                 lines.append(f"{route.name}: upstream in use by a session")
                 continue
             ok = await _probe_tcp(route.upstream_host, route.upstream_port, route.slot)
+            route.traffic.upstream_up = ok
             if not ok:
                 return False, f"{route.name}: upstream {route.upstream_host}:{route.upstream_port} unreachable"
             lines.append(f"{route.name}: upstream reachable")
@@ -328,6 +347,17 @@ class Runtime:
                 why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
                 seen = self._node_seen[route.name] = (time.monotonic(), result.ok, why)
             return seen[1], seen[2]
+
+    async def _probe_upstreams(self) -> None:
+        """Before a scrape: refresh serve's ``upstream_up`` (at most every UPSTREAM_PROBE_S)."""
+        now = time.monotonic()
+        if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
+            return
+        self._upstreams_probed_at = now
+        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining]
+        oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
+        for route, ok in zip(routes, oks):
+            route.traffic.upstream_up = ok
 
     async def drain(self, timeout_s: float) -> int:
         """Stop accepting, let sessions finish up to ``timeout_s``, close the rest; returns how many were cut."""
@@ -383,6 +413,23 @@ async def _accept_loop(route: Route, sock: socket.socket) -> None:
 
 
 _LINK_TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+# A scrape probes serve's upstreams (a TCP connect + close) at most this often; scrapes in
+# between report the last result.
+UPSTREAM_PROBE_S = 5.0
+# Session-end reasons that say the upstream (serve: ggml-rpc-server; connect: the node) is down.
+_UPSTREAM_DOWN = frozenset({"upstream_unavailable", "node_unreachable", "tls_failed", "node_name_mismatch"})
+
+
+def _upstream_outcome(record: dict) -> bool | None:
+    """What a finished session tells about its upstream: True up, False down, None nothing."""
+    if record.get("reason") in _UPSTREAM_DOWN:
+        return False
+    if record.get("reason") == "node_refused":  # the node's rpcguard answered
+        return True
+    if record.get("version"):  # the upstream answered HELLO
+        return True
+    return None
 
 
 async def _probe_tcp(host: str, port: int, slot: UpstreamSlot | None) -> bool:

@@ -112,6 +112,14 @@ def test_identity_not_on_allow_list(pki, pair, models, workdir):
         mismatch(run, "identity_not_allowed")
         assert serve.value("rpcguard_refusals_total", reason="identity_not_allowed") >= 1
         assert "identity_not_allowed" in serve.output() and "CN=client1" in serve.output()
+        # the handshake worked: a refusal, never a TLS handshake failure
+        assert serve.value("rpcguard_tls_handshake_failures_total") == 0
+        # a disallowed certificate that hangs up before its HELLO is a refusal too (not a clean session)
+        before = serve.value("rpcguard_refusals_total", reason="identity_not_allowed")
+        ok_before = serve.value("rpcguard_sessions_total", result="ok")
+        assert raw_tls(pki, serve.port) == b""
+        assert serve.wait_value("rpcguard_refusals_total", before + 1, reason="identity_not_allowed") == before + 1
+        assert serve.value("rpcguard_sessions_total", result="ok") == ok_before
     finally:
         connect.stop()
 

@@ -87,9 +87,10 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("tunnel-listen-remote", connect_data, L(1, listen="0.0.0.0:50053"),
      "tunnels[1].listen: 0.0.0.0:50053 is not loopback; set unsafe_listen: true on this tunnel to allow it"),
     ("metrics-public", serve_data, top("metrics", listen="0.0.0.0:9450"),
-     "metrics.listen: 0.0.0.0:9450 is not loopback; set metrics.unsafe_public: true to serve metrics beyond this host"),
+     "metrics.listen: 0.0.0.0:9450 is not loopback; set metrics.web_config (TLS + client certificates or basic auth), "
+     "or set metrics.unsafe_public: true to serve metrics beyond this host unprotected"),
     ("metrics-bad", serve_data, top("metrics", listen="9450"), "metrics.listen: must be HOST:PORT ([IPv6]:PORT), got '9450'"),
-    ("metrics-unknown", serve_data, top("metrics", port=1), "metrics.port: unknown key (expected one of: listen, unsafe_public)"),
+    ("metrics-unknown", serve_data, top("metrics", port=1), "metrics.port: unknown key (expected one of: listen, unsafe_public, web_config)"),
     ("metrics-clash", serve_data, L(0, listen="127.0.0.1:9450"), "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
     ("tls-missing", serve_data, drop("tls"), "tls: required (cert, key and ca)"),
     ("tls-key-missing", serve_data, drop("tls", "key"), "tls.key: required"),
@@ -530,7 +531,8 @@ def test_flags_over_file(base: Path, tmp_path: Path, monkeypatch) -> None:
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "mode": "audit"},
      "--mode: must be one of enforce, monitor, got 'audit'"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "metrics": "0.0.0.0:9450"},
-     "--metrics: 0.0.0.0:9450 is not loopback; pass --metrics-unsafe-public to serve metrics beyond this host"),
+     "--metrics: 0.0.0.0:9450 is not loopback; set metrics.web_config (TLS + client certificates or basic auth), "
+     "or pass --metrics-unsafe-public to serve metrics beyond this host unprotected"),
     ("serve", {"listen": "127.0.0.1:9450", "upstream": "127.0.0.1:1"}, "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "tls_min_version": "1.0"},
      "--tls-min-version: must be one of 1.3, 1.2, got '1.0'"),

@@ -104,8 +104,11 @@ def test_design_table_parses():
     assert len(metrics) >= 16
     assert metrics["rpcguard_command_duration_seconds"]["type"] == "histogram"
     assert metrics["rpcguard_frames_total"]["labels"] == {"role", "listener", "direction", "command"}
-    assert metrics["rpcguard_upstream_protocol_info"]["labels"] == {"listener", "upstream", "version"}
-    assert metrics["rpcguard_reload_total"]["labels"] == {"result"}
+    assert metrics["rpcguard_upstream_protocol_info"]["labels"] == {"role", "listener", "upstream", "version"}
+    assert metrics["rpcguard_reload_total"]["labels"] == {"role", "result"}
+    # both sides export these series: `role` tells them apart on every one
+    for name, m in metrics.items():
+        assert "role" in m["labels"], name
 
 
 # ----------------------------------------------------------------------------- dashboard
@@ -184,22 +187,38 @@ def test_dashboard_has_the_required_views():
     exprs = " ".join(e for _, e in dashboard_exprs(load_dashboard()))
     flat = re.sub(r"\s+", " ", exprs)
     for q in ("0.5", "0.9", "0.99"):
-        assert f"histogram_quantile({q}, sum by (command, le) (rate(rpcguard_command_duration_seconds_bucket" in flat
+        # latency split by role: connect's includes the network and the node, serve's only the server
+        assert f"histogram_quantile({q}, sum by (role, command, le) (rate(rpcguard_command_duration_seconds_bucket" in flat
     assert 'kind="hash_hit"' in flat and 'kind="set_tensor"' in flat  # cache hit ratio
-    assert "count by (version) (rpcguard_upstream_protocol_info)" in flat  # version skew
+    assert 'count by (version) (rpcguard_upstream_protocol_info{role="serve"})' in flat  # version skew, nodes only
     assert "rpcguard_certificate_expiry_timestamp_seconds" in flat and "time()" in flat
     for metric in ("sessions_active", "sessions_total", "refusals_total", "tls_handshake_failures_total",
                    "frames_total", "bytes_total", "alloc_bytes_total", "upload_bytes_total",
-                   "firewall_violations_total", "upstream_queue_depth", "reload_total"):
+                   "firewall_violations_total", "upstream_queue_depth", "reload_total", "upstream_up",
+                   "reload_last_successful", "reload_last_success_timestamp_seconds", "web_refusals_total"):
         assert f"rpcguard_{metric}" in flat, metric
+
+
+def test_dashboard_has_a_process_and_readiness_row():
+    dash = load_dashboard()
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    row = next(r for r in rows if "readiness" in r["title"].lower())
+    below = sorted((p for p in dash["panels"] if p["type"] != "row" and p["gridPos"]["y"] > row["gridPos"]["y"]),
+                   key=lambda p: p["gridPos"]["y"])
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for needle in ("process_resident_memory_bytes", "process_open_fds", "process_max_fds", "process_cpu_seconds_total",
+                   "rpcguard_upstream_up", 'up{job="rpcguard"', "rpcguard_reload_last_successful"):
+        assert needle in exprs, needle
 
 
 # ----------------------------------------------------------------------------- alert rules
 
 REQUIRED_ALERTS = {
-    "RpcguardCertificateExpiresSoon", "RpcguardRefusalsRising", "RpcguardProtocolVersionSkew",
-    "RpcguardUpstreamDown", "RpcguardDown", "RpcguardFirewallViolations",
+    "RpcguardCertificateExpiresSoon", "RpcguardCertificateExpiresVerySoon", "RpcguardRefusalsRising",
+    "RpcguardProtocolVersionSkew", "RpcguardUpstreamDown", "RpcguardDown", "RpcguardFirewallViolations",
+    "RpcguardClientNotAllowed", "RpcguardReloadFailed",
 }
+RUNBOOK = ROOT / "docs" / "runbook.md"
 
 
 def load_rules() -> list[dict]:
@@ -224,6 +243,48 @@ def test_rules_use_design_metrics_and_are_annotated():
                     errors.append(f"{name}: annotation {key} missing")
     assert not errors, "\n".join(errors)
     assert 'up{job="rpcguard"}' in alerts["RpcguardDown"]["expr"]
+
+
+def runbook_anchors() -> dict[str, str]:
+    """GitHub-style anchors of docs/runbook.md's sections -> section text."""
+    text = RUNBOOK.read_text(encoding="utf-8")
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {re.sub(r"[^a-z0-9 _-]", "", title.strip().lower()).replace(" ", "-"): body
+            for title, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_every_alert_has_a_runbook_section():
+    anchors = runbook_anchors()
+    alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
+    for name, rule in alerts.items():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.endswith(f"docs/runbook.md#{name.lower()}"), (name, url)
+        body = anchors.get(name.lower())
+        assert body is not None, f"docs/runbook.md has no section '## {name}'"
+        for part in ("**Meaning.**", "**First checks.**", "**Fix.**"):
+            assert part in body, (name, part)
+    assert set(anchors) == {a.lower() for a in alerts}, "runbook sections without an alert"
+
+
+def test_state_alerts_use_state_gauges():
+    """Faults that last are alerted on gauges, so they cannot clear while the fault remains."""
+    alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
+    assert "rpcguard_upstream_up" in alerts["RpcguardUpstreamDown"]["expr"]
+    assert "increase(" not in alerts["RpcguardUpstreamDown"]["expr"]
+    assert "rpcguard_reload_last_successful" in alerts["RpcguardReloadFailed"]["expr"]
+    assert "increase(" not in alerts["RpcguardReloadFailed"]["expr"]
+    skew = alerts["RpcguardProtocolVersionSkew"]["expr"]
+    assert skew.count("rpcguard_upstream_protocol_info{") == skew.count('rpcguard_upstream_protocol_info{role="serve"}')
+    assert 'reason="identity_not_allowed"' in alerts["RpcguardClientNotAllowed"]["expr"]
+
+
+def test_rule_tests_pin_each_defect_of_issue_11():
+    doc = yaml.safe_load(RULES_TEST.read_text(encoding="utf-8"))
+    defects = {case["name"]: {a["alertname"] for a in case["alert_rule_test"]} for case in doc["tests"]
+               if case["name"].startswith("DEFECT")}
+    covered = set().union(*defects.values())
+    assert {"RpcguardProtocolVersionSkew", "RpcguardUpstreamDown", "RpcguardReloadFailed",
+            "RpcguardClientNotAllowed", "RpcguardCertificateExpiresVerySoon"} <= covered, defects
 
 
 def test_rule_tests_cover_every_alert_firing_and_not_firing():
@@ -264,10 +325,39 @@ def test_promtool_test_rules():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_promtool_check_config():
-    res = run([promtool(), "check", "config", str(PROM_CONFIG)])
+def test_promtool_check_config(tmp_path):
+    # promtool checks that the scrape job's TLS files exist: point them at real ones
+    from rpcguard import certs
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "prometheus", server=False)
+    (tmp_path / "password").write_text("change-me\n")
+    text = PROM_CONFIG.read_text(encoding="utf-8")
+    assert "/etc/prometheus/rpcguard/" in text and "scheme: https" in text and "basic_auth:" in text
+    cfg = tmp_path / PROM_CONFIG.name
+    cfg.write_text(text.replace("/etc/prometheus/rpcguard/", f"{tmp_path}/"), encoding="utf-8")
+    shutil.copyfile(RULES, tmp_path / RULES.name)
+    res = run([promtool(), "check", "config", str(cfg)])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "rule files found" in res.stdout  # the rule_files path resolved
+
+
+def test_web_config_example_is_valid(tmp_path):
+    """deploy/prometheus/rpcguard-web.example.yml loads with rpcguard's own parser."""
+    import bcrypt
+
+    from rpcguard import certs
+    from rpcguard.webconfig import WebGuard, load_web_config
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "metrics", server=True, dns=["localhost"])
+    text = (DEPLOY / "prometheus" / "rpcguard-web.example.yml").read_text(encoding="utf-8")
+    path = tmp_path / "web.yml"
+    path.write_text(text.replace("/etc/rpcguard/certs/", f"{tmp_path}/"), encoding="utf-8")
+    wc = load_web_config(str(path))
+    assert wc.tls and wc.authenticates and wc.client_auth_type == "RequireAndVerifyClientCert"
+    assert bcrypt.checkpw(b"change-me", dict(wc.users)["prometheus"])
+    assert WebGuard(wc).context is not None
 
 
 def grafana_to_promql(expr: str) -> str:

@@ -18,8 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rpcguard
 from rpcguard import metrics as metrics_mod
+from rpcguard import metrics_http as http_mod
+from rpcguard import reasons
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
-from rpcguard.protocol.stats import LATENCY_BUCKETS_S, SessionStats
+from rpcguard.protocol.stats import DEFAULT_COMMAND_NAMES, LATENCY_BUCKETS_S, SessionStats
 
 SET_TENSOR, GRAPH_COMPUTE, HELLO = 6, 10, 14
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
@@ -37,8 +39,10 @@ def _design_table() -> dict[str, tuple[str, set[str]]]:
 
 
 def _populated() -> tuple[Metrics, ListenerTraffic]:
-    m = Metrics(CollectorRegistry())
+    m = Metrics(CollectorRegistry(), role="serve")
     lt = m.listener("serve", "gpu0", upstream="127.0.0.1:50052")
+    lt.upstream_up = True
+    m.web_refusal("auth_failed")
     s = SessionStats()
     lt.session_started(s)
     s.req_frames[SET_TENSOR] += 2
@@ -64,7 +68,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 17, "design.md metrics table not found or changed shape"
+    assert len(table) == 21, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -75,7 +79,8 @@ def test_every_design_metric_is_exported_with_its_labels() -> None:
         assert fam.samples, f"{name} exported no sample"
         for sample in fam.samples:
             assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
-    assert set(families) == {n.removesuffix("_total") if t == "counter" else n for n, (t, _) in table.items()}
+    ours = {n for n in families if n.startswith("rpcguard_")}
+    assert ours == {n.removesuffix("_total") if t == "counter" else n for n, (t, _) in table.items()}
 
 
 def test_sample_values() -> None:
@@ -86,9 +91,9 @@ def test_sample_values() -> None:
     assert g("rpcguard_bytes_total", {**rl, "direction": "request", "command": "SET_TENSOR"}) == 300
     assert g("rpcguard_frames_total", {**rl, "direction": "response", "command": "HELLO"}) == 1
     assert g("rpcguard_bytes_total", {**rl, "direction": "response", "command": "HELLO"}) == 11
-    # zero series stay out: no SET_TENSOR response, no HELLO request
-    assert g("rpcguard_frames_total", {**rl, "direction": "response", "command": "SET_TENSOR"}) is None
-    assert g("rpcguard_frames_total", {**rl, "direction": "request", "command": "HELLO"}) is None
+    # every command of the table is exported, at 0 until it is seen
+    assert g("rpcguard_frames_total", {**rl, "direction": "response", "command": "SET_TENSOR"}) == 0
+    assert g("rpcguard_frames_total", {**rl, "direction": "request", "command": "HELLO"}) == 0
     assert g("rpcguard_sessions_active", rl) == 1
     for result in ("ok", "refused", "error"):
         assert g("rpcguard_sessions_total", {**rl, "result": result}) == 0
@@ -96,18 +101,22 @@ def test_sample_values() -> None:
     assert g("rpcguard_tls_handshake_failures_total", {**rl, "reason": "tls_unknown_ca"}) == 1
     assert g("rpcguard_firewall_violations_total",
              {**rl, "reason": "tensor_out_of_buffer", "mode": "monitor"}) == 1
-    assert g("rpcguard_upstream_protocol_info",
-             {"listener": "gpu0", "upstream": "127.0.0.1:50052", "version": "3.0.0"}) == 1
-    assert g("rpcguard_upstream_queue_depth", {"listener": "gpu0"}) == 3
+    assert g("rpcguard_upstream_protocol_info", {**rl, "upstream": "127.0.0.1:50052", "version": "3.0.0"}) == 1
+    assert g("rpcguard_upstream_up", rl) == 1
+    assert g("rpcguard_upstream_queue_depth", rl) == 3
     assert g("rpcguard_alloc_bytes_total", rl) == 4096
     assert g("rpcguard_upload_bytes_total", {**rl, "kind": "set_tensor"}) == 256
     assert g("rpcguard_upload_bytes_total", {**rl, "kind": "hash_hit"}) == 64
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "request"}) == 1
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "response"}) == 2
-    assert g("rpcguard_build_info", {"version": rpcguard.__version__, "python": platform.python_version()}) == 1
+    build = {"role": "serve", "version": rpcguard.__version__, "python": platform.python_version()}
+    assert g("rpcguard_build_info", build) == 1
     assert g("rpcguard_certificate_expiry_timestamp_seconds", {"role": "serve", "certificate": "cert"}) == 1.9e9
-    assert g("rpcguard_reload_total", {"result": "ok"}) == 1
-    assert g("rpcguard_reload_total", {"result": "error"}) == 0
+    assert g("rpcguard_reload_total", {"role": "serve", "result": "ok"}) == 1
+    assert g("rpcguard_reload_total", {"role": "serve", "result": "error"}) == 0
+    assert g("rpcguard_reload_last_successful", {"role": "serve"}) == 1
+    assert g("rpcguard_web_refusals_total", {"role": "serve", "reason": "auth_failed"}) == 1
+    assert g("rpcguard_web_refusals_total", {"role": "serve", "reason": "tls_no_client_cert"}) == 0
 
 
 def test_histogram_cumulative_buckets() -> None:
@@ -178,8 +187,8 @@ def test_listener_registry_and_validation() -> None:
     a = m.listener("serve", "a")
     assert m.listener("serve", "a", upstream="h:1") is a and a.upstream == "h:1"
     assert m.listener("connect", "a") is not a
-    assert m.registry.get_sample_value("rpcguard_upstream_protocol_info",
-                                       {"listener": "a", "upstream": "h:1", "version": ""}) is None
+    assert not [s for f in m.registry.collect() for s in f.samples
+                if s.name in ("rpcguard_upstream_protocol_info", "rpcguard_upstream_up")]  # not known yet
     with pytest.raises(ValueError):
         m.listener("proxy", "x")
     with pytest.raises(ValueError):
@@ -192,10 +201,58 @@ def test_listener_registry_and_validation() -> None:
 
 
 def test_empty_metrics_still_export_process_level() -> None:
-    m = Metrics(CollectorRegistry())
+    m = Metrics(CollectorRegistry(), role="connect")
     g = m.registry.get_sample_value
-    assert g("rpcguard_reload_total", {"result": "error"}) == 0
-    assert g("rpcguard_build_info", {"version": rpcguard.__version__, "python": platform.python_version()}) == 1
+    assert g("rpcguard_reload_total", {"role": "connect", "result": "error"}) == 0
+    assert g("rpcguard_build_info", {"role": "connect", "version": rpcguard.__version__,
+                                     "python": platform.python_version()}) == 1
+    # prometheus_client's process collector, on the same registry (Linux /proc)
+    assert g("process_resident_memory_bytes") > 1e6
+    assert g("process_open_fds") >= 3
+    assert abs(g("process_start_time_seconds") - time.time()) < 24 * 3600
+    assert g("process_cpu_seconds_total") > 0
+
+
+def test_every_known_label_value_starts_at_zero() -> None:
+    """Dashboards show 0, not "No data": reasons, modes, results, commands exist before any event."""
+    m = Metrics(CollectorRegistry(), role="serve")
+    m.listener("serve", "gpu0")
+    samples = [s for f in m.registry.collect() for s in f.samples if s.labels.get("listener") == "gpu0"]
+
+    def values(name: str, label: str, **match: str) -> set[str]:
+        return {s.labels[label] for s in samples
+                if s.name == name and all(s.labels.get(k) == v for k, v in match.items()) and s.value == 0}
+
+    assert values("rpcguard_refusals_total", "reason") == set(reasons.REFUSAL_REASONS)
+    assert {"identity_not_allowed", "upstream_unavailable", "graph_op_denied"} <= set(reasons.REFUSAL_REASONS)
+    assert values("rpcguard_tls_handshake_failures_total", "reason") == set(reasons.TLS_REASONS)
+    assert "identity_not_allowed" not in reasons.TLS_REASONS
+    for mode in ("enforce", "monitor"):
+        assert values("rpcguard_firewall_violations_total", "reason", mode=mode) == set(reasons.FIREWALL_REASONS)
+    assert values("rpcguard_sessions_total", "result") == {"ok", "refused", "error"}
+    for direction in ("request", "response"):
+        assert values("rpcguard_frames_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())
+        assert values("rpcguard_bytes_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())
+
+
+def test_reload_gauges_follow_the_last_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_mod.time, "time", lambda: clock[0])
+    m = Metrics(CollectorRegistry(), role="serve")
+    g = m.registry.get_sample_value
+    r = {"role": "serve"}
+    assert g("rpcguard_reload_last_successful", r) == 1  # the start-up load
+    assert g("rpcguard_reload_last_success_timestamp_seconds", r) == 1000
+    clock[0] = 2000.0
+    m.reload("error")
+    m.reload("error")
+    assert g("rpcguard_reload_last_successful", r) == 0  # stays 0 while the fault remains
+    assert g("rpcguard_reload_last_success_timestamp_seconds", r) == 1000
+    clock[0] = 3000.0
+    m.reload("ok")
+    assert g("rpcguard_reload_last_successful", r) == 1
+    assert g("rpcguard_reload_last_success_timestamp_seconds", r) == 3000
+    assert g("rpcguard_reload_total", {**r, "result": "error"}) == 2
 
 
 # --- HTTP endpoint ----------------------------------------------------------------------
@@ -261,7 +318,7 @@ def test_http_metrics_health_and_errors(run) -> None:  # type: ignore[no-untyped
         status, headers, _ = await _request(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
         assert status == 405 and headers["allow"] == "GET"
         assert (await _request(port, b"garbage\r\n\r\n"))[0] == 400
-        big = _get("/metrics", "X-Pad: " + "a" * (metrics_mod.MAX_HEADER_BYTES + 100) + "\r\n")
+        big = _get("/metrics", "X-Pad: " + "a" * (http_mod.MAX_HEADER_BYTES + 100) + "\r\n")
         assert (await _request(port, big))[0] == 431
 
     run(_with_server(body))
@@ -319,7 +376,7 @@ def test_http_never_blocks_the_loop(run) -> None:  # type: ignore[no-untyped-def
 
 
 def test_http_connection_cap(run, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(metrics_mod, "MAX_HTTP_CONNECTIONS", 2)
+    monkeypatch.setattr(http_mod, "MAX_HTTP_CONNECTIONS", 2)
 
     async def body(port: int) -> None:
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
@@ -356,3 +413,69 @@ def test_recent_refusals_are_bounded_and_served_as_json(run) -> None:  # type: i
         assert len(got) == metrics_mod.RECENT_REFUSALS and got[0]["reason"] == "identity_not_allowed"
 
     run(body())
+
+
+def _without_process(text: bytes) -> list[bytes]:
+    """Exposition lines minus the process collector's samples (CPU time moves between two reads)."""
+    return [ln for ln in text.split(b"\n") if not ln.startswith(b"process_")]
+
+
+def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
+    from prometheus_client.exposition import generate_latest
+
+    m, lt = _populated()
+    odd = m.listener("serve", 'we"ird\\name\nx')  # escaping of label values
+    odd.refusal('odd"reason\\')
+    fast = m.exposition()
+    assert _without_process(fast) == _without_process(generate_latest(m.registry))
+    assert b'listener="we\\"ird\\\\name\\nx"' in fast
+    assert sum(ln.startswith(b"process_") for ln in fast.split(b"\n")) >= 5
+
+
+def test_unsupported_families_fall_back_to_generate_latest() -> None:
+    from prometheus_client import Info
+    from prometheus_client.exposition import generate_latest
+
+    m = Metrics(CollectorRegistry(), role="serve")
+    Info("extra", "an info family the fast path does not write", registry=m.registry).info({"a": "b"})
+    text = m.exposition()
+    assert b'extra_info{a="b"} 1.0' in text
+    assert _without_process(text) == _without_process(generate_latest(m.registry))
+
+
+def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's rpcguard_upstream_up: a TCP probe before a scrape, and what sessions tell."""
+    import socket
+
+    from rpcguard import certs, server
+    from rpcguard.config import build_config
+
+    certs.init_ca(tmp_path)
+    certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens on `port` now
+    ov = {"cert": str(tmp_path / "node.pem"), "key": str(tmp_path / "node.key"), "ca": str(tmp_path / "ca.pem"),
+          "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{port}", "metrics": ""}
+    rt = server.Runtime(build_config("serve", overrides=ov), metrics=Metrics(CollectorRegistry()))
+    g = lambda: rt.metrics.registry.get_sample_value(  # noqa: E731
+        "rpcguard_upstream_up", {"role": "serve", "listener": rt.listeners[0].route.name})
+    assert g() is None  # not known before the first probe
+    asyncio.run(rt._probe_upstreams())
+    assert g() == 0
+    up = socket.create_server(("127.0.0.1", port))
+    try:
+        asyncio.run(rt._probe_upstreams())
+        assert g() == 0  # probed less than UPSTREAM_PROBE_S ago: the last result stands
+        monkeypatch.setattr(server, "UPSTREAM_PROBE_S", 0.0)
+        asyncio.run(rt._probe_upstreams())
+        assert g() == 1
+    finally:
+        up.close()
+    name = rt.listeners[0].route.name
+    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "upstream_unavailable"})
+    assert g() == 0
+    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "identity_not_allowed"})
+    assert g() == 0  # tells nothing about the upstream
+    rt._session_ended({"role": "serve", "listener": name, "result": "ok", "reason": "", "version": "7.0.0"})
+    assert g() == 1
