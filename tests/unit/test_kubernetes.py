@@ -18,6 +18,9 @@ from __future__ import annotations
 import copy
 import functools
 import http.server
+import importlib
+import os
+import shutil
 import re
 import ssl
 import subprocess
@@ -29,8 +32,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from cloudcoil.models.cert_manager import v1 as cert_manager_v1
-from cloudcoil.models.prometheus_operator import v1 as prometheus_v1
 
 from rpcguard import certs
 from rpcguard.cli import _overrides, _parser
@@ -41,11 +42,13 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
 K8S_VERSION = "1.33.0"  # the Kubernetes version the manifests are validated for (README.md)
+# CRD kind -> the cloudcoil module holding its model (imported on first use: ~12 s of pydantic
+# model building, paid only by the CRD tests)
 CRD_MODELS = {
-    ("cert-manager.io/v1", "Certificate"): cert_manager_v1.Certificate,
-    ("cert-manager.io/v1", "Issuer"): cert_manager_v1.Issuer,
-    ("cert-manager.io/v1", "ClusterIssuer"): cert_manager_v1.ClusterIssuer,
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_v1.ServiceMonitor,
+    ("cert-manager.io/v1", "Certificate"): "cloudcoil.models.cert_manager.v1",
+    ("cert-manager.io/v1", "Issuer"): "cloudcoil.models.cert_manager.v1",
+    ("cert-manager.io/v1", "ClusterIssuer"): "cloudcoil.models.cert_manager.v1",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "cloudcoil.models.prometheus_operator.v1",
 }
 MAX_LEAF_HOURS = 7 * 24  # "short duration"
 RPC_SERVER = "ggml-rpc-server"
@@ -162,7 +165,8 @@ def _closed(schema):
 
 @functools.cache
 def crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
-    schema = _closed(CRD_MODELS[(api_version, kind)].model_json_schema(by_alias=True))
+    model = getattr(importlib.import_module(CRD_MODELS[(api_version, kind)]), kind)
+    schema = _closed(model.model_json_schema(by_alias=True))
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     return cls(schema)
@@ -188,6 +192,23 @@ def test_crd_validator_refuses_mistakes(kind, path, value):
         node = node[k]
     node[path[-1]] = value
     assert list(crd_validator(bad["apiVersion"], kind).iter_errors(bad))
+
+
+def test_kustomize_renders_the_same_objects_with_the_images_set():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl missing: .ci/install-ops-tools.sh installs it")
+        pytest.skip("kubectl not installed (.ci/install-ops-tools.sh installs it)")
+    run = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rendered = [d for d in yaml.safe_load_all(run.stdout) if d]
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, rendered)) == sorted(key(d) for _, d in docs())
+    want = {f"{i['name']}:{i['newTag']}".replace(i["name"], i["newName"], 1) for i in kustomization()["images"]}
+    images = {c["image"] for d in rendered if "template" in d.get("spec", {})
+              for c in containers(d["spec"]["template"]["spec"])}
+    assert images == want
 
 
 # ----------------------------------------------------------------------------- rpcguard configs
