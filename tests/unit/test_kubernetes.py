@@ -37,6 +37,7 @@ from rpcguard import certs
 from rpcguard.cli import _overrides, _parser
 from rpcguard.config import ConfigError, build_config, parse_config
 from tests.support import realpeer
+from tests.support.guard import wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -540,3 +541,67 @@ def test_container_recipe_matches_the_manifests():
     for target in ("rpcguard", RPC_SERVER, "llama-server"):
         assert re.search(rf"^FROM \S+ AS {re.escape(target)}$", text, re.M), target
 
+
+
+# ----------------------------------------------------------------------------- the fleet, on loopback
+
+
+def _rerooted_args(workload: str, root: Path) -> tuple[list[str], Path]:
+    (c,) = [c for w, _, c in rpcguard_containers() if w == workload]
+    args = yaml.safe_load(reroot(yaml.safe_dump(c["args"]), root, c))
+    return args, Path(args[args.index("--config") + 1])
+
+
+def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> realpeer.Proc:
+    config.write_text(yaml.safe_dump(data))
+    i = args.index("--config")
+    proc = realpeer.start([sys.executable, "-m", "rpcguard", *args[:i], "--config", str(usable_config(config)),
+                           *args[i + 2:]], log, log.stem)
+    wait_for_line(proc, "RPCGUARD_READY")
+    return proc
+
+
+def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_roots, tmp_path):
+    """Both pods' containers with their own arguments, configs and certificates (issued like
+    cert-manager's: SANs, usages, two CAs), only the addresses moved to free loopback ports and the
+    node names kept as TLS server names: connect's start-up check reaches every node, and the real
+    llama.cpp client generates through the first tunnel, admitted by its SPIFFE identity."""
+    env = realpeer._read_env(realpeer.REALPEER_HOME / "env.sh")
+    if "REALPEER_RPC_SERVER_BIN" not in env:
+        pytest.fail("no real ggml-rpc-server: run tests/realpeer/setup.sh (scripts/test.sh does)")
+    (rpc_c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
+    replicas = named("StatefulSet", "gpu-node")["spec"]["replicas"]
+    serve_args, serve_conf = _rerooted_args("gpu-node", pod_roots["gpu-node"])
+    connect_args, connect_conf = _rerooted_args("llama-server", pod_roots["llama-server"])
+    model = realpeer.make_model(tmp_path / "tiny.gguf")
+    procs: list[realpeer.Proc] = []
+    try:
+        serve_ports = []
+        for i in range(replicas):
+            rpc_port, serve_port = realpeer.free_port(), realpeer.free_port()
+            args = [str(rpc_port) if a == str(rpc_server_port()) else a for a in rpc_c["args"]]
+            procs.append(realpeer.start([env["REALPEER_RPC_SERVER_BIN"], *args], tmp_path / f"rpc-{i}.log", f"rpc-{i}"))
+            realpeer.wait_port(rpc_port, proc=procs[-1].popen)
+            data = yaml.safe_load(serve_conf.read_text())
+            data["listeners"][0].update(listen=f"127.0.0.1:{serve_port}", upstream=f"127.0.0.1:{rpc_port}")
+            data["metrics"]["listen"] = f"127.0.0.1:{realpeer.free_port()}"
+            procs.append(_start_rpcguard(serve_args, serve_conf.with_name(f"serve-{i}.yaml"), data,
+                                         tmp_path / f"serve-{i}.log"))
+            serve_ports.append(serve_port)
+        data = yaml.safe_load(connect_conf.read_text())
+        assert len(data["tunnels"]) == replicas
+        for t, port in zip(data["tunnels"], serve_ports):
+            host = t["server"].rsplit(":", 1)[0]
+            t.update(listen=f"127.0.0.1:{realpeer.free_port()}", server=f"127.0.0.1:{port}", server_name=host)
+        data["metrics"]["listen"] = f"127.0.0.1:{realpeer.free_port()}"
+        connect = _start_rpcguard(connect_args, connect_conf.with_name("connect-loopback.yaml"), data,
+                                  tmp_path / "connect.log")
+        procs.append(connect)
+        checks = [line for line in connect.output().splitlines() if "rpcguard check:" in line]
+        assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
+        run = realpeer.run_client(data["tunnels"][0]["listen"], model, n=8, timeout=120)
+        assert run.ok and len(run.tokens) == 8, run.output[-2000:]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    assert "spiffe://cluster.local/ns/rpcguard/sa/llama-server" in (tmp_path / "serve-0.log").read_text()
