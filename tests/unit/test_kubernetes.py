@@ -10,7 +10,9 @@ laid out under a temp dir (ConfigMap data as files; each Secret made by ``rpcgua
 its cert-manager Certificate: same issuer, SANs and usage), absolute paths are re-rooted there,
 and the container's arguments must pass ``rpcguard check-config`` / the serve|connect config
 build. probe.py (the exec probe) runs against a real mTLS HTTP server. The real
-ggml-rpc-server runs with the manifest's arguments and must listen on loopback only.
+ggml-rpc-server runs with the manifest's arguments and must listen on loopback only; finally the
+whole fleet runs on loopback (real servers, serve, connect, a real llama.cpp generation) with the
+manifests' arguments, configs and certificates, only the addresses moved to free ports.
 """
 
 from __future__ import annotations
