@@ -218,14 +218,19 @@ def test_kustomize_renders_the_same_objects_with_the_images_set():
 
 
 @pytest.fixture(scope="module")
-def pod_roots(tmp_path_factory) -> dict[str, Path]:
-    """Per workload: a directory laid out like its rpcguard container's mounts (root = '/')."""
-    pki = tmp_path_factory.mktemp("pki")
-    issuers = {}
+def issuers(tmp_path_factory) -> dict[str, Path]:
+    """Issuer name -> a directory with its CA (``rpcguard certs init-ca``), one per CA Certificate."""
+    pki, out = tmp_path_factory.mktemp("pki"), {}
     for ca in [c for c in of_kind("Certificate") if c["spec"].get("isCA")]:
-        issuer = [i for i in of_kind("Issuer") if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
-        issuers[issuer[0]["metadata"]["name"]] = pki / ca["metadata"]["name"]
-        certs.init_ca(issuers[issuer[0]["metadata"]["name"]], common_name=ca["spec"]["commonName"])
+        (issuer,) = [i for i in of_kind("Issuer") if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
+        out[issuer["metadata"]["name"]] = pki / ca["metadata"]["name"]
+        certs.init_ca(out[issuer["metadata"]["name"]], common_name=ca["spec"]["commonName"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pod_roots(tmp_path_factory, issuers) -> dict[str, Path]:
+    """Per workload: a directory laid out like its rpcguard container's mounts (root = '/')."""
     roots = {}
     for workload, spec, c in rpcguard_containers():
         root = tmp_path_factory.mktemp(workload)
@@ -269,11 +274,16 @@ def web_config_supported() -> bool:
 
 
 def usable_config(path: Path) -> Path:
-    """The config file as rpcguard of this checkout can read it (see test_metrics_web_config_known)."""
+    """The config file as rpcguard of this checkout can read it (see test_metrics_web_config_known).
+
+    Without metrics.web_config, the key is dropped and ``unsafe_public: true`` stands in for the
+    authentication it provides (a non-loopback metrics address needs one or the other).
+    """
     if web_config_supported():
         return path
     data = yaml.safe_load(path.read_text())
     del data["metrics"]["web_config"]
+    data["metrics"]["unsafe_public"] = True
     out = path.with_name("no-web-config-" + path.name)
     out.write_text(yaml.safe_dump(data))
     return out
@@ -312,6 +322,8 @@ def test_web_config_is_mutual_tls_with_mounted_files(pod_roots):
         tls = web["tls_server_config"]
         assert set(tls) <= WEB_TLS_KEYS
         assert tls["client_auth_type"] == "RequireAndVerifyClientCert"
+        assert tls["client_allowed_sans"] == secret_certificate("prometheus-scrape-tls")["spec"]["uris"]
+        assert "unsafe_public" not in cfg["metrics"]  # protected by the web config, not opted out
         for key in ("cert_file", "key_file", "client_ca_file"):
             assert Path(tls[key]).is_file(), (workload, key, tls[key])  # re-rooted: mounted
         ca_mount = str(Path(tls["client_ca_file"].replace(str(pod_roots[workload]), "")).parent)
@@ -563,7 +575,7 @@ def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> rea
     return proc
 
 
-def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_roots, tmp_path):
+def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_roots, issuers, tmp_path):
     """Both pods' containers with their own arguments, configs and certificates (issued like
     cert-manager's: SANs, usages, two CAs), only the addresses moved to free loopback ports and the
     node names kept as TLS server names: connect's start-up check reaches every node, and the real
@@ -578,7 +590,7 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
     model = realpeer.make_model(tmp_path / "tiny.gguf")
     procs: list[realpeer.Proc] = []
     try:
-        serve_ports = []
+        serve_ports, metrics_ports = [], []
         for i in range(replicas):
             rpc_port, serve_port = realpeer.free_port(), realpeer.free_port()
             args = [str(rpc_port) if a == str(rpc_server_port()) else a for a in rpc_c["args"]]
@@ -586,7 +598,8 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
             realpeer.wait_port(rpc_port, proc=procs[-1].popen)
             data = yaml.safe_load(serve_conf.read_text())
             data["listeners"][0].update(listen=f"127.0.0.1:{serve_port}", upstream=f"127.0.0.1:{rpc_port}")
-            data["metrics"]["listen"] = f"127.0.0.1:{realpeer.free_port()}"
+            metrics_ports.append(realpeer.free_port())
+            data["metrics"]["listen"] = f"127.0.0.1:{metrics_ports[-1]}"
             procs.append(_start_rpcguard(serve_args, serve_conf.with_name(f"serve-{i}.yaml"), data,
                                          tmp_path / f"serve-{i}.log"))
             serve_ports.append(serve_port)
@@ -603,7 +616,30 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
         assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
         run = realpeer.run_client(data["tunnels"][0]["listen"], model, n=8, timeout=120)
         assert run.ok and len(run.tokens) == 8, run.output[-2000:]
+        if web_config_supported():  # the real metrics endpoint behind the manifests' web config
+            _check_metrics_endpoint(pod_roots["gpu-node"], issuers, metrics_ports[0], tmp_path)
     finally:
         for p in reversed(procs):
             p.stop()
     assert "spiffe://cluster.local/ns/rpcguard/sa/llama-server" in (tmp_path / "serve-0.log").read_text()
+
+
+def _check_metrics_endpoint(root: Path, issuers: dict[str, Path], port: int, tmp_path: Path) -> None:
+    """probe.py reaches /healthz and /readyz with the probe certificate, /metrics needs Prometheus'."""
+    scrape = secret_certificate("prometheus-scrape-tls")["spec"]
+    prom = certs.issue(issuers[scrape["issuerRef"]["name"]], "prometheus-test", server=False, uris=scrape["uris"],
+                       common_name=scrape["commonName"], days=1)
+    script = root / "etc/rpcguard/common/probe.py"
+    ca = ["--ca", str(root / "etc/rpcguard/metrics-tls/ca.crt")]
+    probe_cert = ["--cert", str(root / "etc/rpcguard/probe-tls/tls.crt"), "--key", str(root / "etc/rpcguard/probe-tls/tls.key")]
+
+    def probe(path: str, cert: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), str(port), path, *ca, *cert],
+                              capture_output=True, text=True, timeout=30)
+    for path in ("/healthz", "/readyz"):
+        r = probe(path, probe_cert)
+        assert r.returncode == 0, r.stdout
+    refused = probe("/metrics", probe_cert)  # not the Prometheus identity
+    assert refused.returncode == 1 and "HTTP 403" in refused.stdout, refused.stdout
+    scraped = probe("/metrics", ["--cert", str(prom.cert), "--key", str(prom.key)])
+    assert scraped.returncode == 0 and "rpcguard_" in scraped.stdout, scraped.stdout
