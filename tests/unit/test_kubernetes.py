@@ -2,7 +2,7 @@
 
 How this works: every document of every manifest listed in kustomization.yaml is validated,
 offline: the core kinds with kubernetes-validate (Kubernetes' own OpenAPI schemas, strict: unknown
-fields are errors) at ``K8S_VERSION``; the cert-manager and Prometheus Operator kinds with
+fields are errors) at ``K8S_VERSIONS``; the cert-manager and Prometheus Operator kinds with
 jsonschema against JSON Schema generated from the cloudcoil models of those CRDs (pinned in
 pyproject.toml), closed with ``additionalProperties: false`` like kubectl's strict field
 validation. Each pod's rpcguard container is then replayed outside the cluster: its volumes are
@@ -44,7 +44,9 @@ from tests.support.guard import wait_for_line
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
-K8S_VERSION = "1.33.0"  # the Kubernetes version the manifests are validated for (README.md)
+# The Kubernetes versions the core kinds are validated for (README.md): the oldest supported one
+# (native sidecar containers, restartPolicy on init containers, are on by default from 1.29) and 1.33.
+K8S_VERSIONS = ("1.29.0", "1.33.0")
 # CRD kind -> the cloudcoil module holding its model (imported on first use: ~12 s of pydantic
 # model building, paid only by the CRD tests)
 CRD_MODELS = {
@@ -141,16 +143,17 @@ CORE = [(f, d) for f, d in docs() if (d["apiVersion"], d["kind"]) not in CRD_MOD
 CUSTOM = [(f, d) for f, d in docs() if (d["apiVersion"], d["kind"]) in CRD_MODELS]
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("doc", [d for _, d in CORE], ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in CORE])
-def test_core_kinds_validate_strictly(doc):
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+def test_core_kinds_validate_strictly(doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_core_validator_refuses_an_unknown_field():
     bad = copy.deepcopy(named("StatefulSet", "gpu-node"))
     bad["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True  # typo
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
 
 
 def _closed(schema):
