@@ -5,14 +5,12 @@ offline: the core kinds with kubernetes-validate (Kubernetes' own OpenAPI schema
 fields are errors) at ``K8S_VERSIONS``; the cert-manager and Prometheus Operator kinds with
 jsonschema against JSON Schema generated from the cloudcoil models of those CRDs (pinned in
 pyproject.toml), closed with ``additionalProperties: false`` like kubectl's strict field
-validation. Each pod's rpcguard container is then replayed outside the cluster: its volumes are
-laid out under a temp dir (ConfigMap data as files; each Secret made by ``rpcguard certs`` from
-its cert-manager Certificate: same issuer, SANs and usage), absolute paths are re-rooted there,
-and the container's arguments must pass ``rpcguard check-config`` / the serve|connect config
-build. probe.py (the exec probe) runs against a real mTLS HTTP server. The real
-ggml-rpc-server runs with the manifest's arguments and must listen on loopback only; finally the
-whole fleet runs on loopback (real servers, serve, connect, a real llama.cpp generation) with the
-manifests' arguments, configs and certificates, only the addresses moved to free ports.
+validation. Each pod's rpcguard container is then replayed outside the cluster
+(tests/support/k8s.py: its mounts laid out under a temp dir, certificates issued like
+cert-manager's, absolute paths re-rooted there) and its arguments must pass ``rpcguard
+check-config`` / the serve|connect config build. probe.py (the exec probe) runs against a real
+mTLS HTTP server. The real ggml-rpc-server and the whole fleet on loopback:
+tests/integration/test_kubernetes_fleet.py.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ import functools
 import http.server
 import importlib
 import os
-import shutil
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -35,14 +33,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rpcguard import certs
 from rpcguard.cli import _overrides, _parser
-from rpcguard.config import ConfigError, build_config, parse_config
-from tests.support import realpeer
-from tests.support.guard import wait_for_line
+from rpcguard.config import build_config
+from tests.support.k8s import (
+    K8S, ROOT, RPC_SERVER, config_of, containers, docs, hours, kustomization, lay_out_pods, make_issuers,
+    named, of_kind, pod_specs, reroot, rpc_server_port, rpcguard_containers, secret_certificate,
+    usable_config, volume_secret, web_config_supported,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "kubernetes"
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
 # The Kubernetes versions the core kinds are validated for (README.md): the oldest supported one
 # (native sidecar containers, restartPolicy on init containers, are on by default from 1.29) and 1.33.
@@ -56,77 +54,10 @@ CRD_MODELS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "cloudcoil.models.prometheus_operator.v1",
 }
 MAX_LEAF_HOURS = 7 * 24  # "short duration"
-RPC_SERVER = "ggml-rpc-server"
 # exporter-toolkit web-config keys (github.com/prometheus/exporter-toolkit, docs/web-configuration.md)
 WEB_TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "client_auth_type", "min_version", "max_version",
                 "cipher_suites", "curve_preferences", "prefer_server_cipher_suites", "client_allowed_sans",
                 "cert", "key"}
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-@functools.cache
-def kustomization() -> dict:
-    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
-
-
-@functools.cache
-def docs() -> tuple[tuple[str, dict], ...]:
-    out = []
-    for name in kustomization()["resources"]:
-        out += [(name, d) for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None]
-    return tuple(out)
-
-
-def of_kind(kind: str) -> list[dict]:
-    return [d for _, d in docs() if d["kind"] == kind]
-
-
-def named(kind: str, name: str) -> dict:
-    (d,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
-    return d
-
-
-def pod_specs() -> dict[str, dict]:
-    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]
-            for d in of_kind("Deployment") + of_kind("StatefulSet") + of_kind("DaemonSet")}
-
-
-def containers(spec: dict) -> list[dict]:
-    return spec.get("initContainers", []) + spec["containers"]
-
-
-def rpcguard_containers() -> list[tuple[str, dict, dict]]:
-    return [(w, spec, c) for w, spec in pod_specs().items() for c in containers(spec) if c.get("command") == ["rpcguard"]]
-
-
-def hours(text: str) -> float:
-    m = re.fullmatch(r"(\d+)h(?:(\d+)m)?", text)
-    assert m, f"duration {text!r}: expected like '24h' or '1h30m'"
-    return int(m.group(1)) + int(m.group(2) or 0) / 60
-
-
-def secret_certificate(secret: str) -> dict:
-    (cert,) = [c for c in of_kind("Certificate") if c["spec"]["secretName"] == secret]
-    return cert
-
-
-def volume_secret(spec: dict, mount_path: str, container: dict) -> str:
-    (vol_name,) = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == mount_path]
-    (vol,) = [v for v in spec["volumes"] if v["name"] == vol_name]
-    return vol["secret"]["secretName"]
-
-
-def config_of(workload: str) -> tuple[str, dict]:
-    """(file name, parsed YAML) of the rpcguard config a workload's container points at."""
-    (_, spec, c) = [x for x in rpcguard_containers() if x[0] == workload][0]
-    path = c["args"][c["args"].index("--config") + 1]
-    mount = Path(path).parent.as_posix()
-    (vol_name,) = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == mount]
-    (vol,) = [v for v in spec["volumes"] if v["name"] == vol_name]
-    data = named("ConfigMap", vol["configMap"]["name"])["data"]
-    return Path(path).name, yaml.safe_load(data[Path(path).name])
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -222,76 +153,12 @@ def test_kustomize_renders_the_same_objects_with_the_images_set():
 
 @pytest.fixture(scope="module")
 def issuers(tmp_path_factory) -> dict[str, Path]:
-    """Issuer name -> a directory with its CA (``rpcguard certs init-ca``), one per CA Certificate."""
-    pki, out = tmp_path_factory.mktemp("pki"), {}
-    for ca in [c for c in of_kind("Certificate") if c["spec"].get("isCA")]:
-        (issuer,) = [i for i in of_kind("Issuer") if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
-        out[issuer["metadata"]["name"]] = pki / ca["metadata"]["name"]
-        certs.init_ca(out[issuer["metadata"]["name"]], common_name=ca["spec"]["commonName"])
-    return out
+    return make_issuers(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
 def pod_roots(tmp_path_factory, issuers) -> dict[str, Path]:
-    """Per workload: a directory laid out like its rpcguard container's mounts (root = '/')."""
-    roots = {}
-    for workload, spec, c in rpcguard_containers():
-        root = tmp_path_factory.mktemp(workload)
-        for m in c["volumeMounts"]:
-            (vol,) = [v for v in spec["volumes"] if v["name"] == m["name"]]
-            target = root / m["mountPath"].lstrip("/")
-            target.mkdir(parents=True)
-            if "configMap" in vol:
-                for key, text in named("ConfigMap", vol["configMap"]["name"])["data"].items():
-                    (target / key).write_text(reroot(text, root, c))
-            elif "secret" in vol:
-                cert = secret_certificate(vol["secret"]["secretName"])["spec"]
-                ca_dir = issuers[cert["issuerRef"]["name"]]
-                files = certs.issue(ca_dir, f"{workload}-{vol['name']}", server="server auth" in cert["usages"],
-                                    dns=cert.get("dnsNames", []), uris=cert.get("uris", []),
-                                    common_name=cert["commonName"], days=1)
-                (target / "tls.crt").write_bytes(Path(files.cert).read_bytes())
-                (target / "tls.key").write_bytes(Path(files.key).read_bytes())
-                # The kubelet writes Secret files root-owned with defaultMode: as root (CI) the
-                # test does the same, so rpcguard's key permission check sees the pod's files.
-                (target / "tls.key").chmod(vol["secret"]["defaultMode"] if os.geteuid() == 0 else 0o600)
-                (target / "ca.crt").write_bytes((ca_dir / "ca.pem").read_bytes())
-        roots[workload] = root
-    return roots
-
-
-def reroot(text: str, root: Path, container: dict) -> str:
-    """Put ``root`` in front of every path under one of the container's mount points."""
-    mounts = sorted((m["mountPath"] for m in container["volumeMounts"]), key=len, reverse=True)
-    pattern = r"(?<![\w/.-])(" + "|".join(map(re.escape, mounts)) + ")/"
-    return re.sub(pattern, lambda m: f"{root}{m.group(1)}/", text)  # one pass: never twice
-
-
-def web_config_supported() -> bool:
-    """True once rpcguard understands metrics.web_config (another branch adds it)."""
-    data = {"tls": {"cert": __file__, "key": __file__, "ca": __file__},
-            "metrics": {"web_config": "/nonexistent"}, "tunnels": [{"listen": "127.0.0.1:1", "server": "a:1"}]}
-    try:
-        parse_config(data)
-    except ConfigError as exc:
-        return "web_config: unknown key" not in str(exc)
-    return True
-
-
-def usable_config(path: Path) -> Path:
-    """The config file as rpcguard of this checkout can read it (see test_metrics_web_config_known).
-
-    Without metrics.web_config, the key is dropped and ``unsafe_public: true`` stands in for the
-    authentication it provides (a non-loopback metrics address needs one or the other).
-    """
-    if web_config_supported():
-        return path
-    data = yaml.safe_load(path.read_text())
-    del data["metrics"]["web_config"]
-    data["metrics"]["unsafe_public"] = True
-    out = path.with_name("no-web-config-" + path.name)
-    out.write_text(yaml.safe_dump(data))
-    return out
+    return lay_out_pods(tmp_path_factory, issuers)
 
 
 def test_metrics_web_config_known():
@@ -412,14 +279,6 @@ def test_every_container_is_hardened():
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"], where
 
 
-def rpc_server_port() -> int:
-    (c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
-    args = c["args"]
-    assert args[args.index("-H") + 1] == "127.0.0.1"
-    assert "ports" not in c
-    return int(args[args.index("-p") + 1])
-
-
 def test_ggml_rpc_server_is_never_exposed():
     port = rpc_server_port()
     exposed = {p["containerPort"] for spec in pod_specs().values() for c in containers(spec) for p in c.get("ports", [])}
@@ -433,26 +292,6 @@ def test_ggml_rpc_server_is_never_exposed():
     # The gpu-node pod exposes serve's mTLS port and the metrics port, nothing else.
     ports = {p["containerPort"] for c in containers(pod_specs()["gpu-node"]) for p in c.get("ports", [])}
     assert ports == {int(serve["listeners"][0]["listen"].rsplit(":", 1)[1]), int(serve["metrics"]["listen"].rsplit(":", 1)[1])}
-
-
-def test_real_rpc_server_takes_the_manifest_arguments_and_binds_loopback(tmp_path):
-    try:
-        binary = realpeer._read_env(realpeer.REALPEER_HOME / "env.sh")["REALPEER_RPC_SERVER_BIN"]
-    except KeyError:
-        pytest.fail("no real ggml-rpc-server: run tests/realpeer/setup.sh (scripts/test.sh does)")
-    (c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
-    port = realpeer.free_port()
-    args = [str(port) if a == str(rpc_server_port()) else a for a in c["args"]]
-    proc = realpeer.start([binary, *args], tmp_path / "rpc-server.log", "rpc-server")
-    try:
-        realpeer.wait_port(port, proc=proc.popen)
-        listening = [line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
-                     if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == port]
-        listening6 = [line.split()[1] for line in Path("/proc/net/tcp6").read_text().splitlines()[1:]
-                      if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == port]
-    finally:
-        proc.stop()
-    assert listening == [f"0100007F:{port:04X}"] and listening6 == []
 
 
 def test_network_policies_admit_only_llama_server_and_prometheus():
@@ -559,92 +398,3 @@ def test_container_recipe_matches_the_manifests():
     assert tags == {"rpcguard": project, RPC_SERVER: version, "llama-server": version}
     for target in ("rpcguard", RPC_SERVER, "llama-server"):
         assert re.search(rf"^FROM \S+ AS {re.escape(target)}$", text, re.M), target
-
-
-
-# ----------------------------------------------------------------------------- the fleet, on loopback
-
-
-def _rerooted_args(workload: str, root: Path) -> tuple[list[str], Path]:
-    (c,) = [c for w, _, c in rpcguard_containers() if w == workload]
-    args = yaml.safe_load(reroot(yaml.safe_dump(c["args"]), root, c))
-    return args, Path(args[args.index("--config") + 1])
-
-
-def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> realpeer.Proc:
-    config.write_text(yaml.safe_dump(data))
-    i = args.index("--config")
-    proc = realpeer.start([sys.executable, "-m", "rpcguard", *args[:i], "--config", str(usable_config(config)),
-                           *args[i + 2:]], log, log.stem)
-    wait_for_line(proc, "RPCGUARD_READY")
-    return proc
-
-
-def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_roots, issuers, tmp_path):
-    """Both pods' containers with their own arguments, configs and certificates (issued like
-    cert-manager's: SANs, usages, two CAs), only the addresses moved to free loopback ports and the
-    node names kept as TLS server names: connect's start-up check reaches every node, and the real
-    llama.cpp client generates through the first tunnel, admitted by its SPIFFE identity."""
-    env = realpeer._read_env(realpeer.REALPEER_HOME / "env.sh")
-    if "REALPEER_RPC_SERVER_BIN" not in env:
-        pytest.fail("no real ggml-rpc-server: run tests/realpeer/setup.sh (scripts/test.sh does)")
-    (rpc_c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
-    replicas = named("StatefulSet", "gpu-node")["spec"]["replicas"]
-    serve_args, serve_conf = _rerooted_args("gpu-node", pod_roots["gpu-node"])
-    connect_args, connect_conf = _rerooted_args("llama-server", pod_roots["llama-server"])
-    model = realpeer.make_model(tmp_path / "tiny.gguf")
-    procs: list[realpeer.Proc] = []
-    try:
-        serve_ports, metrics_ports = [], []
-        for i in range(replicas):
-            rpc_port, serve_port = realpeer.free_port(), realpeer.free_port()
-            args = [str(rpc_port) if a == str(rpc_server_port()) else a for a in rpc_c["args"]]
-            procs.append(realpeer.start([env["REALPEER_RPC_SERVER_BIN"], *args], tmp_path / f"rpc-{i}.log", f"rpc-{i}"))
-            realpeer.wait_port(rpc_port, proc=procs[-1].popen)
-            data = yaml.safe_load(serve_conf.read_text())
-            data["listeners"][0].update(listen=f"127.0.0.1:{serve_port}", upstream=f"127.0.0.1:{rpc_port}")
-            metrics_ports.append(realpeer.free_port())
-            data["metrics"]["listen"] = f"127.0.0.1:{metrics_ports[-1]}"
-            procs.append(_start_rpcguard(serve_args, serve_conf.with_name(f"serve-{i}.yaml"), data,
-                                         tmp_path / f"serve-{i}.log"))
-            serve_ports.append(serve_port)
-        data = yaml.safe_load(connect_conf.read_text())
-        assert len(data["tunnels"]) == replicas
-        for t, port in zip(data["tunnels"], serve_ports):
-            host = t["server"].rsplit(":", 1)[0]
-            t.update(listen=f"127.0.0.1:{realpeer.free_port()}", server=f"127.0.0.1:{port}", server_name=host)
-        data["metrics"]["listen"] = f"127.0.0.1:{realpeer.free_port()}"
-        connect = _start_rpcguard(connect_args, connect_conf.with_name("connect-loopback.yaml"), data,
-                                  tmp_path / "connect.log")
-        procs.append(connect)
-        checks = [line for line in connect.output().splitlines() if "rpcguard check:" in line]
-        assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
-        run = realpeer.run_client(data["tunnels"][0]["listen"], model, n=8, timeout=120)
-        assert run.ok and len(run.tokens) == 8, run.output[-2000:]
-        if web_config_supported():  # the real metrics endpoint behind the manifests' web config
-            _check_metrics_endpoint(pod_roots["gpu-node"], issuers, metrics_ports[0], tmp_path)
-    finally:
-        for p in reversed(procs):
-            p.stop()
-    assert "spiffe://cluster.local/ns/rpcguard/sa/llama-server" in (tmp_path / "serve-0.log").read_text()
-
-
-def _check_metrics_endpoint(root: Path, issuers: dict[str, Path], port: int, tmp_path: Path) -> None:
-    """probe.py reaches /healthz and /readyz with the probe certificate, /metrics needs Prometheus'."""
-    scrape = secret_certificate("prometheus-scrape-tls")["spec"]
-    prom = certs.issue(issuers[scrape["issuerRef"]["name"]], "prometheus-test", server=False, uris=scrape["uris"],
-                       common_name=scrape["commonName"], days=1)
-    script = root / "etc/rpcguard/common/probe.py"
-    ca = ["--ca", str(root / "etc/rpcguard/metrics-tls/ca.crt")]
-    probe_cert = ["--cert", str(root / "etc/rpcguard/probe-tls/tls.crt"), "--key", str(root / "etc/rpcguard/probe-tls/tls.key")]
-
-    def probe(path: str, cert: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script), str(port), path, *ca, *cert],
-                              capture_output=True, text=True, timeout=30)
-    for path in ("/healthz", "/readyz"):
-        r = probe(path, probe_cert)
-        assert r.returncode == 0, r.stdout
-    refused = probe("/metrics", probe_cert)  # not the Prometheus identity
-    assert refused.returncode == 1 and "HTTP 403" in refused.stdout, refused.stdout
-    scraped = probe("/metrics", ["--cert", str(prom.cert), "--key", str(prom.key)])
-    assert scraped.returncode == 0 and "rpcguard_" in scraped.stdout, scraped.stdout
