@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install the operations tooling the deploy tests need (promtool).
+# Install the operations tooling the deploy tests need (promtool; kubectl for `kubectl kustomize`).
 #
-# Idempotent: does nothing but print the version when `promtool` is already on PATH.
+# Idempotent: does nothing but print the versions when `promtool` and `kubectl` are on PATH.
 # Source: Debian's `prometheus` package (bookworm: 2.42.x), which ships /usr/bin/promtool.
 # The Prometheus daemon in that package must NOT be started on a CI/dev machine: if no
 # policy-rc.d is present we install a temporary one that forbids service starts.
@@ -28,3 +28,19 @@ fi
 
 command -v promtool
 promtool --version 2>&1 | head -n 1
+
+# kubectl renders deploy/kubernetes offline (`kubectl kustomize`, tests/unit/test_kubernetes.py).
+# The machine images ship it; otherwise from apt: `kubectl` where such a source is configured,
+# else Debian's own `kubernetes-client`.
+if ! command -v kubectl >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-ops-tools: kubectl missing and not root; run as root or install 'kubernetes-client' yourself" >&2
+        exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends kubectl >/dev/null 2>&1 \
+        || apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
+fi
+command -v kubectl
+kubectl version --client 2>&1 | sed -n 1p   # sed reads to the end: no SIGPIPE under pipefail

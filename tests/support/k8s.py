@@ -1,0 +1,188 @@
+"""deploy/kubernetes as test data: the manifests, and each pod's rpcguard container replayed on disk.
+
+How this works: the documents of every manifest listed in kustomization.yaml are loaded once;
+small finders answer "the Certificate behind this Secret", "the config this container reads".
+``lay_out_pods`` builds, per workload, a directory laid out like its rpcguard container's mounts:
+ConfigMap data as files, and each Secret made by ``rpcguard certs`` from its cert-manager
+Certificate (same issuer, SANs and usage; CAs from ``make_issuers``). ``reroot`` puts that
+directory in front of every absolute path under a mount point, so the manifests' own configs and
+arguments run unchanged outside a cluster. Used by tests/unit/test_kubernetes.py and
+tests/integration/test_kubernetes_fleet.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import yaml
+
+from rpcguard import certs
+from rpcguard.config import ConfigError, parse_config
+
+__all__ = [
+    "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",
+    "rpcguard_containers", "hours", "secret_certificate", "volume_secret", "config_of", "rpc_server_port",
+    "make_issuers", "lay_out_pods", "reroot", "web_config_supported", "usable_config",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "kubernetes"
+RPC_SERVER = "ggml-rpc-server"  # the container name of the real server in the GPU pod
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@functools.cache
+def kustomization() -> dict:
+    """deploy/kubernetes/kustomization.yaml."""
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+@functools.cache
+def docs() -> tuple[tuple[str, dict], ...]:
+    """(file, document) of every manifest the kustomization lists, in order."""
+    out = []
+    for name in kustomization()["resources"]:
+        out += [(name, d) for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None]
+    return tuple(out)
+
+
+def of_kind(kind: str) -> list[dict]:
+    return [d for _, d in docs() if d["kind"] == kind]
+
+
+def named(kind: str, name: str) -> dict:
+    (d,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+    return d
+
+
+def pod_specs() -> dict[str, dict]:
+    """Workload name -> its pod template's spec."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]
+            for d in of_kind("Deployment") + of_kind("StatefulSet") + of_kind("DaemonSet")}
+
+
+def containers(spec: dict) -> list[dict]:
+    """Init containers (native sidecars included) and containers of a pod spec."""
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def rpcguard_containers() -> list[tuple[str, dict, dict]]:
+    """(workload, pod spec, container) of every container that runs rpcguard."""
+    return [(w, spec, c) for w, spec in pod_specs().items() for c in containers(spec) if c.get("command") == ["rpcguard"]]
+
+
+def hours(text: str) -> float:
+    """A cert-manager duration like "24h" or "1h30m" in hours."""
+    m = re.fullmatch(r"(\d+)h(?:(\d+)m)?", text)
+    assert m, f"duration {text!r}: expected like '24h' or '1h30m'"
+    return int(m.group(1)) + int(m.group(2) or 0) / 60
+
+
+def secret_certificate(secret: str) -> dict:
+    """The Certificate whose secretName is ``secret``."""
+    (cert,) = [c for c in of_kind("Certificate") if c["spec"]["secretName"] == secret]
+    return cert
+
+
+def volume_secret(spec: dict, mount_path: str, container: dict) -> str:
+    """Name of the Secret the container mounts at ``mount_path``."""
+    (vol_name,) = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == mount_path]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == vol_name]
+    return vol["secret"]["secretName"]
+
+
+def config_of(workload: str) -> tuple[str, dict]:
+    """(file name, parsed YAML) of the rpcguard config a workload's container points at."""
+    (_, spec, c) = [x for x in rpcguard_containers() if x[0] == workload][0]
+    path = c["args"][c["args"].index("--config") + 1]
+    mount = Path(path).parent.as_posix()
+    (vol_name,) = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == mount]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == vol_name]
+    data = named("ConfigMap", vol["configMap"]["name"])["data"]
+    return Path(path).name, yaml.safe_load(data[Path(path).name])
+
+
+def rpc_server_port() -> int:
+    """The ggml-rpc-server's port in the GPU pod; asserts it binds 127.0.0.1 and declares no port."""
+    (c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
+    args = c["args"]
+    assert args[args.index("-H") + 1] == "127.0.0.1"
+    assert "ports" not in c
+    return int(args[args.index("-p") + 1])
+
+
+def make_issuers(pki: Path) -> dict[str, Path]:
+    """Issuer name -> a directory with its CA (``rpcguard certs init-ca``), one per CA Certificate."""
+    out: dict[str, Path] = {}
+    for ca in [c for c in of_kind("Certificate") if c["spec"].get("isCA")]:
+        (issuer,) = [i for i in of_kind("Issuer") if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
+        out[issuer["metadata"]["name"]] = pki / ca["metadata"]["name"]
+        certs.init_ca(out[issuer["metadata"]["name"]], common_name=ca["spec"]["commonName"])
+    return out
+
+
+def lay_out_pods(tmp_path_factory, issuers: dict[str, Path]) -> dict[str, Path]:
+    """Per workload: a directory laid out like its rpcguard container's mounts (root = '/')."""
+    roots = {}
+    for workload, spec, c in rpcguard_containers():
+        root = tmp_path_factory.mktemp(workload)
+        for m in c["volumeMounts"]:
+            (vol,) = [v for v in spec["volumes"] if v["name"] == m["name"]]
+            target = root / m["mountPath"].lstrip("/")
+            target.mkdir(parents=True)
+            if "configMap" in vol:
+                for key, text in named("ConfigMap", vol["configMap"]["name"])["data"].items():
+                    (target / key).write_text(reroot(text, root, c))
+            elif "secret" in vol:
+                cert = secret_certificate(vol["secret"]["secretName"])["spec"]
+                ca_dir = issuers[cert["issuerRef"]["name"]]
+                files = certs.issue(ca_dir, f"{workload}-{vol['name']}", server="server auth" in cert["usages"],
+                                    dns=cert.get("dnsNames", []), uris=cert.get("uris", []),
+                                    common_name=cert["commonName"], days=1)
+                (target / "tls.crt").write_bytes(Path(files.cert).read_bytes())
+                (target / "tls.key").write_bytes(Path(files.key).read_bytes())
+                # The kubelet writes Secret files root-owned with defaultMode: as root (CI) the
+                # test does the same, so rpcguard's key permission check sees the pod's files.
+                (target / "tls.key").chmod(vol["secret"]["defaultMode"] if os.geteuid() == 0 else 0o600)
+                (target / "ca.crt").write_bytes((ca_dir / "ca.pem").read_bytes())
+        roots[workload] = root
+    return roots
+
+
+def reroot(text: str, root: Path, container: dict) -> str:
+    """Put ``root`` in front of every path under one of the container's mount points."""
+    mounts = sorted((m["mountPath"] for m in container["volumeMounts"]), key=len, reverse=True)
+    pattern = r"(?<![\w/.-])(" + "|".join(map(re.escape, mounts)) + ")/"
+    return re.sub(pattern, lambda m: f"{root}{m.group(1)}/", text)  # one pass: never twice
+
+
+def web_config_supported() -> bool:
+    """True once rpcguard understands metrics.web_config (another branch adds it)."""
+    data = {"tls": {"cert": __file__, "key": __file__, "ca": __file__},
+            "metrics": {"web_config": "/nonexistent"}, "tunnels": [{"listen": "127.0.0.1:1", "server": "a:1"}]}
+    try:
+        parse_config(data)
+    except ConfigError as exc:
+        return "web_config: unknown key" not in str(exc)
+    return True
+
+
+def usable_config(path: Path) -> Path:
+    """The config file as rpcguard of this checkout can read it (see test_metrics_web_config_known).
+
+    Without metrics.web_config, the key is dropped and ``unsafe_public: true`` stands in for the
+    authentication it provides (a non-loopback metrics address needs one or the other).
+    """
+    if web_config_supported():
+        return path
+    data = yaml.safe_load(path.read_text())
+    del data["metrics"]["web_config"]
+    data["metrics"]["unsafe_public"] = True
+    out = path.with_name("no-web-config-" + path.name)
+    out.write_text(yaml.safe_dump(data))
+    return out
