@@ -8,7 +8,8 @@ How this works: a *recipe* (plain JSON data) names leaf tensors and a list of co
 Tensor arguments are indexes into "every tensor so far" (leaves first, then each op's result);
 the other arguments are numbers, bools, null (a NULL tensor) or a 4-int list (``int sections[4]``),
 typed by ``SIGNATURES`` (read from ggml.h). A leaf may carry its own strides (``nb``), as the
-tensors ``ggml_dup_tensor_layout`` makes for the scheduler's split inputs.
+tensors ``ggml_dup_tensor_layout`` makes for the scheduler's split inputs, and ``"param": true``
+(``ggml_set_param``: the optimizer ops need it).
 
 ``build_many`` runs a batch of recipes in ONE worker subprocess that loads the real
 ``libggml-base.so`` of the pinned llama-cpp-python (ctypes, no backend registry needed). The
@@ -64,9 +65,10 @@ BUFFER_BASE = 0x00007F0000000000
 BUFFER_SIZE = 1 << 40
 DATA_ALIGN_BYTES = 64  # ggml's TENSOR_ALIGNMENT / the CPU buffer alignment
 CTX_MEM_BYTES = 4 << 20  # tensor structs + one graph of GRAPH_SIZE; no data (no_alloc)
-GRAPH_SIZE = 512
+GRAPH_SIZE = 128  # nodes + leaves of one recipe
+ABORT_EXIT = 134  # a child that hit GGML_ASSERT (the status abort() would give a shell)
 
-TYPE_IDS: dict[str, int] = {t.name.lower(): i for i, t in TYPES.items()}
+TYPE_IDS: dict[str, int] = {t.name: i for i, t in TYPES.items()}  # ggml type_name: "f32", "q4_K"
 
 GGML_MAX_DIMS = 4  # ggml.h:222
 GGML_MAX_SRC = 10  # ggml.h:224
@@ -376,6 +378,8 @@ def _build(g: _Ggml, recipe: dict) -> dict:
                 for k, v in enumerate(leaf["nb"]):
                     st.nb[k] = v
             lib.ggml_set_name(ptr, f"leaf{i}".encode())
+            if leaf.get("param"):
+                lib.ggml_set_param(ctypes.c_void_p(ptr))  # a trainable tensor: a graph node with op NONE
             tensors.append(ptr)
         for op in recipe["ops"]:
             fn, kinds = g.fns[op["fn"]]
@@ -407,8 +411,12 @@ def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int]) -> dict:
     """ggml-rpc.cpp serialize_graph(): add_tensor over the nodes, then the payload."""
     hs = cg.visited_hash_set
     use: dict[int, int] = {}
-    for i in range(hs.size):
-        if hs.used[i // 32] >> (i % 32) & 1:
+    words = (ctypes.c_uint32 * ((hs.size + 31) // 32)).from_address(ctypes.addressof(hs.used.contents))
+    for w, bits in enumerate(words):
+        while bits:
+            low = bits & -bits
+            i = w * 32 + low.bit_length() - 1
+            bits ^= low
             use[hs.keys[i]] = cg.use_counts[i]
     nodes = [cg.nodes[i] for i in range(cg.n_nodes)]
     order: list[int] = []
@@ -474,6 +482,7 @@ def _child(g: _Ggml, recipes: list[dict], start: int, wfd: int) -> None:
     def on_abort(msg: bytes) -> None:
         out.write(json.dumps({"ok": False, "message": msg.decode(errors="replace"), "abort": True}) + "\n")
         out.flush()
+        os._exit(ABORT_EXIT)  # sooner than abort(): no SIGABRT, no core dump
 
     g.lib.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
     g.lib.ggml_set_abort_callback(ctypes.cast(on_abort, ctypes.c_void_p))

@@ -1,0 +1,95 @@
+"""Coverage and figures of the differential oracle, per op of the 7.0.0 op table.
+
+    .venv/bin/python -m tests.differential.report [--cases N] [--mutated N] [--seed N] [--details]
+
+For every op of ``enum ggml_op`` (protocol 7.0.0): whether the harness builds it with a real
+constructor, how many generated inputs the constructor accepted and rpcguard accepted, how many
+mutations the validator must refuse and did refuse, and the legitimate mutations (the real
+constructor builds exactly the mutated node from other inputs) it accepted. The pytest run
+(tests/differential/test_ops_differential.py) prints the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rpcguard.protocol.ggml import op_table
+from tests.differential.oracle import V7, OpResult
+
+__all__ = ["table", "details", "main"]
+
+DEFAULT_CASES = 30  # generated inputs per generator
+DEFAULT_MUTATED = 4  # accepted cases per generator whose node is mutated
+DEFAULT_SEED = 1
+
+
+def table(results: dict[str, OpResult]) -> str:
+    """One line per op of the 7.0.0 table."""
+    names = op_table(V7).names  # type: ignore[union-attr]
+    rows = [f"{'op':<24}{'harness':<9}{'valid: rpcguard/constructor':>28}{'  mutations refused/must':>25}"
+            f"{'  legit accepted/all':>21}  status"]  # fmt: skip
+    tot = [0, 0, 0, 0, 0, 0]
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            rows.append(f"{name:<24}{'-':<9}")
+            continue
+        status = []
+        if r.built == 0:
+            status.append("NOT BUILT")
+        if r.false_refusals:
+            status.append(f"FALSE REFUSALS {len(r.false_refusals)}")
+        if r.missed:
+            status.append(f"MISSED {len(r.missed)}")
+        if r.spec_errors:
+            status.append(f"SPEC ERRORS {len(r.spec_errors)}")
+        rows.append(
+            f"{name:<24}{'yes':<9}{f'{r.accepted}/{r.built} (of {r.generated})':>28}"
+            f"{f'{r.refused}/{r.must_refuse}':>25}{f'{r.legit_accepted}/{r.legit}':>21}  {', '.join(status) or 'ok'}"
+        )
+        for i, v in enumerate((r.accepted, r.built, r.refused, r.must_refuse, r.legit_accepted, r.legit)):
+            tot[i] += v
+    covered = sum(1 for n in names if n in results and results[n].built)
+    rows.append(
+        f"{'TOTAL':<24}{f'{covered}/{len(names)}':<9}{f'{tot[0]}/{tot[1]}':>28}{f'{tot[2]}/{tot[3]}':>25}"
+        f"{f'{tot[4]}/{tot[5]}':>21}"
+    )
+    return "\n".join(rows)
+
+
+def details(results: dict[str, OpResult], limit: int = 3) -> str:
+    """The failing cases: false refusals and missed mutations, with their recipes."""
+    out = []
+    for op, r in sorted(results.items()):
+        for gen, recipe, reason in r.false_refusals[:limit]:
+            out.append(f"FALSE REFUSAL {op} [{gen}] reason={reason}\n  recipe={json.dumps(recipe)}")
+        for m in r.missed[:limit]:
+            out.append(f"MISSED {op} [{m.gen}] {m.label} ({m.rebuild_note})\n  recipe={json.dumps(m.recipe)}")
+        for m in r.legit_refused[:limit]:
+            out.append(f"LEGIT REFUSED {op} [{m.gen}] {m.label} reason={m.reason}\n  recipe={json.dumps(m.recipe)}")
+        for e in r.spec_errors[:limit]:
+            out.append(f"SPEC ERROR {op}: {e}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.differential.report", description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=DEFAULT_CASES)
+    ap.add_argument("--mutated", type=int, default=DEFAULT_MUTATED)
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    ap.add_argument("--details", action="store_true", help="print failing recipes too")
+    ap.add_argument("--op", action="append", help="only these ops (GGML_OP names without the prefix)")
+    args = ap.parse_args(argv)
+    from tests.differential.oracle import run
+
+    results = run(seed=args.seed, cases=args.cases, mutated=args.mutated, only=set(args.op) if args.op else None)
+    print(table(results))
+    if args.details:
+        print(details(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
