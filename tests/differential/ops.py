@@ -18,7 +18,12 @@ from typing import Any, Callable
 
 from rpcguard.protocol.ggml import TYPES
 
-__all__ = ["Case", "R", "GENERATORS", "QUANT", "FLOAT", "KEEP"]
+__all__ = ["Case", "R", "GENERATORS", "QUANT", "FLOAT", "KEEP", "UNBUILDABLE"]
+
+# Ops whose 7.0.0 constructor refuses every input: ggml_flash_attn_back starts with
+# GGML_ABORT("TODO: adapt to ggml_flash_attn_ext() changes") (ggml/src/ggml.c:5604). No real client
+# can send such a node, so the generated inputs must all be refused (checked by the tests).
+UNBUILDABLE = frozenset({"FLASH_ATTN_BACK"})
 
 KEEP = "keep"  # in a dst_args result: leave that argument as it was
 
@@ -34,8 +39,11 @@ class Case:
     recipe: dict
     params: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # arg -> (word, values)
     nullable: dict[int, int] = field(default_factory=dict)  # src slot -> arg index
-    dst_args: Callable[[tuple, tuple], list[Any] | None] | None = None  # mutated (ne, nb) -> args
+    # For ops whose dst shape/strides are arguments: the call that would give a dst of (ne, nb),
+    # as the last op's new args or a whole {"fn", "args"} (another constructor of the same op).
+    dst_args: Callable[[tuple, tuple], list[Any] | dict] | None = None
     offset_arg: int | None = None  # the view offset argument (op_params words 0-1, view_offs)
+    type_arg: int | None = None  # the argument that is the dst type (im2col, cast)
 
 
 class R:
@@ -287,7 +295,7 @@ def _repeat_4d(rng: random.Random) -> Case:
     ne = _ne(rng)
     small = _bcast(rng, ne)
     r.op("repeat_4d", r.inp("f32", small), *ne)
-    return Case("REPEAT", r.recipe())
+    return Case("REPEAT", r.recipe(), dst_args=lambda ne_, nb_: [KEEP, *ne_])
 
 
 @gen("repeat_back", "REPEAT_BACK")
@@ -335,7 +343,7 @@ def _reshape_like(rng: random.Random) -> Case:
     a = r.leaf("f32", ne)
     b = r.leaf("f16", [ne[0] * ne[1], ne[2], ne[3]])
     r.op("reshape", a, b)
-    return Case("RESHAPE", r.recipe())
+    return Case("RESHAPE", r.recipe(), dst_args=lambda ne_, nb_: {"fn": "reshape_4d", "args": [KEEP, *ne_]})
 
 
 @gen("view", "VIEW")
@@ -391,7 +399,7 @@ def _cont_nd(rng: random.Random) -> Case:
     a = r.inp("f32", ne, 0.5)
     k = rng.choice([d for d in range(1, n + 1) if n % d == 0])
     r.op("cont_2d", a, k, n // k)
-    return Case("CONT", r.recipe())
+    return Case("CONT", r.recipe(), dst_args=lambda ne_, nb_: {"fn": "cont_4d", "args": [KEEP, *ne_]})
 
 
 @gen("cpy", "CPY")
@@ -411,7 +419,7 @@ def _cpy(rng: random.Random) -> Case:
 def _cast(rng: random.Random) -> Case:
     r = R(rng)
     r.op("cast", r.inp("f32", _ne(rng)), rng.choice((0, 1, 30)))
-    return Case("CPY", r.recipe())
+    return Case("CPY", r.recipe(), type_arg=1)
 
 
 # -- matrix products --------------------------------------------------------------------------
@@ -619,7 +627,7 @@ def _top_k(rng: random.Random) -> Case:
     ne = _ne(rng)
     ne[0] = rng.randint(1, 40)
     r.op("top_k", r.inp("f32", ne, 0.2), rng.randint(1, ne[0]))
-    return Case("TOP_K", r.recipe())
+    return Case("TOP_K", r.recipe(), dst_args=lambda ne_, nb_: [KEEP, ne_[0]])
 
 
 @gen("pad", "PAD")
@@ -683,7 +691,7 @@ def _upscale(rng: random.Random) -> Case:
     r = R(rng)
     ne = _ne(rng)
     r.op("interpolate", r.leaf("f32", ne), *[n * rng.choice((1, 2, 3)) for n in ne], rng.choice((0, 1)))
-    return Case("UPSCALE", r.recipe(), params={5: (0, [0, 1, 2])})
+    return Case("UPSCALE", r.recipe(), params={5: (0, [0, 1, 2])}, dst_args=lambda ne_, nb_: [KEEP, *ne_, KEEP])
 
 
 @gen("concat_i32", "CONCAT")
@@ -708,7 +716,7 @@ def _im2col(rng: random.Random) -> Case:
         a = r.leaf("f16", [kw, ic, 4])
         b = r.leaf("f32", [iw, ic, n])
     r.op("im2col", a, b, s0, s1, p0, p1, d0, d1, two_d, rng.choice((0, 1)))
-    return Case("IM2COL", r.recipe(), params={2: (0, [1, 2, 7]), 4: (2, [0, 1, 4]), 6: (4, [1, 2, 3])})
+    return Case("IM2COL", r.recipe(), params={2: (0, [1, 2, 7]), 4: (2, [0, 1, 4]), 6: (4, [1, 2, 3])}, type_arg=9)
 
 
 @gen("conv_transpose_1d", "CONV_TRANSPOSE_1D")
@@ -808,7 +816,8 @@ def _win_unpart(rng: random.Random) -> Case:
     w = rng.randint(1, 3)
     a = r.leaf("f32", [rng.randint(1, 4), w, w, rng.randint(1, 6)])
     r.op("win_unpart", a, rng.randint(1, 6), rng.randint(1, 6), w)
-    return Case("WIN_UNPART", r.recipe(), params={3: (0, [1, 2, 5])})
+    return Case("WIN_UNPART", r.recipe(), params={3: (0, [1, 2, 5])},
+                dst_args=lambda ne_, nb_: [KEEP, ne_[1], ne_[2], KEEP])
 
 
 @gen("get_rel_pos", "GET_REL_POS")
@@ -891,3 +900,145 @@ def _sgd(rng: random.Random) -> Case:
     ne = _ne(rng)
     r.op("opt_step_sgd", r.leaf("f32", ne, param=True), r.leaf("f32", ne), r.leaf("f32", [2]))
     return Case("OPT_STEP_SGD", r.recipe())
+
+
+# -- less common ops --------------------------------------------------------------------------
+
+
+@gen("im2col_back", "IM2COL_BACK")
+def _im2col_back(rng: random.Random) -> Case:
+    r = R(rng)
+    kw, ic, iw, n = rng.randint(1, 3), rng.randint(1, 3), rng.randint(3, 9), 1
+    ow = iw - kw + 1
+    a = r.leaf("f16", [kw, ic, 2])
+    b = r.leaf("f32", [kw * ic, ow, n])
+    r.op("im2col_back", a, b, [iw, ic, n, 1], 1, 1, 0, 0, 1, 1, False)
+    return Case("IM2COL_BACK", r.recipe(), params={3: (0, [1, 2])}, dst_args=lambda ne_, nb_: [KEEP, KEEP, list(ne_)] + [KEEP] * 7)
+
+
+@gen("im2col_3d", "IM2COL_3D")
+def _im2col_3d(rng: random.Random) -> Case:
+    r = R(rng)
+    ic, oc, n = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 2)
+    a = r.leaf("f16", [rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 2), ic * oc])
+    b = r.leaf("f32", [rng.randint(2, 5), rng.randint(2, 5), rng.randint(2, 4), ic * n])
+    r.op("im2col_3d", a, b, ic, 1, 1, 1, 0, 0, 0, 1, 1, 1, rng.choice((0, 1)))
+    return Case("IM2COL_3D", r.recipe(), params={3: (0, [1, 2, 3])}, type_arg=12)
+
+
+@gen("pool_2d_back", "POOL_2D_BACK")
+def _pool_2d_back(rng: random.Random) -> Case:
+    r = R(rng)
+    k = rng.randint(1, 3)
+    w, h, c = rng.randint(k, 8), rng.randint(k, 8), rng.randint(1, 3)
+    af = r.leaf("f32", [w, h, c])
+    a = r.leaf("f32", [(w - k) // k + 1, (h - k) // k + 1, c])
+    r.op("pool_2d_back", a, af, rng.randrange(2), k, k, k, k, 0.0, 0.0)
+    return Case("POOL_2D_BACK", r.recipe(), params={3: (1, [1, 2, 4])})
+
+
+@gen("flash_attn_back", "FLASH_ATTN_BACK")
+def _fa_back(rng: random.Random) -> Case:
+    r = R(rng)
+    d, n, m, h = rng.choice((4, 8)), rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 2)
+    q = r.leaf("f32", [d, n, h, 1])
+    k = r.leaf("f32", [d, m, h, 1])
+    v = r.leaf("f32", [m, d, h, 1])
+    r.op("flash_attn_back", q, k, v, r.leaf("f32", [d, n, h, 1]), rng.random() < 0.5)
+    return Case("FLASH_ATTN_BACK", r.recipe())
+
+
+@gen("ssm_scan", "SSM_SCAN")
+def _ssm_scan(rng: random.Random) -> Case:
+    r = R(rng)
+    ds, hd, nh, t, s = rng.choice((4, 16)), rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 2)
+    st = r.leaf("f32", [ds, hd, nh, s])
+    x = r.leaf("f32", [hd, nh, t, s])
+    dt = r.leaf("f32", [nh, t, s])
+    a = r.leaf("f32", [rng.choice((1, ds)), nh])
+    b = r.leaf("f32", [ds, 1, t, s])
+    c = r.leaf("f32", [ds, 1, t, s])
+    r.op("ssm_scan", st, x, dt, a, b, c, r.leaf("i32", [s]), 1)
+    return Case("SSM_SCAN", r.recipe(), params={7: (0, [2, 4])})
+
+
+@gen("add_rel_pos", "ADD_REL_POS")
+def _add_rel_pos(rng: random.Random) -> Case:
+    r = R(rng)
+    w, h, c = rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 3)
+    a = r.leaf("f32", [w * w, w * h, c])
+    r.op("add_rel_pos", a, r.leaf("f32", [w, w, h, c]), r.leaf("f32", [w, w, h, c]))
+    return Case("ADD_REL_POS", r.recipe())
+
+
+@gen("gated_delta_net", "GATED_DELTA_NET")
+def _gdn(rng: random.Random) -> Case:
+    r = R(rng)
+    sv, h, t, s = rng.choice((2, 4, 8)), rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 2)
+    q, k, v = (r.leaf("f32", [sv, h, t, s]) for _ in range(3))
+    g = r.leaf("f32", [rng.choice((1, sv)), h, t, s])
+    beta = r.leaf("f32", [1, h, t, s])
+    r.op("gated_delta_net", q, k, v, g, beta, r.leaf("f32", [sv, sv, h, s]), rng.randint(1, 2))
+    return Case("GATED_DELTA_NET", r.recipe(), params={6: (0, [1, 3, 64])})
+
+
+@gen("lightning_indexer", "LIGHTNING_INDEXER")
+def _lightning(rng: random.Random) -> Case:
+    r = R(rng)
+    d, nh, nq, nkv, b = rng.choice((4, 8)), rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 9), rng.randint(1, 2)
+    q = r.leaf("f32", [d, nh, nq, b])
+    k = r.leaf(rng.choice(("f32", "f16")), [d, 1, nkv, b])
+    w = r.leaf("f32", [nh, nq, 1, b])
+    r.op("lightning_indexer", q, k, w, r.leaf("f16", [nkv, nq, 1, rng.choice((1, b))]))
+    return Case("LIGHTNING_INDEXER", r.recipe())
+
+
+@gen("dsv4_hc_comb", "DSV4_HC_COMB")
+def _hc_comb(rng: random.Random) -> Case:
+    r = R(rng)
+    n = rng.randint(1, 5)
+    mix = 24  # hc * (hc + 2) with hc == 4 (the only value the constructor takes)
+    r.op("dsv4_hc_comb", r.leaf("f32", [mix, n]), r.leaf("f32", [rng.randint(3, 4)]), r.leaf("f32", [mix]),
+         1e-6, rng.randint(1, 5))  # fmt: skip
+    return Case("DSV4_HC_COMB", r.recipe(), params={4: (0, [1, 7])})
+
+
+@gen("dsv4_hc_pre", "DSV4_HC_PRE")
+def _hc_pre(rng: random.Random) -> Case:
+    r = R(rng)
+    e, hc, n = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 4)
+    w = r.leaf("f32", [hc, n]) if rng.random() < 0.5 else r.leaf("f32", [e, hc, n])
+    r.op("dsv4_hc_pre", r.leaf("f32", [e, hc, n]), w)
+    return Case("DSV4_HC_PRE", r.recipe())
+
+
+@gen("dsv4_hc_post", "DSV4_HC_POST")
+def _hc_post(rng: random.Random) -> Case:
+    r = R(rng)
+    e, hc, n = rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 4)
+    x = r.leaf("f32", [e, n])
+    res = r.leaf("f32", [e, hc, n])
+    post = r.leaf("f32", [hc, n])
+    r.op("dsv4_hc_post", x, res, post, r.leaf("f32", [hc, hc, n]))
+    return Case("DSV4_HC_POST", r.recipe())
+
+
+@gen("rope_multi_back", "ROPE_BACK")
+def _rope_multi_back(rng: random.Random) -> Case:
+    r = R(rng)
+    n_tok = rng.choice((1, 3))
+    a = r.leaf("f32", [16, rng.choice((1, 2)), n_tok])
+    r.op("rope_multi_back", a, r.leaf("i32", [4 * n_tok]), None, 8, [2, 1, 1, 0], 8, 4096, 10000.0, 1.0, 0.0, 1.0,
+         32.0, 1.0)  # fmt: skip
+    return Case("ROPE_BACK", r.recipe(), nullable={2: 2})
+
+
+@gen("conv_1d_dw_composite", "RESHAPE")
+def _conv1d_dw(rng: random.Random) -> Case:
+    """ggml_conv_1d_dw builds reshape -> im2col -> mul_mat -> reshape: a multi-node recipe."""
+    r = R(rng)
+    c, k = rng.randint(1, 3), rng.randint(1, 3)
+    a = r.leaf("f16", [k, 1, c])
+    b = r.leaf("f32", [rng.randint(k, 9), c, 1])
+    r.op("conv_1d_dw", a, b, 1, 0, 1)
+    return Case("RESHAPE", r.recipe())

@@ -85,6 +85,7 @@ class OpResult:
     reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     gens: set[str] = field(default_factory=set)
     spec_errors: list[str] = field(default_factory=list)
+    mutations: list[Mutation] = field(default_factory=list)  # all of them, payloads dropped
 
 
 # -- graph decoding and canonical forms -------------------------------------------------------
@@ -147,10 +148,17 @@ def _nbytes(t: RpcTensor) -> int:
     return n + sum((t.ne[i] - 1) * t.nb[i] for i in (1, 2, 3))
 
 
-def _with_args(recipe: dict, args: list[Any]) -> dict:
+def _with_args(recipe: dict, args: list[Any] | dict) -> dict:
+    """``recipe`` with its last call's args replaced (KEEP: unchanged), or the whole call."""
     r = {"leaves": recipe["leaves"], "ops": [dict(o) for o in recipe["ops"]]}
     last = r["ops"][-1]
-    last["args"] = [o if a == KEEP else a for a, o in zip(args, last["args"])]
+    if isinstance(args, dict):
+        last["fn"] = args["fn"]
+        args = args["args"]
+        keep = last["args"] + [None] * len(args)
+    else:
+        keep = last["args"]
+    last["args"] = [o if isinstance(a, str) and a == KEEP else a for a, o in zip(args, keep)]
     return r
 
 
@@ -206,7 +214,8 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
             add(f"dst.nb[{i}]=huge(ne=1)", p, dst._replace(**{f"nb{i}": nb[i]}), rb)
     new_type = F16 if dst.type == F32 else F32
     if info.blck_size == 1:
-        add(f"dst.type={TYPES[new_type].name}", p, dst._replace(type=new_type), None)
+        rb = _with_arg(recipe, case.type_arg, new_type) if case.type_arg is not None else None
+        add(f"dst.type={TYPES[new_type].name}", p, dst._replace(type=new_type), rb)
     # op_params that are integer constructor arguments.
     args = recipe["ops"][-1]["args"]
     for ai, (word, values) in case.params.items():
@@ -329,6 +338,8 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
         else:
             m.rebuild_note = "no constructor inputs give this node"
         m.reason = validate(m.payload, *_buf())
+        m.payload = m.payload_orig = b""  # type: ignore[attr-defined]
+        res.mutations.append(m)
         if m.legit:
             res.legit += 1
             if m.reason is None:
