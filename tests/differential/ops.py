@@ -90,7 +90,7 @@ class R:
         nb = [TSIZE[type_], nb1, nb1 * ne[1], nb1 * ne[1] * ne[2]]
         return self.leaf(type_, ne, nb)
 
-    def recipe(self) -> dict:
+    def recipe(self, outputs: list[tuple] | None = None) -> dict:
         n = len(self.leaves)
 
         def res(a: Any) -> Any:
@@ -98,7 +98,10 @@ class R:
                 return a[1] if a[0] == "L" else n + a[1]
             return a
 
-        return {"leaves": self.leaves, "ops": [{"fn": f, "args": [res(a) for a in args]} for f, args in self.ops]}
+        r = {"leaves": self.leaves, "ops": [{"fn": f, "args": [res(a) for a in args]} for f, args in self.ops]}
+        if outputs:
+            r["outputs"] = [res(o) for o in outputs]
+        return r
 
 
 def _ne(rng: random.Random, dims: int = 4, big: int = 9) -> list[int]:
@@ -1042,3 +1045,58 @@ def _conv1d_dw(rng: random.Random) -> Case:
     b = r.leaf("f32", [rng.randint(k, 9), c, 1])
     r.op("conv_1d_dw", a, b, 1, 0, 1)
     return Case("RESHAPE", r.recipe())
+
+
+# -- a whole transformer block, as llama.cpp builds it -----------------------------------------
+
+
+@gen("llama_block", "ADD")
+def _llama_block(rng: random.Random) -> Case:
+    """One llama layer: norm, Q/K/V, RoPE, KV-cache SET_ROWS, cache views, attention (plain or
+    flash), output projection, SwiGLU FFN, residuals. Its last node is the residual ADD."""
+    r = R(rng)
+    wt = rng.choice(("f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K"))
+    e = 256 if BLCK[wt] == 256 else 64
+    d = rng.choice((16, 32))
+    h = e // d
+    hkv = rng.choice([x for x in (1, 2, h) if h % x == 0])
+    t, kv = rng.choice((1, 1, 3, 7)), 64
+    n_kv = rng.choice((32, 64))
+    f = 2 * e
+    x = r.leaf("f32", [e, t])
+    attn_norm, ffn_norm = r.leaf("f32", [e]), r.leaf("f32", [e])
+    wq, wk, wv, wo = r.leaf(wt, [e, e]), r.leaf(wt, [e, hkv * d]), r.leaf(wt, [e, hkv * d]), r.leaf(wt, [e, e])
+    wg, wu, wd = r.leaf(wt, [e, f]), r.leaf(wt, [e, f]), r.leaf(wt, [f, e]) if BLCK[wt] <= f else r.leaf("f16", [f, e])
+    pos = r.leaf("i32", [t])
+    ct = rng.choice(("f16", "f32", "q8_0")) if d % 32 == 0 else "f16"
+    kc, vc = r.leaf(ct, [hkv * d, kv]), r.leaf(ct, [hkv * d, kv])
+    idx = r.leaf(rng.choice(("i64", "i32")), [t])
+    flash = rng.random() < 0.5
+    mask = r.leaf("f16", [n_kv, t if not flash else -(-t // 64) * 64])
+    cur = r.op("mul", r.op("rms_norm", x, 1e-6), attn_norm)
+    q = r.op("reshape_3d", r.op("mul_mat", wq, cur), d, h, t)
+    k = r.op("reshape_3d", r.op("mul_mat", wk, cur), d, hkv, t)
+    v = r.op("mul_mat", wv, cur)
+    rope = (10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+    q = r.op("rope_ext", q, pos, None, d, rng.choice((0, 2)), 4096, *rope)
+    k = r.op("rope_ext", k, pos, None, d, 0, 4096, *rope)
+    sk = r.op("set_rows", kc, r.op("reshape_2d", k, d * hkv, t), idx)
+    sv = r.op("set_rows", vc, v, idx)
+    row = TSIZE[ct] * d // BLCK[ct]
+    kview = r.op("view_3d", kc, d, hkv, n_kv, row, row * hkv, 0)
+    vview = r.op("view_3d", vc, d, hkv, n_kv, row, row * hkv, 0)
+    qp = r.op("permute", q, 0, 2, 1, 3)
+    kp = r.op("permute", kview, 0, 2, 1, 3)
+    if flash:
+        vp = r.op("permute", vview, 0, 2, 1, 3)
+        att = r.op("reshape_2d", r.op("flash_attn_ext", qp, kp, vp, mask, 0.125, 0.0, 0.0), e, t)
+    else:
+        kq = r.op("soft_max_ext", r.op("mul_mat", kp, qp), mask, 0.125, 0.0)
+        vt = r.op("cont", r.op("permute", vview, 1, 2, 0, 3))
+        kqv = r.op("permute", r.op("mul_mat", vt, kq), 0, 2, 1, 3)
+        att = r.op("cont_2d", kqv, e, t)
+    cur = r.op("add", r.op("mul_mat", wo, att), x)
+    n = r.op("mul", r.op("rms_norm", cur, 1e-6), ffn_norm)
+    ff = r.op("swiglu_split", r.op("mul_mat", wg, n), r.op("mul_mat", wu, n))
+    out = r.op("add", r.op("mul_mat", wd, ff), cur)
+    return Case("ADD", r.recipe(outputs=[sk, sv, out]))
