@@ -12,7 +12,7 @@ seeded generator and built in one batch by the real libggml of the pinned llama-
   when the mutation corresponds to other inputs) is refused.
 
 The per-op figures are printed at the end of the run (and by ``python -m tests.differential.report``).
-Knobs: RPCGUARD_DIFF_CASES (default 30 per generator), RPCGUARD_DIFF_MUTATED (4), RPCGUARD_DIFF_SEED (1).
+Knobs: RPCGUARD_DIFF_CASES (default 30 per generator), RPCGUARD_DIFF_MUTATED (3), RPCGUARD_DIFF_SEED (1).
 """
 
 from __future__ import annotations

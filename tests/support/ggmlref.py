@@ -289,7 +289,7 @@ def lib_path() -> Path:
 # -- the parent side -------------------------------------------------------------------------
 
 
-def build_many(recipes: list[dict], *, timeout_s: float = 120.0) -> list[Built | Refused]:
+def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built | Refused]:
     """Build every recipe with the real constructors in one worker process; one result each."""
     if not recipes:
         return []
