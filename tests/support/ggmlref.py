@@ -344,6 +344,9 @@ class _Ggml:
         lib.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.ggml_set_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.ggml_set_name.restype = ctypes.c_void_p
+        lib.ggml_set_param.argtypes = [ctypes.c_void_p]
+        lib.ggml_new_tensor_4d.restype = ctypes.c_void_p
+        lib.ggml_new_tensor_4d.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4
         self.fns: dict[str, tuple[Any, list[str]]] = {}
         for name, (_, sig) in SIGNATURES.items():
             fn = getattr(lib, "ggml_" + name, None)
@@ -370,18 +373,15 @@ def _build(g: _Ggml, recipe: dict) -> dict:
         tensors: list[int] = []
         for i, leaf in enumerate(recipe["leaves"]):
             ne = (list(leaf["ne"]) + [1, 1, 1, 1])[:4]
-            t = lib.ggml_new_tensor_4d
-            t.restype = ctypes.c_void_p
-            t.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
             typ = leaf["type"]
-            ptr = t(ctx, TYPE_IDS[typ] if isinstance(typ, str) else typ, *ne)
+            ptr = lib.ggml_new_tensor_4d(ctx, TYPE_IDS[typ] if isinstance(typ, str) else typ, *ne)
             if leaf.get("nb"):
                 st = _tensor(ptr)
                 for k, v in enumerate(leaf["nb"]):
                     st.nb[k] = v
             lib.ggml_set_name(ptr, f"leaf{i}".encode())
             if leaf.get("param"):
-                lib.ggml_set_param(ctypes.c_void_p(ptr))  # a trainable tensor: a graph node with op NONE
+                lib.ggml_set_param(ptr)  # a trainable tensor: a graph node with op NONE
             tensors.append(ptr)
         for op in recipe["ops"]:
             fn, kinds = g.fns[op["fn"]]
