@@ -332,4 +332,7 @@ def _llama_block(rng: random.Random) -> Case:
     n = r.op("mul", r.op("rms_norm", cur, 1e-6), ffn_norm)
     ff = r.op("swiglu_split", r.op("mul_mat", wg, n), r.op("mul_mat", wu, n))
     out = r.op("add", r.op("mul_mat", wd, ff), cur)
-    return Case("ADD", r.recipe(outputs=[sk, sv, out]))
+    recipe = r.recipe(outputs=[sk, sv, out])
+    if rng.random() < 0.4:
+        recipe["first_node"] = rng.randint(1, 20)  # a later split: earlier nodes arrive as sources
+    return Case("ADD", recipe)

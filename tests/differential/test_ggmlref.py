@@ -84,3 +84,11 @@ def test_a_built_graph_passes_through_a_whole_session():
     s.to_server.clear()
     s.client_data(memoryview(graph))
     assert b"".join(bytes(c) for c in s.to_server) == graph
+
+
+def test_a_later_split_sends_earlier_nodes_as_sources():
+    whole, split = build_many([CHAIN, dict(CHAIN, first_node=2)])
+    assert len(whole.nodes) == 3 and len(split.nodes) == 1
+    ts = tensors(split)
+    assert [t.op for t in ts] == [0, OPS["PERMUTE"], OPS["CONT"], 0, OPS["SOFT_MAX"]]
+    assert split.nodes == [ts[-1].id]

@@ -9,7 +9,8 @@ Tensor arguments are indexes into "every tensor so far" (leaves first, then each
 the other arguments are numbers, bools, null (a NULL tensor) or a 4-int list (``int sections[4]``),
 typed by ``SIGNATURES`` (read from ggml.h). A leaf may carry its own strides (``nb``), as the
 tensors ``ggml_dup_tensor_layout`` makes for the scheduler's split inputs, and ``"param": true``
-(``ggml_set_param``: the optimizer ops need it).
+(``ggml_set_param``: the optimizer ops need it). ``"first_node": k`` sends only the graph's nodes
+from k on, as the scheduler does for a later split.
 
 ``build_many`` runs a batch of recipes in ONE worker subprocess that loads the real
 ``libggml-base.so`` of the pinned llama-cpp-python (ctypes, no backend registry needed). The
@@ -404,13 +405,17 @@ def _build(g: _Ggml, recipe: dict) -> dict:
         gf = lib.ggml_new_graph_custom(ctx, GRAPH_SIZE, False)
         for o in outs:
             lib.ggml_build_forward_expand(gf, tensors[o])
-        return _serialise(g, GgmlCgraph.from_address(gf), tensors)
+        return _serialise(g, GgmlCgraph.from_address(gf), tensors, recipe.get("first_node", 0))
     finally:
         lib.ggml_free(ctx)
 
 
-def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int]) -> dict:
-    """ggml-rpc.cpp serialize_graph(): add_tensor over the nodes, then the payload."""
+def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int = 0) -> dict:
+    """ggml-rpc.cpp serialize_graph(): add_tensor over the nodes, then the payload.
+
+    ``first`` > 0 sends only nodes[first:], like a later split of the scheduler
+    (ggml_graph_view): the earlier nodes then travel as sources, with their op, but not as nodes.
+    """
     hs = cg.visited_hash_set
     use: dict[int, int] = {}
     words = (ctypes.c_uint32 * ((hs.size + 31) // 32)).from_address(ctypes.addressof(hs.used.contents))
@@ -420,7 +425,7 @@ def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int]) -> dict:
             i = w * 32 + low.bit_length() - 1
             bits ^= low
             use[hs.keys[i]] = cg.use_counts[i]
-    nodes = [cg.nodes[i] for i in range(cg.n_nodes)]
+    nodes = [cg.nodes[i] for i in range(min(first, cg.n_nodes - 1), cg.n_nodes)]
     order: list[int] = []
     seen: set[int] = set()
 
