@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections import Counter
 
 from rpcguard.protocol.ggml import op_table
 from tests.differential.ops import UNBUILDABLE
 from tests.differential.oracle import V7, OpResult
 
-__all__ = ["table", "details", "main"]
+__all__ = ["table", "details", "missed_kinds", "to_json", "main"]
 
 DEFAULT_CASES = 30  # generated inputs per generator
 DEFAULT_MUTATED = 3  # accepted cases per generator whose node is mutated (~10k mutations, ~50 s on a loaded 2-core VM)
@@ -68,10 +70,23 @@ def table(results: dict[str, OpResult]) -> str:
     return "\n".join(rows)
 
 
+def _kind(label: str) -> str:
+    """A mutation label without its numbers: 'dst.nb[2]+4' -> 'dst.nb[i]'."""
+    return re.sub(r"\[\d\]", "[i]", re.split(r"[+=]| \(|-\d", label, maxsplit=1)[0])
+
+
+def missed_kinds(r: OpResult) -> str:
+    """Which kinds of mutation the validator let through, with counts."""
+    kinds = Counter(_kind(m.label) for m in r.missed)
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
 def details(results: dict[str, OpResult], limit: int = 3) -> str:
     """The failing cases: false refusals and missed mutations, with their recipes."""
     out = []
     for op, r in sorted(results.items()):
+        if r.missed:
+            out.append(f"MISSED KINDS {op}: {missed_kinds(r)}")
         for gen, recipe, reason in r.false_refusals[:limit]:
             out.append(f"FALSE REFUSAL {op} [{gen}] reason={reason}\n  recipe={json.dumps(recipe)}")
         for m in r.missed[:limit]:
@@ -83,6 +98,23 @@ def details(results: dict[str, OpResult], limit: int = 3) -> str:
     return "\n".join(out)
 
 
+def to_json(results: dict[str, OpResult]) -> dict:
+    """Per-op figures and the kinds of missed mutations, for machines."""
+    return {
+        op: {
+            "generated": r.generated, "built": r.built, "accepted": r.accepted,
+            "false_refusals": [{"gen": g, "reason": why, "recipe": rec} for g, rec, why in r.false_refusals[:20]],
+            "must_refuse": r.must_refuse, "refused": r.refused, "legit": r.legit, "legit_accepted": r.legit_accepted,
+            "missed_kinds": dict(Counter(_kind(m.label) for m in r.missed)),
+            "missed": [{"gen": m.gen, "label": m.label, "why": m.rebuild_note, "recipe": m.recipe} for m in r.missed[:20]],
+            "legit_refused": [{"gen": m.gen, "label": m.label, "reason": m.reason, "recipe": m.recipe}
+                              for m in r.legit_refused[:20]],
+            "refusal_reasons": dict(r.reasons),
+        }
+        for op, r in sorted(results.items())
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.differential.report", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=DEFAULT_CASES)
@@ -90,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--details", action="store_true", help="print failing recipes too")
     ap.add_argument("--op", action="append", help="only these ops (GGML_OP names without the prefix)")
+    ap.add_argument("--json", metavar="FILE", help="also write per-op figures and failing recipes as JSON")
     args = ap.parse_args(argv)
     from tests.differential.oracle import run
 
@@ -97,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.details:
         print(details(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(results), f, indent=1)
     return 0
 
 
