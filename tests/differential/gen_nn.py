@@ -301,11 +301,15 @@ def _llama_block(rng: random.Random) -> Case:
     wq, wk, wv, wo = r.leaf(wt, [e, e]), r.leaf(wt, [e, hkv * d]), r.leaf(wt, [e, hkv * d]), r.leaf(wt, [e, e])
     wg, wu, wd = r.leaf(wt, [e, f]), r.leaf(wt, [e, f]), r.leaf(wt, [f, e]) if BLCK[wt] <= f else r.leaf("f16", [f, e])
     pos = r.leaf("i32", [t])
+    r.op("set_input", x)
+    r.op("set_input", pos)
     ct = rng.choice(("f16", "f32", "q8_0")) if d % 32 == 0 else "f16"
     kc, vc = r.leaf(ct, [hkv * d, kv]), r.leaf(ct, [hkv * d, kv])
     idx = r.leaf(rng.choice(("i64", "i32")), [t])
     flash = rng.random() < 0.5
     mask = r.leaf("f16", [n_kv, t if not flash else -(-t // 64) * 64])
+    r.op("set_input", idx)
+    r.op("set_input", mask)
     cur = r.op("mul", r.op("rms_norm", x, 1e-6), attn_norm)
     q = r.op("reshape_3d", r.op("mul_mat", wq, cur), d, h, t)
     k = r.op("reshape_3d", r.op("mul_mat", wk, cur), d, hkv, t)
@@ -332,7 +336,75 @@ def _llama_block(rng: random.Random) -> Case:
     n = r.op("mul", r.op("rms_norm", cur, 1e-6), ffn_norm)
     ff = r.op("swiglu_split", r.op("mul_mat", wg, n), r.op("mul_mat", wu, n))
     out = r.op("add", r.op("mul_mat", wd, ff), cur)
+    if rng.random() < 0.5:
+        r.op("set_output", out)  # the target is still the ADD node, now with the OUTPUT flag
     recipe = r.recipe(outputs=[sk, sv, out])
     if rng.random() < 0.4:
         recipe["first_node"] = rng.randint(1, 20)  # a later split: earlier nodes arrive as sources
     return Case("ADD", recipe)
+
+
+# -- nodes changed after their constructor, as llama.cpp does ------------------------------------
+
+PREC = [0, 10, 15, 20]  # enum ggml_prec: UNDEFINED, F32, BF16, F16 (ggml.h:443-451)
+
+
+@gen("mul_mat_prec", "MUL_MAT")
+def _mul_mat_prec(rng: random.Random) -> Case:
+    """ggml_prec_set_acc (llama-graph.cpp), ggml_prec_set_src (llama-model.cpp), ggml_mul_mat_set_hint."""
+    r = R(rng)
+    ta = rng.choice(("f16", "q8_0", "q4_0"))
+    k = rand_row(rng, ta)
+    mm = r.op("mul_mat", r.leaf(ta, [k, rng.randint(1, 8)]), r.inp("f32", [k, rng.randint(1, 5)], 0.2))
+    which = rng.randrange(3)
+    if which == 0:
+        r.op("prec_set_acc", mm, 10)
+        return Case("MUL_MAT", r.recipe(), params={1: (0, PREC)})
+    if which == 1:
+        r.op("prec_set_src", mm, rng.choice((10, 30, 40)), 1)
+        return Case("MUL_MAT", r.recipe(), params={1: (3, PREC + [30, 40])})
+    r.op("mul_mat_set_hint", mm, 1)
+    return Case("MUL_MAT", r.recipe(), params={1: (1, [0, 1, 2])})
+
+
+@gen("rope_offset", "ROPE")
+def _rope_offset(rng: random.Random) -> Case:
+    """ggml_rope_set_offset: partial RoPE after n_offs unrotated values (deepseek2, minicpm3, plm)."""
+    r = R(rng)
+    head, n_tok = rng.choice((16, 24, 64)), rng.randint(1, 5)
+    n_dims = rng.choice((8, head // 2))
+    a = r.leaf("f32", [head, rng.randint(1, 4), n_tok])
+    rope = r.op("rope_ext", a, r.leaf("i32", [n_tok]), None, n_dims, rng.choice((0, 2)), 4096, 10000.0, 1.0, 0.0,
+                1.0, 32.0, 1.0)  # fmt: skip
+    r.op("rope_set_offset", rope, rng.randint(0, head - n_dims))
+    return Case("ROPE", r.recipe(), params={1: (15, [0, head - n_dims, head - n_dims + 2, head])})
+
+
+@gen("flash_attn_ext_sinks", "FLASH_ATTN_EXT")
+def _fa_modified(rng: random.Random) -> Case:
+    """ggml_flash_attn_ext_add_sinks (gpt-oss), _set_n_kv_max, ggml_prec_set_acc (llama-graph.cpp)."""
+    r = R(rng)
+    d, n_q, n_kv, h = rng.choice((32, 64)), rng.choice((1, 3)), rng.choice((32, 64)), rng.choice((1, 2, 4))
+    q = r.leaf("f32", [d, n_q, h])
+    k, v = r.leaf("f16", [d, n_kv, h]), r.leaf("f16", [d, n_kv, h])
+    sinks = r.leaf("f32", [h])
+    fa = r.op("flash_attn_ext", q, k, v, r.leaf("f16", [n_kv, 64]), 0.125, 0.0, 0.0)
+    which = rng.randrange(3)
+    if which == 0:
+        r.op("flash_attn_ext_add_sinks", fa, sinks)
+        return Case("FLASH_ATTN_EXT", r.recipe(), nullable={4: 1})
+    if which == 1:
+        r.op("flash_attn_ext_set_n_kv_max", fa, rng.randint(0, n_kv))
+        return Case("FLASH_ATTN_EXT", r.recipe(), params={1: (4, [0, n_kv, n_kv + 1, 1 << 20])})
+    r.op("prec_set_acc", fa, 10)
+    return Case("FLASH_ATTN_EXT", r.recipe(), params={1: (3, PREC)})
+
+
+@gen("soft_max_sinks", "SOFT_MAX")
+def _soft_max_sinks(rng: random.Random) -> Case:
+    """ggml_soft_max_add_sinks (llama-graph.cpp, the non-flash attention of gpt-oss)."""
+    r = R(rng)
+    n_kv, n_q, h = rng.choice((8, 32)), rng.randint(1, 4), rng.randint(1, 4)
+    sm = r.op("soft_max_ext", r.leaf("f32", [n_kv, n_q, h]), r.leaf("f16", [n_kv, n_q]), 0.125, 0.0)
+    r.op("soft_max_add_sinks", sm, r.leaf("f32", [h]))
+    return Case("SOFT_MAX", r.recipe(), nullable={2: 1})

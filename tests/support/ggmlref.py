@@ -9,7 +9,8 @@ Tensor arguments are indexes into "every tensor so far" (leaves first, then each
 the other arguments are numbers, bools, null (a NULL tensor) or a 4-int list (``int sections[4]``),
 typed by ``SIGNATURES`` (read from ggml.h). A leaf may carry its own strides (``nb``), as the
 tensors ``ggml_dup_tensor_layout`` makes for the scheduler's split inputs, and ``"param": true``
-(``ggml_set_param``: the optimizer ops need it). ``"first_node": k`` sends only the graph's nodes
+(``ggml_set_param``: the optimizer ops need it). ``MODIFIERS`` (ggml_rope_set_offset,
+ggml_prec_set_acc, ggml_flash_attn_ext_add_sinks, ggml_set_output, ...) are called like constructors. ``"first_node": k`` sends only the graph's nodes
 from k on, as the scheduler does for a later split.
 
 ``build_many`` runs a batch of recipes in ONE worker subprocess that loads the real
@@ -52,6 +53,7 @@ __all__ = [
     "BUFFER_BASE",
     "BUFFER_SIZE",
     "SIGNATURES",
+    "MODIFIERS",
     "TYPE_IDS",
     "build_many",
     "lib_path",
@@ -237,6 +239,23 @@ SIGNATURES: dict[str, tuple[int, str]] = {
 }
 
 
+# Functions that change a node after its constructor, as llama.cpp does (llama-graph.cpp,
+# llama-model.cpp, src/models/*.cpp): name -> (ggml.h line, argument kinds, no ctx). In a recipe
+# they are calls like the constructors; their "result" is the tensor they changed (the first
+# argument), so a later call or the op under test refers to the modified node.
+MODIFIERS: dict[str, tuple[int, str]] = {
+    "set_input": (893, "t"), "set_output": (894, "t"),
+    "prec_set_acc": (1453, "t i32"), "prec_set_src": (1474, "t i32 i32"),
+    "mul_mat_set_hint": (1495, "t i32"), "soft_max_add_sinks": (1827, "t t"),
+    "rope_set_offset": (2057, "t i32"), "flash_attn_ext_set_n_kv_max": (2507, "t i32"),
+    "flash_attn_ext_add_sinks": (2511, "t t"),
+}  # fmt: skip
+
+
+class ModifierRefused(Exception):
+    """A bool modifier (ggml_prec_set_*) returned false: that op does not take the setting."""
+
+
 class HarnessError(RuntimeError):
     """The harness itself failed (library missing, worker crashed outside a recipe)."""
 
@@ -357,6 +376,13 @@ class _Ggml:
             fn.restype = ctypes.c_void_p
             fn.argtypes = [ctypes.c_void_p] + [_CTYPES[k] for k in kinds]
             self.fns[name] = (fn, kinds)
+        self.mods: dict[str, tuple[Any, list[str]]] = {}
+        for name, (_, sig) in MODIFIERS.items():
+            fn = getattr(lib, "ggml_" + name)
+            kinds = sig.split()
+            fn.restype = ctypes.c_bool if name.startswith("prec_set") else None  # the rest: void or `a`
+            fn.argtypes = [_CTYPES[k] for k in kinds]
+            self.mods[name] = (fn, kinds)
         if lib.ggml_tensor_overhead() != GGML_OBJECT_BYTES + ctypes.sizeof(GgmlTensor):
             raise HarnessError(f"ggml_tensor_overhead {lib.ggml_tensor_overhead()} != mirror")
 
@@ -385,11 +411,12 @@ def _build(g: _Ggml, recipe: dict) -> dict:
                 lib.ggml_set_param(ptr)  # a trainable tensor: a graph node with op NONE
             tensors.append(ptr)
         for op in recipe["ops"]:
-            fn, kinds = g.fns[op["fn"]]
+            modifier = op["fn"] in g.mods
+            fn, kinds = g.mods[op["fn"]] if modifier else g.fns[op["fn"]]
             args = op["args"]
             if len(args) != len(kinds):
                 raise HarnessError(f"{op['fn']}: {len(args)} args for signature {kinds}")
-            cargs: list[Any] = [ctx]
+            cargs: list[Any] = [] if modifier else [ctx]
             for k, a in zip(kinds, args):
                 if k == "t":
                     cargs.append(None if a is None else tensors[a])
@@ -398,7 +425,11 @@ def _build(g: _Ggml, recipe: dict) -> dict:
                 else:
                     cargs.append(a)
             ptr = fn(*cargs)
-            if not ptr:
+            if modifier:
+                if ptr is False:
+                    raise ModifierRefused(f"ggml_{op['fn']} returned false")
+                ptr = tensors[args[0]]
+            elif not ptr:
                 raise HarnessError(f"{op['fn']} returned NULL")
             tensors.append(ptr)
         outs = recipe.get("outputs") or [len(tensors) - 1]
@@ -498,6 +529,8 @@ def _child(g: _Ggml, recipes: list[dict], start: int, wfd: int) -> None:
             r = _build(g, recipe)
         except HarnessError as exc:
             r = {"ok": False, "message": f"harness: {exc}", "harness": True}
+        except ModifierRefused as exc:
+            r = {"ok": False, "message": str(exc)}
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             r = {"ok": False, "message": f"harness: bad recipe: {exc!r}", "harness": True}
         out.write(json.dumps(r) + "\n")
@@ -542,7 +575,7 @@ def _selftest() -> int:
     g = _Ggml(str(lib_path()))
     print("libggml-base:", lib_path())
     print("ggml_tensor mirror:", ctypes.sizeof(GgmlTensor), "bytes; overhead", g.lib.ggml_tensor_overhead())
-    print("constructors resolved:", len(g.fns), "of", len(SIGNATURES))
+    print("constructors resolved:", len(g.fns), "of", len(SIGNATURES), "; modifiers:", len(g.mods))
     return 0
 
 
