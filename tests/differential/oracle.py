@@ -41,6 +41,7 @@ __all__ = ["OpResult", "Mutation", "run", "validate", "V7", "LAST_RESULTS"]
 LAST_RESULTS: "dict[str, OpResult] | None" = None  # the last run in this process (for the pytest summary)
 
 V7 = (7, 0, 0)
+CRASH = "EXCEPTION "  # prefix of validate()'s answer when the validator raised something else
 HUGE_STRIDE_BYTES = 1 << 30  # a stride for a size-1 dim: never addressed by ggml_nbytes, far away
 F32, F16 = 0, 1
 
@@ -54,6 +55,8 @@ def validate(payload: bytes, handle: int, base: int, size: int) -> str | None:
         GraphValidator(max_nodes=4096, max_tensors=16384).check(memoryview(payload), st)
     except FirewallRefusal as exc:
         return exc.reason
+    except Exception as exc:  # noqa: BLE001  a validator bug: reported, never counted as a refusal
+        return f"{CRASH}{type(exc).__name__}: {exc}"
     return None
 
 
@@ -78,7 +81,7 @@ class OpResult:
     false_refusals: list[tuple[str, dict, str]] = field(default_factory=list)  # (gen, recipe, reason)
     must_refuse: int = 0
     refused: int = 0
-    missed: list[Mutation] = field(default_factory=list)  # must refuse, but accepted
+    missed: list[Mutation] = field(default_factory=list)  # must refuse, but accepted (or crashed)
     legit: int = 0
     legit_accepted: int = 0
     legit_refused: list[Mutation] = field(default_factory=list)
@@ -348,7 +351,7 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
                 res.legit_refused.append(m)
         else:
             res.must_refuse += 1
-            if m.reason is None:
+            if m.reason is None or m.reason.startswith(CRASH):
                 res.missed.append(m)
             else:
                 res.refused += 1

@@ -9,7 +9,8 @@ seeded generator and built in one batch by the real libggml of the pinned llama-
 * ``test_no_false_refusal``: rpcguard accepts EVERY graph the real constructors built;
 * ``test_mutations_refused``: every single-field mutation of the op's node or of its leaf
   inputs that no constructor call produces (checked by rebuilding with the real constructors
-  when the mutation corresponds to other inputs) is refused.
+  when the mutation corresponds to other inputs) is refused with a FirewallRefusal (any other
+  exception from the validator fails the test too).
 
 The per-op figures are printed at the end of the run (and by ``python -m tests.differential.report``).
 Knobs: RPCGUARD_DIFF_CASES (default 30 per generator), RPCGUARD_DIFF_MUTATED (3), RPCGUARD_DIFF_SEED (1).
@@ -63,7 +64,8 @@ def test_no_false_refusal(results, op):
 def test_mutations_refused(results, op):
     r = results[op]
     assert r.must_refuse > 0 or r.built == 0, f"{op}: no mutation to check"
-    lines = [f"[{m.gen}] {m.label} ({m.rebuild_note}): {json.dumps(m.recipe)}" for m in r.missed[:SHOWN]]
+    lines = [f"[{m.gen}] {m.label} ({m.rebuild_note}){' ' + m.reason if m.reason else ''}: {json.dumps(m.recipe)}"
+             for m in r.missed[:SHOWN]]
     assert not r.missed, (
         f"{op}: rpcguard accepted {len(r.missed)} of {r.must_refuse} mutated nodes no constructor builds "
         f"({report.missed_kinds(r)}):\n" + "\n".join(lines)
