@@ -6,8 +6,10 @@ How this works, in two batches of real-constructor builds (tests/support/ggmlref
    accept some (a real client could send that graph: the validator must ACCEPT it, or it is a
    false refusal) and refuse others (only counted).
 2. For the first ``mutated`` accepted cases of each generator, single-field mutations of the
-   op's node (dst ne/nb/type, shape-driving op_params, a dropped src, view_offs) and of its leaf
-   sources (ne/nb/type) are made on the serialised graph. Each mutation that corresponds to other
+   op's node (dst ne[i]+-1, nb[i]+esz, a size-1 dim's nb made huge, type; the integer op_params
+   the generator maps to arguments; the view offset past the source; view_offs alone; each src
+   dropped; two srcs swapped) and of its leaf sources (ne[i]+1, a size-1 dim's nb made huge,
+   padded rows, type) are made on the serialised graph. Each mutation that corresponds to other
    constructor inputs is rebuilt with the real constructors: the mutated graph is *legitimate*
    when every one of its nodes is, field for field and through all its sources, a node of the
    rebuilt or of the original graph (``canon``). Otherwise (the constructor refuses the mutated
@@ -34,7 +36,7 @@ from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor
 from rpcguard.protocol.versions import TENSOR_BYTES, spec_for
 from tests.differential.ops import GENERATORS, KEEP, Case
-from tests.support.ggmlref import Built, Refused, build_many
+from tests.support.ggmlref import SIGNATURES, Built, Refused, build_many
 
 __all__ = ["OpResult", "Mutation", "run", "validate", "V7", "LAST_RESULTS"]
 
@@ -249,6 +251,22 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
             continue
         rb = _with_arg(recipe, case.nullable[k], None) if k in case.nullable else None
         add(f"src[{k}] dropped", p, dst._replace(**{f"src{k}": 0}), rb)
+    # Two sources swapped, when the call's tensor arguments are exactly src[0..] in order (then
+    # the swapped call is the rebuild: add(b, a) is legitimate, mul_mat(b, a) is not).
+    fn = recipe["ops"][-1]["fn"]
+    if fn in SIGNATURES:
+        targ = [i for i, k in enumerate(SIGNATURES[fn][1].split()) if k == "t"]
+        by_arg = [b.refs[args[i]] if args[i] is not None else None for i in targ]
+        by_src = [pos.get(x) if x else None for x in dst.src[: len(targ)]]
+        live = [k for k, q in enumerate(by_src) if q is not None]
+        if by_arg == by_src and not any(dst.src[len(targ) :]):
+            for i, j in zip(live, live[1:]):
+                if dst.src[i] == dst.src[j]:
+                    continue
+                t = dst._replace(**{f"src{i}": dst.src[j], f"src{j}": dst.src[i]})
+                sw = list(args)
+                sw[targ[i]], sw[targ[j]] = sw[targ[j]], sw[targ[i]]
+                add(f"src[{i}] <-> src[{j}]", p, t, _with_args(recipe, sw))
     # Leaf sources: other inputs (shape, type, strides) under the same node.
     done: set[int] = set()
     for k, s in enumerate(dst.src):
