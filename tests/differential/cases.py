@@ -31,7 +31,7 @@ KEEP = "keep"  # in a dst_args result: leave that argument as it was
 BLCK = {t.name: t.blck_size for t in TYPES.values()}
 TSIZE = {t.name: t.type_size for t in TYPES.values()}
 FLOAT = ("f32", "f16", "bf16")
-QUANT = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_K", "q6_K", "iq4_nl", "mxfp4")
+QUANT = tuple(t.name for t in TYPES.values() if t.blck_size > 1)  # every block type of 7.0.0
 
 
 @dataclass
