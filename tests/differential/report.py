@@ -72,7 +72,7 @@ def table(results: dict[str, OpResult]) -> str:
 
 def _kind(label: str) -> str:
     """A mutation label without its numbers: 'dst.nb[2]+4' -> 'dst.nb[i]'."""
-    return re.sub(r"\[\d\]", "[i]", re.split(r"[+=]| \(|-\d", label, maxsplit=1)[0])
+    return re.sub(r"\[\d+\]", "[i]", re.split(r"[+=]| \(|-\d", label, maxsplit=1)[0])
 
 
 def missed_kinds(r: OpResult) -> str:
@@ -87,6 +87,9 @@ def details(results: dict[str, OpResult], limit: int = 3) -> str:
     for op, r in sorted(results.items()):
         if r.missed:
             out.append(f"MISSED KINDS {op}: {missed_kinds(r)}")
+        legit = Counter(_kind(m.label) for m in r.mutations if m.legit)
+        if legit:
+            out.append(f"LEGIT KINDS {op}: " + ", ".join(f"{k} x{n}" for k, n in sorted(legit.items())))
         for gen, recipe, reason in r.false_refusals[:limit]:
             out.append(f"FALSE REFUSAL {op} [{gen}] reason={reason}\n  recipe={json.dumps(recipe)}")
         for m in r.missed[:limit]:
