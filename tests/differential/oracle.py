@@ -69,6 +69,8 @@ class Mutation:
     payload: bytes
     rebuild: dict | None  # recipe with the corresponding inputs, when there is one
     recipe: dict
+    op: str = ""
+    original: bytes = b""  # the accepted payload it was made from
     legit: bool = False
     rebuild_note: str = ""
     reason: str | None = None  # validator outcome (None: accepted)
@@ -227,8 +229,6 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
         for v in values:
             if v == args[ai]:
                 continue
-            params = list(dst.op_params)
-            params[word] = v
             t = dst._replace(**{f"param{word}": v})
             add(f"op_params[{word}]={v} (arg {ai})", p, t, _with_arg(recipe, ai, v))
     # The view offset: op_params[0..1], view_offs and data move together.
@@ -341,17 +341,16 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
         if per_gen[name] < mutated:
             per_gen[name] += 1
             for m in _mutations(name, case, b):
-                m.payload_orig = b.payload  # type: ignore[attr-defined]
-                m.op = case.op  # type: ignore[attr-defined]
+                m.original, m.op = b.payload, case.op
                 muts.append(m)
     rebuilt = build_many([m.rebuild for m in muts if m.rebuild is not None])
     it = iter(rebuilt)
     for m in muts:
-        res = results[m.op]  # type: ignore[attr-defined]
+        res = results[m.op]
         rb = next(it) if m.rebuild is not None else None
         if isinstance(rb, Built):
             mine = _canon_nodes(m.payload)
-            known = set(_canon_nodes(rb.payload)) | set(_canon_nodes(m.payload_orig))  # type: ignore[attr-defined]
+            known = set(_canon_nodes(rb.payload)) | set(_canon_nodes(m.original))
             m.legit = all(c in known for c in mine)
             m.rebuild_note = "rebuilt: same graph" if m.legit else "rebuilt: constructor builds another node"
         elif isinstance(rb, Refused):
@@ -359,7 +358,7 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
         else:
             m.rebuild_note = "no constructor inputs give this node"
         m.reason = validate(m.payload, *_buf())
-        m.payload = m.payload_orig = b""  # type: ignore[attr-defined]
+        m.payload = m.original = b""  # results keep the verdicts, not ~10k payloads
         res.mutations.append(m)
         if m.legit:
             res.legit += 1
