@@ -9,7 +9,7 @@ How this works, in two batches of real-constructor builds (tests/support/ggmlref
    op's node (dst ne[i]+-1, nb[i]+esz, a size-1 dim's nb made huge, type; the integer op_params
    the generator maps to arguments; the view offset past the source; view_offs alone; each src
    dropped; two srcs swapped) and of its leaf sources (ne[i]+1, a size-1 dim's nb made huge,
-   padded rows, type) are made on the serialised graph. Each mutation that corresponds to other
+   padded rows, elements strided, type) are made on the serialised graph. Each mutation that corresponds to other
    constructor inputs is rebuilt with the real constructors: the mutated graph is *legitimate*
    when every one of its nodes is, field for field and through all its sources, a node of the
    rebuilt or of the original graph (``canon``). Otherwise (the constructor refuses the mutated
@@ -297,6 +297,10 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
             nb[3] = max(nb[3], nb[2] * leaf.ne[2])
             t = leaf._replace(**{f"nb{j}": nb[j] for j in range(4)})
             add(f"src[{k}] rows padded", q, t, _with_leaf(recipe, li, {"type": tname, "ne": list(leaf.ne), "nb": nb}))
+        if linfo.blck_size == 1:
+            nb = [2 * x for x in leaf.nb]  # every element two apart: rows no longer dense
+            t = leaf._replace(**{f"nb{j}": nb[j] for j in range(4)})
+            add(f"src[{k}] elements strided", q, t, _with_leaf(recipe, li, {"type": tname, "ne": list(leaf.ne), "nb": nb}))
         alt = {0: 1, 1: 0, 26: 0}.get(leaf.type, 1)
         if linfo.blck_size == 1 or leaf.ne0 % TYPES[alt].blck_size == 0:
             ne = list(leaf.ne)
