@@ -1,0 +1,94 @@
+"""The harness itself: real constructors, abort isolation, and ggml-rpc's serialisation."""
+
+from __future__ import annotations
+
+import struct
+
+from rpcguard.protocol import encode
+from rpcguard.protocol.ggml import op_table
+from rpcguard.protocol.session import Session
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.tensor import decode_tensor
+from tests.support.ggmlref import BUFFER_BASE, BUFFER_HANDLE, BUFFER_SIZE, Built, Refused, build_many
+
+OPS = op_table((7, 0, 0)).ids  # type: ignore[union-attr]
+MUL_MAT = {"leaves": [{"type": "q8_0", "ne": [64, 5]}, {"type": "f32", "ne": [64, 3, 2]}],
+           "ops": [{"fn": "mul_mat", "args": [0, 1]}]}  # fmt: skip
+BAD_MUL_MAT = {"leaves": [{"type": "f16", "ne": [64, 5]}, {"type": "f32", "ne": [63, 3]}],
+               "ops": [{"fn": "mul_mat", "args": [0, 1]}]}  # fmt: skip
+# A permuted (non-contiguous) view made contiguous, then soft_max with a mask: views, use counts.
+CHAIN = {"leaves": [{"type": "f32", "ne": [8, 4, 2]}, {"type": "f16", "ne": [4, 8]}],
+         "ops": [{"fn": "permute", "args": [0, 1, 0, 2, 3]}, {"fn": "cont", "args": [2]},
+                 {"fn": "soft_max_ext", "args": [3, 1, 0.5, 0.0]}]}  # fmt: skip
+
+
+def tensors(b: Built):
+    return [decode_tensor(b.payload, b.tensor_bytes + 296 * i) for i in range(b.n_tensors)]
+
+
+def test_aborting_constructor_is_isolated_and_the_batch_goes_on():
+    res = build_many([MUL_MAT, BAD_MUL_MAT, MUL_MAT, BAD_MUL_MAT, BAD_MUL_MAT, CHAIN])
+    assert [type(r) for r in res] == [Built, Refused, Built, Refused, Refused, Built]
+    assert "GGML_ASSERT(ggml_can_mul_mat(a, b)) failed" in res[1].message
+    assert "GGML_ASSERT" in res[4].message and len(res[5].nodes) == 3  # two aborts in a row, then a build
+
+
+def test_mul_mat_is_serialised_like_serialize_graph():
+    (b,) = build_many([MUL_MAT])
+    device, n_nodes = struct.unpack_from("<II", b.payload)
+    assert (device, n_nodes) == (0, 1)
+    ts = tensors(b)
+    a, x, dst = ts  # depth-first post-order: src[0], src[1], then the node
+    assert b.nodes == [dst.id] and b.refs == [0, 1, 2]
+    assert (a.type, a.ne, a.nb) == (8, (64, 5, 1, 1), (34, 68, 340, 340))  # q8_0: 2 blocks of 34 bytes
+    assert (dst.type, dst.ne, dst.nb, dst.op) == (0, (5, 3, 2, 1), (4, 20, 60, 120), OPS["MUL_MAT"])
+    assert dst.src[:2] == (a.id, x.id) and not any(dst.src[2:]) and dst.view_src == 0
+    assert (a.use_count, x.use_count, dst.use_count) == (1, 1, 0)
+    for t in ts:
+        assert t.buffer == BUFFER_HANDLE and BUFFER_BASE <= t.data < BUFFER_BASE + BUFFER_SIZE
+        assert t.name.rstrip(b"\0") and t.name[-1] == 0
+    # The project's own encoder writes the same bytes from the decoded fields.
+    specs = [encode.TensorSpec(id=t.id, type=t.type, buffer=t.buffer, ne=t.ne, nb=t.nb, op=t.op,
+                               op_params=t.op_params, flags=t.flags, src=t.src, view_src=t.view_src,
+                               view_offs=t.view_offs, data=t.data, name=t.name, use_count=t.use_count)
+             for t in ts]  # fmt: skip
+    assert encode.graph_payload(b.nodes, specs) == b.payload
+
+
+def test_views_point_into_their_source_and_nodes_come_in_graph_order():
+    (b,) = build_many([CHAIN])
+    ts = tensors(b)
+    pos = {t.id: i for i, t in enumerate(ts)}
+    for i, t in enumerate(ts):
+        assert all(pos[s] < i for s in t.src if s)
+        if t.view_src:
+            assert t.data == ts[pos[t.view_src]].data + t.view_offs
+    ops = [ts[pos[n]].op for n in b.nodes]
+    assert ops == [OPS["PERMUTE"], OPS["CONT"], OPS["SOFT_MAX"]]
+    perm = ts[pos[b.nodes[0]]]
+    assert perm.ne == (4, 8, 2, 1) and perm.nb == (32, 4, 128, 256) and perm.op_params[:4] == (1, 0, 2, 3)
+
+
+def test_a_built_graph_passes_through_a_whole_session():
+    (b,) = build_many([CHAIN])
+    s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0)))
+    s.client_data(memoryview(encode.hello_request((7, 0, 0))))
+    s.server_data(memoryview(encode.hello_response((7, 0, 0))))
+    alloc = encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, BUFFER_SIZE))
+    base = encode.request("BUFFER_GET_BASE", struct.pack("<Q", BUFFER_HANDLE))
+    graph = encode.request("GRAPH_COMPUTE", b.payload)
+    s.client_data(memoryview(alloc))
+    s.server_data(memoryview(encode.response(struct.pack("<QQ", BUFFER_HANDLE, BUFFER_SIZE))))
+    s.client_data(memoryview(base))
+    s.server_data(memoryview(encode.response(struct.pack("<Q", BUFFER_BASE))))
+    s.to_server.clear()
+    s.client_data(memoryview(graph))
+    assert b"".join(bytes(c) for c in s.to_server) == graph
+
+
+def test_a_later_split_sends_earlier_nodes_as_sources():
+    whole, split = build_many([CHAIN, dict(CHAIN, first_node=2)])
+    assert len(whole.nodes) == 3 and len(split.nodes) == 1
+    ts = tensors(split)
+    assert [t.op for t in ts] == [0, OPS["PERMUTE"], OPS["CONT"], 0, OPS["SOFT_MAX"]]
+    assert split.nodes == [ts[-1].id]

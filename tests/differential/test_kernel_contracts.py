@@ -1,0 +1,83 @@
+"""Beyond the constructor oracle: nodes the REAL constructor builds that the CPU kernel cannot run.
+
+The differential tests (test_ops_differential.py) take ggml's constructors as the definition of
+a valid node. For a few ops the constructor checks less than its CPU kernel assumes, so a
+graph a client can build with the real ggml still reads outside its tensors or aborts the
+server (llama-cpp-python 0.3.36 sources, ggml/src/ggml.c and ggml/src/ggml-cpu/ops.cpp):
+
+* FLASH_ATTN_EXT: ggml_flash_attn_ext (ggml.c:5506-5545) checks q/k with ggml_can_mul_mat and the
+  mask's type, contiguity and head broadcast only (its ggml_can_repeat_rows(mask, qk) assert is
+  commented out, ggml.c:5524). The kernel loops ic < nek1 (ops.cpp:9500) and reads mask row iq1 at mp[ic]
+  (ops.cpp:8950, 8968) and V row ic (ops.cpp:8991), and V head iq2 / (neq2 / nev2) (ops.cpp:8894):
+  a V with fewer rows or heads than K, or a mask narrower than n_kv or shorter than n_q, is read
+  past its end.
+* ROPE: ggml_rope_ext takes any n_dims and ggml_rope_set_offset (ggml.c:4535) any n_offs >= 0; the kernel
+  asserts n_dims <= ne0 and n_offs + n_dims <= ne0 (ops.cpp:6355, 6360): GGML_ASSERT aborts the
+  whole server.
+* ACC / SET: strides and offset in op_params are not checked against dst (#25764), the kernel
+  writes there: refused today (graph_op_params_invalid), kept here as the reference.
+
+Each case is built by the real constructors first (so it is something a client can send), then
+rpcguard's validator must refuse it. These are stricter than the constructor on purpose; the
+lead decides whether the rule table takes them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.differential.oracle import validate
+from tests.support.ggmlref import Built, build_many
+
+ROPE_TAIL = [10000.0, 1.0, 0.0, 1.0, 32.0, 1.0]
+
+
+def _fa(q_ne, k_ne, v_ne, mask_ne):
+    leaves = [{"type": "f32", "ne": q_ne}, {"type": "f16", "ne": k_ne}, {"type": "f16", "ne": v_ne}]
+    if mask_ne:
+        leaves.append({"type": "f16", "ne": mask_ne})
+    return {"leaves": leaves,
+            "ops": [{"fn": "flash_attn_ext", "args": [0, 1, 2, 3 if mask_ne else None, 0.125, 0.0, 0.0]}]}  # fmt: skip
+
+
+CASES = {
+    "flash_attn_ext: V has fewer rows (n_kv) than K": _fa([64, 4, 2, 1], [64, 256, 2, 1], [64, 32, 2, 1], None),
+    "flash_attn_ext: mask narrower than n_kv": _fa([64, 4, 2, 1], [64, 256, 2, 1], [64, 256, 2, 1], [16, 64, 1, 1]),
+    "flash_attn_ext: mask has fewer rows than n_q": _fa([64, 7, 2, 1], [64, 32, 2, 1], [64, 32, 2, 1], [32, 1, 1, 1]),
+    "flash_attn_ext: V has heads K and Q do not divide": _fa([64, 1, 4, 1], [64, 32, 4, 1], [64, 32, 3, 1], None),
+    "rope_ext: n_dims > ne0 (server abort)": {
+        "leaves": [{"type": "f32", "ne": [16, 2, 3, 1]}, {"type": "i32", "ne": [3, 1, 1, 1]}],
+        "ops": [{"fn": "rope_ext", "args": [0, 1, None, 32, 0, 4096, *ROPE_TAIL]}],
+    },
+    "rope_set_offset: n_offs + n_dims > ne0 (server abort)": {
+        "leaves": [{"type": "f32", "ne": [16, 2, 3, 1]}, {"type": "i32", "ne": [3, 1, 1, 1]}],
+        "ops": [{"fn": "rope_ext", "args": [0, 1, None, 8, 0, 4096, *ROPE_TAIL]},
+                {"fn": "rope_set_offset", "args": [2, 12]}],
+    },
+    "acc: row stride past dst (#25764)": {
+        "leaves": [{"type": "f32", "ne": [8, 4, 1, 1]}, {"type": "f32", "ne": [8, 4, 1, 1]}],
+        "ops": [{"fn": "acc", "args": [0, 1, 1 << 20, 1 << 22, 1 << 22, 0]}],
+    },
+    "set: offset past dst (#25764)": {
+        "leaves": [{"type": "f32", "ne": [8, 4, 1, 1]}, {"type": "f32", "ne": [8, 1, 1, 1]}],
+        "ops": [{"fn": "set", "args": [0, 1, 32, 128, 128, 1 << 20]}],
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built():
+    return dict(zip(CASES, build_many(list(CASES.values()))))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_constructor_accepts_but_kernel_cannot_run_it(built, name):
+    b = built[name]
+    assert isinstance(b, Built), f"the real constructor refuses it now ({b.message}): drop the case"
+    reason = validate(b.payload, b.handle, b.base, b.size)
+    assert reason is not None and not reason.startswith("EXCEPTION"), (
+        f"rpcguard forwards a node the CPU kernel reads out of bounds with / aborts on: {name}\n"
+        f"recipe={json.dumps(CASES[name])}"
+    )

@@ -1,0 +1,90 @@
+"""A constructor-built RoPE node the firewall forwards today aborts the REAL ggml-rpc-server.
+
+test_kernel_contracts.py argues from the sources; this runs one case for real. The harness's
+graph (fake buffer) is rebased into a buffer allocated on a fresh real 7.0.0 server, then:
+
+1. the valid RoPE graph (n_dims 8 <= ne0 16) is computed and the server still answers;
+2. the same graph with n_dims 32 > ne0 16, which ggml_rope_ext builds without complaint, kills
+   the server with one GRAPH_COMPUTE (ggml-cpu/ops.cpp:6355 GGML_ASSERT(n_dims <= ne0)).
+
+The test asserts both server outcomes; whether rpcguard forwards the second graph is
+test_kernel_contracts.py's question (it does on the code this was written against).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+from rpcguard.protocol import encode
+from rpcguard.protocol.encode import TENSOR_STRUCT
+from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.tensor import decode_tensor, nbytes
+from tests.support import realpeer
+from tests.support.ggmlref import BUFFER_BASE, Built, build_many
+
+V7 = (7, 0, 0)
+ROPE_TAIL = [10000.0, 1.0, 0.0, 1.0, 32.0, 1.0]
+
+
+def rope(n_dims: int) -> dict:
+    return {"leaves": [{"type": "f32", "ne": [16, 2, 3, 1]}, {"type": "i32", "ne": [3, 1, 1, 1]}],
+            "ops": [{"fn": "rope_ext", "args": [0, 1, None, n_dims, 0, 4096, *ROPE_TAIL]}]}  # fmt: skip
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"closed after {len(out)} of {n} bytes")
+        out += chunk
+    return out
+
+
+def call(s: socket.socket, cmd: str, payload: bytes) -> bytes:
+    s.sendall(encode.request(cmd, payload))
+    return recv_exact(s, struct.unpack("<Q", recv_exact(s, 8))[0])
+
+
+def rebased(b: Built, handle: int, base: int) -> bytes:
+    """The payload with every tensor moved from the harness's fake buffer into the real one."""
+    out = bytearray(b.payload)
+    for i in range(b.n_tensors):
+        off = b.tensor_bytes + 296 * i
+        f = list(TENSOR_STRUCT.unpack_from(out, off))
+        f[2], f[-3] = handle, f[-3] - BUFFER_BASE + base  # buffer, data
+        TENSOR_STRUCT.pack_into(out, off, *f)
+    return bytes(out)
+
+
+def span(b: Built) -> int:
+    ts = [decode_tensor(b.payload, b.tensor_bytes + 296 * i) for i in range(b.n_tensors)]
+    return max(t.data + nbytes(t, TYPES[t.type]) for t in ts) - BUFFER_BASE
+
+
+def test_rope_n_dims_past_the_row_aborts_the_real_server(workdir):
+    good, bad = build_many([rope(8), rope(32)])
+    assert isinstance(good, Built) and isinstance(bad, Built), "the real constructor must build both"
+    server, port = realpeer.start_rpc_server(workdir)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(encode.hello_request(V7))
+            assert recv_exact(s, struct.unpack("<Q", recv_exact(s, 8))[0])[:3] == bytes(V7)
+            size = max(span(good), span(bad)) + 4096
+            handle, got = struct.unpack("<QQ", call(s, "ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
+            assert handle and got >= size
+            (base,) = struct.unpack("<Q", call(s, "BUFFER_GET_BASE", struct.pack("<Q", handle)))
+            s.sendall(encode.request("GRAPH_COMPUTE", rebased(good, handle, base)))
+            assert len(call(s, "GET_ALIGNMENT", struct.pack("<I", 0))) == 8  # computed, still serving
+            assert server.alive()
+            s.sendall(encode.request("GRAPH_COMPUTE", rebased(bad, handle, base)))
+            deadline = time.monotonic() + 10
+            while server.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not server.alive(), "the real server survived a RoPE with n_dims > ne0"
+        assert server.popen.returncode in (-6, 134), server.popen.returncode  # SIGABRT
+        assert "n_dims <= ne0" in server.output(), server.output()[-1500:]
+    finally:
+        server.stop()
