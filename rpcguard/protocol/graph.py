@@ -30,7 +30,7 @@ from time import thread_time
 from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
-from operator import ge, lt
+from operator import ge, gt, lt
 from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal
@@ -72,6 +72,7 @@ NODE_CACHE_MAX = 1 << 16
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
 MAX_GRAPH_CPU_S = 0.5
 _BUDGET_STRIDE = 255  # check the clock every 256 tensors/nodes
+_SELF_SRC = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
 
 
 def _u64(view: memoryview) -> memoryview | array:
@@ -272,7 +273,10 @@ class GraphValidator:
         getp = pos.get
         idx = range(m)
         for k, column in enumerate(srcs):
-            if any(map(ge, map(getp, compress(column, column), repeat(m)), compress(idx, column))):
+            # src[1] may be the tensor itself: ggml_cast (ggml.c:3625) sets result->src[1] = result.
+            # Which op may do that is the op table's business (oprules._cpy); no other is allowed.
+            later = gt if k == _SELF_SRC else ge
+            if any(map(later, map(getp, compress(column, column), repeat(m)), compress(idx, column))):
                 self._src_violation(k, column, pos, ids)
         npos = list(map(pos.__getitem__, nodes))
         if not all(map(lt, npos, islice(npos, 1, None))):
@@ -292,7 +296,7 @@ class GraphValidator:
             p = pos.get(s)
             if p is None:
                 raise _refuse("graph_src_missing", f"tensor {i} (id={ids[i]:#x}) {what}={s:#x} is not in the list")
-            if p >= i:
+            if p > i or (p == i and k != _SELF_SRC):
                 raise _refuse(
                     "graph_order_invalid",
                     f"tensor {i} (id={ids[i]:#x}) {what}={s:#x} is at position {p}, not before it",

@@ -87,6 +87,7 @@ class OpRule:
     params: int = 0  # leading op_params slots it may set; the rest must be 0
     since: Version = (0, 0, 0)  # first protocol version the row holds for
     until: Version = (99, 0, 0)  # first version it no longer holds for (a later row takes over)
+    self_src1: bool = False  # src[1] may be the node itself (ggml_cast)
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -271,10 +272,15 @@ def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
 
 
 def _cpy(n: RpcTensor, s: Srcs) -> Result:
-    """ggml_cpy ggml.c:3612: nelements equal, result = view of b. ggml_compute_forward_dup
-    handles same-type copies and conversions from F32/F16/BF16 (and I32<->F32)."""
+    """ggml_cpy ggml.c:3612: nelements equal, result = view of b; or ggml_cast ggml.c:3625: a
+    fresh tensor of a's shape whose src[1] is itself. ggml_compute_forward_dup handles same-type
+    copies and conversions from F32/F16/BF16 (and I32<->F32)."""
     a, b = s[0], s[1]
     assert a is not None and b is not None
+    if b.id == n.id:
+        _check_dup_types(n, "CPY", a.type, n.type)
+        _need(n.type in TYPES and a.ne0 % TYPES[n.type].blck_size == 0, n, "CPY", "cast to a block type")
+        return New(n.type, a.ne)
     _need(nelements(a) == nelements(b), n, "CPY", f"{a.ne} and {b.ne} differ in element count")
     _check_dup_types(n, "CPY", a.type, b.type)
     return View(1, b.ne, b.nb, 0)
@@ -384,11 +390,12 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
 
 
 def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    """ggml_scale_impl ggml.c:3455: a padded 1d (nb1 == nb0*ne0 ...); params {s, b}; F32."""
+    """ggml_scale_impl ggml.c:3455: a padded 1d; params {s, b}. The kernel asserts more than the
+    constructor: a contiguous F32 source (ops.cpp:4886 ggml_compute_forward_scale_f32)."""
     a = s[0]
     assert a is not None
     _types(n, "SCALE", ONLY_F32, a)
-    _need(a.nb0 == 4 and a.nb1 == 4 * a.ne0 and a.nb2 == a.nb1 * a.ne1, n, "SCALE", "src is not padded 1d")
+    _need(is_contiguous(a), n, "SCALE", "src is not contiguous (the kernel asserts it)")
     return _dup_or_inplace(a)
 
 
@@ -728,7 +735,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat", 2, _mul_mat, params=2),
     OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id", 3, _mul_mat_id),
     OpRule("SCALE", "ggml.c:3476 ggml_scale", 1, _scale, params=2),
-    OpRule("CPY", "ggml.c:3612 ggml_cpy", 2, _cpy),
+    OpRule("CPY", "ggml.c:3612 ggml_cpy / ggml.c:3625 ggml_cast", 2, _cpy, self_src1=True),
     OpRule("CONT", "ggml.c:3648 ggml_cont", 1, _cont),
     OpRule("RESHAPE", "ggml.c:3770 ggml_reshape_4d", 1, _reshape),
     OpRule("VIEW", "ggml.c:3863 ggml_view_4d", 1, _view, params=2),
