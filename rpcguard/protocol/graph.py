@@ -105,6 +105,9 @@ class OpRules:
     denied: frozenset[int]  # custom ops (function pointers in op_params) + opt-in extras
     rows: Mapping[int, OpRule]  # op id -> verified rule; an op without one is not forwarded
     none: int  # id of GGML_OP_NONE (a PARAM node: never computed, layout rules only)
+    # ops the CPU backend never computes (ggml-cpu.c ggml_graph_compute_thread skips NONE and the
+    # view ops): their data is only touched through the compute nodes that read them
+    no_compute: frozenset[int]
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -130,6 +133,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             denied=frozenset(table.denied) | frozenset(ids[n] for n in extra_denied if n in ids),
             rows=rows,
             none=ids["NONE"],
+            no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
         )
     _RULES[key] = rules
     return rules
@@ -223,8 +227,9 @@ class GraphValidator:
         pos = self._structure(nodes, ids, srcs, m)
         npos = [p for p in map(pos.get, nodes) if p is not None]  # all of them unless structure off
         self._tensors(region, state)
+        rules = op_rules(spec.version, self.extra_denied)
         if self.tensor_checks == STRICT:
-            self._layout(region, npos, srcs, pos, state, device)
+            self._layout(region, npos, srcs, pos, state, device, rules)
         if spec.version >= _USE_COUNT_SINCE and self.structure:
             uc = _u32(region, "i")[_I_USE_COUNT::_I]
             lo, hi = min(uc), max(uc)
@@ -236,7 +241,7 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, srcs, pos, state)
+            self._ops(rules, region, ids, npos, srcs, pos, state)
         return device
 
     def _budget(self) -> None:
@@ -306,13 +311,21 @@ class GraphValidator:
 
     def _layout(
         self, region: memoryview, npos: list[int], srcs: list[list[int]], pos: dict[int, int],
-        state: SessionState, device: int,
+        state: SessionState, device: int, rules: OpRules | None,
     ) -> None:
         """The layout rule (opcheck.check_layout) for every tensor a kernel reads or writes: the
-        nodes and their direct sources. Other tensors of the list are transitive sources the
-        client serialises but no kernel touches (7.0.0 sends those of other backends with
-        buffer 0). A verdict depends on the bytes, the live buffers (emptied on FREE_BUFFER) and
-        the graph's device: one cache per device."""
+        computed nodes and their direct sources. Other tensors of the list are never touched by
+        a kernel: transitive sources the client serialises (7.0.0 sends those of other backends
+        with buffer 0), view nodes (ggml-cpu skips VIEW/RESHAPE/PERMUTE/TRANSPOSE/NONE; the
+        recurrent-state copy of LFM2 sends views of a client-side input) and empty nodes (ggml-cpu
+        returns on ggml_is_empty). A verdict depends on the bytes, the live buffers (emptied on
+        FREE_BUFFER) and the graph's device: one cache per device."""
+        if rules is not None:
+            skip = rules.no_compute
+            ops = _u32(region)[_I_OP::_I]
+            npos = [p for p in npos if ops[p] not in skip]
+        ne = _u32(region)
+        npos = [p for p in npos if ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6]]
         touched = set(npos)
         getp = pos.get
         for column in srcs[:GGML_MAX_SRC]:
@@ -391,6 +404,8 @@ class GraphValidator:
 
         step = TENSOR_BYTES
         getp = pos.get
+        ne = _u32(region)
+        empty = {p for p in npos if not (ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6])}
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
                 self._budget()
@@ -408,6 +423,8 @@ class GraphValidator:
                 continue
             if not self.op_params:
                 continue
+            if p in empty:
+                continue  # never computed (ggml-cpu returns on ggml_is_empty): nothing to derive
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             # A node's verdict depends only on its bytes and those of its sources and view root.
             key = b"".join([region[q * step : (q + 1) * step] for q in (p, *src_pos) if q is not None])

@@ -85,7 +85,8 @@ def _differs(node: RpcTensor, r: Result, srcs: list[RpcTensor | None], by_id: di
     root = by_id.get(root_id)
     if root is None:
         return f"view root {root_id:#x} not in the graph"
-    if node.buffer != root.buffer or node.data != root.data + offs:
+    # ggml_new_tensor_impl: data = view_src->data + view_offs, NULL while the root has no data
+    if node.buffer != root.buffer or node.data != (root.data + offs if root.data else 0):
         return f"view data {node.data:#x} in {node.buffer:#x} is not its root's data + {offs}"
     return ""
 

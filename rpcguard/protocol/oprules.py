@@ -704,6 +704,33 @@ def _pad_reflect_1d(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3))
 
 
+def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_ssm_conv ggml.c:5668: sx 3d (d_conv - 1 + n_t, d_inner, n_s), c a matrix (d_conv,
+    d_inner); result F32 (d_inner, n_t, n_s). The kernel (ops.cpp:9932) is F32 only, asserts unit
+    nb0 of both and packed rows of sx, and reads c as ``c[i0 + i1*d_conv]``: c must be packed too."""
+    sx, c = s[0], s[1]
+    assert sx is not None and c is not None
+    _types(n, "SSM_CONV", ONLY_F32, sx, c)
+    n_t = sx.ne0 - c.ne0 + 1
+    ok = sx.ne3 == 1 and c.ne2 == 1 and c.ne3 == 1 and sx.ne1 == c.ne1 and n_t >= 0
+    _need(ok, n, "SSM_CONV", f"sx {sx.ne} c {c.ne}")
+    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c), n, "SSM_CONV", "strides the kernel assumes")
+    return New(F32, (c.ne1, n_t, sx.ne2, 1))
+
+
+def _roll(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_roll ggml.c:5330: unit nb0, |shift_i| < ne_i (params 0..3); result a fresh copy. The
+    kernel (ops.cpp:8557) is F32 only and copies whole rows of ne0."""
+    a = s[0]
+    assert a is not None
+    _types(n, "ROLL", ONLY_F32, a)
+    shifts = n.op_params[:4]
+    if any(not -ne < sh < ne for sh, ne in zip(shifts, a.ne)):
+        raise refuse(n, "ROLL", f"shifts {shifts} for {a.ne}", "graph_op_params_invalid")
+    _need(a.nb0 == 4, n, "ROLL", "nb0 is not the element size")
+    return New(a.type, a.ne)
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -757,6 +784,8 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ARGSORT", "ggml.c:5432 ggml_argsort", 1, _argsort, params=1),
     OpRule("TOP_K", "ggml.c:5468 ggml_top_k", 1, _top_k),
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
+    OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
+    OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
     OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext", 3, _flash_attn_ext, optional=2, params=4),
     OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
