@@ -804,3 +804,17 @@ def rule_for(op: str, version: Version) -> OpRule | None:
         if rule.since <= version < rule.until:
             return rule
     return None
+
+
+def table_markdown() -> str:
+    """The op table as docs/firewall.md shows it (tests/unit/test_oprules.py keeps them equal)."""
+    lines = ["| op | versions | constructor mirrored | sources (+optional) | params |", "|---|---|---|---|---|"]
+    for op, rows in RULES.items():
+        for r in rows:
+            since = "" if r.since == (0, 0, 0) else ".".join(map(str, r.since))
+            until = "" if r.until == (99, 0, 0) else ".".join(map(str, r.until))
+            versions = (f"{since} - <{until}" if since and until else f"{since}+" if since
+                        else f"< {until}" if until else "all")
+            srcs = f"{r.srcs}" + (f" (+{r.optional})" if r.optional else "") + (", src[1] may be itself" if r.self_src1 else "")
+            lines.append(f"| {op} | {versions} | {r.ctor} | {srcs} | {r.params} |")
+    return "\n".join(lines) + "\n"

@@ -250,3 +250,13 @@ def test_uncomputed_nodes_need_no_allocation():
     b = T(0x40, F32, (4, 2, 1, 1))
     add = T(0x41, F32, (4, 2, 1, 1), op=OPS["ADD"], src=(0x40, 0x30))
     assert reason([b, a], add) == "tensor_layout_invalid"
+
+
+def test_docs_show_the_table():
+    from pathlib import Path
+
+    from rpcguard.protocol.oprules import table_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
+    begin = doc.index("\n", doc.index("<!-- op-table:begin")) + 1
+    assert doc[begin : doc.index("<!-- op-table:end -->")] == table_markdown()
