@@ -203,26 +203,27 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
     _need(a.nb0 <= a.nb1, n, "MUL_MAT", "src0 is transposed")
     _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT",
           "rows not contiguous")
-    _need(b.type in (F32, F16, BF16) or b.type in QUANTIZED, n, "MUL_MAT", "src1 type")
+    if a.type not in VEC_DOT:
+        raise refuse(n, "MUL_MAT", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
     if b.type != F32:
         _need(b.type == _vec_dot_type(a.type), n, "MUL_MAT", "src1 is neither F32 nor src0's vec_dot type")
     return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
 
 
+# ggml-cpu.c type_traits_cpu (0.3.36): the types with a CPU vec_dot, and the vec_dot_type the
+# other operand is converted to. A MUL_MAT/MUL_MAT_ID/FLASH_ATTN_EXT K of any other type calls a
+# NULL function pointer on the server.
+VEC_DOT: Mapping[int, int] = {
+    0: 0, 1: 1, 30: 30,  # f32 f16 bf16
+    2: 8, 3: 9, 6: 8, 7: 9, 8: 8, 20: 8, 39: 8, 40: 8, 41: 8, 42: 8,  # q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl mxfp4 nvfp4 q1_0 q2_0
+    10: 15, 11: 15, 12: 15, 13: 15, 14: 15, 16: 15, 17: 15, 18: 15, 19: 15, 21: 15, 22: 15, 23: 15,
+    29: 15, 34: 15, 35: 15,  # K-quants, iq2/iq3/iq1/iq4_xs, tq1_0 tq2_0 -> q8_K
+}
+
+
 def _vec_dot_type(t: int) -> int:
-    """ggml-cpu.c type_traits_cpu[t].vec_dot_type for the types the firewall lets multiply."""
-    if t == F16:
-        return F16
-    if t == BF16:
-        return BF16
-    if t == F32:
-        return F32
-    info = TYPES[t]
-    if info.blck_size == 256:
-        return 15  # Q8_K
-    if t in (2, 3, 6, 7, 8, 9):  # q4_0 q4_1 q5_0 q5_1 q8_0 q8_1
-        return 8 if t in (2, 6, 8) else 9
-    return -1  # unknown pairing: only F32 src1 passes
+    """type_traits_cpu[t].vec_dot_type, or -1 when the CPU has no vec_dot for ``t``."""
+    return VEC_DOT.get(t, -1)
 
 
 def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
@@ -233,6 +234,8 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
           and ids.ne1 == b.ne2 and a.ne0 == b.ne0 and ids.ne0 % b.ne1 == 0)
     _need(ok, n, "MUL_MAT_ID", f"shapes as {a.ne} b {b.ne} ids {ids.ne}")
     _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT_ID", "rows")
+    if a.type not in VEC_DOT:
+        raise refuse(n, "MUL_MAT_ID", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
     _need(b.type == F32 or b.type == _vec_dot_type(a.type), n, "MUL_MAT_ID", "src1 type")
     return New(F32, (a.ne1, ids.ne0, b.ne2, 1))
 
@@ -244,6 +247,8 @@ def _get_rows(n: RpcTensor, s: Srcs) -> Result:
     _need(a.ne2 == b.ne1 and a.ne3 == b.ne2 and b.ne3 == 1 and b.type == I32, n, "GET_ROWS",
           f"src shapes {a.ne} / {b.ne}")
     _need(rows_contiguous(a), n, "GET_ROWS", "src0 rows not contiguous")
+    # ops.cpp ggml_compute_forward_get_rows dispatches these (dequantised rows) and aborts on others
+    _types(n, "GET_ROWS", frozenset(VEC_DOT) | {I32, 9}, a)
     return New(I32 if a.type == I32 else F32, (a.ne0, b.ne0, b.ne1, b.ne2))
 
 
@@ -286,10 +291,14 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     return View(1, b.ne, b.nb, 0)
 
 
+# F32 converts into these with type_traits_cpu[dst].from_float (ggml-cpu.c; NULL for the others).
+_CPY_TO = frozenset(VEC_DOT) - _NO_FROM_FLOAT
+
+
 def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     if src == dst:
         return
-    if src in FLOAT and (dst in FLOAT or (dst in TYPES and dst not in _NO_FROM_FLOAT and src == F32)):
+    if src in FLOAT and (dst in FLOAT or (src == F32 and dst in _CPY_TO)):
         return
     if (src, dst) in ((F32, I32), (I32, F32)):
         return
@@ -462,6 +471,7 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
           and k.ne1 == v.ne1 and q.ne2 % v.ne2 == 0 and k.ne2 == v.ne2)
     _need(ok, n, "FLASH_ATTN_EXT", f"q {q.ne} k {k.ne} v {v.ne}")
     _types(n, "FLASH_ATTN_EXT", ONLY_F32, q)
+    _types(n, "FLASH_ATTN_EXT", frozenset(VEC_DOT), k, v)  # k: vec_dot, v: dequantized rows
     _need(all(rows_contiguous(t) for t in (q, k, v)), n, "FLASH_ATTN_EXT", "rows not contiguous")
     if mask is not None:
         ok = (mask.type == F16 and is_contiguous(mask) and q.ne2 % mask.ne2 == 0 and q.ne3 % mask.ne3 == 0
