@@ -58,6 +58,8 @@ KV = {
     "fa0-q8k": (False, "q8_0", "f16"),
     "fa1-q8": (True, "q8_0", "q8_0"),
 }
+# expert stacks (3-D weights of MUL_MAT_ID) in quantized types: name, preset, dtype
+QUANT_EXPERTS = [("qwen2moe-q8", "qwen2moe", "q8_0"), ("mixtral-q4", "mixtral", "q4_0")]
 COUNTERS = ("rpcguard_refusals_total", "rpcguard_firewall_violations_total")
 
 
@@ -105,6 +107,8 @@ def arch_models(tmp_path_factory, peer_python) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("arch-models")
     out = {name: realpeer.make_model(d / f"{name}.gguf", "--preset", name) for name in [*MODELS, "bert"]}
     out["gqa4"] = realpeer.make_model(d / "gqa4.gguf", "--preset", "gqa", "--n-layer", "4")
+    for name, preset, dtype in QUANT_EXPERTS:
+        out[name] = realpeer.make_model(d / f"{name}.gguf", "--preset", preset, "--dtype", dtype)
     return out
 
 
@@ -173,6 +177,19 @@ def test_generation(nodes, arch_models, model, kv):
     missing = MODELS[model] - survey.ops.keys()
     assert not missing, (missing, sorted(survey.ops))
     assert ("FLASH_ATTN_EXT" in survey.ops) == fa, sorted(survey.ops)
+
+
+@pytest.mark.parametrize("kv", ["fa0-f16", "fa1-q8"])
+@pytest.mark.parametrize("model", [q[0] for q in QUANT_EXPERTS])
+def test_quantized_experts(nodes, arch_models, model, kv):
+    """MUL_MAT_ID over q8_0 / q4_0 expert stacks (every weight of the model in that type)."""
+    fa, tk, tv = KV[kv]
+    args = [*LONG, "--type-k", tk, "--type-v", tv] + (["--flash-attn"] if fa else [])
+    direct, _, survey = compare(nodes[:1], arch_models[model], args)
+    assert len(set(direct.tokens)) >= 4, direct.tokens
+    dtype = {"qwen2moe-q8": "q8_0", "mixtral-q4": "q4_0"}[model]
+    sigs = survey.ops["MUL_MAT_ID"].signatures
+    assert any(sig.startswith(f"f32 <- {dtype},") for sig in sigs), sigs
 
 
 @pytest.mark.parametrize("model, pooling", [("bert", "1"), ("bert", "2"), ("gqa", "1"), ("qwen2", "3")])

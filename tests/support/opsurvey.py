@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="record real llama.cpp graphs per model and list their ggml ops")
     ap.add_argument("output", help="markdown file to write")
     ap.add_argument("--preset", action="append", required=True,
-                    help="PRESET[:variant,variant...] of make_tiny_model.py (variants: %s)" % ",".join(VARIANTS))
+                    help="PRESET[@DTYPE][:variant,variant...] of make_tiny_model.py (variants: %s)"
+                         % ",".join(VARIANTS))
     a = ap.parse_args(argv)
     sections, surveys = [], {}
     with tempfile.TemporaryDirectory(prefix="opsurvey-") as tmp:
@@ -379,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         for spec in a.preset:
             preset, _, vs = spec.partition(":")
             variants = tuple(vs.split(",")) if vs else ("long", "fa+q8kv")
-            model = realpeer.make_model(work / f"{preset}.gguf", "--preset", preset)
+            name, _, dtype = preset.partition("@")
+            model = realpeer.make_model(work / f"{preset}.gguf", "--preset", name,
+                                        *(["--dtype", dtype] if dtype else []))
             total = Survey()
             for v in variants:
                 s, out = record(work, model, VARIANTS[v], 2 if v == "split2" else 1)
