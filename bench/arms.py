@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import Pki, wait_for_line
 from tests.support.realpeer import PYTHON, Proc, free_port, start, start_rpc_server, wait_port
 
@@ -226,7 +227,7 @@ def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | 
     cmd = py + [role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{free_port()}",
                 *args]
     proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}")
-    wait_for_line(proc, "RPCGUARD_READY", timeout=60)
+    wait_for_line(proc, READY_MESSAGE, timeout=60)
     wait_port(port, proc=proc.popen)
     return proc, port
 

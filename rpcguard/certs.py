@@ -1,12 +1,17 @@
 """Private CA and short-lived leaf certificates, minted with ``cryptography``.
 
 How this works: ``init_ca`` writes a self-signed CA (``ca.pem``, ``ca.key``) into a directory.
-``issue`` loads that CA and signs one leaf (``NAME.pem``, ``NAME.key``) with exactly one extended key
+``issue`` loads that CA (``ca_dir``, which may be another directory than the one the leaf is
+written to) and signs one leaf (``NAME.pem``, ``NAME.key``) with exactly one extended key
 usage, serverAuth or clientAuth, so a client certificate can never serve and a server certificate can
 never authenticate as a client. Leaves are short-lived (30 days): renew and let the listener reload
 rather than revoke (no CRL/OCSP). Private keys are created with ``os.open(..., 0o600)`` under a
 temporary name and renamed into place, so they are never readable by others, even briefly, and a
 reader never sees a half-written file.
+
+So that node keys never travel, ``rpcguard.csr`` writes the key and a certificate signing
+request on the node and signs that request on the CA machine, through this module's
+``_profile`` (name, SAN and usage rules) and ``_sign`` (the extensions): the same as ``issue``.
 """
 
 from __future__ import annotations
@@ -110,7 +115,10 @@ def init_ca(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .sign(key, hashes.SHA256())
     )
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CertError(f"{d}: cannot create the directory: {exc.strerror or exc}") from exc
     _write_private(files.key, _key_pem(key))
     _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
@@ -130,65 +138,103 @@ def issue(
     force: bool = False,
     not_before: _dt.datetime | None = None,
     not_after: _dt.datetime | None = None,
+    ca_dir: str | os.PathLike[str] | None = None,
 ) -> LeafFiles:
-    """Sign a leaf with the CA in ``directory``; write ``DIR/NAME.pem`` and ``DIR/NAME.key`` (0600).
+    """Sign a leaf with the CA in ``ca_dir`` (default ``directory``); write ``DIR/NAME.pem`` and ``DIR/NAME.key`` (0600).
 
     ``server=True`` gives EKU serverAuth (and, without any SAN, DNS SAN ``name``); ``server=False``
     gives EKU clientAuth. An existing leaf is replaced only with ``force=True`` (renewal).
     ``not_before``/``not_after`` override the validity window (tests mint expired certificates).
     """
-    d = Path(directory)
-    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
-        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
-    files = LeafFiles(d / f"{name}.pem", d / f"{name}.key")
-    if not force:
-        for p in (files.cert, files.key):
-            if p.exists():
-                raise CertError(f"{p}: already exists (--force renews it)")
+    files = _leaf_files(directory, name, ".pem", force)
     _check_days(days)
-    cn = _check_common_name(common_name if common_name is not None else name)
-    sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]
-    sans += [x509.IPAddress(_check_ip(v)) for v in ips]
-    sans += [x509.UniformResourceIdentifier(_check_uri(v)) for v in uris]
-    if server and not sans:
-        sans.append(x509.DNSName(_check_dns(name)))
-
-    ca_cert = load_cert(d / CA_CERT_NAME)
-    ca_key = _load_ca_key(d / CA_KEY_NAME)
-    now = _dt.datetime.now(_dt.timezone.utc)
-    start = not_before if not_before is not None else now - CLOCK_SKEW
-    end = not_after if not_after is not None else min(now + _dt.timedelta(days=days), ca_cert.not_valid_after_utc)
-    if end <= start:
-        raise CertError(f"{files.cert}: validity window is empty ({start} .. {end})")
-
+    profile = _profile(name, server, dns, ips, uris, common_name)
+    ca = _load_ca(ca_dir if ca_dir is not None else directory)
     key = _new_key(key_type)
-    eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            _key_usage(digital_signature=True, key_agreement=isinstance(key, ec.EllipticCurvePrivateKey)),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
+    cert = _sign(ca, key.public_key(), profile, days, files.cert, not_before, not_after)
     # Key first: a reloading listener that sees the new key with the old cert fails the pair check
     # and keeps its old context until the next poll.
     _write_private(files.key, _key_pem(key))
     _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
+
+
+@dataclass(frozen=True)
+class _Profile:
+    """What a leaf says: common name, SANs and its one extended key usage."""
+
+    cn: str
+    sans: list
+    eku: x509.ObjectIdentifier
+
+
+def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, force: bool) -> LeafFiles:
+    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
+        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    d = Path(directory)
+    files = LeafFiles(d / f"{name}{cert_suffix}", d / f"{name}.key")
+    if not force:
+        for p in (files.cert, files.key):
+            if p.exists():
+                raise CertError(f"{p}: already exists (--force renews it)")
+    if not d.is_dir():
+        raise CertError(f"{d}: no such directory")
+    return files
+
+
+def _profile(name: str, server: bool, dns: Iterable[str], ips: Iterable[str], uris: Iterable[str],
+             common_name: str | None) -> _Profile:
+    """The one set of naming rules of ``issue``, ``make_csr`` and ``sign_csr``."""
+    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
+        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    cn = _check_common_name(common_name if common_name is not None else name)
+    sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]
+    sans += [x509.IPAddress(_check_ip(str(v))) for v in ips]
+    sans += [x509.UniformResourceIdentifier(_check_uri(v)) for v in uris]
+    if server and not sans:
+        sans.append(x509.DNSName(_check_dns(name)))
+    return _Profile(cn, sans, ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
+def _load_ca(ca_dir: str | os.PathLike[str]) -> tuple[x509.Certificate, object]:
+    d = Path(ca_dir)
+    ca_cert = load_cert(d / CA_CERT_NAME)
+    ca_key = _load_ca_key(d / CA_KEY_NAME)
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if ca_key.public_key().public_bytes(*spki) != ca_cert.public_key().public_bytes(*spki):
+        raise CertError(f"{d / CA_KEY_NAME}: does not match {d / CA_CERT_NAME}")
+    return ca_cert, ca_key
+
+
+def _sign(ca: tuple, public_key, profile: _Profile, days: int, where: Path,
+          not_before: _dt.datetime | None, not_after: _dt.datetime | None) -> x509.Certificate:
+    ca_cert, ca_key = ca
+    now = _dt.datetime.now(_dt.timezone.utc)
+    start = not_before if not_before is not None else now - CLOCK_SKEW
+    end = not_after if not_after is not None else min(now + _dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    if end <= start:
+        raise CertError(f"{where}: validity window is empty ({start} .. {end})")
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, profile.cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            _key_usage(digital_signature=True, key_agreement=isinstance(public_key, ec.EllipticCurvePublicKey)),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([profile.eku]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+    )
+    if profile.sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(profile.sans), critical=False)
+    return builder.sign(ca_key, hashes.SHA256())
 
 
 def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
@@ -276,7 +322,10 @@ def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write ``data`` to a fresh temp file created with ``mode`` and rename it over ``path``."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as exc:
+        raise CertError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)  # umask may have narrowed it; never widened
@@ -284,6 +333,9 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CertError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

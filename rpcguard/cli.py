@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import urllib.request
@@ -24,6 +25,11 @@ __all__ = ["main"]
 log = logging.getLogger("rpcguard")
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C outside serve/connect (which drain and exit 0), like a shell
+# Logged (stderr, text or JSON) once every listener is bound and the material loaded; under
+# systemd the same moment sends READY=1. Nothing is ever written to stdout by serve/connect.
+READY_MESSAGE = "ready:"
+_LOGGING = [False]  # set once setup_logging() ran in this process
 
 
 def _common_tls(p: argparse.ArgumentParser) -> None:
@@ -32,7 +38,11 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", help="this side's private key (PEM, mode 0600)")
     p.add_argument("--ca", help="the private CA that signs the peers' certificates")
     p.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
+    p.add_argument("--tls-reload-interval-s", type=float, metavar="SECONDS",
+                   help="also reload when the certificate files change, polled this often (default 0: SIGHUP only)")
     p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off)")
+    p.add_argument("--metrics-unsafe-public", action="store_true",
+                   help="allow a non-loopback --metrics address (metrics name peers and listeners)")
     p.add_argument("--mode", choices=["enforce", "monitor"], help="firewall mode (default enforce)")
     p.add_argument("--log-format", choices=["text", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -74,32 +84,112 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("dir")
     ca.add_argument("--days", type=int, default=365 * 5)
     ca.add_argument("--force", action="store_true")
-    iss = csub.add_parser("issue", help="issue DIR/NAME.pem and DIR/NAME.key")
+    iss = csub.add_parser("issue", help="issue DIR/NAME.pem and DIR/NAME.key (key made here: prefer csr + sign)")
     iss.add_argument("dir")
     iss.add_argument("name")
-    kind = iss.add_mutually_exclusive_group(required=True)
-    kind.add_argument("--server", action="store_true")
-    kind.add_argument("--client", action="store_true")
-    iss.add_argument("--dns", action="append", default=[])
-    iss.add_argument("--ip", action="append", default=[])
-    iss.add_argument("--uri", action="append", default=[])
+    _leaf_args(iss)
+    iss.add_argument("--ca-dir", help="where ca.pem and ca.key are (default: DIR)")
     iss.add_argument("--days", type=int, default=30)
     iss.add_argument("--force", action="store_true", help="replace an existing NAME.pem/NAME.key (renewal)")
+    csr = csub.add_parser("csr", help="on the node: DIR/NAME.key (0600, stays here) and DIR/NAME.csr for the CA")
+    csr.add_argument("dir")
+    csr.add_argument("name")
+    _leaf_args(csr)
+    csr.add_argument("--force", action="store_true", help="replace an existing NAME.key/NAME.csr")
+    sg = csub.add_parser("sign", help="on the CA machine: sign a CSR with the rules of issue")
+    sg.add_argument("csr")
+    sg.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
+    sg.add_argument("--out", required=True, help="the certificate to write (PEM)")
+    kind = sg.add_mutually_exclusive_group()
+    kind.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
+    kind.add_argument("--client", action="store_true")
+    sg.add_argument("--days", type=int, default=30)
+    sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
 
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint")
-    st.add_argument("--metrics", default="127.0.0.1:9450", help="HOST:PORT of the instance's metrics")
+    st.add_argument("--metrics", action="append", metavar="HOST:PORT|URL",
+                    help="metrics endpoint(s) (repeatable; default: serve's 127.0.0.1:9450 and connect's :9451)")
     return ap
 
 
+def _leaf_args(p: argparse.ArgumentParser) -> None:
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--server", action="store_true", help="serverAuth: for rpcguard serve on a node")
+    kind.add_argument("--client", action="store_true", help="clientAuth: for rpcguard connect")
+    p.add_argument("--dns", action="append", default=[], help="DNS name (repeatable)")
+    p.add_argument("--ip", action="append", default=[], help="IP address (repeatable)")
+    p.add_argument("--uri", action="append", default=[], help="URI, e.g. spiffe://lab/llama/1 (repeatable)")
+
+
 def _overrides(a: argparse.Namespace) -> dict:
-    keys = ("cert", "key", "ca", "tls_min_version", "metrics", "mode", "log_format", "log_level", "listen",
-            "upstream", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "server",
-            "server_name", "unsafe_listen")
+    keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
+            "mode", "log_format", "log_level", "listen", "upstream", "unsafe_upstream", "allow_cn", "allow_dns",
+            "allow_uri", "allow_ip", "server", "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
+
+
+class _Held(logging.Handler):
+    """Holds the records logged while the config is read (before logging is set up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _Held:
+        root = logging.getLogger()
+        self._saved = root.handlers[:], root.level
+        root.handlers[:] = [self]
+        root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        root = logging.getLogger()
+        root.handlers[:], level = self._saved
+        root.setLevel(level)
+
+    def replay(self) -> None:
+        """Send the held records through the handlers set up since (text or JSON)."""
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+
+
+def _fail(message: str, code: int, json_log: bool = False) -> int:
+    """The one line a failed command ends with: plain on stderr, or a JSON log line in a JSON stream."""
+    if json_log:
+        if not _LOGGING[0]:  # failed before logging was set up: stay one JSON stream
+            setup_logging("json")
+        log.error(message)
+    else:
+        print(f"rpcguard: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    try:
+        code = _main(a)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader of our stdout went away (`rpcguard status | head`): not worth a word.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: still one line for the user, the details for the report
+        return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it with the command line",
+                     EXIT_FAIL, _LOGGING[0] and getattr(a, "log_format", None) == "json")
+
+
+def _main(a: argparse.Namespace) -> int:
+    from rpcguard.certs import CertError
+
+    json_log = getattr(a, "log_format", None) == "json"
+    held = _Held()
     try:
         if a.command == "check-config":
             return _check_config(a.file)
@@ -113,17 +203,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = _overrides(a)
         if a.command == "check" and a.server:
             overrides["listen"] = "127.0.0.1:0"  # check binds nothing; a tunnel needs a listen address
-        cfg = build_config(role, file=a.config, overrides=overrides)
+        elif a.command == "check" and not a.config:
+            raise ConfigError("--server", "required (HOST:PORT of the node), or --config with tunnels")
+        with held:
+            cfg = build_config(role, file=a.config, overrides=overrides)
     except ConfigError as exc:
-        print(f"rpcguard: config error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RpcGuardError as exc:
-        print(f"rpcguard: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
+    except (CertError, RpcGuardError) as exc:
+        return _fail(str(exc), EXIT_CONFIG, json_log)
     setup_logging(cfg.log.format, cfg.log.level)
+    _LOGGING[0] = True
+    held.replay()
+    json_log = cfg.log.format == "json"
     if a.command == "check":
-        return _run(_check_nodes(cfg))
-    return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check), overrides=_overrides(a)))
+        return _run(_check_nodes(cfg, json_log))
+    return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check), overrides=_overrides(a),
+                       json_log=json_log))
 
 
 def _run(coro) -> int:
@@ -139,52 +234,63 @@ def _run(coro) -> int:
         return EXIT_OK
 
 
-async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict | None = None) -> int:
+async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict | None = None,
+                 json_log: bool = False) -> int:
+    from rpcguard.sdnotify import Notifier
     from rpcguard.server import Runtime
-    from rpcguard.tls import TlsConfigError
 
+    notifier = Notifier.from_env()
     try:
-        rt = Runtime(cfg, config_path=config_path, overrides=overrides)
-    except (TlsConfigError, RpcGuardError) as exc:
-        print(f"rpcguard: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        rt = Runtime(cfg, config_path=config_path, overrides=overrides, notifier=notifier)
+    except RpcGuardError as exc:  # TlsConfigError: the certificate, key or CA cannot be used
+        return _fail(str(exc), EXIT_CONFIG, json_log)
     try:
         await rt.start()
     except OSError as exc:
-        print(f"rpcguard: cannot listen: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return _fail(f"cannot listen: {exc}", EXIT_FAIL, json_log)
     rt.install_signals()
-    for lst in rt.listeners:
-        r = lst.route
-        print(f"rpcguard {r.role} {r.name}: listening on {lst.host}:{lst.port} -> {r.upstream_host}:{r.upstream_port}",
-              file=sys.stderr, flush=True)
+    # Every listener is bound and the material loaded (the "listening" lines came from start()).
+    status = f"{cfg.role}: {len(rt.listeners)} listener(s) ready" + "".join(
+        f"; warning: {w.kind}" for w in rt.cert_warnings)
+    log.info("%s %s", READY_MESSAGE, status)
+    notifier.ready(status)
     if check:
-        for line, _ok in await _probe_all(cfg, rt.tls.context):
-            print(f"rpcguard check: {line}", file=sys.stderr, flush=True)
-    print("RPCGUARD_READY", flush=True)
+        results = await _probe_all(cfg, rt.tls.context)
+        for line, ok in results:
+            log.log(logging.INFO if ok else logging.WARNING, "check: %s", line)
+        bad = sum(not ok for _, ok in results)
+        notifier.send(f"STATUS={status}; nodes: {len(results) - bad} answer, {bad} refused")
     await rt.stopping.wait()
     log.info("shutting down: draining sessions for up to %gs", cfg.limits.drain_timeout_s)
     cut = await rt.drain(cfg.limits.drain_timeout_s)
     log.info("stopped (%d session(s) cut at the drain timeout)", cut)
+    notifier.close()
     return EXIT_OK
 
 
 async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
     from rpcguard.policy import session_policy
+    from rpcguard.preflight import certificate_warnings
     from rpcguard.probe import probe_node
 
+    own = [w.kind for w in certificate_warnings(cfg.tls.cert, cfg.tls.ca)]
     results = await asyncio.gather(*(
         probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=session_policy(t.policy),
-                   timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s)
+                   timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s, own_warnings=own,
+                   # as the data path: a node in queue mode answers once its upstream is free
+                   hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)
         for t in cfg.tunnels
     ))
     return [(r.line(), r.ok) for r in results]
 
 
-async def _check_nodes(cfg) -> int:
+async def _check_nodes(cfg, json_log: bool) -> int:
     from rpcguard.server import TlsMaterial
 
-    tls = TlsMaterial(cfg)
+    try:
+        tls = TlsMaterial(cfg)  # the same context checks as connect's start
+    except RpcGuardError as exc:
+        return _fail(str(exc), EXIT_CONFIG, json_log)
     results = await _probe_all(cfg, tls.context)
     for line, _ok in results:
         print(line)
@@ -192,12 +298,19 @@ async def _check_nodes(cfg) -> int:
 
 
 def _check_config(path: str) -> int:
-    from rpcguard.config import check_config, config_summary
+    """Everything serve/connect check at start, on the same files, without binding a port."""
+    from rpcguard.config import config_summary, load_config
+    from rpcguard.server import Runtime
 
-    cfg = check_config(path)
+    with _Held() as held:  # warnings are printed below, not logged
+        cfg = load_config(path)
+        Runtime(cfg)  # the TLS contexts (key mode, key/cert pair, usage, CA), allow-lists, policies, warnings
     print(f"OK {path}: {cfg.role}")
     for line in config_summary(cfg):
         print("  " + line)
+    for record in held.records:
+        if record.levelno >= logging.WARNING:
+            print(f"  WARNING {record.getMessage()}")
     return EXIT_OK
 
 
@@ -206,15 +319,49 @@ def _certs(a: argparse.Namespace) -> int:
 
     if a.certs_command == "init-ca":
         files = certs.init_ca(a.dir, days=a.days, force=a.force)
-        print(f"wrote {files.cert} and {files.key} (0600)")
-    else:
+        print(f"wrote {files.cert} and {files.key} (0600): keep ca.key off the nodes (certs csr + certs sign)")
+    elif a.certs_command == "issue":
         files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days,
-                            force=a.force)
+                            force=a.force, ca_dir=a.ca_dir)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
+    elif a.certs_command == "csr":
+        from rpcguard.csr import make_csr
+
+        files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
+        print(f"wrote {files.key} (0600, keep it here) and {files.cert}: sign it on the CA machine with "
+              f"rpcguard certs sign --ca-dir CADIR {files.cert.name} --out {a.name}.pem")
+    else:
+        from rpcguard.csr import sign_csr
+
+        server = True if a.server else False if a.client else None
+        out = sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force)
+        print(f"wrote {out}: {certs.describe(out)}")
     return EXIT_OK
 
 
 RECENT_SHOWN = 10  # recent refusals printed by `rpcguard status`
+
+
+DEFAULT_STATUS = ("127.0.0.1:9450", "127.0.0.1:9451")  # serve's and connect's default metrics
+
+
+def _metrics_url(text: str) -> str:
+    """``HOST:PORT``, ``http(s)://HOST:PORT`` with or without a path -> the /metrics URL."""
+    from urllib.parse import urlsplit
+
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        u = urlsplit(text)
+        port = u.port
+    except ValueError as exc:
+        raise ConfigError("--metrics", f"{text!r}: {exc}") from None
+    if u.scheme not in ("http", "https") or not u.hostname or port is None and "://" not in text:
+        raise ConfigError("--metrics", f"{text!r}: expected HOST:PORT or http://HOST:PORT[/metrics]")
+    path = u.path.rstrip("/")
+    if not path.endswith("/metrics"):
+        path += "/metrics"
+    return f"{u.scheme}://{u.netloc}{path}"
 
 
 def _recent_refusals(metrics_url: str) -> list[dict]:
@@ -226,18 +373,42 @@ def _recent_refusals(metrics_url: str) -> list[dict]:
         return []
 
 
-def _status(address: str) -> int:
+def _status(addresses: list[str] | None) -> int:
+    """Summarise each instance; with no --metrics, whichever of the default endpoints answer."""
+    urls = [_metrics_url(x) for x in (addresses or DEFAULT_STATUS)]
+    failed: list[str] = []
+    shown = 0
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as rsp:
+                fam = _families(rsp.read().decode("utf-8", "replace"))
+        except (OSError, ValueError) as exc:  # URLError/HTTPError are OSErrors; a page that is not metrics
+            failed.append(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}")
+            continue
+        _status_one(url, fam)  # a BrokenPipeError of our stdout goes up to main()
+        shown += 1
+    if addresses:
+        for line in failed:
+            print(f"rpcguard status: {line}", file=sys.stderr)
+    elif not shown:
+        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(urls)} "
+              "(serve, connect); pass --metrics HOST:PORT", file=sys.stderr)
+    return EXIT_FAIL if (failed and addresses) or not shown else EXIT_OK
+
+
+def _families(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = address if address.startswith("http") else f"http://{address}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=5) as rsp:
-            text = rsp.read().decode()
-    except OSError as exc:
-        print(f"rpcguard status: cannot read {url}: {exc}", file=sys.stderr)
-        return EXIT_FAIL
-    fam = {f.name: f for f in text_string_to_metric_families(text)}
+        fam = {f.name: f for f in text_string_to_metric_families(text)}
+    except ValueError as exc:
+        raise ValueError(f"not an rpcguard metrics page ({exc})") from None
+    if not any(name.startswith("rpcguard_") for name in fam):
+        raise ValueError("not an rpcguard metrics page")
+    return fam
 
+
+def _status_one(url: str, fam: dict) -> None:
     def samples(name: str):
         return fam[name].samples if name in fam else []
 
@@ -262,4 +433,6 @@ def _status(address: str) -> int:
         days = (s.value - now) / 86400
         warn = "  <-- renew soon" if days < 7 else ""
         print(f"  certificate {s.labels['certificate']} expires in {days:.1f} days{warn}")
-    return EXIT_OK
+    for s in samples("rpcguard_certificate_warning"):
+        if s.value:
+            print(f"  certificate warning: {s.labels['kind']} (see the instance's log)")

@@ -109,6 +109,8 @@ class PolicyConfig:
     max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
     clear_new_buffers: bool = False  # inject BUFFER_CLEAR after each ALLOC_BUFFER
     denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
+    # ggml ops forwarded without a verified rule (default deny; "*" = every op): logged, counted
+    allow_unverified_ops: tuple[str, ...] = ()
     disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
 
     def check_enabled(self, name: str) -> bool:
@@ -308,6 +310,8 @@ _command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in 
                    f"a command name like SET_TENSOR or a category ({', '.join(CATEGORIES)})")
 _op = _reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
               "a ggml op name like SSM_SCAN or GATED_DELTA_NET (see rpcguard/protocol/ggml.py)")
+_op_or_all = _reader(lambda v: isinstance(v, str) and (v in _OP_NAMES or v == "*"),
+                     "a ggml op name like IM2COL, or * for every op")
 _listen, _connect = _via(parse_address, allow_port_zero=True), _via(parse_address)  # listen :0 = any port
 
 
@@ -385,7 +389,7 @@ _POLICY_READERS: dict[str, Reader] = {
     "allow_commands": _list(_command), "max_request_bytes": _via(parse_size, allow_zero=False),
     "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
-    "denied_ops": _list(_op),
+    "denied_ops": _list(_op), "allow_unverified_ops": _list(_op_or_all),
 }
 _LIMIT_READERS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
@@ -437,8 +441,8 @@ def _parse_metrics(data: Any, role: str) -> tuple[MetricsConfig, str]:
     raw, path = s.raw("listen")
     listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else _listen(raw, path)
     if listen is not None and not listen.is_loopback() and not unsafe:
-        raise ConfigError(path, f"{listen} is not loopback; set metrics.unsafe_public: true to serve "
-                                "metrics beyond this host")
+        how = "pass --metrics-unsafe-public" if path.startswith("--") else "set metrics.unsafe_public: true"
+        raise ConfigError(path, f"{listen} is not loopback; {how} to serve metrics beyond this host")
     return MetricsConfig(listen, unsafe), path
 
 

@@ -150,6 +150,8 @@ def _families() -> dict[str, CounterMetricFamily | GaugeMetricFamily | Histogram
         "build": g("rpcguard_build_info", "rpcguard build.", labels=["version", "python"]),
         "cert": g("rpcguard_certificate_expiry_timestamp_seconds",
                   "notAfter of the loaded certificates, Unix time.", labels=["role", "certificate"]),
+        "certwarn": g("rpcguard_certificate_warning", "1 while the loaded certificate has this problem.",
+                      labels=["role", "kind"]),
         "reload": c("rpcguard_reload", "Configuration / certificate reloads.", labels=["result"]),
         "queue": g("rpcguard_upstream_queue_depth", "Sessions waiting for the upstream.",
                    labels=["listener"]),
@@ -180,6 +182,8 @@ class _Collector:
         f["build"].add_metric([__version__, platform.python_version()], 1)
         for (role, cert), epoch_s in m._cert_expiry.items():
             f["cert"].add_metric([role, cert], epoch_s)
+        for (role, kind), on in m.cert_warnings.items():
+            f["certwarn"].add_metric([role, kind], on)
         for result, n in m._reloads.items():
             f["reload"].add_metric([result], n)
         return iter(f.values())
@@ -232,6 +236,7 @@ class Metrics:
         self._listeners: dict[tuple[str, str], ListenerTraffic] = {}
         self._cert_expiry: dict[tuple[str, str], float] = {}
         self._reloads: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
+        self.cert_warnings: dict[tuple[str, str], float] = {}  # (role, kind) -> 0/1, set by server.Runtime
         # The last refusals with their peer, for a person at a terminal (GET /refusals,
         # `rpcguard status`); bounded, and never a metric label (peers are unbounded).
         self.recent_refusals: deque[dict] = deque(maxlen=RECENT_REFUSALS)

@@ -49,6 +49,7 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
             max_graph_tensors=cfg.max_graph_tensors,
             max_alloc_bytes=cfg.max_alloc_bytes,
             denied_ops=frozenset(cfg.denied_ops),
+            allow_unverified_ops=frozenset(cfg.allow_unverified_ops),
         ),
         clear_new_buffers=cfg.clear_new_buffers,
     )

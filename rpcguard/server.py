@@ -26,14 +26,26 @@ from rpcguard.config import Config, build_config
 from rpcguard.errors import RpcGuardError
 from rpcguard.identity import Acl
 from rpcguard.metrics import Metrics, start_http
+from rpcguard.preflight import WARNING_KINDS, certificate_warnings
+from rpcguard.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tls import client_context, server_context
 
-__all__ = ["TlsMaterial", "Runtime"]
+__all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
 
 log = logging.getLogger("rpcguard.server")
+
+# connect's /readyz: how long what is known about a node (a probe's or a session's outcome) is
+# trusted before the next /readyz probes it again (TLS handshake only, see probe.tls_probe).
+NODE_CHECK_INTERVAL_S = 15.0
+# ...and how long that probe may take: /readyz answers within metrics.READ_TIMEOUT_S (5 s), and a
+# node that drops packets must read as "node_unreachable", not as a timed-out readiness check.
+NODE_PROBE_TIMEOUT_S = 3.0
+# Session outcomes that say the tunnel cannot work now (the node's rpcguard or server is at fault).
+_NODE_DOWN_REASONS = frozenset({"node_unreachable", "tls_failed", "node_name_mismatch", "identity_not_allowed",
+                                "version_not_accepted", "upstream_unavailable"})
 
 
 class TlsMaterial:
@@ -113,8 +125,12 @@ class Runtime:
     """Everything one ``rpcguard serve`` or ``connect`` process runs."""
 
     def __init__(self, cfg: Config, metrics: Metrics | None = None, config_path: str | None = None,
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
+        self.notifier = notifier or Notifier(None)  # systemd sd_notify; a no-op outside systemd
+        self.cert_warnings: list = []  # preflight.CertWarning of the material in use
+        self._node_seen: dict[str, tuple[float, bool, str]] = {}  # connect: tunnel -> (when, ok, why)
+        self._node_lock: dict[str, asyncio.Lock] = {}
         self.config_path = config_path
         self.overrides = dict(overrides or {})  # CLI flags: a reload lays them over the file again
         self.metrics = metrics or Metrics()
@@ -155,6 +171,12 @@ class Runtime:
                 self.listeners.append(_Listener(route, tc.listen.host, tc.listen.port))
 
     def _session_ended(self, record: dict) -> None:
+        if self.cfg.role == "connect" and record.get("listener"):
+            # A session's outcome is the freshest news about its node (connect's /readyz).
+            down = record.get("result") == "refused" and record.get("reason") in _NODE_DOWN_REASONS
+            if down or record.get("version"):
+                why = f"{record.get('reason')}: {record.get('detail')}" if down else "a session got through"
+                self._node_seen[record["listener"]] = (time.monotonic(), not down, why)
         if record.get("result") == "refused":
             self.metrics.note_refusal(**{k: record.get(k) for k in (
                 "role", "listener", "peer", "identity", "reason", "command", "detail")})
@@ -165,6 +187,13 @@ class Runtime:
     def _record_expiry(self) -> None:
         for certificate, when in self.tls.loaded_expiry.items():
             self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
+        # Warnings about the material just loaded (the same checks as `rpcguard check-config`).
+        self.cert_warnings = certificate_warnings(self.tls.tls.cert, self.tls.tls.ca)
+        kinds = {w.kind for w in self.cert_warnings}
+        for kind in WARNING_KINDS:
+            self.metrics.cert_warnings[(self.cfg.role, kind)] = float(kind in kinds)
+        for w in self.cert_warnings:
+            log.warning("certificate %s: %s", w.kind, w.message)
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -189,6 +218,7 @@ class Runtime:
             raise
         if self.cfg.tls.reload_interval_s:
             self._tasks.append(loop.create_task(self._watch_files(self.cfg.tls.reload_interval_s)))
+        self._tasks.append(loop.create_task(self.notifier.watchdog()))
 
     @property
     def metrics_port(self) -> int | None:
@@ -201,7 +231,12 @@ class Runtime:
         loop.add_signal_handler(signal.SIGINT, self.stopping.set)
 
     async def reload(self, why: str) -> bool:
-        """Reload TLS material and allow-lists; keep the old ones if anything is wrong."""
+        """Reload TLS material and allow-lists; keep the old ones if anything is wrong.
+
+        systemd hears RELOADING=1 first and READY=1 with the outcome in STATUS= after
+        (``Type=notify-reload`` makes ``systemctl reload`` wait for it).
+        """
+        self.notifier.reloading()
         try:
             new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
                        if self.config_path or self.overrides else None)
@@ -214,9 +249,11 @@ class Runtime:
         except (RpcGuardError, OSError, ValueError, ssl.SSLError) as exc:
             self.metrics.reload("error")
             log.error("reload (%s) failed, keeping the previous certificates: %s", why, exc)
+            self.notifier.ready(f"reload ({why}) failed, previous certificates kept: {exc}")
             return False
         self.metrics.reload("ok")
         log.info("reloaded certificates and allow-lists (%s)", why)
+        self.notifier.ready(f"reloaded ({why})" + "".join(f"; warning: {w.kind}" for w in self.cert_warnings))
         return True
 
     def _files_stamp(self) -> tuple:
@@ -240,23 +277,26 @@ class Runtime:
                 await self.reload("file change")
 
     async def ready(self) -> tuple[bool, str]:
-        """/readyz: certificates valid and every upstream reachable (without stealing a busy slot)."""
+        """/readyz: the certificates IN USE valid, and every upstream (serve) or node (connect) answering.
+
+        A broken file on disk does not matter here: the loaded material keeps working and a
+        failed reload is reported by ``rpcguard_reload_total{result="error"}``.
+        """
         if any(lst.route.draining for lst in self.listeners):
             return False, "draining: not accepting new sessions"  # take this node out of rotation
         now = time.time()
-        try:
-            on_disk = self.tls.expiry()
-        except Exception as exc:  # unreadable file after a bad rotation: a restart would fail
-            return False, f"certificate unreadable: {exc}"
-        for expiry, what in ((self.tls.loaded_expiry, "in use"), (on_disk, "on disk")):
-            for name, when in expiry.items():
-                if when <= now:
-                    return False, f"{name} certificate {what} expired"
+        for name, when in self.tls.loaded_expiry.items():
+            if when <= now:
+                return False, f"{name} certificate in use expired"
         lines = []
+        tunnels = [lst.route for lst in self.listeners if lst.route.role != "serve"]
+        for route, (ok, why) in zip(tunnels, await asyncio.gather(*(self._node_ready(r) for r in tunnels))):
+            if not ok:
+                return False, f"{route.name}: node {route.upstream_host}:{route.upstream_port}: {why}"
+            lines.append(f"{route.name}: node answers ({why})")
         for lst in self.listeners:
             route = lst.route
             if route.role != "serve":
-                lines.append(f"{route.name}: listening")
                 continue
             if route.slot is not None and route.slot.busy:
                 lines.append(f"{route.name}: upstream in use by a session")
@@ -267,8 +307,31 @@ class Runtime:
             lines.append(f"{route.name}: upstream reachable")
         return True, "; ".join(lines)
 
+    async def _node_ready(self, route: Route) -> tuple[bool, str]:
+        """connect: does the node answer? The last known outcome if fresh, else a TLS-only probe.
+
+        The probe stops after the TLS handshake (and the node's verdict on our certificate), so
+        it never sends HELLO and never takes the node's single upstream slot (serve takes it at
+        HELLO). It runs at most once per NODE_CHECK_INTERVAL_S per tunnel, and only when asked.
+        """
+        from rpcguard.probe import tls_probe
+
+        lock = self._node_lock.setdefault(route.name, asyncio.Lock())
+        async with lock:
+            seen = self._node_seen.get(route.name)
+            if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
+                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
+                                         route.server_name or route.upstream_host,
+                                         timeout=min(NODE_PROBE_TIMEOUT_S, self.cfg.limits.connect_timeout_s
+                                                     + self.cfg.limits.handshake_timeout_s),
+                                         own_warnings=[w.kind for w in self.cert_warnings])
+                why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
+                seen = self._node_seen[route.name] = (time.monotonic(), result.ok, why)
+            return seen[1], seen[2]
+
     async def drain(self, timeout_s: float) -> int:
         """Stop accepting, let sessions finish up to ``timeout_s``, close the rest; returns how many were cut."""
+        self.notifier.stopping(f"draining sessions for up to {timeout_s:g} s")
         for lst in self.listeners:
             lst.route.draining = True
             lst.close()

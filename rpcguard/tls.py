@@ -250,5 +250,5 @@ def _check_key_perms(path: Path, allow_insecure: bool) -> None:
     if too_open:
         raise TlsConfigError(
             f"{path}: private key is accessible by others (mode {stat.S_IMODE(st.st_mode):04o});"
-            " chmod 600 it (or 640 owned by root), or set allow_insecure_key_perms"
+            " chmod 600 it (or chown root and chmod 640)"
         )

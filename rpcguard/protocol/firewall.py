@@ -86,6 +86,9 @@ class FirewallPolicy:
     # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
     # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
     denied_ops: frozenset[str] = frozenset()
+    # Default deny: a graph node whose op has no verified rule (oprules.py) is refused unless
+    # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
+    allow_unverified_ops: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)
@@ -114,6 +117,7 @@ class Firewall:
             op_params=on["op_params"],
             device=self._device,
             extra_denied=frozenset(policy.denied_ops),
+            allow_unverified=frozenset(policy.allow_unverified_ops),
         )
         self._table: dict[str, Callable[[CommandRule, memoryview, int], None]] = {
             name: getattr(self, method) for name, method in _HANDLERS.items()

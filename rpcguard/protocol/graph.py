@@ -33,7 +33,9 @@ from operator import ge, lt
 from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.ggml import op_table
+from rpcguard.protocol.opcheck import check_layout, check_node
+from rpcguard.protocol.oprules import OpRule, rule_for
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
     STRICT,
@@ -45,7 +47,7 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, Version
 
-__all__ = ["GraphValidator", "OpRules", "op_rules", "GGML_MAX_SRC"]
+__all__ = ["GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX"]
 
 GGML_MAX_SRC = 10
 _U32 = struct.Struct("<I")
@@ -61,7 +63,9 @@ _I_USE_COUNT = 73  # use_count @292
 _USE_COUNT_SINCE: Version = (5, 1, 0)  # the padding became use_count in 5.1.0
 _OP_TABLES_SINCE: Version = (3, 6, 1)  # from here GGML_OP_COUNT is pinned to the RPC version
 
-F32, F16, I32, I64 = 0, 1, 26, 27  # enum ggml_type, stable across every version
+# Accepted nodes are remembered per session by their bytes and their sources' bytes; a decode
+# graph has a few thousand nodes, 65536 entries (~40 MB at most) cover several graphs.
+NODE_CACHE_MAX = 1 << 16
 
 
 def _u64(view: memoryview) -> memoryview | array:
@@ -86,14 +90,14 @@ def _refuse(reason: str, detail: str) -> FirewallRefusal:
 
 @dataclass(frozen=True, slots=True)
 class OpRules:
-    """The op ids one version's rules need."""
+    """One version's op ids and the verified rows for them (oprules.py)."""
 
+    version: Version
     count: int  # GGML_OP_COUNT
     names: tuple[str, ...]
     denied: frozenset[int]  # custom ops (function pointers in op_params) + opt-in extras
-    src0_optional: frozenset[int]  # ops whose constructor sets no src[0]: NONE, ARANGE, CUSTOM
-    special: Mapping[int, str]  # op id -> name of its per-node check in _SPECIAL
-    required_srcs: Mapping[int, int]  # op id -> leading srcs that must be present
+    rows: Mapping[int, OpRule]  # op id -> verified rule; an op without one is not forwarded
+    none: int  # id of GGML_OP_NONE (a PARAM node: never computed, layout rules only)
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -102,22 +106,8 @@ class OpRules:
 _RULES: dict[tuple[Version, frozenset[str]], OpRules | None] = {}
 
 
-# Sources an op's constructor always sets from non-NULL arguments and its CPU kernel reads
-# unconditionally (ggml.c / ggml-cpu/ops.cpp, 2.0.0-7.0.0; the smallest count over those versions,
-# e.g. SET_ROWS set two sources before 3.6.1). Optional inputs (masks, freq factors) are left out.
-REQUIRED_SRCS: Mapping[str, int] = {
-    **dict.fromkeys(("ADD", "SUB", "MUL", "DIV", "ADD1", "ACC", "SET", "CPY", "CONCAT", "MUL_MAT", "OUT_PROD",
-                     "GET_ROWS", "GET_ROWS_BACK", "SET_ROWS", "SILU_BACK", "RMS_NORM_BACK", "COUNT_EQUAL",
-                     "CROSS_ENTROPY_LOSS", "SOFT_MAX_BACK", "ROPE"), 2),
-    **dict.fromkeys(("MUL_MAT_ID", "ADD_ID", "CROSS_ENTROPY_LOSS_BACK", "OPT_STEP_SGD", "FLASH_ATTN_EXT",
-                     "ADD_REL_POS"), 3),
-    "OPT_STEP_ADAMW": 5,
-    "GATED_LINEAR_ATTN": 5,
-}
-
-
 def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> OpRules | None:
-    """Op rules for ``version``, or None when its op ids are not known (no op rule applies)."""
+    """Op rules for ``version``, or None when its op ids are not known (no op is verified)."""
     key = (version, extra_denied)
     if key in _RULES:
         return _RULES[key]
@@ -125,29 +115,26 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
     rules = None
     if table is not None:
         ids = table.ids
-        get = lambda n: ids.get(n, -1)  # noqa: E731
-        special = {ids[n]: n for n in _SPECIAL if n in ids}
+        rows = {ids[name]: r for name in ids if (r := rule_for(name, version)) is not None}
         rules = OpRules(
+            version=version,
             count=table.count,
             names=tuple(table.names),
             denied=frozenset(table.denied) | frozenset(ids[n] for n in extra_denied if n in ids),
-            # ggml.c: every op constructor sets src[0] except ggml_arange and ggml_custom_4d
-            # (0 args possible); NONE is a leaf/param. Checked in 2.0.0-7.0.0 sources.
-            src0_optional=frozenset({0} | ({get("ARANGE"), get("CUSTOM")} - {-1})),
-            special=special,
-            required_srcs={ids[n]: k for n, k in REQUIRED_SRCS.items() if n in ids},
+            rows=rows,
+            none=ids["NONE"],
         )
     _RULES[key] = rules
     return rules
 
 
-def _rows_ok(t: RpcTensor) -> bool:
-    """Rows are contiguous as the CPU row kernels assume (ggml_is_contiguous_rows), and a
-    single-block row of a quantized type is not squeezed below one block by its stride."""
-    info = TYPES[t.type]
-    if t.nb0 == info.type_size:
-        return True
-    return t.ne0 == info.blck_size and (info.blck_size == 1 or t.nb0 >= info.type_size)
+def coverage(version: Version) -> tuple[int, int, tuple[str, ...]]:
+    """(ops with a verified rule, ops in the version's table, names of the ops without one)."""
+    rules = op_rules(version)
+    if rules is None:
+        return 0, 0, ()
+    missing = tuple(n for i, n in enumerate(rules.names) if i not in rules.rows and i != rules.none)
+    return len(rules.rows), rules.count - 1, missing
 
 
 class GraphValidator:
@@ -164,6 +151,7 @@ class GraphValidator:
         op_params: bool = True,
         device: bool = True,
         extra_denied: frozenset[str] = frozenset(),
+        allow_unverified: frozenset[str] = frozenset(),
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -176,6 +164,8 @@ class GraphValidator:
         self.op_params = op_params
         self.device = device
         self.extra_denied = extra_denied
+        # Ops the site forwards without a verified rule ("*": every op), counted per use.
+        self.allow_unverified = allow_unverified
 
     # -- entry point -------------------------------------------------------------------------
 
@@ -222,6 +212,8 @@ class GraphValidator:
         pos = self._structure(nodes, ids, srcs, m)
         npos = [p for p in map(pos.get, nodes) if p is not None]  # all of them unless structure off
         self._tensors(region, state)
+        if self.tensor_checks == STRICT:
+            self._layout(region, npos, srcs, pos, state, device)
         if spec.version >= _USE_COUNT_SINCE and self.structure:
             uc = _u32(region, "i")[_I_USE_COUNT::_I]
             lo, hi = min(uc), max(uc)
@@ -233,10 +225,7 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            rules = op_rules(spec.version, self.extra_denied)
-            if rules is not None:
-                ops = _u32(region)[_I_OP::_I].tolist()
-                self._ops(rules, ops, ids, npos, srcs, region, pos)
+            self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, srcs, pos, state)
         return device
 
     # -- structure ---------------------------------------------------------------------------
@@ -295,6 +284,30 @@ class GraphValidator:
 
     # -- per-tensor rules, through the cache ------------------------------------------------
 
+    def _layout(
+        self, region: memoryview, npos: list[int], srcs: list[list[int]], pos: dict[int, int],
+        state: SessionState, device: int,
+    ) -> None:
+        """The layout rule (opcheck.check_layout) for every tensor a kernel reads or writes: the
+        nodes and their direct sources. Other tensors of the list are transitive sources the
+        client serialises but no kernel touches (7.0.0 sends those of other backends with
+        buffer 0). A verdict depends on the bytes, the live buffers (emptied on FREE_BUFFER) and
+        the graph's device: one cache per device."""
+        touched = set(npos)
+        getp = pos.get
+        for column in srcs[:GGML_MAX_SRC]:
+            touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
+        touched.discard(pos.get(0))  # type: ignore[arg-type]
+        cache = state.layout_cache.setdefault(device, set())
+        step = TENSOR_BYTES
+        for q in touched:
+            key = region[q * step : (q + 1) * step].tobytes()
+            if key not in cache:
+                check_layout(decode_tensor(key), state, device)
+                if len(cache) >= TENSOR_CACHE_MAX:
+                    cache.clear()
+                cache.add(key)
+
     def _tensors(self, region: memoryview, state: SessionState) -> None:
         checks = self.tensor_checks
         if not checks:
@@ -318,163 +331,67 @@ class GraphValidator:
 
     def _ops(
         self,
-        rules: OpRules,
-        ops: list[int],
+        rules: OpRules | None,
+        region: memoryview,
         ids: list[int],
         npos: list[int],
         srcs: list[list[int]],
-        region: memoryview,
         pos: dict[int, int],
+        state: SessionState,
     ) -> None:
-        src0 = srcs[0]
-        if self.ops:
-            if max(ops) >= rules.count:
-                i = next(i for i, op in enumerate(ops) if op >= rules.count)
-                raise _refuse("graph_op_invalid", f"tensor {i} (id={ids[i]:#x}) op {ops[i]} >= OP_COUNT {rules.count}")
-        node_ops = list(map(ops.__getitem__, npos))
-        if self.ops:
-            if not rules.denied.isdisjoint(node_ops):
-                p = next(p for p in npos if ops[p] in rules.denied)
-                raise _refuse("graph_op_denied", f"node id={ids[p]:#x} op {rules.name(ops[p])} is denied")
-            # CPU kernels read src[0] unconditionally (e.g. src[0]->type): a node without one is a
-            # NULL dereference on the server.
-            if 0 in map(src0.__getitem__, npos):
-                for p in npos:
-                    if src0[p] == 0 and ops[p] not in rules.src0_optional:
-                        raise _refuse(
-                            "graph_src_missing", f"node id={ids[p]:#x} op {rules.name(ops[p])} has no src[0]"
-                        )
-            # Ops whose CPU kernels read several sources unconditionally (e.g. OPT_STEP_ADAMW's five):
-            # a missing one is a NULL dereference on the server.
-            need = rules.required_srcs
-            if not need.keys().isdisjoint(node_ops):
-                for p, op in zip(npos, node_ops):
-                    k = need.get(op)
-                    if k is not None:
-                        for i in range(1, k):
-                            if srcs[i][p] == 0:
-                                raise _refuse("graph_src_missing",
-                                              f"node id={ids[p]:#x} op {rules.name(op)} has no src[{i}]")
-        special = rules.special
-        if self.op_params and not special.keys().isdisjoint(node_ops):
-            for p, op in zip(npos, node_ops):
-                if op in special:
-                    self._special(rules, special[op], p, region, pos)
+        if rules is None:
+            # No verified op table for this version: no node can be re-derived, so none is
+            # forwarded unless the site accepted every op ("*" in allow_unverified_ops).
+            if "*" not in self.allow_unverified:
+                raise _refuse("op_not_verified", f"protocol {state.spec.version if state.spec else '?'} has no "
+                                                 "verified op table")
+            return
+        ops = _u32(region)[_I_OP::_I].tolist()
+        if max(ops) >= rules.count:
+            if not self.ops:
+                return  # op ids unchecked: nothing below can name them
+            i = next(i for i, op in enumerate(ops) if op >= rules.count)
+            raise _refuse("graph_op_invalid", f"tensor {i} (id={ids[i]:#x}) op {ops[i]} >= OP_COUNT {rules.count}")
+        denied = rules.denied
+        if self.ops and not denied.isdisjoint(map(ops.__getitem__, npos)):
+            p = next(p for p in npos if ops[p] in denied)
+            raise _refuse("graph_op_denied", f"node id={ids[p]:#x} op {rules.name(ops[p])} is denied")
+        rows = rules.rows
+        cache = state.node_cache
+        by_id: dict[int, RpcTensor] = {}
 
-    def _special(self, rules: OpRules, name: str, p: int, region: memoryview, pos: dict[int, int]) -> None:
-        dst = decode_tensor(region, p * TENSOR_BYTES)
+        def tensor(q: int) -> RpcTensor:
+            t = decode_tensor(region, q * TENSOR_BYTES)
+            by_id[t.id] = t
+            return t
 
-        def src(i: int, required: bool = True) -> RpcTensor | None:
-            sid = dst[29 + i]
-            q = pos.get(sid) if sid else None
-            if q is None:
-                if required or sid:
-                    raise _refuse("graph_src_missing", f"node id={dst.id:#x} op {name} needs src[{i}]")
-                return None
-            return decode_tensor(region, q * TENSOR_BYTES)
-
-        _typed(dst, dst, name)
-        _SPECIAL[name](dst, name, src)
-
-
-def _typed(t: RpcTensor, dst: RpcTensor, name: str) -> RpcTensor:
-    if t.type not in TYPES:
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: src id={t.id:#x} invalid type {t.type}")
-    return t
-
-
-Src = Callable[..., "RpcTensor | None"]
-
-
-def _acc_set(dst: RpcTensor, name: str, src: Src) -> None:
-    """ACC / SET: op_params = {nb1, nb2, nb3, offset, inplace} (ggml_acc_impl / ggml_set_impl).
-    The CPU kernel writes src1's shape at dst.data + offset with those strides and checks only the
-    far corner in size_t arithmetic, so negative values that cancel out pass it (#25764)."""
-    s1, s2, s3, offset = dst.param0, dst.param1, dst.param2, dst.param3
-    if min(s1, s2, s3, offset) < 0:
-        raise _refuse(
-            "graph_op_params_invalid", f"node id={dst.id:#x} op {name}: negative stride/offset {(s1, s2, s3, offset)}"
-        )
-    a = _typed(src(0), dst, name)  # type: ignore[arg-type]
-    b = _typed(src(1), dst, name)  # type: ignore[arg-type]
-    if a.type != dst.type or a.ne != dst.ne:
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst differs from src[0] in type or shape")
-    if not (b.ne0 and b.ne1 and b.ne2 and b.ne3):
-        return  # nothing is written
-    esz = TYPES[a.type].type_size  # "nb0 is implicitly element_size" (ops.cpp)
-    end = offset + (b.ne0 - 1) * esz + (b.ne1 - 1) * s1 + (b.ne2 - 1) * s2 + (b.ne3 - 1) * s3 + esz
-    limit = nbytes(dst, TYPES[dst.type])
-    if name == "ACC":
-        limit = min(limit, nbytes(a, TYPES[a.type]))  # ACC also reads src[0] at the same offsets
-    if end > limit:
-        raise _refuse(
-            "graph_op_params_invalid",
-            f"node id={dst.id:#x} op {name}: region ends at byte {end}, past the {limit}-byte tensor",
-        )
-
-
-def _pad_reflect_1d(dst: RpcTensor, name: str, src: Src) -> None:
-    """PAD_REFLECT_1D: op_params = {p0, p1}; ggml_pad_reflect_1d asserts 0 <= p0, p1 < a.ne0 and
-    builds dst as (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3) F32; the kernel writes around each row."""
-    p0, p1 = dst.param0, dst.param1
-    a = _typed(src(0), dst, name)  # type: ignore[arg-type]
-    if p0 < 0 or p1 < 0 or p0 >= a.ne0 or p1 >= a.ne0:
-        raise _refuse(
-            "graph_op_params_invalid", f"node id={dst.id:#x} op {name}: pads ({p0}, {p1}) for ne0={a.ne0}"
-        )
-    if (dst.ne0, dst.ne1, dst.ne2, dst.ne3) != (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3):
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst shape {dst.ne} != src shape + pads")
-    if dst.type != F32 or a.type != F32 or not _rows_ok(dst) or not _rows_ok(a):
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: needs contiguous F32 rows")
-
-
-def _get_rows(dst: RpcTensor, name: str, src: Src) -> None:
-    """GET_ROWS: ggml_get_rows(a, b) asserts a.ne2 == b.ne1, a.ne3 == b.ne2, b.ne3 == 1, b I32,
-    and builds dst = (a.ne0, b.ne0, b.ne1, b.ne2), F32 (I32 when a is I32). Row indices are data
-    (checked by the kernel with GGML_ASSERT), shapes are not checked by the server (#26825)."""
-    a = _typed(src(0), dst, name)  # type: ignore[arg-type]
-    b = _typed(src(1), dst, name)  # type: ignore[arg-type]
-    if b.type != I32 or a.ne2 != b.ne1 or a.ne3 != b.ne2 or b.ne3 != 1:
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: src shapes {a.ne} / {b.ne} do not match")
-    if (dst.ne0, dst.ne1, dst.ne2, dst.ne3) != (a.ne0, b.ne0, b.ne1, b.ne2):
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst shape {dst.ne} wrong")
-    if dst.type != (I32 if a.type == I32 else F32) or not _rows_ok(dst) or not _rows_ok(a):
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst type/stride wrong")
-
-
-def _set_rows(dst: RpcTensor, name: str, src: Src) -> None:
-    """SET_ROWS: dst = view of a, srcs {b, c, a} (ggml_set_rows): a.ne0 == b.ne0, a.ne2 == b.ne2,
-    a.ne3 == b.ne3, b.ne1 == c.ne0, b.ne2 % c.ne1 == 0, b.ne3 % c.ne2 == 0, c.ne3 == 1, b F32/F16,
-    c I64/I32, rows of a and b contiguous (#26912). The kernel writes through dst's own shape."""
-    b = _typed(src(0), dst, name)  # type: ignore[arg-type]
-    c = _typed(src(1), dst, name)  # type: ignore[arg-type]
-    a = src(2, required=False)
-    bad = (
-        b.type not in (F32, F16)
-        or c.type not in (I64, I32)
-        or c.ne3 != 1
-        or b.ne1 != c.ne0
-        or c.ne1 == 0
-        or c.ne2 == 0
-        or b.ne2 % c.ne1
-        or b.ne3 % c.ne2
-        or not _rows_ok(b)
-    )
-    if bad:
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: src shapes {b.ne} / {c.ne} do not match")
-    if dst.ne0 != b.ne0 or dst.ne2 != b.ne2 or dst.ne3 != b.ne3 or not _rows_ok(dst):
-        raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst shape {dst.ne} wrong")
-    if a is not None:
-        _typed(a, dst, name)
-        if a.ne != dst.ne or a.type != dst.type:
-            raise _refuse("graph_shape_invalid", f"node id={dst.id:#x} op {name}: dst is not a view of src[2]")
-
-
-# Per-node op checks, by ggml op name (the ids come from the version's op table).
-_SPECIAL: Mapping[str, Callable[[RpcTensor, str, Src], None]] = {
-    "ACC": _acc_set,
-    "SET": _acc_set,
-    "GET_ROWS": _get_rows,
-    "SET_ROWS": _set_rows,
-    "PAD_REFLECT_1D": _pad_reflect_1d,
-}
+        step = TENSOR_BYTES
+        getp = pos.get
+        for p in npos:
+            op = ops[p]
+            if op == rules.none:
+                continue  # a PARAM leaf listed as a node: never computed
+            rule = rows.get(op)
+            if rule is None:
+                name = rules.name(op)
+                if name in self.allow_unverified or "*" in self.allow_unverified:
+                    state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
+                    continue
+                if self.ops:
+                    raise _refuse("op_not_verified", f"node id={ids[p]:#x} op {name} has no verified rule")
+                continue
+            if not self.op_params:
+                continue
+            src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
+            # A node's verdict depends only on its bytes and those of its sources and view root.
+            key = b"".join([region[q * step : (q + 1) * step] for q in (p, *src_pos) if q is not None])
+            if key in cache:
+                continue
+            node = decode_tensor(region, p * step)
+            node_srcs = [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]]
+            if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
+                tensor(src_pos[GGML_MAX_SRC])  # type: ignore[arg-type]
+            check_node(rule, node, node_srcs, by_id)
+            if len(cache) >= NODE_CACHE_MAX:
+                cache.clear()
+            cache.add(key)

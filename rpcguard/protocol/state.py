@@ -63,6 +63,10 @@ class SessionState:
     graph_devices: set[int] = field(default_factory=set)  # devices with a stored, validated graph
     freed_since_graph: bool = False  # a FREE_BUFFER happened after the last GRAPH_COMPUTE
     tensor_cache: dict[bytes, int] = field(default_factory=dict)  # validated rpc_tensor -> nbytes
+    # graph device -> bytes of tensors a kernel touches that passed the layout rule (graph.py)
+    layout_cache: dict[int, set[bytes]] = field(default_factory=dict)
+    node_cache: set[bytes] = field(default_factory=set)  # accepted node + source bytes (graph.py)
+    unverified_uses: dict[str, int] = field(default_factory=dict)  # allowed ops without a rule, per use
     head_cache: dict[bytes, int] = field(default_factory=dict)  # validated request heads -> body_len
 
     def device_count(self) -> int:
@@ -79,6 +83,8 @@ class SessionState:
         self.graph_devices.clear()
         self.freed_since_graph = True
         self.tensor_cache.clear()
+        self.layout_cache.clear()
+        self.node_cache.clear()
         self.head_cache.clear()
 
     def graph_stored(self, device: int) -> None:

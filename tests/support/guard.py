@@ -10,6 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from rpcguard import certs
+from rpcguard.cli import READY_MESSAGE
 from tests.support.realpeer import PYTHON, Proc, free_port, start, wait_port
 
 
@@ -95,7 +96,7 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
         cmd.append("--no-check")
     proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}", env)
     if ready:
-        wait_for_line(proc, "RPCGUARD_READY")
+        wait_for_line(proc, READY_MESSAGE)
         wait_port(port)
     return Guard(proc, port, mport, role)
 

@@ -218,6 +218,7 @@ def start_config_guard(role: str, workdir: Path, config: str, ports: list[int], 
                        tag: str = ""):
     """Start ``rpcguard ROLE --config FILE`` for a config with several listeners/tunnels (which the
     single-listener ``start_guard`` flags cannot express); wait until every port listens."""
+    from rpcguard.cli import READY_MESSAGE
     from tests.support.guard import Guard, wait_for_line
     from tests.support.realpeer import PYTHON, free_port, start, wait_port
 
@@ -228,7 +229,7 @@ def start_config_guard(role: str, workdir: Path, config: str, ports: list[int], 
     if role == "connect":
         cmd.append("--no-check")
     proc = start(cmd, workdir / f"rpcguard-{role}{tag}-{ports[0]}.log", f"rpcguard {role}")
-    wait_for_line(proc, "RPCGUARD_READY")
+    wait_for_line(proc, READY_MESSAGE)
     for port in ports:
         wait_port(port)
     return Guard(proc, ports[0], mport, role, extra={"ports": ports, "config": path})

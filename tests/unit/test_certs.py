@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rpcguard import certs
+from rpcguard import certs, csr
 from rpcguard.certs import CertError
 from rpcguard.errors import RpcGuardError
 
@@ -227,3 +227,147 @@ def test_cert_not_after_and_describe(ca_dir):
     assert "eku=serverAuth" in text
     assert "expires in 29d" in text or "expires in 30d" in text
     assert "\n" not in text
+
+
+# ----------------------------------------------------------------------------- CSR + sign, --ca-dir
+
+
+def test_issue_with_ca_in_its_own_directory(tmp_path):
+    certs.init_ca(tmp_path / "ca")
+    (tmp_path / "leaves").mkdir()
+    files = certs.issue(tmp_path / "leaves", "n1", server=True, ca_dir=tmp_path / "ca")
+    assert sorted(p.name for p in (tmp_path / "leaves").iterdir()) == ["n1.key", "n1.pem"]  # no ca.key here
+    certs.load_cert(files.cert).verify_directly_issued_by(certs.load_cert(tmp_path / "ca" / "ca.pem"))
+    with pytest.raises(CertError, match="ca.pem"):
+        certs.issue(tmp_path / "leaves", "n2", server=True)  # the CA is not in the leaf directory
+
+
+def test_csr_then_sign_gives_what_issue_gives(tmp_path):
+    certs.init_ca(tmp_path / "ca")
+    node = tmp_path / "node"
+    node.mkdir()
+    req = csr.make_csr(node, "node1", server=True, dns=["Node1.Lab."], ips=["10.0.0.5"])
+    assert mode(req.key) == 0o600 and req.cert.name == "node1.csr"
+    out = csr.sign_csr(tmp_path / "ca", req.cert, node / "node1.pem")
+    cert = certs.load_cert(out)
+    ref = certs.load_cert(certs.issue(tmp_path / "ca", "ref", server=True, dns=["node1.lab"], ips=["10.0.0.5"]).cert)
+    for cls in (x509.SubjectAlternativeName, x509.ExtendedKeyUsage, x509.KeyUsage, x509.BasicConstraints):
+        assert ext(cert, cls).value == ext(ref, cls).value, cls
+    assert cert.subject.rfc4514_string() == "CN=node1"
+    # the certificate carries the node's key: the key never left the node
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(req.key.read_bytes(), None)
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    assert key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
+    from rpcguard.tls import server_context
+
+    server_context(out, req.key, tmp_path / "ca" / "ca.pem")  # rpcguard serve takes it
+
+
+def test_sign_kind_follows_the_csr_and_must_match(tmp_path):
+    certs.init_ca(tmp_path)
+    req = csr.make_csr(tmp_path, "c1", server=False, uris=["spiffe://lab/llama/1"])
+    with pytest.raises(CertError, match="asks for a client certificate"):
+        csr.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem", server=True)
+    out = csr.sign_csr(tmp_path, req.cert, tmp_path / "c1.pem")
+    assert list(ext(certs.load_cert(out), x509.ExtendedKeyUsage).value) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    with pytest.raises(CertError, match="already exists"):
+        csr.sign_csr(tmp_path, req.cert, out)
+    csr.sign_csr(tmp_path, req.cert, out, force=True, days=2)
+
+
+def _foreign_csr(tmp_path, name="evil", sans=(), ekus=(ExtendedKeyUsageOID.CLIENT_AUTH,)):
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    b = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+    if ekus:
+        b = b.add_extension(x509.ExtendedKeyUsage(list(ekus)), critical=False)
+    if sans:
+        b = b.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+    b = b.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)  # asks to be a CA
+    path = tmp_path / f"{name}.csr"
+    path.write_bytes(b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def test_sign_applies_the_issue_rules_to_a_hand_made_csr(tmp_path):
+    certs.init_ca(tmp_path)
+    # a CSR asking to be a CA gets a plain leaf: the CA decides the extensions
+    out = csr.sign_csr(tmp_path, _foreign_csr(tmp_path), tmp_path / "evil.pem")
+    assert ext(certs.load_cert(out), x509.BasicConstraints).value.ca is False
+    cases = [
+        (dict(name="../x"), "invalid certificate name"),
+        (dict(name="ca"), "invalid certificate name"),
+        (dict(name="s1", sans=[x509.DNSName("bad..name")]), "invalid DNS name"),
+        (dict(name="s2", sans=[x509.RFC822Name("a@b.c")]), "unsupported subject alternative name"),
+        (dict(name="s3", ekus=[ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]), "exactly one"),
+        (dict(name="s4", ekus=[]), "pass --server or --client"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(CertError, match=msg):
+            csr.sign_csr(tmp_path, _foreign_csr(tmp_path, **kw), tmp_path / "x.pem")
+    assert not (tmp_path / "x.pem").exists()
+
+
+def test_sign_refuses_a_tampered_csr_and_bad_files(tmp_path):
+    certs.init_ca(tmp_path)
+    req = csr.make_csr(tmp_path, "t1", server=False)
+    data = bytearray(x509.load_pem_x509_csr(req.cert.read_bytes()).public_bytes(
+        __import__("cryptography.hazmat.primitives.serialization", fromlist=["Encoding"]).Encoding.DER))
+    data[-5] ^= 0xFF  # flip a signature byte
+    import base64
+
+    tampered = tmp_path / "tampered.csr"
+    tampered.write_text("-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(data)).decode()
+                        + "-----END CERTIFICATE REQUEST-----\n")
+    with pytest.raises(CertError, match="signature|not a PEM"):
+        csr.sign_csr(tmp_path, tampered, tmp_path / "t.pem")
+    with pytest.raises(CertError, match="cannot read CSR"):
+        csr.sign_csr(tmp_path, tmp_path / "missing.csr", tmp_path / "t.pem")
+    with pytest.raises(CertError, match="not a PEM certificate signing request"):
+        csr.sign_csr(tmp_path, tmp_path / "ca.pem", tmp_path / "t.pem")
+    with pytest.raises(CertError, match="no such directory"):
+        csr.make_csr(tmp_path / "nodir", "t2", server=True)
+
+
+def test_write_errors_are_cert_errors(tmp_path):
+    with pytest.raises(CertError, match="cannot create the directory"):
+        certs.init_ca("/proc/rpcguard-test/ca")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CertError, match="cannot create the directory"):
+        certs.init_ca(tmp_path / "file" / "ca")
+
+
+# ----------------------------------------------------------------------------- start-up warnings
+
+
+def test_certificate_warnings(tmp_path):
+    from rpcguard.preflight import certificate_warnings
+
+    certs.init_ca(tmp_path)
+    now = dt.datetime.now(dt.timezone.utc)
+    ca = tmp_path / "ca.pem"
+
+    def kinds(**kw) -> list[str]:
+        f = certs.issue(tmp_path, f"w{len(list(tmp_path.iterdir()))}", server=True, **kw)
+        return [w.kind for w in certificate_warnings(f.cert, ca)]
+
+    assert kinds() == []
+    assert kinds(not_before=now - dt.timedelta(days=3), not_after=now - dt.timedelta(days=1)) == ["expired"]
+    assert kinds(not_before=now + dt.timedelta(days=1), not_after=now + dt.timedelta(days=30)) == ["not_yet_valid"]
+    assert kinds(not_before=now - dt.timedelta(days=29), not_after=now + dt.timedelta(days=1)) == ["expiring_soon"]
+    # short-lived: a 24 h certificate warns in its last third only
+    assert kinds(not_before=now - dt.timedelta(hours=12), not_after=now + dt.timedelta(hours=12)) == []
+    assert kinds(not_before=now - dt.timedelta(hours=20), not_after=now + dt.timedelta(hours=4)) == ["expiring_soon"]
+    other = tmp_path / "other"
+    certs.init_ca(other)
+    f = certs.issue(other, "stranger", server=True)
+    assert [w.kind for w in certificate_warnings(f.cert, ca)] == ["untrusted"]
+    assert "not signed by a CA of" in certificate_warnings(f.cert, ca)[0].message
+    # a bundle with both CAs (CA rotation) trusts both
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(ca.read_bytes() + (other / "ca.pem").read_bytes())
+    assert certificate_warnings(f.cert, bundle) == []
+    assert certificate_warnings(tmp_path / "missing.pem", ca) == []  # unreadable: the context check reports it

@@ -133,7 +133,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("mode", serve_data, top("policy", mode="block"), "policy.mode: must be one of enforce, monitor, got 'block'"),
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
-     "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, checks, "
+     "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, allow_unverified_ops, checks, "
      "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_nodes, max_graph_tensors, max_request_bytes, mode)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
@@ -530,7 +530,7 @@ def test_flags_over_file(base: Path, tmp_path: Path, monkeypatch) -> None:
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "mode": "audit"},
      "--mode: must be one of enforce, monitor, got 'audit'"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "metrics": "0.0.0.0:9450"},
-     "--metrics: 0.0.0.0:9450 is not loopback; set metrics.unsafe_public: true to serve metrics beyond this host"),
+     "--metrics: 0.0.0.0:9450 is not loopback; pass --metrics-unsafe-public to serve metrics beyond this host"),
     ("serve", {"listen": "127.0.0.1:9450", "upstream": "127.0.0.1:1"}, "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "tls_min_version": "1.0"},
      "--tls-min-version: must be one of 1.3, 1.2, got '1.0'"),

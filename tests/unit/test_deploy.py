@@ -31,6 +31,7 @@ UNITS = {
     "serve": DEPLOY / "systemd" / "rpcguard-serve.service",
     "connect": DEPLOY / "systemd" / "rpcguard-connect.service",
 }
+COMPAT = DEPLOY / "systemd" / "rpcguard-notify-compat.conf"
 INSTALL_SCRIPT = ROOT / ".ci" / "install-ops-tools.sh"
 
 METRIC_RE = re.compile(r"rpcguard_[a-z_]+")
@@ -330,7 +331,9 @@ HARDENING = {
     "MemoryDenyWriteExecute": "yes",
     "KillSignal": "SIGTERM",
     "Restart": "on-failure",
-    "ExecReload": "/bin/kill -HUP $MAINPID",
+    "Type": "notify-reload",  # READY=1 after bind; `systemctl reload` waits for RELOADING=1 .. READY=1
+    "NotifyAccess": "main",
+    "RestartPreventExitStatus": "2",  # a config error does not restart-loop
     "User": "rpcguard",
     "Group": "rpcguard",
 }
@@ -353,6 +356,19 @@ def test_systemd_unit_hardening(role):
     # rpcguard drains for up to 30 s after SIGTERM; systemd must not SIGKILL before that
     assert 30 <= seconds(last["TimeoutStopSec"]) <= 60
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    assert "ExecReload" not in svc, "notify-reload sends SIGHUP itself (the compat drop-in has ExecReload)"
+    assert 10 <= seconds(last["WatchdogSec"]) <= 120
+
+
+def test_notify_compat_drop_in():
+    """systemd < 253: the drop-in turns the units into Type=notify + ExecReload=kill -HUP."""
+    drop = parse_unit(COMPAT)
+    assert drop == {"Service": {"Type": ["notify"], "ExecReload": ["/bin/kill -HUP $MAINPID"]}}
+
+
+def _systemd_version(tool: str) -> int:
+    m = re.match(r"systemd (\d+)", run([tool, "--version"]).stdout)
+    return int(m.group(1)) if m else 0
 
 
 def test_systemd_analyze_verify(tmp_path):
@@ -363,9 +379,14 @@ def test_systemd_analyze_verify(tmp_path):
     binary = "/usr/local/bin/rpcguard"
     substitute = binary if os.access(binary, os.X_OK) else "/bin/true"
     paths = []
+    old = _systemd_version(tool) < 253  # no Type=notify-reload: verify the units as the compat drop-in makes them
     for path in UNITS.values():
         copy = tmp_path / path.name
-        copy.write_text(path.read_text(encoding="utf-8").replace(binary, substitute), encoding="utf-8")
+        text = path.read_text(encoding="utf-8").replace(binary, substitute)
+        if old:
+            assert "Type=notify-reload\n" in text
+            text = text.replace("Type=notify-reload\n", "") + "\n" + COMPAT.read_text(encoding="utf-8")
+        copy.write_text(text, encoding="utf-8")
         paths.append(str(copy))
     res = run([tool, "verify", *paths])
     out = res.stdout + res.stderr

@@ -84,16 +84,21 @@ def test_accepts_chain_with_views_and_use_counts():
 
 def test_accepts_cpu_side_tensors_without_buffer():
     # 7.0.0 sends buffer=0, data=0 for tensors outside this server's buffers (transitive srcs).
+    # No kernel touches them: only the nodes and their direct sources must be allocated here.
     tensors = [
         T(0x10, buffer=0),
         T(0x11, buffer=0),
-        T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10, 0x11), buffer=0),
-        T(0x30, 2, op=OPS["CPY"], src=(0x20, 0x10)),
+        T(0x20, 1, op=OPS["GET_ROWS"], src=(0x10, 0x11)),
+        T(0x25, 2),
+        T(0x30, 2, op=OPS["CPY"], src=(0x20, 0x25), view_src=0x25),
     ]
     assert run([0x30], tensors) == 0
+    tensors[1].buffer = 0  # unchanged: 0x11 is still only a transitive source
+    tensors[2].buffer, tensors[2].data = 0, 0  # CPY's src[0] read by the kernel, unallocated
+    assert reason([0x30], tensors) == "graph_tensor_unallocated"
 
 
-@pytest.mark.parametrize("op,srcs", [("OPT_STEP_ADAMW", 4), ("OPT_STEP_SGD", 2), ("MUL_MAT", 1), ("SET_ROWS", 1)])
+@pytest.mark.parametrize("op,srcs", [("MUL_MAT", 1), ("SET_ROWS", 1), ("SET_ROWS", 2), ("ROPE", 1)])
 def test_ops_that_read_several_sources_need_them_all(op, srcs):
     # A 4.0.0 client's GLU (op 95) reaches a 4.0.2 server as OPT_STEP_ADAMW: its kernel reads
     # src[0..4] and the server crashed on the NULL ones (found by the version matrix).
@@ -104,20 +109,30 @@ def test_ops_that_read_several_sources_need_them_all(op, srcs):
 
 def test_returns_device_and_checks_it():
     nodes, tensors = chain()
-    assert run(nodes, tensors, st=state(devices=2), device=1) == 1
+    st = state(devices=2)
+    st.buffers[HANDLE].device = 1
+    assert run(nodes, tensors, st=st, device=1) == 1
     assert reason(nodes, tensors, device=1) == "device_out_of_range"
+    # A graph runs on one device: tensors of another device's buffers are refused.
+    assert reason(nodes, tensors, st=state(devices=2), device=1) == "graph_tensor_wrong_device"
 
 
 def test_pre_3_0_layout_without_device():
     nodes, tensors = chain()
-    assert run(nodes, tensors, st=state((2, 0, 0)), device=None) == 0
+    # 2.0.0 op ids were not tied to the protocol version: only with every op allowed.
+    v = validator(allow_unverified=frozenset({"*"}))
+    assert run(nodes, tensors, st=state((2, 0, 0)), device=None, v=v) == 0
+    assert reason(nodes, tensors, st=state((2, 0, 0)), device=None) == "op_not_verified"
 
 
-def test_op_rules_skipped_without_op_table():
-    # 3.0.0 has no verified op table: an op beyond any OP_COUNT and a custom op pass structure.
+def test_no_op_table_means_no_graph_unless_every_op_is_allowed():
+    # 3.0.0 has no verified op table: no node can be re-derived, so default deny refuses the
+    # graph; a site that accepts the risk ("*") gets the structure checks only.
     tensors = [T(0x10), T(0x20, 1, op=500, src=(0x10,)), T(0x30, 2, op=95, src=(0x20,))]
     assert op_rules((3, 0, 0)) is None
-    assert run([0x20, 0x30], tensors, st=state((3, 0, 0))) == 0
+    assert reason([0x20, 0x30], tensors, st=state((3, 0, 0))) == "op_not_verified"
+    v = validator(allow_unverified=frozenset({"*"}))
+    assert run([0x20, 0x30], tensors, st=state((3, 0, 0)), v=v) == 0
 
 
 def test_non_node_tensors_are_not_op_checked():
@@ -126,8 +141,13 @@ def test_non_node_tensors_are_not_op_checked():
     assert run([0x20], tensors) == 0
 
 
+def _f(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
 def test_arange_and_none_nodes_need_no_src0():
-    tensors = [T(0x10, op=OPS["ARANGE"]), T(0x20, 1, flags=4)]
+    # ARANGE(0, 4, 1) builds 4 F32 elements from its params alone; a NONE node (a PARAM) is data.
+    tensors = [T(0x10, op=OPS["ARANGE"], op_params=(_f(0.0), _f(4.0), _f(1.0))), T(0x20, 1, flags=4)]
     assert run([0x10, 0x20], tensors) == 0
 
 
@@ -277,14 +297,18 @@ def test_custom_op_ids_follow_the_version():
     # 3.6.1: CUSTOM is 90, not 95 (OP_COUNT 96 - 6).
     tensors = [T(0x10), T(0x20, 1, op=90, src=(0x10,))]
     assert reason([0x20], tensors, st=state((3, 6, 1))) == "graph_op_denied"
-    tensors[1].op = 95  # GLU on 3.6.1
+    tensors[1].op = 95  # GLU on 3.6.1: halves ne0
+    tensors[1].ne = (2, 1, 1, 1)
     assert run([0x20], tensors, st=state((3, 6, 1))) == 0
 
 
-def test_opt_in_deny_list():
+def test_opt_in_deny_list_and_unverified_ops():
     tensors = [T(0x10), T(0x20, 1, op=OPS["GATED_DELTA_NET"], src=(0x10,))]
-    assert run([0x20], tensors) == 0
-    v = validator(extra_denied=frozenset({"GATED_DELTA_NET", "SSM_SCAN"}))
+    assert reason([0x20], tensors) == "op_not_verified"  # no rule: default deny
+    st = state()
+    assert run([0x20], tensors, st=st, v=validator(allow_unverified=frozenset({"GATED_DELTA_NET"}))) == 0
+    assert st.unverified_uses == {"GATED_DELTA_NET": 1}
+    v = validator(extra_denied=frozenset({"GATED_DELTA_NET", "SSM_SCAN"}), allow_unverified=frozenset({"*"}))
     assert reason([0x20], tensors, v=v) == "graph_op_denied"
 
 
@@ -324,7 +348,7 @@ def test_refuses_negative_strides_that_cancel():
 
 
 def test_refuses_acc_dst_differing_from_src0():
-    assert reason(*acc_graph("ACC", (64, 64, 64, 0, 0), a_type=F16)) == "graph_shape_invalid"
+    assert reason(*acc_graph("ACC", (64, 64, 64, 0, 0), a_type=F16)) == "graph_type_invalid"
 
 
 def test_refuses_acc_without_src1():
@@ -360,9 +384,9 @@ def get_rows_graph(**over) -> tuple[list[int], list[TensorSpec]]:
     d = dict(ne=(8, 3, 2, 1), type=F32)
     for key, value in over.items():
         {"a": a, "b": b, "d": d}[key[0]][key[2:]] = value
-    ta = T(0x10, 0, buffer=0, **a)
-    tb = T(0x20, 0, **b)
-    td = T(0x30, 1, op=OPS["GET_ROWS"], src=(0x10, 0x20), **d)
+    ta = T(0x10, 0, **a)
+    tb = T(0x20, 20, **b)
+    td = T(0x30, 40, op=OPS["GET_ROWS"], src=(0x10, 0x20), **d)
     return [0x30], [ta, tb, td]
 
 
@@ -383,7 +407,9 @@ def test_accepts_get_rows():
     ],
 )
 def test_refuses_get_rows_shapes(over):
-    assert reason(*get_rows_graph(**over)) == "graph_shape_invalid"
+    # Strides a constructor never makes are refused by the layout rule before the op rule.
+    want = "tensor_layout_invalid" if "d_nb" in over else "graph_shape_invalid"
+    assert reason(*get_rows_graph(**over)) == want
 
 
 def set_rows_graph(**over) -> tuple[list[int], list[TensorSpec]]:
@@ -394,8 +420,8 @@ def set_rows_graph(**over) -> tuple[list[int], list[TensorSpec]]:
     for key, value in over.items():
         {"a": a, "b": b, "c": c, "d": d}[key[0]][key[2:]] = value
     ta = T(0x10, 0, **a)
-    tb = T(0x20, 0, buffer=0, **b)
-    tc = T(0x30, 0, buffer=0, **c)
+    tb = T(0x20, 20, **b)
+    tc = T(0x30, 40, **c)
     td = T(0x40, 0, op=OPS["SET_ROWS"], src=(0x20, 0x30, 0x10), view_src=0x10, **d)
     return [0x40], [ta, tb, tc, td]
 
@@ -421,7 +447,9 @@ def test_accepts_set_rows():
     ],
 )
 def test_refuses_set_rows_shapes(over):
-    assert reason(*set_rows_graph(**over)) == "graph_shape_invalid"
+    # Empty tensors and strides a constructor never makes are refused by the layout rule.
+    layout = "d_nb" in over or 0 in over.get("c_ne", (1,))
+    assert reason(*set_rows_graph(**over)) == ("tensor_layout_invalid" if layout else "graph_shape_invalid")
 
 
 # -- the tensor cache -----------------------------------------------------------------------

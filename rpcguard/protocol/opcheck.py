@@ -1,0 +1,129 @@
+"""Applying the op table to one graph: nodes equal their re-derived result, tensors keep a layout.
+
+How this works: ``check_node`` takes one GRAPH_COMPUTE node (already decoded), its decoded
+sources and the row of its op (oprules.py). It checks the source count against the row, the
+op_params slots the constructor leaves zero, runs the row's ``derive`` and compares the node with
+what the constructor would have produced (type, ne, nb, view_src, view_offs, and for views the
+data address). ``check_layout`` is the rule for every tensor of a graph, leaves included: a
+tensor in a buffer of the graph's device, non-empty, rows of its type (quantized rows packed),
+strides that cannot make two elements share bytes (so the element count, and every work size a
+kernel derives from it, is bounded by the bytes the tensor spans inside its buffer), and no
+stride larger than the buffer. Together with the per-tensor range check (tensor.py) every index a
+kernel derives from ``ne`` addresses bytes inside the tensor's own buffer range.
+"""
+
+from __future__ import annotations
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.oprules import New, OpRule, Result, View, contiguous_nb, refuse
+from rpcguard.protocol.state import SessionState
+from rpcguard.protocol.tensor import RpcTensor
+
+__all__ = ["check_node", "check_layout", "GGML_MAX_SRC"]
+
+GGML_MAX_SRC = 10
+_SRC0 = 29  # index of src0 in RpcTensor
+_PARAM0 = 12  # index of op_params[0]
+
+
+def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:
+    """Refuse ``node`` unless it is what ``rule``'s constructor builds from ``srcs``."""
+    op = rule.op
+    for t in (node, *srcs):
+        if t is not None:
+            if t.type not in TYPES:
+                raise refuse(node, op, f"tensor id={t.id:#x} has type {t.type}", "tensor_type_invalid")
+            if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
+                raise refuse(node, op, f"tensor id={t.id:#x} is empty {t.ne}", "tensor_layout_invalid")
+    for i in range(rule.srcs):
+        if srcs[i] is None:
+            raise FirewallRefusal("graph_src_missing", f"node id={node.id:#x} op {op} needs src[{i}]")
+    for i in range(rule.srcs + rule.optional, GGML_MAX_SRC):
+        if srcs[i] is not None:
+            raise refuse(node, op, f"src[{i}] is set; the constructor sets at most {rule.srcs + rule.optional}",
+                         "graph_src_unexpected")
+    params = node[_PARAM0 + rule.params : _PARAM0 + 16]
+    if any(params):
+        raise refuse(node, op, f"op_params[{rule.params}:] not zero: {params}", "graph_op_params_invalid")
+    try:
+        derived = rule.derive(node, srcs)
+    except (ArithmeticError, LookupError, ValueError, TypeError) as e:  # fail closed on any input
+        raise refuse(node, op, f"rule failed on this input ({type(e).__name__})") from None
+    results: tuple[Result, ...] = derived if isinstance(derived, tuple) else (derived,)
+    misses = [why for why in (_differs(node, r, srcs, by_id) for r in results) if why]
+    if len(misses) == len(results):
+        raise refuse(node, op, " / ".join(misses))
+
+
+def _differs(node: RpcTensor, r: Result, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> str:
+    """Why ``node`` is not ``r`` ("" when it is)."""
+    if isinstance(r, New):
+        if r.type not in TYPES:
+            return f"result type {r.type} unknown"
+        if node.type != r.type:
+            return f"type {node.type} != {r.type}"
+        if node.ne != r.ne:
+            return f"ne {node.ne} != {r.ne}"
+        if node.nb != contiguous_nb(r.type, r.ne):
+            return f"nb {node.nb} not contiguous for {r.ne}"
+        if node.view_src or node.view_offs:
+            return "a fresh tensor with a view source"
+        return ""
+    src = srcs[r.src]
+    assert isinstance(r, View) and src is not None
+    if node.type != src.type:
+        return f"view type {node.type} != source type {src.type}"
+    if node.ne != r.ne or node.nb != r.nb:
+        return f"view ne/nb {node.ne}/{node.nb} != {r.ne}/{r.nb}"
+    root_id = src.view_src or src.id
+    offs = (src.view_offs if src.view_src else 0) + r.offs
+    if node.view_src != root_id or node.view_offs != offs:
+        return f"view of {node.view_src:#x}+{node.view_offs}, expected {root_id:#x}+{offs}"
+    root = by_id.get(root_id)
+    if root is None:
+        return f"view root {root_id:#x} not in the graph"
+    if node.buffer != root.buffer or node.data != root.data + offs:
+        return f"view data {node.data:#x} in {node.buffer:#x} is not its root's data + {offs}"
+    return ""
+
+
+def check_layout(t: RpcTensor, state: SessionState, device: int) -> None:
+    """The layout rule for a graph tensor (see the module docstring)."""
+    info = TYPES.get(t.type)
+    if info is None:  # only with the tensor group off: nothing is known about it
+        return
+    buf = state.buffers.get(t.buffer)
+    if buf is None:
+        raise FirewallRefusal(
+            "graph_tensor_unallocated", f"tensor id={t.id:#x}: not in a live buffer (buffer {t.buffer:#x})"
+        )
+    if buf.device != device:
+        raise FirewallRefusal(
+            "graph_tensor_wrong_device",
+            f"tensor id={t.id:#x}: buffer {t.buffer:#x} is on device {buf.device}, the graph runs on {device}",
+        )
+    ne0, ne1, ne2, ne3 = t.ne
+    nb0, nb1, nb2, nb3 = t.nb
+    if not (ne0 and ne1 and ne2 and ne3):
+        raise FirewallRefusal("tensor_layout_invalid", f"tensor id={t.id:#x}: empty shape {t.ne} in a graph")
+    blck, size = info.blck_size, info.type_size
+    if nb0 < size or (blck > 1 and nb0 != size):
+        raise FirewallRefusal("tensor_layout_invalid", f"tensor id={t.id:#x}: nb0 {nb0} for {info.name} ({size})")
+    if max(nb1, nb2, nb3) > buf.size:
+        raise FirewallRefusal(
+            "tensor_layout_invalid", f"tensor id={t.id:#x}: a stride of {t.nb} exceeds its {buf.size}-byte buffer"
+        )
+    # Elements that do not overlap need at least their own bytes: with nbytes(t) inside the
+    # buffer (tensor.py), the element count is bounded by the buffer size.
+    dense = ne0 // blck * size * ne1 * ne2 * ne3
+    if blck == 1:
+        extent = size + (ne0 - 1) * nb0
+    else:
+        extent = ne0 * nb0 // blck
+    extent += (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
+    if dense > extent:
+        raise FirewallRefusal(
+            "tensor_layout_invalid",
+            f"tensor id={t.id:#x}: {t.ne} elements with strides {t.nb} overlap ({dense} bytes in {extent})",
+        )

@@ -1,0 +1,770 @@
+"""Op rules: what ggml's own op constructors could have built, one row per op (default deny).
+
+How this works: ggml's CPU (and CUDA) kernels trust the invariants that the op constructors in
+ggml.c establish (shapes, strides, types, source counts, parameter ranges), and ggml-rpc
+deserialises a graph without running any constructor. So every GRAPH_COMPUTE node is checked
+against the row of its op in ``RULES``: the row's ``derive`` function takes the node's sources
+and op_params, applies the constructor's own assertions (plus what the CPU kernel assumes beyond
+them: type combinations it dispatches, contiguity it asserts) and returns what the constructor
+would have produced; the node must equal it:
+
+* ``New(type, ne)``: a fresh tensor (``ggml_new_tensor``): contiguous strides, no view source.
+* ``View(src, ne, nb, offs)``: a view (VIEW/RESHAPE/PERMUTE/TRANSPOSE, CPY, SET_ROWS, inplace
+  variants): type of ``src``, the given strides, ``view_src`` the root of ``src``, ``view_offs``
+  the root offset plus ``offs`` (ggml_new_tensor_impl collapses view chains to their root).
+
+An op without a row is refused as ``op_not_verified``. Sources past a row's ``srcs`` must be
+absent, op_params past its ``params`` must be zero (the constructor leaves them zero). Each row
+cites the constructor it mirrors as ``ggml.c:LINE`` of the pinned sdist (llama-cpp-python 0.3.36,
+``vendor/llama.cpp/ggml/src/ggml.c``) and the kernel it checked (``ggml-cpu/ops.cpp``,
+``binary-ops.cpp``, ``unary-ops.cpp``). Rows hold for every version with a verified op table
+unless ``since`` says otherwise; the op ids come from the version's table (ggml.py).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.ggml import TYPES, Version
+from rpcguard.protocol.tensor import RpcTensor
+
+__all__ = ["OpRule", "New", "View", "RULES", "rule_for", "contiguous_nb", "is_contiguous", "refuse"]
+
+F32, F16, Q8_0, I8, I16, I32, I64, BF16 = 0, 1, 8, 24, 25, 26, 27, 30
+FLOAT = frozenset({F32, F16, BF16})
+F32_F16 = frozenset({F32, F16})
+ONLY_F32 = frozenset({F32})
+QUANTIZED = frozenset(t for t, info in TYPES.items() if info.blck_size > 1)
+MAX_DIMS = 4
+GGML_MAX_SRC = 10
+INT32_MAX = (1 << 31) - 1
+
+_F = struct.Struct("<f")
+_I = struct.Struct("<i")
+
+
+def f32(i32: int) -> float:
+    """An op_param slot (int32 on the wire) read as the float ggml_set_op_params stored there."""
+    return _F.unpack(_I.pack(i32))[0]
+
+
+@dataclass(frozen=True, slots=True)
+class New:
+    """A fresh, contiguous tensor of ``type`` and shape ``ne``."""
+
+    type: int
+    ne: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A view of source ``src`` (an index into the node's srcs) with shape ``ne`` and strides ``nb``."""
+
+    src: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    offs: int = 0
+
+
+Result = New | View
+Srcs = Sequence["RpcTensor | None"]
+Derive = Callable[[RpcTensor, Srcs], "Result | tuple[Result, ...]"]
+
+
+@dataclass(frozen=True, slots=True)
+class OpRule:
+    """One op: the constructor it mirrors, its sources and params, and how to derive the result."""
+
+    op: str
+    ctor: str  # "ggml.c:LINE ggml_xxx" of the pinned sdist
+    srcs: int  # leading sources the constructor always sets (must be present)
+    derive: Derive
+    optional: int = 0  # further sources it may set (masks, freq factors, sinks)
+    params: int = 0  # leading op_params slots it may set; the rest must be 0
+    since: Version = (0, 0, 0)  # first protocol version the row holds for
+    until: Version = (99, 0, 0)  # first version it no longer holds for (a later row takes over)
+
+
+def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
+    return FirewallRefusal(reason, f"node id={node.id:#x} op {op}: {what}")
+
+
+def contiguous_nb(type_: int, ne: Sequence[int]) -> tuple[int, int, int, int]:
+    """Strides ggml_new_tensor_impl gives a fresh tensor (every dimension, size 1 included)."""
+    info = TYPES[type_]
+    nb0 = info.type_size
+    nb1 = nb0 * (ne[0] // info.blck_size)
+    nb2 = nb1 * ne[1]
+    return (nb0, nb1, nb2, nb2 * ne[2])
+
+
+def is_contiguous(t: RpcTensor, n: int = 0) -> bool:
+    """ggml_is_contiguous_n: dims above ``n`` packed (strides of size-1 dims are not looked at)."""
+    info = TYPES[t.type]
+    nxt = info.type_size
+    if t.ne0 != info.blck_size and t.nb0 != nxt:
+        return False
+    nxt *= t.ne0 // info.blck_size
+    ne, nb = t.ne, t.nb
+    for i in range(1, MAX_DIMS):
+        if ne[i] != 1:
+            if i > n:
+                if nb[i] != nxt:
+                    return False
+                nxt *= ne[i]
+            else:
+                nxt = ne[i] * nb[i]
+    return True
+
+
+def rows_contiguous(t: RpcTensor) -> bool:
+    """ggml_is_contiguous_rows: elements of a row are adjacent."""
+    return t.ne0 == TYPES[t.type].blck_size or t.nb0 == TYPES[t.type].type_size
+
+
+def nelements(t: RpcTensor) -> int:
+    return t.ne0 * t.ne1 * t.ne2 * t.ne3
+
+
+def can_repeat(b: RpcTensor, a: RpcTensor) -> bool:
+    """ggml_can_repeat(b, a) without its empty-tensor escape (graphs carry no empty tensors)."""
+    return all(x % y == 0 for x, y in zip(a.ne, b.ne))
+
+
+def _need(cond: bool, node: RpcTensor, op: str, what: str) -> None:
+    if not cond:
+        raise refuse(node, op, what)
+
+
+def _types(node: RpcTensor, op: str, allowed: frozenset[int], *ts: RpcTensor) -> None:
+    for t in ts:
+        if t.type not in allowed:
+            raise refuse(node, op, f"type {TYPES[t.type].name} of id={t.id:#x} not handled by the kernel",
+                         "graph_type_invalid")
+
+
+# -- shared shapes ---------------------------------------------------------------------------
+
+
+def _same(a: RpcTensor) -> tuple[int, int, int, int]:
+    return a.ne  # type: ignore[no-any-return]
+
+
+def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...]:
+    """ggml_dup_tensor(a) or, for the _inplace variant, ggml_view_tensor(a)."""
+    t = a.type if type_ is None else type_
+    return (New(t, a.ne), View(0, a.ne, a.nb, 0))
+
+
+def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = False) -> Derive:
+    def derive(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+        a = s[0]
+        assert a is not None
+        _types(n, "unary", types, a)
+        if rows:
+            _need(rows_contiguous(a), n, "unary", "src rows not contiguous")
+        if contiguous:
+            _need(is_contiguous(a), n, "unary", "src not contiguous")
+        return _dup_or_inplace(a)
+
+    return derive
+
+
+# ggml-cpu/binary-ops.cpp:120-135 (dst type = src0 type, see ggml_add_impl ggml.c:2066)
+_BINARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16), (BF16, F32), (F16, F32)})
+
+
+def _binary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ADD/SUB/MUL/DIV (ggml_add_impl ggml.c:2066 ...): b repeats into a; binary_op asserts unit
+    nb0 of dst and src0 (binary-ops.cpp:58-59)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _need(can_repeat(b, a), n, "binary", f"src1 {b.ne} does not repeat into src0 {a.ne}")
+    if (a.type, b.type) not in _BINARY_TYPES:
+        raise refuse(n, "binary", f"types {TYPES[a.type].name}/{TYPES[b.type].name}", "graph_type_invalid")
+    _need(a.nb0 == TYPES[a.type].type_size, n, "binary", "src0 nb0 is not the element size")
+    return _dup_or_inplace(a)
+
+
+def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_mul_mat ggml.c:3350: can_mul_mat (a.ne0 == b.ne0, b.ne2 % a.ne2 == 0, b.ne3 % a.ne3
+    == 0), a not transposed; result F32 (a.ne1, b.ne1, b.ne2, b.ne3). The CPU kernel (ggml-cpu.c
+    ggml_compute_forward_mul_mat) asserts nb00 == type size, nb10 == type size of src1, and src1
+    F32 or the vec_dot type (supports_op, ggml-cpu.cpp:446)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _need(a.ne0 == b.ne0 and b.ne2 % a.ne2 == 0 and b.ne3 % a.ne3 == 0, n, "MUL_MAT",
+          f"cannot multiply {a.ne} by {b.ne}")
+    _need(a.nb0 <= a.nb1, n, "MUL_MAT", "src0 is transposed")
+    _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT",
+          "rows not contiguous")
+    _need(b.type in (F32, F16, BF16) or b.type in QUANTIZED, n, "MUL_MAT", "src1 type")
+    if b.type != F32:
+        _need(b.type == _vec_dot_type(a.type), n, "MUL_MAT", "src1 is neither F32 nor src0's vec_dot type")
+    return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
+
+
+def _vec_dot_type(t: int) -> int:
+    """ggml-cpu.c type_traits_cpu[t].vec_dot_type for the types the firewall lets multiply."""
+    if t == F16:
+        return F16
+    if t == BF16:
+        return BF16
+    if t == F32:
+        return F32
+    info = TYPES[t]
+    if info.blck_size == 256:
+        return 15  # Q8_K
+    if t in (2, 3, 6, 7, 8, 9):  # q4_0 q4_1 q5_0 q5_1 q8_0 q8_1
+        return 8 if t in (2, 6, 8) else 9
+    return -1  # unknown pairing: only F32 src1 passes
+
+
+def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_mul_mat_id ggml.c:3401."""
+    a, b, ids = s[0], s[1], s[2]
+    assert a is not None and b is not None and ids is not None
+    ok = (a.nb0 <= a.nb1 and ids.type == I32 and a.ne3 == 1 and b.ne3 == 1 and ids.ne2 == 1 and ids.ne3 == 1
+          and ids.ne1 == b.ne2 and a.ne0 == b.ne0 and ids.ne0 % b.ne1 == 0)
+    _need(ok, n, "MUL_MAT_ID", f"shapes as {a.ne} b {b.ne} ids {ids.ne}")
+    _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT_ID", "rows")
+    _need(b.type == F32 or b.type == _vec_dot_type(a.type), n, "MUL_MAT_ID", "src1 type")
+    return New(F32, (a.ne1, ids.ne0, b.ne2, 1))
+
+
+def _get_rows(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_get_rows ggml.c:3963; row indices are data, asserted by the kernel."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _need(a.ne2 == b.ne1 and a.ne3 == b.ne2 and b.ne3 == 1 and b.type == I32, n, "GET_ROWS",
+          f"src shapes {a.ne} / {b.ne}")
+    _need(rows_contiguous(a), n, "GET_ROWS", "src0 rows not contiguous")
+    return New(I32 if a.type == I32 else F32, (a.ne0, b.ne0, b.ne1, b.ne2))
+
+
+def _set_rows(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_set_rows ggml.c:4009: result = view of a, srcs {b, c, a}."""
+    b, c, a = s[0], s[1], s[2]
+    assert b is not None and c is not None and a is not None
+    ok = (a.ne0 == b.ne0 and a.ne2 == b.ne2 and a.ne3 == b.ne3 and b.ne1 == c.ne0 and c.ne1 and c.ne2
+          and b.ne2 % c.ne1 == 0 and b.ne3 % c.ne2 == 0 and c.ne3 == 1 and b.type in F32_F16
+          and c.type in (I64, I32) and rows_contiguous(a) and rows_contiguous(b))
+    _need(bool(ok), n, "SET_ROWS", f"shapes a {a.ne} b {b.ne} c {c.ne}")
+    _need(a.type not in _NO_FROM_FLOAT, n, "SET_ROWS", "destination type has no from_float")
+    return View(2, a.ne, a.nb, 0)
+
+
+# ggml-cpu.cpp:434-442: CPY/SET_ROWS into these types abort (no from_float).
+_NO_FROM_FLOAT = frozenset({16, 17, 18, 19, 21, 22, 29})  # iq2_xxs iq2_xs iq3_xxs iq1_s iq3_s iq2_s iq1_m
+
+
+def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_set_rows before 4.0.0 (0.3.20 ggml.c): the source rows are F32 only."""
+    b = s[0]
+    assert b is not None
+    _types(n, "SET_ROWS", ONLY_F32, b)
+    return _set_rows(n, s)
+
+
+def _cpy(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_cpy ggml.c:3612: nelements equal, result = view of b. ggml_compute_forward_dup
+    handles same-type copies and conversions from F32/F16/BF16 (and I32<->F32)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _need(nelements(a) == nelements(b), n, "CPY", f"{a.ne} and {b.ne} differ in element count")
+    _check_dup_types(n, "CPY", a.type, b.type)
+    return View(1, b.ne, b.nb, 0)
+
+
+def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
+    if src == dst:
+        return
+    if src in FLOAT and (dst in FLOAT or (dst in TYPES and dst not in _NO_FROM_FLOAT and src == F32)):
+        return
+    if (src, dst) in ((F32, I32), (I32, F32)):
+        return
+    raise refuse(n, op, f"copy {TYPES[src].name} -> {TYPES[dst].name} not handled", "graph_type_invalid")
+
+
+def _dup(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _check_dup_types(n, "DUP", a.type, a.type)
+    return _dup_or_inplace(a)
+
+
+def _cont(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_cont_4d ggml.c:3648ff: same element count, a fresh tensor of a's type."""
+    a = s[0]
+    assert a is not None
+    _need(nelements(a) == nelements(n), n, "CONT", f"{n.ne} has another element count than {a.ne}")
+    _need(TYPES[a.type].blck_size == 1 or n.ne0 % TYPES[a.type].blck_size == 0, n, "CONT", "blocks")
+    return New(a.type, n.ne)
+
+
+def _reshape(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_reshape_4d ggml.c:3770: a contiguous, same element count, view with fresh strides."""
+    a = s[0]
+    assert a is not None
+    _need(is_contiguous(a), n, "RESHAPE", "src not contiguous")
+    _need(nelements(a) == nelements(n), n, "RESHAPE", f"{n.ne} has another element count than {a.ne}")
+    _need(n.ne0 % TYPES[a.type].blck_size == 0, n, "RESHAPE", "ne0 not a block multiple")
+    return View(0, n.ne, contiguous_nb(a.type, n.ne), 0)
+
+
+def _view(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_view_impl ggml.c:3800ff: op_params[0..1] = offset (size_t); nb1..nb3 are the
+    caller's (view_2d/3d/4d), nb0 the type size; ggml_new_tensor_impl asserts that the packed
+    size of the view plus the offset fits in nbytes(a)."""
+    a = s[0]
+    assert a is not None
+    offs = (n.param0 & 0xFFFFFFFF) | ((n.param1 & 0xFFFFFFFF) << 32)
+    info = TYPES[a.type]
+    _need(n.ne0 % info.blck_size == 0, n, "VIEW", "ne0 not a block multiple")
+    packed = n.ne0 // info.blck_size * info.type_size * n.ne1 * n.ne2 * n.ne3
+    _need(packed == 0 or packed + offs <= _nbytes(a), n, "VIEW", f"offset {offs} + {packed} bytes past the source")
+    _need(n.nb0 == info.type_size, n, "VIEW", "nb0 is not the type size")
+    return View(0, n.ne, n.nb, offs)
+
+
+def _nbytes(t: RpcTensor) -> int:
+    info = TYPES[t.type]
+    if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
+        return 0
+    if info.blck_size == 1:
+        n = info.type_size + (t.ne0 - 1) * t.nb0
+    else:
+        n = t.ne0 * t.nb0 // info.blck_size
+    return n + (t.ne1 - 1) * t.nb1 + (t.ne2 - 1) * t.nb2 + (t.ne3 - 1) * t.nb3
+
+
+def _permute(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_permute ggml.c:3887: op_params = the four axes, a permutation of 0..3."""
+    a = s[0]
+    assert a is not None
+    axes = (n.param0, n.param1, n.param2, n.param3)
+    if sorted(axes) != [0, 1, 2, 3]:
+        raise refuse(n, "PERMUTE", f"axes {axes} are not a permutation", "graph_op_params_invalid")
+    ne = [0] * 4
+    nb = [0] * 4
+    for i, ax in enumerate(axes):
+        ne[ax] = a.ne[i]
+        nb[ax] = a.nb[i]
+    return View(0, tuple(ne), tuple(nb), 0)  # type: ignore[arg-type]
+
+
+def _transpose(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_transpose ggml.c:3943."""
+    a = s[0]
+    assert a is not None
+    return View(0, (a.ne1, a.ne0, a.ne2, a.ne3), (a.nb1, a.nb0, a.nb2, a.nb3), 0)
+
+
+def _norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """NORM / RMS_NORM / L2_NORM (ggml.c:3140ff): op_params[0] = eps; kernels F32 only with
+    unit nb00 (ops.cpp ggml_compute_forward_norm_f32)."""
+    a = s[0]
+    assert a is not None
+    _types(n, "norm", ONLY_F32, a)
+    _need(a.nb0 == 4, n, "norm", "src0 nb0 is not the element size")
+    return _dup_or_inplace(a)
+
+
+def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _types(n, "GROUP_NORM", ONLY_F32, a)
+    _need(0 < n.param0 <= max(a.ne2, 1), n, "GROUP_NORM", f"n_groups {n.param0}")
+    _need(a.nb0 == 4, n, "GROUP_NORM", "nb0")
+    return _dup_or_inplace(a)
+
+
+def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ggml_scale_impl ggml.c:3455: a padded 1d (nb1 == nb0*ne0 ...); params {s, b}; F32."""
+    a = s[0]
+    assert a is not None
+    _types(n, "SCALE", ONLY_F32, a)
+    _need(a.nb0 == 4 and a.nb1 == 4 * a.ne0 and a.nb2 == a.nb1 * a.ne1, n, "SCALE", "src is not padded 1d")
+    return _dup_or_inplace(a)
+
+
+def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ggml_soft_max_impl ggml.c:4160 + ggml_soft_max_add_sinks: a contiguous F32; mask F16/F32
+    contiguous, ne0 == a.ne0, ne1 >= a.ne1, broadcast over ne2/ne3; sinks F32 with ne0 == a.ne2;
+    max_bias > 0 needs a mask."""
+    a, mask, sinks = s[0], s[1], s[2]
+    assert a is not None
+    _types(n, "SOFT_MAX", ONLY_F32, a)
+    _need(is_contiguous(a), n, "SOFT_MAX", "src not contiguous")
+    if mask is not None:
+        ok = (mask.type in F32_F16 and is_contiguous(mask) and mask.ne0 == a.ne0 and mask.ne1 >= a.ne1
+              and a.ne2 % mask.ne2 == 0 and a.ne3 % mask.ne3 == 0)
+        _need(ok, n, "SOFT_MAX", f"mask {mask.ne} for {a.ne}")
+    elif f32(n.param1) > 0:
+        raise refuse(n, "SOFT_MAX", "max_bias without a mask", "graph_op_params_invalid")
+    if sinks is not None:
+        _need(sinks.type == F32 and sinks.ne0 == a.ne2, n, "SOFT_MAX", "sinks")
+    return _dup_or_inplace(a)
+
+
+# ggml.h:250-254; the kernel aborts on any other mode (ops.cpp ggml_compute_forward_rope_flt).
+ROPE_MODES = frozenset({0, 2, 8, 24, 40})
+ROPE_TYPE_MROPE, ROPE_TYPE_VISION = 8, 24
+
+
+def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ggml_rope_impl ggml.c:4240: b an I32 vector of a.ne2 positions (4 per token for mrope),
+    c (freq factors) F32 with ne0 >= n_dims/2; params {0, n_dims, mode, 0, n_ctx_orig, 6 floats,
+    4 sections, n_offs}. The kernel (ops.cpp:6315-6360) asserts F32/F16 with unit nb0, n_dims
+    even and <= ne0, n_offs even with n_offs + n_dims <= ne0, vision n_dims == ne0/2; mrope takes
+    ``(i0/2) % sum(sections)``, so sections must be >= 0 with a positive sum <= ne0."""
+    a, b, c = s[0], s[1], s[2]
+    assert a is not None and b is not None
+    _types(n, "ROPE", F32_F16, a)
+    _need(a.nb0 == TYPES[a.type].type_size, n, "ROPE", "src0 nb0 is not the element size")
+    mode, n_dims, n_offs = n.param2, n.param1, n.param15
+    sections = (n.param11, n.param12, n.param13, n.param14)
+    bad = (mode not in ROPE_MODES or n_dims <= 0 or n_dims % 2 or n_offs < 0 or n_offs % 2
+           or n_offs + n_dims > a.ne0)
+    if mode & ROPE_TYPE_MROPE:
+        bad = bad or min(sections) < 0 or not 0 < sum(sections) <= a.ne0
+    if mode == ROPE_TYPE_VISION:
+        bad = bad or n_dims != a.ne0 // 2 or n_offs != 0
+    if bad:
+        raise refuse(n, "ROPE", f"mode {mode} n_dims {n_dims} n_offs {n_offs} sections {sections} for ne0 {a.ne0}",
+                     "graph_op_params_invalid")
+    per_token = 4 if mode & ROPE_TYPE_MROPE else 1
+    _need(b.type == I32 and b.ne1 == 1 and b.ne2 == 1 and b.ne3 == 1 and b.ne0 == a.ne2 * per_token, n, "ROPE",
+          f"positions {b.ne} for {a.ne}")
+    if c is not None:
+        _need(c.type == F32 and c.ne0 >= n_dims // 2, n, "ROPE", "freq factors")
+    return _dup_or_inplace(a)
+
+
+def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_flash_attn_ext ggml.c:5506 (+ _add_sinks): k multiplies q, mask F16 contiguous
+    broadcasting over q.ne2/ne3, result F32 (v.ne0, q.ne2, q.ne1, q.ne3). The CPU kernel reads
+    mask rows for every query row (mask.ne1 >= q.ne1) and k/v rows of their own type."""
+    q, k, v, mask, sinks = s[0], s[1], s[2], s[3], s[4]
+    assert q is not None and k is not None and v is not None
+    ok = (k.ne0 == q.ne0 and q.ne2 % k.ne2 == 0 and q.ne3 % k.ne3 == 0 and q.ne3 == k.ne3 == v.ne3
+          and k.ne1 == v.ne1 and q.ne2 % v.ne2 == 0 and k.ne2 == v.ne2)
+    _need(ok, n, "FLASH_ATTN_EXT", f"q {q.ne} k {k.ne} v {v.ne}")
+    _types(n, "FLASH_ATTN_EXT", ONLY_F32, q)
+    _need(all(rows_contiguous(t) for t in (q, k, v)), n, "FLASH_ATTN_EXT", "rows not contiguous")
+    if mask is not None:
+        ok = (mask.type == F16 and is_contiguous(mask) and q.ne2 % mask.ne2 == 0 and q.ne3 % mask.ne3 == 0
+              and mask.ne0 >= k.ne1 and mask.ne1 >= q.ne1)
+        _need(ok, n, "FLASH_ATTN_EXT", f"mask {mask.ne}")
+    elif f32(n.param1) > 0:
+        raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
+    if sinks is not None:
+        _need(sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
+    return New(F32, (v.ne0, q.ne2, q.ne1, q.ne3))
+
+
+GLU_OP_COUNT = 7  # ggml.h:634-643 (7.0.0)
+UNARY_OP_COUNT = 22  # ggml.h:608-631 (7.0.0); older versions have fewer, their ids are a prefix
+UNARY_OP_XIELU = 17
+
+
+def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
+    """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35; SWIGLU_CLAMP came with 7.0.0)."""
+    if n.param0 >= GLU_OP_COUNT - 1:
+        raise refuse(n, "GLU", f"glu op {n.param0} unknown before 7.0.0", "graph_op_params_invalid")
+    return _glu(n, s)
+
+
+def _glu(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_glu_impl ggml.c:2960: a (and b) with contiguous rows, same shape and type; result
+    (a.ne0/2 or a.ne0, ...). params {op, swapped, (alpha, limit for SWIGLU_OAI/CLAMP)}."""
+    a, b = s[0], s[1]
+    assert a is not None
+    if not 0 <= n.param0 < GLU_OP_COUNT or n.param1 not in (0, 1):
+        raise refuse(n, "GLU", f"glu op {n.param0} swapped {n.param1}", "graph_op_params_invalid")
+    _types(n, "GLU", F32_F16, a)
+    _need(is_contiguous(a, 1), n, "GLU", "src0 not contiguous_1")
+    if b is not None:
+        _need(is_contiguous(b, 1) and b.ne == a.ne and b.type == a.type, n, "GLU", "src1")
+        return New(a.type, a.ne)
+    _need(a.ne0 % 2 == 0, n, "GLU", "odd ne0 without a split source")
+    return New(a.type, (a.ne0 // 2, a.ne1, a.ne2, a.ne3))
+
+
+def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ggml_unary_impl ggml.c:6010: a with contiguous rows, op_params[0] the unary op (XIELU,
+    ggml.c ggml_xielu, also sets four float params and has no inplace form); unary-ops.cpp
+    apply_unary_op (:111) handles F32/F16/BF16 with unit nb0, its functor path (XIELU, :194)
+    needs ggml_is_contiguous_1."""
+    a = s[0]
+    assert a is not None
+    op = n.param0
+    if not 0 <= op < UNARY_OP_COUNT or (op != UNARY_OP_XIELU and any(n.op_params[1:5])):
+        raise refuse(n, "UNARY", f"unary op {op} params {n.op_params[:5]}", "graph_op_params_invalid")
+    _types(n, "UNARY", FLOAT, a)
+    _need(rows_contiguous(a) and a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
+    if op == UNARY_OP_XIELU:
+        _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
+        return New(a.type, a.ne)
+    return _dup_or_inplace(a)
+
+
+def _concat(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_concat ggml.c:2631."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    dim = n.param0
+    if not 0 <= dim < MAX_DIMS:
+        raise refuse(n, "CONCAT", f"dim {dim}", "graph_op_params_invalid")
+    _need(a.type == b.type and all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), n, "CONCAT", "shapes")
+    _types(n, "CONCAT", frozenset({F32, F16, BF16, I32, I16, I8}), a)
+    ne = list(a.ne)
+    ne[dim] += b.ne[dim]
+    return New(a.type, tuple(ne))  # type: ignore[arg-type]
+
+
+def _argsort(n: RpcTensor, s: Srcs) -> Result:
+    a = s[0]
+    assert a is not None
+    if n.param0 not in (0, 1):
+        raise refuse(n, "ARGSORT", f"order {n.param0}", "graph_op_params_invalid")
+    _types(n, "ARGSORT", ONLY_F32, a)
+    _need(a.ne0 <= INT32_MAX and a.nb0 == 4, n, "ARGSORT", "rows")
+    return New(I32, a.ne)
+
+
+def _top_k(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_top_k ggml.c:5468: k = the node's ne0, at most a.ne0."""
+    a = s[0]
+    assert a is not None
+    _types(n, "TOP_K", ONLY_F32, a)
+    _need(0 < n.ne0 <= a.ne0 and a.nb0 == 4, n, "TOP_K", f"k {n.ne0} for ne0 {a.ne0}")
+    return New(I32, (n.ne0, a.ne1, a.ne2, a.ne3))
+
+
+def _reduce_rows(type_: int | None) -> Derive:
+    def derive(n: RpcTensor, s: Srcs) -> Result:
+        a = s[0]
+        assert a is not None
+        _types(n, "reduce", ONLY_F32, a)
+        _need(a.nb0 == 4, n, "reduce", "nb0")
+        return New(a.type if type_ is None else type_, (1, a.ne1, a.ne2, a.ne3))
+
+    return derive
+
+
+def _sum(n: RpcTensor, s: Srcs) -> Result:
+    a = s[0]
+    assert a is not None
+    _types(n, "SUM", FLOAT, a)
+    return New(a.type, (1, 1, 1, 1))
+
+
+def _argmax(n: RpcTensor, s: Srcs) -> Result:
+    a = s[0]
+    assert a is not None
+    _types(n, "ARGMAX", ONLY_F32, a)
+    _need(a.ne2 == 1 and a.ne3 == 1 and a.ne0 <= INT32_MAX and a.nb0 == 4, n, "ARGMAX", "not a matrix")
+    return New(I32, (a.ne1, 1, 1, 1))
+
+
+def _repeat(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_repeat ggml.c:2579: the node's shape is b's, a must repeat into it."""
+    a = s[0]
+    assert a is not None
+    _need(all(x % y == 0 for x, y in zip(n.ne, a.ne)), n, "REPEAT", f"{a.ne} does not repeat into {n.ne}")
+    _types(n, "REPEAT", frozenset({F32, F16, BF16, I16, I32}), a)
+    return New(a.type, n.ne)
+
+
+def _clamp(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _types(n, "CLAMP", F32_F16, a)
+    _need(a.nb0 == TYPES[a.type].type_size, n, "CLAMP", "nb0")
+    return _dup_or_inplace(a)
+
+
+def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _types(n, "DIAG_MASK", ONLY_F32, a)
+    _need(is_contiguous(a) and n.param0 >= 0, n, "DIAG_MASK", "src not contiguous or n_past < 0")
+    return _dup_or_inplace(a)
+
+
+def _pad(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_pad_ext ggml.c:5243: eight non-negative pads, params[8] circular flag."""
+    a = s[0]
+    assert a is not None
+    pads = n.op_params[:8]
+    if min(pads) < 0 or n.param8 not in (0, 1):
+        raise refuse(n, "PAD", f"pads {pads}", "graph_op_params_invalid")
+    _types(n, "PAD", ONLY_F32, a)
+    _need(a.nb0 == 4, n, "PAD", "nb0")
+    ne = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
+    return New(a.type, ne)  # type: ignore[arg-type]
+
+
+def _add_id(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_add_id ggml.c:2130; kernel F32 only."""
+    a, b, ids = s[0], s[1], s[2]
+    assert a is not None and b is not None and ids is not None
+    ok = a.ne0 == b.ne0 and a.ne1 == ids.ne0 and a.ne2 == ids.ne1 and ids.type == I32
+    _need(ok, n, "ADD_ID", f"a {a.ne} b {b.ne} ids {ids.ne}")
+    _types(n, "ADD_ID", ONLY_F32, a, b)
+    _need(a.nb0 == 4 and b.nb0 == 4, n, "ADD_ID", "nb0")
+    return New(a.type, a.ne)
+
+
+def _leaky_relu(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _types(n, "LEAKY_RELU", F32_F16, a)
+    _need(a.nb0 == TYPES[a.type].type_size, n, "LEAKY_RELU", "nb0")
+    return _dup_or_inplace(a)
+
+
+def _fill(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    a = s[0]
+    assert a is not None
+    _types(n, "FILL", F32_F16, a)
+    _need(is_contiguous(a), n, "FILL", "src not contiguous")
+    return _dup_or_inplace(a)
+
+
+def _cumsum(n: RpcTensor, s: Srcs) -> Result:
+    a = s[0]
+    assert a is not None
+    _types(n, "CUMSUM", ONLY_F32, a)
+    _need(a.nb0 == 4, n, "CUMSUM", "nb0")
+    return New(a.type, a.ne)
+
+
+def _timestep_embedding(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_timestep_embedding ggml.c:5358: result F32 (dim, ts.ne0); dim > 0."""
+    a = s[0]
+    assert a is not None
+    if n.param0 <= 0:
+        raise refuse(n, "TIMESTEP_EMBEDDING", f"dim {n.param0}", "graph_op_params_invalid")
+    _types(n, "TIMESTEP_EMBEDDING", ONLY_F32, a)
+    return New(F32, (n.param0, a.ne0, 1, 1))
+
+
+def _arange(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_arange ggml.c:5484: ceil((stop - start) / step) F32 elements, stop > start."""
+    start, stop, step = f32(n.param0), f32(n.param1), f32(n.param2)
+    if not (stop > start) or not step > 0 or not math.isfinite(stop - start):
+        raise refuse(n, "ARANGE", f"start {start} stop {stop} step {step}", "graph_op_params_invalid")
+    steps = math.ceil(_F.unpack(_F.pack((stop - start) / step))[0])
+    return New(F32, (steps, 1, 1, 1))
+
+
+def _acc_set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """ACC / SET (ggml_acc_impl ggml.c:2190, ggml_set_impl ggml.c:3510): params {nb1, nb2, nb3,
+    offset, inplace}; result = dup or view of a. The kernel writes b's shape at dst.data + offset
+    with those strides and checks only the far corner in size_t arithmetic, so negative values
+    that cancel out pass it (#25764): every value >= 0 and the written region inside dst (ACC
+    also reads a there). ``nb0 is implicitly element_size`` (ops.cpp)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    s1, s2, s3, offset, inplace = n.param0, n.param1, n.param2, n.param3, n.param4
+    if min(s1, s2, s3, offset) < 0 or inplace not in (0, 1):
+        raise refuse(n, "ACC/SET", f"negative stride/offset {(s1, s2, s3, offset)}", "graph_op_params_invalid")
+    _types(n, "ACC/SET", ONLY_F32, a, b)
+    _need(nelements(b) <= nelements(a), n, "ACC/SET", "src1 has more elements than src0")
+    _need(is_contiguous(a) and a.nb0 == 4 and b.nb0 == 4, n, "ACC/SET", "src0 not contiguous")
+    end = offset + (b.ne0 - 1) * 4 + (b.ne1 - 1) * s1 + (b.ne2 - 1) * s2 + (b.ne3 - 1) * s3 + 4
+    if end > _nbytes(a):
+        raise refuse(n, "ACC/SET", f"region ends at byte {end}, past the {_nbytes(a)}-byte tensor",
+                     "graph_op_params_invalid")
+    return _dup_or_inplace(a)
+
+
+def _pad_reflect_1d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_pad_reflect_1d ggml.c:5299: 0 <= p0, p1 < a.ne0; result F32 (a.ne0 + p0 + p1, ...)."""
+    a = s[0]
+    assert a is not None
+    p0, p1 = n.param0, n.param1
+    if p0 < 0 or p1 < 0 or p0 >= a.ne0 or p1 >= a.ne0:
+        raise refuse(n, "PAD_REFLECT_1D", f"pads ({p0}, {p1}) for ne0={a.ne0}", "graph_op_params_invalid")
+    _types(n, "PAD_REFLECT_1D", ONLY_F32, a)
+    _need(rows_contiguous(a) and a.nb0 == 4, n, "PAD_REFLECT_1D", "src rows not contiguous")
+    return New(F32, (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3))
+
+
+# -- the table -------------------------------------------------------------------------------
+
+_ROWS: tuple[OpRule, ...] = (
+    OpRule("DUP", "ggml.c:2053 ggml_dup", 1, _dup),
+    OpRule("ACC", "ggml.c:2212 ggml_acc", 2, _acc_set, params=5),
+    OpRule("SET", "ggml.c:3533 ggml_set", 2, _acc_set, params=5),
+    OpRule("PAD_REFLECT_1D", "ggml.c:5299 ggml_pad_reflect_1d", 1, _pad_reflect_1d, params=2),
+    OpRule("ADD", "ggml.c:2083 ggml_add", 2, _binary),
+    OpRule("SUB", "ggml.c:2252 ggml_sub", 2, _binary),
+    OpRule("MUL", "ggml.c:2284 ggml_mul", 2, _binary),
+    OpRule("DIV", "ggml.c:2316 ggml_div", 2, _binary),
+    OpRule("ADD_ID", "ggml.c:2130 ggml_add_id", 3, _add_id),
+    OpRule("SQR", "ggml.c:2344 ggml_sqr", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("SQRT", "ggml.c:2370 ggml_sqrt", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("LOG", "ggml.c:2396 ggml_log", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("SIN", "ggml.c:2446 ggml_sin", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("COS", "ggml.c:2472 ggml_cos", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("SUM", "ggml.c:2486 ggml_sum", 1, _sum),
+    OpRule("SUM_ROWS", "ggml.c:2499 ggml_sum_rows", 1, _reduce_rows(None)),
+    OpRule("CUMSUM", "ggml.c:2517 ggml_cumsum", 1, _cumsum),
+    OpRule("MEAN", "ggml.c:2532 ggml_mean", 1, _reduce_rows(F32)),
+    OpRule("ARGMAX", "ggml.c:2546 ggml_argmax", 1, _argmax),
+    OpRule("REPEAT", "ggml.c:2579 ggml_repeat", 1, _repeat),
+    OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1),
+    OpRule("NORM", "ggml.c:3160 ggml_norm", 1, _norm, params=1),
+    OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _norm, params=1),
+    OpRule("GROUP_NORM", "ggml.c:3242 ggml_group_norm", 1, _group_norm, params=2),
+    OpRule("L2_NORM", "ggml.c:3275 ggml_l2_norm", 1, _norm, params=1),
+    OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat", 2, _mul_mat, params=2),
+    OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id", 3, _mul_mat_id),
+    OpRule("SCALE", "ggml.c:3476 ggml_scale", 1, _scale, params=2),
+    OpRule("CPY", "ggml.c:3612 ggml_cpy", 2, _cpy),
+    OpRule("CONT", "ggml.c:3648 ggml_cont", 1, _cont),
+    OpRule("RESHAPE", "ggml.c:3770 ggml_reshape_4d", 1, _reshape),
+    OpRule("VIEW", "ggml.c:3863 ggml_view_4d", 1, _view, params=2),
+    OpRule("PERMUTE", "ggml.c:3887 ggml_permute", 1, _permute, params=4),
+    OpRule("TRANSPOSE", "ggml.c:3943 ggml_transpose", 1, _transpose),
+    OpRule("GET_ROWS", "ggml.c:3963 ggml_get_rows", 2, _get_rows),
+    OpRule("SET_ROWS", "ggml.c:4009 ggml_set_rows", 3, _set_rows, since=(4, 0, 0)),
+    OpRule("SET_ROWS", "0.3.20 ggml.c ggml_set_rows (F32 rows)", 3, _set_rows_f32, until=(4, 0, 0)),
+    OpRule("DIAG_MASK_INF", "ggml.c:4071 ggml_diag_mask_inf", 1, _diag_mask, params=1),
+    OpRule("DIAG_MASK_ZERO", "ggml.c:4103 ggml_diag_mask_zero", 1, _diag_mask, params=1),
+    OpRule("SOFT_MAX", "ggml.c:4200 ggml_soft_max_ext", 1, _soft_max, optional=2, params=2),
+    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
+    # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
+    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
+    OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _clamp, params=2),
+    OpRule("PAD", "ggml.c:5243 ggml_pad_ext", 1, _pad, params=9),
+    OpRule("TIMESTEP_EMBEDDING", "ggml.c:5358 ggml_timestep_embedding", 1, _timestep_embedding, params=2),
+    OpRule("FILL", "ggml.c:5416 ggml_fill", 1, _fill, params=1),
+    OpRule("ARGSORT", "ggml.c:5432 ggml_argsort", 1, _argsort, params=1),
+    OpRule("TOP_K", "ggml.c:5468 ggml_top_k", 1, _top_k),
+    OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
+    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
+    OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext", 3, _flash_attn_ext, optional=2, params=4),
+    OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
+    OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
+    OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
+)
+
+RULES: Mapping[str, tuple[OpRule, ...]] = {
+    op: tuple(r for r in _ROWS if r.op == op) for op in dict.fromkeys(r.op for r in _ROWS)
+}
+
+
+def rule_for(op: str, version: Version) -> OpRule | None:
+    """The verified rule of ``op`` for ``version``, or None (the op is refused by default)."""
+    for rule in RULES.get(op, ()):
+        if rule.since <= version < rule.until:
+            return rule
+    return None

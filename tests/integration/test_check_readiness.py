@@ -1,0 +1,111 @@
+"""/readyz tells what the material and the peers IN USE can do, for serve and for connect.
+
+connect's /readyz answers "does my node answer?" from a cached TLS-only probe (no HELLO, so the
+node's single upstream slot is never taken for it) or from the last session's outcome; serve's
+ignores a broken certificate file on disk while the loaded certificate works.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rpcguard.server import NODE_CHECK_INTERVAL_S
+from tests.support import realpeer
+from tests.support.guard import start_guard
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as rsp:
+            return rsp.status, rsp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_connect_readyz_follows_its_node(pki, workdir, rpc_server):
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args(),
+                                           "--allow-cn", pki.client])
+    dead = realpeer.free_port()
+    up = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                          *pki.connect_args()])
+    down = start_guard("connect", workdir, ["--server", f"127.0.0.1:{dead}", "--server-name", pki.node,
+                                            *pki.connect_args()])
+    try:
+        status, body = http_get(up.metrics_port, "/readyz")
+        assert status == 200 and "node answers (TLS accepted)" in body, body
+        status, body = http_get(down.metrics_port, "/readyz")
+        assert status == 503 and f"127.0.0.1:{dead}: node_unreachable" in body, body
+        # cached: a second /readyz within NODE_CHECK_INTERVAL_S makes no new connection to the node
+        sessions = serve.wait_value("rpcguard_sessions_total", 1)
+        assert sessions == 1
+        for _ in range(5):
+            assert http_get(up.metrics_port, "/readyz")[0] == 200
+        assert serve.value("rpcguard_sessions_total") == 1 and NODE_CHECK_INTERVAL_S >= 5
+        # the probe sent no HELLO: nothing refused, no upstream version learned from it
+        assert serve.value("rpcguard_refusals_total") == 0
+        assert serve.samples("rpcguard_upstream_protocol_info") == []
+    finally:
+        for g in (up, down, serve):
+            g.stop()
+
+
+def test_connect_readyz_is_503_when_the_node_refuses_the_certificate(pki, workdir, tmp_path, rpc_server):
+    from tests.support.guard import Pki
+
+    other = Pki(tmp_path / "other")  # a client certificate of another CA: the node refuses it
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args()])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args(other.path(other.client),
+                                                                 other.path(other.client, "key"))])
+    try:
+        status, body = http_get(connect.metrics_port, "/readyz")
+        assert status == 503 and "tls_failed" in body, body
+        assert "warning" in connect.output() and "untrusted" in connect.output()  # said at start too
+        assert connect.value("rpcguard_certificate_warning", kind="untrusted") == 1
+    finally:
+        connect.stop()
+        serve.stop()
+
+
+def test_serve_readyz_reflects_the_certificate_in_use_not_the_file(pki, workdir, rpc_server):
+    cert, key = pki.issue("readynode", server=True, ips=["127.0.0.1"])
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", "--cert", cert, "--key", key,
+                                           "--ca", pki.path("ca")])
+    try:
+        assert http_get(serve.metrics_port, "/readyz")[0] == 200
+        Path(cert).write_text("garbage\n")  # a broken rotation on disk; the loaded certificate still works
+        status, body = http_get(serve.metrics_port, "/readyz")
+        assert status == 200 and "upstream reachable" in body, body
+    finally:
+        serve.stop()
+
+
+def test_connect_readyz_reuses_the_last_session_outcome(pki):
+    """A session's outcome is fresher than any probe: it decides /readyz without a connection."""
+    import asyncio
+
+    from rpcguard.config import build_config
+    from rpcguard.server import Runtime
+
+    dead = realpeer.free_port()  # nothing listens: only the session records can make it ready
+    cfg = build_config("connect", overrides={"listen": "127.0.0.1:0", "server": f"127.0.0.1:{dead}",
+                                             "server_name": pki.node, "cert": pki.path(pki.client),
+                                             "key": pki.path(pki.client, "key"), "ca": pki.path("ca")})
+
+    async def run():
+        rt = Runtime(cfg)
+        rt._session_ended({"listener": "tunnel0", "result": "ok", "version": "7.0.0"})
+        first = await rt.ready()
+        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
+                           "detail": "not on the allow-list"})
+        second = await rt.ready()
+        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
+        third = await rt.ready()  # busy is the node answering: the last verdict stands
+        return first, second, third
+
+    first, second, third = asyncio.run(run())
+    assert first == (True, "tunnel0: node answers (a session got through)"), first
+    assert second[0] is False and "identity_not_allowed: not on the allow-list" in second[1], second
+    assert third == second

@@ -1,0 +1,211 @@
+"""The op table (oprules.py) and its evaluation (opcheck.py): constructor-shaped nodes pass,
+single-field mutations that change what a kernel addresses are refused with a stable reason.
+The differential proof against the real libggml constructors is tests/differential/."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.encode import TensorSpec, graph_payload
+from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.graph import GraphValidator, coverage
+from rpcguard.protocol.oprules import RULES, rule_for
+from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.versions import KNOWN_VERSIONS, spec_for
+
+HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
+V7 = (7, 0, 0)
+OPS = op_table(V7).ids  # type: ignore[union-attr]
+F32, F16, Q8_0, I32 = 0, 1, 8, 26
+
+
+def f(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def state(version=V7) -> SessionState:
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(version))
+    st.add_buffer(HANDLE, 0, SIZE)
+    st.buffers[HANDLE].base = BASE
+    return st
+
+
+_slot = iter(range(1, 1 << 20))
+
+
+def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
+    """A tensor of ``type`` in the test buffer, each at its own 64 KiB slot."""
+    info = TYPES[type]
+    kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
+    return TensorSpec(id=id, type=type, ne=ne, buffer=HANDLE, type_size=info.type_size, blck_size=info.blck_size, **kw)
+
+
+def run(tensors: list[TensorSpec], node: TensorSpec, version=V7) -> None:
+    v = GraphValidator(max_nodes=64, max_tensors=64)
+    v.check(memoryview(graph_payload([node.id], tensors + [node])), state(version))
+
+
+def reason(tensors, node, version=V7) -> str:
+    with pytest.raises(FirewallRefusal) as exc:
+        run(tensors, node, version)
+    return exc.value.reason
+
+
+# -- builders of constructor-shaped nodes ---------------------------------------------------
+
+
+def mul_mat(**over):
+    a = T(0x10, Q8_0, (64, 8, 2, 1))  # weights, 8 rows of 64 q8_0 values, 2 matrices
+    b = T(0x11, F32, (64, 3, 4, 1))  # 3 columns, broadcast 4 / 2 over ne2
+    d = T(0x20, F32, (8, 3, 4, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+def rope(**over):
+    a = T(0x10, F32, (8, 2, 3, 1))
+    pos = T(0x11, I32, (3, 1, 1, 1))
+    params = [0, 8, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0]
+    d = T(0x20, F32, (8, 2, 3, 1), op=OPS["ROPE"], src=(0x10, 0x11), op_params=tuple(params))
+    for k, v in over.items():
+        setattr({"a": a, "p": pos, "d": d}[k[0]], k[2:], v)
+    return [a, pos], d
+
+
+def view(offset: int = 32, **over):
+    a = T(0x10, F32, (8, 4, 1, 1))
+    d = T(0x20, F32, (4, 2, 1, 1), nb=(4, 64, 128, 128), op=OPS["VIEW"], src=(0x10,), view_src=0x10,
+          view_offs=offset, op_params=(offset, 0), data=BASE + 0x100000 + offset)
+    a.data = BASE + 0x100000
+    for k, v in over.items():
+        setattr({"a": a, "d": d}[k[0]], k[2:], v)
+    return [a], d
+
+
+def test_constructor_shaped_nodes_pass():
+    for build in (mul_mat, rope, view):
+        run(*build())
+
+
+@pytest.mark.parametrize("over", [
+    {"d_ne": (8, 3, 2, 1)},  # dst shape is not (a.ne1, b.ne1, b.ne2, b.ne3)
+    {"d_nb": (4, 32, 100, 400)},  # a gap the constructor never leaves
+    {"d_nb": (4, 32, 96, 1 << 20)},  # the size-1 dim's stride moved far away
+    {"d_type": F16},  # MUL_MAT always builds F32
+    {"b_ne": (32, 3, 4, 1)},  # inner dims differ: the kernel would read past a row
+    {"b_ne": (64, 3, 3, 1)},  # 3 % 2: broadcast ratio the constructor refuses
+    {"d_view_src": 0x10},  # a fresh tensor claiming a view source
+])
+def test_mul_mat_mutations_refused(over):
+    assert reason(*mul_mat(**over)) in ("graph_shape_invalid", "tensor_layout_invalid")
+
+
+def test_mul_mat_sources_and_params():
+    tensors, d = mul_mat()
+    d.src = (0x10, 0x11, 0x10)  # a third source MUL_MAT never sets
+    assert reason(tensors, d) == "graph_src_unexpected"
+    tensors, d = mul_mat(d_op_params=(0, 0, 7))  # only prec and hint slots exist
+    assert reason(tensors, d) == "graph_op_params_invalid"
+    tensors, d = mul_mat(b_type=F16, b_type_size=2)  # src1 must be F32 or src0's vec_dot type
+    assert reason(tensors, d) == "graph_shape_invalid"
+
+
+@pytest.mark.parametrize("i,value", [
+    (2, 1),  # mode & 1: no longer supported, the kernel aborts
+    (2, 4),  # no such rope mode
+    (1, 10),  # n_dims > ne0
+    (1, 3),  # odd n_dims
+    (15, 2),  # n_offs + n_dims > ne0
+])
+def test_rope_params_refused(i, value):
+    tensors, d = rope()
+    params = list(d.op_params)
+    params[i] = value
+    d.op_params = tuple(params)
+    assert reason(tensors, d) == "graph_op_params_invalid"
+
+
+def test_mrope_sections_cannot_divide_by_zero():
+    # The kernel takes (i0/2) % (s0+s1+s2+s3) and asserts only that one section is > 0.
+    tensors, d = rope(p_ne=(12, 1, 1, 1))
+    params = list(d.op_params)
+    params[2] = 8  # MROPE
+    params[11:15] = [2, 2, 0, 0]
+    d.op_params = tuple(params)
+    run(tensors, d)
+    params[11:15] = [1, -1, 0, 0]
+    d.op_params = tuple(params)
+    assert reason(tensors, d) == "graph_op_params_invalid"
+
+
+def test_rope_n_offs_is_a_7_0_0_param():
+    tensors, d = rope()
+    params = list(d.op_params)
+    params[15] = 2
+    params[1] = 6
+    d.op_params = tuple(params)
+    run(tensors, d)  # 7.0.0: n_offs set by ggml_rope_set_offset
+    assert reason(tensors, d, version=(5, 0, 0)) == "graph_op_params_invalid"  # 5.0.0 sets 15 params
+
+
+@pytest.mark.parametrize("over", [
+    {"d_op_params": (200, 0)},  # the constructor's offset is not the view's
+    {"d_view_offs": 64},  # view_offs and data disagree with the offset param
+    {"d_data": BASE + 0x100000 + 64},  # data is not root data + offset
+    {"d_nb": (4, 64, 128, 1 << 30)},  # a stride past the buffer
+])
+def test_view_mutations_refused(over):
+    assert reason(*view(**over)) in ("graph_shape_invalid", "tensor_layout_invalid")
+
+
+def test_view_past_its_source_refused():
+    assert reason(*view(offset=128 - 8 + 64)) == "graph_shape_invalid"
+
+
+def test_zero_stride_giants_are_refused_by_the_layout_rule():
+    # 2^28 elements in 4 bytes: a work size from the element count (bad_alloc) or a kernel busy
+    # for years; no constructor makes overlapping strides.
+    a = T(0x10, F32, (1 << 10, 1 << 10, 1 << 8, 1), nb=(4, 0, 0, 0))
+    d = T(0x20, F32, (1, 1 << 10, 1 << 8, 1), op=OPS["SUM_ROWS"], src=(0x10,))
+    assert reason([a], d) == "tensor_layout_invalid"
+
+
+def test_node_cache_is_keyed_by_the_sources():
+    # A node accepted with one source must not stand in for the same node bytes with another.
+    st = state()
+    v = GraphValidator(max_nodes=64, max_tensors=64)
+    tensors, d = mul_mat()
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
+    assert st.node_cache
+    tensors[1].ne = (64, 5, 4, 1)  # same ids, same node bytes, other source shape
+    with pytest.raises(FirewallRefusal):
+        v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
+
+
+def test_every_row_cites_its_constructor_and_ops_exist():
+    names = set(op_table(V7).names)  # type: ignore[union-attr]
+    for op, rows in RULES.items():
+        assert op in names, op
+        for r in rows:
+            assert "ggml" in r.ctor and r.since < r.until
+            assert r.srcs + r.optional <= 10 and 0 <= r.params <= 16
+
+
+def test_rows_do_not_overlap_in_versions():
+    for op in RULES:
+        for v in KNOWN_VERSIONS:
+            hits = [r for r in RULES[op] if r.since <= v < r.until]
+            assert len(hits) <= 1, (op, v)
+            assert rule_for(op, v) is (hits[0] if hits else None)
+
+
+def test_coverage_report():
+    for v in sorted(KNOWN_VERSIONS):
+        have, total, missing = coverage(v)
+        print(f"{'.'.join(map(str, v))}: {have}/{total} ops verified; without a rule: {' '.join(missing)}")
+        if total:
+            assert have >= 50
