@@ -58,6 +58,9 @@ MODELS: dict[str, set[str]] = {
     "llama3": {"MUL_MAT", "ROPE", "GLU/SWIGLU"},  # + ROPE's freq factors and bf16 weights, checked below
     "qwen3": {"MUL_MAT", "RMS_NORM", "ROPE", "GLU/SWIGLU"},
     "gptoss": {"MUL_MAT_ID", "ADD_ID", "GLU/SWIGLU_OAI", "ARGSORT"},
+    # recurrent conv state: SSM_CONV, CONCAT of the state and the input, CPY back into the state
+    # (+ empty tensors when no sequence needs its state copied); layer 1 attention with Q/K norms
+    "lfm2": {"SSM_CONV", "CONCAT", "CPY", "RMS_NORM", "ROPE"},
 }
 # (preset, flash attention) -> (op, dst <- srcs type signature) its graphs must contain
 SIGNATURES = {
@@ -77,6 +80,10 @@ KV = {
 # expert stacks (3-D weights of MUL_MAT_ID) in quantized types: name, preset, dtype
 QUANT_EXPERTS = [("qwen2moe-q8", "qwen2moe", "q8_0"), ("mixtral-q4", "mixtral", "q4_0")]
 COUNTERS = ("rpcguard_refusals_total", "rpcguard_firewall_violations_total")
+
+
+class FalseRefusal(AssertionError):
+    """rpcguard refused (or counted as a violation) real llama.cpp traffic."""
 
 
 @dataclass
@@ -169,10 +176,13 @@ def compare(nodes_used: list[Node], model: Path, args: list[str], *, n_gpu_layer
     guarded = run_llama([n.connect.endpoint for n in nodes_used], model, args)
     elapsed = time.monotonic() - t0
     logs = "".join(f"\n--- {g.role} {g.port}:\n{g.output()[-2000:]}" for g in guards)
-    assert guarded.ok, guarded.output[-3000:] + logs
     after = _snapshot(guards)
     moved = {k: (before.get(k, 0), v) for k, v in after.items() if v != before.get(k, 0)}
-    assert not moved, (moved, logs)  # a false refusal, a counted violation or a failed session
+    refused = {k: v for k, v in moved.items() if k[2] in COUNTERS}
+    if refused:
+        raise FalseRefusal(f"refused or counted as a violation: {refused}{logs}")
+    assert guarded.ok, guarded.output[-3000:] + logs
+    assert not moved, (moved, logs)  # a failed session
     assert guarded.result == direct.result, (guarded.result, direct.result)
     assert _graphs(nodes_used) > graphs0  # the compute really went through the pair(s)
     survey = _survey(nodes_used, streams0)
@@ -184,8 +194,28 @@ def compare(nodes_used: list[Node], model: Path, args: list[str], *, n_gpu_layer
 # Every KV variant for the models whose attention differs most (llama baseline, gemma2's soft-cap,
 # gpt-oss' sinks); the default (FA off, f16) and FA with a q8_0 cache for the others (the KV
 # variants change the attention ops, which are the same code for every architecture).
-FULL_KV = ("gqa", "gemma2", "gptoss")
-GENERATION = [(m, kv) for m in MODELS for kv in (KV if m in FULL_KV else ("fa0-f16", "fa1-q8"))]
+FULL_KV = ("gqa", "gemma2", "gptoss", "lfm2")
+# Known false refusals of the firewall, per model: strict, so a fix makes the test fail until the
+# marker goes. lfm2 (every model with recurrent state: llama-memory-recurrent.cpp) passed the
+# rules of f21ecd9 and is refused by the default-deny rules of 079685f:
+#  * graph_tensor_unallocated: the input ``rs_s_copy`` (I32, buffer 0, data 0: it lives on the
+#    client) and two VIEW nodes of it sit in the RPC split; view ops are never computed;
+#  * next in line, tensor_layout_invalid "empty shape in a graph": the state copy for the
+#    sequences that need none is built with 0 rows (CPY/GET_ROWS/VIEW 256x0, SCALE 0, allocated);
+#  * then op_not_verified: SSM_CONV has no rule.
+KNOWN_REFUSALS = {
+    "lfm2": "firewall v2 (079685f) refuses LFM2's recurrent-state graphs: graph_tensor_unallocated on "
+            "rs_s_copy views, empty tensors, SSM_CONV unverified (see /work/notes/ops_seen.md)",
+}
+
+
+def _known(model: str, *values):
+    reason = KNOWN_REFUSALS.get(model)
+    marks = [pytest.mark.xfail(reason=reason, strict=True, raises=FalseRefusal)] if reason else []
+    return pytest.param(model, *values, marks=marks)
+
+
+GENERATION = [_known(m, kv) for m in MODELS for kv in (KV if m in FULL_KV else ("fa0-f16", "fa1-q8"))]
 
 
 @pytest.mark.parametrize("model, kv", GENERATION)

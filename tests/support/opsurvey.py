@@ -122,6 +122,7 @@ class Survey:
     devices: set = field(default_factory=set)
     ops: dict[str, OpStat] = field(default_factory=dict)
     leaf_ops: Counter = field(default_factory=Counter)  # ops of listed tensors that are not nodes
+    leaf_notes: Counter = field(default_factory=Counter)  # empty / unallocated non-node tensors
     commands: Counter = field(default_factory=Counter)
 
     def merge(self, other: "Survey", label: str = "") -> None:
@@ -130,6 +131,7 @@ class Survey:
         self.max_nodes = max(self.max_nodes, other.max_nodes)
         self.devices |= other.devices
         self.leaf_ops.update(other.leaf_ops)
+        self.leaf_notes.update(other.leaf_notes)
         self.commands.update(other.commands)
         for k, st in other.ops.items():
             mine = self.ops.setdefault(k, OpStat())
@@ -213,6 +215,10 @@ def survey_graph(payload: memoryview | bytes, version=(7, 0, 0), out: Survey | N
     for t in tensors:
         if t.id not in node_set:
             out.leaf_ops[op_key(names, t)] += 1
+            if 0 in t.ne:
+                out.leaf_notes["empty"] += 1
+            if not t.buffer:
+                out.leaf_notes["buffer 0"] += 1
     for nid in nodes:
         t = by_id[nid]
         key = op_key(names, t)
@@ -231,6 +237,10 @@ def survey_graph(payload: memoryview | bytes, version=(7, 0, 0), out: Survey | N
             st.shapes.append(shape)
         if t.view_src:
             st.notes["dst is a view"] += 1
+        if 0 in t.ne:
+            st.notes["dst empty (an ne is 0)"] += 1
+        if not t.buffer:
+            st.notes["dst buffer 0"] += 1
         for i, s in enumerate(srcs):
             if s is None:
                 if i < len(srcs):
@@ -238,6 +248,10 @@ def survey_graph(payload: memoryview | bytes, version=(7, 0, 0), out: Survey | N
                 continue
             if s.view_src:
                 st.notes[f"src{i} view"] += 1
+            if 0 in s.ne:
+                st.notes[f"src{i} empty"] += 1
+            if not s.buffer:
+                st.notes[f"src{i} buffer 0"] += 1
             if not _contiguous(s):
                 st.notes[f"src{i} non-contiguous" + (" (permuted)" if _permuted(s) else "")] += 1
             if s.id not in node_set:
@@ -281,7 +295,8 @@ def render(label: str, s: Survey, config: str = "", variants: tuple[str, ...] = 
         lines += [config, ""]
     lines += [f"{s.graphs} GRAPH_COMPUTE frames, {s.nodes} nodes (largest graph {s.max_nodes}), "
               f"devices {sorted(s.devices)}; non-node tensors by op: "
-              + ", ".join(f"{k} {v}" for k, v in sorted(s.leaf_ops.items())), ""]
+              + ", ".join(f"{k} {v}" for k, v in sorted(s.leaf_ops.items()))
+              + "".join(f"; {k}: {v}" for k, v in sorted(s.leaf_notes.items())), ""]
     lines += ["| op | nodes | dst <- src types | example shapes (ne, dst <- srcs) | op_params seen | notes |"
               + (" only in |" if variants else ""),
               "|---|---|---|---|---|---|" + ("---|" if variants else "")]
@@ -310,11 +325,13 @@ def render_summary(surveys: dict[str, Survey]) -> str:
         for m in models:
             sigs.update(surveys[m].ops[k].signatures)
         lines.append(f"| {k} | {', '.join(models)} | {'; '.join(sorted(sigs))} |")
-    leaf = Counter()
+    leaf, notes = Counter(), Counter()
     for s in surveys.values():
         leaf.update(s.leaf_ops)
+        notes.update(s.leaf_notes)
     lines += ["", "Tensors in the list that are not nodes (weights, KV cache, inputs): ops "
-              + ", ".join(f"{k} ({v})" for k, v in sorted(leaf.items()))]
+              + ", ".join(f"{k} ({v})" for k, v in sorted(leaf.items()))
+              + "".join(f"; {k}: {v}" for k, v in sorted(notes.items()))]
     return "\n".join(lines) + "\n"
 
 
