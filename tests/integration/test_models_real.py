@@ -42,7 +42,8 @@ import pytest
 from tests.support import realpeer
 from tests.support.guard import Guard, start_pair
 from tests.support.llamarun import LlamaRun, run_llama
-from tests.support.opsurvey import LONG, PROMPT_LONG, RecordingRelay, Survey, survey_stream
+from tests.support.opsurvey import RecordingRelay, Survey, survey_stream
+from tests.support.opsurvey_run import LONG, PROMPT_LONG
 
 N_TOKENS = 40  # LONG: the ~270-token prompt in ubatches of 128, then 40 greedy tokens
 ENFORCE = ["--mode", "enforce"]
@@ -196,7 +197,7 @@ def compare(nodes_used: list[Node], model: Path, args: list[str], *, n_gpu_layer
 # Every KV variant for the models whose attention differs most (llama baseline, gemma2's soft-cap,
 # gpt-oss' sinks); the default (FA off, f16) and FA with a q8_0 cache for the others (the KV
 # variants change the attention ops, which are the same code for every architecture).
-FULL_KV = ("gqa", "gemma2", "gptoss", "lfm2")
+FULL_KV = ("gqa", "gemma2", "gptoss")
 # Known false refusals of the firewall, per model: strict, so a fix makes the test fail until the
 # marker goes. lfm2 (every model with recurrent state: llama-memory-recurrent.cpp) passed the
 # rules of f21ecd9 and is refused by the default-deny rules of 079685f (each step confirmed by
