@@ -618,6 +618,7 @@ _GLOBAL_FLAGS = {
     "metrics": ("metrics", "listen"), "metrics_unsafe_public": ("metrics", "unsafe_public"),
     "web_config": ("metrics", "web_config"),
     "log_format": ("log", "format"), "log_level": ("log", "level"), "mode": ("policy", "mode"),
+    "allow_unverified_op": ("policy", "allow_unverified_ops"),
 }
 # flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)
 _ITEM_FLAGS = {
