@@ -235,14 +235,15 @@ def _vec_dot_type(t: int) -> int:
 
 
 HINT_SRC0_IS_HADAMARD = 1  # ggml.h:455 enum ggml_hint
+PRECS = frozenset({0, 10, 15, 20, 30, 40})  # ggml.h:443-451 enum ggml_prec (0 and 10 before 7.0.0)
 
 
 def _mul_mat_params(n: RpcTensor, op: str) -> None:
     """op_params of MUL_MAT/MUL_MAT_ID: [0] accumulator precision (ggml_prec_set_acc), [1] hint
-    (ggml_mul_mat_set_hint, MUL_MAT only), [3] src1 precision (ggml_prec_set_src, 7.0.0); enum
-    ggml_prec is DEFAULT 0 / F32 1."""
+    (ggml_mul_mat_set_hint, MUL_MAT only), [3] src1 precision (ggml_prec_set_src, 7.0.0), values of
+    enum ggml_prec (ggml.h:443; llama.cpp sets GGML_PREC_F32 = 10)."""
     hints = (0, HINT_SRC0_IS_HADAMARD) if op == "MUL_MAT" else (0,)
-    if n.param0 not in (0, 1) or n.param1 not in hints or n.param2 or n.param3 not in (0, 1):
+    if n.param0 not in PRECS or n.param1 not in hints or n.param2 or n.param3 not in PRECS:
         raise refuse(n, op, f"op_params {n.op_params[:4]}", "graph_op_params_invalid")
 
 
@@ -323,7 +324,7 @@ _CPY_TO = frozenset(VEC_DOT) - _NO_FROM_FLOAT
 def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     if src == dst:
         return
-    if src in FLOAT and (dst in FLOAT or (src == F32 and dst in _CPY_TO)):
+    if src in FLOAT and (dst in FLOAT or dst in _CPY_TO):
         return
     if (src, dst) in ((F32, I32), (I32, F32)):
         return
@@ -418,7 +419,7 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "GROUP_NORM", ONLY_F32, a)
-    _need(0 < n.param0 <= max(a.ne2, 1), n, "GROUP_NORM", f"n_groups {n.param0}")
+    _need(n.param0 > 0, n, "GROUP_NORM", f"n_groups {n.param0}")  # the kernel clamps the group size
     _need(a.nb0 == 4, n, "GROUP_NORM", "nb0")
     return _dup_or_inplace(a)
 
@@ -508,7 +509,7 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
         raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
     if sinks is not None:
         _need(sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
-    if n.param3 not in (0, 1) or n.param4 < 0:  # precision, n_kv_max (ggml_flash_attn_ext_set_n_kv_max)
+    if n.param3 not in PRECS or n.param4 < 0:  # precision, n_kv_max (ggml_flash_attn_ext_set_n_kv_max)
         raise refuse(n, "FLASH_ATTN_EXT", f"prec {n.param3} n_kv_max {n.param4}", "graph_op_params_invalid")
     return New(F32, (v.ne0, q.ne2, q.ne1, q.ne3))
 
@@ -802,7 +803,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("L2_NORM", "ggml.c:3275 ggml_l2_norm", 1, _norm, params=1),
     OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat (+3290 ggml_prec_set_acc/src, 3377 set_hint)", 2, _mul_mat,
            params=4, since=(7, 0, 0)),
-    OpRule("MUL_MAT", "0.3.35 ggml.c ggml_mul_mat (+ggml_mul_mat_set_prec)", 2, _mul_mat, params=1,
+    OpRule("MUL_MAT", "0.3.35 ggml.c ggml_mul_mat (+set_prec, set_hint)", 2, _mul_mat, params=2,
            until=(7, 0, 0)),
     OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id (+3290 ggml_prec_set_acc/src)", 3, _mul_mat_id, params=4,
            since=(7, 0, 0)),
