@@ -161,7 +161,10 @@ def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...
     return (New(t, a.ne), View(0, a.ne, a.nb, 0))
 
 
-def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = False) -> Derive:
+def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = False, unit: bool = False) -> Derive:
+    """An elementwise op on one source whose result is ggml_dup_tensor(a) or its inplace view;
+    the kernel handles ``types`` and needs contiguous rows, a contiguous source, or a unit
+    element stride (nb0 == type size) as asked."""
     def derive(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         a = s[0]
         assert a is not None
@@ -170,6 +173,8 @@ def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = Fa
             _need(rows_contiguous(a), n, "unary", "src rows not contiguous")
         if contiguous:
             _need(is_contiguous(a), n, "unary", "src not contiguous")
+        if unit:
+            _need(a.nb0 == TYPES[a.type].type_size, n, "unary", "nb0 is not the element size")
         return _dup_or_inplace(a)
 
     return derive
@@ -630,14 +635,6 @@ def _repeat(n: RpcTensor, s: Srcs) -> Result:
     return New(a.type, n.ne)
 
 
-def _clamp(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "CLAMP", F32_F16, a)
-    _need(a.nb0 == TYPES[a.type].type_size, n, "CLAMP", "nb0")
-    return _dup_or_inplace(a)
-
-
 def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
@@ -668,22 +665,6 @@ def _add_id(n: RpcTensor, s: Srcs) -> Result:
     _types(n, "ADD_ID", ONLY_F32, a, b)
     _need(a.nb0 == 4 and b.nb0 == 4, n, "ADD_ID", "nb0")
     return New(a.type, a.ne)
-
-
-def _leaky_relu(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "LEAKY_RELU", F32_F16, a)
-    _need(a.nb0 == TYPES[a.type].type_size, n, "LEAKY_RELU", "nb0")
-    return _dup_or_inplace(a)
-
-
-def _fill(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "FILL", F32_F16, a)
-    _need(is_contiguous(a), n, "FILL", "src not contiguous")
-    return _dup_or_inplace(a)
 
 
 def _cumsum(n: RpcTensor, s: Srcs) -> Result:
@@ -824,16 +805,16 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
     # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
     OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
-    OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _clamp, params=2),
+    OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _unary_like(F32_F16, unit=True), params=2),
     OpRule("PAD", "ggml.c:5243 ggml_pad_ext", 1, _pad, params=9),
     OpRule("TIMESTEP_EMBEDDING", "ggml.c:5358 ggml_timestep_embedding", 1, _timestep_embedding, params=2),
-    OpRule("FILL", "ggml.c:5416 ggml_fill", 1, _fill, params=1),
+    OpRule("FILL", "ggml.c:5416 ggml_fill", 1, _unary_like(F32_F16, contiguous=True), params=1),
     OpRule("ARGSORT", "ggml.c:5432 ggml_argsort", 1, _argsort, params=1),
     OpRule("TOP_K", "ggml.c:5468 ggml_top_k", 1, _top_k),
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
-    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
+    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16, unit=True), params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
