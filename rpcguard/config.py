@@ -107,7 +107,8 @@ class PolicyConfig:
     max_graph_nodes: int = 262144
     max_graph_tensors: int = 1048576
     max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
-    clear_new_buffers: bool = False  # inject BUFFER_CLEAR after each ALLOC_BUFFER
+    max_session_alloc_bytes: int = 0  # one session, all devices; 0 = per device, its memory total
+    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER
     denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
     disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
 
@@ -385,6 +386,7 @@ _POLICY_READERS: dict[str, Reader] = {
     "allow_commands": _list(_command), "max_request_bytes": _via(parse_size, allow_zero=False),
     "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
+    "max_session_alloc_bytes": _via(parse_size),
     "denied_ops": _list(_op),
 }
 _LIMIT_READERS: dict[str, Reader] = {

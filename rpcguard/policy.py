@@ -48,6 +48,7 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
             max_graph_nodes=cfg.max_graph_nodes,
             max_graph_tensors=cfg.max_graph_tensors,
             max_alloc_bytes=cfg.max_alloc_bytes,
+            max_session_alloc_bytes=cfg.max_session_alloc_bytes,
             denied_ops=frozenset(cfg.denied_ops),
         ),
         clear_new_buffers=cfg.clear_new_buffers,

@@ -134,7 +134,8 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
      "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, checks, "
-     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_nodes, max_graph_tensors, max_request_bytes, mode)"),
+     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_nodes, max_graph_tensors, max_request_bytes, "
+     "max_session_alloc_bytes, mode)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
@@ -272,7 +273,8 @@ def test_serve_defaults(base: Path) -> None:
     assert gpu1.upstream.port == 50053 and gpu1.allow == AclConfig() and gpu1.policy == PolicyConfig()
     p = PolicyConfig()
     assert (p.max_request_bytes, p.max_graph_bytes, p.max_graph_nodes, p.max_graph_tensors) == (4 * GIB, 64 * MIB, 262144, 1048576)
-    assert (p.mode, p.max_alloc_bytes, p.clear_new_buffers, p.disabled_checks) == ("enforce", 0, False, ())
+    assert (p.mode, p.max_alloc_bytes, p.clear_new_buffers, p.disabled_checks) == ("enforce", 0, True, ())
+    assert p.max_session_alloc_bytes == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.role = "connect"  # type: ignore[misc]
 
@@ -578,7 +580,7 @@ def test_serve_example(examples: Path) -> None:
     assert cfg.role == "serve" and cfg.tls.cert == str(examples.parent / "certs" / "node1.pem")
     assert [(x.name, str(x.upstream)) for x in cfg.listeners] == [("gpu0", "127.0.0.1:50052"), ("gpu1", "127.0.0.1:50053")]
     assert cfg.listeners[0].allow.uri and cfg.listeners[0].allow.cn and cfg.listeners[1].allow.uri
-    assert cfg.listeners[0].policy == PolicyConfig() and cfg.listeners[1].policy == PolicyConfig(clear_new_buffers=True)
+    assert cfg.listeners[0].policy == PolicyConfig() and cfg.listeners[1].policy == PolicyConfig(max_session_alloc_bytes=8 << 30)
     assert (cfg.limits, cfg.log, cfg.tls.min_version, cfg.tls.reload_interval_s) == (LimitsConfig(), LogConfig(), "1.3", 0)
 
 
