@@ -196,9 +196,12 @@ class Firewall:
         n = check_tensor(t, self.state, self._tchecks)
         if not self._bounds:
             return t, n, None
-        if t.buffer == 0:
-            raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
-        return t, n, self.state.buffers[t.buffer]  # known: check_tensor refused unknown handles
+        buf = self.state.buffers.get(t.buffer) if t.buffer else None
+        if buf is None or buf.base is None:  # check_tensor refused these already; never a KeyError
+            if t.buffer == 0:
+                raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
+            raise FirewallRefusal("buffer_unknown", f"{what} id={t.id:#x}: buffer {t.buffer:#x} is not live")
+        return t, n, buf
 
     def _range(self, t: RpcTensor, n: int, buf: Buffer | None, offset: int, size: int) -> None:
         """``[data+offset, +size)`` inside the buffer (the server's own bounds, checked first) and

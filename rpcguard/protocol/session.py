@@ -69,6 +69,9 @@ _CMD = COMMAND_IDS
 _FREE_BUFFER, _GRAPH_COMPUTE, _SET_TENSOR = _CMD["FREE_BUFFER"], _CMD["GRAPH_COMPUTE"], _CMD["SET_TENSOR"]
 _ALLOC_BUFFER, _GET_DEVICE_MEMORY = _CMD["ALLOC_BUFFER"], _CMD["GET_DEVICE_MEMORY"]
 _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
+# Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
+# not make the proxy send 2^32 frames); beyond it a device has no default quota.
+MEMORY_PROBES_MAX = 16
 HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
 
 
@@ -350,7 +353,7 @@ class Session:
             return
         multi = self.state.spec.multi_device  # type: ignore[union-attr]
         memory = self.state.upstream.memory
-        for device in range(self.state.device_count() if multi else 1):
+        for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
             if device not in memory:
                 self._inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
 

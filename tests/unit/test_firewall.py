@@ -414,3 +414,13 @@ def test_set_tensor_with_cache_flag_is_never_answered_from_the_cache():
     with pytest.raises(FirewallRefusal) as exc:
         fw.check_request(rule, head, big)
     assert exc.value.reason == "set_tensor_cache_flag_invalid"
+
+
+@pytest.mark.parametrize("name,tail", [("INIT_TENSOR", b""), ("GET_TENSOR", struct.pack("<QQ", 0, 4)),
+                                       ("SET_TENSOR", b"\0" + struct.pack("<Q", 0))])
+def test_tensor_group_off_unknown_type_still_gets_the_buffer_rules(name, tail):
+    # Found by tests/property/test_checks_off_props.py: with `tensor` off a type without size
+    # information skipped the buffer lookup and the range check raised KeyError.
+    head = T(type=1 << 24, buffer=0x0100000000000000, data=BASE) + tail
+    assert reason(name, head, 4 if name == "SET_TENSOR" else 0, disabled_checks=frozenset({"tensor"})) == (
+        "buffer_unknown")

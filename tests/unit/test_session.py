@@ -369,3 +369,13 @@ def test_cache_flag_refused_when_the_client_would_not_send_it(case):
     assert e.value.reason == "set_tensor_cache_flag_invalid"
     s, t = cache_session()
     s.client_data(memoryview(set_tensor(t, 0)))  # cache_flag=0 is always fine
+
+
+def test_absurd_device_count_does_not_flood_the_server_with_memory_probes():
+    s = Session(NO_CLEAR, UpstreamFacts())
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    s.server_data(memoryview(V.HELLO_RSP_700))
+    out(s.to_server)
+    s.server_data(memoryview(encode.response(struct.pack("<I", 0xFFFFFFFF))))  # DEVICE_COUNT answer
+    probes = out(s.to_server)
+    assert len(probes) == 16 * 13  # MEMORY_PROBES_MAX GET_DEVICE_MEMORY frames of 9 + 4 bytes
