@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     for kind in ("cn", "dns", "uri", "ip"):
         s.add_argument(f"--allow-{kind}", action="append", default=[], metavar="X",
                        help=f"allow clients whose certificate has this {kind.upper()} (repeatable)")
+    s.add_argument("--allow-all", action="store_true",
+                   help="allow any client certificate signed by --ca (required when no --allow-* is given)")
 
     c = sub.add_parser("connect", help="next to llama.cpp: a loopback port tunnelled to a node")
     _common_tls(c)
@@ -93,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _overrides(a: argparse.Namespace) -> dict:
     keys = ("cert", "key", "ca", "tls_min_version", "metrics", "mode", "log_format", "log_level", "listen",
-            "upstream", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "server",
+            "upstream", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "allow_all", "server",
             "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
 

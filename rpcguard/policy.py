@@ -56,8 +56,8 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
 
 
 def acl(cfg: AclConfig) -> Acl:
-    """The identity allow-list of a serve listener (empty = any certificate from the CA)."""
-    return Acl(cns=cfg.cn, dns=cfg.dns, uris=cfg.uri, ips=cfg.ip)
+    """The identity allow-list of a serve listener (``all``: any certificate from the CA)."""
+    return Acl(cns=cfg.cn, dns=cfg.dns, uris=cfg.uri, ips=cfg.ip, allow_any=cfg.all)
 
 
 def limits(cfg: LimitsConfig) -> Limits:

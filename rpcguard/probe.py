@@ -17,7 +17,8 @@ from rpcguard.errors import Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.versions import format_version
-from rpcguard.tls import classify_handshake_error
+from rpcguard.identity import check_usage
+from rpcguard.tls import classify_handshake_error, peer_identity
 
 __all__ = ["ProbeResult", "probe_node"]
 
@@ -60,6 +61,7 @@ async def _try(host, port, ctx, server_name, hello: bytes, policy, timeout) -> S
         asyncio.open_connection(host, port, ssl=ctx, server_hostname=server_name), timeout
     )
     try:
+        check_usage(peer_identity(writer.get_extra_info("ssl_object")), "server")  # serverAuth EKU
         session = Session(policy)
         await _exchange(reader, writer, session, hello, timeout)
         return session
