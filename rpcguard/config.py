@@ -110,7 +110,7 @@ class PolicyConfig:
     max_graph_tensors: int = 1048576
     max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
     max_session_alloc_bytes: int = 0  # one session, all devices; 0 = per device, its memory total
-    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER
+    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER (connect: False)
     denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
     disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
 
@@ -401,9 +401,14 @@ _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
                                    "level": _choice("debug", "info", "warning", "error")}
 
 
-def _parse_policy(layers: list[tuple[Any, str]]) -> PolicyConfig:
+# Role defaults that differ from PolicyConfig's: serve zeroes new buffers for the node's tenants;
+# connect doing it too would clear every buffer twice (docs/firewall.md, "Tenant isolation").
+_ROLE_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"serve": {}, "connect": {"clear_new_buffers": False}}
+
+
+def _parse_policy(layers: list[tuple[Any, str]], role: str = "serve") -> PolicyConfig:
     """Merge policy mappings key by key (later layers win; ``checks`` merges check by check)."""
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(_ROLE_POLICY_DEFAULTS.get(role, {}))
     checks: dict[str, bool] = {}
     for data, path in layers:
         s = _Section(data, path, set(_POLICY_READERS) | {"checks"})
@@ -494,7 +499,7 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
                 raise ConfigError(s.raw("listen")[1], f"{listen} already used by {where}")
         names[name] = s.path
         listens.append((listen, s.path))
-        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")])
+        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")], role)
         if role == "serve":
             upstream, unsafe = s.get("upstream", _connect), s.get("unsafe_upstream", _bool, False)
             if not upstream.is_loopback() and not unsafe:

@@ -35,7 +35,7 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
-__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key"]
+__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
 
 CHECK_NAMES: tuple[str, ...] = (
     "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
@@ -295,9 +295,19 @@ class Firewall:
             )
 
     def _init_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        # CUDA's init_tensor pads quantized rows past nbytes; here the tensor range is held to the
-        # buffer end (check_tensor), not to a padded size the proxy cannot know.
-        self._buffer_tensor(payload)
+        # A padding backend's init_tensor zeroes [data+nbytes, data+alloc_size) (CUDA, quantized
+        # rows: ggml-cuda.cu:758-766), past the server's own [data, +nbytes) check. The padded size
+        # is the server's GET_ALLOC_SIZE answer for that shape, when the proxy has seen one.
+        t, n, buf = self._buffer_tensor(payload)
+        if buf is None:
+            return
+        padded = self.state.upstream.alloc_sizes.get(alloc_size_key(buf.device, t))
+        if padded is not None and t.data + padded > buf.base + buf.size:  # type: ignore[operator]
+            raise FirewallRefusal(
+                "tensor_out_of_buffer",
+                f"tensor id={t.id:#x}: padded size {padded} (GET_ALLOC_SIZE) from {t.data:#x} past the end "
+                f"of buffer {buf.handle:#x}",
+            )
 
     def _get_alloc_size(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         at = 0
@@ -327,6 +337,11 @@ class Firewall:
             )
         if device not in state.graph_devices:
             raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
+
+
+def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:
+    """What a server's allocation size depends on (the client's own cache key, ggml-rpc.cpp:869-887)."""
+    return (device, t.type, *t[3:11], t.op)
 
 
 def hash_miss_key(set_tensor_head: memoryview | bytes) -> bytes:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.firewall import Firewall, FirewallPolicy, hash_miss_key
+from rpcguard.protocol.firewall import Firewall, FirewallPolicy, alloc_size_key, hash_miss_key
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
@@ -72,7 +72,8 @@ _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
 MEMORY_PROBES_MAX = 16
-HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
+HASH_MISSES_MAX = 1024
+ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class Session:
             _CMD["GET_MAX_SIZE"]: self._on_max_size,
             _CMD["GET_DEVICE_MEMORY"]: self._on_memory,
             _CMD["SET_TENSOR_HASH"]: self._on_hash,
+            _CMD["GET_ALLOC_SIZE"]: self._on_alloc_size,
         }
 
     # ----------------------------------------------------------------------------- properties
@@ -262,6 +264,9 @@ class Session:
             return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
         if cmd == _CMD["SET_TENSOR_HASH"]:
             return bytes(head)
+        if cmd == _CMD["GET_ALLOC_SIZE"]:
+            at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
+            return bytes(head[: at + TENSOR_BYTES])
         return None
 
     def _on_hello_request(self, head: memoryview, raw: memoryview, out: list) -> None:
@@ -393,6 +398,19 @@ class Session:
             if self._enforce:
                 raise
             self.violations.append(Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER"))
+
+    def _on_alloc_size(self, exp: _Expect, head: memoryview) -> None:
+        req: bytes = exp.ctx  # type: ignore[assignment]
+        at = len(req) - TENSOR_BYTES
+        device = _U32.unpack_from(req)[0] if at else 0
+        t = decode_tensor(req, at)
+        info = types_of(self.version).get(t.type)
+        size = _U64.unpack_from(head)[0]
+        if info is not None and size > nbytes(t, info):
+            sizes = self.state.upstream.alloc_sizes
+            if len(sizes) >= ALLOC_SIZES_MAX:
+                sizes.clear()
+            sizes[alloc_size_key(device, t)] = size
 
     def _on_hash(self, exp: _Expect, head: memoryview) -> None:
         if head[0] == 0:

@@ -34,6 +34,9 @@ class UpstreamFacts:
     alignment: dict[int, int] = field(default_factory=dict)
     max_size: dict[int, int] = field(default_factory=dict)
     memory: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (free, total)
+    # GET_ALLOC_SIZE answers larger than nbytes (backends that pad, e.g. CUDA's quantized rows),
+    # by (device, type, ne0..3, nb0..3, op): the server's INIT_TENSOR writes up to that size.
+    alloc_sizes: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def learn_version(self, version: Version) -> None:
         """A new version invalidates everything learned from the previous server."""
@@ -43,6 +46,7 @@ class UpstreamFacts:
             self.alignment.clear()
             self.max_size.clear()
             self.memory.clear()
+            self.alloc_sizes.clear()
 
 
 @dataclass(slots=True)

@@ -290,6 +290,10 @@ def test_connect_defaults(base: Path) -> None:
     t0, t1 = parse_config(d, "connect", base_dir=str(base)).tunnels
     assert (t0.name, t0.server_name, str(t0.server)) == ("n1", "fd00::1", "[fd00::1]:50100")
     assert (t1.server_name, t1.unsafe_listen) == ("gpu.example", True)
+    # connect leaves clearing new buffers to serve (one clear per buffer), unless told otherwise
+    assert not t0.policy.clear_new_buffers and parse_config(serve_data(), base_dir=str(base)).listeners[0].policy.clear_new_buffers
+    d["policy"] = {"clear_new_buffers": True}
+    assert parse_config(d, "connect", base_dir=str(base)).tunnels[0].policy.clear_new_buffers
 
 
 def test_policy_merge_and_acl_inheritance(base: Path) -> None:
@@ -616,7 +620,7 @@ def test_serve_example(examples: Path) -> None:
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
     assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
-    assert all(t.policy == PolicyConfig() for t in cfg.tunnels) and cfg.limits == LimitsConfig()
+    assert all(t.policy == PolicyConfig(clear_new_buffers=False) for t in cfg.tunnels) and cfg.limits == LimitsConfig()
     assert len(config_summary(cfg)) == 2
 
 

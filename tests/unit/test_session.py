@@ -379,3 +379,30 @@ def test_absurd_device_count_does_not_flood_the_server_with_memory_probes():
     s.server_data(memoryview(encode.response(struct.pack("<I", 0xFFFFFFFF))))  # DEVICE_COUNT answer
     probes = out(s.to_server)
     assert len(probes) == 16 * 13  # MEMORY_PROBES_MAX GET_DEVICE_MEMORY frames of 9 + 4 bytes
+
+
+# -- padded allocation sizes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer_extra,refused", [(0, False), (34 * 352 // 32, True)])
+def test_init_tensor_is_held_to_the_padded_size_the_server_answered(answer_extra, refused):
+    """CUDA pads quantized rows (ne0 % 512): its init_tensor zeroes up to GET_ALLOC_SIZE's answer,
+    past nbytes. A tensor whose nbytes ends at the buffer end but whose padding does not fit is
+    refused once the server has said it pads that shape."""
+    s = active(policy=NO_CLEAR)
+    s.state.add_buffer(V.HANDLE, 0, 1 << 20)
+    s.state.set_base(V.HANDLE, V.BASE)
+    q8 = encode.TensorSpec(type=8, ne=(160, 4, 1, 1), type_size=34, blck_size=32, buffer=V.HANDLE)
+    n = 34 * 160 // 32 * 4
+    q8.data = V.BASE + (1 << 20) - n  # nbytes ends exactly at the buffer end
+    free = encode.TensorSpec(type=8, ne=(160, 4, 1, 1), type_size=34, blck_size=32)  # buffer 0: default buft
+    s.client_data(memoryview(encode.request("GET_ALLOC_SIZE", struct.pack("<I", 0) + encode.pack_tensor(free)
+                                            + bytes(10 * 296))))
+    s.server_data(memoryview(encode.response(struct.pack("<Q", n + answer_extra))))
+    frame = encode.request("INIT_TENSOR", encode.pack_tensor(q8))
+    if refused:
+        with pytest.raises(Refusal) as e:
+            s.client_data(memoryview(frame))
+        assert e.value.reason == "tensor_out_of_buffer" and "padded size" in e.value.detail
+    else:
+        s.client_data(memoryview(frame))
