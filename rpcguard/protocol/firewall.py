@@ -11,9 +11,10 @@ stable reason from docs/design.md and never anything else. The firewall only rea
 
 Check groups (``FirewallPolicy.disabled_checks``): ``tensor`` (per-tensor type/shape/nbytes/
 flags/name, SET_TENSOR cache_flag), ``buffer_bounds`` (handles, data ranges, SET/GET/MEMSET/
-COPY ranges, ALLOC_BUFFER size and the session's allocation quota), ``graph_structure``, ``graph_ops``, ``op_params`` (op_params
-and shape rules of ACC/SET/PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both
-GRAPH_RECOMPUTE rules), ``device_index``.
+COPY ranges, ALLOC_BUFFER size and the session's allocation quota, INIT_TENSOR padded size),
+``graph_structure``, ``graph_ops``, ``op_params`` (op_params and shape rules of ACC/SET/
+PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both GRAPH_RECOMPUTE rules),
+``device_index``.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
 MEMORY_PROBES_MAX = 16
-HASH_MISSES_MAX = 1024
-ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
+HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
+ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 
 
 @dataclass(frozen=True)
