@@ -275,11 +275,12 @@ def test_embeddings(nodes, arch_models, model, pooling):
 def test_two_nodes(nodes, arch_models, model, split):
     """One model across two nodes: each node's server holds some layers, the client calls both."""
     args = [*LONG] + (["--tensor-split", split] if split else [])
-    _, _, survey = compare(nodes, arch_models[model], args)
+    two = nodes[:2]  # nodes[2] is the pair that allows unverified ops
+    _, _, survey = compare(two, arch_models[model], args)
     assert survey.devices == {0}
-    per_node = [sum(1 for s in n.relay.streams if s) for n in nodes]
+    per_node = [sum(1 for s in n.relay.streams if s) for n in two]
     assert all(per_node), per_node
-    for n in nodes:
+    for n in two:
         assert n.serve.value("rpcguard_frames_total", command="GRAPH_COMPUTE", direction="request") > 0
 
 
