@@ -230,6 +230,20 @@ def decode_frames(obj: dict) -> tuple[list[Frame], dict[int, tuple[int, int]]]:
     return frames, {int(h): (v[0], v[1]) for h, v in obj["buffers"].items()}
 
 
+def write_index(directory: Path) -> Path:
+    """findings/README.md: one line per reproducer (file, status, note)."""
+    rows = []
+    for path in sorted(directory.glob("*.json")):
+        obj = json.loads(path.read_text())
+        rows.append(f"| `{path.name}` | {obj.get('status')} | {obj['note'].replace('|', '/')} |")
+    index = directory / "README.md"
+    index.write_text("# Sanitizer fuzz findings\n\nReproducers written by `python -m tests.fuzz.sanitizer_fuzz` "
+                     "(docs/sanitizer.md); replayed by tests/integration/test_sanitizer_fuzz.py. `open`: rpcguard "
+                     "still forwards it; set `fixed` once a rule refuses it.\n\n| file | status | note |\n|---|---|---|\n"
+                     + "\n".join(rows) + "\n")
+    return index
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=1000)
@@ -265,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[fuzz] done: {stats.line()}")
             for sig, n in stats.findings.most_common():
                 print(f"  {n:5d}  {sig}")
+            if fz.findings_dir is not None and fz.findings_dir.exists():
+                write_index(fz.findings_dir)
             if a.json:
                 Path(a.json).write_text(json.dumps({
                     "sessions": stats.sessions, "seconds": round(time.monotonic() - stats.t0, 1), "seed": a.seed,

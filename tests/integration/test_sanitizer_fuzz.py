@@ -10,8 +10,10 @@ tensor frames, handles, sizes, command ids, session edits):
   reports nothing (without this, the other tests would compare against noise).
 * ``test_mutated_sessions``: a short deterministic run (fixed seed and count): every session
   rpcguard forwards must leave no sanitizer report, no crash, no hang (10 s per graph), and the
-  server's single slot must come free again. Fails with the notes of what was found; the long
-  run and its reproducers are documented in docs/sanitizer.md.
+  server's single slot must come free again. A finding not kept in tests/fuzz/findings/ fails
+  the test with its note; if every finding is a known open reproducer the test is an explicit
+  xfail naming them (each one is tracked, strictly, by the next test). The long run and its
+  reproducers are documented in docs/sanitizer.md.
 * ``test_finding_regression``: every reproducer in tests/fuzz/findings/ replayed through serve.
   A finding marked ``"status": "open"`` (rpcguard still forwards it) is an expected failure,
   strict: once a rule refuses it the test XPASSes, which fails until the file says ``fixed``.
@@ -28,8 +30,9 @@ from tests.fuzz.sanitizer_fuzz import FINDINGS_DIR, Fuzzer, decode_frames, load_
 from tests.fuzz.sanserver import MissingSanitizerBuild, asan_binary
 
 SEED = 9  # issue 9
-COUNT = 120  # ~100 s on the loaded 2-core test machine (docs/sanitizer.md)
+COUNT = 300  # measured in docs/sanitizer.md
 FINDINGS = sorted(FINDINGS_DIR.glob("*.json"))
+OPEN = {o["signature"]: o["note"] for o in (json.loads(p.read_text()) for p in FINDINGS) if o.get("status") == "open"}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +65,12 @@ def test_mutated_sessions(fuzzer, session):
     refused = sum(n for label, n in stats.labels.items() if label.startswith("refused:"))
     forwarded = sum(n for label, n in stats.labels.items() if label.startswith("forwarded:"))
     assert refused and forwarded, stats.labels  # both sides of the firewall were exercised
-    notes = "\n".join(f"{n}x {f.note}" for f, n in ((fuzzer.found[s], n) for s, n in stats.findings.items()))
-    assert not stats.findings, f"forwarded sessions tripped the sanitizer server:\n{notes}"
+    new = {s: n for s, n in stats.findings.items() if s not in OPEN}
+    notes = "\n".join(f"{n}x {fuzzer.found[s].note}" for s, n in new.items())
+    assert not new, f"forwarded sessions tripped the sanitizer server (new findings):\n{notes}"
+    if stats.findings:  # only findings already kept as open reproducers: tracked one by one below
+        pytest.xfail(f"{len(stats.findings)} known open findings (tests/fuzz/findings/): "
+                     + "; ".join(OPEN[s] for s in stats.findings))
 
 
 @pytest.mark.parametrize("path", FINDINGS, ids=lambda p: p.stem)
