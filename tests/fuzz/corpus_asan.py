@@ -28,6 +28,10 @@ from tests.integration.test_corpus_real import VERSION, attack  # noqa: E402
 
 __all__ = ["main"]
 
+# the server's start-up banner and connection lines: not what it said about the case
+BANNER = ("client connection", "Client connection", "Starting RPC server", "endpoint", "local cache", "Devices:",
+          "CPU:", "transport")
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     ending = f"error: {exc}"[:80]
                 v = server.verdict()
                 own = next((l.strip() for l in server.since_mark().splitlines()
-                            if l.strip() and "client connection" not in l.lower()), "")
+                            if l.strip() and not any(x in l for x in BANNER)), "(nothing logged)")
                 what = v.summary if v.finding else f"no report, server alive; {own.split('vendor/llama.cpp/')[-1][:120]}"
                 rows.append({"case": case.id, "dangerous": case.dangerous, "verdict": v.kind, "summary": what,
                              "ending": ending})

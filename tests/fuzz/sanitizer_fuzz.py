@@ -14,8 +14,9 @@ rpcguard forwarded), the probe answered within ``--timeout`` seconds (no hung gr
 server's single slot free again for the next session. Refusals by rpcguard are fine and counted
 per reason. On a finding the server is restarted, the session is shrunk (set-up frames + the
 mutated frame and what follows; then tensor data zeroed) while it still reproduces, and written
-to ``--findings`` as JSON with a one-line note (signature: kind, where ASan/UBSan/ggml said it,
-the op of the mutated tensor). Findings with the same signature are counted, stored once.
+to ``--findings`` as JSON with a one-line note. Findings are counted by signature (kind of report,
+where ASan/UBSan/ggml points, the op of the mutated tensor) and stored once per location (kind and
+where: what one rule has to prevent).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tests.fuzz.wire import CMD, VERSION, Frame, Session, tensor_slots  # noqa: 
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Guard, Pki, start_guard  # noqa: E402
 
-__all__ = ["Fuzzer", "Finding", "load_session", "main", "FINDINGS_DIR"]
+__all__ = ["Fuzzer", "Finding", "load_session", "main", "FINDINGS_DIR", "decode_frames", "file_location"]
 
 FINDINGS_DIR = Path(__file__).resolve().parent / "findings"
 OPS = op_table(VERSION)
@@ -102,10 +103,17 @@ def mutated_op(session_frames: list[Frame], m: Mutation | None) -> str:
     return f.name
 
 
-def signature(verdict: Verdict, ending: Ending, where: str) -> str:
+def location(verdict: Verdict, ending: Ending) -> str:
+    """What a rule must prevent: the kind of report and where it points (one reproducer each)."""
     if verdict.finding:
-        return f"{verdict.kind}|{where}|{verdict.summary.split(' at ', 1)[-1][:120]}"
-    return f"{ending.ending}|{where}"
+        return f"{verdict.kind}|{verdict.summary[:160]}"
+    return f"{ending.ending}|no answer"
+
+
+def signature(verdict: Verdict, ending: Ending, where: str) -> str:
+    """``location`` and the op of the mutated tensor (counted, not stored separately)."""
+    kind, what = location(verdict, ending).split("|", 1)
+    return f"{kind}|{where}|{what}"
 
 
 class Fuzzer:
@@ -121,7 +129,8 @@ class Fuzzer:
                                                           "--log-format", "json", *self.pki.serve_args()])
         self.replayer = Replayer(self.serve, self.pki, timeout_s=timeout_s)
         self.stats = Stats()
-        self.found: dict[str, Finding] = {}
+        self.found: dict[str, Finding] = {}  # by location
+        self.locations: dict[str, str] = {}  # signature -> location
 
     def close(self) -> None:
         self.serve.stop()
@@ -168,16 +177,17 @@ class Fuzzer:
     def record_finding(self, session: Session, m: Mutation | None, frames: list[Frame], verdict: Verdict,
                        ending: Ending) -> Finding:
         where = mutated_op(session.frames, m) if m else "-"
-        sig = signature(verdict, ending, where)
+        sig, loc = signature(verdict, ending, where), location(verdict, ending)
         self.stats.findings[sig] += 1
+        self.locations[sig] = loc
         what = verdict.summary if verdict.finding else f"{ending.ending} (no answer in {ending.seconds:.1f} s)"
         note = f"{where}: {m.describe(session.frames) if m else 'corpus'} -> {what}; rpcguard: {ending.label}"
         self.log(f"[fuzz] FINDING {note}")
-        if sig in self.found:
-            return self.found[sig]
+        if loc in self.found:
+            return self.found[loc]
         small = self.shrink(frames, m, session.buffers, verdict, ending)
         finding = Finding(sig, note, verdict, ending, m, small)
-        self.found[sig] = finding
+        self.found[loc] = finding
         if self.findings_dir is not None:
             self.write(finding, session.buffers)
         return finding
@@ -196,11 +206,13 @@ class Fuzzer:
     def write(self, finding: Finding, buffers) -> Path:
         assert self.findings_dir is not None
         self.findings_dir.mkdir(parents=True, exist_ok=True)
-        h = hashlib.sha256(finding.signature.encode()).hexdigest()[:10]
+        loc = location(finding.verdict, finding.ending)
+        h = hashlib.sha256(loc.encode()).hexdigest()[:10]
         path = self.findings_dir / f"{finding.verdict.kind if finding.verdict.finding else finding.ending.ending}-{h}.json"
         obj = {
             "note": finding.note,
             "signature": finding.signature,
+            "location": loc,
             "status": "open",  # open: rpcguard forwards it; fixed: a rule refuses it (the test enforces it)
             "verdict": finding.verdict.kind, "summary": finding.verdict.summary,
             "rpcguard": finding.ending.label,
@@ -230,6 +242,38 @@ def decode_frames(obj: dict) -> tuple[list[Frame], dict[int, tuple[int, int]]]:
     return frames, {int(h): (v[0], v[1]) for h, v in obj["buffers"].items()}
 
 
+def file_location(path: Path, obj: dict) -> str:
+    """A reproducer's location (computed for files written before the field existed)."""
+    if obj.get("location"):
+        return obj["location"]
+    if obj["verdict"] != "clean":
+        return f"{obj['verdict']}|{obj['summary'][:160]}"
+    return f"{path.name.split('-', 1)[0]}|no answer"
+
+
+def dedupe(directory: Path) -> int:
+    """One reproducer per location (the smallest); files named ``<kind>-<hash of location>.json``."""
+    best: dict[str, tuple[int, Path, dict]] = {}
+    for path in sorted(directory.glob("*.json")):
+        obj = json.loads(path.read_text())
+        loc = obj["location"] = file_location(path, obj)
+        size = path.stat().st_size
+        if loc not in best or size < best[loc][0]:
+            best[loc] = (size, path, obj)
+    removed = 0
+    keep = {}
+    for loc, (_, path, obj) in best.items():
+        name = f"{loc.split('|', 1)[0]}-{hashlib.sha256(loc.encode()).hexdigest()[:10]}.json"
+        keep[name] = json.dumps(obj, indent=1) + "\n"
+    for path in directory.glob("*.json"):
+        if path.name not in keep:
+            path.unlink()
+            removed += 1
+    for name, text in keep.items():
+        (directory / name).write_text(text)
+    return removed
+
+
 def write_index(directory: Path) -> Path:
     """findings/README.md: one line per reproducer (file, status, note)."""
     rows = []
@@ -255,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--findings", default=str(FINDINGS_DIR), help="where reproducers go ('' = nowhere)")
     ap.add_argument("--replay", nargs="*", help="replay these finding files instead of fuzzing")
     ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--dedupe", action="store_true", help="keep one reproducer per location in --findings, "
+                    "rewrite its README.md, and exit")
     a = ap.parse_args(argv)
+    if a.dedupe:
+        removed = dedupe(Path(a.findings))
+        print(f"removed {removed}; index: {write_index(Path(a.findings))}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="sanfuzz-") as tmp:
         fz = Fuzzer(Path(tmp), findings_dir=Path(a.findings) if a.findings else None, tail=a.tail,
                     timeout_s=a.timeout)
@@ -280,12 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             for sig, n in stats.findings.most_common():
                 print(f"  {n:5d}  {sig}")
             if fz.findings_dir is not None and fz.findings_dir.exists():
+                dedupe(fz.findings_dir)
                 write_index(fz.findings_dir)
             if a.json:
                 Path(a.json).write_text(json.dumps({
                     "sessions": stats.sessions, "seconds": round(time.monotonic() - stats.t0, 1), "seed": a.seed,
                     "labels": dict(stats.labels), "kinds": dict(stats.kinds), "findings": dict(stats.findings),
-                    "notes": {s: f.note for s, f in fz.found.items()}}, indent=1))
+                    "notes": {loc: f.note for loc, f in fz.found.items()}}, indent=1))
             return 1 if stats.findings else 0
         finally:
             fz.close()

@@ -26,13 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.sanitizer_fuzz import FINDINGS_DIR, Fuzzer, decode_frames, load_session
+from tests.fuzz.sanitizer_fuzz import FINDINGS_DIR, Fuzzer, decode_frames, file_location, load_session
 from tests.fuzz.sanserver import MissingSanitizerBuild, asan_binary
 
 SEED = 9  # issue 9
 COUNT = 300  # measured in docs/sanitizer.md
 FINDINGS = sorted(FINDINGS_DIR.glob("*.json"))
-OPEN = {o["signature"]: o["note"] for o in (json.loads(p.read_text()) for p in FINDINGS) if o.get("status") == "open"}
+OPEN = {file_location(p, o): o["note"] for p, o in ((p, json.loads(p.read_text())) for p in FINDINGS)
+        if o.get("status") == "open"}
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,13 @@ def test_mutated_sessions(fuzzer, session):
     refused = sum(n for label, n in stats.labels.items() if label.startswith("refused:"))
     forwarded = sum(n for label, n in stats.labels.items() if label.startswith("forwarded:"))
     assert refused and forwarded, stats.labels  # both sides of the firewall were exercised
-    new = {s: n for s, n in stats.findings.items() if s not in OPEN}
-    notes = "\n".join(f"{n}x {fuzzer.found[s].note}" for s, n in new.items())
+    seen = {fuzzer.locations[s] for s in stats.findings}
+    new = seen - set(OPEN)
+    notes = "\n".join(fuzzer.found[loc].note for loc in new)
     assert not new, f"forwarded sessions tripped the sanitizer server (new findings):\n{notes}"
-    if stats.findings:  # only findings already kept as open reproducers: tracked one by one below
-        pytest.xfail(f"{len(stats.findings)} known open findings (tests/fuzz/findings/): "
-                     + "; ".join(OPEN[s] for s in stats.findings))
+    if seen:  # only findings already kept as open reproducers: tracked one by one below
+        pytest.xfail(f"{sum(stats.findings.values())} sessions hit {len(seen)} known open findings "
+                     f"(tests/fuzz/findings/): " + "; ".join(sorted(seen)))
 
 
 @pytest.mark.parametrize("path", FINDINGS, ids=lambda p: p.stem)
