@@ -49,6 +49,7 @@ __all__ = ["Fuzzer", "Finding", "load_session", "main", "FINDINGS_DIR", "decode_
 
 FINDINGS_DIR = Path(__file__).resolve().parent / "findings"
 OPS = op_table(VERSION)
+MAX_KEEP_BYTES = 100_000  # a reproducer bigger than this after shrinking is kept as a note only
 ANSWERS_USED = (CMD["ALLOC_BUFFER"], CMD["BUFFER_GET_BASE"])  # the replay learns live handles from these
 
 
@@ -217,7 +218,7 @@ class Fuzzer:
             "verdict": finding.verdict.kind, "summary": finding.verdict.summary,
             "rpcguard": finding.ending.label,
             "mutation": finding.mutation.to_json() if finding.mutation else None,
-            "server_log": finding.verdict.log[-3000:],
+            "server_log": finding.verdict.log[:3000],
             "session": encode_frames(finding.frames, buffers),
         }
         path.write_text(json.dumps(obj, indent=1) + "\n")
@@ -257,13 +258,16 @@ def dedupe(directory: Path) -> int:
     for path in sorted(directory.glob("*.json")):
         obj = json.loads(path.read_text())
         loc = obj["location"] = file_location(path, obj)
-        size = path.stat().st_size
+        size = path.stat().st_size if "session" in obj else MAX_KEEP_BYTES + 1
         if loc not in best or size < best[loc][0]:
             best[loc] = (size, path, obj)
     removed = 0
     keep = {}
-    for loc, (_, path, obj) in best.items():
+    for loc, (size, path, obj) in best.items():
         name = f"{loc.split('|', 1)[0]}-{hashlib.sha256(loc.encode()).hexdigest()[:10]}.json"
+        if size > MAX_KEEP_BYTES:  # still needs the model's real data: keep the note, not the session
+            obj.pop("session", None)
+            obj["session_dropped"] = f"{size} bytes: the report needs the recorded tensor data (not shrinkable)"
         keep[name] = json.dumps(obj, indent=1) + "\n"
     for path in directory.glob("*.json"):
         if path.name not in keep:
@@ -279,7 +283,8 @@ def write_index(directory: Path) -> Path:
     rows = []
     for path in sorted(directory.glob("*.json")):
         obj = json.loads(path.read_text())
-        rows.append(f"| `{path.name}` | {obj.get('status')} | {obj['note'].replace('|', '/')} |")
+        status = obj.get("status") + ("" if "session" in obj else " (note only)")
+        rows.append(f"| `{path.name}` | {status} | {obj['note'].replace('|', '/')} |")
     index = directory / "README.md"
     index.write_text("# Sanitizer fuzz findings\n\nReproducers written by `python -m tests.fuzz.sanitizer_fuzz` "
                      "(docs/sanitizer.md); replayed by tests/integration/test_sanitizer_fuzz.py. `open`: rpcguard "
@@ -298,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds a graph may take (hang bound)")
     ap.add_argument("--findings", default=str(FINDINGS_DIR), help="where reproducers go ('' = nowhere)")
     ap.add_argument("--replay", nargs="*", help="replay these finding files instead of fuzzing")
+    ap.add_argument("--refresh", action="store_true", help="with --replay: store the new server report in the file")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--dedupe", action="store_true", help="keep one reproducer per location in --findings, "
                     "rewrite its README.md, and exit")
@@ -313,10 +319,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.replay is not None:
                 bad = 0
                 for path in a.replay:
-                    frames, buffers = decode_frames(json.loads(Path(path).read_text())["session"])
+                    obj = json.loads(Path(path).read_text())
+                    frames, buffers = decode_frames(obj["session"])
                     v, e = fz.check(frames, buffers)
+                    if a.refresh and v.finding:
+                        obj["server_log"] = v.log[:3000]
+                        Path(path).write_text(json.dumps(obj, indent=1) + "\n")
                     bad += v.finding or e.ending in ("timeout", "slot_stuck")
                     print(f"{path}: {v.kind} {v.summary} | rpcguard: {e.label}")
+                    if v.finding:
+                        print("    " + "\n    ".join(v.log[:2500].splitlines()))
                 return 1 if bad else 0
             session = load_session(Path(tmp), fz.server.port, a.model)
             base_v, base_e = fz.check(session.frames, session.buffers)

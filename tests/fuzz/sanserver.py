@@ -134,8 +134,11 @@ class SanServer:
             text = self.since_mark()
             found = classify_log(text)
         rc = None if self.alive() else self.popen.returncode  # type: ignore[union-attr]
-        if found is not None:
-            return Verdict(found[0], found[1], rc, text[-6000:])
+        if found is not None:  # keep the report from its first line (READ/WRITE of size, the stack)
+            start = min((i for i in (text.find("ERROR: AddressSanitizer"), text.find("runtime error:"),
+                                     text.find("GGML_ASSERT")) if i >= 0), default=0)
+            start = text.rfind("\n", 0, start) + 1
+            return Verdict(found[0], found[1], rc, text[start : start + 6000])
         if rc is not None:
             return Verdict("crash", f"server exited with {rc} and no report", rc, text[-6000:])
         return Verdict("clean", "", None, "")
