@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, NO_RESPONSE, SIZED_BY_REQUEST, spec_for
+from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, NO_RESPONSE, spec_for
 
 __all__ = ["Frame", "Session", "Remap", "TENSOR_FIELDS", "parse_session", "tensor_slots", "frame_bytes",
            "VERSION", "TENSOR_BYTES", "C2S", "S2C"]
