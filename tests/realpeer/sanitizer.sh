@@ -52,6 +52,7 @@ BIN="$OUT/ggml-rpc-server"
 (
   flock 9  # one build at a time, whoever asks (tests, CI setup, a person)
   if [ -x "$BIN" ]; then log "reusing cached $BIN"; exit 0; fi
+  PATH="$PATH:$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"  # where pip puts them
   for tool in cmake ninja; do
     command -v "$tool" >/dev/null || { log "installing $tool from PyPI"; "$PY" -m pip install -q "$tool"; }
   done
