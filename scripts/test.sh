@@ -9,5 +9,9 @@ if [ -f "$ROOT/tests/realpeer/matrix.sh" ]; then
   say "real llama.cpp peers for protocol versions $RPCGUARD_MATRIX"
   bash "$ROOT/tests/realpeer/matrix.sh" ${RPCGUARD_MATRIX//,/ } >&2
 fi
+if [ -f "$ROOT/tests/realpeer/sanitizer.sh" ]; then
+  say "ASan+UBSan ggml-rpc-server for the sanitizer oracle (~3 min the first time on 2 idle cores, cached after)"
+  PYTHON="$PY" bash "$ROOT/tests/realpeer/sanitizer.sh" >&2
+fi
 say "running the tests"
 exec "$PY" -m pytest "$@"
