@@ -104,7 +104,9 @@ def contiguous_nb(type_: int, ne: Sequence[int]) -> tuple[int, int, int, int]:
 
 
 def is_contiguous(t: RpcTensor, n: int = 0) -> bool:
-    """ggml_is_contiguous_n: dims above ``n`` packed (strides of size-1 dims are not looked at)."""
+    """ggml_is_contiguous_n (ggml.c:1474 ggml_is_contiguous_m_n): dims above ``n`` packed, a
+    size-1 dim's stride not looked at there; dims 1..n may be strided, their ``ne*nb`` sets the
+    next expected stride (size-1 dims included)."""
     info = TYPES[t.type]
     nxt = info.type_size
     if t.ne0 != info.blck_size and t.nb0 != nxt:
@@ -112,14 +114,18 @@ def is_contiguous(t: RpcTensor, n: int = 0) -> bool:
     nxt *= t.ne0 // info.blck_size
     ne, nb = t.ne, t.nb
     for i in range(1, MAX_DIMS):
-        if ne[i] != 1:
-            if i > n:
-                if nb[i] != nxt:
-                    return False
-                nxt *= ne[i]
-            else:
-                nxt = ne[i] * nb[i]
+        if i > n:
+            if ne[i] != 1 and nb[i] != nxt:
+                return False
+            nxt *= ne[i]
+        else:
+            nxt = ne[i] * nb[i]
     return True
+
+
+def is_padded_1d(t: RpcTensor) -> bool:
+    """ggml_is_padded_1d: unit nb0, dims 2 and 3 packed after the row stride (size-1 included)."""
+    return t.nb0 == TYPES[t.type].type_size and t.nb2 == t.nb1 * t.ne1 and t.nb3 == t.nb2 * t.ne2
 
 
 def rows_contiguous(t: RpcTensor) -> bool:
@@ -435,7 +441,9 @@ def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "SCALE", ONLY_F32, a)
-    _need(is_contiguous(a), n, "SCALE", "src is not contiguous (the kernel asserts it)")
+    # the constructor's padded-1d check has no size-1 exception: the kernel walks flat rows at
+    # i1*nb01 (ops.cpp:4886ff); it also asserts a contiguous source
+    _need(is_padded_1d(a) and is_contiguous(a), n, "SCALE", "src is not padded 1d and contiguous")
     return _dup_or_inplace(a)
 
 
