@@ -15,6 +15,14 @@ How this works, in two batches of real-constructor builds (tests/support/ggmlref
    rebuilt or of the original graph (``canon``). Otherwise (the constructor refuses the mutated
    inputs, or builds something else, or no inputs can produce it) the validator must REFUSE it.
 
+With ``kernel`` on (the default), step 1 also COMPUTES every built graph on the real CPU backend
+(tests/support/ggmlkernel.py): a constructor-built graph is then one of
+
+* kernel-clean: computed without abort, fault or hang. rpcguard must forward it; a refusal is a
+  FALSE REFUSAL, except ``op_not_verified`` (an op with no rule yet: a coverage gap, counted apart);
+* kernel-refused: the kernel aborted, faulted (guard page) or hung. rpcguard must refuse it; a
+  forwarded one is a MISSED attack (one GRAPH_COMPUTE kills or corrupts the real server).
+
 Legitimate mutations are reported, not asserted: they include graphs the constructor accepts
 but a kernel could still mishandle (e.g. a view whose strides reach past its source, which
 ggml_view_impl's contiguous-size check lets through), so a refusal there is the lead's call.
@@ -23,6 +31,7 @@ ggml_view_impl's contiguous-size check lets through), so a refusal there is the 
 from __future__ import annotations
 
 import random
+import re
 import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,13 +45,14 @@ from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor
 from rpcguard.protocol.versions import TENSOR_BYTES, spec_for
 from tests.differential.ops import GENERATORS, KEEP, Case
-from tests.support.ggmlref import SIGNATURES, Built, Refused, build_many
+from tests.support.ggmlref import SIGNATURES, Built, Refused, build_many, kernel_refused
 
-__all__ = ["OpResult", "Mutation", "run", "validate", "V7", "LAST_RESULTS"]
+__all__ = ["OpResult", "Mutation", "run", "validate", "refusal", "V7", "LAST_RESULTS", "GAP"]
 
 LAST_RESULTS: "dict[str, OpResult] | None" = None  # the last run in this process (for the pytest summary)
 
 V7 = (7, 0, 0)
+GAP = "op_not_verified"  # the reason for an op without a rule: a coverage gap, not a false refusal
 CRASH = "EXCEPTION "  # prefix of validate()'s answer when the validator raised something else
 HUGE_STRIDE_BYTES = 1 << 30  # a stride for a size-1 dim: never addressed by ggml_nbytes, far away
 F32, F16 = 0, 1
@@ -50,15 +60,21 @@ F32, F16 = 0, 1
 
 def validate(payload: bytes, handle: int, base: int, size: int) -> str | None:
     """None when rpcguard's validator accepts the GRAPH_COMPUTE payload, else its reason."""
+    got = refusal(payload, handle, base, size)
+    return None if got is None else got[0]
+
+
+def refusal(payload: bytes, handle: int, base: int, size: int) -> tuple[str, str] | None:
+    """None when rpcguard's validator accepts the payload, else (reason, detail)."""
     st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
     st.add_buffer(handle, 0, size)
     st.buffers[handle].base = base
     try:
         GraphValidator(max_nodes=4096, max_tensors=16384).check(memoryview(payload), st)
     except FirewallRefusal as exc:
-        return exc.reason
+        return exc.reason, exc.detail
     except Exception as exc:  # noqa: BLE001  a validator bug: reported, never counted as a refusal
-        return f"{CRASH}{type(exc).__name__}: {exc}"
+        return f"{CRASH}{type(exc).__name__}: {exc}", ""
     return None
 
 
@@ -82,7 +98,14 @@ class OpResult:
     generated: int = 0
     built: int = 0  # accepted by the real constructors
     accepted: int = 0  # ... and by rpcguard
-    false_refusals: list[tuple[str, dict, str]] = field(default_factory=list)  # (gen, recipe, reason)
+    # Refused by rpcguard though the kernel computed it (or was not asked): (gen, recipe, reason, detail)
+    false_refusals: list[tuple[str, dict, str, str]] = field(default_factory=list)
+    gap: int = 0  # kernel-clean graphs refused as op_not_verified (no rule yet)
+    gap_ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # detail's op -> count
+    kernel_clean: int = 0  # built graphs the real CPU kernel computed (kernel on)
+    kernel_skipped: int = 0  # ... it was not asked to (too large)
+    # Built graphs the real kernel aborted / faulted / hung on: (gen, recipe, verdict, rpcguard reason or None)
+    kernel_refusals: list[tuple[str, dict, str, str | None]] = field(default_factory=list)
     must_refuse: int = 0
     refused: int = 0
     missed: list[Mutation] = field(default_factory=list)  # must refuse, but accepted (or crashed)
@@ -93,6 +116,11 @@ class OpResult:
     gens: set[str] = field(default_factory=set)
     spec_errors: list[str] = field(default_factory=list)
     mutations: list[Mutation] = field(default_factory=list)  # all of them, payloads dropped
+
+    @property
+    def missed_kernel(self) -> list[tuple[str, dict, str, str | None]]:
+        """Kernel-refused graphs rpcguard forwards (or crashed on): attacks that get through."""
+        return [k for k in self.kernel_refusals if k[3] is None or k[3].startswith(CRASH)]
 
 
 # -- graph decoding and canonical forms -------------------------------------------------------
@@ -314,8 +342,10 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None = None) -> dict[str, OpResult]:
-    """Generate, build, validate and mutate; results per GGML op name."""
+def run(
+    seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None = None, kernel: bool = True
+) -> dict[str, OpResult]:
+    """Generate, build (and compute, with ``kernel``), validate and mutate; results per GGML op name."""
     results: dict[str, OpResult] = {}
     made: list[tuple[str, Case]] = []
     for name, (op, fn) in GENERATORS.items():
@@ -327,7 +357,7 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
         for _ in range(cases):
             made.append((name, fn(rng)))
             res.generated += 1
-    built = build_many([c.recipe for _, c in made])
+    built = build_many([c.recipe for _, c in made], compute=kernel)
     muts: list[Mutation] = []
     per_gen: dict[str, int] = defaultdict(int)
     for (name, case), b in zip(made, built):
@@ -337,11 +367,20 @@ def run(seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None 
                 res.spec_errors.append(f"{name}: {b.message}")
             continue
         res.built += 1
-        reason = validate(b.payload, b.handle, b.base, b.size)
-        if reason is None:
+        got = refusal(b.payload, b.handle, b.base, b.size)
+        if got is None:
             res.accepted += 1
+        if kernel_refused(b.kernel):
+            res.kernel_refusals.append((name, case.recipe, b.kernel, None if got is None else got[0]))
         else:
-            res.false_refusals.append((name, case.recipe, reason))
+            res.kernel_clean += b.kernel == "ok"
+            res.kernel_skipped += b.kernel is not None and b.kernel != "ok"
+            if got is not None and got[0] == GAP:
+                res.gap += 1
+                m = re.search(r"op (\w+) has no verified rule", got[1])
+                res.gap_ops[m.group(1) if m else "?"] += 1
+            elif got is not None:
+                res.false_refusals.append((name, case.recipe, *got))
         if per_gen[name] < mutated:
             per_gen[name] += 1
             for m in _mutations(name, case, b):

@@ -28,6 +28,13 @@ ggml/src/ggml-rpc/ggml-rpc.cpp:628-671 and 990-1036): tensors in depth-first pos
 src[0..9] then view_src, de-duplicated, id = the tensor's address, ne/nb truncated to u32, name
 copied, use_count from the graph. The result is the GRAPH_COMPUTE payload of protocol 7.0.0.
 
+With ``compute=True`` the child also COMPUTES every built graph on the real CPU backend
+(tests/support/ggmlkernel.py: guard pages after every tensor, zero inputs) right after writing
+its line, and writes a second line with the kernel's verdict. A kernel GGML_ASSERT/GGML_ABORT
+(the abort callback knows the phase), a fault (the child dies by a signal) or a compute that
+outlives ``kernel_timeout_s`` (the worker kills the child) is recorded as the recipe's
+``Built.kernel`` ("abort: <message>", "signal 11 (SIGSEGV)", "hang > 5 s"); "ok" when it computed.
+
 Run ``python -m tests.support.ggmlref --selftest`` to check the layout mirrors against the library.
 """
 
@@ -37,6 +44,9 @@ import ctypes
 import gc
 import json
 import os
+import re
+import select
+import signal
 import struct
 import subprocess
 import sys
@@ -59,6 +69,7 @@ __all__ = [
     "build_many",
     "lib_path",
     "HarnessError",
+    "kernel_refused",
 ]
 
 # The fake server buffer every tensor lives in: a handle and base like the real server returns
@@ -282,6 +293,7 @@ class Built:
     size: int = BUFFER_SIZE
     ok: bool = True
     extra: dict = field(default_factory=dict)
+    kernel: str | None = None  # compute=True: "ok", or how the real CPU kernel refused the graph
 
     @property
     def tensor_bytes(self) -> int:
@@ -310,15 +322,27 @@ def lib_path() -> Path:
 # -- the parent side -------------------------------------------------------------------------
 
 
-def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built | Refused]:
-    """Build every recipe with the real constructors in one worker process; one result each."""
+def kernel_refused(verdict: str | None) -> bool:
+    """True when a ``Built.kernel`` verdict says the real kernel aborted, faulted or hung."""
+    return verdict is not None and verdict != "ok" and not verdict.startswith("skipped")
+
+
+def build_many(
+    recipes: list[dict], *, timeout_s: float = 280.0, compute: bool = False, kernel_timeout_s: float = 5.0
+) -> list[Built | Refused]:
+    """Build every recipe with the real constructors in one worker process; one result each.
+
+    ``compute``: also run each built graph on the real CPU backend (``Built.kernel``); a compute
+    longer than ``kernel_timeout_s`` counts as a hang.
+    """
     if not recipes:
         return []
-    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    env = dict(os.environ, GGML_NO_BACKTRACE="1", OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.ggmlref", "--worker", str(lib_path())],
+        [sys.executable, "-m", "tests.support.ggmlref", "--worker", str(lib_path())]
+        + (["--compute", str(kernel_timeout_s)] if compute else []),
         input="\n".join(map(json.dumps, recipes)).encode(),  # one line each: parsed by the child
         capture_output=True,
         timeout=timeout_s,
@@ -330,8 +354,13 @@ def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built |
     out: list[Built | Refused] = []
     for line in proc.stdout.decode().splitlines():
         r = json.loads(line)
+        if "kernel" in r:  # the verdict of the Built just before
+            if not out or not isinstance(out[-1], Built) or out[-1].kernel is not None:
+                raise HarnessError(f"kernel verdict without a built recipe: {line[:200]}")
+            out[-1].kernel = r["kernel"]
+            continue
         if r["ok"]:
-            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"]))
+            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"], kernel=r.get("kernel")))
         else:
             out.append(Refused(r["message"]))
     if len(out) != len(recipes):
@@ -386,13 +415,21 @@ class _Ggml:
             self.mods[name] = (fn, kinds)
         if lib.ggml_tensor_overhead() != GGML_OBJECT_BYTES + ctypes.sizeof(GgmlTensor):
             raise HarnessError(f"ggml_tensor_overhead {lib.ggml_tensor_overhead()} != mirror")
+        self.path = path
+        self.kernel: Any = None  # a ggmlkernel.Kernel once compute is asked for
+
+    def with_kernel(self) -> None:
+        from tests.support.ggmlkernel import Kernel
+
+        self.kernel = Kernel(self.lib, self.path, GgmlTensor, GgmlCgraph)
 
 
 def _tensor(ptr: int) -> GgmlTensor:
     return GgmlTensor.from_address(ptr)
 
 
-def _build(g: _Ggml, recipe: dict) -> dict:
+def _build(g: _Ggml, recipe: dict, emit: Any = None) -> dict | None:
+    """Build (and serialise) one recipe; with ``emit``, write its line, compute, return None."""
     lib = g.lib
     ctx = lib.ggml_init(GgmlInitParams(CTX_MEM_BYTES, None, True))
     if not ctx:
@@ -437,7 +474,13 @@ def _build(g: _Ggml, recipe: dict) -> dict:
         gf = lib.ggml_new_graph_custom(ctx, GRAPH_SIZE, False)
         for o in outs:
             lib.ggml_build_forward_expand(gf, tensors[o])
-        return _serialise(g, GgmlCgraph.from_address(gf), tensors, recipe.get("first_node", 0))
+        first = recipe.get("first_node", 0)
+        r = _serialise(g, GgmlCgraph.from_address(gf), tensors, first)
+        if emit is None:
+            return r
+        emit(r)  # the build's line first: an abort from here on is the kernel's
+        emit({"kernel": g.kernel.compute(ctx, gf, first)}, kernel=True)
+        return None
     finally:
         lib.ggml_free(ctx)
 
@@ -514,39 +557,70 @@ def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int =
 
 
 def _child(g: _Ggml, recipes: list[str], start: int, wfd: int) -> None:
-    """Run recipes[start:] in order, one JSON line each; an abort ends the process."""
+    """Run recipes[start:] in order, one JSON line each (two with a kernel); an abort ends the process."""
     out = os.fdopen(wfd, "w", buffering=1)
+    phase = {"kernel": False}
 
     @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     def on_abort(msg: bytes) -> None:
-        out.write(json.dumps({"ok": False, "message": msg.decode(errors="replace"), "abort": True}) + "\n")
+        text = re.sub(r"^\S*?/(ggml/src/)", r"\1", msg.decode(errors="replace"))  # drop the build path
+        line = {"kernel": "abort: " + text} if phase["kernel"] else {"ok": False, "message": text, "abort": True}
+        out.write(json.dumps(line) + "\n")
         out.flush()
         os._exit(ABORT_EXIT)  # sooner than abort(): no SIGABRT, no core dump
+
+    def emit(r: dict, kernel: bool = False) -> None:
+        out.write(json.dumps(r) + "\n")
+        out.flush()  # the worker times the compute from this line on
+        phase["kernel"] = not kernel
 
     g.lib.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
     g.lib.ggml_set_abort_callback(ctypes.cast(on_abort, ctypes.c_void_p))
     for line in recipes[start:]:
         try:
-            r = _build(g, json.loads(line))
+            r = _build(g, json.loads(line), emit if g.kernel else None)
         except HarnessError as exc:
             r = {"ok": False, "message": f"harness: {exc}", "harness": True}
         except ModifierRefused as exc:
             r = {"ok": False, "message": str(exc)}
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             r = {"ok": False, "message": f"harness: bad recipe: {exc!r}", "harness": True}
-        out.write(json.dumps(r) + "\n")
+        except Exception as exc:  # noqa: BLE001  only after the build's line: the compute's harness failed
+            if not phase["kernel"]:
+                raise
+            r = {"message": f"harness: {exc!r}"}
+        if phase["kernel"]:  # the harness failed after the build's line: say so as the verdict
+            r = {"kernel": f"skipped: {r['message'] if r else 'no verdict'}"}
+        phase["kernel"] = False
+        if r is not None:
+            out.write(json.dumps(r) + "\n")
     out.flush()
     os._exit(0)
 
 
-def _worker(path: str) -> int:
-    """Fork a child per run of recipes; a child killed inside recipe i resumes at i + 1."""
+def _died(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"signal {sig} ({signal.Signals(sig).name})" if sig in signal.valid_signals() else f"signal {sig}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def _worker(path: str, kernel_timeout_s: float | None = None) -> int:
+    """Fork a child per run of recipes; a child killed inside recipe i resumes at i + 1.
+
+    With ``kernel_timeout_s`` (compute mode) a built recipe is followed by its kernel verdict;
+    a child silent for longer than that is killed and the recipe it was on counts as a hang.
+    """
     # Recipes stay JSON text until a child parses one: a small parent forks faster (a batch of
     # 10k recipes as dicts made every fork, i.e. every constructor abort, ~2x slower).
     recipes = sys.stdin.read().splitlines()
     g = _Ggml(path)
+    if kernel_timeout_s is not None:
+        g.with_kernel()
     gc.disable()  # children are short-lived: no collection, and no copy-on-write of GC headers
     gc.freeze()
+    # The time bound is the compute's; a build (or a fork) gets a generous one, for a loaded machine.
+    build_bound_s = None if kernel_timeout_s is None else max(60.0, kernel_timeout_s)
     i = 0
     while i < len(recipes):
         r, w = os.pipe()
@@ -558,19 +632,48 @@ def _worker(path: str) -> int:
             finally:
                 os._exit(3)
         os.close(w)
+        pending = False  # a build line was read, its kernel verdict not yet
         last = ""
-        with os.fdopen(r) as lines:
-            for last in lines:
-                sys.stdout.write(last)
+        hung = False
+        buf = b""
+        while True:
+            ready, _, _ = select.select([r], [], [], kernel_timeout_s if pending else build_bound_s)
+            if not ready:
+                hung = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                last = raw.decode()
+                if last.startswith('{"kernel"'):
+                    pending = False
+                    sys.stdout.write(last + "\n")
+                    continue
+                sys.stdout.write(last + "\n")
                 i += 1
+                pending = kernel_timeout_s is not None and '"ok": true' in last
+        os.close(r)
         _, status = os.waitpid(pid, 0)
+        if hung:
+            if pending:
+                sys.stdout.write(json.dumps({"kernel": f"hang > {kernel_timeout_s:g} s"}) + "\n")
+            else:  # not in a compute: the build of recipe i never answered
+                sys.stdout.write(json.dumps({"ok": False, "message": "harness: constructor hang", "harness": True}) + "\n")
+                i += 1
+            continue
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             continue
-        if '"abort": true' in last:
-            continue  # the abort callback already wrote recipe i-1's line
+        if pending:  # died inside the kernel without an abort message: a fault
+            sys.stdout.write(json.dumps({"kernel": _died(status)}) + "\n")
+            continue
+        if '"abort": true' in last or last.startswith('{"kernel"'):
+            continue  # the abort callback already wrote the line
         # Killed without a message (a signal other than the abort): recipe i is the one.
-        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
-        sys.stdout.write(json.dumps({"ok": False, "message": f"constructor killed the process: {how}"}) + "\n")
+        sys.stdout.write(json.dumps({"ok": False, "message": f"constructor killed the process: {_died(status)}"}) + "\n")
         i += 1
     sys.stdout.flush()
     return 0
@@ -587,7 +690,7 @@ def _selftest() -> int:
 def main(argv: Iterable[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--worker"]:
-        return _worker(args[1])
+        return _worker(args[1], float(args[3]) if args[2:3] == ["--compute"] else None)
     if args[:1] == ["--selftest"]:
         return _selftest()
     print("usage: python -m tests.support.ggmlref --selftest | --worker LIB < recipes.json", file=sys.stderr)
