@@ -116,6 +116,7 @@ class OpResult:
     gens: set[str] = field(default_factory=set)
     spec_errors: list[str] = field(default_factory=list)
     mutations: list[Mutation] = field(default_factory=list)  # all of them, payloads dropped
+    built_graphs: list[tuple[str, dict, Built]] = field(default_factory=list)  # run(keep_built=True) only
 
     @property
     def missed_kernel(self) -> list[tuple[str, dict, str, str | None]]:
@@ -343,7 +344,8 @@ def _mutations(gen: str, case: Case, b: Built) -> list[Mutation]:
 
 
 def run(
-    seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None = None, kernel: bool = True
+    seed: int = 1, cases: int = 40, mutated: int = 6, only: set[str] | None = None, kernel: bool = True,
+    keep_built: bool = False,
 ) -> dict[str, OpResult]:
     """Generate, build (and compute, with ``kernel``), validate and mutate; results per GGML op name."""
     results: dict[str, OpResult] = {}
@@ -367,6 +369,8 @@ def run(
                 res.spec_errors.append(f"{name}: {b.message}")
             continue
         res.built += 1
+        if keep_built:
+            res.built_graphs.append((name, case.recipe, b))
         got = refusal(b.payload, b.handle, b.base, b.size)
         if got is None:
             res.accepted += 1
