@@ -47,6 +47,9 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
                    help="TLS, client certificates and basic auth of the metrics endpoint "
                         "(Prometheus exporter-toolkit web config format)")
     p.add_argument("--mode", choices=["enforce", "monitor"], help="firewall mode (default enforce)")
+    p.add_argument("--allow-unverified-op", action="append", metavar="OP",
+                   help="forward graph nodes of this ggml op although it has no verified rule "
+                        "(default deny; repeatable; * = every op; counted per use)")
     p.add_argument("--log-format", choices=["text", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -126,8 +129,9 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(a: argparse.Namespace) -> dict:
     keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
-            "web_config", "mode", "log_format", "log_level", "listen", "upstream", "unsafe_upstream", "allow_cn",
-            "allow_dns", "allow_uri", "allow_ip", "server", "server_name", "unsafe_listen")
+            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream",
+            "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "server", "server_name",
+            "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
 
 

@@ -496,6 +496,10 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
         names[name] = s.path
         listens.append((listen, s.path))
         policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")])
+        if policy.allow_unverified_ops:
+            log.warning("%s (%s): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): %s; "
+                        "each use is counted in rpcguard_unverified_op_nodes_total", s.path, name,
+                        ", ".join(policy.allow_unverified_ops))
         if role == "serve":
             upstream, unsafe = s.get("upstream", _connect), s.get("unsafe_upstream", _bool, False)
             if not upstream.is_loopback() and not unsafe:
@@ -614,6 +618,7 @@ _GLOBAL_FLAGS = {
     "metrics": ("metrics", "listen"), "metrics_unsafe_public": ("metrics", "unsafe_public"),
     "web_config": ("metrics", "web_config"),
     "log_format": ("log", "format"), "log_level": ("log", "level"), "mode": ("policy", "mode"),
+    "allow_unverified_op": ("policy", "allow_unverified_ops"),
 }
 # flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)
 _ITEM_FLAGS = {
@@ -692,7 +697,9 @@ def _acl_text(acl: AclConfig) -> str:
 def config_summary(cfg: Config) -> list[str]:
     """One human line per listener / tunnel, for ``rpcguard check-config``."""
     def extra(p: PolicyConfig, unsafe: str | None) -> str:
-        return (f" checks_off={','.join(p.disabled_checks)}" if p.disabled_checks else "") + (f" {unsafe}" if unsafe else "")
+        return ((f" checks_off={','.join(p.disabled_checks)}" if p.disabled_checks else "")
+                + (f" unverified_ops={','.join(p.allow_unverified_ops)}" if p.allow_unverified_ops else "")
+                + (f" {unsafe}" if unsafe else ""))
     return ([f"serve {x.name} {x.listen} -> {x.upstream} mode={x.policy.mode} acl={_acl_text(x.allow)}"
              + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None) for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"

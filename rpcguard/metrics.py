@@ -80,7 +80,7 @@ class ListenerTraffic:
     __slots__ = (
         "role", "listener", "command_names", "totals", "live", "sessions_total",
         "refusals", "tls_failures", "firewall_violations", "queue_depth", "upstream",
-        "upstream_version", "upstream_up",
+        "upstream_version", "upstream_up", "unverified_ops",
     )
 
     def __init__(self, role: str, listener: str, *, upstream: str = "",
@@ -103,6 +103,8 @@ class ListenerTraffic:
         self.upstream = upstream  # upstream address, label of upstream_protocol_info
         self.upstream_version: str | None = None  # "3.0.0" once the upstream answered HELLO
         self.upstream_up: bool | None = None  # last seen reachable / not; None = not known yet
+        # graph nodes forwarded under policy.allow_unverified_ops, by op (folded in at session end)
+        self.unverified_ops: dict[str, int] = {}
 
     def session_started(self, stats: SessionStats) -> None:
         """Make a running session's counters visible to scrapes."""
@@ -178,6 +180,8 @@ def _families() -> dict[str, CounterMetricFamily | GaugeMetricFamily | Histogram
         "upload": c("rpcguard_upload_bytes", "Tensor bytes uploaded.", labels=rl + ["kind"]),
         "firewall": c("rpcguard_firewall_violations", "Firewall rule violations.",
                       labels=rl + ["reason", "mode"]),
+        "unverified": c("rpcguard_unverified_op_nodes", "Graph nodes forwarded without a verified op rule "
+                        "(policy.allow_unverified_ops).", labels=rl + ["op"]),
         "rdma": c("rpcguard_rdma_caps_zeroed", "RDMA capability fields zeroed.",
                   labels=rl + ["direction"]),
     }
@@ -248,6 +252,8 @@ class _Collector:
         f["upload"].add_metric(rl + ["hash_hit"], agg.upload_bytes_hash_hit)
         for (reason, mode), n in lt.firewall_violations.items():
             f["firewall"].add_metric(rl + [reason, mode], n)
+        for op, n in lt.unverified_ops.items():
+            f["unverified"].add_metric(rl + [op], n)
         f["rdma"].add_metric(rl + ["request"], agg.rdma_caps_zeroed_req)
         f["rdma"].add_metric(rl + ["response"], agg.rdma_caps_zeroed_rsp)
 

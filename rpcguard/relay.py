@@ -544,6 +544,12 @@ class Link:
         if self.session.version is not None:
             route.traffic.upstream_version = format_version(self.session.version)
         route.traffic.session_ended(self.session.stats, result)
+        unverified = self.session.state.unverified_uses
+        if unverified:  # ops the site allowed without a verified rule: counted, and in the log line
+            for op, n in unverified.items():
+                route.traffic.unverified_ops[op] = route.traffic.unverified_ops.get(op, 0) + n
+            detail = f"{detail} unverified_ops={','.join(f'{op}:{n}' for op, n in sorted(unverified.items()))}"
+            self.detail = detail
         record = self.audit_record()
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(

@@ -30,7 +30,7 @@ from time import thread_time
 from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
-from operator import ge, lt
+from operator import ge, gt, lt
 from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal
@@ -72,6 +72,7 @@ NODE_CACHE_MAX = 1 << 16
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
 MAX_GRAPH_CPU_S = 0.5
 _BUDGET_STRIDE = 255  # check the clock every 256 tensors/nodes
+_SELF_SRC = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
 
 
 def _u64(view: memoryview) -> memoryview | array:
@@ -104,6 +105,9 @@ class OpRules:
     denied: frozenset[int]  # custom ops (function pointers in op_params) + opt-in extras
     rows: Mapping[int, OpRule]  # op id -> verified rule; an op without one is not forwarded
     none: int  # id of GGML_OP_NONE (a PARAM node: never computed, layout rules only)
+    # ops the CPU backend never computes (ggml-cpu.c ggml_graph_compute_thread skips NONE and the
+    # view ops): their data is only touched through the compute nodes that read them
+    no_compute: frozenset[int]
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -129,6 +133,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             denied=frozenset(table.denied) | frozenset(ids[n] for n in extra_denied if n in ids),
             rows=rows,
             none=ids["NONE"],
+            no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
         )
     _RULES[key] = rules
     return rules
@@ -222,8 +227,9 @@ class GraphValidator:
         pos = self._structure(nodes, ids, srcs, m)
         npos = [p for p in map(pos.get, nodes) if p is not None]  # all of them unless structure off
         self._tensors(region, state)
+        rules = op_rules(spec.version, self.extra_denied)
         if self.tensor_checks == STRICT:
-            self._layout(region, npos, srcs, pos, state, device)
+            self._layout(region, npos, srcs, pos, state, device, rules)
         if spec.version >= _USE_COUNT_SINCE and self.structure:
             uc = _u32(region, "i")[_I_USE_COUNT::_I]
             lo, hi = min(uc), max(uc)
@@ -235,7 +241,7 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            self._ops(op_rules(spec.version, self.extra_denied), region, ids, npos, srcs, pos, state)
+            self._ops(rules, region, ids, npos, srcs, pos, state)
         return device
 
     def _budget(self) -> None:
@@ -272,7 +278,10 @@ class GraphValidator:
         getp = pos.get
         idx = range(m)
         for k, column in enumerate(srcs):
-            if any(map(ge, map(getp, compress(column, column), repeat(m)), compress(idx, column))):
+            # src[1] may be the tensor itself: ggml_cast (ggml.c:3625) sets result->src[1] = result.
+            # Which op may do that is the op table's business (oprules._cpy); no other is allowed.
+            later = gt if k == _SELF_SRC else ge
+            if any(map(later, map(getp, compress(column, column), repeat(m)), compress(idx, column))):
                 self._src_violation(k, column, pos, ids)
         npos = list(map(pos.__getitem__, nodes))
         if not all(map(lt, npos, islice(npos, 1, None))):
@@ -292,7 +301,7 @@ class GraphValidator:
             p = pos.get(s)
             if p is None:
                 raise _refuse("graph_src_missing", f"tensor {i} (id={ids[i]:#x}) {what}={s:#x} is not in the list")
-            if p >= i:
+            if p > i or (p == i and k != _SELF_SRC):
                 raise _refuse(
                     "graph_order_invalid",
                     f"tensor {i} (id={ids[i]:#x}) {what}={s:#x} is at position {p}, not before it",
@@ -302,13 +311,21 @@ class GraphValidator:
 
     def _layout(
         self, region: memoryview, npos: list[int], srcs: list[list[int]], pos: dict[int, int],
-        state: SessionState, device: int,
+        state: SessionState, device: int, rules: OpRules | None,
     ) -> None:
         """The layout rule (opcheck.check_layout) for every tensor a kernel reads or writes: the
-        nodes and their direct sources. Other tensors of the list are transitive sources the
-        client serialises but no kernel touches (7.0.0 sends those of other backends with
-        buffer 0). A verdict depends on the bytes, the live buffers (emptied on FREE_BUFFER) and
-        the graph's device: one cache per device."""
+        computed nodes and their direct sources. Other tensors of the list are never touched by
+        a kernel: transitive sources the client serialises (7.0.0 sends those of other backends
+        with buffer 0), view nodes (ggml-cpu skips VIEW/RESHAPE/PERMUTE/TRANSPOSE/NONE; the
+        recurrent-state copy of LFM2 sends views of a client-side input) and empty nodes (ggml-cpu
+        returns on ggml_is_empty). A verdict depends on the bytes, the live buffers (emptied on
+        FREE_BUFFER) and the graph's device: one cache per device."""
+        if rules is not None:
+            skip = rules.no_compute
+            ops = _u32(region)[_I_OP::_I]
+            npos = [p for p in npos if ops[p] not in skip]
+        ne = _u32(region)
+        npos = [p for p in npos if ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6]]
         touched = set(npos)
         getp = pos.get
         for column in srcs[:GGML_MAX_SRC]:
@@ -387,6 +404,8 @@ class GraphValidator:
 
         step = TENSOR_BYTES
         getp = pos.get
+        ne = _u32(region)
+        empty = {p for p in npos if not (ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6])}
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
                 self._budget()
@@ -404,6 +423,8 @@ class GraphValidator:
                 continue
             if not self.op_params:
                 continue
+            if p in empty:
+                continue  # never computed (ggml-cpu returns on ggml_is_empty): nothing to derive
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             # A node's verdict depends only on its bytes and those of its sources and view root.
             key = b"".join([region[q * step : (q + 1) * step] for q in (p, *src_pos) if q is not None])

@@ -6,9 +6,8 @@ op_params slots the constructor leaves zero, runs the row's ``derive`` and compa
 what the constructor would have produced (type, ne, nb, view_src, view_offs, and for views the
 data address). ``check_layout`` is the rule for every tensor of a graph, leaves included: a
 tensor in a buffer of the graph's device, non-empty, rows of its type (quantized rows packed),
-strides that cannot make two elements share bytes (so the element count, and every work size a
-kernel derives from it, is bounded by the bytes the tensor spans inside its buffer), and no
-stride larger than the buffer. Together with the per-tensor range check (tensor.py) every index a
+no more packed element bytes than its buffer holds (so the element count, and every work size a
+kernel derives from it, is bounded by the buffer) and no stride larger than the buffer. Together with the per-tensor range check (tensor.py) every index a
 kernel derives from ``ne`` addresses bytes inside the tensor's own buffer range.
 """
 
@@ -36,6 +35,9 @@ def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_i
                 raise refuse(node, op, f"tensor id={t.id:#x} has type {t.type}", "tensor_type_invalid")
             if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
                 raise refuse(node, op, f"tensor id={t.id:#x} is empty {t.ne}", "tensor_layout_invalid")
+    for i, t in enumerate(srcs):
+        if t is not None and t.id == node.id and not (i == 1 and rule.self_src1):
+            raise refuse(node, op, f"src[{i}] is the node itself", "graph_order_invalid")
     for i in range(rule.srcs):
         if srcs[i] is None:
             raise FirewallRefusal("graph_src_missing", f"node id={node.id:#x} op {op} needs src[{i}]")
@@ -83,7 +85,8 @@ def _differs(node: RpcTensor, r: Result, srcs: list[RpcTensor | None], by_id: di
     root = by_id.get(root_id)
     if root is None:
         return f"view root {root_id:#x} not in the graph"
-    if node.buffer != root.buffer or node.data != root.data + offs:
+    # ggml_new_tensor_impl: data = view_src->data + view_offs, NULL while the root has no data
+    if node.buffer != root.buffer or node.data != (root.data + offs if root.data else 0):
         return f"view data {node.data:#x} in {node.buffer:#x} is not its root's data + {offs}"
     return ""
 
@@ -114,16 +117,13 @@ def check_layout(t: RpcTensor, state: SessionState, device: int) -> None:
         raise FirewallRefusal(
             "tensor_layout_invalid", f"tensor id={t.id:#x}: a stride of {t.nb} exceeds its {buf.size}-byte buffer"
         )
-    # Elements that do not overlap need at least their own bytes: with nbytes(t) inside the
-    # buffer (tensor.py), the element count is bounded by the buffer size.
+    # ggml_new_tensor_impl asserts that a view's packed size (plus its offset) fits in its source,
+    # and a fresh tensor is packed: no tensor ggml builds has more element bytes than the buffer
+    # it lives in. This bounds the element count, and every work size a kernel derives from it,
+    # by the buffer (zero strides would otherwise give 2^62 elements in 4 bytes).
     dense = ne0 // blck * size * ne1 * ne2 * ne3
-    if blck == 1:
-        extent = size + (ne0 - 1) * nb0
-    else:
-        extent = ne0 * nb0 // blck
-    extent += (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
-    if dense > extent:
+    if dense > buf.size:
         raise FirewallRefusal(
             "tensor_layout_invalid",
-            f"tensor id={t.id:#x}: {t.ne} elements with strides {t.nb} overlap ({dense} bytes in {extent})",
+            f"tensor id={t.id:#x}: {t.ne} elements ({dense} bytes packed) exceed its {buf.size}-byte buffer",
         )

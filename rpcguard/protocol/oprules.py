@@ -87,6 +87,7 @@ class OpRule:
     params: int = 0  # leading op_params slots it may set; the rest must be 0
     since: Version = (0, 0, 0)  # first protocol version the row holds for
     until: Version = (99, 0, 0)  # first version it no longer holds for (a later row takes over)
+    self_src1: bool = False  # src[1] may be the node itself (ggml_cast)
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -202,26 +203,27 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
     _need(a.nb0 <= a.nb1, n, "MUL_MAT", "src0 is transposed")
     _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT",
           "rows not contiguous")
-    _need(b.type in (F32, F16, BF16) or b.type in QUANTIZED, n, "MUL_MAT", "src1 type")
+    if a.type not in VEC_DOT:
+        raise refuse(n, "MUL_MAT", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
     if b.type != F32:
         _need(b.type == _vec_dot_type(a.type), n, "MUL_MAT", "src1 is neither F32 nor src0's vec_dot type")
     return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
 
 
+# ggml-cpu.c type_traits_cpu (0.3.36): the types with a CPU vec_dot, and the vec_dot_type the
+# other operand is converted to. A MUL_MAT/MUL_MAT_ID/FLASH_ATTN_EXT K of any other type calls a
+# NULL function pointer on the server.
+VEC_DOT: Mapping[int, int] = {
+    0: 0, 1: 1, 30: 30,  # f32 f16 bf16
+    2: 8, 3: 9, 6: 8, 7: 9, 8: 8, 20: 8, 39: 8, 40: 8, 41: 8, 42: 8,  # q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl mxfp4 nvfp4 q1_0 q2_0
+    10: 15, 11: 15, 12: 15, 13: 15, 14: 15, 16: 15, 17: 15, 18: 15, 19: 15, 21: 15, 22: 15, 23: 15,
+    29: 15, 34: 15, 35: 15,  # K-quants, iq2/iq3/iq1/iq4_xs, tq1_0 tq2_0 -> q8_K
+}
+
+
 def _vec_dot_type(t: int) -> int:
-    """ggml-cpu.c type_traits_cpu[t].vec_dot_type for the types the firewall lets multiply."""
-    if t == F16:
-        return F16
-    if t == BF16:
-        return BF16
-    if t == F32:
-        return F32
-    info = TYPES[t]
-    if info.blck_size == 256:
-        return 15  # Q8_K
-    if t in (2, 3, 6, 7, 8, 9):  # q4_0 q4_1 q5_0 q5_1 q8_0 q8_1
-        return 8 if t in (2, 6, 8) else 9
-    return -1  # unknown pairing: only F32 src1 passes
+    """type_traits_cpu[t].vec_dot_type, or -1 when the CPU has no vec_dot for ``t``."""
+    return VEC_DOT.get(t, -1)
 
 
 def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
@@ -232,6 +234,8 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
           and ids.ne1 == b.ne2 and a.ne0 == b.ne0 and ids.ne0 % b.ne1 == 0)
     _need(ok, n, "MUL_MAT_ID", f"shapes as {a.ne} b {b.ne} ids {ids.ne}")
     _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT_ID", "rows")
+    if a.type not in VEC_DOT:
+        raise refuse(n, "MUL_MAT_ID", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
     _need(b.type == F32 or b.type == _vec_dot_type(a.type), n, "MUL_MAT_ID", "src1 type")
     return New(F32, (a.ne1, ids.ne0, b.ne2, 1))
 
@@ -243,6 +247,8 @@ def _get_rows(n: RpcTensor, s: Srcs) -> Result:
     _need(a.ne2 == b.ne1 and a.ne3 == b.ne2 and b.ne3 == 1 and b.type == I32, n, "GET_ROWS",
           f"src shapes {a.ne} / {b.ne}")
     _need(rows_contiguous(a), n, "GET_ROWS", "src0 rows not contiguous")
+    # ops.cpp ggml_compute_forward_get_rows dispatches these (dequantised rows) and aborts on others
+    _types(n, "GET_ROWS", frozenset(VEC_DOT) | {I32, 9}, a)
     return New(I32 if a.type == I32 else F32, (a.ne0, b.ne0, b.ne1, b.ne2))
 
 
@@ -271,19 +277,28 @@ def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
 
 
 def _cpy(n: RpcTensor, s: Srcs) -> Result:
-    """ggml_cpy ggml.c:3612: nelements equal, result = view of b. ggml_compute_forward_dup
-    handles same-type copies and conversions from F32/F16/BF16 (and I32<->F32)."""
+    """ggml_cpy ggml.c:3612: nelements equal, result = view of b; or ggml_cast ggml.c:3625: a
+    fresh tensor of a's shape whose src[1] is itself. ggml_compute_forward_dup handles same-type
+    copies and conversions from F32/F16/BF16 (and I32<->F32)."""
     a, b = s[0], s[1]
     assert a is not None and b is not None
+    if b.id == n.id:
+        _check_dup_types(n, "CPY", a.type, n.type)
+        _need(n.type in TYPES and a.ne0 % TYPES[n.type].blck_size == 0, n, "CPY", "cast to a block type")
+        return New(n.type, a.ne)
     _need(nelements(a) == nelements(b), n, "CPY", f"{a.ne} and {b.ne} differ in element count")
     _check_dup_types(n, "CPY", a.type, b.type)
     return View(1, b.ne, b.nb, 0)
 
 
+# F32 converts into these with type_traits_cpu[dst].from_float (ggml-cpu.c; NULL for the others).
+_CPY_TO = frozenset(VEC_DOT) - _NO_FROM_FLOAT
+
+
 def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     if src == dst:
         return
-    if src in FLOAT and (dst in FLOAT or (dst in TYPES and dst not in _NO_FROM_FLOAT and src == F32)):
+    if src in FLOAT and (dst in FLOAT or (src == F32 and dst in _CPY_TO)):
         return
     if (src, dst) in ((F32, I32), (I32, F32)):
         return
@@ -384,11 +399,12 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
 
 
 def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    """ggml_scale_impl ggml.c:3455: a padded 1d (nb1 == nb0*ne0 ...); params {s, b}; F32."""
+    """ggml_scale_impl ggml.c:3455: a padded 1d; params {s, b}. The kernel asserts more than the
+    constructor: a contiguous F32 source (ops.cpp:4886 ggml_compute_forward_scale_f32)."""
     a = s[0]
     assert a is not None
     _types(n, "SCALE", ONLY_F32, a)
-    _need(a.nb0 == 4 and a.nb1 == 4 * a.ne0 and a.nb2 == a.nb1 * a.ne1, n, "SCALE", "src is not padded 1d")
+    _need(is_contiguous(a), n, "SCALE", "src is not contiguous (the kernel asserts it)")
     return _dup_or_inplace(a)
 
 
@@ -455,6 +471,7 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
           and k.ne1 == v.ne1 and q.ne2 % v.ne2 == 0 and k.ne2 == v.ne2)
     _need(ok, n, "FLASH_ATTN_EXT", f"q {q.ne} k {k.ne} v {v.ne}")
     _types(n, "FLASH_ATTN_EXT", ONLY_F32, q)
+    _types(n, "FLASH_ATTN_EXT", frozenset(VEC_DOT), k, v)  # k: vec_dot, v: dequantized rows
     _need(all(rows_contiguous(t) for t in (q, k, v)), n, "FLASH_ATTN_EXT", "rows not contiguous")
     if mask is not None:
         ok = (mask.type == F16 and is_contiguous(mask) and q.ne2 % mask.ne2 == 0 and q.ne3 % mask.ne3 == 0
@@ -697,6 +714,33 @@ def _pad_reflect_1d(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3))
 
 
+def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_ssm_conv ggml.c:5668: sx 3d (d_conv - 1 + n_t, d_inner, n_s), c a matrix (d_conv,
+    d_inner); result F32 (d_inner, n_t, n_s). The kernel (ops.cpp:9932) is F32 only, asserts unit
+    nb0 of both and packed rows of sx, and reads c as ``c[i0 + i1*d_conv]``: c must be packed too."""
+    sx, c = s[0], s[1]
+    assert sx is not None and c is not None
+    _types(n, "SSM_CONV", ONLY_F32, sx, c)
+    n_t = sx.ne0 - c.ne0 + 1
+    ok = sx.ne3 == 1 and c.ne2 == 1 and c.ne3 == 1 and sx.ne1 == c.ne1 and n_t >= 0
+    _need(ok, n, "SSM_CONV", f"sx {sx.ne} c {c.ne}")
+    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c), n, "SSM_CONV", "strides the kernel assumes")
+    return New(F32, (c.ne1, n_t, sx.ne2, 1))
+
+
+def _roll(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_roll ggml.c:5330: unit nb0, |shift_i| < ne_i (params 0..3); result a fresh copy. The
+    kernel (ops.cpp:8557) is F32 only and copies whole rows of ne0."""
+    a = s[0]
+    assert a is not None
+    _types(n, "ROLL", ONLY_F32, a)
+    shifts = n.op_params[:4]
+    if any(not -ne < sh < ne for sh, ne in zip(shifts, a.ne)):
+        raise refuse(n, "ROLL", f"shifts {shifts} for {a.ne}", "graph_op_params_invalid")
+    _need(a.nb0 == 4, n, "ROLL", "nb0 is not the element size")
+    return New(a.type, a.ne)
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -728,7 +772,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat", 2, _mul_mat, params=2),
     OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id", 3, _mul_mat_id),
     OpRule("SCALE", "ggml.c:3476 ggml_scale", 1, _scale, params=2),
-    OpRule("CPY", "ggml.c:3612 ggml_cpy", 2, _cpy),
+    OpRule("CPY", "ggml.c:3612 ggml_cpy / ggml.c:3625 ggml_cast", 2, _cpy, self_src1=True),
     OpRule("CONT", "ggml.c:3648 ggml_cont", 1, _cont),
     OpRule("RESHAPE", "ggml.c:3770 ggml_reshape_4d", 1, _reshape),
     OpRule("VIEW", "ggml.c:3863 ggml_view_4d", 1, _view, params=2),
@@ -750,6 +794,8 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ARGSORT", "ggml.c:5432 ggml_argsort", 1, _argsort, params=1),
     OpRule("TOP_K", "ggml.c:5468 ggml_top_k", 1, _top_k),
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
+    OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
+    OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
     OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext", 3, _flash_attn_ext, optional=2, params=4),
     OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
@@ -768,3 +814,17 @@ def rule_for(op: str, version: Version) -> OpRule | None:
         if rule.since <= version < rule.until:
             return rule
     return None
+
+
+def table_markdown() -> str:
+    """The op table as docs/firewall.md shows it (tests/unit/test_oprules.py keeps them equal)."""
+    lines = ["| op | versions | constructor mirrored | sources (+optional) | params |", "|---|---|---|---|---|"]
+    for op, rows in RULES.items():
+        for r in rows:
+            since = "" if r.since == (0, 0, 0) else ".".join(map(str, r.since))
+            until = "" if r.until == (99, 0, 0) else ".".join(map(str, r.until))
+            versions = (f"{since} - <{until}" if since and until else f"{since}+" if since
+                        else f"< {until}" if until else "all")
+            srcs = f"{r.srcs}" + (f" (+{r.optional})" if r.optional else "") + (", src[1] may be itself" if r.self_src1 else "")
+            lines.append(f"| {op} | {versions} | {r.ctor} | {srcs} | {r.params} |")
+    return "\n".join(lines) + "\n"

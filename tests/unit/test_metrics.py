@@ -42,6 +42,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     m = Metrics(CollectorRegistry(), role="serve")
     lt = m.listener("serve", "gpu0", upstream="127.0.0.1:50052")
     lt.upstream_up = True
+    lt.unverified_ops["IM2COL"] = 1  # a node forwarded under policy.allow_unverified_ops
     m.web_refusal("auth_failed")
     s = SessionStats()
     lt.session_started(s)
@@ -68,7 +69,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 21, "design.md metrics table not found or changed shape"
+    assert len(table) == 22, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -479,3 +480,11 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
     assert g() == 0  # tells nothing about the upstream
     rt._session_ended({"role": "serve", "listener": name, "result": "ok", "reason": "", "version": "7.0.0"})
     assert g() == 1
+
+
+def test_unverified_op_uses_are_exported():
+    m = Metrics(CollectorRegistry())
+    lt = m.listener("serve", "gpu0")
+    lt.unverified_ops["IM2COL"] = 3
+    assert m.registry.get_sample_value(
+        "rpcguard_unverified_op_nodes_total", {"role": "serve", "listener": "gpu0", "op": "IM2COL"}) == 3

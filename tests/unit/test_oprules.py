@@ -39,8 +39,9 @@ _slot = iter(range(1, 1 << 20))
 def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
     """A tensor of ``type`` in the test buffer, each at its own 64 KiB slot."""
     info = TYPES[type]
+    kw.setdefault("buffer", HANDLE)
     kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
-    return TensorSpec(id=id, type=type, ne=ne, buffer=HANDLE, type_size=info.type_size, blck_size=info.blck_size, **kw)
+    return TensorSpec(id=id, type=type, ne=ne, type_size=info.type_size, blck_size=info.blck_size, **kw)
 
 
 def run(tensors: list[TensorSpec], node: TensorSpec, version=V7) -> None:
@@ -156,10 +157,18 @@ def test_rope_n_offs_is_a_7_0_0_param():
     {"d_op_params": (200, 0)},  # the constructor's offset is not the view's
     {"d_view_offs": 64},  # view_offs and data disagree with the offset param
     {"d_data": BASE + 0x100000 + 64},  # data is not root data + offset
-    {"d_nb": (4, 64, 128, 1 << 30)},  # a stride past the buffer
 ])
 def test_view_mutations_refused(over):
     assert reason(*view(**over)) in ("graph_shape_invalid", "tensor_layout_invalid")
+
+
+def test_views_read_by_a_kernel_keep_the_layout_rule():
+    # A view node is never computed (ggml-cpu skips view ops); once a kernel reads it, its
+    # strides must stay inside its buffer.
+    tensors, v = view(d_nb=(4, 64, 128, 1 << 30))
+    run(tensors, v)
+    cont = T(0x30, F32, (4, 2, 1, 1), op=OPS["CONT"], src=(0x20,))
+    assert reason(tensors + [v], cont) == "tensor_layout_invalid"
 
 
 def test_view_past_its_source_refused():
@@ -222,3 +231,32 @@ def test_cost_per_graph_is_bounded():
     with pytest.raises(FirewallRefusal) as exc:
         GraphValidator(max_nodes=1 << 16, max_tensors=1 << 16, max_cpu_s=0.001).check(payload, state())
     assert exc.value.reason == "graph_too_costly"
+
+
+def test_uncomputed_nodes_need_no_allocation():
+    # LFM2's recurrent-state copy (llama-memory-recurrent.cpp build_rs): VIEW nodes of a client-side
+    # input (buffer 0, data 0) and empty nodes reach the RPC device; ggml-cpu computes neither.
+    src = T(0x10, I32, (2, 1, 1, 1), buffer=0, data=0)
+    v = T(0x20, I32, (1, 1, 1, 1), buffer=0, data=0, op=OPS["VIEW"], src=(0x10,), view_src=0x10,
+          view_offs=4, op_params=(4, 0))
+    st = state()
+    payload = graph_payload([0x20], [src, v])
+    GraphValidator(max_nodes=8, max_tensors=8).check(memoryview(payload), st)
+    a = T(0x30, F32, (256, 0, 1, 1))
+    idx = T(0x31, I32, (0, 1, 1, 1))
+    empty = T(0x32, F32, (256, 0, 1, 1), op=OPS["GET_ROWS"], src=(0x30, 0x31))
+    run([a, idx], empty)
+    # ... but a computed node that reads an empty source is refused (modulo by zero, #SIGFPE)
+    b = T(0x40, F32, (4, 2, 1, 1))
+    add = T(0x41, F32, (4, 2, 1, 1), op=OPS["ADD"], src=(0x40, 0x30))
+    assert reason([b, a], add) == "tensor_layout_invalid"
+
+
+def test_docs_show_the_table():
+    from pathlib import Path
+
+    from rpcguard.protocol.oprules import table_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
+    begin = doc.index("\n", doc.index("<!-- op-table:begin")) + 1
+    assert doc[begin : doc.index("<!-- op-table:end -->")] == table_markdown()
