@@ -158,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clean", type=int, default=40, help="kernel-clean graphs to replay too (sampled)")
     ap.add_argument("--cases", type=int, default=30)
     ap.add_argument("--server", help="server binary (default: the ASan build)")
+    ap.add_argument("--mutations", action="store_true",
+                    help="replay instead the mutated graphs rpcguard forwards though no constructor builds them "
+                         "(test_mutations_refused's misses): which of them the kernel survives")
     args = ap.parse_args(argv)
     binary = args.server or asan_binary()
     if not binary:
         print("asan_replay: no sanitizer server: run `bash tests/realpeer/sanitizer.sh` or pass --server", file=sys.stderr)
         return 2
+    if args.mutations:
+        return _mutations(binary, args)
     res = run(cases=args.cases, mutated=0, only=set(args.op) if args.op else None, keep_built=True)
     refused = [(op, g, b) for op, r in res.items() for g, _, b in r.built_graphs if kernel_refused(b.kernel)]
     clean = [(op, g, b) for op, r in res.items() for g, _, b in r.built_graphs if b.kernel == "ok"]
@@ -182,6 +187,29 @@ def main(argv: list[str] | None = None) -> int:
             rep.close()
     print(f"{agree}/{len(todo)} agree ({len(refused)} kernel-refused, {min(args.clean, len(clean))} kernel-clean "
           f"replayed; {rep.restarts} server restarts; {time.monotonic() - t0:.0f} s; server {binary})")
+    return 0
+
+
+def _mutations(binary: str, args: argparse.Namespace) -> int:
+    from tests.differential.oracle import run
+    from tests.differential.report import DEFAULT_MUTATED
+
+    res = run(cases=args.cases, mutated=DEFAULT_MUTATED, only=set(args.op) if args.op else None)
+    todo = [(op, m) for op, r in sorted(res.items()) for m in r.missed if m.payload]
+    dead = 0
+    with tempfile.TemporaryDirectory(prefix="asan-replay-") as tmp:
+        rep = Replayer(binary, Path(tmp))
+        try:
+            for op, m in todo:
+                n = struct.unpack_from("<I", m.payload, 4)[0]
+                n_tensors = struct.unpack_from("<I", m.payload, 8 + 8 * n)[0]
+                nodes = list(struct.unpack_from(f"<{n}Q", m.payload, 8))
+                got = rep.run(Built(m.payload, nodes, n_tensors, []))
+                dead += got != "ok"
+                print(f"{'!!' if got != 'ok' else '  '} {op:<16} [{m.gen}] {m.label}: server {got}")
+        finally:
+            rep.close()
+    print(f"{dead}/{len(todo)} forwarded mutations kill the server ({binary})")
     return 0
 
 

@@ -405,7 +405,10 @@ def run(
         else:
             m.rebuild_note = "no constructor inputs give this node"
         m.reason = validate(m.payload, *_buf())
-        m.payload = m.original = b""  # results keep the verdicts, not ~10k payloads
+        forwarded = m.reason is None or m.reason.startswith(CRASH)
+        if m.legit or not forwarded:
+            m.payload = b""  # results keep the verdicts, not ~10k payloads (missed ones keep theirs)
+        m.original = b""
         res.mutations.append(m)
         if m.legit:
             res.legit += 1
