@@ -1,11 +1,11 @@
 """The kernel oracle: compute a graph the real constructors built on the REAL ggml CPU backend.
 
-How this works: tests/support/ggmlref.py builds a recipe in a no_alloc ggml context of its forked
+How this works: tests/support/ggmlworker.py builds a recipe in a no_alloc ggml context of its forked
 child; with ``compute`` on, the child then hands that context and graph to ``Kernel.compute``,
 which runs it the way ggml-rpc-server's graph_compute does (ggml-rpc.cpp:1712-1783: the nodes
 the client sent, ``ggml_backend_graph_compute`` on the CPU backend, and a non-success status is a
 ``GGML_ASSERT`` there). A kernel ``GGML_ASSERT``/``GGML_ABORT`` calls the abort callback of
-ggmlref's child (which reports it and exits); a fault kills the child by signal; the parent
+ggmlworker's child (which reports it and exits); a fault kills the child by signal; the parent
 bounds the time. Any of these means "the kernel refuses this graph": sent to a real server, the
 graph kills it.
 
@@ -49,7 +49,7 @@ class Kernel:
     """libggml-cpu.so next to libggml-base.so, with the few calls the oracle makes."""
 
     def __init__(self, base: Any, base_path: str, tensor_cls: Any, cgraph_cls: Any) -> None:
-        self.base = base  # the loaded libggml-base (ggmlref._Ggml.lib)
+        self.base = base  # the loaded libggml-base (ggmlworker._Ggml.lib)
         self.tensor_cls = tensor_cls
         self.cgraph_cls = cgraph_cls
         cpu = ctypes.CDLL(str(Path(base_path).with_name("libggml-cpu.so")))
