@@ -21,6 +21,7 @@ minutes: every crash restarts an ASan server), not part of the pytest run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mutations:
         return _mutations(binary, args)
     res = run(cases=args.cases, mutated=0, only=set(args.op) if args.op else None, keep_built=True)
-    refused = [(op, g, b) for op, r in res.items() for g, _, b in r.built_graphs if kernel_refused(b.kernel)]
-    clean = [(op, g, b) for op, r in res.items() for g, _, b in r.built_graphs if b.kernel == "ok"]
+    refused = [(op, g, rec, b) for op, r in res.items() for g, rec, b in r.built_graphs if kernel_refused(b.kernel)]
+    clean = [(op, g, rec, b) for op, r in res.items() for g, rec, b in r.built_graphs if b.kernel == "ok"]
     random.Random(1).shuffle(clean)
     todo = refused + clean[: args.clean]
     agree = 0
@@ -178,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         rep = Replayer(binary, Path(tmp))
         t0 = time.monotonic()
         try:
-            for op, gen, b in todo:
+            for op, gen, recipe, b in todo:
                 got = rep.run(b)
                 same = (got == "ok") == (b.kernel == "ok")
                 agree += same
                 print(f"{'  ' if same else '!!'} {op:<18} [{gen}] oracle: {b.kernel[:90]} | server: {got}")
+                if not same:
+                    print(f"   recipe={json.dumps(recipe)}")
         finally:
             rep.close()
     print(f"{agree}/{len(todo)} agree ({len(refused)} kernel-refused, {min(args.clean, len(clean))} kernel-clean "

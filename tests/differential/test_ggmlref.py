@@ -134,3 +134,17 @@ def test_a_compute_past_the_time_bound_is_a_hang_and_the_next_recipe_runs():
 def test_without_compute_there_is_no_kernel_verdict():
     (b,) = build_many([_rope(32)])
     assert b.kernel is None and not kernel_refused(b.kernel)
+
+
+# ggml_compute_forward_count_equal_i32 (ops.cpp:1649-1651) splits the row index with ne03/ne02
+# where ne02*ne01/ne01 belong: some rows are read at a NEGATIVE offset. The second layout (data
+# right after a guard page) catches it; the ASan server reports it too (asan_replay).
+UNDERRUN = {"leaves": [{"type": "i32", "ne": [1, 1, 3, 3]}, {"type": "i32", "ne": [1, 1, 3, 3]}],
+            "ops": [{"fn": "count_equal", "args": [0, 1]}]}  # fmt: skip
+NO_UNDERRUN = {"leaves": [{"type": "i32", "ne": [5, 4, 1, 1]}, {"type": "i32", "ne": [5, 4, 1, 1]}],
+               "ops": [{"fn": "count_equal", "args": [0, 1]}]}  # fmt: skip
+
+
+def test_an_underrun_faults_in_the_second_layout():
+    bad, good = build_many([UNDERRUN, NO_UNDERRUN], compute=True)
+    assert bad.kernel == "signal 11 (SIGSEGV)" and good.kernel == "ok"
