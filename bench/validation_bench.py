@@ -73,8 +73,10 @@ from tests.support import realpeer  # noqa: E402
 CACHE = Path(os.environ.get("RPCGUARD_BENCH_CACHE") or Path.home() / ".cache" / "rpcguard-bench")
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
 C2S, S2C = 0, 1
-FULL = SessionPolicy()
-FRAMING_ONLY = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset(CHECK_NAMES)))
+# The replay feeds recorded server answers: the session must not inject frames of its own
+# (BUFFER_CLEAR after ALLOC_BUFFER is answered before 6.0.0, and the recording has no answer).
+FULL = SessionPolicy(clear_new_buffers=False)
+FRAMING_ONLY = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset(CHECK_NAMES)), clear_new_buffers=False)
 
 
 # ------------------------------------------------------------------------------ capture relay
@@ -163,10 +165,11 @@ def recorded_version(chunks) -> tuple[int, int, int]:
 
 
 def new_session(policy: SessionPolicy, version: tuple[int, int, int], devices: int) -> Session:
-    # The upstream's version and device count are known from earlier connections (as in the
-    # proxy, UpstreamFacts outlive sessions): so the session does not inject a DEVICE_COUNT
-    # whose answer the recording does not hold.
-    return Session(policy, UpstreamFacts(version=version, device_count=devices))
+    # The upstream's version, device count and memory are known from earlier connections (as in
+    # the proxy, UpstreamFacts outlive sessions): so the session does not inject a DEVICE_COUNT or
+    # GET_DEVICE_MEMORY whose answer the recording does not hold.
+    memory = {d: (1 << 62, 1 << 62) for d in range(devices)}
+    return Session(policy, UpstreamFacts(version=version, device_count=devices, memory=memory))
 
 
 def split_at(chunks, c2s_offset: int) -> tuple[list, list]:

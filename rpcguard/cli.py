@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     for kind in ("cn", "dns", "uri", "ip"):
         s.add_argument(f"--allow-{kind}", action="append", default=[], metavar="X",
                        help=f"allow clients whose certificate has this {kind.upper()} (repeatable)")
+    s.add_argument("--allow-all", action="store_true",
+                   help="allow any client certificate signed by --ca (required when no --allow-* is given)")
 
     c = sub.add_parser("connect", help="next to llama.cpp: a loopback port tunnelled to a node")
     _common_tls(c)
@@ -130,8 +132,8 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 def _overrides(a: argparse.Namespace) -> dict:
     keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
             "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream",
-            "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "server", "server_name",
-            "unsafe_listen")
+            "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "allow_all", "server",
+            "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
 
 

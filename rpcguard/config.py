@@ -90,11 +90,13 @@ class TlsConfig:
 
 @dataclass(frozen=True, slots=True)
 class AclConfig:
-    """Client certificate allow-list (any match admits); all empty = any cert signed by the CA."""
+    """Client certificate allow-list (any match admits). Empty is refused at load unless ``all``
+    (``allow: {all: true}`` / ``--allow-all``) admits any certificate signed by the CA."""
     cn: tuple[str, ...] = ()
     dns: tuple[str, ...] = ()
     uri: tuple[str, ...] = ()
     ip: tuple[str, ...] = ()  # normalized networks ("10.0.0.0/24", "::1/128")
+    all: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,8 @@ class PolicyConfig:
     max_graph_nodes: int = 262144
     max_graph_tensors: int = 1048576
     max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
-    clear_new_buffers: bool = False  # inject BUFFER_CLEAR after each ALLOC_BUFFER
+    max_session_alloc_bytes: int = 0  # one session, all devices; 0 = per device, its memory total
+    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER (connect: False)
     denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
     # ggml ops forwarded without a verified rule (default deny; "*" = every op): logged, counted
     allow_unverified_ops: tuple[str, ...] = ()
@@ -392,7 +395,7 @@ _POLICY_READERS: dict[str, Reader] = {
     "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
     "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
     "denied_ops": _list(_op), "allow_unverified_ops": _list(_op_or_all),
-    "max_graph_cpu_ms": _count,
+    "max_graph_cpu_ms": _count, "max_session_alloc_bytes": _via(parse_size),
 }
 _LIMIT_READERS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
@@ -404,9 +407,14 @@ _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
                                    "level": _choice("debug", "info", "warning", "error")}
 
 
-def _parse_policy(layers: list[tuple[Any, str]]) -> PolicyConfig:
+# Role defaults that differ from PolicyConfig's: serve zeroes new buffers for the node's tenants;
+# connect doing it too would clear every buffer twice (docs/firewall.md, "Tenant isolation").
+_ROLE_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"serve": {}, "connect": {"clear_new_buffers": False}}
+
+
+def _parse_policy(layers: list[tuple[Any, str]], role: str = "serve") -> PolicyConfig:
     """Merge policy mappings key by key (later layers win; ``checks`` merges check by check)."""
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(_ROLE_POLICY_DEFAULTS.get(role, {}))
     checks: dict[str, bool] = {}
     for data, path in layers:
         s = _Section(data, path, set(_POLICY_READERS) | {"checks"})
@@ -431,11 +439,22 @@ def _acl_entry(kind: str, check: Reader) -> Reader:
 
 
 _ACL_READERS = {"cn": _list(_str), "dns": _list(_acl_entry("dns", _str)),
-                "uri": _list(_acl_entry("uris", _uri)), "ip": _list(_acl_entry("ips", _ip))}
+                "uri": _list(_acl_entry("uris", _uri)), "ip": _list(_acl_entry("ips", _ip)), "all": _bool}
 
 
 def _parse_acl(data: Any, path: str) -> AclConfig:
-    return AclConfig(**_Section(data, path, set(_ACL_READERS)).read_all(_ACL_READERS))
+    acl = AclConfig(**_Section(data, path, set(_ACL_READERS)).read_all(_ACL_READERS))
+    entries = acl.cn or acl.dns or acl.uri or acl.ip
+    if acl.all and entries:
+        raise ConfigError(path + ".all", "all: true admits any certificate; remove it or the entries")
+    return acl
+
+
+def _require_acl(acl: AclConfig, path: str) -> None:
+    """Like ghostunnel: admitting every certificate the CA signed must be asked for."""
+    if not (acl.all or acl.cn or acl.dns or acl.uri or acl.ip):
+        raise ConfigError(path, "empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
+                                "or all: true (--allow-all) to admit any certificate signed by tls.ca")
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
@@ -495,7 +514,7 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
                 raise ConfigError(s.raw("listen")[1], f"{listen} already used by {where}")
         names[name] = s.path
         listens.append((listen, s.path))
-        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")])
+        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")], role)
         if policy.allow_unverified_ops:
             log.warning("%s (%s): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): %s; "
                         "each use is counted in rpcguard_unverified_op_nodes_total", s.path, name,
@@ -506,8 +525,9 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
                 raise _not_loopback(s.raw("upstream")[1], upstream, "unsafe_upstream", "listener")
             own = s.data.get("allow") is not None  # else the top-level allow-list applies
             acl = _parse_acl(s.data["allow"] if own else top_allow, s.path + ".allow" if own else "allow")
-            if acl == AclConfig():
-                log.warning("%s (%s): no allow-list, any certificate signed by tls.ca is admitted", s.path, name)
+            _require_acl(acl, s.path + ".allow" if own else "allow")
+            if acl.all:
+                log.warning("%s (%s): allow.all, any certificate signed by tls.ca is admitted", s.path, name)
             out.append(ListenerConfig(name, listen, upstream, acl, policy, unsafe))
         else:
             server, unsafe = s.get("server", _connect), s.get("unsafe_listen", _bool, False)
@@ -622,7 +642,8 @@ _GLOBAL_FLAGS = {
 }
 # flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)
 _ITEM_FLAGS = {
-    "serve": ("listen", "upstream", "name", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip"),
+    "serve": ("listen", "upstream", "name", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip",
+              "allow_all"),
     "connect": ("listen", "server", "server_name", "name", "unsafe_listen"),
 }
 
@@ -681,7 +702,8 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
             if k.startswith("allow_"):
                 if isinstance(item["allow"], dict):
                     v = given[k]
-                    item["allow"][k[6:]] = _Flag([v] if isinstance(v, str) else list(v), flag(k))
+                    item["allow"][k[6:]] = _Flag(v if k == "allow_all" else [v] if isinstance(v, str) else list(v),
+                                                 flag(k))
             else:
                 item[k] = _Flag(given[k], flag(k))
         data[items_key] = [item]
@@ -691,7 +713,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
 def _acl_text(acl: AclConfig) -> str:
     parts = [f"{tag}:{v}" for tag, vals in (("CN", acl.cn), ("DNS", acl.dns), ("URI", acl.uri), ("IP", acl.ip))
              for v in vals]
-    return ",".join(parts) if parts else "any-cert-from-ca"
+    return ",".join(parts) if parts else "any-cert-from-ca" if acl.all else "nobody"
 
 
 def config_summary(cfg: Config) -> list[str]:

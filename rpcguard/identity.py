@@ -5,24 +5,40 @@ certificate (DER) becomes a ``PeerIdentity``: CN, DNS / URI / IP SANs, serial, e
 ``Acl.authorize`` is then a pure function of that identity (as in ghostunnel's ``auth/auth.go``):
 the peer passes if any allow-list entry matches, else ``PolicyRefusal("identity_not_allowed")``.
 
-An empty ACL (no entries, ``allow_any=False``) allows every certificate signed by the private CA.
-ghostunnel insists on an explicit ``--allow-all``; we treat "the CA is the allow-list" as the
-default because the CA is ours alone, and the config layer logs a warning when the ACL is empty.
-This module never imports ``ssl``: the TLS layer hands it bytes.
+An ACL admits nobody until it has entries or ``allow_any`` (``--allow-all``, YAML
+``allow: {all: true}``): like ghostunnel, "any certificate the CA signed" must be said explicitly,
+and the config layer refuses to start a listener with an empty allow-list.
+
+Whoever issued it, a peer certificate must be meant for its role: ``check_usage`` requires the
+clientAuth extended key usage of a client and serverAuth of a server (``certificate_usage_invalid``
+otherwise), so a server certificate stolen from a node cannot be used to log in as a client. OpenSSL
+itself only checks the EKU when the extension is present; a certificate without one passes it.
+
+Matching is strict where a name could be smuggled: a wildcard URI entry matches only plain path
+segments (no empty, ``.``/``..`` or percent-encoded segment), and a DNS SAN that itself contains
+a wildcard (``*.lab``) never satisfies an entry. This module never imports ``ssl``: the TLS layer
+hands it bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 from dataclasses import dataclass, field
 
 from cryptography import x509
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import PolicyRefusal
 
-__all__ = ["PeerIdentity", "Acl"]
+__all__ = ["PeerIdentity", "Acl", "check_usage", "CLIENT_AUTH", "SERVER_AUTH"]
+
+CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.2
+SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.1
+# A path segment a URI wildcard may match: RFC 3986 pchar without percent-encoding (SPIFFE IDs
+# allow only letters, digits, '.', '-', '_'); "." and ".." are refused separately.
+_PLAIN_SEGMENT = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
 
 # label() shows at most this many values per kind, so one log line stays short.
 LABEL_MAX_VALUES = 3
@@ -52,6 +68,7 @@ class PeerIdentity:
     serial: int
     not_after: float
     fingerprint_sha256: str
+    ekus: tuple[str, ...] | None = None  # extended key usage OIDs (dotted); None: no EKU extension
 
     @classmethod
     def from_der(cls, der: bytes) -> "PeerIdentity":
@@ -66,6 +83,11 @@ class PeerIdentity:
             ips = tuple(str(v) for v in san.get_values_for_type(x509.IPAddress))
         except x509.ExtensionNotFound:
             dns, uris, ips = (), (), ()
+        try:
+            eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+            ekus: tuple[str, ...] | None = tuple(oid.dotted_string for oid in eku)
+        except x509.ExtensionNotFound:
+            ekus = None
         return cls(
             common_name=cn if isinstance(cn, str) else None,
             dns=dns,
@@ -74,6 +96,7 @@ class PeerIdentity:
             serial=cert.serial_number,
             not_after=cert.not_valid_after_utc.timestamp(),
             fingerprint_sha256=hashlib.sha256(der).hexdigest(),
+            ekus=ekus,
         )
 
     def label(self) -> str:
@@ -98,7 +121,7 @@ class Acl:
     - ``uris``: URI SAN, exact; an entry ending in ``/*`` matches any URI below that prefix
       (``spiffe://lab/llama/*`` matches ``spiffe://lab/llama/a/b`` but not ``spiffe://lab/llama``).
     - ``ips``: IP SAN, an address or a CIDR network (``10.0.0.0/8``); IPv4-mapped IPv6 counts as IPv4.
-    - No entries and ``allow_any=False``: any certificate from the private CA is allowed.
+    - No entries and ``allow_any=False``: nobody is allowed (the config layer refuses to start so).
 
     Invalid entries raise ``ValueError`` (the config layer turns it into a ``ConfigError``).
     """
@@ -135,12 +158,12 @@ class Acl:
 
     @property
     def is_empty(self) -> bool:
-        """True when there are no entries (then every certificate from the CA is allowed)."""
+        """True when there are no entries (then only ``allow_any`` admits anyone)."""
         return not (self.cns or self.dns or self.uris or self.ips)
 
     def allows(self, identity: PeerIdentity) -> bool:
         """True if ``identity`` passes this ACL."""
-        if self.allow_any or self.is_empty:
+        if self.allow_any:
             return True
         if identity.common_name is not None and identity.common_name in self.cns:
             return True
@@ -167,7 +190,7 @@ class Acl:
         if self.allow_any:
             return "any certificate from the CA (allow_any)"
         if self.is_empty:
-            return "any certificate from the CA (no allow-list)"
+            return "nobody (empty allow-list)"
         kinds = (("CN", self.cns), ("DNS", self.dns), ("URI", self.uris), ("IP", tuple(map(str, self._nets))))
         return " ".join(f"{kind}=[{','.join(values)}]" for kind, values in kinds if values)
 
@@ -182,7 +205,21 @@ def _check_dns_entry(entry: str) -> str:
     return value
 
 
+def check_usage(identity: PeerIdentity, role: str) -> None:
+    """Refuse a peer certificate not meant for ``role`` (``"client"`` or ``"server"``): it must
+    carry the clientAuth / serverAuth extended key usage (anyExtendedKeyUsage or no EKU at all do
+    not count), whoever issued it."""
+    needed, name = (CLIENT_AUTH, "clientAuth") if role == "client" else (SERVER_AUTH, "serverAuth")
+    if identity.ekus is None or needed not in identity.ekus:
+        has = "no extended key usage" if identity.ekus is None else f"extended key usage {', '.join(identity.ekus)}"
+        raise PolicyRefusal(
+            "certificate_usage_invalid", f"{identity.label()}: {role} certificate without {name} ({has})"
+        )
+
+
 def _dns_match(entry: str, name: str) -> bool:
+    if "*" in name:  # a wildcard SAN names no host: it never satisfies an entry
+        return False
     name = name.lower().rstrip(".")
     if entry.startswith("*."):
         head, _, rest = name.partition(".")
@@ -196,6 +233,8 @@ def _uri_match(entry: str, uri: str) -> bool:
     prefix = entry[:-1]  # keep the slash: "spiffe://lab/llama/"
     if not uri.startswith(prefix) or len(uri) == len(prefix):
         return False
-    # Refuse dot segments and empty segments: "spiffe://lab/llama/../admin" is not under the prefix.
-    return all(seg not in ("", ".", "..") for seg in uri[len(prefix):].split("/"))
+    # Only plain segments: no empty, "." or ".." segment ("spiffe://lab/llama/../admin" is not
+    # under the prefix), and no percent-encoding at all ("%2e%2e" is ".." to whoever decodes it,
+    # "%2f" a slash), nor "?", "#", "\\" or non-ASCII.
+    return all(seg not in (".", "..") and _PLAIN_SEGMENT.fullmatch(seg) for seg in uri[len(prefix):].split("/"))
 

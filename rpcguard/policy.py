@@ -48,6 +48,7 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
             max_graph_nodes=cfg.max_graph_nodes,
             max_graph_tensors=cfg.max_graph_tensors,
             max_alloc_bytes=cfg.max_alloc_bytes,
+            max_session_alloc_bytes=cfg.max_session_alloc_bytes,
             denied_ops=frozenset(cfg.denied_ops),
             allow_unverified_ops=frozenset(cfg.allow_unverified_ops),
             max_graph_cpu_s=cfg.max_graph_cpu_ms / 1000,
@@ -57,8 +58,8 @@ def session_policy(cfg: PolicyConfig) -> SessionPolicy:
 
 
 def acl(cfg: AclConfig) -> Acl:
-    """The identity allow-list of a serve listener (empty = any certificate from the CA)."""
-    return Acl(cns=cfg.cn, dns=cfg.dns, uris=cfg.uri, ips=cfg.ip)
+    """The identity allow-list of a serve listener (``all``: any certificate from the CA)."""
+    return Acl(cns=cfg.cn, dns=cfg.dns, uris=cfg.uri, ips=cfg.ip, allow_any=cfg.all)
 
 
 def limits(cfg: LimitsConfig) -> Limits:

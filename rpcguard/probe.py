@@ -32,7 +32,8 @@ from rpcguard.errors import Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.versions import format_version
-from rpcguard.tls import classify_handshake_error
+from rpcguard.identity import check_usage
+from rpcguard.tls import classify_handshake_error, peer_identity
 
 __all__ = ["ProbeResult", "probe_node", "tls_probe", "VERDICT_WAIT_S"]
 
@@ -184,6 +185,7 @@ async def probe_node(
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
+            check_usage(peer_identity(writer.get_extra_info("ssl_object")), "server")  # serverAuth EKU
             await _hello(reader, writer, session, _hello_frame(policy), hello_timeout or timeout,
                          frozenset(own_warnings))
         finally:
@@ -207,6 +209,7 @@ async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
+            check_usage(peer_identity(writer.get_extra_info("ssl_object")), "server")  # serverAuth EKU
             data = await _read(reader, verdict_wait_s)
             if not data:
                 raise _closed_on_us("right after the handshake", frozenset(own_warnings))
@@ -216,4 +219,6 @@ async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server
             await _close(writer)
     except _Failed as f:
         return ProbeResult(name, address, False, reason=f.reason, detail=f.detail, cause=f.cause)
+    except Refusal as exc:  # the node's certificate lacks serverAuth
+        return ProbeResult(name, address, False, reason=exc.reason, detail=exc.detail)
     return ProbeResult(name, address, True)

@@ -40,6 +40,7 @@ from rpcguard.errors import FirewallRefusal, Refusal
 from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session
 from rpcguard.protocol.versions import format_version, spec_for
 from rpcguard.route import UPSTREAM_DRAIN_S, Route
+from rpcguard.identity import check_usage
 from rpcguard.tls import classify_handshake_error, peer_identity
 
 __all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES"]
@@ -240,14 +241,15 @@ class Link:
             return False
         ident = peer_identity(transport.get_extra_info("ssl_object"))
         self.identity = ident.label()
-        if route.acl is not None:
-            try:
+        try:
+            check_usage(ident, "client")  # clientAuth EKU, whoever issued the certificate
+            if route.acl is not None:
                 route.acl().authorize(ident)
-            except Refusal as refusal:
-                # Not a TLS failure (the handshake worked): counted in refusals_total when the
-                # session ends, answered at HELLO so the client sees why.
-                self.refusal = refusal
-                self.identity_refused = True
+        except Refusal as refusal:
+            # Not a TLS failure (the handshake worked): counted in refusals_total when the
+            # session ends, answered at HELLO so the client sees why.
+            self.refusal = refusal
+            self.identity_refused = True
         return True
 
     async def _open_upstream(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -277,6 +279,13 @@ class Link:
         if self._done:
             endpoint.transport.close()  # type: ignore[union-attr]
             return
+        if route.role == "connect":
+            try:  # the node's certificate must be a server certificate (serverAuth EKU)
+                check_usage(peer_identity(endpoint.transport.get_extra_info("ssl_object")), "server")  # type: ignore[union-attr]
+            except Refusal as refusal:
+                endpoint.transport.close()  # type: ignore[union-attr]
+                route.traffic.tls_failure(refusal.reason)
+                raise Refusal(refusal.reason, f"node {self._upstream_text()}: {refusal.detail}") from None
         self.upstream = endpoint
         self.upstream_ready = True
         self.t_upstream = time.monotonic()

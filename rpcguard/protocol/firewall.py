@@ -11,9 +11,10 @@ stable reason from docs/design.md and never anything else. The firewall only rea
 
 Check groups (``FirewallPolicy.disabled_checks``): ``tensor`` (per-tensor type/shape/nbytes/
 flags/name, SET_TENSOR cache_flag), ``buffer_bounds`` (handles, data ranges, SET/GET/MEMSET/
-COPY ranges, ALLOC_BUFFER size), ``graph_structure``, ``graph_ops``, ``op_params`` (op_params
-and shape rules of ACC/SET/PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both
-GRAPH_RECOMPUTE rules), ``device_index``.
+COPY ranges, ALLOC_BUFFER size and the session's allocation quota, INIT_TENSOR padded size),
+``graph_structure``, ``graph_ops``, ``op_params`` (op_params and shape rules of ACC/SET/
+PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both GRAPH_RECOMPUTE rules),
+``device_index``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
-__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES"]
+__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
 
 CHECK_NAMES: tuple[str, ...] = (
     "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
@@ -46,6 +47,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U64x2 = struct.Struct("<QQ")
 _DEV_U64 = struct.Struct("<IQ")
+_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
 
 # Handler per command name (a table, like h11's READERS). Commands absent here carry nothing to check.
 _HANDLERS: Mapping[str, str] = {
@@ -68,9 +70,15 @@ _HANDLERS: Mapping[str, str] = {
 }
 
 
-# Heads whose validity depends only on the head bytes, the body length and the live buffers.
+# Heads whose validity depends only on the command, the head bytes, the body length and the live
+# buffers (the session's version and checks are fixed; SET_TENSOR with cache_flag=1 is not cached).
 _CACHEABLE = frozenset({"SET_TENSOR", "GET_TENSOR", "SET_TENSOR_HASH", "MEMSET_TENSOR"})
 HEAD_CACHE_MAX = 4096  # entries of ~300 bytes: bounded memory per session
+# The client asks the server to store a tensor in its -c cache (cache_flag=1) only after a
+# SET_TENSOR_HASH miss for that tensor, and only above this size (ggml-rpc.cpp:87 HASH_THRESHOLD,
+# :717 rpc_use_hash_cache `size > HASH_THRESHOLD`, :723-739 set_tensor).
+HASH_THRESHOLD_BYTES = 10 * 1024 * 1024
+_FLAG_AT = TENSOR_BYTES  # >= 7.0.0 SET_TENSOR: u8 cache_flag right after the rpc_tensor
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,9 @@ class FirewallPolicy:
     max_graph_nodes: int = 262144
     max_graph_tensors: int = 1048576
     max_alloc_bytes: int = 0  # 0: no cap beyond the server's GET_MAX_SIZE
+    # Bytes one session may hold allocated on all devices together; 0: per device, the device
+    # memory total the server reports (GET_DEVICE_MEMORY).
+    max_session_alloc_bytes: int = 0
     # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
     # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
     denied_ops: frozenset[str] = frozenset()
@@ -136,19 +147,44 @@ class Firewall:
             raise FirewallRefusal(
                 "frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}"
             )
-        if rule.name in _CACHEABLE:
+        if rule.name in _CACHEABLE and not (rule.request == _SET_TENSOR_CACHE_HEAD and payload[_FLAG_AT]):
             # During generation the client sends the same few tensor heads (inputs, positions,
-            # logits) every token: a head accepted once stays valid until a buffer is freed.
-            key = bytes(payload)
+            # logits) every token: a head accepted once stays valid until the buffer map changes.
+            # The key holds everything else the verdict depends on: a GET_TENSOR head and a
+            # SET_TENSOR_HASH head have the same size but not the same ranges to check.
+            key = (rule.cmd, bytes(payload), body_len)
             cache = self.state.head_cache
-            if cache.get(key) == body_len:
+            if key in cache:
                 return
             handler(rule, payload, body_len)
             if len(cache) >= HEAD_CACHE_MAX:
                 cache.clear()
-            cache[key] = body_len
+            cache.add(key)
             return
         handler(rule, payload, body_len)
+
+    def quota(self, device: int) -> tuple[int, int] | None:
+        """(bytes charged, cap) of the allocation quota that applies to ``device``, or None when
+        there is no cap yet (no ``max_session_alloc_bytes`` and the device total not learned)."""
+        state = self.state
+        cap = self.policy.max_session_alloc_bytes
+        if cap:
+            return state.alloc_total, cap
+        memory = state.upstream.memory.get(device)
+        if memory is None:
+            return None
+        return state.alloc_by_device.get(device, 0), memory[1]
+
+    def check_quota(self, device: int, size: int = 0) -> None:
+        """Refuse when ``size`` more bytes would put the session past its allocation quota."""
+        if not self._bounds:
+            return
+        q = self.quota(device)
+        if q is not None and q[0] + size > q[1]:
+            raise FirewallRefusal(
+                "alloc_quota_exceeded",
+                f"device {device}: {q[0]} bytes allocated in this session + {size} > quota {q[1]}",
+            )
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -167,9 +203,12 @@ class Firewall:
         n = check_tensor(t, self.state, self._tchecks)
         if not self._bounds:
             return t, n, None
-        if t.buffer == 0:
-            raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
-        return t, n, self.state.buffers[t.buffer]  # known: check_tensor refused unknown handles
+        buf = self.state.buffers.get(t.buffer) if t.buffer else None
+        if buf is None or buf.base is None:  # check_tensor refused these already; never a KeyError
+            if t.buffer == 0:
+                raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
+            raise FirewallRefusal("buffer_unknown", f"{what} id={t.id:#x}: buffer {t.buffer:#x} is not live")
+        return t, n, buf
 
     def _range(self, t: RpcTensor, n: int, buf: Buffer | None, offset: int, size: int) -> None:
         """``[data+offset, +size)`` inside the buffer (the server's own bounds, checked first) and
@@ -205,6 +244,7 @@ class Firewall:
         max_size = self.state.upstream.max_size.get(device)
         if max_size is not None and size > max_size:
             raise FirewallRefusal("alloc_size_invalid", f"size {size} > GET_MAX_SIZE {max_size} of device {device}")
+        self.check_quota(device, size)
 
     def _handle(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         if self._bounds:
@@ -217,12 +257,29 @@ class Firewall:
     def _set_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         t, n, buf = self._buffer_tensor(payload)
         at = TENSOR_BYTES
-        if rule.request == TENSOR_BYTES + 9:  # >= 7.0.0: u8 cache_flag before the offset
+        if rule.request == _SET_TENSOR_CACHE_HEAD:  # >= 7.0.0: u8 cache_flag before the offset
             flag = payload[at]
-            if self._tensor and flag > 1:
-                raise FirewallRefusal("set_tensor_flag_invalid", f"cache_flag {flag} not 0 or 1")
+            if self._tensor and flag:
+                self._cache_flag(payload, flag, body_len)
             at += 1
         self._range(t, n, buf, _U64.unpack_from(payload, at)[0], body_len)
+
+    def _cache_flag(self, payload: memoryview, flag: int, body_len: int) -> None:
+        """cache_flag=1 makes a server run with -c write the data to a new file in its cache
+        directory: accepted only the way the client sends it, once per SET_TENSOR_HASH miss of the
+        same tensor and offset, for more than HASH_THRESHOLD_BYTES of data."""
+        if flag > 1:
+            raise FirewallRefusal("set_tensor_flag_invalid", f"cache_flag {flag} not 0 or 1")
+        if body_len <= HASH_THRESHOLD_BYTES:
+            raise FirewallRefusal(
+                "set_tensor_cache_flag_invalid",
+                f"cache_flag=1 with {body_len} bytes: the client sets it only above {HASH_THRESHOLD_BYTES}",
+            )
+        if hash_miss_key(payload) not in self.state.hash_misses:
+            raise FirewallRefusal(
+                "set_tensor_cache_flag_invalid",
+                "cache_flag=1 without a SET_TENSOR_HASH miss for this tensor and offset",
+            )
 
     def _set_tensor_hash(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         # The data size is the size of the server's cache file, unknown here: only the offset is
@@ -245,9 +302,19 @@ class Firewall:
             )
 
     def _init_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        # CUDA's init_tensor pads quantized rows past nbytes; here the tensor range is held to the
-        # buffer end (check_tensor), not to a padded size the proxy cannot know.
-        self._buffer_tensor(payload)
+        # A padding backend's init_tensor zeroes [data+nbytes, data+alloc_size) (CUDA, quantized
+        # rows: ggml-cuda.cu:758-766), past the server's own [data, +nbytes) check. The padded size
+        # is the server's GET_ALLOC_SIZE answer for that shape, when the proxy has seen one.
+        t, n, buf = self._buffer_tensor(payload)
+        if buf is None:
+            return
+        padded = self.state.upstream.alloc_sizes.get(alloc_size_key(buf.device, t))
+        if padded is not None and t.data + padded > buf.base + buf.size:  # type: ignore[operator]
+            raise FirewallRefusal(
+                "tensor_out_of_buffer",
+                f"tensor id={t.id:#x}: padded size {padded} (GET_ALLOC_SIZE) from {t.data:#x} past the end "
+                f"of buffer {buf.handle:#x}",
+            )
 
     def _get_alloc_size(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         at = 0
@@ -277,3 +344,15 @@ class Firewall:
             )
         if device not in state.graph_devices:
             raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
+
+
+def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:
+    """What a server's allocation size depends on (the client's own cache key, ggml-rpc.cpp:869-887)."""
+    return (device, t.type, *t[3:11], t.op)
+
+
+def hash_miss_key(set_tensor_head: memoryview | bytes) -> bytes:
+    """What ties a 7.0.0 SET_TENSOR head to the SET_TENSOR_HASH that missed before it: the
+    rpc_tensor and the offset (SET_TENSOR_HASH: rpc_tensor, offset, hash; SET_TENSOR: rpc_tensor,
+    cache_flag, offset)."""
+    return bytes(set_tensor_head[:TENSOR_BYTES]) + bytes(set_tensor_head[TENSOR_BYTES + 1 : TENSOR_BYTES + 9])

@@ -161,7 +161,10 @@ def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...
     return (New(t, a.ne), View(0, a.ne, a.nb, 0))
 
 
-def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = False) -> Derive:
+def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = False, unit: bool = False) -> Derive:
+    """An elementwise op on one source whose result is ggml_dup_tensor(a) or its inplace view;
+    the kernel handles ``types`` and needs contiguous rows, a contiguous source, or a unit
+    element stride (nb0 == type size) as asked."""
     def derive(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         a = s[0]
         assert a is not None
@@ -170,6 +173,8 @@ def _unary_like(types: frozenset[int], rows: bool = False, contiguous: bool = Fa
             _need(rows_contiguous(a), n, "unary", "src rows not contiguous")
         if contiguous:
             _need(is_contiguous(a), n, "unary", "src not contiguous")
+        if unit:
+            _need(a.nb0 == TYPES[a.type].type_size, n, "unary", "nb0 is not the element size")
         return _dup_or_inplace(a)
 
     return derive
@@ -205,6 +210,14 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
           "rows not contiguous")
     if a.type not in VEC_DOT:
         raise refuse(n, "MUL_MAT", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
+    _mul_mat_params(n, "MUL_MAT")
+    if n.param1 == HINT_SRC0_IS_HADAMARD:
+        # ggml-cpu.c:1263 routes to ggml_compute_forward_fwht (ops.cpp:12256): a power-of-two
+        # transform writing ne10 floats per dst row; the rows are ne01 long (square F32 matrix).
+        n10 = b.ne0
+        ok = (a.type == F32 and a.ne0 == a.ne1 == n10 and n10 & (n10 - 1) == 0 and b.type in F32_F16)
+        _need(ok, n, "MUL_MAT", f"Hadamard hint on {a.ne} x {b.ne}")
+        return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
     if b.type != F32:
         _need(b.type == _vec_dot_type(a.type), n, "MUL_MAT", "src1 is neither F32 nor src0's vec_dot type")
     return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
@@ -226,6 +239,19 @@ def _vec_dot_type(t: int) -> int:
     return VEC_DOT.get(t, -1)
 
 
+HINT_SRC0_IS_HADAMARD = 1  # ggml.h:455 enum ggml_hint
+PRECS = frozenset({0, 10, 15, 20, 30, 40})  # ggml.h:443-451 enum ggml_prec (0 and 10 before 7.0.0)
+
+
+def _mul_mat_params(n: RpcTensor, op: str) -> None:
+    """op_params of MUL_MAT/MUL_MAT_ID: [0] accumulator precision (ggml_prec_set_acc), [1] hint
+    (ggml_mul_mat_set_hint, MUL_MAT only), [3] src1 precision (ggml_prec_set_src, 7.0.0), values of
+    enum ggml_prec (ggml.h:443; llama.cpp sets GGML_PREC_F32 = 10)."""
+    hints = (0, HINT_SRC0_IS_HADAMARD) if op == "MUL_MAT" else (0,)
+    if n.param0 not in PRECS or n.param1 not in hints or n.param2 or n.param3 not in PRECS:
+        raise refuse(n, op, f"op_params {n.op_params[:4]}", "graph_op_params_invalid")
+
+
 def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
     """ggml_mul_mat_id ggml.c:3401."""
     a, b, ids = s[0], s[1], s[2]
@@ -236,6 +262,7 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
     _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == TYPES[b.type].type_size, n, "MUL_MAT_ID", "rows")
     if a.type not in VEC_DOT:
         raise refuse(n, "MUL_MAT_ID", f"no CPU vec_dot for {TYPES[a.type].name}", "graph_type_invalid")
+    _mul_mat_params(n, "MUL_MAT_ID")
     _need(b.type == F32 or b.type == _vec_dot_type(a.type), n, "MUL_MAT_ID", "src1 type")
     return New(F32, (a.ne1, ids.ne0, b.ne2, 1))
 
@@ -248,7 +275,7 @@ def _get_rows(n: RpcTensor, s: Srcs) -> Result:
           f"src shapes {a.ne} / {b.ne}")
     _need(rows_contiguous(a), n, "GET_ROWS", "src0 rows not contiguous")
     # ops.cpp ggml_compute_forward_get_rows dispatches these (dequantised rows) and aborts on others
-    _types(n, "GET_ROWS", frozenset(VEC_DOT) | {I32, 9}, a)
+    _types(n, "GET_ROWS", frozenset(VEC_DOT) | {I32}, a)  # not q8_1: no CPU to_float (SIGSEGV)
     return New(I32 if a.type == I32 else F32, (a.ne0, b.ne0, b.ne1, b.ne2))
 
 
@@ -285,9 +312,13 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     if b.id == n.id:
         _check_dup_types(n, "CPY", a.type, n.type)
         _need(n.type in TYPES and a.ne0 % TYPES[n.type].blck_size == 0, n, "CPY", "cast to a block type")
+        if n.type in QUANTIZED and a.type != n.type:
+            _need(a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing cast of a strided source")
         return New(n.type, a.ne)
     _need(nelements(a) == nelements(b), n, "CPY", f"{a.ne} and {b.ne} differ in element count")
     _check_dup_types(n, "CPY", a.type, b.type)
+    if b.type in QUANTIZED and a.type != b.type:  # ops.cpp:292-293, else "not implemented" (:321)
+        _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing copy layout")
     return View(1, b.ne, b.nb, 0)
 
 
@@ -298,7 +329,7 @@ _CPY_TO = frozenset(VEC_DOT) - _NO_FROM_FLOAT
 def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     if src == dst:
         return
-    if src in FLOAT and (dst in FLOAT or (src == F32 and dst in _CPY_TO)):
+    if src in FLOAT and (dst in FLOAT or dst in _CPY_TO):
         return
     if (src, dst) in ((F32, I32), (I32, F32)):
         return
@@ -393,7 +424,7 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "GROUP_NORM", ONLY_F32, a)
-    _need(0 < n.param0 <= max(a.ne2, 1), n, "GROUP_NORM", f"n_groups {n.param0}")
+    _need(n.param0 > 0, n, "GROUP_NORM", f"n_groups {n.param0}")  # the kernel clamps the group size
     _need(a.nb0 == 4, n, "GROUP_NORM", "nb0")
     return _dup_or_inplace(a)
 
@@ -457,7 +488,9 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     _need(b.type == I32 and b.ne1 == 1 and b.ne2 == 1 and b.ne3 == 1 and b.ne0 == a.ne2 * per_token, n, "ROPE",
           f"positions {b.ne} for {a.ne}")
     if c is not None:
-        _need(c.type == F32 and c.ne0 >= n_dims // 2, n, "ROPE", "freq factors")
+        # the constructor asks ne0 >= n_dims/2, but ggml_rope_cache_init (ops.cpp:6209) reads
+        # freq_factors[i0/2] for every i0 < ne0 of the row
+        _need(c.type == F32 and c.ne0 >= n_dims // 2 and c.ne0 >= a.ne0 // 2, n, "ROPE", "freq factors")
     return _dup_or_inplace(a)
 
 
@@ -481,10 +514,13 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
         raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
     if sinks is not None:
         _need(sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
+    if n.param3 not in PRECS or n.param4 < 0:  # precision, n_kv_max (ggml_flash_attn_ext_set_n_kv_max)
+        raise refuse(n, "FLASH_ATTN_EXT", f"prec {n.param3} n_kv_max {n.param4}", "graph_op_params_invalid")
     return New(F32, (v.ne0, q.ne2, q.ne1, q.ne3))
 
 
 GLU_OP_COUNT = 7  # ggml.h:634-643 (7.0.0)
+GLU_OP_SWIGLU_OAI = 3
 UNARY_OP_COUNT = 22  # ggml.h:608-631 (7.0.0); older versions have fewer, their ids are a prefix
 UNARY_OP_XIELU = 17
 
@@ -503,7 +539,7 @@ def _glu(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     if not 0 <= n.param0 < GLU_OP_COUNT or n.param1 not in (0, 1):
         raise refuse(n, "GLU", f"glu op {n.param0} swapped {n.param1}", "graph_op_params_invalid")
-    _types(n, "GLU", F32_F16, a)
+    _types(n, "GLU", ONLY_F32 if n.param0 == GLU_OP_SWIGLU_OAI else F32_F16, a)  # ops.cpp:3564
     _need(is_contiguous(a, 1), n, "GLU", "src0 not contiguous_1")
     if b is not None:
         _need(is_contiguous(b, 1) and b.ne == a.ne and b.type == a.type, n, "GLU", "src1")
@@ -595,15 +631,8 @@ def _repeat(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     _need(all(x % y == 0 for x, y in zip(n.ne, a.ne)), n, "REPEAT", f"{a.ne} does not repeat into {n.ne}")
     _types(n, "REPEAT", frozenset({F32, F16, BF16, I16, I32}), a)
+    _need(a.nb0 == TYPES[a.type].type_size, n, "REPEAT", "nb0 is not the element size (ops.cpp:1720)")
     return New(a.type, n.ne)
-
-
-def _clamp(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "CLAMP", F32_F16, a)
-    _need(a.nb0 == TYPES[a.type].type_size, n, "CLAMP", "nb0")
-    return _dup_or_inplace(a)
 
 
 def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
@@ -636,22 +665,6 @@ def _add_id(n: RpcTensor, s: Srcs) -> Result:
     _types(n, "ADD_ID", ONLY_F32, a, b)
     _need(a.nb0 == 4 and b.nb0 == 4, n, "ADD_ID", "nb0")
     return New(a.type, a.ne)
-
-
-def _leaky_relu(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "LEAKY_RELU", F32_F16, a)
-    _need(a.nb0 == TYPES[a.type].type_size, n, "LEAKY_RELU", "nb0")
-    return _dup_or_inplace(a)
-
-
-def _fill(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    a = s[0]
-    assert a is not None
-    _types(n, "FILL", F32_F16, a)
-    _need(is_contiguous(a), n, "FILL", "src not contiguous")
-    return _dup_or_inplace(a)
 
 
 def _cumsum(n: RpcTensor, s: Srcs) -> Result:
@@ -769,8 +782,13 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _norm, params=1),
     OpRule("GROUP_NORM", "ggml.c:3242 ggml_group_norm", 1, _group_norm, params=2),
     OpRule("L2_NORM", "ggml.c:3275 ggml_l2_norm", 1, _norm, params=1),
-    OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat", 2, _mul_mat, params=2),
-    OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id", 3, _mul_mat_id),
+    OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat (+3290 ggml_prec_set_acc/src, 3377 set_hint)", 2, _mul_mat,
+           params=4, since=(7, 0, 0)),
+    OpRule("MUL_MAT", "0.3.35 ggml.c ggml_mul_mat (+set_prec, set_hint)", 2, _mul_mat, params=2,
+           until=(7, 0, 0)),
+    OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id (+3290 ggml_prec_set_acc/src)", 3, _mul_mat_id, params=4,
+           since=(7, 0, 0)),
+    OpRule("MUL_MAT_ID", "0.3.35 ggml.c ggml_mul_mat_id", 3, _mul_mat_id, params=1, until=(7, 0, 0)),
     OpRule("SCALE", "ggml.c:3476 ggml_scale", 1, _scale, params=2),
     OpRule("CPY", "ggml.c:3612 ggml_cpy / ggml.c:3625 ggml_cast", 2, _cpy, self_src1=True),
     OpRule("CONT", "ggml.c:3648 ggml_cont", 1, _cont),
@@ -787,17 +805,20 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
     # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
     OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
-    OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _clamp, params=2),
+    OpRule("CLAMP", "ggml.c:4136 ggml_clamp", 1, _unary_like(F32_F16, unit=True), params=2),
     OpRule("PAD", "ggml.c:5243 ggml_pad_ext", 1, _pad, params=9),
     OpRule("TIMESTEP_EMBEDDING", "ggml.c:5358 ggml_timestep_embedding", 1, _timestep_embedding, params=2),
-    OpRule("FILL", "ggml.c:5416 ggml_fill", 1, _fill, params=1),
+    OpRule("FILL", "ggml.c:5416 ggml_fill", 1, _unary_like(F32_F16, contiguous=True), params=1),
     OpRule("ARGSORT", "ggml.c:5432 ggml_argsort", 1, _argsort, params=1),
     OpRule("TOP_K", "ggml.c:5468 ggml_top_k", 1, _top_k),
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
-    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _leaky_relu, params=1),
-    OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext", 3, _flash_attn_ext, optional=2, params=4),
+    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16, unit=True), params=1),
+    OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
+           _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
+    OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
+           params=4, until=(7, 0, 0)),
     OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),

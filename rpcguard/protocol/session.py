@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.firewall import Firewall, FirewallPolicy
+from rpcguard.protocol.firewall import Firewall, FirewallPolicy, alloc_size_key, hash_miss_key
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
@@ -67,6 +67,13 @@ _GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
 _CMD = COMMAND_IDS
 # Commands whose request changes session state (compared per frame: plain ints, no lookups).
 _FREE_BUFFER, _GRAPH_COMPUTE, _SET_TENSOR = _CMD["FREE_BUFFER"], _CMD["GRAPH_COMPUTE"], _CMD["SET_TENSOR"]
+_ALLOC_BUFFER, _GET_DEVICE_MEMORY = _CMD["ALLOC_BUFFER"], _CMD["GET_DEVICE_MEMORY"]
+_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
+# Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
+# not make the proxy send 2^32 frames); beyond it a device has no default quota.
+MEMORY_PROBES_MAX = 16
+HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
+ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,9 @@ class SessionPolicy:
     max_graph_bytes: int = 64 << 20
     mode: str = "enforce"  # or "monitor": firewall violations are counted and forwarded
     firewall: FirewallPolicy = field(default_factory=FirewallPolicy)
-    clear_new_buffers: bool = False
+    # Tenant isolation: zero every new buffer (BUFFER_CLEAR injected after ALLOC_BUFFER) so that a
+    # session never reads what an earlier session left in freed device memory.
+    clear_new_buffers: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +147,7 @@ class Session:
             _CMD["GET_MAX_SIZE"]: self._on_max_size,
             _CMD["GET_DEVICE_MEMORY"]: self._on_memory,
             _CMD["SET_TENSOR_HASH"]: self._on_hash,
+            _CMD["GET_ALLOC_SIZE"]: self._on_alloc_size,
         }
 
     # ----------------------------------------------------------------------------- properties
@@ -224,32 +234,39 @@ class Session:
                 raise
             self.violations.append(Violation(refusal.reason, refusal.detail, rule.name))
         # Effects of the request on the session state.
+        ctx = None
         if cmd == _FREE_BUFFER:
             self.state.free_buffer(_U64.unpack_from(head)[0])
         elif cmd == _GRAPH_COMPUTE:
             self.state.graph_stored(_U32.unpack_from(head)[0] if spec.multi_device else 0)  # type: ignore[union-attr]
         elif cmd == _SET_TENSOR:
             self.stats.upload_bytes_set += body_len
+            if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
+                self.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
+        elif cmd == _ALLOC_BUFFER:
+            ctx = _DEV_U64.unpack_from(head) if spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
+            self.state.charge_alloc(*ctx)  # reserved until the answer says what was granted
         response = rule.response
         if response != NO_RESPONSE:
             if response == SIZED_BY_REQUEST:
                 size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
                 exp = _Expect(cmd, size, streamed=True, t_ns=self._now)
             else:
-                exp = _Expect(cmd, response, t_ns=self._now, ctx=self._context(cmd, head))
+                exp = _Expect(cmd, response, t_ns=self._now, ctx=ctx if ctx is not None else self._context(cmd, head))
             self._expect.append(exp)
         out.append(raw)
 
     def _context(self, cmd: int, head: memoryview) -> object:
         """What a response handler needs to remember from its request."""
-        if cmd == _CMD["ALLOC_BUFFER"]:
-            return _DEV_U64.unpack_from(head) if self.state.spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
         if cmd == _CMD["BUFFER_GET_BASE"]:
             return _U64.unpack_from(head)[0]
         if cmd in (_CMD["GET_ALIGNMENT"], _CMD["GET_MAX_SIZE"], _CMD["GET_DEVICE_MEMORY"]):
             return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
         if cmd == _CMD["SET_TENSOR_HASH"]:
             return bytes(head)
+        if cmd == _CMD["GET_ALLOC_SIZE"]:
+            at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
+            return bytes(head[: at + TENSOR_BYTES])
         return None
 
     def _on_hello_request(self, head: memoryview, raw: memoryview, out: list) -> None:
@@ -323,19 +340,33 @@ class Session:
         if spec.multi_device and self.state.upstream.device_count is None:
             # Learn the device count for the device-index checks without bothering the client.
             self._inject(_CMD["DEVICE_COUNT"], b"", 4)
+        else:
+            self._learn_memory()
         return raw
 
-    def _inject(self, cmd: int, payload: bytes, response: int) -> None:
+    def _inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
         self.stats.req_frames[cmd] += 1
         self.stats.req_bytes[cmd] += 9 + len(payload)
         self.to_server.append(encode.request(cmd, payload))
         if response != NO_RESPONSE:
-            self._expect.append(_Expect(cmd, response, swallow=True))
+            self._expect.append(_Expect(cmd, response, swallow=True, ctx=ctx))
+
+    def _learn_memory(self) -> None:
+        """Ask for the memory of devices whose total is unknown: it is the default allocation
+        quota (real clients ask for it on an earlier connection, so this rarely sends anything)."""
+        if self.firewall.policy.max_session_alloc_bytes or "buffer_bounds" in self.firewall.policy.disabled_checks:
+            return
+        multi = self.state.spec.multi_device  # type: ignore[union-attr]
+        memory = self.state.upstream.memory
+        for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
+            if device not in memory:
+                self._inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
 
     def _on_alloc(self, exp: _Expect, head: memoryview) -> None:
         handle, size = _U64x2.unpack_from(head)
+        device, asked = exp.ctx  # type: ignore[misc]
+        self.state.charge_alloc(device, (size if handle else 0) - asked)
         if handle:
-            device = exp.ctx[0]  # type: ignore[index]
             self.state.add_buffer(handle, device, size)
             self.stats.alloc_bytes += size
             if self.policy.clear_new_buffers:
@@ -344,12 +375,12 @@ class Session:
                 self._inject(_CMD["BUFFER_CLEAR"], struct.pack("<QB", handle, 0), rule.response)
 
     def _on_get_base(self, exp: _Expect, head: memoryview) -> None:
-        buf = self.state.buffers.get(exp.ctx)  # type: ignore[arg-type]
-        if buf is not None:
-            buf.base = _U64.unpack_from(head)[0]
+        self.state.set_base(exp.ctx, _U64.unpack_from(head)[0])  # type: ignore[arg-type]
 
     def _on_device_count(self, exp: _Expect, head: memoryview) -> None:
         self.state.upstream.device_count = _U32.unpack_from(head)[0]
+        if exp.swallow:
+            self._learn_memory()
 
     def _on_alignment(self, exp: _Expect, head: memoryview) -> None:
         self.state.upstream.alignment[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
@@ -358,10 +389,37 @@ class Session:
         self.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
 
     def _on_memory(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.memory[exp.ctx] = _U64x2.unpack_from(head)  # type: ignore[index]
+        device: int = exp.ctx  # type: ignore[assignment]
+        self.state.upstream.memory[device] = _U64x2.unpack_from(head)  # type: ignore[assignment]
+        # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
+        try:
+            self.firewall.check_quota(device)
+        except FirewallRefusal as refusal:
+            if self._enforce:
+                raise
+            self.violations.append(Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER"))
+
+    def _on_alloc_size(self, exp: _Expect, head: memoryview) -> None:
+        req: bytes = exp.ctx  # type: ignore[assignment]
+        at = len(req) - TENSOR_BYTES
+        device = _U32.unpack_from(req)[0] if at else 0
+        t = decode_tensor(req, at)
+        info = types_of(self.version).get(t.type)
+        size = _U64.unpack_from(head)[0]
+        if info is not None and size > nbytes(t, info):
+            sizes = self.state.upstream.alloc_sizes
+            if len(sizes) >= ALLOC_SIZES_MAX:
+                sizes.clear()
+            sizes[alloc_size_key(device, t)] = size
 
     def _on_hash(self, exp: _Expect, head: memoryview) -> None:
-        if head[0] == 1:
+        if head[0] == 0:
+            # A miss: the client may now send this tensor once with cache_flag=1.
+            misses = self.state.hash_misses
+            if len(misses) >= HASH_MISSES_MAX:
+                misses.clear()
+            misses.add(exp.ctx[: TENSOR_BYTES + 8])  # type: ignore[index]  # rpc_tensor + offset
+        elif head[0] == 1:
             # A hit: the server wrote the tensor from its cache instead of receiving it. The client
             # hashes whole tensors (offset 0, nbytes), so count what a SET_TENSOR would have sent.
             req: bytes = exp.ctx  # type: ignore[assignment]

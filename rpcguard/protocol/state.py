@@ -5,8 +5,14 @@ connections (HELLO + DEVICE_COUNT, HELLO + GET_DEVICE_MEMORY, ...) before the lo
 carries the model, so server-wide answers (version, device count, alignment, max size) are
 cached per upstream and reused by later sessions (spec §2.4, §6.1). ``SessionState`` dies
 with its connection: the buffer map learned from ALLOC_BUFFER / BUFFER_GET_BASE replies and
-emptied by FREE_BUFFER, and which devices hold a stored graph that GRAPH_RECOMPUTE may rerun.
-Both are plain data: the session fills them, the firewall reads them.
+emptied by FREE_BUFFER, the bytes allocated per device (the session's allocation quota), which
+SET_TENSOR_HASH requests missed (the only ones a SET_TENSOR may follow with cache_flag=1), and
+which devices hold a stored graph that GRAPH_RECOMPUTE may rerun. Both are plain data: the
+session fills them, the firewall reads them.
+
+The verdict caches (``head_cache``, ``tensor_cache``) hold verdicts that depend on the buffer map:
+every change to it (a buffer added, freed, or its base learned) goes through ``add_buffer``,
+``free_buffer`` or ``set_base``, which empty both caches.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ class UpstreamFacts:
     alignment: dict[int, int] = field(default_factory=dict)
     max_size: dict[int, int] = field(default_factory=dict)
     memory: dict[int, tuple[int, int]] = field(default_factory=dict)  # device -> (free, total)
+    # GET_ALLOC_SIZE answers larger than nbytes (backends that pad, e.g. CUDA's quantized rows),
+    # by (device, type, ne0..3, nb0..3, op): the server's INIT_TENSOR writes up to that size.
+    alloc_sizes: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def learn_version(self, version: Version) -> None:
         """A new version invalidates everything learned from the previous server."""
@@ -37,6 +46,7 @@ class UpstreamFacts:
             self.alignment.clear()
             self.max_size.clear()
             self.memory.clear()
+            self.alloc_sizes.clear()
 
 
 @dataclass(slots=True)
@@ -67,21 +77,53 @@ class SessionState:
     layout_cache: dict[int, set[bytes]] = field(default_factory=dict)
     node_cache: set[bytes] = field(default_factory=set)  # accepted node + source bytes (graph.py)
     unverified_uses: dict[str, int] = field(default_factory=dict)  # allowed ops without a rule, per use
-    head_cache: dict[bytes, int] = field(default_factory=dict)  # validated request heads -> body_len
+    # Validated request heads, keyed by (command id, head bytes, body_len): see Firewall.check_request.
+    head_cache: set[tuple[int, bytes, int]] = field(default_factory=set)
+    # ALLOC_BUFFER bytes charged per device: reserved when the request is forwarded, corrected by
+    # the answer (refunded when the server returns no buffer), released by FREE_BUFFER.
+    alloc_by_device: dict[int, int] = field(default_factory=dict)
+    # SET_TENSOR_HASH misses not yet followed by their SET_TENSOR: rpc_tensor bytes + u64 offset.
+    hash_misses: set[bytes] = field(default_factory=set)
 
     def device_count(self) -> int:
         """Devices the upstream exposes; 1 before multi-device versions or when unknown."""
         count = self.upstream.device_count
         return count if count is not None else 1
 
+    @property
+    def alloc_total(self) -> int:
+        """Bytes this session holds (or has asked for) on all devices."""
+        return sum(self.alloc_by_device.values())
+
+    def charge_alloc(self, device: int, size: int) -> None:
+        """Add ``size`` (negative: release) to the bytes charged to ``device``."""
+        self.alloc_by_device[device] = max(0, self.alloc_by_device.get(device, 0) + size)
+
     def add_buffer(self, handle: int, device: int, size: int) -> None:
+        old = self.buffers.get(handle)
+        if old is not None:  # a handle answered twice: the old buffer is gone on the server
+            self.charge_alloc(old.device, -old.size)
         self.buffers[handle] = Buffer(handle, device, size)
+        self._buffers_changed()
+
+    def set_base(self, handle: int, base: int) -> None:
+        """Record a buffer's base (BUFFER_GET_BASE reply); unknown handles are ignored."""
+        buf = self.buffers.get(handle)
+        if buf is not None and buf.base != base:
+            buf.base = base
+            self._buffers_changed()
 
     def free_buffer(self, handle: int) -> None:
         """Forget a buffer; stored graphs may point into it, so they are no longer rerunnable."""
-        self.buffers.pop(handle, None)
+        buf = self.buffers.pop(handle, None)
+        if buf is not None:
+            self.charge_alloc(buf.device, -buf.size)
         self.graph_devices.clear()
         self.freed_since_graph = True
+        self._buffers_changed()
+
+    def _buffers_changed(self) -> None:
+        # Cached verdicts were reached against the old buffer map.
         self.tensor_cache.clear()
         self.layout_cache.clear()
         self.node_cache.clear()

@@ -140,7 +140,7 @@ def check_tensor(t: RpcTensor, state: SessionState, checks: int = STRICT) -> int
     """Apply the per-tensor rules (spec §6.2 "every T") and return ``nbytes(t)``.
 
     Raises ``FirewallRefusal``. With ``CHECK_TENSOR`` off, a tensor whose type has no size
-    information counts as 0 bytes (nothing to range-check).
+    information counts as 0 bytes; its buffer and data are still checked (``CHECK_BUFFER``).
     """
     spec = state.spec
     _, type_, handle, ne0, ne1, ne2, ne3, nb0, nb1, nb2, nb3 = t[:11]
@@ -148,35 +148,36 @@ def check_tensor(t: RpcTensor, state: SessionState, checks: int = STRICT) -> int
     if info is None:
         if checks & CHECK_TENSOR:
             raise _refuse("tensor_type_invalid", t, f"type {type_} is not a valid ggml type here")
-        return 0
-    # nbytes(t, info), inlined: this is the hot path of GRAPH_COMPUTE validation.
-    blck = info.blck_size
-    if not (ne0 and ne1 and ne2 and ne3):
-        n = 0
-    elif blck == 1:
-        n = info.type_size + (ne0 - 1) * nb0 + (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
+        n = 0  # no size information: the buffer rules below still run
     else:
-        n = ne0 * nb0 // blck + (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
-    if checks & CHECK_TENSOR:
-        if ne0 % blck:
-            raise _refuse("tensor_shape_invalid", t, f"ne[0]={ne0} not a multiple of block size {blck} ({info.name})")
-        # ggml_new_tensor_impl: GGML_ASSERT(INT64_MAX / ne[i] > current) for each ne[i] > 1 (a 0 in
-        # ne[1..3] is skipped, so an empty tensor can still abort the server). Any such product up
-        # to 2^62 passes (each ne < 2^32), so the exact replay runs only above that.
-        if ne0 * (ne1 or 1) * (ne2 or 1) * (ne3 or 1) > 1 << 62:
-            cur = ne0
-            for ne in (ne1, ne2, ne3):
-                if ne > 1:
-                    if INT64_MAX // ne <= cur:
-                        raise _refuse("tensor_shape_invalid", t, "element count does not fit in int64")
-                    cur *= ne
-        if n >= NBYTES_LIMIT:
-            raise _refuse("tensor_nbytes_overflow", t, f"nbytes {n} >= 2^63")
-        flags = t.flags
-        if flags & ~FLAGS_MASK:
-            raise _refuse("tensor_flags_invalid", t, f"flags {flags:#x} has bits above {FLAGS_MASK:#x}")
-        if b"\0" not in t.name:
-            raise _refuse("tensor_name_unterminated", t, "no NUL in the 64 name bytes")
+        # nbytes(t, info), inlined: this is the hot path of GRAPH_COMPUTE validation.
+        blck = info.blck_size
+        if not (ne0 and ne1 and ne2 and ne3):
+            n = 0
+        elif blck == 1:
+            n = info.type_size + (ne0 - 1) * nb0 + (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
+        else:
+            n = ne0 * nb0 // blck + (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
+        if checks & CHECK_TENSOR:
+            if ne0 % blck:
+                raise _refuse("tensor_shape_invalid", t, f"ne[0]={ne0} not a multiple of block size {blck} ({info.name})")
+            # ggml_new_tensor_impl: GGML_ASSERT(INT64_MAX / ne[i] > current) for each ne[i] > 1 (a 0 in
+            # ne[1..3] is skipped, so an empty tensor can still abort the server). Any such product up
+            # to 2^62 passes (each ne < 2^32), so the exact replay runs only above that.
+            if ne0 * (ne1 or 1) * (ne2 or 1) * (ne3 or 1) > 1 << 62:
+                cur = ne0
+                for ne in (ne1, ne2, ne3):
+                    if ne > 1:
+                        if INT64_MAX // ne <= cur:
+                            raise _refuse("tensor_shape_invalid", t, "element count does not fit in int64")
+                        cur *= ne
+            if n >= NBYTES_LIMIT:
+                raise _refuse("tensor_nbytes_overflow", t, f"nbytes {n} >= 2^63")
+            flags = t.flags
+            if flags & ~FLAGS_MASK:
+                raise _refuse("tensor_flags_invalid", t, f"flags {flags:#x} has bits above {FLAGS_MASK:#x}")
+            if b"\0" not in t.name:
+                raise _refuse("tensor_name_unterminated", t, "no NUL in the 64 name bytes")
     if checks & CHECK_BUFFER:
         if handle == 0:
             if t.data != 0:

@@ -88,6 +88,7 @@ REFUSAL_CODES: Mapping[str, int] = {
     "too_many_sessions": 7,
     "shutdown": 8,
     "tls_failed": 9,
+    "certificate_usage_invalid": 10,
 }
 REFUSAL_REASONS: Mapping[int, str] = {v: k for k, v in REFUSAL_CODES.items()}
 

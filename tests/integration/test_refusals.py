@@ -203,3 +203,66 @@ def test_connect_node_unreachable(pki, models, workdir):
         assert connect.value("rpcguard_refusals_total", reason="node_unreachable") >= 1
     finally:
         connect.stop()
+
+
+def issue_without_eku(pki, name: str, *, server: bool) -> tuple[str, str]:
+    """A leaf signed by the pki's CA like certs.issue, but with no extended key usage at all:
+    OpenSSL accepts it for any purpose, rpcguard must not."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert = certs.load_cert(pki.dir / "ca.pem")
+    ca_key = serialization.load_pem_private_key((pki.dir / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+         .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
+    if server:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(pki.node), x509.IPAddress(
+            __import__("ipaddress").ip_address("127.0.0.1"))]), critical=False)
+    cert = b.sign(ca_key, hashes.SHA256())
+    cert_path, key_path = pki.dir / f"{name}.pem", pki.dir / f"{name}.key"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(cert_path), str(key_path)
+
+
+def test_client_certificate_without_client_auth_is_refused(pki, pair, models, workdir):
+    """Issued by the right CA, on the allow-list (--allow-all), but not a client certificate."""
+    cert, key = issue_without_eku(pki, "no-eku-client", server=False)
+    _, serve = pair()
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args(cert=cert, key=key)])
+    try:
+        mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "certificate_usage_invalid")
+        assert serve.value("rpcguard_refusals_total", reason="certificate_usage_invalid") >= 1
+        assert "certificate_usage_invalid" in serve.output() and "without clientAuth" in serve.output()
+        # a node's server certificate (EKU serverAuth only) is not a client certificate either:
+        # OpenSSL already fails that handshake (the EKU extension is there and lacks clientAuth)
+        node_cert, node_key = pki.path(pki.node), pki.path(pki.node, "key")
+        assert raw_tls(pki, serve.port, encode.hello_request(), cert=node_cert, key=node_key) == b""
+        assert serve.value("rpcguard_tls_handshake_failures_total", reason="tls_bad_certificate") >= 1
+    finally:
+        connect.stop()
+
+
+def test_node_certificate_without_server_auth_is_refused_by_connect(pki, rpc_server, models, workdir):
+    cert, key = issue_without_eku(pki, "no-eku-node", server=True)
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", "--cert", cert, "--key", key,
+                                           "--ca", pki.path("ca")])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
+    try:
+        mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "certificate_usage_invalid")
+        assert connect.value("rpcguard_refusals_total", reason="certificate_usage_invalid") >= 1
+        assert "without serverAuth" in connect.output()
+    finally:
+        connect.stop()
+        serve.stop()

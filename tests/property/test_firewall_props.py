@@ -101,7 +101,8 @@ def tensor_frames(draw, state: SessionState, command: str) -> tuple[str, bytes, 
     if command == "SET_TENSOR":
         offset = draw(st.integers(0, n))
         k = draw(st.integers(0, n - offset))
-        flag = bytes([draw(st.integers(0, 1))]) if state.spec.version >= (7, 0, 0) else b""  # type: ignore[union-attr]
+        # cache_flag=1 needs a SET_TENSOR_HASH miss first (session state): not a stand-alone valid frame.
+        flag = b"\x00" if state.spec.version >= (7, 0, 0) else b""  # type: ignore[union-attr]
         return command, packed + flag + struct.pack("<Q", offset), k, t
     if command == "SET_TENSOR_HASH":
         return command, packed + struct.pack("<QQ", draw(st.integers(0, n)), draw(st.integers(0, U64))), 0, t

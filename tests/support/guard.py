@@ -90,6 +90,12 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
     """Start ``rpcguard ROLE ARGS --listen 127.0.0.1:PORT --metrics 127.0.0.1:MPORT`` and wait for it."""
     port = port or free_port()
     mport = free_port()
+    if role == "serve" and not any(a.startswith("--allow-") for a in args):
+        # serve refuses an empty allow-list; these fixtures admit any certificate of their CA
+        # unless a config file given with --config has its own allow-list.
+        cfg = args[args.index("--config") + 1] if "--config" in args else None
+        if cfg is None or "allow:" not in Path(cfg).read_text():
+            args = [*args, "--allow-all"]
     cmd = [PYTHON, "-m", "rpcguard", role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}",
            *args]
     if role == "connect" and "--no-check" not in args:

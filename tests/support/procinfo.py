@@ -241,7 +241,8 @@ def pair_configs(pki, serve_ports: list[int], connect_ports: list[int], upstream
     def tls(name: str) -> str:
         return f"tls:\n  cert: {pki.path(name)}\n  key: {pki.path(name, 'key')}\n  ca: {pki.path('ca')}\n"
 
-    serve = tls(pki.node) + extra + "listeners:\n" + "".join(
+    allow = "" if "allow:" in extra else "allow:\n  all: true\n"  # serve refuses an empty allow-list
+    serve = tls(pki.node) + extra + allow + "listeners:\n" + "".join(
         f"  - name: gpu{i}\n    listen: 127.0.0.1:{sp}\n    upstream: 127.0.0.1:{up}\n"
         for i, (sp, up) in enumerate(zip(serve_ports, upstream_ports)))
     connect = tls(pki.client) + extra + "tunnels:\n" + "".join(

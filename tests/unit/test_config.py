@@ -31,7 +31,7 @@ def base(tmp_path: Path) -> Path:
 
 
 def serve_data() -> dict:
-    return {"tls": {"cert": "cert.pem", "key": "key.pem", "ca": "ca.pem"},
+    return {"tls": {"cert": "cert.pem", "key": "key.pem", "ca": "ca.pem"}, "allow": {"cn": ["llama1"]},
             "listeners": [{"name": "gpu0", "listen": "0.0.0.0:50100", "upstream": "127.0.0.1:50052"},
                           {"name": "gpu1", "listen": "0.0.0.0:50101", "upstream": "127.0.0.1:50053"}]}
 
@@ -135,7 +135,8 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
      "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, allow_unverified_ops, checks, "
-     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_cpu_ms, max_graph_nodes, max_graph_tensors, max_request_bytes, mode)"),
+     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_cpu_ms, max_graph_nodes, max_graph_tensors, "
+     "max_request_bytes, max_session_alloc_bytes, mode)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
@@ -168,7 +169,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("acl-uri", serve_data, top("allow", uri=["notauri"]), "allow.uri[0]: must be a URI like 'spiffe://domain/workload', got 'notauri'"),
     ("acl-ip", serve_data, top("allow", ip=["10.0.0.1/8"]), "allow.ip[0]: must be an IP address or network, got '10.0.0.1/8'"),
     ("acl-cn-str", serve_data, top("allow", cn="client1"), "allow.cn: must be a list, got 'client1'"),
-    ("acl-unknown", serve_data, L(0, allow={"san": []}), "listeners[0].allow.san: unknown key (expected one of: cn, dns, ip, uri)"),
+    ("acl-unknown", serve_data, L(0, allow={"san": []}), "listeners[0].allow.san: unknown key (expected one of: all, cn, dns, ip, uri)"),
     ("acl-ip-int", serve_data, top("allow", ip=[5]), "allow.ip[0]: must be an IP address or network, got 5"),
     ("key-int", serve_data, lambda d: d.setdefault("log", {}).update({1: "x"}),
      "log.1: unknown key (expected one of: format, level)"),
@@ -197,7 +198,7 @@ def test_bad_role_and_top_level(base: Path) -> None:
     assert error_of(parse_config, serve_data(), "proxy") == "role: must be serve or connect, got 'proxy'"
     assert error_of(parse_config, [1], source="x.yaml") == "x.yaml: top level must be a mapping, got a list"
     assert error_of(parse_config, serve_data(), "connect", base_dir=str(base)) == \
-        "listeners: only valid for rpcguard serve (this is a connect config)"
+        "allow: only valid for rpcguard serve (this is a connect config)"
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
@@ -252,7 +253,7 @@ def test_load_resolves_relative_to_file(base: Path, tmp_path: Path, monkeypatch)
 
 def test_yaml_merge_keys_are_not_duplicates(base: Path) -> None:
     f = base / "m.yaml"
-    f.write_text(f"tls: {{cert: cert.pem, key: key.pem, ca: ca.pem}}\n"
+    f.write_text(f"tls: {{cert: cert.pem, key: key.pem, ca: ca.pem}}\nallow: {{all: true}}\n"
                  "policy: &p {mode: monitor, max_graph_nodes: 5}\n"
                  "listeners:\n  - {listen: '127.0.0.1:1', upstream: '127.0.0.1:2', policy: {<<: *p, mode: enforce}}\n")
     policy = load_config(str(f)).listeners[0].policy
@@ -270,10 +271,11 @@ def test_serve_defaults(base: Path) -> None:
     assert (cfg.log, cfg.limits) == (LogConfig(), LimitsConfig())
     gpu0, gpu1 = cfg.listeners
     assert (gpu0.name, gpu0.listen, gpu0.upstream) == ("gpu0", Address("0.0.0.0", 50100), Address("127.0.0.1", 50052))
-    assert gpu1.upstream.port == 50053 and gpu1.allow == AclConfig() and gpu1.policy == PolicyConfig()
+    assert gpu1.upstream.port == 50053 and gpu1.allow == AclConfig(cn=("llama1",)) and gpu1.policy == PolicyConfig()
     p = PolicyConfig()
     assert (p.max_request_bytes, p.max_graph_bytes, p.max_graph_nodes, p.max_graph_tensors) == (4 * GIB, 64 * MIB, 262144, 1048576)
-    assert (p.mode, p.max_alloc_bytes, p.clear_new_buffers, p.disabled_checks) == ("enforce", 0, False, ())
+    assert (p.mode, p.max_alloc_bytes, p.clear_new_buffers, p.disabled_checks) == ("enforce", 0, True, ())
+    assert p.max_session_alloc_bytes == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.role = "connect"  # type: ignore[misc]
 
@@ -289,6 +291,10 @@ def test_connect_defaults(base: Path) -> None:
     t0, t1 = parse_config(d, "connect", base_dir=str(base)).tunnels
     assert (t0.name, t0.server_name, str(t0.server)) == ("n1", "fd00::1", "[fd00::1]:50100")
     assert (t1.server_name, t1.unsafe_listen) == ("gpu.example", True)
+    # connect leaves clearing new buffers to serve (one clear per buffer), unless told otherwise
+    assert not t0.policy.clear_new_buffers and parse_config(serve_data(), base_dir=str(base)).listeners[0].policy.clear_new_buffers
+    d["policy"] = {"clear_new_buffers": True}
+    assert parse_config(d, "connect", base_dir=str(base)).tunnels[0].policy.clear_new_buffers
 
 
 def test_policy_merge_and_acl_inheritance(base: Path) -> None:
@@ -309,23 +315,50 @@ def test_policy_merge_and_acl_inheritance(base: Path) -> None:
     assert gpu1.allow == AclConfig(dns=("client.example",))
 
 
-def test_acl_wildcards_and_empty_acl_warning(base: Path, caplog) -> None:
+def test_acl_wildcards_and_allow_all_warning(base: Path, caplog) -> None:
     d = serve_data()
     d["listeners"][0]["allow"] = {"dns": ["*.lab.example"], "uri": ["spiffe://lab/llama/*"]}
+    d["listeners"][1]["allow"] = {"all": True}
     with caplog.at_level("WARNING", logger="rpcguard.config"):
         gpu0, gpu1 = parse_config(d, base_dir=str(base)).listeners
-    assert gpu0.allow == AclConfig(dns=("*.lab.example",), uri=("spiffe://lab/llama/*",)) and gpu1.allow == AclConfig()
+    assert gpu0.allow == AclConfig(dns=("*.lab.example",), uri=("spiffe://lab/llama/*",))
+    assert gpu1.allow == AclConfig(all=True)
     assert [r.getMessage() for r in caplog.records] == [
-        "listeners[1] (gpu1): no allow-list, any certificate signed by tls.ca is admitted"]
+        "listeners[1] (gpu1): allow.all, any certificate signed by tls.ca is admitted"]
+
+
+EMPTY_ACL = ("empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), or all: true (--allow-all) "
+             "to admit any certificate signed by tls.ca")
+
+
+def test_empty_allow_list_refuses_to_start(base: Path, monkeypatch) -> None:
+    d = serve_data()
+    del d["allow"]
+    assert error_of(parse_config, d, base_dir=str(base)) == f"allow: {EMPTY_ACL}"
+    d = serve_data()
+    d["listeners"][1]["allow"] = {"cn": []}
+    assert error_of(parse_config, d, base_dir=str(base)) == f"listeners[1].allow: {EMPTY_ACL}"
+    d["listeners"][1]["allow"] = {"cn": ["a"], "all": True}
+    assert error_of(parse_config, d, base_dir=str(base)) == \
+        "listeners[1].allow.all: all: true admits any certificate; remove it or the entries"
+    monkeypatch.chdir(base)
+    flags = {**FLAG_TLS, "listen": "0.0.0.0:1", "upstream": "127.0.0.1:1"}
+    assert error_of(build_config, "serve", overrides=flags) == f"allow: {EMPTY_ACL}"
+    (li,) = build_config("serve", overrides={**flags, "allow_all": True}).listeners
+    assert li.allow == AclConfig(all=True)
+    assert error_of(build_config, "serve", overrides={**flags, "allow_all": True, "allow_cn": ["x"]}) == \
+        "listeners[0].allow.all: all: true admits any certificate; remove it or the entries"
 
 
 def test_null_values_take_defaults(base: Path) -> None:
     d = serve_data()
     d["allow"] = {"cn": ["only-me"]}
     d["listeners"][0]["allow"] = None  # e.g. every entry commented out: inherit, never "allow any"
-    d["listeners"][1]["allow"] = {}  # explicit empty mapping: any cert from the CA
+    d["listeners"][1]["allow"] = {"all": True}
     gpu0, gpu1 = parse_config(d, base_dir=str(base)).listeners
-    assert (gpu0.allow, gpu1.allow) == (AclConfig(cn=("only-me",)), AclConfig())
+    assert (gpu0.allow, gpu1.allow) == (AclConfig(cn=("only-me",)), AclConfig(all=True))
+    d["listeners"][1]["allow"] = {}  # explicit empty mapping: refused, never "allow any"
+    assert error_of(parse_config, d, base_dir=str(base)) == f"listeners[1].allow: {EMPTY_ACL}"
     d = serve_data()
     d.update(policy={"mode": None}, limits=None, log={"level": None})
     d["listeners"][0]["policy"] = {"max_graph_nodes": None}
@@ -457,7 +490,8 @@ def test_fuzz_only_config_errors(certs_dir: Path, spots, role) -> None:
 def test_summary(base: Path) -> None:
     d = serve_data()
     d["listeners"][0]["allow"] = {"cn": ["client1"]}
-    d["listeners"][1].update(upstream="10.0.0.2:1", unsafe_upstream=True, policy={"checks": {"op_params": False}})
+    d["listeners"][1].update(upstream="10.0.0.2:1", unsafe_upstream=True, policy={"checks": {"op_params": False}},
+                             allow={"all": True})
     assert config_summary(parse_config(d, base_dir=str(base))) == [
         "serve gpu0 0.0.0.0:50100 -> 127.0.0.1:50052 mode=enforce acl=CN:client1",
         "serve gpu1 0.0.0.0:50101 -> 10.0.0.2:1 mode=enforce acl=any-cert-from-ca checks_off=op_params unsafe_upstream",
@@ -533,7 +567,8 @@ def test_flags_over_file(base: Path, tmp_path: Path, monkeypatch) -> None:
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "metrics": "0.0.0.0:9450"},
      "--metrics: 0.0.0.0:9450 is not loopback; set metrics.web_config (TLS + client certificates or basic auth), "
      "or pass --metrics-unsafe-public to serve metrics beyond this host unprotected"),
-    ("serve", {"listen": "127.0.0.1:9450", "upstream": "127.0.0.1:1"}, "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
+    ("serve", {"listen": "127.0.0.1:9450", "upstream": "127.0.0.1:1", "allow_all": True},
+     "metrics.listen: 127.0.0.1:9450 already used by listeners[0]"),
     ("serve", {"listen": "1.2.3.4:1", "upstream": "127.0.0.1:1", "tls_min_version": "1.0"},
      "--tls-min-version: must be one of 1.3, 1.2, got '1.0'"),
     ("serve", {"server": "n:1"}, "--server: only valid for rpcguard connect"),
@@ -557,7 +592,7 @@ def test_flag_file_errors(base: Path, monkeypatch) -> None:
     assert error_of(build_config, "serve", file=two, overrides={"listen": "0.0.0.0:1", "upstream": "127.0.0.1:1"}) == \
         "--listen: the config file defines 2 listeners; this flag can only configure a single listener"
     assert error_of(build_config, "proxy", overrides={}) == "role: must be serve or connect, got 'proxy'"
-    assert error_of(build_config, "connect", file=two) == "listeners: only valid for rpcguard serve (this is a connect config)"
+    assert error_of(build_config, "connect", file=two) == "allow: only valid for rpcguard serve (this is a connect config)"
     (base / "list.yaml").write_text("- 1\n")
     assert error_of(build_config, "serve", file=str(base / "list.yaml")) == f"{base}/list.yaml: top level must be a mapping, got a list"
 
@@ -580,14 +615,14 @@ def test_serve_example(examples: Path) -> None:
     assert cfg.role == "serve" and cfg.tls.cert == str(examples.parent / "certs" / "node1.pem")
     assert [(x.name, str(x.upstream)) for x in cfg.listeners] == [("gpu0", "127.0.0.1:50052"), ("gpu1", "127.0.0.1:50053")]
     assert cfg.listeners[0].allow.uri and cfg.listeners[0].allow.cn and cfg.listeners[1].allow.uri
-    assert cfg.listeners[0].policy == PolicyConfig() and cfg.listeners[1].policy == PolicyConfig(clear_new_buffers=True)
+    assert cfg.listeners[0].policy == PolicyConfig() and cfg.listeners[1].policy == PolicyConfig(max_session_alloc_bytes=8 << 30)
     assert (cfg.limits, cfg.log, cfg.tls.min_version, cfg.tls.reload_interval_s) == (LimitsConfig(), LogConfig(), "1.3", 0)
 
 
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
     assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
-    assert all(t.policy == PolicyConfig() for t in cfg.tunnels) and cfg.limits == LimitsConfig()
+    assert all(t.policy == PolicyConfig(clear_new_buffers=False) for t in cfg.tunnels) and cfg.limits == LimitsConfig()
     assert len(config_summary(cfg)) == 2
 
 

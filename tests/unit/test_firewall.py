@@ -144,7 +144,9 @@ def test_set_tensor_spec_vector_5_1():
 def test_set_tensor_spec_vector_7_0_with_cache_flag():
     head = SET_TENSOR_51[:296] + b"\x00" + SET_TENSOR_51[296:304]
     check("SET_TENSOR", head, 16)
-    check("SET_TENSOR", SET_TENSOR_51[:296] + b"\x01" + SET_TENSOR_51[296:304], 16)
+    # cache_flag=1: only after a SET_TENSOR_HASH miss and above 10 MiB (tests/unit/test_session.py)
+    assert reason("SET_TENSOR", SET_TENSOR_51[:296] + b"\x01" + SET_TENSOR_51[296:304], 16) == (
+        "set_tensor_cache_flag_invalid")
     assert reason("SET_TENSOR", SET_TENSOR_51[:296] + b"\x02" + SET_TENSOR_51[296:304], 16) == "set_tensor_flag_invalid"
 
 
@@ -377,3 +379,68 @@ def test_accepted_heads_are_cached_until_a_buffer_is_freed():
     st.free_buffer(HANDLE)
     assert not st.head_cache
     assert reason("SET_TENSOR", set_head(8), 8, st=st) == "buffer_unknown"
+
+
+# -- verdict caches: keyed by everything the verdict depends on -------------------------------
+
+
+def test_head_cache_verdict_of_one_command_does_not_stand_in_for_another():
+    # SET_TENSOR_HASH (T, offset, hash) and GET_TENSOR (T, offset, size) heads have the same size.
+    # The hash is not a size, so a SET_TENSOR_HASH head passes whatever its last 8 bytes; the same
+    # bytes as a GET_TENSOR ask for a read past the tensor and the buffer (CVE-2024-42478).
+    st = state()
+    fw = Firewall(st, FirewallPolicy())
+    head = memoryview(T(ne=(4, 1, 1, 1)) + struct.pack("<QQ", 0, SIZE * 4))
+    rules = {n: st.spec.commands[COMMAND_NAMES.index(n)] for n in ("SET_TENSOR_HASH", "GET_TENSOR")}
+    fw.check_request(rules["SET_TENSOR_HASH"], head, 0)
+    with pytest.raises(FirewallRefusal) as exc:
+        fw.check_request(rules["GET_TENSOR"], head, 0)
+    assert exc.value.reason == "range_out_of_buffer"
+
+
+@pytest.mark.parametrize("change", ["alloc_same_handle", "base_moved", "free"])
+def test_head_cache_is_emptied_by_every_change_of_the_buffer_map(change):
+    st = state()
+    fw = Firewall(st, FirewallPolicy())
+    rule = st.spec.commands[COMMAND_NAMES.index("GET_TENSOR")]
+    head = memoryview(T(ne=(1024, 1, 1, 1), data=BASE + SIZE - 4096) + struct.pack("<QQ", 0, 4096))
+    fw.check_request(rule, head, 0)
+    if change == "alloc_same_handle":  # the server answered a handle again, for a smaller buffer
+        st.add_buffer(HANDLE, 0, SIZE // 2)
+        st.set_base(HANDLE, BASE)
+    elif change == "base_moved":
+        st.set_base(HANDLE, BASE - 4096)
+    else:
+        st.free_buffer(HANDLE)
+    assert not st.head_cache
+    with pytest.raises(FirewallRefusal) as exc:
+        fw.check_request(rule, head, 0)
+    assert exc.value.reason in ("tensor_out_of_buffer", "buffer_unknown")
+
+
+def test_set_tensor_with_cache_flag_is_never_answered_from_the_cache():
+    st = state()
+    fw = Firewall(st, FirewallPolicy())
+    rule = st.spec.commands[COMMAND_NAMES.index("SET_TENSOR")]
+    big = (10 << 20) + 4
+    st.add_buffer(HANDLE, 0, 1 << 26)
+    st.set_base(HANDLE, BASE)
+    head = memoryview(T(ne=(big // 4, 1, 1, 1)) + b"\x01" + struct.pack("<Q", 0))
+    from rpcguard.protocol.firewall import hash_miss_key
+
+    st.hash_misses.add(hash_miss_key(head))
+    fw.check_request(rule, head, big)
+    st.hash_misses.clear()  # the session consumes the miss when it forwards the SET_TENSOR
+    with pytest.raises(FirewallRefusal) as exc:
+        fw.check_request(rule, head, big)
+    assert exc.value.reason == "set_tensor_cache_flag_invalid"
+
+
+@pytest.mark.parametrize("name,tail", [("INIT_TENSOR", b""), ("GET_TENSOR", struct.pack("<QQ", 0, 4)),
+                                       ("SET_TENSOR", b"\0" + struct.pack("<Q", 0))])
+def test_tensor_group_off_unknown_type_still_gets_the_buffer_rules(name, tail):
+    # Found by tests/property/test_checks_off_props.py: with `tensor` off a type without size
+    # information skipped the buffer lookup and the range check raised KeyError.
+    head = T(type=1 << 24, buffer=0x0100000000000000, data=BASE) + tail
+    assert reason(name, head, 4 if name == "SET_TENSOR" else 0, disabled_checks=frozenset({"tensor"})) == (
+        "buffer_unknown")

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import serialization
 
 from rpcguard import certs
 from rpcguard.errors import PolicyRefusal
-from rpcguard.identity import Acl, PeerIdentity
+from rpcguard.identity import CLIENT_AUTH, SERVER_AUTH, Acl, PeerIdentity, check_usage
 
 
 def der_of(path) -> bytes:
@@ -133,11 +133,12 @@ def test_ipv4_mapped_acl_entry():
     assert not acl.allows(ident(ips=["11.1.1.1"]))
 
 
-def test_empty_acl_allows_any_certificate_from_the_ca():
+def test_empty_acl_admits_nobody_unless_allow_any():
     assert Acl().is_empty
-    Acl().authorize(ident())
+    with pytest.raises(PolicyRefusal):
+        Acl().authorize(ident(cn="whoever"))
     Acl(allow_any=True).authorize(ident(cn="whoever"))
-    assert "no allow-list" in Acl().describe()
+    assert "empty allow-list" in Acl().describe()
     assert "allow_any" in Acl(allow_any=True).describe()
 
 
@@ -180,3 +181,66 @@ def test_acl_describe():
         "CN=[client1] DNS=[gpu1.lab.example,*.pool.example] URI=[spiffe://lab/llama,spiffe://lab/workers/*]"
         " IP=[10.0.0.0/8,192.168.1.5/32,fd00::/8]"
     )
+
+
+# -- smuggled names ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uri", [
+    "spiffe://lab/llama/%2e%2e/admin", "spiffe://lab/llama/%2E%2E/admin", "spiffe://lab/llama/.%2e/admin",
+    "spiffe://lab/llama/%2e./admin", "spiffe://lab/llama/%2e", "spiffe://lab/llama/a/%2E%2e",
+    "spiffe://lab/llama/a%2fb", "spiffe://lab/llama/..", "spiffe://lab/llama/./a", "spiffe://lab/llama//a",
+    "spiffe://lab/llama/a/", "spiffe://lab/llama/a?b", "spiffe://lab/llama/a#b", "spiffe://lab/llama/a\\..",
+    "spiffe://lab/llama/\u0430", "spiffe://lab/llama/",
+])
+def test_uri_wildcard_matches_only_plain_segments(uri):
+    acl = Acl(uris=("spiffe://lab/llama/*",))
+    assert not acl.allows(ident(uris=[uri]))
+
+
+@pytest.mark.parametrize("uri", ["spiffe://lab/llama/a", "spiffe://lab/llama/gpu-1/x_2.b", "spiffe://lab/llama/..a"])
+def test_uri_wildcard_still_matches_real_ids(uri):
+    assert Acl(uris=("spiffe://lab/llama/*",)).allows(ident(uris=[uri]))
+
+
+@pytest.mark.parametrize("presented", ["*.lab", "*.pool.example", "*", "a*.pool.example"])
+def test_wildcard_dns_san_never_satisfies_an_entry(presented):
+    acl = Acl(dns=("*.lab", "x.lab", "*.pool.example"))
+    assert not acl.allows(ident(dns=[presented]))
+    assert acl.allows(ident(dns=["x.lab"])) and acl.allows(ident(dns=["a.pool.example"]))
+
+
+# -- certificate usage (EKU) --------------------------------------------------------------------
+
+
+def with_eku(ekus) -> PeerIdentity:
+    return PeerIdentity("c", (), (), (), serial=1, not_after=0.0, fingerprint_sha256="", ekus=ekus)
+
+
+@pytest.mark.parametrize("role,ekus,ok", [
+    ("client", (CLIENT_AUTH,), True),
+    ("client", (SERVER_AUTH, CLIENT_AUTH), True),
+    ("client", (SERVER_AUTH,), False),
+    ("client", None, False),  # no EKU extension: OpenSSL lets it through, we do not
+    ("client", ("2.5.29.37.0",), False),  # anyExtendedKeyUsage alone
+    ("server", (SERVER_AUTH,), True),
+    ("server", (CLIENT_AUTH,), False),
+    ("server", None, False),
+])
+def test_check_usage(role, ekus, ok):
+    if ok:
+        check_usage(with_eku(ekus), role)
+    else:
+        with pytest.raises(PolicyRefusal) as e:
+            check_usage(with_eku(ekus), role)
+        assert e.value.reason == "certificate_usage_invalid"
+
+
+def test_from_der_reads_the_eku(tmp_path):
+    certs.init_ca(tmp_path)
+    client = PeerIdentity.from_der(der_of(certs.issue(tmp_path, "c", server=False).cert))
+    server = PeerIdentity.from_der(der_of(certs.issue(tmp_path, "s", server=True, dns=["s"]).cert))
+    check_usage(client, "client")
+    check_usage(server, "server")
+    with pytest.raises(PolicyRefusal):
+        check_usage(server, "client")

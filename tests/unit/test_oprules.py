@@ -260,3 +260,18 @@ def test_docs_show_the_table():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- op-table:begin")) + 1
     assert doc[begin : doc.index("<!-- op-table:end -->")] == table_markdown()
+
+
+@pytest.mark.parametrize("params,ok", [
+    ((10, 0, 0, 0), True),  # ggml_mul_mat_set_prec / ggml_prec_set_acc(GGML_PREC_F32): llama.cpp's attention
+    ((0, 0, 0, 30), True),  # ggml_prec_set_src(GGML_PREC_Q8, 1) (7.0.0)
+    ((1, 0, 0, 0), False),  # not an enum ggml_prec value
+    ((0, 1, 0, 0), False),  # Hadamard hint: fwht would write ne10 floats into ne01-float rows
+    ((0, 0, 5, 0), False),  # a slot no modifier sets
+])
+def test_mul_mat_op_params(params, ok):
+    tensors, d = mul_mat(d_op_params=params)
+    if ok:
+        run(tensors, d)
+    else:
+        assert reason(tensors, d) in ("graph_op_params_invalid", "graph_shape_invalid")

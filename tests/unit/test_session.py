@@ -25,8 +25,14 @@ def feed(fn, data: bytes, how: str) -> None:
             fn(memoryview(bytearray(c)))
 
 
-def active(version=(7, 0, 0), devices=1, policy=None) -> Session:
-    s = Session(policy, UpstreamFacts(device_count=devices, version=version))
+GIB = 1 << 30
+CLEAR_REQ = encode.request("BUFFER_CLEAR", struct.pack("<QB", V.HANDLE, 0))
+
+
+def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * GIB) -> Session:
+    """A session after HELLO whose upstream facts are known (memory None: device memory unknown)."""
+    known = {} if memory is None else {d: (memory, memory) for d in range(devices)}
+    s = Session(policy, UpstreamFacts(device_count=devices, version=version, memory=known))
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
     out(s.to_server), out(s.to_client)
@@ -128,7 +134,7 @@ def test_alloc_and_base_are_learned(how):
     buf = s.state.buffers[V.HANDLE]
     assert (buf.size, buf.base, buf.device) == (1 << 20, V.BASE, 0)
     assert s.stats.alloc_bytes == 1 << 20
-    assert out(s.to_server) == V.ALLOC_REQ_1MIB + V.GET_BASE_REQ
+    assert out(s.to_server) == V.ALLOC_REQ_1MIB + CLEAR_REQ + V.GET_BASE_REQ  # clear_new_buffers by default
     assert out(s.to_client) == V.ALLOC_RSP + V.GET_BASE_RSP
     s.client_data(memoryview(V.FREE_REQ))
     assert V.HANDLE not in s.state.buffers and s.idle  # 7.0.0: FREE_BUFFER has no response
@@ -185,8 +191,14 @@ def test_device_count_is_learned_by_injection_when_unknown():
     s.server_data(memoryview(V.HELLO_RSP_700))
     assert out(s.to_server) == V.DEVICE_COUNT_REQ  # injected
     s.server_data(memoryview(V.DEVICE_COUNT_RSP_2))
-    assert out(s.to_client) == V.HELLO_RSP_700  # the injected answer is swallowed
-    assert s.state.upstream.device_count == 2 and s.idle
+    assert s.state.upstream.device_count == 2
+    # Then the memory of each device: the default allocation quota.
+    assert out(s.to_server) == encode.request("GET_DEVICE_MEMORY", struct.pack("<I", 0)) + encode.request(
+        "GET_DEVICE_MEMORY", struct.pack("<I", 1))
+    s.server_data(memoryview(encode.response(struct.pack("<QQ", 5, 6))))
+    s.server_data(memoryview(encode.response(struct.pack("<QQ", 7, 8))))
+    assert out(s.to_client) == V.HELLO_RSP_700  # the injected answers are swallowed
+    assert s.state.upstream.memory == {0: (5, 6), 1: (7, 8)} and s.idle
 
 
 def test_get_tensor_response_is_streamed():
@@ -235,3 +247,162 @@ def test_clear_new_buffers_injects_a_clear_before_the_client_can_read(version, c
         s.server_data(memoryview(encode.response(clear_response)))
     s.server_data(memoryview(V.GET_BASE_RSP))
     assert out(s.to_client) == V.GET_BASE_RSP and s.idle
+
+
+# -- allocation quota ----------------------------------------------------------------------------
+
+
+def alloc_req(size: int, device: int = 0) -> bytes:
+    return encode.request("ALLOC_BUFFER", struct.pack("<IQ", device, size))
+
+
+def alloc_rsp(handle: int, size: int) -> bytes:
+    return encode.response(struct.pack("<QQ", handle, size))
+
+
+NO_CLEAR = SessionPolicy(clear_new_buffers=False)
+
+
+def test_alloc_quota_is_the_device_total_and_free_gives_it_back():
+    s = active(policy=NO_CLEAR, memory=3 << 20)
+    for h in (1, 2, 3):
+        s.client_data(memoryview(alloc_req(1 << 20)))
+        s.server_data(memoryview(alloc_rsp(h, 1 << 20)))
+    assert s.state.alloc_total == 3 << 20
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(alloc_req(1)))
+    assert e.value.reason == "alloc_quota_exceeded" and out(s.to_server) == alloc_req(1 << 20) * 3
+    s = active(policy=NO_CLEAR, memory=3 << 20)
+    for h in (1, 2, 3):
+        s.client_data(memoryview(alloc_req(1 << 20)))
+        s.server_data(memoryview(alloc_rsp(h, 1 << 20)))
+    s.client_data(memoryview(encode.request("FREE_BUFFER", struct.pack("<Q", 2))))
+    s.client_data(memoryview(alloc_req(1 << 20)))  # the freed MiB is available again
+    assert s.state.alloc_total == 3 << 20
+
+
+def test_failed_alloc_is_refunded_and_pipelined_allocs_are_counted_before_their_answer():
+    s = active(policy=NO_CLEAR, memory=2 << 20)
+    s.client_data(memoryview(alloc_req(2 << 20)))
+    s.server_data(memoryview(alloc_rsp(0, 0)))  # the server could not allocate
+    assert s.state.alloc_total == 0
+    s.client_data(memoryview(alloc_req(1 << 20)))
+    s.client_data(memoryview(alloc_req(1 << 20)))  # sent before the first answer: still counted
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(alloc_req(1 << 20)))
+    assert e.value.reason == "alloc_quota_exceeded"
+
+
+def test_explicit_session_quota_covers_all_devices():
+    from rpcguard.protocol.firewall import FirewallPolicy
+
+    policy = SessionPolicy(clear_new_buffers=False, firewall=FirewallPolicy(max_session_alloc_bytes=3 << 20))
+    s = active(devices=2, policy=policy)
+    s.client_data(memoryview(alloc_req(2 << 20, 0)))
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(alloc_req(2 << 20, 1)))
+    assert e.value.reason == "alloc_quota_exceeded"
+
+
+def test_unknown_device_memory_is_asked_and_allocs_sent_before_the_answer_are_held_to_it():
+    s = Session(NO_CLEAR, UpstreamFacts(device_count=1, version=(7, 0, 0)))
+    s.client_data(memoryview(encode.hello_request((7, 0, 0))))
+    out(s.to_server)
+    s.server_data(memoryview(encode.hello_response((7, 0, 0))))
+    assert out(s.to_server) == encode.request("GET_DEVICE_MEMORY", struct.pack("<I", 0))
+    s.client_data(memoryview(alloc_req(4 << 20)))  # before the answer: no quota known yet
+    assert out(s.to_server) == alloc_req(4 << 20)
+    with pytest.raises(Refusal) as e:
+        s.server_data(memoryview(encode.response(struct.pack("<QQ", 1 << 20, 2 << 20))))  # total 2 MiB
+    assert e.value.reason == "alloc_quota_exceeded"
+
+
+def test_alloc_quota_in_monitor_mode_is_a_violation():
+    s = active(policy=SessionPolicy(clear_new_buffers=False, mode="monitor"), memory=1 << 20)
+    s.client_data(memoryview(alloc_req(2 << 20)))
+    assert out(s.to_server) == alloc_req(2 << 20)
+    assert [v.reason for v in s.violations] == ["alloc_quota_exceeded"]
+
+
+# -- SET_TENSOR cache_flag -------------------------------------------------------------------------
+
+BIG = (10 << 20) + 4  # just above HASH_THRESHOLD
+
+
+def cache_session() -> tuple[Session, bytes]:
+    s = active(policy=NO_CLEAR)
+    s.state.add_buffer(V.HANDLE, 0, 1 << 26)
+    s.state.set_base(V.HANDLE, V.BASE)
+    t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(BIG // 4, 1, 1, 1)))
+    return s, t
+
+
+def set_tensor(t: bytes, flag: int, size: int = BIG, offset: int = 0) -> bytes:
+    return encode.request("SET_TENSOR", t + bytes([flag]) + struct.pack("<Q", offset) + bytes(size))
+
+
+def hash_req(t: bytes, offset: int = 0) -> bytes:
+    return encode.request("SET_TENSOR_HASH", t + struct.pack("<QQ", offset, 0xFEED))
+
+
+def test_cache_flag_only_after_a_hash_miss_of_that_tensor_and_only_once():
+    s, t = cache_session()
+    s.client_data(memoryview(hash_req(t)))
+    s.server_data(memoryview(encode.response(b"\x00")))  # miss
+    s.client_data(memoryview(set_tensor(t, 1)))  # what the real client sends next
+    assert s.idle
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(set_tensor(t, 1)))  # the miss was used
+    assert e.value.reason == "set_tensor_cache_flag_invalid"
+
+
+@pytest.mark.parametrize("case", ["no_hash", "hit", "other_offset", "small"])
+def test_cache_flag_refused_when_the_client_would_not_send_it(case):
+    s, t = cache_session()
+    if case != "no_hash":
+        s.client_data(memoryview(hash_req(t)))
+        s.server_data(memoryview(encode.response(b"\x01" if case == "hit" else b"\x00")))
+    frame = set_tensor(t, 1, offset=4 if case == "other_offset" else 0,
+                       size=(10 << 20) if case == "small" else BIG - (4 if case == "other_offset" else 0))
+    with pytest.raises(Refusal) as e:
+        s.client_data(memoryview(frame))
+    assert e.value.reason == "set_tensor_cache_flag_invalid"
+    s, t = cache_session()
+    s.client_data(memoryview(set_tensor(t, 0)))  # cache_flag=0 is always fine
+
+
+def test_absurd_device_count_does_not_flood_the_server_with_memory_probes():
+    s = Session(NO_CLEAR, UpstreamFacts())
+    s.client_data(memoryview(V.HELLO_REQ_V4))
+    s.server_data(memoryview(V.HELLO_RSP_700))
+    out(s.to_server)
+    s.server_data(memoryview(encode.response(struct.pack("<I", 0xFFFFFFFF))))  # DEVICE_COUNT answer
+    probes = out(s.to_server)
+    assert len(probes) == 16 * 13  # MEMORY_PROBES_MAX GET_DEVICE_MEMORY frames of 9 + 4 bytes
+
+
+# -- padded allocation sizes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer_extra,refused", [(0, False), (34 * 352 // 32, True)])
+def test_init_tensor_is_held_to_the_padded_size_the_server_answered(answer_extra, refused):
+    """CUDA pads quantized rows (ne0 % 512): its init_tensor zeroes up to GET_ALLOC_SIZE's answer,
+    past nbytes. A tensor whose nbytes ends at the buffer end but whose padding does not fit is
+    refused once the server has said it pads that shape."""
+    s = active(policy=NO_CLEAR)
+    s.state.add_buffer(V.HANDLE, 0, 1 << 20)
+    s.state.set_base(V.HANDLE, V.BASE)
+    q8 = encode.TensorSpec(type=8, ne=(160, 4, 1, 1), type_size=34, blck_size=32, buffer=V.HANDLE)
+    n = 34 * 160 // 32 * 4
+    q8.data = V.BASE + (1 << 20) - n  # nbytes ends exactly at the buffer end
+    free = encode.TensorSpec(type=8, ne=(160, 4, 1, 1), type_size=34, blck_size=32)  # buffer 0: default buft
+    s.client_data(memoryview(encode.request("GET_ALLOC_SIZE", struct.pack("<I", 0) + encode.pack_tensor(free)
+                                            + bytes(10 * 296))))
+    s.server_data(memoryview(encode.response(struct.pack("<Q", n + answer_extra))))
+    frame = encode.request("INIT_TENSOR", encode.pack_tensor(q8))
+    if refused:
+        with pytest.raises(Refusal) as e:
+            s.client_data(memoryview(frame))
+        assert e.value.reason == "tensor_out_of_buffer" and "padded size" in e.value.detail
+    else:
+        s.client_data(memoryview(frame))
