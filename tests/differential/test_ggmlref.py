@@ -71,7 +71,9 @@ def test_views_point_into_their_source_and_nodes_come_in_graph_order():
 
 def test_a_built_graph_passes_through_a_whole_session():
     (b,) = build_many([CHAIN])
-    s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0)))
+    # The device memory is known (a real client asked on an earlier connection): the session
+    # then injects no GET_DEVICE_MEMORY whose answer this test would have to play.
+    s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0), memory={0: (BUFFER_SIZE, BUFFER_SIZE)}))
     s.client_data(memoryview(encode.hello_request((7, 0, 0))))
     s.server_data(memoryview(encode.hello_response((7, 0, 0))))
     alloc = encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, BUFFER_SIZE))
