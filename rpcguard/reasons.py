@@ -46,7 +46,7 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "graph_node_invalid", "graph_node_duplicate", "graph_node_missing", "graph_src_missing",
     "graph_order_invalid", "graph_op_invalid", "graph_op_denied", "graph_op_params_invalid",
     "graph_shape_invalid", "graph_use_count_invalid", "recompute_after_free", "recompute_without_graph",
-    "set_tensor_flag_invalid", "frame_size_invalid",
+    "set_tensor_flag_invalid", "frame_size_invalid", "set_tensor_cache_flag_invalid", "alloc_quota_exceeded",
     # the op table (protocol/oprules.py, opcheck.py): default deny, re-derived nodes, layouts, cost
     "op_not_verified", "graph_type_invalid", "graph_src_unexpected", "graph_tensor_unallocated",
     "graph_tensor_wrong_device", "tensor_layout_invalid", "graph_too_costly",

@@ -90,7 +90,8 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
     """Start ``rpcguard ROLE ARGS --listen 127.0.0.1:PORT --metrics 127.0.0.1:MPORT`` and wait for it."""
     port = port or free_port()
     mport = free_port()
-    if role == "serve" and not any(a.startswith("--allow-") for a in args):
+    allow_flags = ("--allow-cn", "--allow-dns", "--allow-uri", "--allow-ip", "--allow-all")
+    if role == "serve" and not any(a.split("=", 1)[0] in allow_flags for a in args):
         # serve refuses an empty allow-list; these fixtures admit any certificate of their CA
         # unless a config file given with --config has its own allow-list.
         cfg = args[args.index("--config") + 1] if "--config" in args else None

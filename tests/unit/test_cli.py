@@ -104,7 +104,7 @@ CASES = [
     ("serve-public-metrics", lambda p, t: serve(p, "--metrics", "0.0.0.0:9450"), 2, "--metrics-unsafe-public"),
     ("serve-bad-reload", lambda p, t: serve(p, "--tls-reload-interval-s", "-1"), 2, "--tls-reload-interval-s"),
     ("serve-busy-port", lambda p, t: ["serve", "--listen", f"127.0.0.1:{t.busy}", "--upstream", "127.0.0.1:1",
-                                      "--metrics", "", *tls(p)], 1, "cannot listen"),
+                                      "--allow-all", "--metrics", "", *tls(p)], 1, "cannot listen"),
     ("serve-missing-config", lambda p, t: ["serve", "--config", str(t / "nope.yaml")], 2, "cannot read config"),
     ("serve-config-dir", lambda p, t: ["serve", "--config", str(t)], 2, "cannot read config"),
     ("serve-binary-config", lambda p, t: ["serve", "--config", str(p.dir / "garbage.pem")], 2, "config error"),

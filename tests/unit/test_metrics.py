@@ -457,7 +457,7 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
     port = listener.getsockname()[1]
     listener.close()  # nothing listens on `port` now
     ov = {"cert": str(tmp_path / "node.pem"), "key": str(tmp_path / "node.key"), "ca": str(tmp_path / "ca.pem"),
-          "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{port}", "metrics": ""}
+          "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{port}", "metrics": "", "allow_all": True}
     rt = server.Runtime(build_config("serve", overrides=ov), metrics=Metrics(CollectorRegistry()))
     g = lambda: rt.metrics.registry.get_sample_value(  # noqa: E731
         "rpcguard_upstream_up", {"role": "serve", "listener": rt.listeners[0].route.name})

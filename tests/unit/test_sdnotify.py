@@ -134,7 +134,7 @@ def test_config_error_exits_2_without_ready(tmp_path, pki):
     sock.settimeout(0.5)
     env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")}
     p = subprocess.run([PYTHON, "-m", "rpcguard", "serve", "--listen", "127.0.0.1:1", "--upstream", "127.0.0.1:2",
-                        "--cert", pki.path(pki.client), "--key", pki.path(pki.client, "key"), "--ca", pki.path("ca")],
+                        "--allow-all", "--cert", pki.path(pki.client), "--key", pki.path(pki.client, "key"), "--ca", pki.path("ca")],
                        capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 2, p.stderr  # RestartPreventExitStatus=2: systemd does not restart-loop
     assert "extended key usage" in p.stderr and "Traceback" not in p.stderr

@@ -150,7 +150,7 @@ def test_key_not_matching_certificate_is_a_config_error(pki: Path, tmp_path: Pat
 
 def serve_overrides(pki: Path, **kw: Any) -> dict:
     return {"cert": str(pki / "metrics.pem"), "key": str(pki / "metrics.key"), "ca": str(pki / "ca.pem"),
-            "listen": "127.0.0.1:0", "upstream": "127.0.0.1:1", **kw}
+            "listen": "127.0.0.1:0", "upstream": "127.0.0.1:1", "allow_all": True, **kw}
 
 
 def test_public_metrics_address_needs_an_authenticating_web_config(pki: Path, tmp_path: Path) -> None:
