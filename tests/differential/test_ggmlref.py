@@ -9,7 +9,7 @@ from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.session import Session
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor
-from tests.support.ggmlref import BUFFER_BASE, BUFFER_HANDLE, BUFFER_SIZE, Built, Refused, build_many
+from tests.support.ggmlref import BUFFER_BASE, BUFFER_HANDLE, BUFFER_SIZE, Built, Refused, build_many, kernel_refused
 
 OPS = op_table((7, 0, 0)).ids  # type: ignore[union-attr]
 MUL_MAT = {"leaves": [{"type": "q8_0", "ne": [64, 5]}, {"type": "f32", "ne": [64, 3, 2]}],
@@ -71,7 +71,9 @@ def test_views_point_into_their_source_and_nodes_come_in_graph_order():
 
 def test_a_built_graph_passes_through_a_whole_session():
     (b,) = build_many([CHAIN])
-    s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0)))
+    # The device memory is known (a real client asked on an earlier connection): the session
+    # then injects no GET_DEVICE_MEMORY whose answer this test would have to play.
+    s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0), memory={0: (BUFFER_SIZE, BUFFER_SIZE)}))
     s.client_data(memoryview(encode.hello_request((7, 0, 0))))
     s.server_data(memoryview(encode.hello_response((7, 0, 0))))
     alloc = encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, BUFFER_SIZE))
@@ -92,3 +94,59 @@ def test_a_later_split_sends_earlier_nodes_as_sources():
     ts = tensors(split)
     assert [t.op for t in ts] == [0, OPS["PERMUTE"], OPS["CONT"], 0, OPS["SOFT_MAX"]]
     assert split.nodes == [ts[-1].id]
+
+
+# -- the kernel oracle (compute=True): the real CPU backend runs what the constructors built ----
+
+ROPE_TAIL = [10000.0, 1.0, 0.0, 1.0, 32.0, 1.0]
+
+
+def _rope(n_dims: int) -> dict:
+    return {"leaves": [{"type": "f32", "ne": [16, 2, 3, 1]}, {"type": "i32", "ne": [3, 1, 1, 1]}],
+            "ops": [{"fn": "rope_ext", "args": [0, 1, None, n_dims, 0, 4096, *ROPE_TAIL]}]}  # fmt: skip
+
+
+# ggml_flash_attn_ext checks V only against K's head size: V with 32 rows for K's 256 is read past
+# its end by the kernel (ops.cpp:8991). Its span ends at a guard page here: SIGSEGV.
+SHORT_V = {"leaves": [{"type": "f32", "ne": [64, 4, 2, 1]}, {"type": "f16", "ne": [64, 256, 2, 1]},
+                      {"type": "f16", "ne": [64, 32, 2, 1]}],
+           "ops": [{"fn": "flash_attn_ext", "args": [0, 1, 2, None, 0.125, 0.0, 0.0]}]}  # fmt: skip
+# 4096^3 multiply-adds: tens of seconds on one thread (its inputs are zero pages: no memory cost).
+BIG_MUL_MAT = {"leaves": [{"type": "f32", "ne": [4096, 4096]}, {"type": "f32", "ne": [4096, 4096]}],
+               "ops": [{"fn": "mul_mat", "args": [0, 1]}]}  # fmt: skip
+
+
+def test_kernel_verdicts_abort_fault_and_clean_and_the_batch_goes_on():
+    res = build_many([MUL_MAT, _rope(32), BAD_MUL_MAT, SHORT_V, CHAIN, _rope(8), dict(CHAIN, first_node=2)],
+                     compute=True)
+    assert [type(r) for r in res] == [Built, Built, Refused, Built, Built, Built, Built]
+    assert res[0].kernel == "ok" and res[4].kernel == "ok" and res[5].kernel == "ok" and res[6].kernel == "ok"
+    assert res[1].kernel.startswith("abort: ggml/src/ggml-cpu/ops.cpp:") and "n_dims <= ne0" in res[1].kernel
+    assert "GGML_ASSERT(ggml_can_mul_mat(a, b)) failed" in res[2].message  # a constructor abort stays one
+    assert res[3].kernel == "signal 11 (SIGSEGV)"
+    assert [kernel_refused(r.kernel) for r in (res[0], res[1], res[3])] == [False, True, True]
+
+
+def test_a_compute_past_the_time_bound_is_a_hang_and_the_next_recipe_runs():
+    slow, after = build_many([BIG_MUL_MAT, MUL_MAT], compute=True, kernel_timeout_s=0.2)
+    assert slow.kernel == "hang > 0.2 s" and kernel_refused(slow.kernel)
+    assert after.kernel == "ok"
+
+
+def test_without_compute_there_is_no_kernel_verdict():
+    (b,) = build_many([_rope(32)])
+    assert b.kernel is None and not kernel_refused(b.kernel)
+
+
+# ggml_compute_forward_count_equal_i32 (ops.cpp:1649-1651) splits the row index with ne03/ne02
+# where ne02*ne01/ne01 belong: some rows are read at a NEGATIVE offset. The second layout (data
+# right after a guard page) catches it; the ASan server reports it too (asan_replay).
+UNDERRUN = {"leaves": [{"type": "i32", "ne": [1, 1, 3, 3]}, {"type": "i32", "ne": [1, 1, 3, 3]}],
+            "ops": [{"fn": "count_equal", "args": [0, 1]}]}  # fmt: skip
+NO_UNDERRUN = {"leaves": [{"type": "i32", "ne": [5, 4, 1, 1]}, {"type": "i32", "ne": [5, 4, 1, 1]}],
+               "ops": [{"fn": "count_equal", "args": [0, 1]}]}  # fmt: skip
+
+
+def test_an_underrun_faults_in_the_second_layout():
+    bad, good = build_many([UNDERRUN, NO_UNDERRUN], compute=True)
+    assert bad.kernel == "signal 11 (SIGSEGV)" and good.kernel == "ok"

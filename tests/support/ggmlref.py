@@ -28,23 +28,28 @@ ggml/src/ggml-rpc/ggml-rpc.cpp:628-671 and 990-1036): tensors in depth-first pos
 src[0..9] then view_src, de-duplicated, id = the tensor's address, ne/nb truncated to u32, name
 copied, use_count from the graph. The result is the GRAPH_COMPUTE payload of protocol 7.0.0.
 
-Run ``python -m tests.support.ggmlref --selftest`` to check the layout mirrors against the library.
+With ``compute=True`` the child also COMPUTES every built graph on the real CPU backend
+(tests/support/ggmlkernel.py: guard pages after every tensor, zero inputs) right after writing
+its line, and writes a second line with the kernel's verdict. A kernel GGML_ASSERT/GGML_ABORT
+(the abort callback knows the phase), a fault (the child dies by a signal) or a compute that
+outlives ``kernel_timeout_s`` (the worker kills the child) is recorded as the recipe's
+``Built.kernel`` ("abort: <message>", "signal 11 (SIGSEGV)", "hang > 5 s"); "ok" when it computed.
+
+The worker side (building, serialising, computing) is tests/support/ggmlworker.py. Run
+``python -m tests.support.ggmlref --selftest`` to check the layout mirrors against the library.
 """
 
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import os
-import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-from rpcguard.protocol.encode import TENSOR_STRUCT
 from rpcguard.protocol.ggml import TYPES
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "build_many",
     "lib_path",
     "HarnessError",
+    "kernel_refused",
 ]
 
 # The fake server buffer every tensor lives in: a handle and base like the real server returns
@@ -253,10 +259,6 @@ MODIFIERS: dict[str, tuple[int, str]] = {
 }  # fmt: skip
 
 
-class ModifierRefused(Exception):
-    """A bool modifier (ggml_prec_set_*) returned false: that op does not take the setting."""
-
-
 class HarnessError(RuntimeError):
     """The harness itself failed (library missing, worker crashed outside a recipe)."""
 
@@ -282,6 +284,7 @@ class Built:
     size: int = BUFFER_SIZE
     ok: bool = True
     extra: dict = field(default_factory=dict)
+    kernel: str | None = None  # compute=True: "ok", or how the real CPU kernel refused the graph
 
     @property
     def tensor_bytes(self) -> int:
@@ -310,15 +313,27 @@ def lib_path() -> Path:
 # -- the parent side -------------------------------------------------------------------------
 
 
-def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built | Refused]:
-    """Build every recipe with the real constructors in one worker process; one result each."""
+def kernel_refused(verdict: str | None) -> bool:
+    """True when a ``Built.kernel`` verdict says the real kernel aborted, faulted or hung."""
+    return verdict is not None and verdict != "ok" and not verdict.startswith("skipped")
+
+
+def build_many(
+    recipes: list[dict], *, timeout_s: float = 280.0, compute: bool = False, kernel_timeout_s: float = 5.0
+) -> list[Built | Refused]:
+    """Build every recipe with the real constructors in one worker process; one result each.
+
+    ``compute``: also run each built graph on the real CPU backend (``Built.kernel``); a compute
+    longer than ``kernel_timeout_s`` counts as a hang.
+    """
     if not recipes:
         return []
-    env = dict(os.environ, GGML_NO_BACKTRACE="1")
+    env = dict(os.environ, GGML_NO_BACKTRACE="1", OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.ggmlref", "--worker", str(lib_path())],
+        [sys.executable, "-m", "tests.support.ggmlworker", "--worker", str(lib_path())]
+        + (["--compute", str(kernel_timeout_s)] if compute else []),
         input="\n".join(map(json.dumps, recipes)).encode(),  # one line each: parsed by the child
         capture_output=True,
         timeout=timeout_s,
@@ -330,8 +345,13 @@ def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built |
     out: list[Built | Refused] = []
     for line in proc.stdout.decode().splitlines():
         r = json.loads(line)
+        if "kernel" in r:  # the verdict of the Built just before
+            if not out or not isinstance(out[-1], Built) or out[-1].kernel is not None:
+                raise HarnessError(f"kernel verdict without a built recipe: {line[:200]}")
+            out[-1].kernel = r["kernel"]
+            continue
         if r["ok"]:
-            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"]))
+            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"], kernel=r.get("kernel")))
         else:
             out.append(Refused(r["message"]))
     if len(out) != len(recipes):
@@ -339,259 +359,10 @@ def build_many(recipes: list[dict], *, timeout_s: float = 280.0) -> list[Built |
     return out
 
 
-# -- the worker side (runs in the subprocess) ------------------------------------------------
-
-_CTYPES = {
-    "t": ctypes.c_void_p, "i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
-    "u64": ctypes.c_size_t, "f32": ctypes.c_float, "b": ctypes.c_bool, "i32x4": ctypes.c_int32 * 4,
-    "i64x4": ctypes.c_int64 * 4,
-}  # fmt: skip
-
-
-class _Ggml:
-    """The loaded library with the prototypes the worker calls."""
-
-    def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)
-        self.lib = lib
-        lib.ggml_init.restype = ctypes.c_void_p
-        lib.ggml_init.argtypes = [GgmlInitParams]
-        lib.ggml_free.argtypes = [ctypes.c_void_p]
-        lib.ggml_tensor_overhead.restype = ctypes.c_size_t
-        lib.ggml_nbytes.restype = ctypes.c_size_t
-        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        lib.ggml_new_graph_custom.restype = ctypes.c_void_p
-        lib.ggml_new_graph_custom.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_bool]
-        lib.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.ggml_set_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.ggml_set_name.restype = ctypes.c_void_p
-        lib.ggml_set_param.argtypes = [ctypes.c_void_p]
-        lib.ggml_new_tensor_4d.restype = ctypes.c_void_p
-        lib.ggml_new_tensor_4d.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4
-        self.fns: dict[str, tuple[Any, list[str]]] = {}
-        for name, (_, sig) in SIGNATURES.items():
-            fn = getattr(lib, "ggml_" + name, None)
-            if fn is None:
-                continue
-            kinds = sig.split()
-            fn.restype = ctypes.c_void_p
-            fn.argtypes = [ctypes.c_void_p] + [_CTYPES[k] for k in kinds]
-            self.fns[name] = (fn, kinds)
-        self.mods: dict[str, tuple[Any, list[str]]] = {}
-        for name, (_, sig) in MODIFIERS.items():
-            fn = getattr(lib, "ggml_" + name)
-            kinds = sig.split()
-            fn.restype = ctypes.c_bool if name.startswith("prec_set") else None  # the rest: void or `a`
-            fn.argtypes = [_CTYPES[k] for k in kinds]
-            self.mods[name] = (fn, kinds)
-        if lib.ggml_tensor_overhead() != GGML_OBJECT_BYTES + ctypes.sizeof(GgmlTensor):
-            raise HarnessError(f"ggml_tensor_overhead {lib.ggml_tensor_overhead()} != mirror")
-
-
-def _tensor(ptr: int) -> GgmlTensor:
-    return GgmlTensor.from_address(ptr)
-
-
-def _build(g: _Ggml, recipe: dict) -> dict:
-    lib = g.lib
-    ctx = lib.ggml_init(GgmlInitParams(CTX_MEM_BYTES, None, True))
-    if not ctx:
-        raise HarnessError("ggml_init failed")
-    try:
-        tensors: list[int] = []
-        for i, leaf in enumerate(recipe["leaves"]):
-            ne = (list(leaf["ne"]) + [1, 1, 1, 1])[:4]
-            typ = leaf["type"]
-            ptr = lib.ggml_new_tensor_4d(ctx, TYPE_IDS[typ] if isinstance(typ, str) else typ, *ne)
-            if leaf.get("nb"):
-                st = _tensor(ptr)
-                for k, v in enumerate(leaf["nb"]):
-                    st.nb[k] = v
-            lib.ggml_set_name(ptr, f"leaf{i}".encode())
-            if leaf.get("param"):
-                lib.ggml_set_param(ptr)  # a trainable tensor: a graph node with op NONE
-            tensors.append(ptr)
-        for op in recipe["ops"]:
-            modifier = op["fn"] in g.mods
-            fn, kinds = g.mods[op["fn"]] if modifier else g.fns[op["fn"]]
-            args = op["args"]
-            if len(args) != len(kinds):
-                raise HarnessError(f"{op['fn']}: {len(args)} args for signature {kinds}")
-            cargs: list[Any] = [] if modifier else [ctx]
-            for k, a in zip(kinds, args):
-                if k == "t":
-                    cargs.append(None if a is None else tensors[a])
-                elif k in ("i32x4", "i64x4"):
-                    cargs.append(_CTYPES[k](*a))
-                else:
-                    cargs.append(a)
-            ptr = fn(*cargs)
-            if modifier:
-                if ptr is False:
-                    raise ModifierRefused(f"ggml_{op['fn']} returned false")
-                ptr = tensors[args[0]]
-            elif not ptr:
-                raise HarnessError(f"{op['fn']} returned NULL")
-            tensors.append(ptr)
-        outs = recipe.get("outputs") or [len(tensors) - 1]
-        gf = lib.ggml_new_graph_custom(ctx, GRAPH_SIZE, False)
-        for o in outs:
-            lib.ggml_build_forward_expand(gf, tensors[o])
-        return _serialise(g, GgmlCgraph.from_address(gf), tensors, recipe.get("first_node", 0))
-    finally:
-        lib.ggml_free(ctx)
-
-
-def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int = 0) -> dict:
-    """ggml-rpc.cpp serialize_graph(): add_tensor over the nodes, then the payload.
-
-    ``first`` > 0 sends only nodes[first:], like a later split of the scheduler
-    (ggml_graph_view): the earlier nodes then travel as sources, with their op, but not as nodes.
-    """
-    hs = cg.visited_hash_set
-    use: dict[int, int] = {}
-    words = (ctypes.c_uint32 * ((hs.size + 31) // 32)).from_address(ctypes.addressof(hs.used.contents))
-    for w, bits in enumerate(words):
-        while bits:
-            low = bits & -bits
-            i = w * 32 + low.bit_length() - 1
-            bits ^= low
-            use[hs.keys[i]] = cg.use_counts[i]
-    nodes = [cg.nodes[i] for i in range(min(first, cg.n_nodes - 1), cg.n_nodes)]
-    order: list[int] = []
-    seen: set[int] = set()
-
-    def add(ptr: int | None) -> None:  # add_tensor, ggml-rpc.cpp:990-1008
-        if not ptr or ptr in seen:
-            return
-        seen.add(ptr)
-        t = _tensor(ptr)
-        for s in list(t.src):
-            add(s)
-        add(t.view_src)
-        order.append(ptr)
-
-    for n in nodes:
-        add(n)
-    # Fake allocation: every tensor that owns memory gets the next aligned slot of the buffer.
-    data: dict[int, int] = {}
-    cursor = BUFFER_BASE
-    for ptr in order:
-        t = _tensor(ptr)
-        if t.view_src:
-            continue
-        data[ptr] = cursor
-        cursor += -(-max(g.lib.ggml_nbytes(ptr), 1) // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
-    if cursor - BUFFER_BASE > BUFFER_SIZE:
-        raise HarnessError("recipe larger than the fake buffer")
-    blobs = []
-    for ptr in order:
-        t = _tensor(ptr)
-        d = data[t.view_src] + t.view_offs if t.view_src else data[ptr]
-        blobs.append(
-            TENSOR_STRUCT.pack(
-                ptr, t.type, BUFFER_HANDLE,
-                *(x & 0xFFFFFFFF for x in t.ne), *(x & 0xFFFFFFFF for x in t.nb),
-                t.op, *t.op_params, t.flags,
-                *(s or 0 for s in t.src), t.view_src or 0, t.view_offs, d,
-                t.name.ljust(GGML_MAX_NAME, b"\0")[:GGML_MAX_NAME - 1] + b"\0", use.get(ptr, 0),
-            )
-        )  # fmt: skip
-    payload = (
-        struct.pack("<II", 0, len(nodes))
-        + struct.pack(f"<{len(nodes)}Q", *nodes)
-        + struct.pack("<I", len(order))
-        + b"".join(blobs)
-    )
-    pos = {p: i for i, p in enumerate(order)}
-    return {
-        "ok": True,
-        "payload": payload.hex(),
-        "nodes": nodes,
-        "n_tensors": len(order),
-        "refs": [pos.get(p) for p in recipe_tensors],
-    }
-
-
-def _child(g: _Ggml, recipes: list[str], start: int, wfd: int) -> None:
-    """Run recipes[start:] in order, one JSON line each; an abort ends the process."""
-    out = os.fdopen(wfd, "w", buffering=1)
-
-    @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-    def on_abort(msg: bytes) -> None:
-        out.write(json.dumps({"ok": False, "message": msg.decode(errors="replace"), "abort": True}) + "\n")
-        out.flush()
-        os._exit(ABORT_EXIT)  # sooner than abort(): no SIGABRT, no core dump
-
-    g.lib.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
-    g.lib.ggml_set_abort_callback(ctypes.cast(on_abort, ctypes.c_void_p))
-    for line in recipes[start:]:
-        try:
-            r = _build(g, json.loads(line))
-        except HarnessError as exc:
-            r = {"ok": False, "message": f"harness: {exc}", "harness": True}
-        except ModifierRefused as exc:
-            r = {"ok": False, "message": str(exc)}
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            r = {"ok": False, "message": f"harness: bad recipe: {exc!r}", "harness": True}
-        out.write(json.dumps(r) + "\n")
-    out.flush()
-    os._exit(0)
-
-
-def _worker(path: str) -> int:
-    """Fork a child per run of recipes; a child killed inside recipe i resumes at i + 1."""
-    # Recipes stay JSON text until a child parses one: a small parent forks faster (a batch of
-    # 10k recipes as dicts made every fork, i.e. every constructor abort, ~2x slower).
-    recipes = sys.stdin.read().splitlines()
-    g = _Ggml(path)
-    gc.disable()  # children are short-lived: no collection, and no copy-on-write of GC headers
-    gc.freeze()
-    i = 0
-    while i < len(recipes):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            try:
-                _child(g, recipes, i, w)
-            finally:
-                os._exit(3)
-        os.close(w)
-        last = ""
-        with os.fdopen(r) as lines:
-            for last in lines:
-                sys.stdout.write(last)
-                i += 1
-        _, status = os.waitpid(pid, 0)
-        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            continue
-        if '"abort": true' in last:
-            continue  # the abort callback already wrote recipe i-1's line
-        # Killed without a message (a signal other than the abort): recipe i is the one.
-        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
-        sys.stdout.write(json.dumps({"ok": False, "message": f"constructor killed the process: {how}"}) + "\n")
-        i += 1
-    sys.stdout.flush()
-    return 0
-
-
-def _selftest() -> int:
-    g = _Ggml(str(lib_path()))
-    print("libggml-base:", lib_path())
-    print("ggml_tensor mirror:", ctypes.sizeof(GgmlTensor), "bytes; overhead", g.lib.ggml_tensor_overhead())
-    print("constructors resolved:", len(g.fns), "of", len(SIGNATURES), "; modifiers:", len(g.mods))
-    return 0
-
-
 def main(argv: Iterable[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--worker"]:
-        return _worker(args[1])
-    if args[:1] == ["--selftest"]:
-        return _selftest()
-    print("usage: python -m tests.support.ggmlref --selftest | --worker LIB < recipes.json", file=sys.stderr)
-    return 2
+    from tests.support.ggmlworker import main as worker_main
+
+    return worker_main(argv)
 
 
 if __name__ == "__main__":
