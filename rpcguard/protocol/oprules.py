@@ -221,7 +221,7 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
         # ggml-cpu.c:1263 routes to ggml_compute_forward_fwht (ops.cpp:12256): a power-of-two
         # transform writing ne10 floats per dst row; the rows are ne01 long (square F32 matrix).
         n10 = b.ne0
-        ok = (a.type == F32 and a.ne0 == a.ne1 == n10 and n10 & (n10 - 1) == 0 and b.type in F32_F16)
+        ok = a.ne0 == a.ne1 == n10 and n10 & (n10 - 1) == 0 and b.type in F32_F16  # src0 is not read
         _need(ok, n, "MUL_MAT", f"Hadamard hint on {a.ne} x {b.ne}")
         return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
     if b.type != F32:
@@ -416,13 +416,21 @@ def _transpose(n: RpcTensor, s: Srcs) -> Result:
     return View(0, (a.ne1, a.ne0, a.ne2, a.ne3), (a.nb1, a.nb0, a.nb2, a.nb3), 0)
 
 
+def _rms_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    """RMS_NORM (ggml.c:3191): as NORM, but its kernel asserts a unit nb00 (ops.cpp:4123)."""
+    a = s[0]
+    assert a is not None
+    _need(a.nb0 == 4, n, "RMS_NORM", "src0 nb0 is not the element size")
+    return _norm(n, s)
+
+
 def _norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
-    """NORM / RMS_NORM / L2_NORM (ggml.c:3140ff): op_params[0] = eps; kernels F32 only with
-    unit nb00 (ops.cpp ggml_compute_forward_norm_f32)."""
+    """NORM / RMS_NORM / L2_NORM (ggml.c:3140ff): op_params[0] = eps; kernels F32 only. They read
+    ne00 floats from each row start (i01*nb01 + ...): with nb00 >= 4 (the layout rule) that stays
+    inside the source, which the kernel oracle confirms for strided sources."""
     a = s[0]
     assert a is not None
     _types(n, "norm", ONLY_F32, a)
-    _need(a.nb0 == 4, n, "norm", "src0 nb0 is not the element size")
     return _dup_or_inplace(a)
 
 
@@ -461,8 +469,8 @@ def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(ok, n, "SOFT_MAX", f"mask {mask.ne} for {a.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "SOFT_MAX", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:
-        _need(sinks.type == F32 and sinks.ne0 == a.ne2, n, "SOFT_MAX", "sinks")
+    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
+        _need(mask is not None and sinks.type == F32 and sinks.ne0 == a.ne2, n, "SOFT_MAX", "sinks")
     return _dup_or_inplace(a)
 
 
@@ -520,9 +528,10 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
         _need(ok, n, "FLASH_ATTN_EXT", f"mask {mask.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:
-        _need(sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
-    if n.param3 not in PRECS or n.param4 < 0:  # precision, n_kv_max (ggml_flash_attn_ext_set_n_kv_max)
+    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
+        _need(mask is not None and sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
+    # precision; n_kv_max (ggml_flash_attn_ext_set_n_kv_max) selects K/V by the mask's finite entries
+    if n.param3 not in PRECS or n.param4 < 0 or (n.param4 and mask is None):
         raise refuse(n, "FLASH_ATTN_EXT", f"prec {n.param3} n_kv_max {n.param4}", "graph_op_params_invalid")
     return New(F32, (v.ne0, q.ne2, q.ne1, q.ne3))
 
@@ -531,6 +540,9 @@ GLU_OP_COUNT = 7  # ggml.h:634-643 (7.0.0)
 GLU_OP_SWIGLU_OAI = 3
 UNARY_OP_COUNT = 22  # ggml.h:608-631 (7.0.0); older versions have fewer, their ids are a prefix
 UNARY_OP_XIELU = 17
+# GELU, GELU_QUICK, SILU, GELU_ERF: ops.cpp's own kernels read ne00 elements from each row start
+# (no unit-stride assert; in bounds with nb00 >= the element size, per the kernel oracle)
+UNARY_OPS_CPP = frozenset({8, 9, 10, 16})
 
 
 def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
@@ -567,7 +579,9 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     if not 0 <= op < UNARY_OP_COUNT or (op != UNARY_OP_XIELU and any(n.op_params[1:5])):
         raise refuse(n, "UNARY", f"unary op {op} params {n.op_params[:5]}", "graph_op_params_invalid")
     _types(n, "UNARY", FLOAT, a)
-    _need(rows_contiguous(a) and a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
+    _need(rows_contiguous(a), n, "UNARY", "rows not contiguous (the constructor asserts it)")
+    if op not in UNARY_OPS_CPP:  # unary-ops.cpp apply_unary_op asserts a unit nb00
+        _need(a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
     if op == UNARY_OP_XIELU:
         _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
         return New(a.type, a.ne)
@@ -603,7 +617,7 @@ def _top_k(n: RpcTensor, s: Srcs) -> Result:
     a = s[0]
     assert a is not None
     _types(n, "TOP_K", ONLY_F32, a)
-    _need(0 < n.ne0 <= a.ne0 and a.nb0 == 4, n, "TOP_K", f"k {n.ne0} for ne0 {a.ne0}")
+    _need(0 < n.ne0 <= a.ne0, n, "TOP_K", f"k {n.ne0} for ne0 {a.ne0}")
     return New(I32, (n.ne0, a.ne1, a.ne2, a.ne3))
 
 
@@ -629,7 +643,7 @@ def _argmax(n: RpcTensor, s: Srcs) -> Result:
     a = s[0]
     assert a is not None
     _types(n, "ARGMAX", ONLY_F32, a)
-    _need(a.ne2 == 1 and a.ne3 == 1 and a.ne0 <= INT32_MAX and a.nb0 == 4, n, "ARGMAX", "not a matrix")
+    _need(a.ne2 == 1 and a.ne3 == 1 and a.ne0 <= INT32_MAX, n, "ARGMAX", "not a matrix")
     return New(I32, (a.ne1, 1, 1, 1))
 
 
@@ -659,7 +673,6 @@ def _pad(n: RpcTensor, s: Srcs) -> Result:
     if min(pads) < 0 or n.param8 not in (0, 1):
         raise refuse(n, "PAD", f"pads {pads}", "graph_op_params_invalid")
     _types(n, "PAD", ONLY_F32, a)
-    _need(a.nb0 == 4, n, "PAD", "nb0")
     ne = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
     return New(a.type, ne)  # type: ignore[arg-type]
 
@@ -731,7 +744,7 @@ def _pad_reflect_1d(n: RpcTensor, s: Srcs) -> Result:
     if p0 < 0 or p1 < 0 or p0 >= a.ne0 or p1 >= a.ne0:
         raise refuse(n, "PAD_REFLECT_1D", f"pads ({p0}, {p1}) for ne0={a.ne0}", "graph_op_params_invalid")
     _types(n, "PAD_REFLECT_1D", ONLY_F32, a)
-    _need(rows_contiguous(a) and a.nb0 == 4, n, "PAD_REFLECT_1D", "src rows not contiguous")
+    _need(is_contiguous(a), n, "PAD_REFLECT_1D", "src not contiguous (the constructor asserts it)")
     return New(F32, (a.ne0 + p0 + p1, a.ne1, a.ne2, a.ne3))
 
 
@@ -787,7 +800,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("REPEAT", "ggml.c:2579 ggml_repeat", 1, _repeat),
     OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1),
     OpRule("NORM", "ggml.c:3160 ggml_norm", 1, _norm, params=1),
-    OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _norm, params=1),
+    OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _rms_norm, params=1),
     OpRule("GROUP_NORM", "ggml.c:3242 ggml_group_norm", 1, _group_norm, params=2),
     OpRule("L2_NORM", "ggml.c:3275 ggml_l2_norm", 1, _norm, params=1),
     OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat (+3290 ggml_prec_set_acc/src, 3377 set_hint)", 2, _mul_mat,
@@ -822,7 +835,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ARANGE", "ggml.c:5484 ggml_arange", 0, _arange, params=3),
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
-    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16, unit=True), params=1),
+    OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16), params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,

@@ -102,14 +102,26 @@ def test_uncovered_ops_only_shrink():
         warnings.warn(f"ops with a rule now: drop them from UNCOVERED in {__name__}: {gained}", stacklevel=1)
 
 
+# Mutations the oracle rebuilds with the recipe's own constructor, although ANOTHER constructor
+# call builds exactly the mutated node: not attacks, so not counted as missed.
+OTHER_CONSTRUCTOR: dict[str, tuple[tuple[str, ...], str]] = {
+    "VIEW": (("dst.ne[", "dst.nb["), "ggml_view_4d (ggml.c:3863) takes every ne and nb from its caller; "
+             "the VIEW rule checks what it asserts (the packed view plus offset inside the source)"),
+    "REPEAT": (("dst.ne[",), "the result's shape is ggml_repeat's second argument (ggml.c:2579), not a "
+               "source of the node: any shape the source repeats into is another call"),
+}
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_mutations_refused(results, op):
     r = results[op]
     assert r.must_refuse > 0 or r.built == 0, f"{op}: no mutation to check"
+    prefixes = OTHER_CONSTRUCTOR.get(op, ((), ""))[0]
+    missed = [m for m in r.missed if not m.label.startswith(prefixes or ("\0",))]
     lines = [f"[{m.gen}] {m.label} ({m.rebuild_note}){' ' + m.reason if m.reason else ''}: {json.dumps(m.recipe)}"
-             for m in r.missed[:SHOWN]]
-    if r.missed:  # pytest.fail: the assertion rewriter would print every Mutation with its payload
+             for m in missed[:SHOWN]]
+    if missed:  # pytest.fail: the assertion rewriter would print every Mutation with its payload
         pytest.fail(
-            f"{op}: rpcguard accepted {len(r.missed)} of {r.must_refuse} mutated nodes no constructor builds "
+            f"{op}: rpcguard accepted {len(missed)} of {r.must_refuse} mutated nodes no constructor builds "
             f"({report.missed_kinds(r)}):\n" + "\n".join(lines), pytrace=False
         )
