@@ -431,6 +431,8 @@ def _norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "norm", ONLY_F32, a)
+    if not f32(n.param0) >= 0.0:  # ops.cpp:4026/4132/4502 GGML_ASSERT(eps >= 0.0f) (NaN fails too)
+        raise refuse(n, "norm", f"eps {f32(n.param0)}", "graph_op_params_invalid")
     return _dup_or_inplace(a)
 
 

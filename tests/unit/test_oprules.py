@@ -275,3 +275,13 @@ def test_mul_mat_op_params(params, ok):
         run(tensors, d)
     else:
         assert reason(tensors, d) in ("graph_op_params_invalid", "graph_shape_invalid")
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan")])
+def test_norm_eps_the_kernel_asserts(eps):
+    # sanitizer fuzz finding ggml_abort-e036b901ff: RMS_NORM with eps < 0 -> GGML_ASSERT(eps >= 0.0f)
+    a = T(0x10, F32, (8, 2, 1, 1))
+    d = T(0x20, F32, (8, 2, 1, 1), op=OPS["RMS_NORM"], src=(0x10,), op_params=(f(eps),))
+    assert reason([a], d) == "graph_op_params_invalid"
+    d.op_params = (f(1e-6),)
+    run([a], d)
