@@ -75,6 +75,15 @@ _BUDGET_STRIDE = 255  # check the clock every 256 tensors/nodes
 _SELF_SRC = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
 
 
+_I_NE0 = 5  # ne[0] @20: u32 word 5 of an rpc_tensor (id u64, type u32, buffer u64 come first)
+
+
+def _empty(ne: memoryview | array, p: int) -> bool:
+    """Whether tensor ``p`` of the list has a zero in ne[0..3] (ggml-cpu never computes it)."""
+    at = p * _I + _I_NE0
+    return not (ne[at] and ne[at + 1] and ne[at + 2] and ne[at + 3])
+
+
 def _u64(view: memoryview) -> memoryview | array:
     if _LITTLE:
         return view.cast("Q")
@@ -325,7 +334,7 @@ class GraphValidator:
             ops = _u32(region)[_I_OP::_I]
             npos = [p for p in npos if ops[p] not in skip]
         ne = _u32(region)
-        npos = [p for p in npos if ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6]]
+        npos = [p for p in npos if not _empty(ne, p)]
         touched = set(npos)
         getp = pos.get
         for column in srcs[:GGML_MAX_SRC]:
@@ -405,7 +414,7 @@ class GraphValidator:
         step = TENSOR_BYTES
         getp = pos.get
         ne = _u32(region)
-        empty = {p for p in npos if not (ne[p * _I + 3] and ne[p * _I + 4] and ne[p * _I + 5] and ne[p * _I + 6])}
+        empty = {p for p in npos if _empty(ne, p)}
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
                 self._budget()

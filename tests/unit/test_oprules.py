@@ -285,3 +285,16 @@ def test_norm_eps_the_kernel_asserts(eps):
     assert reason([a], d) == "graph_op_params_invalid"
     d.op_params = (f(1e-6),)
     run([a], d)
+
+
+def test_small_buffer_handles_do_not_hide_nodes():
+    # Regression: the empty-node test once read the buffer handle's words instead of ne[0..3],
+    # so with a handle below 2^32 every node looked empty and skipped the op rules.
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(1, 0, SIZE)
+    st.set_base(1, BASE)
+    a = T(0x10, F32, (8, 2, 1, 1), buffer=1, data=BASE)
+    d = T(0x20, F32, (4, 2, 1, 1), buffer=1, data=BASE + 64, op=OPS["ADD"], src=(0x10, 0x10))
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=8, max_tensors=8).check(memoryview(graph_payload([0x20], [a, d])), st)
+    assert exc.value.reason == "graph_shape_invalid"
