@@ -96,12 +96,12 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
 
     async def run():
         rt = Runtime(cfg)
-        rt._session_ended({"listener": "tunnel0", "result": "ok", "version": "7.0.0"})
+        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "ok", "version": "7.0.0"})
         first = await rt.ready()
-        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
+        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
                            "detail": "not on the allow-list"})
         second = await rt.ready()
-        rt._session_ended({"listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
+        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
         third = await rt.ready()  # busy is the node answering: the last verdict stands
         return first, second, third
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import yaml
 
 from rpcguard import certs
 from tests.support import realpeer
+from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import wait_for_line
 from tests.support.k8s import (
     RPC_SERVER, containers, lay_out_pods, make_issuers, named, pod_specs, reroot, rpc_server_port,
@@ -75,7 +77,7 @@ def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> rea
     i = args.index("--config")
     proc = realpeer.start([sys.executable, "-m", "rpcguard", *args[:i], "--config", str(usable_config(config)),
                            *args[i + 2:]], log, log.stem)
-    wait_for_line(proc, "RPCGUARD_READY")
+    wait_for_line(proc, READY_MESSAGE)
     return proc
 
 
@@ -114,7 +116,12 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
         connect = _start_rpcguard(connect_args, connect_conf.with_name("connect-loopback.yaml"), data,
                                   tmp_path / "connect.log")
         procs.append(connect)
-        checks = [line for line in connect.output().splitlines() if "rpcguard check:" in line]
+        deadline = time.monotonic() + 30  # connect checks its nodes right after it is ready
+        while True:
+            checks = [line for line in connect.output().splitlines() if '"msg":"check: ' in line]
+            if len(checks) >= replicas or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
         run = realpeer.run_client(data["tunnels"][0]["listen"], model, n=8, timeout=120)
         assert run.ok and len(run.tokens) == 8, run.output[-2000:]
