@@ -234,11 +234,14 @@ class GraphValidator:
         srcs.append(q4[_Q4_VIEW_SRC::_Q].tolist())
 
         pos = self._structure(nodes, ids, srcs, m)
+        raw = region.tobytes()
+        step = TENSOR_BYTES
+        chunks = [raw[o : o + step] for o in range(0, len(raw), step)]  # one bytes object per tensor
         npos = [p for p in map(pos.get, nodes) if p is not None]  # all of them unless structure off
-        self._tensors(region, state)
+        self._tensors(chunks, state)
         rules = op_rules(spec.version, self.extra_denied)
         if self.tensor_checks == STRICT:
-            self._layout(region, npos, srcs, pos, state, device, rules)
+            self._layout(region, chunks, npos, srcs, pos, state, device, rules)
         if spec.version >= _USE_COUNT_SINCE and self.structure:
             uc = _u32(region, "i")[_I_USE_COUNT::_I]
             lo, hi = min(uc), max(uc)
@@ -250,7 +253,7 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            self._ops(rules, region, ids, npos, srcs, pos, state)
+            self._ops(rules, region, chunks, ids, npos, srcs, pos, state)
         return device
 
     def _budget(self) -> None:
@@ -319,7 +322,7 @@ class GraphValidator:
     # -- per-tensor rules, through the cache ------------------------------------------------
 
     def _layout(
-        self, region: memoryview, npos: list[int], srcs: list[list[int]], pos: dict[int, int],
+        self, region: memoryview, chunks: list[bytes], npos: list[int], srcs: list[list[int]], pos: dict[int, int],
         state: SessionState, device: int, rules: OpRules | None,
     ) -> None:
         """The layout rule (opcheck.check_layout) for every tensor a kernel reads or writes: the
@@ -341,26 +344,23 @@ class GraphValidator:
             touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
         touched.discard(pos.get(0))  # type: ignore[arg-type]
         cache = state.layout_cache.setdefault(device, set())
-        step = TENSOR_BYTES
         for i, q in enumerate(touched):
             if not i & _BUDGET_STRIDE:
                 self._budget()
-            key = region[q * step : (q + 1) * step].tobytes()
+            key = chunks[q]
             if key not in cache:
                 check_layout(decode_tensor(key), state, device)
                 if len(cache) >= TENSOR_CACHE_MAX:
                     cache.clear()
                 cache.add(key)
 
-    def _tensors(self, region: memoryview, state: SessionState) -> None:
+    def _tensors(self, chunks: list[bytes], state: SessionState) -> None:
         checks = self.tensor_checks
         if not checks:
             return
-        raw = region.tobytes()
-        step = TENSOR_BYTES
         cache = state.tensor_cache
         # One bytes key per tensor (its 296 raw bytes); the membership test runs in C.
-        misses = list(filterfalse(cache.__contains__, [raw[o : o + step] for o in range(0, len(raw), step)]))
+        misses = list(filterfalse(cache.__contains__, chunks))
         if not misses:
             return
         cacheable = checks == STRICT
@@ -379,6 +379,7 @@ class GraphValidator:
         self,
         rules: OpRules | None,
         region: memoryview,
+        chunks: list[bytes],
         ids: list[int],
         npos: list[int],
         srcs: list[list[int]],
@@ -436,7 +437,7 @@ class GraphValidator:
                 continue  # never computed (ggml-cpu returns on ggml_is_empty): nothing to derive
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             # A node's verdict depends only on its bytes and those of its sources and view root.
-            key = b"".join([region[q * step : (q + 1) * step] for q in (p, *src_pos) if q is not None])
+            key = b"".join([chunks[q] for q in (p, *src_pos) if q is not None])
             if key in cache:
                 continue
             node = decode_tensor(region, p * step)
