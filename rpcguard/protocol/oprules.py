@@ -586,7 +586,7 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
     if op == UNARY_OP_XIELU:
         _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
-        return (New(a.type, a.ne),)
+        return New(a.type, a.ne)
     return _dup_or_inplace(a)
 
 
