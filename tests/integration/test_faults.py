@@ -206,6 +206,64 @@ def slot_free_after(port: int, t0: float) -> float:
         c.close()
 
 
+class StallingRelay:
+    """A loopback TCP relay to ``port`` that stops reading from its clients once ``stall_after``
+    bytes went upstream on one connection (``stalled`` is set); ``cut()`` then closes every
+    upstream connection with SO_LINGER 0."""
+
+    def __init__(self, port: int, stall_after: int) -> None:
+        self.port_to, self.stall_after = port, stall_after
+        self.stalled = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstreams: list[socket.socket] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.port_to))
+            self.upstreams.append(up)
+            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upload: bool) -> None:
+        sent = 0
+        try:
+            while not (upload and sent >= self.stall_after):
+                chunk = src.recv(1 << 16)
+                if not chunk:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(chunk)
+                sent += len(chunk)
+            self.stalled.set()
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        while self.upstreams:
+            up = self.upstreams.pop()
+            up.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            try:  # wakes the pump blocked in recv (a bare close would wait for it)
+                up.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            up.close()
+
+    def __enter__(self) -> "StallingRelay":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+        self.listener.close()
+        self.cut()
+
+
 def set_tensor_head(t: TensorSpec, data_len: int) -> bytes:
     """A 7.0.0 SET_TENSOR frame header + head announcing ``data_len`` payload bytes."""
     head = pack_tensor(t) + b"\x00" + struct.pack("<Q", 0)
@@ -312,12 +370,18 @@ def test_llama_client_killed_during_model_load(workdir, rpc_server, guards, mode
     track = procinfo.Tracker(serve=serve, connect=connect)
     track.baseline()
 
-    client = spawn_client(workdir, connect.endpoint, models["bench"], n=N_TOKENS)
-    reached = wait_for(lambda: serve.value("rpcguard_upload_bytes_total", kind="set_tensor") >= 16 * MiB, 60)
-    assert reached and "load:" not in client.output(), client.output()
-    t0 = time.monotonic()
-    client.popen.send_signal(signal.SIGKILL)
-    client.popen.wait(10)
+    # A 105 MB load takes well under a second on a fast machine: too quick to catch by polling.
+    # The client talks to connect through a relay that stops reading from it after 16 MiB, so the
+    # kill lands mid-load every time; when the client dies the relay resets its connections, as
+    # the kernel does for a killed process with unread data.
+    with StallingRelay(connect.port, stall_after=16 * MiB) as relay:
+        client = spawn_client(workdir, f"127.0.0.1:{relay.port}", models["bench"], n=N_TOKENS)
+        assert relay.stalled.wait(60) and "load:" not in client.output(), client.output()
+        assert wait_for(lambda: serve.value("rpcguard_upload_bytes_total", kind="set_tensor") >= 8 * MiB, 10)
+        t0 = time.monotonic()
+        client.popen.send_signal(signal.SIGKILL)
+        client.popen.wait(10)
+        relay.cut()
 
     released_s = slot_free_after(connect.port, t0)
     assert released_s < RELEASE_S, f"upstream slot released after {released_s:.2f} s"
