@@ -17,7 +17,7 @@ from typing import Callable
 from rpcguard.errors import Refusal
 from rpcguard.identity import Acl
 from rpcguard.metrics import ListenerTraffic
-from rpcguard.protocol.session import SessionPolicy
+from rpcguard.protocol.settings import Limits, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
@@ -26,21 +26,6 @@ __all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
 # up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
 # it has answered the command it is running, so this only bounds a server that never does.
 UPSTREAM_DRAIN_S = 5.0
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Timeouts (seconds, 0 = off) and caps applied to every link of a route."""
-
-    handshake_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
-    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
-    max_session_s: float = 0.0
-    max_sessions: int = 64
-    upstream_busy: str = "queue"  # or "refuse"
-    queue_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
 
 
 class UpstreamSlot:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.graph import MAX_GRAPH_CPU_S, GraphValidator
+from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
 from rpcguard.protocol.state import Buffer, SessionState
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
@@ -38,10 +39,6 @@ from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
 __all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
 
-CHECK_NAMES: tuple[str, ...] = (
-    "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
-    "device_index",
-)  # fmt: skip
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -79,33 +76,6 @@ HEAD_CACHE_MAX = 4096  # entries of ~300 bytes: bounded memory per session
 # :717 rpc_use_hash_cache `size > HASH_THRESHOLD`, :723-739 set_tensor).
 HASH_THRESHOLD_BYTES = 10 * 1024 * 1024
 _FLAG_AT = TENSOR_BYTES  # >= 7.0.0 SET_TENSOR: u8 cache_flag right after the rpc_tensor
-
-
-@dataclass(frozen=True)
-class FirewallPolicy:
-    """Which firewall checks run and the caps they use."""
-
-    disabled_checks: frozenset[str] = frozenset()
-    # Caps on one GRAPH_COMPUTE: real decode graphs have a few thousand nodes; the server
-    # allocates per node and per tensor before validating anything.
-    max_graph_nodes: int = 262144
-    max_graph_tensors: int = 1048576
-    max_alloc_bytes: int = 0  # 0: no cap beyond the server's GET_MAX_SIZE
-    # Bytes one session may hold allocated on all devices together; 0: per device, the device
-    # memory total the server reports (GET_DEVICE_MEMORY).
-    max_session_alloc_bytes: int = 0
-    # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
-    # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
-    denied_ops: frozenset[str] = frozenset()
-    # Default deny: a graph node whose op has no verified rule (oprules.py) is refused unless
-    # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
-    allow_unverified_ops: frozenset[str] = frozenset()
-    max_graph_cpu_s: float = MAX_GRAPH_CPU_S  # graph_too_costly past this much validation CPU
-
-    def __post_init__(self) -> None:
-        unknown = set(self.disabled_checks) - set(CHECK_NAMES)
-        if unknown:
-            raise ValueError(f"unknown firewall checks {sorted(unknown)}; known: {', '.join(CHECK_NAMES)}")
 
 
 class Firewall:

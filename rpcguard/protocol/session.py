@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.firewall import Firewall, FirewallPolicy, alloc_size_key, hash_miss_key
+from rpcguard.protocol.firewall import Firewall, alloc_size_key, hash_miss_key
+from rpcguard.protocol.settings import SessionPolicy
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
@@ -74,24 +75,6 @@ _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u
 MEMORY_PROBES_MAX = 16
 HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
 ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
-
-
-@dataclass(frozen=True)
-class SessionPolicy:
-    """What a session enforces; built from the config by ``rpcguard.policy``."""
-
-    accepted_versions: frozenset[Version] = frozenset(KNOWN_VERSIONS)
-    allowed_commands: frozenset[str] = frozenset(COMMAND_NAMES)
-    # A SET_TENSOR chunk is streamed, so this cap bounds time and server memory (the server
-    # resizes a vector to `len` before reading it), not proxy memory.
-    max_request_bytes: int = 4 << 30
-    # GRAPH_COMPUTE is validated whole in memory before forwarding: bound what one frame may cost.
-    max_graph_bytes: int = 64 << 20
-    mode: str = "enforce"  # or "monitor": firewall violations are counted and forwarded
-    firewall: FirewallPolicy = field(default_factory=FirewallPolicy)
-    # Tenant isolation: zero every new buffer (BUFFER_CLEAR injected after ALLOC_BUFFER) so that a
-    # session never reads what an earlier session left in freed device memory.
-    clear_new_buffers: bool = True
 
 
 @dataclass(frozen=True, slots=True)

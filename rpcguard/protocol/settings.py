@@ -1,0 +1,92 @@
+"""What one session is held to: the runtime settings types, in one place.
+
+How this works: these frozen dataclasses are what the hot path and the link lifecycle consult.
+``FirewallPolicy`` (which firewall checks run and their caps) sits inside ``SessionPolicy``
+(versions, commands, frame caps, mode); ``Limits`` holds the timeouts and session caps of a
+listener or tunnel; a ``Profile`` bundles a policy and limits under a name (the listener's
+default, or the profile an allow-list entry names). Sans-IO: nothing here reads files or
+sockets. Each default is written once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rpcguard.protocol.graph import MAX_GRAPH_CPU_S
+from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
+
+__all__ = ["CHECK_NAMES", "FirewallPolicy", "SessionPolicy", "Limits", "Profile"]
+
+CHECK_NAMES: tuple[str, ...] = (
+    "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
+    "device_index",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FirewallPolicy:
+    """Which firewall checks run and the caps they use."""
+
+    disabled_checks: frozenset[str] = frozenset()
+    # Caps on one GRAPH_COMPUTE: real decode graphs have a few thousand nodes; the server
+    # allocates per node and per tensor before validating anything.
+    max_graph_nodes: int = 262144
+    max_graph_tensors: int = 1048576
+    max_alloc_bytes: int = 0  # 0: no cap beyond the server's GET_MAX_SIZE
+    # Bytes one session may hold allocated on all devices together; 0: per device, the device
+    # memory total the server reports (GET_DEVICE_MEMORY).
+    max_session_alloc_bytes: int = 0
+    # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
+    # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
+    denied_ops: frozenset[str] = frozenset()
+    # Default deny: a graph node whose op has no verified rule (oprules.py) is refused unless
+    # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
+    allow_unverified_ops: frozenset[str] = frozenset()
+    max_graph_cpu_s: float = MAX_GRAPH_CPU_S  # graph_too_costly past this much validation CPU
+
+    def __post_init__(self) -> None:
+        unknown = set(self.disabled_checks) - set(CHECK_NAMES)
+        if unknown:
+            raise ValueError(f"unknown firewall checks {sorted(unknown)}; known: {', '.join(CHECK_NAMES)}")
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """What a session enforces; built from the config by ``rpcguard.policy``."""
+
+    accepted_versions: frozenset[Version] = frozenset(KNOWN_VERSIONS)
+    allowed_commands: frozenset[str] = frozenset(COMMAND_NAMES)
+    # A SET_TENSOR chunk is streamed, so this cap bounds time and server memory (the server
+    # resizes a vector to `len` before reading it), not proxy memory.
+    max_request_bytes: int = 4 << 30
+    # GRAPH_COMPUTE is validated whole in memory before forwarding: bound what one frame may cost.
+    max_graph_bytes: int = 64 << 20
+    mode: str = "enforce"  # or "monitor": firewall violations are counted and forwarded
+    firewall: FirewallPolicy = field(default_factory=FirewallPolicy)
+    # Tenant isolation: zero every new buffer (BUFFER_CLEAR injected after ALLOC_BUFFER) so that a
+    # session never reads what an earlier session left in freed device memory.
+    clear_new_buffers: bool = True
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts (seconds, 0 = off) and caps applied to every link of a route."""
+
+    handshake_timeout_s: float = 10.0
+    hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
+    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
+    max_session_s: float = 0.0
+    max_sessions: int = 64
+    upstream_busy: str = "queue"  # or "refuse"
+    queue_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The policy and limits one session is held to, under a name for logs and labels."""
+
+    name: str = "default"
+    policy: SessionPolicy = field(default_factory=SessionPolicy)
+    limits: Limits = field(default_factory=Limits)
