@@ -13,6 +13,8 @@ rpcguard's own ``certs`` module (``tests.support.guard.Pki``):
 * ``haproxy``: two Debian ``haproxy`` processes in ``mode tcp`` (``ssl crt ... ca-file ...
   verify required``, ``ssl-min-ver TLSv1.3``). HAProxy wants certificate and key in one PEM.
 * ``rpcguard``: ``rpcguard connect`` -> ``rpcguard serve`` with validation in enforce mode.
+* ``rpcguard@REV``: the same pair run from another source tree (``--baseline``, bench/baseline.py):
+  each rpcguard process starts with ``cwd`` and ``PYTHONPATH`` at its tree and its tree's Python.
 
 ``ArmStack.sample()`` reads each proxy process's peak RSS (``VmHWM``) and CPU time from /proc.
 With ``profile_dir`` set, each rpcguard process runs under cProfile, or gets ``py-spy record``
@@ -35,7 +37,8 @@ from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import Pki, wait_for_line
 from tests.support.realpeer import PYTHON, Proc, free_port, start, start_rpc_server, wait_port
 
-__all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "check_mtls", "tool_versions"]
+__all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "cpu_sample", "check_mtls", "tool_versions",
+           "is_rpcguard"]
 
 ARMS = ("direct", "stunnel", "haproxy", "rpcguard")
 NODE = "node1"  # the node (server) certificate name; also the expected name on the client side
@@ -110,6 +113,35 @@ class ArmStack:
         for p in list(self.proxies.values())[::-1]:
             p.stop(timeout=10)
         self.server.stop(timeout=10)
+
+
+def is_rpcguard(arm: str) -> bool:
+    """``rpcguard`` or a baseline ``rpcguard@REV`` arm."""
+    return arm == "rpcguard" or arm.startswith("rpcguard@")
+
+
+def _arm_tag(arm: str) -> str:
+    """Profile file prefix of an rpcguard arm: "" for ``rpcguard``, ``rpcguard-at-REV-`` for a baseline."""
+    return "" if arm == "rpcguard" else arm.replace("@", "-at-") + "-"
+
+
+def cpu_sample(pid: int) -> dict | None:
+    """CPU time of a process so far, or None once it is gone: ``user_s`` and ``sys_s`` from
+    /proc/PID/stat (all threads, clock ticks of 10 ms) and ``threads``, each live thread's on-CPU
+    nanoseconds from /proc/PID/task/TID/schedstat (exact, but a thread that has exited is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        threads = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    threads[int(tid)] = int(f.read().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # the thread exited between listdir and open
+        return {"user_s": int(fields[11]) / _CLK_TCK, "sys_s": int(fields[12]) / _CLK_TCK, "threads": threads}
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def proc_sample(pid: int) -> dict:
@@ -216,30 +248,47 @@ backend node
     return f"127.0.0.1:{front}", mid, {"client-side": cli, "server-side": srv}
 
 
-def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | None) -> tuple[Proc, int]:
+def _start_in(tree, cmd: list[str], log: Path, name: str) -> Proc:
+    """``realpeer.start`` with the process's cwd and PYTHONPATH at ``tree`` (bench/baseline.py)."""
+    fh = open(log, "wb")
+    env = dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONUNBUFFERED="1", **tree.env())
+    popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tree.path,
+                             start_new_session=True)
+    fh.close()
+    return Proc(popen, log, name)
+
+
+def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | None, tree=None
+                    ) -> tuple[Proc, int]:
     """``python -m rpcguard ROLE`` (as tests.support.guard.start_guard), optionally under cProfile
-    (bench/cprofile_rpcguard.py: CPU-time clock; the file is written when the arm stops)."""
+    (bench/cprofile_rpcguard.py: CPU-time clock; the file is written when the arm stops). With a
+    ``tree`` (bench/baseline.Tree) it runs that tree's code with that tree's Python."""
     port = free_port()
+    python = tree.python if tree is not None else PYTHON
     if cprofile:
-        py = [PYTHON, str(Path(__file__).resolve().parent / "cprofile_rpcguard.py"), str(cprofile)]
+        py = [python, str(Path(__file__).resolve().parent / "cprofile_rpcguard.py"), str(cprofile)]
     else:
-        py = [PYTHON, "-m", "rpcguard"]
+        py = [python, "-m", "rpcguard"]
     cmd = py + [role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{free_port()}",
                 *args]
-    proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}")
+    log = workdir / f"rpcguard-{role}-{port}.log"
+    if tree is not None:
+        proc = _start_in(tree, cmd, log, f"rpcguard {role} ({tree.label})")
+    else:
+        proc = start(cmd, log, f"rpcguard {role}")
     wait_for_line(proc, READY_MESSAGE, timeout=60)
     wait_port(port, proc=proc.popen)
     return proc, port
 
 
-def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | None = None
+def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | None = None, tree=None
                    ) -> tuple[str, int, dict[str, Proc]]:
     serve, sport = _start_rpcguard("serve", workdir, pki.serve_args() + [
         "--upstream", f"127.0.0.1:{server_port}", "--mode", "enforce", "--allow-cn", pki.client],
-        Path(f"{cprofile}serve.cprofile") if cprofile else None)
+        Path(f"{cprofile}serve.cprofile") if cprofile else None, tree)
     connect, cport = _start_rpcguard("connect", workdir, pki.connect_args() + [
         "--server", f"127.0.0.1:{sport}", "--server-name", NODE, "--mode", "enforce", "--no-check"],
-        Path(f"{cprofile}connect.cprofile") if cprofile else None)
+        Path(f"{cprofile}connect.cprofile") if cprofile else None, tree)
     return f"127.0.0.1:{cport}", sport, {"connect": connect, "serve": serve}
 
 
@@ -260,15 +309,19 @@ def _profiler(kind: str, pid: int, out: Path) -> subprocess.Popen:
 
 
 def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = None,
-              profile_tag: str = "", profiler: str = "py-spy") -> ArmStack:
-    """A fresh real server and the arm's proxies in front of it (nothing for ``direct``)."""
+              profile_tag: str = "", profiler: str = "py-spy", tree=None) -> ArmStack:
+    """A fresh real server and the arm's proxies in front of it (nothing for ``direct``). rpcguard
+    arms run the code of ``tree`` (bench/baseline.Tree) when one is given."""
     server, server_port = start_rpc_server(workdir, binary=True)
     if arm == "direct":
         return ArmStack(arm, f"127.0.0.1:{server_port}", server)
     try:
-        if arm == "rpcguard" and profile_dir is not None and profiler == "cprofile":
-            profile_dir.mkdir(parents=True, exist_ok=True)
-            endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, profile_dir / profile_tag)
+        if is_rpcguard(arm):
+            cprofile = None
+            if profile_dir is not None and profiler == "cprofile":
+                profile_dir.mkdir(parents=True, exist_ok=True)
+                cprofile = profile_dir / (profile_tag + _arm_tag(arm))
+            endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, cprofile, tree)
         else:
             endpoint, tls_port, proxies = _PAIRS[arm](workdir, pki, server_port)
     except BaseException:
@@ -276,10 +329,11 @@ def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = N
         raise
     stack = ArmStack(arm, endpoint, server, tls_port, proxies)
     stack.baseline = {label: proc_sample(p.popen.pid) for label, p in proxies.items()}
-    if profile_dir is not None and arm == "rpcguard" and profiler != "cprofile":
+    if profile_dir is not None and is_rpcguard(arm) and profiler != "cprofile":
         profile_dir.mkdir(parents=True, exist_ok=True)
+        tag = profile_tag + _arm_tag(arm)
         for label, p in proxies.items():
-            stack.profilers.append(_profiler(profiler, p.popen.pid, profile_dir / f"{profile_tag}{label}"))
+            stack.profilers.append(_profiler(profiler, p.popen.pid, profile_dir / f"{tag}{label}"))
         time.sleep(1.0)  # let the profilers attach before the first client
     return stack
 

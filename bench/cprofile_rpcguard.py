@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # appended: a tree on PYTHONPATH (a --baseline arm) comes first
+    sys.path.append(str(ROOT))
 
 
 def main() -> int:

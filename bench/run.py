@@ -16,6 +16,14 @@ gives, per workload and arm, the median, min-max, ratio to direct (same run), wh
 generated tokens equal direct's, and per-process peak RSS; raw numbers go to
 ``bench/results/<UTC timestamp>.json``. This file is never collected by pytest (testpaths =
 tests, and its name does not start with ``test_``).
+
+``--baseline REV`` adds the arm ``rpcguard@REV``: the same pair run from the code of git revision
+REV (bench/baseline.py), alternating with the others, so a change is compared with its baseline
+under the same machine drift. The order of the arms is reversed on every other repetition
+(ABBA), so neighbours in the order get no systematic advantage. Each proxy process's CPU is
+read before each repetition and at its phase marks (bench/cpuacct.py): the report gives CPU per
+generated token, per MB loaded or per synthetic operation, per process, next to HAProxy's.
+The report itself is bench/report.py.
 """
 
 from __future__ import annotations
@@ -24,8 +32,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +47,11 @@ for p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, p)
 
 import arms as armlib  # noqa: E402
+import baseline as baselib  # noqa: E402
+import cpuacct  # noqa: E402
+import machine  # noqa: E402
 import protoclient  # noqa: E402
+from report import fmt, report  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 
@@ -72,24 +82,26 @@ class Workload:
     model: str = ""
     n_tokens: int = 0
     target: float | None = None  # minimum rpcguard/direct ratio (issue 4)
+    cpu_phase: str = "all"  # the phase whose proxy CPU is reported (bench/cpuacct.py): load, gen, all
+    cpu_unit: str = "repetition"  # the unit of work CPU is divided by
 
 
 WORKLOADS = {w.name: w for w in (
     Workload("load", "model load, ~413 MB f16 (offloaded MB / Llama() seconds)", "client", "MB/s", True,
-             7, 2, "load400", 4, 0.6),
+             7, 2, "load400", 4, 0.6, "load", "MB"),
     Workload("gen100", "generation, ~105 MB model, 64 tokens (tok/s after the first)", "client", "tok/s", True,
-             7, 2, "bench", 64, 0.97),
+             7, 2, "bench", 64, 0.97, "gen", "token"),
     Workload("gentiny", "generation, tiny 0.6 MB model, 128 tokens (tok/s after the first)", "client", "tok/s",
-             True, 15, 3, "tiny", 128, 0.75),
-    Workload("bulk", "synthetic SET_TENSOR upload, 512 MiB in 8 MiB frames", "bulk", "MB/s", True, 5, 2),
+             True, 15, 3, "tiny", 128, 0.75, "gen", "token"),
+    Workload("bulk", "synthetic SET_TENSOR upload, 512 MiB in 8 MiB frames", "bulk", "MB/s", True, 5, 2,
+             cpu_unit="MB"),
     Workload("ping", "synthetic GET_ALIGNMENT round trip, 2000 pings (median of the run)", "ping", "us", False,
-             5, 2),
+             5, 2, cpu_unit="round trip"),
     Workload("burst", "synthetic decode-step shape: 5 small SET_TENSOR + GET_TENSOR round trip, 1000 steps",
-             "burst", "us", False, 5, 2),
+             "burst", "us", False, 5, 2, cpu_unit="step"),
     Workload("rss", "rpcguard peak RSS vs tensor size (fresh pair per case)", "rss", "MB", False, 1, 1),
 )}
 DEFAULT_WORKLOADS = ("load", "gen100", "gentiny", "bulk", "ping", "burst", "rss")
-RSS_TARGET_MB = 80.0
 
 
 @dataclass
@@ -120,55 +132,51 @@ def offloaded_bytes(path: Path) -> int:
 
 def start_arm_retry(arm: str, work: Path, pki: Pki, args, tag: str) -> armlib.ArmStack:
     """Start an arm; one retry, since a free port picked by bind(0) can be taken by another job."""
+    kw = {"profile_dir": args.profile, "profile_tag": tag, "profiler": args.profiler,
+          "tree": args.trees.get(arm)}
     try:
-        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag,
-                                profiler=args.profiler)
+        return armlib.start_arm(arm, work, pki, **kw)
     except (RuntimeError, TimeoutError, OSError, subprocess.CalledProcessError) as exc:
         print(f"   {arm}: start failed ({exc!s:.200}); retrying once", flush=True)
-        return armlib.start_arm(arm, work, pki, profile_dir=args.profile, profile_tag=tag,
-                                profiler=args.profiler)
+        return armlib.start_arm(arm, work, pki, **kw)
 
 
-def measure(wl: Workload, endpoint: str, model: Path | None, model_bytes: int) -> tuple[float, dict]:
-    """One repetition on one arm; returns (value, details) or raises RuntimeError."""
+def measure(wl: Workload, stack: armlib.ArmStack, model: Path | None, model_bytes: int
+            ) -> tuple[float, dict, dict[str, tuple[dict, float]]]:
+    """One repetition on one arm: (value, details, phase -> (CPU delta per proxy process, units of
+    work)), or raises RuntimeError. CPU is read right before the work and at its phase marks."""
+    endpoint = stack.endpoint
+    marks = {"start": cpuacct.snapshot(stack.proxies)}
     if wl.kind == "client":
         assert model is not None
-        r = realpeer.run_client(endpoint, model, n=wl.n_tokens, timeout=CLIENT_TIMEOUT_S)
+        r = cpuacct.run_client_phased(endpoint, model, n=wl.n_tokens, timeout=CLIENT_TIMEOUT_S,
+                                      on_mark=lambda m: marks.__setitem__(m, cpuacct.snapshot(stack.proxies)))
         if not r.ok or r.load_s is None:
             tail = "\n".join(r.output.strip().splitlines()[-5:])
             raise RuntimeError(f"client rc={r.rc}: {tail}")
+        if "loaded" not in marks or "generated" not in marks:
+            raise RuntimeError(f"client printed no phase marks: {sorted(marks)}")
         extra = {"load_s": r.load_s, "gen_tps": r.gen_tps, "tokens": r.tokens}
+        cpu = {"load": (cpuacct.delta(marks["start"], marks["loaded"]), model_bytes / 1e6),
+               "gen": (cpuacct.delta(marks["loaded"], marks["generated"]), len(r.tokens or []))}
         if wl.name in ("load", "rss"):
-            return model_bytes / r.load_s / 1e6, extra
+            return model_bytes / r.load_s / 1e6, extra, cpu
         if r.gen_tps is None:
             raise RuntimeError("client printed no tok/s")
-        return r.gen_tps, extra
+        return r.gen_tps, extra, cpu
     if wl.kind == "bulk":
         out = protoclient.bulk(endpoint)
-        if not out["intact"]:
-            raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
-        return out["mb_s"], out
-    if wl.kind == "burst":
+        units, value = out["bytes"] / 1e6, out["mb_s"]
+    elif wl.kind == "burst":
         out = protoclient.burst(endpoint)
-        if not out["intact"]:
-            raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
-        return out["median_us"], out
-    out = protoclient.ping(endpoint)
-    return out["median_us"], out
-
-
-def summarize(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt(v: float | None, unit: str) -> str:
-    if v is None:
-        return "-"
-    if unit == "us" or v >= 100:
-        return f"{v:.0f}"
-    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+        units, value = out["count"], out["median_us"]
+    else:
+        out = protoclient.ping(endpoint)
+        units, value = out["count"], out["median_us"]
+    cpu = {"all": (cpuacct.delta(marks["start"], cpuacct.snapshot(stack.proxies)), units)}
+    if wl.kind in ("bulk", "burst") and not out["intact"]:
+        raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
+    return value, out, cpu
 
 
 # ------------------------------------------------------------------------------------ workloads
@@ -180,6 +188,7 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
     stacks: dict[str, armlib.ArmStack] = {}
     runs: list[Run] = []
     samples: dict[str, dict] = {}
+    tally = cpuacct.Tally()
     try:
         for arm in arm_names:
             stacks[arm] = start_arm_retry(arm, work, pki, args, f"{wl.name}-")
@@ -190,15 +199,19 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
             if time.monotonic() > deadline:
                 print(f"   time budget reached: stopping {wl.name} after {rep} repetition(s)", flush=True)
                 break
-            for arm in arm_names:
+            for arm in (arm_names if rep % 2 == 0 else arm_names[::-1]):  # ABBA order
                 stack = stacks[arm]
                 la = os.getloadavg()[0]
                 if not stack.alive():
                     runs.append(Run(arm, rep, None, la, error="a process of this arm exited"))
                     continue
                 try:
-                    value, extra = measure(wl, stack.endpoint, model, model_bytes)
+                    value, extra, cpu = measure(wl, stack, model, model_bytes)
+                    extra["cpu"] = {phase: d for phase, (d, _) in cpu.items()}
                     runs.append(Run(arm, rep, value, la, extra))
+                    if stack.proxies:
+                        for phase, (d, units) in cpu.items():
+                            tally.add(arm, phase, d, units)
                     print(f"   rep {rep + 1} {arm:9s} {fmt(value, wl.unit):>8s} {wl.unit}  (load avg {la:.2f})",
                           flush=True)
                 except Exception as exc:  # record and go on: one failed run must not lose the others
@@ -210,7 +223,7 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
         for stack in stacks.values():
             stack.stop()
     return {"workload": asdict(wl), "model": model.name if model else None, "model_offloaded_bytes": model_bytes,
-            "runs": [asdict(r) for r in runs], "proxies": samples}
+            "runs": [asdict(r) for r in runs], "proxies": samples, "cpu": tally.sums}
 
 
 def _rss_case(endpoint: str, model_name: str | None, frame: int | None) -> dict:
@@ -229,7 +242,8 @@ def _rss_case(endpoint: str, model_name: str | None, frame: int | None) -> dict:
 
 
 def run_rss(work: Path, pki: Pki, args) -> dict:
-    """rpcguard alone: peak RSS of serve and connect for small vs huge tensors, one fresh pair each."""
+    """Each rpcguard arm alone: peak RSS of serve and connect for small vs huge tensors, a fresh
+    pair per case; the same case without a proxy gives the MB/s column."""
     cases = [
         ("idle (started, no session yet)", None, None),
         ("load ~413 MB model, tensors <= 5.8 MB", "load400", None),
@@ -239,102 +253,33 @@ def run_rss(work: Path, pki: Pki, args) -> dict:
     print("\n== rss: rpcguard peak RSS (VmHWM) per process, fresh pair per case", flush=True)
     out = []
     for i, (label, model_name, frame) in enumerate(cases):
-        stack = start_arm_retry("rpcguard", work, pki, args, f"rss{i}-")
-        detail: dict = {}
-        try:
-            detail = _rss_case(stack.endpoint, model_name, frame)
-        except Exception as exc:
-            detail = {"error": str(exc)}
-        finally:
-            detail["proxies"] = stack.sample()
-            stack.stop()
+        for arm in [a for a in args.arm_names if armlib.is_rpcguard(a)]:
+            stack = start_arm_retry(arm, work, pki, args, f"rss{i}-")
+            detail: dict = {}
+            try:
+                detail = _rss_case(stack.endpoint, model_name, frame)
+            except Exception as exc:
+                detail = {"error": str(exc)}
+            finally:
+                detail["proxies"] = stack.sample()
+                stack.stop()
+            hwm = {k: v.get("vmhwm_mb") for k, v in detail.get("proxies", {}).items()}
+            print(f"   {arm:18s} {label:50s} " + "  ".join(f"{k} {fmt(v, 'MB')} MB" for k, v in hwm.items())
+                  + (f"  FAILED: {detail['error']}" if detail.get("error") else ""), flush=True)
+            out.append({"arm": arm, "case": label, "model": model_name, "frame_bytes": frame, **detail})
         if model_name or frame:  # the same case without a proxy, for the MB/s column
             direct = armlib.start_arm("direct", work, pki)
             try:
-                detail["direct_mb_s"] = _rss_case(direct.endpoint, model_name, frame).get("mb_s")
+                direct_mb_s = _rss_case(direct.endpoint, model_name, frame).get("mb_s")
             except Exception as exc:
-                detail["direct_error"] = str(exc)
+                direct_mb_s = None
+                print(f"   direct {label}: FAILED: {exc}", flush=True)
             finally:
                 direct.stop()
-        hwm = {k: v.get("vmhwm_mb") for k, v in detail.get("proxies", {}).items()}
-        print(f"   {label:50s} " + "  ".join(f"{k} {fmt(v, 'MB')} MB" for k, v in hwm.items())
-              + (f"  FAILED: {detail['error']}" if detail.get("error") else ""), flush=True)
-        out.append({"case": label, "model": model_name, "frame_bytes": frame, **detail})
+            for c in out:
+                if c["case"] == label:
+                    c["direct_mb_s"] = direct_mb_s
     return {"workload": asdict(WORKLOADS["rss"]), "cases": out}
-
-
-# ------------------------------------------------------------------------------------ report
-def report(results: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
-    lines: list[str] = []
-    checks: list[tuple[str, bool, str]] = []
-    for name, res in results["workloads"].items():
-        wl = WORKLOADS[name]
-        if name == "rss":
-            lines.append(f"\n### {wl.title}\n")
-            lines.append("| case | serve peak RSS MB | connect peak RSS MB | MB/s via rpcguard | MB/s direct |")
-            lines.append("|---|---|---|---|---|")
-            for c in res["cases"]:
-                p = c.get("proxies", {})
-                lines.append(f"| {c['case']} | {fmt(p.get('serve', {}).get('vmhwm_mb'), 'MB')} | "
-                             f"{fmt(p.get('connect', {}).get('vmhwm_mb'), 'MB')} | "
-                             f"{fmt(c.get('mb_s'), 'MB/s') if c.get('mb_s') else '-'} | "
-                             f"{fmt(c.get('direct_mb_s'), 'MB/s') if c.get('direct_mb_s') else '-'} |")
-                if c.get("model") and p:
-                    worst = max(v.get("vmhwm_mb", 0) for v in p.values())
-                    checks.append((f"rpcguard peak RSS, {c['case']}", worst <= RSS_TARGET_MB,
-                                   f"max {worst:.1f} MB (target <= {RSS_TARGET_MB:.0f} MB)"))
-            continue
-        by_arm: dict[str, list[dict]] = {}
-        for r in res["runs"]:
-            by_arm.setdefault(r["arm"], []).append(r)
-        stats = {arm: summarize([r["value"] for r in rs if r["value"] is not None]) for arm, rs in by_arm.items()}
-        ref_tokens = None
-        if wl.kind == "client":
-            first = by_arm.get("direct") or next(iter(by_arm.values()), [])
-            ref_tokens = next((r["extra"].get("tokens") for r in first if r["value"] is not None), None)
-        direct = stats.get("direct", {}).get("median")
-        better = "higher" if wl.higher_better else "lower"
-        lines.append(f"\n### {wl.title}\n")
-        lines.append(f"| arm | median {wl.unit} | min-max | x direct ({better} is better) | x direct, best runs | "
-                     "tokens = direct | failed | peak RSS MB per proxy process | proxy CPU s (all reps) |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        best_of = max if wl.higher_better else min
-        direct_best = best_of([r["value"] for r in by_arm.get("direct", []) if r["value"] is not None], default=None)
-        for arm, rs in by_arm.items():
-            s = stats[arm]
-            ratio = s["median"] / direct if direct and s.get("median") else None
-            vals = [r["value"] for r in rs if r["value"] is not None]
-            best_ratio = best_of(vals) / direct_best if vals and direct_best else None
-            if wl.kind == "client":
-                same = all(r["extra"].get("tokens") == ref_tokens for r in rs if r["value"] is not None)
-                tok = "yes" if same and ref_tokens else "NO"
-                checks.append((f"tokens identical, {name}, {arm}", tok == "yes", f"{len(rs)} run(s)"))
-            else:
-                tok = "n/a"
-            failed = sum(1 for r in rs if r["value"] is None)
-            if failed:
-                checks.append((f"no failed runs, {name}, {arm}", False, rs[[r["value"] for r in rs].index(None)]
-                               ["error"][:200]))
-            procs = res["proxies"].get(arm, {})
-            rss = " / ".join(f"{k} {fmt(v.get('vmhwm_mb'), 'MB')}" for k, v in procs.items()) or "-"
-            cpu = " / ".join(f"{v.get('cpu_s_delta', v.get('cpu_s', 0)):.2f}" for v in procs.values()) or "-"
-            lines.append(f"| {arm} | {fmt(s.get('median'), wl.unit)} | "
-                         f"{fmt(s.get('min'), wl.unit)}-{fmt(s.get('max'), wl.unit)} | "
-                         f"{f'{ratio:.2f}' if ratio else '-'} | {f'{best_ratio:.2f}' if best_ratio else '-'} | "
-                         f"{tok} | {failed} | {rss} | {cpu} |")
-            if arm == "rpcguard" and wl.target is not None:
-                checks.append((f"rpcguard/direct, {name}", bool(ratio and ratio >= wl.target),
-                               f"{ratio:.2f} (target >= {wl.target})" if ratio else "no ratio"))
-            if arm == "rpcguard" and name == "load" and procs:
-                worst = max(v.get("vmhwm_mb", 0) for v in procs.values())
-                checks.append(("rpcguard peak RSS during the ~413 MB loads", worst <= RSS_TARGET_MB,
-                               f"max {worst:.1f} MB (target <= {RSS_TARGET_MB:.0f} MB)"))
-        las = [r["loadavg"] for r in res["runs"]]
-        if las:
-            lines.append(f"\nload average (1 min) during this workload: {min(las):.2f}-{max(las):.2f}")
-    for arm, ok in results.get("mtls_checks", {}).items():
-        checks.append((f"{arm}: TLS 1.3 only, client certificate required", all(ok.values()), str(ok)))
-    return lines, checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(armlib.ARMS), help="comma list, in run order (default: all four)")
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                     help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run the rpcguard pair of git revision REV as the arm rpcguard@REV, right after "
+                         "the rpcguard arm (bench/baseline.py); the report compares the two")
+    ap.add_argument("--baseline-tolerance", type=float, default=0.05,
+                    help="a speed ratio to the baseline below 1 - this fails the no-regression check (default 0.05)")
     ap.add_argument("--reps", type=int, help="repetitions per workload (overrides the defaults and --quick)")
     ap.add_argument("--max-minutes", type=float, default=45.0,
                     help="time budget: no new repetition starts after this (default 45)")
@@ -373,6 +323,26 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"bench: {', '.join(missing)} not installed: run `bash bench/install.sh`", file=sys.stderr)
         return 2
+    args.trees = {}
+    base_arm = None
+    try:
+        if "rpcguard" in arm_names:
+            args.trees["rpcguard"] = baselib.working_tree()
+        if args.baseline:
+            tree = baselib.prepare(args.baseline, CACHE)
+            name = f"rpcguard@{tree.revision[:7]}"
+            at = arm_names.index("rpcguard") + 1 if "rpcguard" in arm_names else len(arm_names)
+            arm_names.insert(at, name)
+            args.trees[name] = tree
+            base_arm = name
+        for arm, tree in args.trees.items():
+            tree.verify()
+            print(f"arm {arm}: {tree.label} {tree.revision}, rpcguard imported from {tree.imported_from}"
+                  + "".join(f"; {n}" for n in tree.notes), flush=True)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    args.arm_names = arm_names
 
     if args.nice:
         os.nice(args.nice)  # children inherit it: client, server and every proxy alike
@@ -380,19 +350,21 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.max_minutes * 60
     work = Path(tempfile.mkdtemp(prefix="rpcguard-bench-"))
     pki = Pki(work / "pki")
-    uname = platform.uname()
+    machine_info, versions = machine.environment()
     results: dict = {
         "started": started.isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"host": uname.node, "kernel": uname.release, "cpus": os.cpu_count(),
-                    "cpu_model": _cpu_model(), "python": platform.python_version(),
-                    "loadavg_start": os.getloadavg()},
-        "git": _git_commit(), "tools": armlib.tool_versions(), "arms": arm_names, "nice": os.nice(0),
+        "machine": machine_info, "versions": versions,
+        "git": args.trees["rpcguard"].revision if "rpcguard" in args.trees else baselib.working_tree().revision,
+        "tools": armlib.tool_versions(), "arms": arm_names, "nice": os.nice(0),
+        "trees": {arm: t.describe() for arm, t in args.trees.items()},
+        "baseline": ({"arm": base_arm, "rev": args.baseline, "tolerance": args.baseline_tolerance}
+                     if base_arm else None),
         "workloads": {},
         "mtls_checks": {},
     }
-    print(f"rpcguard bench {results['started']} on {uname.node} ({os.cpu_count()} CPUs, "
-          f"load avg {os.getloadavg()[0]:.2f}, nice {os.nice(0)}); work dir {work}", flush=True)
+    print(f"rpcguard bench {results['started']} on {machine_info['host']} ({os.cpu_count()} CPUs, load avg "
+          f"{' / '.join(map(str, machine_info['loadavg_start']))}, nice {os.nice(0)}); work dir {work}", flush=True)
     status = 0
     try:
         for name in wl_names:
@@ -412,18 +384,17 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
     finally:
         results["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        results["machine"]["loadavg_end"] = os.getloadavg()
+        results["machine"]["loadavg_end"] = machine.loadavg()
         out = args.json or RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         lines, checks = report(results)
         results["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
         out.write_text(json.dumps(results, indent=1) + "\n")
         print("\n".join(lines))
-        print("\n### checks (issue 4 targets; ratios from this run)\n")
+        print("\n### checks (targets of issues 4, 10 and 12; ratios from this run)\n")
         for c, ok, d in checks:
             print(f"- {'PASS' if ok else 'FAIL'} {c}: {d}")
-        print(f"\nraw results: {out}\nload avg at start {results['machine']['loadavg_start'][0]:.2f}, "
-              f"at end {results['machine']['loadavg_end'][0]:.2f}")
+        print(f"\nraw results: {out} (bench/report.py {out} prints this report again)")
         if args.keep:
             print(f"work dir kept: {work}")
         else:
@@ -431,24 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     if status == 0 and not all(ok for _, ok, _ in checks):
         status = 1
     return status
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
 
 
 if __name__ == "__main__":
