@@ -101,6 +101,8 @@ def prepare(rev: str, cache: Path) -> Tree:
         subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True, timeout=GIT_TIMEOUT_S)
         marker.write_text(commit + "\n")
     tree = Tree(f"rev {short}", path, commit, sys.executable)
+    changed = _git("diff", "--shortstat", commit, "--", "rpcguard", "pyproject.toml")
+    tree.notes.append(f"against the working tree, rpcguard/ and pyproject.toml: {changed or 'identical (an A/A run)'}")
     ours = dependencies_of((ROOT / "pyproject.toml").read_text())
     theirs = dependencies_of((path / "pyproject.toml").read_text())
     if ours != theirs:
