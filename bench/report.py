@@ -231,6 +231,9 @@ def report(results: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
         las = [r["loadavg"] for r in res["runs"]]
         if las:
             lines.append(f"\nload average (1 min) during this workload: {min(las):.2f}-{max(las):.2f}")
+        if res.get("fresh_every") is not None:
+            every = res["fresh_every"]
+            lines.append(f"fresh server and proxies for every arm: {f'every {every} repetition(s)' if every else 'once'}")
     if base and len(summary) > 2:
         lines += [f"\n### working tree (`rpcguard`) against `{base}`, same run\n",
                   "Speed ratio > 1: the working tree is faster (rates: rpcguard/baseline; latencies: "

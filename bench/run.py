@@ -180,6 +180,19 @@ def measure(wl: Workload, stack: armlib.ArmStack, model: Path | None, model_byte
 
 
 # ------------------------------------------------------------------------------------ workloads
+def merge_samples(old: dict[str, dict] | None, new: dict[str, dict]) -> dict[str, dict]:
+    """``ArmStack.sample()`` of the latest instance of an arm, with ``vmhwm_mb`` the peak over all
+    its instances so far and ``instances`` their count."""
+    if not old:
+        return {label: {**v, "instances": 1} for label, v in new.items()}
+    out = {}
+    for label, v in new.items():
+        prev = old.get(label, {})
+        out[label] = {**v, "vmhwm_mb": max(v.get("vmhwm_mb", 0), prev.get("vmhwm_mb", 0)),
+                      "instances": prev.get("instances", 0) + 1}
+    return out
+
+
 def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki: Pki, args,
                  deadline: float, mtls_checked: dict) -> dict:
     model = model_path(wl.model) if wl.model else None
@@ -189,17 +202,26 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
     runs: list[Run] = []
     samples: dict[str, dict] = {}
     tally = cpuacct.Tally()
+
+    def retire(arm: str) -> None:
+        samples[arm] = merge_samples(samples.get(arm), stacks[arm].sample())
+        stacks.pop(arm).stop()
+
     try:
-        for arm in arm_names:
-            stacks[arm] = start_arm_retry(arm, work, pki, args, f"{wl.name}-")
-            if arm != "direct" and arm not in mtls_checked:
-                mtls_checked[arm] = armlib.check_mtls(pki, stacks[arm].tls_port)
-                stacks[arm].rebaseline()
         for rep in range(reps):
             if time.monotonic() > deadline:
                 print(f"   time budget reached: stopping {wl.name} after {rep} repetition(s)", flush=True)
                 break
-            for arm in (arm_names if rep % 2 == 0 else arm_names[::-1]):  # ABBA order
+            order = arm_names if rep % 2 == 0 else arm_names[::-1]  # ABBA order
+            if rep == 0 or (args.fresh_every and rep % args.fresh_every == 0):
+                for arm in order:  # every arm is (re)started before any of them is measured
+                    if arm in stacks:
+                        retire(arm)
+                    stacks[arm] = start_arm_retry(arm, work, pki, args, f"{wl.name}-")
+                    if arm != "direct" and arm not in mtls_checked:
+                        mtls_checked[arm] = armlib.check_mtls(pki, stacks[arm].tls_port)
+                        stacks[arm].rebaseline()
+            for arm in order:
                 stack = stacks[arm]
                 la = os.getloadavg()[0]
                 if not stack.alive():
@@ -217,13 +239,14 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
                 except Exception as exc:  # record and go on: one failed run must not lose the others
                     runs.append(Run(arm, rep, None, la, error=str(exc)))
                     print(f"   rep {rep + 1} {arm:9s} FAILED: {exc}", flush=True)
-        for arm, stack in stacks.items():
-            samples[arm] = stack.sample()
+        for arm in list(stacks):
+            retire(arm)
     finally:
         for stack in stacks.values():
             stack.stop()
     return {"workload": asdict(wl), "model": model.name if model else None, "model_offloaded_bytes": model_bytes,
-            "runs": [asdict(r) for r in runs], "proxies": samples, "cpu": tally.sums}
+            "fresh_every": args.fresh_every, "runs": [asdict(r) for r in runs], "proxies": samples,
+            "cpu": tally.sums}
 
 
 def _rss_case(endpoint: str, model_name: str | None, frame: int | None) -> dict:
@@ -293,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                          "the rpcguard arm (bench/baseline.py); the report compares the two")
     ap.add_argument("--baseline-tolerance", type=float, default=0.05,
                     help="a speed ratio to the baseline below 1 - this fails the no-regression check (default 0.05)")
+    ap.add_argument("--fresh-every", type=int, default=1, metavar="N",
+                    help="start a fresh server and proxy pair for every arm every N repetitions (default 1: "
+                         "each repetition; 0: one instance per workload). Two instances of the same code "
+                         "can differ by 1.5x in CPU per operation for their whole life (docs/performance.md)")
     ap.add_argument("--reps", type=int, help="repetitions per workload (overrides the defaults and --quick)")
     ap.add_argument("--max-minutes", type=float, default=45.0,
                     help="time budget: no new repetition starts after this (default 45)")

@@ -1,0 +1,86 @@
+"""The arithmetic of the benchmark harness: CPU deltas and sums (bench/cpuacct.py), speed ratios
+against a baseline (bench/report.py) and the dependency comparison that decides whether a
+baseline revision needs a venv of its own (bench/baseline.py). The measurements themselves are
+run by bench/run.py, never by pytest."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import baseline  # noqa: E402
+import cpuacct  # noqa: E402
+import report  # noqa: E402
+
+
+def sample(user: float, sys_: float, threads: dict[int, int]) -> dict:
+    return {"user_s": user, "sys_s": sys_, "threads": threads}
+
+
+def test_delta_counts_new_threads_from_zero_and_flags_exited_ones():
+    before = {"serve": sample(1.0, 0.5, {10: 2_000_000_000, 11: 500_000_000})}
+    after = {"serve": sample(1.25, 0.6, {10: 2_250_000_000, 12: 10_000_000})}
+    d = cpuacct.delta(before, after)["serve"]
+    assert d["user_s"] == pytest.approx(0.25)
+    assert d["sys_s"] == pytest.approx(0.1)
+    assert d["run_s"] == pytest.approx(0.26)  # 0.25 s on thread 10 + 0.01 s on the new thread 12
+    assert d["threads_exited"] == 1  # thread 11's last slice is only in user/sys
+
+
+def test_delta_leaves_out_a_process_gone_at_either_end():
+    before = {"a": sample(0, 0, {1: 0}), "b": None}
+    after = {"a": None, "b": sample(1, 1, {2: 5})}
+    assert cpuacct.delta(before, after) == {}
+
+
+def test_tally_sums_phases_and_per_unit_divides_by_the_units_of_work():
+    tally = cpuacct.Tally()
+    for _ in range(2):
+        tally.add("haproxy", "gen", {"client-side": {"user_s": 0.02, "sys_s": 0.01, "run_s": 0.032,
+                                                     "threads_exited": 0}}, 128)
+    slot = tally.sums["haproxy"]["gen"]
+    assert slot["units"] == 256 and slot["reps"] == 2
+    per = cpuacct.per_unit(slot)["client-side"]
+    assert per["total"] == pytest.approx(0.064 * 1e3 / 256)
+    assert per["user"] == pytest.approx(0.04 * 1e3 / 256)
+    assert cpuacct.per_unit({"units": 0, "procs": slot["procs"]}) == {}
+
+
+def test_parse_client_output_reads_tokens_load_time_and_rate():
+    out = ("load: 1.250 s for 105.0 MB model (84.0 MB/s incl. setup)\n"
+           "generated 4 tokens in 0.100 s: 40.0 tok/s (45.5 tok/s after the first)\n"
+           "token ids: [1, 2, 3, 4]\nRPC_CLIENT_OK\n")
+    r = cpuacct.parse_client_output(0, out)
+    assert r.ok and r.tokens == [1, 2, 3, 4] and r.load_s == 1.25 and r.gen_tps == 45.5
+    assert cpuacct.parse_client_output(-6, "load: 1.0 s").ok is False
+
+
+@pytest.mark.parametrize("a, b, higher_better, want", [
+    (110.0, 100.0, True, 1.1),  # rate: 10 % more tok/s is 1.1x faster
+    (90.0, 100.0, False, 100 / 90),  # latency: 90 us instead of 100 us is faster too
+    (None, 100.0, True, None),
+    (100.0, 0.0, True, None),
+])
+def test_speed_ratio_is_above_one_when_the_first_is_faster(a, b, higher_better, want):
+    got = report.speed_ratio(a, b, higher_better)
+    assert got == (pytest.approx(want) if want is not None else None)
+
+
+def test_paired_ratios_pair_repetitions_and_skip_failed_runs():
+    runs = [{"arm": "rpcguard", "rep": 0, "value": 200.0}, {"arm": "rpcguard@abc", "rep": 0, "value": 100.0},
+            {"arm": "rpcguard@abc", "rep": 1, "value": 50.0}, {"arm": "rpcguard", "rep": 1, "value": 100.0},
+            {"arm": "rpcguard", "rep": 2, "value": None}, {"arm": "rpcguard@abc", "rep": 2, "value": 80.0}]
+    assert report.paired_ratios(runs, "rpcguard", "rpcguard@abc", True) == [2.0, 2.0]
+    assert report.paired_ratios(runs, "rpcguard", "rpcguard@abc", False) == [0.5, 0.5]
+
+
+def test_dependencies_of_ignores_order_and_other_tables():
+    one = '[project]\nname = "x"\ndependencies = ["b>=1", "a"]\n[project.optional-dependencies]\ntest = ["c"]\n'
+    two = '[project]\ndependencies = ["a", "b>=1"]\n'
+    assert baseline.dependencies_of(one) == baseline.dependencies_of(two) == ["a", "b>=1"]
+    assert baseline.dependencies_of('[project]\nname = "x"\n') == []
