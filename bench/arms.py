@@ -43,6 +43,7 @@ __all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "cpu_sample", "check_
 ARMS = ("direct", "stunnel", "haproxy", "rpcguard")
 NODE = "node1"  # the node (server) certificate name; also the expected name on the client side
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_CPUCLOCK_SCHED = 2  # linux/include/linux/posix-timers.h: the process clock of sum_exec_runtime
 
 # HAProxy: the model connection stays idle between requests for as long as llama.cpp runs, so
 # client/server timeouts are long; connect is loopback. 64 KiB buffers (default 16 KiB) mean 4x
@@ -127,19 +128,14 @@ def _arm_tag(arm: str) -> str:
 
 def cpu_sample(pid: int) -> dict | None:
     """CPU time of a process so far, or None once it is gone: ``user_s`` and ``sys_s`` from
-    /proc/PID/stat (all threads, clock ticks of 10 ms) and ``threads``, each live thread's on-CPU
-    nanoseconds from /proc/PID/task/TID/schedstat (exact, but a thread that has exited is gone)."""
+    /proc/PID/stat (clock ticks of 10 ms) and ``exact_s``, the kernel's exact on-CPU time of the
+    whole process, threads that already exited included: the process CPU-time clock of ``pid``
+    (``clock_getcpuclockid(3)``: clock id ``~pid << 3 | CPUCLOCK_SCHED``), read with clock_gettime."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        threads = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    threads[int(tid)] = int(f.read().split()[0])
-            except (OSError, IndexError, ValueError):
-                continue  # the thread exited between listdir and open
-        return {"user_s": int(fields[11]) / _CLK_TCK, "sys_s": int(fields[12]) / _CLK_TCK, "threads": threads}
+        exact = time.clock_gettime((~pid << 3) | _CPUCLOCK_SCHED)
+        return {"user_s": int(fields[11]) / _CLK_TCK, "sys_s": int(fields[12]) / _CLK_TCK, "exact_s": exact}
     except (OSError, IndexError, ValueError):
         return None
 

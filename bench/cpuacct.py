@@ -1,12 +1,12 @@
 """CPU per unit of work of every proxy process, bracketed around the measured work only.
 
-How this works: ``/proc/PID/stat`` gives each proxy process's cumulative user and system CPU
-time (clock ticks, 10 ms on Linux) and ``/proc/PID/task/*/schedstat`` the exact on-CPU
-nanoseconds of each live thread (bench/arms.py ``cpu_sample``; the ticks alone would be +-10 ms
-per reading, as much as HAProxy spends on a whole tiny-model generation). The harness reads both
-for every proxy of the arm right before
-a repetition starts and at phase marks inside it, so arm start-up, the mTLS check and the time
-between repetitions are never counted. A real llama.cpp client repetition has two phases:
+How this works: ``arms.cpu_sample`` gives each proxy process's cumulative user and system CPU
+time from ``/proc/PID/stat`` (clock ticks, 10 ms on Linux) and its exact CPU time from the
+process CPU-time clock (the kernel's sum of every thread's run time, exited threads included;
+the ticks alone would be +-10 ms per reading, as much as HAProxy spends on a whole tiny-model
+generation). The harness reads both for every proxy of the arm right before a repetition
+starts and at phase marks inside it, so arm start-up, the mTLS check and the time between
+repetitions are never counted. A real llama.cpp client repetition has two phases:
 
 * ``load``: from the client's start to its ``load: ...`` line (HELLO, DEVICE_COUNT, buffer
   allocation and every SET_TENSOR of the model);
@@ -47,18 +47,14 @@ def snapshot(proxies: dict) -> dict[str, dict | None]:
 
 def delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """Per process, the CPU spent between two snapshots: ``user_s`` and ``sys_s`` (tick
-    resolution) and ``run_s``, the exact on-CPU time of the threads alive at the second snapshot
-    (a thread born in between counts from zero; one that exited in between is counted in
-    user/sys only, and ``threads_exited`` says so). A process gone at either end is left out."""
+    resolution) and ``run_s``, exact. A process gone at either end is left out."""
     out = {}
     for label, b in before.items():
         a = after.get(label)
         if a is None or b is None:
             continue
-        run_ns = sum(ns - b["threads"].get(tid, 0) for tid, ns in a["threads"].items())
         out[label] = {"user_s": round(a["user_s"] - b["user_s"], 4), "sys_s": round(a["sys_s"] - b["sys_s"], 4),
-                      "run_s": round(run_ns / 1e9, 6),
-                      "threads_exited": len(set(b["threads"]) - set(a["threads"]))}
+                      "run_s": round(a["exact_s"] - b["exact_s"], 6)}
     return out
 
 
@@ -109,14 +105,14 @@ class Tally:
         slot["units"] += units
         slot["reps"] += 1
         for label, d in cpu.items():
-            p = slot["procs"].setdefault(label, {"user_s": 0.0, "sys_s": 0.0, "run_s": 0.0, "threads_exited": 0})
+            p = slot["procs"].setdefault(label, {"user_s": 0.0, "sys_s": 0.0, "run_s": 0.0})
             for key in p:
                 p[key] = round(p[key] + d[key], 6)
 
 
 def per_unit(slot: dict, scale: float = 1e3) -> dict[str, dict[str, float]]:
     """Process -> CPU per unit of work (ms with the default ``scale``): ``user`` and ``sys`` (tick
-    resolution) and ``total``, the exact on-CPU time of its threads."""
+    resolution) and ``total``, exact."""
     units = slot.get("units") or 0
     out = {}
     for label, p in slot.get("procs", {}).items():

@@ -72,7 +72,7 @@ def _per_unit(slot: dict | None, scale: float) -> dict[str, dict[str, float]]:
     if units <= 0:
         return {}
     return {label: {"user": p["user_s"] * scale / units, "sys": p["sys_s"] * scale / units,
-                    "total": p["run_s"] * scale / units, "threads_exited": p.get("threads_exited", 0)}
+                    "total": p["run_s"] * scale / units}
             for label, p in slot["procs"].items()}
 
 
@@ -101,16 +101,15 @@ def _cpu_table(name: str, wl: dict, cpu: dict, checks: list) -> list[str]:
     haproxy = per.get("haproxy", {})
     units = {arm: phases.get(phase, {}).get("units", 0) for arm, phases in cpu.items()}
     lines = [f"\nCPU per {unit} ({phase} phase only; {su}; user/sys from /proc/PID/stat ticks, total exact "
-             "from schedstat):\n",
+             "from the process CPU clock):\n",
              f"| arm | process | {unit}s counted | user {su} | sys {su} | total {su} | x HAProxy (same side) |",
              "|---|---|---|---|---|---|---|"]
     for arm, procs in per.items():
         for label, p in procs.items():
             ref = haproxy.get(SIDE.get(label, label), {}).get("total")
             x = p["total"] / ref if ref and arm != "haproxy" else None
-            exited = f" ({p['threads_exited']} thread(s) exited: see user+sys)" if p["threads_exited"] else ""
             lines.append(f"| {arm} | {label} | {units[arm]:.0f} | {p['user']:.3f} | {p['sys']:.3f} | "
-                         f"{p['total']:.3f}{exited} | {f'{x:.2f}' if x else '-'} |")
+                         f"{p['total']:.3f} | {f'{x:.2f}' if x else '-'} |")
             if is_rpcguard(arm) and phase == "gen" and x is not None:
                 checks.append((f"[issue 12] CPU per token of {arm} {label} <= {CPU_VS_HAPROXY_MAX}x HAProxy's, "
                                f"{name}", x <= CPU_VS_HAPROXY_MAX,

@@ -5,6 +5,7 @@ run by bench/run.py, never by pytest."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,36 +14,50 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import arms  # noqa: E402
 import baseline  # noqa: E402
 import cpuacct  # noqa: E402
 import report  # noqa: E402
 
 
-def sample(user: float, sys_: float, threads: dict[int, int]) -> dict:
-    return {"user_s": user, "sys_s": sys_, "threads": threads}
+def sample(user: float, sys_: float, exact: float) -> dict:
+    return {"user_s": user, "sys_s": sys_, "exact_s": exact}
 
 
-def test_delta_counts_new_threads_from_zero_and_flags_exited_ones():
-    before = {"serve": sample(1.0, 0.5, {10: 2_000_000_000, 11: 500_000_000})}
-    after = {"serve": sample(1.25, 0.6, {10: 2_250_000_000, 12: 10_000_000})}
-    d = cpuacct.delta(before, after)["serve"]
-    assert d["user_s"] == pytest.approx(0.25)
-    assert d["sys_s"] == pytest.approx(0.1)
-    assert d["run_s"] == pytest.approx(0.26)  # 0.25 s on thread 10 + 0.01 s on the new thread 12
-    assert d["threads_exited"] == 1  # thread 11's last slice is only in user/sys
+def test_delta_gives_tick_and_exact_cpu_per_process():
+    d = cpuacct.delta({"serve": sample(1.0, 0.5, 1.61)}, {"serve": sample(1.25, 0.6, 1.9725)})["serve"]
+    assert d == {"user_s": pytest.approx(0.25), "sys_s": pytest.approx(0.1), "run_s": pytest.approx(0.3625)}
 
 
 def test_delta_leaves_out_a_process_gone_at_either_end():
-    before = {"a": sample(0, 0, {1: 0}), "b": None}
-    after = {"a": None, "b": sample(1, 1, {2: 5})}
+    before = {"a": sample(0, 0, 0), "b": None}
+    after = {"a": None, "b": sample(1, 1, 2)}
     assert cpuacct.delta(before, after) == {}
+
+
+def test_cpu_sample_counts_the_time_of_threads_that_exited():
+    """The exact figure is the process CPU clock: a thread's time stays after the thread ends
+    (per-thread counters would lose it: stunnel runs each connection in a thread)."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, threading, time\n"
+        "def burn():\n    t = time.process_time()\n    while time.process_time() - t < 0.2: pass\n"
+        "th = threading.Thread(target=burn); th.start(); th.join()\n"
+        "print('done', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        got = arms.cpu_sample(child.pid)
+        assert got is not None and got["exact_s"] >= 0.2
+        assert got["user_s"] + got["sys_s"] >= 0.1  # ticks, coarser, but the same order
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    assert arms.cpu_sample(child.pid) is None  # reaped: gone
 
 
 def test_tally_sums_phases_and_per_unit_divides_by_the_units_of_work():
     tally = cpuacct.Tally()
     for _ in range(2):
-        tally.add("haproxy", "gen", {"client-side": {"user_s": 0.02, "sys_s": 0.01, "run_s": 0.032,
-                                                     "threads_exited": 0}}, 128)
+        tally.add("haproxy", "gen", {"client-side": {"user_s": 0.02, "sys_s": 0.01, "run_s": 0.032}}, 128)
     slot = tally.sums["haproxy"]["gen"]
     assert slot["units"] == 256 and slot["reps"] == 2
     per = cpuacct.per_unit(slot)["client-side"]
