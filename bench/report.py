@@ -134,8 +134,10 @@ def _baseline_lines(name: str, wl: dict, res: dict, base: str, tolerance: float,
                    f"{f'{statistics.median(pairs):.3f}' if pairs else '-'} ({spread}, n={len(pairs)}) | "
                    + " / ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + " |")
     if med is not None:
+        slower = sum(1 for p in pairs if p < 1)
         checks.append((f"[issue 10] no regression against {base}, {name}", med >= 1 - tolerance,
-                       f"speed ratio {med:.3f} (>= {1 - tolerance:.2f}; per-rep {spread})"))
+                       f"speed ratio {med:.3f} (>= {1 - tolerance:.2f}; per-rep {spread}, slower in {slower} of "
+                       f"{len(pairs)})"))
     return [f"\nworking tree against {base}: speed ratio of medians {f'{med:.3f}' if med else '-'} "
             f"(> 1: the working tree is faster), per repetition {spread}; CPU per {wl['cpu_unit']} "
             + ", ".join(f"{k} {v:.2f}x" for k, v in cpu.items())]
