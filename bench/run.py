@@ -52,56 +52,13 @@ import cpuacct  # noqa: E402
 import machine  # noqa: E402
 import protoclient  # noqa: E402
 from report import fmt, report  # noqa: E402
+from workloads import CACHE, DEFAULT_WORKLOADS, WORKLOADS, Workload, model_path, offloaded_bytes  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 
 MIB = 1024 * 1024
-CACHE = Path(os.environ.get("RPCGUARD_BENCH_CACHE") or Path.home() / ".cache" / "rpcguard-bench")
 RESULTS = BENCH / "results"
 CLIENT_TIMEOUT_S = 300  # one real client run (the 400 MB load takes ~1-5 s; this is a hang guard)
-
-# name -> make_tiny_model.py arguments (weights from --seed 0, so files are reproducible)
-MODELS = {
-    "tiny": [],  # 0.6 MB f32
-    "bench": ["--preset", "bench"],  # ~105 MB f16, largest tensor 5.8 MB
-    "load400": ["--preset", "bench", "--n-layer", "16"],  # ~413 MB f16, same tensor sizes as bench
-    # ~440 MB f16 with three 134 MB FFN tensors: one SET_TENSOR frame of 134 MB each
-    "bigtensor": ["--preset", "bigtensor", "--n-embd", "2048", "--n-ff", "32768", "--n-layer", "1"],
-}
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    title: str
-    kind: str  # "client" (real llama.cpp), "bulk", "ping" or "burst" (bench/protoclient.py)
-    unit: str
-    higher_better: bool
-    reps: int
-    quick_reps: int
-    model: str = ""
-    n_tokens: int = 0
-    target: float | None = None  # minimum rpcguard/direct ratio (issue 4)
-    cpu_phase: str = "all"  # the phase whose proxy CPU is reported (bench/cpuacct.py): load, gen, all
-    cpu_unit: str = "repetition"  # the unit of work CPU is divided by
-
-
-WORKLOADS = {w.name: w for w in (
-    Workload("load", "model load, ~413 MB f16 (offloaded MB / Llama() seconds)", "client", "MB/s", True,
-             7, 2, "load400", 4, 0.6, "load", "MB"),
-    Workload("gen100", "generation, ~105 MB model, 64 tokens (tok/s after the first)", "client", "tok/s", True,
-             7, 2, "bench", 64, 0.97, "gen", "token"),
-    Workload("gentiny", "generation, tiny 0.6 MB model, 128 tokens (tok/s after the first)", "client", "tok/s",
-             True, 15, 3, "tiny", 128, 0.75, "gen", "token"),
-    Workload("bulk", "synthetic SET_TENSOR upload, 512 MiB in 8 MiB frames", "bulk", "MB/s", True, 5, 2,
-             cpu_unit="MB"),
-    Workload("ping", "synthetic GET_ALIGNMENT round trip, 2000 pings (median of the run)", "ping", "us", False,
-             5, 2, cpu_unit="round trip"),
-    Workload("burst", "synthetic decode-step shape: 5 small SET_TENSOR + GET_TENSOR round trip, 1000 steps",
-             "burst", "us", False, 5, 2, cpu_unit="step"),
-    Workload("rss", "rpcguard peak RSS vs tensor size (fresh pair per case)", "rss", "MB", False, 1, 1),
-)}
-DEFAULT_WORKLOADS = ("load", "gen100", "gentiny", "bulk", "ping", "burst", "rss")
 
 
 @dataclass
@@ -115,21 +72,6 @@ class Run:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def model_path(name: str) -> Path:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    return realpeer.make_model(CACHE / f"{name}.gguf", *MODELS[name])
-
-
-def offloaded_bytes(path: Path) -> int:
-    """Bytes llama.cpp uploads over RPC (all tensors but token_embd), cached beside the model."""
-    side = path.with_suffix(".bytes")
-    if side.exists() and side.stat().st_mtime >= path.stat().st_mtime:
-        return int(side.read_text())
-    n = realpeer.gguf_tensor_bytes(path)
-    side.write_text(str(n))
-    return n
-
-
 def start_arm_retry(arm: str, work: Path, pki: Pki, args, tag: str) -> armlib.ArmStack:
     """Start an arm; one retry, since a free port picked by bind(0) can be taken by another job."""
     kw = {"profile_dir": args.profile, "profile_tag": tag, "profiler": args.profiler,
