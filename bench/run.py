@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh-every", type=int, default=1, metavar="N",
                     help="start a fresh server and proxy pair for every arm every N repetitions (default 1: "
                          "each repetition; 0: one instance per workload). Two instances of the same code "
-                         "can differ by 1.5x in CPU per operation for their whole life (docs/performance.md)")
+                         "can differ by up to 1.6x in CPU per operation for their whole life "
+                         "(docs/performance.md)")
     ap.add_argument("--reps", type=int, help="repetitions per workload (overrides the defaults and --quick)")
     ap.add_argument("--max-minutes", type=float, default=45.0,
                     help="time budget: no new repetition starts after this (default 45)")
