@@ -49,7 +49,8 @@ _I = struct.Struct("<i")
 
 def f32(i32: int) -> float:
     """An op_param slot (int32 on the wire) read as the float ggml_set_op_params stored there."""
-    return _F.unpack(_I.pack(i32))[0]
+    value: float = _F.unpack(_I.pack(i32))[0]
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,7 @@ def _types(node: RpcTensor, op: str, allowed: frozenset[int], *ts: RpcTensor) ->
 
 
 def _same(a: RpcTensor) -> tuple[int, int, int, int]:
-    return a.ne  # type: ignore[no-any-return]
+    return a.ne
 
 
 def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...]:
@@ -586,7 +587,7 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
     if op == UNARY_OP_XIELU:
         _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
-        return New(a.type, a.ne)
+        return (New(a.type, a.ne),)
     return _dup_or_inplace(a)
 
 
