@@ -34,7 +34,7 @@ from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["OpRule", "New", "View", "RULES", "rule_for", "contiguous_nb", "is_contiguous", "refuse"]
 
-F32, F16, Q8_0, I8, I16, I32, I64, BF16 = 0, 1, 8, 24, 25, 26, 27, 30
+F32, F16, I8, I16, I32, I64, BF16 = 0, 1, 24, 25, 26, 27, 30
 FLOAT = frozenset({F32, F16, BF16})
 F32_F16 = frozenset({F32, F16})
 ONLY_F32 = frozenset({F32})
@@ -156,10 +156,6 @@ def _types(node: RpcTensor, op: str, allowed: frozenset[int], *ts: RpcTensor) ->
 
 
 # -- shared shapes ---------------------------------------------------------------------------
-
-
-def _same(a: RpcTensor) -> tuple[int, int, int, int]:
-    return a.ne
 
 
 def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...]:

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mypy_clean(request):
-    cache = request.config.cache.mkdir("mypy") if request.config.cache is not None else ROOT / ".mypy_cache"
+    pytest_cache = getattr(request.config, "cache", None)  # absent with -p no:cacheprovider
+    cache = pytest_cache.mkdir("mypy") if pytest_cache is not None else ROOT / ".mypy_cache"
     p = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(cache),
          "--no-error-summary", "--hide-error-context", "--no-color-output"],
