@@ -1,7 +1,7 @@
 """Record a real llama.cpp session, and replay (mutated) sessions through `rpcguard serve`.
 
 How this works: ``record`` runs the real llama.cpp client (tests/realpeer/rpc_client_smoke.py)
-through bench/validation_bench.py's ``CaptureRelay`` in front of a server and keeps the longest
+through a ``CaptureRelay`` (tests/support/capture.py) in front of a server and keeps the longest
 connection (the model session) as a ``wire.Session``. ``Replayer.run`` is an authenticated
 attacker: it opens mTLS to ``serve`` (enforce mode, default policy), sends the frames one by
 one with recorded handles and pointers translated to the live ones (``wire.Remap``), reads every
@@ -27,6 +27,7 @@ from pathlib import Path
 from rpcguard.protocol.versions import REFUSAL_REASONS
 from tests.fuzz.wire import CMD, Frame, Remap, Session, frame_bytes, parse_session
 from tests.support import realpeer
+from tests.support.capture import CaptureRelay
 from tests.support.guard import Guard, Pki
 
 __all__ = ["record", "Replayer", "Ending"]
@@ -36,8 +37,6 @@ PROBE = struct.pack("<BQI", CMD["GET_ALIGNMENT"], 4, 0)
 
 def record(server_port: int, model: Path, *, n_tokens: int = 3) -> Session:
     """The model session of one real llama.cpp run against 127.0.0.1:server_port."""
-    from bench.validation_bench import CaptureRelay  # the same capture relay the firewall bench uses
-
     relay = CaptureRelay(server_port)
     try:
         run = realpeer.run_client(f"127.0.0.1:{relay.port}", model, n=n_tokens, timeout=300)
