@@ -559,7 +559,7 @@ def test_flood_slowloris_garbage_while_a_real_session_runs(pki, rpc_server, guar
     def stalled_frame(s: socket.socket) -> socket.socket:
         s = mtls(s)
         s.sendall(encode.hello_request())
-        assert s.recv(36)[8:11] == V7
+        assert tuple(s.recv(36)[8:11]) == V7
         return s
 
     garbage = bytes([0x47]) + os.urandom(1023)  # never a TLS record (0x14-0x17 would be)
