@@ -29,6 +29,7 @@ from tests.fuzz.wire import CMD, Frame, Remap, Session, frame_bytes, parse_sessi
 from tests.support import realpeer
 from tests.support.capture import CaptureRelay
 from tests.support.guard import Guard, Pki
+from tests.support.rawclient import read_response
 
 __all__ = ["record", "Replayer", "Ending"]
 
@@ -117,7 +118,7 @@ class Replayer:
             s = self.ctx.wrap_socket(raw, server_hostname=self.node)
             peer = "%s:%d" % s.getsockname()[:2]
             s.sendall(struct.pack("<BQ", CMD["HELLO"], 24) + bytes(24))
-            answer = _read_frame(s)
+            answer = read_response(s)
             if answer[:2] != b"\x00\x00":
                 return s, peer
             s.close()
@@ -140,10 +141,10 @@ class Replayer:
                 s.sendall(frame_bytes(f, remap.apply(f)))
                 sent += 1
                 if f.expects_answer():
-                    remap.learn(f, f, _read_frame(s))
+                    remap.learn(f, f, read_response(s))
             if probe:
                 s.sendall(PROBE)
-                _read_frame(s)
+                read_response(s)
         except (socket.timeout, TimeoutError):
             ending = "timeout"
         except (ConnectionError, ssl.SSLError, EOFError, OSError):
@@ -155,19 +156,3 @@ class Replayer:
                 pass
         rec = self._record_of(peer)
         return Ending(ending, rec.get("result") or "?", rec.get("reason") or "-", sent, time.monotonic() - t0)
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise EOFError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(s: socket.socket) -> bytes:
-    (n,) = struct.unpack("<Q", _recv_exact(s, 8))
-    return _recv_exact(s, n)
-

@@ -17,11 +17,31 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.encode import TensorSpec
 from tests.support.guard import Pki
 
-__all__ = ["RawClient", "mtls_context", "mtls_socket", "V7", "TIMEOUT_S"]
+__all__ = ["RawClient", "PeerClosed", "recv_exact", "read_response", "mtls_context", "mtls_socket", "V7", "TIMEOUT_S"]
 
 V7 = (7, 0, 0)
 TIMEOUT_S = 10.0
 RECV_MAX_BYTES = 1 << 20
+
+
+class PeerClosed(EOFError, ConnectionError):
+    """The peer closed the connection before a whole message came (an EOFError and a ConnectionError)."""
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; PeerClosed if it ends first."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(n - len(out), RECV_MAX_BYTES))
+        if not chunk:
+            raise PeerClosed(f"closed after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One response's payload (``size:u64 | payload``)."""
+    return recv_exact(sock, struct.unpack("<Q", recv_exact(sock, 8))[0])
 
 
 def mtls_context(pki: Pki) -> ssl.SSLContext:
@@ -57,16 +77,10 @@ class RawClient:
         return c
 
     def recv_exact(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            chunk = self.sock.recv(min(n - len(out), RECV_MAX_BYTES))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-            out += chunk
-        return bytes(out)
+        return recv_exact(self.sock, n)
 
     def response(self) -> bytes:
-        return self.recv_exact(struct.unpack("<Q", self.recv_exact(8))[0])
+        return read_response(self.sock)
 
     def hello(self) -> tuple[int, int, int]:
         """Send the 7.0.0 HELLO; the version the answer carries (0.0.N when refused)."""
