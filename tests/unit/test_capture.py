@@ -57,30 +57,30 @@ def test_the_server_can_still_answer_after_the_client_left():
         ls.close()
 
 
+def _echo_once(ls: socket.socket) -> None:
+    conn, _ = ls.accept()
+    with conn:
+        while data := conn.recv(64):
+            conn.sendall(data.upper())
+
+
 def test_records_both_directions_in_order_or_one_only():
-    ls = socket.create_server(("127.0.0.1", 0))
-
-    def echo() -> None:
-        conn, _ = ls.accept()
-        with conn:
-            while data := conn.recv(64):
-                conn.sendall(data.upper())
-
-    threading.Thread(target=echo, daemon=True).start()
-    for directions, want in (((C2S, S2C), [(C2S, b"ab"), (S2C, b"AB")]), ((C2S,), [(C2S, b"ab")])):
-        relay = CaptureRelay(ls.getsockname()[1], directions)
-        try:
-            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as c:
-                c.sendall(b"ab")
-                assert c.recv(64) == b"AB"
-            deadline = time.monotonic() + 5
-            while relay.conns[0].ended < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert relay.conns[0].chunks == want and relay.conns[0].s2c == 2
-        finally:
-            relay.close()
-        threading.Thread(target=echo, daemon=True).start()
-    ls.close()
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        for directions, want in (((C2S, S2C), [(C2S, b"ab"), (S2C, b"AB")]), ((C2S,), [(C2S, b"ab")])):
+            echo = threading.Thread(target=_echo_once, args=(ls,), daemon=True)
+            echo.start()
+            relay = CaptureRelay(ls.getsockname()[1], directions)
+            try:
+                with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as c:
+                    c.sendall(b"ab")
+                    assert c.recv(64) == b"AB"
+                echo.join(5)
+                deadline = time.monotonic() + 5
+                while relay.conns[0].ended < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert relay.conns[0].chunks == want and relay.conns[0].s2c == 2
+            finally:
+                relay.close()
 
 
 def test_a_refused_target_closes_the_client_side():
