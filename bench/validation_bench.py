@@ -51,13 +51,10 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,76 +66,14 @@ from rpcguard.protocol.session import Session, SessionPolicy  # noqa: E402
 from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
 from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, spec_for  # noqa: E402
 from tests.support import realpeer  # noqa: E402
+from tests.support.capture import C2S, S2C, CaptureRelay  # noqa: E402  (the relay the op survey and the fuzzer use)
 
 CACHE = Path(os.environ.get("RPCGUARD_BENCH_CACHE") or Path.home() / ".cache" / "rpcguard-bench")
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
-C2S, S2C = 0, 1
 # The replay feeds recorded server answers: the session must not inject frames of its own
 # (BUFFER_CLEAR after ALLOC_BUFFER is answered before 6.0.0, and the recording has no answer).
 FULL = SessionPolicy(clear_new_buffers=False)
 FRAMING_ONLY = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset(CHECK_NAMES)), clear_new_buffers=False)
-
-
-# ------------------------------------------------------------------------------ capture relay
-@dataclass
-class Conn:
-    chunks: list[tuple[int, bytes]] = field(default_factory=list)  # (direction, bytes) in order
-    c2s: int = 0
-    s2c: int = 0
-
-
-class CaptureRelay:
-    """Plain TCP relay 127.0.0.1:port -> target that records every chunk of every connection.
-
-    A chunk is recorded before it is forwarded, so a response is always recorded after the
-    request that caused it: the recorded order is a valid order to replay into a Session."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self.conns: list[Conn] = []
-        self._lock = threading.Lock()
-        self._ls = socket.create_server(("127.0.0.1", 0))
-        self.port = self._ls.getsockname()[1]
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            s = socket.create_connection(("127.0.0.1", self.target))
-            for x in (c, s):
-                x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn()
-            with self._lock:
-                self.conns.append(conn)
-            threading.Thread(target=self._pump, args=(c, s, conn, C2S), daemon=True).start()
-            threading.Thread(target=self._pump, args=(s, c, conn, S2C), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, conn: Conn, direction: int) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                with self._lock:
-                    conn.chunks.append((direction, data))
-                    if direction == C2S:
-                        conn.c2s += len(data)
-                    else:
-                        conn.s2c += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop = True
-        self._ls.close()
 
 
 # ------------------------------------------------------------------------------ replay

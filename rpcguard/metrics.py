@@ -29,9 +29,10 @@ import platform
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
+from typing import TypedDict, cast
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
@@ -143,7 +144,20 @@ class ListenerTraffic:
         return agg
 
 
-def _families() -> dict[str, CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+# The kind of every family, so that each ``add_metric`` call is checked against its own signature.
+_C = CounterMetricFamily
+_G = GaugeMetricFamily
+_H = HistogramMetricFamily
+_Families = TypedDict("_Families", {
+    "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
+    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C,
+    "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
+    "reload_time": _G, "queue": _G,
+    "duration": _H,
+})
+
+
+def _families() -> _Families:
     """One empty family per metric of the design table, in table order."""
     rl = ["role", "listener"]
     c, g = CounterMetricFamily, GaugeMetricFamily
@@ -187,17 +201,22 @@ def _families() -> dict[str, CounterMetricFamily | GaugeMetricFamily | Histogram
     }
 
 
+def _all(f: _Families) -> Iterator[Metric]:
+    # a TypedDict's values() is typed as object; every value here is a family (a Metric)
+    return iter(cast("list[Metric]", list(f.values())))
+
+
 class _Collector:
     """Builds the metric families from a :class:`Metrics` at scrape time."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
-    def describe(self) -> Iterator:
+    def describe(self) -> Iterator[Metric]:
         # Lets the registry reject a second collector exporting the same names.
-        return iter(_families().values())
+        return _all(_families())
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         m = self._metrics
         f = _families()
         for lt in tuple(m._listeners.values()):
@@ -213,10 +232,10 @@ class _Collector:
         f["reload_time"].add_metric([m.role], m.reload_last_success_s)
         for reason, n in m.web_refusals.items():
             f["web"].add_metric([m.role, reason], n)
-        return iter(f.values())
+        return _all(f)
 
     @staticmethod
-    def _listener(f: dict, lt: ListenerTraffic) -> None:
+    def _listener(f: _Families, lt: ListenerTraffic) -> None:
         agg = lt.snapshot()
         rl = [lt.role, lt.listener]
         known = lt.command_names

@@ -92,8 +92,9 @@ async def _open(host: str, port: int, ctx: ssl.SSLContext, server_name: str, tim
     except ssl.SSLError as exc:  # CertificateError is an SSLError too
         raise _tls_failure(exc, "TLS handshake with the node failed") from None
     except (OSError, asyncio.TimeoutError) as exc:
-        if isinstance(exc.__cause__ or exc.__context__, ssl.SSLError):
-            raise _tls_failure(exc.__cause__ or exc.__context__, "TLS handshake with the node failed") from None
+        inner = exc.__cause__ or exc.__context__
+        if isinstance(inner, ssl.SSLError):
+            raise _tls_failure(inner, "TLS handshake with the node failed") from None
         if isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError):
             # TCP was accepted, then closed during the handshake (the data path says the same)
             raise _Failed("node_unreachable", "the node closed the connection during the TLS handshake "
@@ -118,8 +119,9 @@ async def _read(reader: asyncio.StreamReader, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         raise  # an OSError too since Python 3.11: the callers tell silence from a close
     except (ConnectionError, OSError) as exc:
-        if isinstance(exc.__cause__ or exc.__context__, ssl.SSLError):
-            raise _tls_failure(exc.__cause__ or exc.__context__, "the node refused the TLS session") from None
+        inner = exc.__cause__ or exc.__context__
+        if isinstance(inner, ssl.SSLError):
+            raise _tls_failure(inner, "the node refused the TLS session") from None
         return b""  # reset: the same as a close for what it tells
 
 
@@ -198,7 +200,8 @@ async def probe_node(
         return ProbeResult(name, address, False, reason=session.node_refusal,
                            detail="refused by the node's rpcguard (its log says why)")
     count = session.state.upstream.device_count
-    return ProbeResult(name, address, True, version=format_version(session.version), devices=count or 1)
+    return ProbeResult(name, address, True, version=format_version(session.version) if session.version else None,
+                       devices=count or 1)
 
 
 async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server_name: str, *,

@@ -17,6 +17,7 @@ import asyncio
 import os
 import socket
 import time
+from typing import Mapping
 
 __all__ = ["Notifier", "monotonic_usec"]
 
@@ -40,9 +41,10 @@ class Notifier:
         self._sock: socket.socket | None = None
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> Notifier:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Notifier:
         """From ``NOTIFY_SOCKET`` and ``WATCHDOG_USEC`` (honouring ``WATCHDOG_PID``)."""
-        env = os.environ if env is None else env
+        if env is None:
+            env = os.environ
         usec = env.get("WATCHDOG_USEC", "")
         pid = env.get("WATCHDOG_PID", "")
         watchdog = int(usec) if usec.isdigit() and (not pid or pid == str(os.getpid())) else 0

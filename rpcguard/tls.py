@@ -136,7 +136,7 @@ def client_context(
 
 def classify_handshake_error(exc: BaseException) -> str:
     """Stable reason for a failed handshake (or the first read after it); see docs/design.md."""
-    texts = []
+    texts: list[str] = []
     seen: BaseException | None = exc
     while seen is not None and len(texts) < 4:  # the exception and a few causes (asyncio wraps)
         if isinstance(seen, (TimeoutError, asyncio.TimeoutError)):

@@ -8,7 +8,7 @@ All integers are little-endian and packed, as on the wire (spec §2.1).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rpcguard.protocol.versions import COMMAND_IDS, HELLO, TENSOR_BYTES, Version
 
@@ -52,7 +52,6 @@ class TensorSpec:
     use_count: int = 0
     type_size: int = 4  # used only to derive default strides
     blck_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def strides(self) -> tuple[int, int, int, int]:
         if self.nb is not None:

@@ -26,8 +26,8 @@ from typing import Callable
 __all__ = ["FrameReader"]
 
 # plan(header fields) -> (head_len, body_len); raises a Refusal to reject the frame.
-Plan = Callable[[tuple], tuple[int, int]]
-OnFrame = Callable[[tuple, memoryview, memoryview], None]
+Plan = Callable[[tuple[int, ...]], tuple[int, int]]
+OnFrame = Callable[[tuple[int, ...], memoryview, memoryview], None]
 OnBody = Callable[[memoryview], None]
 
 
@@ -45,7 +45,7 @@ class FrameReader:
         self._on_body = on_body
         self._buf = bytearray()  # reassembly of a header/head split across reads
         self._need = header.size  # bytes the reassembly buffer must reach
-        self._parsed: tuple | None = None  # header fields once the header is complete
+        self._parsed: tuple[int, ...] | None = None  # header fields once the header is complete
         self._body = 0  # body bytes still to stream
         self._body_after = 0  # body length of the frame being reassembled
 

@@ -31,7 +31,7 @@ from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
 from operator import ge, gt, lt
-from typing import Callable, Mapping
+from typing import Callable, Literal, Mapping
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
@@ -78,13 +78,13 @@ _SELF_SRC = 1  # the one src slot a real graph may point back at its own tensor 
 _I_NE0 = 5  # ne[0] @20: u32 word 5 of an rpc_tensor (id u64, type u32, buffer u64 come first)
 
 
-def _empty(ne: memoryview | array, p: int) -> bool:
+def _empty(ne: memoryview[int] | array[int], p: int) -> bool:
     """Whether tensor ``p`` of the list has a zero in ne[0..3] (ggml-cpu never computes it)."""
     at = p * _I + _I_NE0
     return not (ne[at] and ne[at + 1] and ne[at + 2] and ne[at + 3])
 
 
-def _u64(view: memoryview) -> memoryview | array:
+def _u64(view: memoryview) -> memoryview[int] | array[int]:
     if _LITTLE:
         return view.cast("Q")
     a = array("Q", view.tobytes())
@@ -92,7 +92,7 @@ def _u64(view: memoryview) -> memoryview | array:
     return a
 
 
-def _u32(view: memoryview, code: str = "I") -> memoryview | array:
+def _u32(view: memoryview, code: Literal["I", "i"] = "I") -> memoryview[int] | array[int]:
     if _LITTLE:
         return view.cast(code)
     a = array(code, view.tobytes())
@@ -342,7 +342,7 @@ class GraphValidator:
         getp = pos.get
         for column in srcs[:GGML_MAX_SRC]:
             touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
-        touched.discard(pos.get(0))  # type: ignore[arg-type]
+        touched.discard(pos.get(0))
         cache = state.layout_cache.setdefault(device, set())
         for i, q in enumerate(touched):
             if not i & _BUDGET_STRIDE:

@@ -34,7 +34,7 @@ from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["OpRule", "New", "View", "RULES", "rule_for", "contiguous_nb", "is_contiguous", "refuse"]
 
-F32, F16, Q8_0, I8, I16, I32, I64, BF16 = 0, 1, 8, 24, 25, 26, 27, 30
+F32, F16, I8, I16, I32, I64, BF16 = 0, 1, 24, 25, 26, 27, 30
 FLOAT = frozenset({F32, F16, BF16})
 F32_F16 = frozenset({F32, F16})
 ONLY_F32 = frozenset({F32})
@@ -49,7 +49,8 @@ _I = struct.Struct("<i")
 
 def f32(i32: int) -> float:
     """An op_param slot (int32 on the wire) read as the float ggml_set_op_params stored there."""
-    return _F.unpack(_I.pack(i32))[0]
+    value: float = _F.unpack(_I.pack(i32))[0]
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +156,6 @@ def _types(node: RpcTensor, op: str, allowed: frozenset[int], *ts: RpcTensor) ->
 
 
 # -- shared shapes ---------------------------------------------------------------------------
-
-
-def _same(a: RpcTensor) -> tuple[int, int, int, int]:
-    return a.ne  # type: ignore[no-any-return]
 
 
 def _dup_or_inplace(a: RpcTensor, type_: int | None = None) -> tuple[Result, ...]:
@@ -586,7 +583,7 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(a.nb0 == TYPES[a.type].type_size, n, "UNARY", "rows")
     if op == UNARY_OP_XIELU:
         _need(is_contiguous(a, 1), n, "UNARY", "XIELU needs a contiguous_1 source")
-        return New(a.type, a.ne)
+        return (New(a.type, a.ne),)
     return _dup_or_inplace(a)
 
 

@@ -58,10 +58,6 @@ class Buffer:
     size: int
     base: int | None = None  # learned from BUFFER_GET_BASE
 
-    def contains(self, start: int, length: int) -> bool:
-        """True when ``[start, start+length)`` lies inside the buffer (base must be known)."""
-        return self.base is not None and self.base <= start and start + length <= self.base + self.size
-
 
 @dataclass(slots=True)
 class SessionState:

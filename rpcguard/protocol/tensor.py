@@ -20,8 +20,7 @@ Rules (reason strings are stable, see docs/design.md):
 
 from __future__ import annotations
 
-from collections import namedtuple
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import TENSOR_STRUCT
@@ -61,28 +60,67 @@ FLAGS_MASK = 0x1F  # INPUT, OUTPUT, PARAM, LOSS, COMPUTE; other bits are undefin
 # 65536 entries is about 30 MB, several times the tensors of one large-model graph.
 TENSOR_CACHE_MAX = 1 << 16
 
-_FIELDS = (
-    ["id", "type", "buffer", "ne0", "ne1", "ne2", "ne3", "nb0", "nb1", "nb2", "nb3", "op"]
-    + [f"param{i}" for i in range(16)]
-    + ["flags"]
-    + [f"src{i}" for i in range(10)]
-    + ["view_src", "view_offs", "data", "name", "use_count"]
-)
-_Base = namedtuple("_Base", _FIELDS)  # type: ignore[misc]
 
+class RpcTensor(NamedTuple):
+    """One decoded ``rpc_tensor`` (spec §3.1); fields flat, in wire order, ``name`` is 64 raw bytes.
 
-class RpcTensor(_Base):
-    """One decoded ``rpc_tensor`` (spec §3.1); fields flat, in wire order, ``name`` is 64 raw bytes."""
+    Written out field by field so that the type checker knows each one; at run time this is the
+    same ``collections.namedtuple`` class as before (tuple equality, hashing, ``_make``, pickling
+    by value), which ``tests/unit/test_tensor_class.py`` compares with the computed-field version.
+    """
 
-    __slots__ = ()
+    id: int
+    type: int
+    buffer: int
+    ne0: int
+    ne1: int
+    ne2: int
+    ne3: int
+    nb0: int
+    nb1: int
+    nb2: int
+    nb3: int
+    op: int
+    param0: int
+    param1: int
+    param2: int
+    param3: int
+    param4: int
+    param5: int
+    param6: int
+    param7: int
+    param8: int
+    param9: int
+    param10: int
+    param11: int
+    param12: int
+    param13: int
+    param14: int
+    param15: int
+    flags: int
+    src0: int
+    src1: int
+    src2: int
+    src3: int
+    src4: int
+    src5: int
+    src6: int
+    src7: int
+    src8: int
+    src9: int
+    view_src: int
+    view_offs: int
+    data: int
+    name: bytes
+    use_count: int
 
     @property
     def ne(self) -> tuple[int, int, int, int]:
-        return self[3:7]  # type: ignore[return-value]
+        return self[3:7]
 
     @property
     def nb(self) -> tuple[int, int, int, int]:
-        return self[7:11]  # type: ignore[return-value]
+        return self[7:11]
 
     @property
     def op_params(self) -> tuple[int, ...]:
@@ -95,7 +133,7 @@ class RpcTensor(_Base):
 
 _make = RpcTensor._make
 _unpack_from = TENSOR_STRUCT.unpack_from
-assert len(_FIELDS) == len(TENSOR_STRUCT.unpack(bytes(TENSOR_BYTES)))
+assert len(RpcTensor._fields) == len(TENSOR_STRUCT.unpack(bytes(TENSOR_BYTES)))
 
 
 def decode_tensor(buf: memoryview | bytes, offset: int = 0) -> RpcTensor:

@@ -23,6 +23,7 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.tensor import decode_tensor, nbytes
 from tests.support import realpeer
 from tests.support.ggmlref import BUFFER_BASE, Built, build_many
+from tests.support.rawclient import read_response
 
 V7 = (7, 0, 0)
 ROPE_TAIL = [10000.0, 1.0, 0.0, 1.0, 32.0, 1.0]
@@ -33,19 +34,9 @@ def rope(n_dims: int) -> dict:
             "ops": [{"fn": "rope_ext", "args": [0, 1, None, n_dims, 0, 4096, *ROPE_TAIL]}]}  # fmt: skip
 
 
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise EOFError(f"closed after {len(out)} of {n} bytes")
-        out += chunk
-    return out
-
-
 def call(s: socket.socket, cmd: str, payload: bytes) -> bytes:
     s.sendall(encode.request(cmd, payload))
-    return recv_exact(s, struct.unpack("<Q", recv_exact(s, 8))[0])
+    return read_response(s)
 
 
 def rebased(b: Built, handle: int, base: int) -> bytes:
@@ -71,7 +62,7 @@ def test_rope_n_dims_past_the_row_aborts_the_real_server(workdir):
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(encode.hello_request(V7))
-            assert recv_exact(s, struct.unpack("<Q", recv_exact(s, 8))[0])[:3] == bytes(V7)
+            assert read_response(s)[:3] == bytes(V7)
             size = max(span(good), span(bad)) + 4096
             handle, got = struct.unpack("<QQ", call(s, "ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
             assert handle and got >= size

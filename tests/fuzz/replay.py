@@ -1,7 +1,7 @@
 """Record a real llama.cpp session, and replay (mutated) sessions through `rpcguard serve`.
 
 How this works: ``record`` runs the real llama.cpp client (tests/realpeer/rpc_client_smoke.py)
-through bench/validation_bench.py's ``CaptureRelay`` in front of a server and keeps the longest
+through a ``CaptureRelay`` (tests/support/capture.py) in front of a server and keeps the longest
 connection (the model session) as a ``wire.Session``. ``Replayer.run`` is an authenticated
 attacker: it opens mTLS to ``serve`` (enforce mode, default policy), sends the frames one by
 one with recorded handles and pointers translated to the live ones (``wire.Remap``), reads every
@@ -27,7 +27,9 @@ from pathlib import Path
 from rpcguard.protocol.versions import REFUSAL_REASONS
 from tests.fuzz.wire import CMD, Frame, Remap, Session, frame_bytes, parse_session
 from tests.support import realpeer
+from tests.support.capture import CaptureRelay
 from tests.support.guard import Guard, Pki
+from tests.support.rawclient import read_response
 
 __all__ = ["record", "Replayer", "Ending"]
 
@@ -36,8 +38,6 @@ PROBE = struct.pack("<BQI", CMD["GET_ALIGNMENT"], 4, 0)
 
 def record(server_port: int, model: Path, *, n_tokens: int = 3) -> Session:
     """The model session of one real llama.cpp run against 127.0.0.1:server_port."""
-    from bench.validation_bench import CaptureRelay  # the same capture relay the firewall bench uses
-
     relay = CaptureRelay(server_port)
     try:
         run = realpeer.run_client(f"127.0.0.1:{relay.port}", model, n=n_tokens, timeout=300)
@@ -118,7 +118,7 @@ class Replayer:
             s = self.ctx.wrap_socket(raw, server_hostname=self.node)
             peer = "%s:%d" % s.getsockname()[:2]
             s.sendall(struct.pack("<BQ", CMD["HELLO"], 24) + bytes(24))
-            answer = _read_frame(s)
+            answer = read_response(s)
             if answer[:2] != b"\x00\x00":
                 return s, peer
             s.close()
@@ -141,10 +141,10 @@ class Replayer:
                 s.sendall(frame_bytes(f, remap.apply(f)))
                 sent += 1
                 if f.expects_answer():
-                    remap.learn(f, f, _read_frame(s))
+                    remap.learn(f, f, read_response(s))
             if probe:
                 s.sendall(PROBE)
-                _read_frame(s)
+                read_response(s)
         except (socket.timeout, TimeoutError):
             ending = "timeout"
         except (ConnectionError, ssl.SSLError, EOFError, OSError):
@@ -156,19 +156,3 @@ class Replayer:
                 pass
         rec = self._record_of(peer)
         return Ending(ending, rec.get("result") or "?", rec.get("reason") or "-", sent, time.monotonic() - t0)
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise EOFError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(s: socket.socket) -> bytes:
-    (n,) = struct.unpack("<Q", _recv_exact(s, 8))
-    return _recv_exact(s, n)
-

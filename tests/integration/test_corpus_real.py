@@ -39,6 +39,7 @@ from rpcguard.protocol.versions import NO_RESPONSE, spec_for
 from tests.corpus import CASES, Case, CaseContext, preamble_frames
 from tests.support import realpeer
 from tests.support.guard import Guard, start_guard
+from tests.support.rawclient import read_response
 
 VERSION = (7, 0, 0)  # the real peer's protocol (llama-cpp-python 0.3.36)
 APPLICABLE = [c for c in CASES if c.applies(VERSION)]
@@ -61,34 +62,19 @@ class Attack:
     ending: str  # "closed" (EOF or reset) or "timeout"
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise EOFError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
-
-
-def _read_response(s: socket.socket) -> bytes:
-    n = struct.unpack("<Q", _recv_exact(s, 8))[0]
-    return _recv_exact(s, n)
-
-
 def attack(s: socket.socket, case: Case) -> Attack:
     """HELLO, preamble, then the case's frames on ``s``; returns what the last frame got back."""
     s.settimeout(READ_TIMEOUT_S)
     s.sendall(encode.hello_request(VERSION))
-    hello = _read_response(s)
+    hello = read_response(s)
     version = (hello[0], hello[1], hello[2])
     assert version == VERSION, f"HELLO answered {version}"
     alloc, get_base = preamble_frames(version)
     s.sendall(alloc)
-    handle, size = struct.unpack("<QQ", _read_response(s))
+    handle, size = struct.unpack("<QQ", read_response(s))
     assert handle, "ALLOC_BUFFER failed"
     s.sendall(get_base[:-8] + struct.pack("<Q", handle))
-    (base,) = struct.unpack("<Q", _read_response(s))
+    (base,) = struct.unpack("<Q", read_response(s))
     ctx = CaseContext(version, handle, base, size)
     frames = case.build(ctx)
     spec = spec_for(version)
@@ -96,7 +82,7 @@ def attack(s: socket.socket, case: Case) -> Attack:
         s.sendall(frame)
         rule = spec.rule(frame[0])
         if rule is not None and rule.response != NO_RESPONSE:
-            _read_response(s)
+            read_response(s)
     tail = b""
     try:
         s.sendall(frames[-1])
@@ -252,7 +238,7 @@ def _hello_probe(port: int) -> bool:
     try:
         with plain(port) as s:
             s.sendall(encode.hello_request(VERSION))
-            return len(_read_response(s)) == 28
+            return len(read_response(s)) == 28
     except (OSError, EOFError):
         return False
 

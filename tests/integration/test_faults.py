@@ -36,10 +36,11 @@ from rpcguard.protocol.encode import TensorSpec, pack_tensor
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import procinfo, realpeer
 from tests.support.guard import start_pair
+from tests.support.rawclient import V7, RawClient, mtls_context
+from tests.support.waiting import wait_for
 
 MiB = 1 << 20
 N_TOKENS = 12
-V7 = bytes([7, 0, 0])
 # Short limits so that every timeout of a scenario fires within a few seconds.
 SHORT_LIMITS = """\
 limits:
@@ -100,15 +101,6 @@ def guards(workdir, pki):
         g.stop()
 
 
-def wait_for(predicate, timeout: float, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step)
-    return True
-
-
 _SPAWNED: list[realpeer.Proc] = []
 
 
@@ -148,51 +140,6 @@ def mismatch(run: realpeer.ClientRun, reason: str) -> None:
     """The real client was refused at HELLO with the 0.0.N answer of ``reason``."""
     assert not run.ok
     assert f"RPC server version mismatch: 0.0.{REFUSAL_CODES[reason]}" in run.output, run.output[-3000:]
-
-
-def tls_context(pki) -> ssl.SSLContext:
-    """What connect presents to serve: the client certificate, the private CA."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(pki.path("ca"))
-    ctx.load_cert_chain(pki.path(pki.client), pki.path(pki.client, "key"))
-    return ctx
-
-
-class RawClient:
-    """A hand-written ggml-rpc 7.0.0 client on connect's loopback port, as llama.cpp would be."""
-
-    def __init__(self, port: int, timeout: float = 10.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-
-    def recv_exact(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            chunk = self.sock.recv(min(n - len(out), 1 << 20))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-            out += chunk
-        return bytes(out)
-
-    def response(self) -> bytes:
-        return self.recv_exact(struct.unpack("<Q", self.recv_exact(8))[0])
-
-    def hello(self) -> bytes:
-        self.sock.sendall(encode.hello_request())
-        return self.response()[:3]
-
-    def alloc(self, size: int) -> TensorSpec:
-        """ALLOC_BUFFER + BUFFER_GET_BASE: an F32 tensor spanning the whole new buffer."""
-        self.sock.sendall(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
-        handle, got = struct.unpack("<QQ", self.response())
-        assert handle and got >= size, (handle, got)
-        self.sock.sendall(encode.request("BUFFER_GET_BASE", struct.pack("<Q", handle)))
-        base = struct.unpack("<Q", self.response())[0]
-        return TensorSpec(buffer=handle, data=base, ne=(size // 4, 1, 1, 1))
-
-    def close(self, reset: bool = False) -> None:
-        if reset:  # like a killed process with unread data: RST instead of FIN
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
 
 
 def slot_free_after(port: int, t0: float) -> float:
@@ -607,12 +554,12 @@ def test_flood_slowloris_garbage_while_a_real_session_runs(pki, rpc_server, guar
     track.baseline()
 
     def mtls(s: socket.socket) -> socket.socket:
-        return tls_context(pki).wrap_socket(s, server_hostname=pki.node)
+        return mtls_context(pki).wrap_socket(s, server_hostname=pki.node)
 
     def stalled_frame(s: socket.socket) -> socket.socket:
         s = mtls(s)
         s.sendall(encode.hello_request())
-        assert s.recv(36)[8:11] == V7
+        assert tuple(s.recv(36)[8:11]) == V7
         return s
 
     garbage = bytes([0x47]) + os.urandom(1023)  # never a TLS record (0x14-0x17 would be)

@@ -16,17 +16,14 @@ valid certificate (issue 9, item 4).
 
 from __future__ import annotations
 
-import socket
-import ssl
 import struct
 from pathlib import Path
 
 from rpcguard.protocol import encode
 from tests.support import realpeer
 from tests.support.guard import Pki, start_guard
+from tests.support.rawclient import RawClient, mtls_socket
 
-V7 = (7, 0, 0)
-TIMEOUT_S = 10.0
 # Small enough that glibc neither mmaps it nor gives the freed heap back to the kernel (both hand
 # out zero pages): a freed buffer's memory, or the server's receive vector of the SET_TENSOR that
 # filled it, is what the next allocation of that size gets.
@@ -34,59 +31,8 @@ SMALL = 16 << 10
 PATTERN = bytes(range(1, 256)) * (SMALL // 255) + bytes(SMALL % 255)
 
 
-class RawClient:
-    """A ggml-rpc client that speaks the protocol itself (what a certificate holder can do)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.s = sock
-        self.s.settimeout(TIMEOUT_S)
-        self.s.sendall(encode.hello_request(V7))
-        assert self.reply()[:3] == bytes(V7)
-
-    def reply(self) -> bytes:
-        n = struct.unpack("<Q", self._exact(8))[0]
-        return self._exact(n)
-
-    def _exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.s.recv(n - len(buf))
-            if not chunk:
-                raise EOFError(f"closed after {len(buf)} of {n} bytes")
-            buf += chunk
-        return buf
-
-    def call(self, cmd: str, payload: bytes = b"") -> bytes:
-        self.s.sendall(encode.request(cmd, payload))
-        return self.reply()
-
-    def alloc(self, size: int) -> tuple[int, int]:
-        handle, size = struct.unpack("<QQ", self.call("ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
-        assert handle
-        (base,) = struct.unpack("<Q", self.call("BUFFER_GET_BASE", struct.pack("<Q", handle)))
-        return handle, base
-
-    def closed_after(self, frame: bytes) -> bool:
-        """Send ``frame``; True when the connection is closed without an answer."""
-        try:
-            self.s.sendall(frame)
-            return self.s.recv(1) == b""
-        except (ConnectionError, ssl.SSLError):
-            return True
-
-    def close(self) -> None:
-        self.s.close()
-
-
 def f32(handle: int, base: int, n_bytes: int) -> bytes:
     return encode.pack_tensor(encode.TensorSpec(buffer=handle, data=base, ne=(n_bytes // 4, 1, 1, 1)))
-
-
-def mtls(pki: Pki, port: int) -> socket.socket:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(pki.path("ca"))
-    ctx.load_cert_chain(pki.path(pki.client), pki.path(pki.client, "key"))
-    return ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S), server_hostname=pki.node)
 
 
 def policy_file(workdir: Path, name: str, policy: str) -> str:
@@ -98,15 +44,17 @@ def policy_file(workdir: Path, name: str, policy: str) -> str:
 def leftover(pki: Pki, serve) -> bytes:
     """Session 1 writes PATTERN into a new buffer and frees it; session 2 allocates the same size
     and reads its buffer: what it gets back."""
-    one = RawClient(mtls(pki, serve.port))
-    h, base = one.alloc(SMALL)
-    one.s.sendall(encode.request("SET_TENSOR", f32(h, base, SMALL) + b"\0" + struct.pack("<Q", 0) + PATTERN))
+    one = RawClient.session(mtls_socket(pki, serve.port))
+    t = one.alloc(SMALL)
+    h, base = t.buffer, t.data
+    one.sock.sendall(encode.request("SET_TENSOR", f32(h, base, SMALL) + b"\0" + struct.pack("<Q", 0) + PATTERN))
     back = one.call("GET_TENSOR", f32(h, base, SMALL) + struct.pack("<QQ", 0, SMALL))
     assert back == PATTERN
-    one.s.sendall(encode.request("FREE_BUFFER", struct.pack("<Q", h)))
+    one.sock.sendall(encode.request("FREE_BUFFER", struct.pack("<Q", h)))
     one.close()
-    two = RawClient(mtls(pki, serve.port))  # waits for the upstream slot: session 1 is over
-    h, base = two.alloc(SMALL)
+    two = RawClient.session(mtls_socket(pki, serve.port))  # waits for the upstream slot: session 1 is over
+    t = two.alloc(SMALL)
+    h, base = t.buffer, t.data
     data = two.call("GET_TENSOR", f32(h, base, SMALL) + struct.pack("<QQ", 0, SMALL))
     two.close()
     return data
@@ -138,10 +86,9 @@ def test_bare_cache_flag_is_refused_before_the_server_writes_a_file(pki, pair, w
         connect, serve = pair(upstream_port=port)
         size = (10 << 20) + 4096
         for target, guard in (("connect", connect), ("serve", serve)):
-            sock = socket.create_connection(("127.0.0.1", connect.port), timeout=TIMEOUT_S) \
-                if target == "connect" else mtls(pki, serve.port)
-            c = RawClient(sock)
-            h, base = c.alloc(16 << 20)
+            c = RawClient.session(connect.port if target == "connect" else mtls_socket(pki, serve.port))
+            t = c.alloc(16 << 20)
+            h, base = t.buffer, t.data
             frame = encode.request("SET_TENSOR", f32(h, base, size) + b"\1" + struct.pack("<Q", 0) + bytes(size))
             assert c.closed_after(frame)
             c.close()
@@ -154,7 +101,7 @@ def test_bare_cache_flag_is_refused_before_the_server_writes_a_file(pki, pair, w
 
 def test_alloc_past_the_device_memory_never_reaches_the_server(pki, pair):
     connect, serve = pair()
-    c = RawClient(socket.create_connection(("127.0.0.1", connect.port), timeout=TIMEOUT_S))
+    c = RawClient.session(connect.port)
     free, total = struct.unpack("<QQ", c.call("GET_DEVICE_MEMORY", struct.pack("<I", 0)))
     assert total > 0
     c.alloc(1 << 20)
@@ -163,7 +110,7 @@ def test_alloc_past_the_device_memory_never_reaches_the_server(pki, pair):
     assert connect.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1
     assert serve.value("rpcguard_frames_total", command="ALLOC_BUFFER", direction="request") == 1
     # serve enforces it on its own too (a client that skips connect).
-    c = RawClient(mtls(pki, serve.port))
+    c = RawClient.session(mtls_socket(pki, serve.port))
     assert c.closed_after(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, total + 1)))
     c.close()
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1

@@ -24,22 +24,12 @@ from rpcguard import certs
 from tests.support import realpeer
 from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import wait_for_line
-from tests.support.k8s import (
-    RPC_SERVER, containers, lay_out_pods, make_issuers, named, pod_specs, reroot, rpc_server_port,
+from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
+    RPC_SERVER, containers, issuers, named, pod_roots, pod_specs, reroot, rpc_server_port,
     rpcguard_containers, secret_certificate, usable_config, web_config_supported,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def issuers(tmp_path_factory) -> dict[str, Path]:
-    return make_issuers(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def pod_roots(tmp_path_factory, issuers) -> dict[str, Path]:
-    return lay_out_pods(tmp_path_factory, issuers)
 
 
 def _rpc_server_bin() -> str:

@@ -20,11 +20,11 @@ FA-on-q8_0 for the others), always with a ~270-token prompt in ubatches of 128 (
 from 256 to 512 cells between prompt graphs) and 40 generated tokens; quantized expert stacks
 (q8_0, q4_0); embeddings with mean / CLS / last pooling; one model split across TWO nodes (two
 real servers, two serve/connect pairs, the client registers both, default and 1:3 split); a
-hybrid split with layers on the client's CPU. 39 tests, ~110 s on a quiet 2-core machine, 180 s
+hybrid split with layers on the client's CPU. 43 tests, ~110 s on a quiet 2-core machine, 180 s
 at load average 11.
 
-A ``RecordingRelay`` (tests/support/opsurvey.py) between each ``serve`` and its real server
-decodes the GRAPH_COMPUTE frames that passed the firewall, so each test also checks that the
+A ``CaptureRelay`` (tests/support/capture.py) between each ``serve`` and its real server keeps
+the client->server bytes, and the op survey (tests/support/opsurvey.py) decodes the GRAPH_COMPUTE frames that passed the firewall, so each test also checks that the
 model really sent the ops it exists for (MUL_MAT_ID for the MoE models, TANH for gemma2's
 soft-capping...): a model that silently stopped exercising its ops would otherwise pass.
 
@@ -42,7 +42,8 @@ import pytest
 from tests.support import realpeer
 from tests.support.guard import Guard, start_pair
 from tests.support.llamarun import LlamaRun, run_llama
-from tests.support.opsurvey import RecordingRelay, Survey, survey_stream
+from tests.support.capture import C2S, CaptureRelay
+from tests.support.opsurvey import Survey, survey_stream
 from tests.support.opsurvey_run import LONG, PROMPT_LONG
 
 N_TOKENS = 40  # LONG: the ~270-token prompt in ubatches of 128, then 40 greedy tokens
@@ -95,7 +96,7 @@ class Node:
 
     server: realpeer.Proc
     port: int
-    relay: RecordingRelay
+    relay: CaptureRelay
     connect: Guard
     serve: Guard
 
@@ -106,7 +107,7 @@ class Node:
 
 def _start_node(workdir: Path, pki, guards: list[Guard], extra: tuple[str, ...] = ()) -> Node:
     server, port = realpeer.start_rpc_server(workdir)
-    relay = RecordingRelay(port)
+    relay = CaptureRelay(port, (C2S,))
     connect, serve = start_pair(workdir, pki, relay.port, guards, [*ENFORCE, *extra], [*ENFORCE, *extra])
     return Node(server, port, relay, connect, serve)
 
@@ -161,8 +162,8 @@ def _graphs(nodes_used: list[Node]) -> float:
 def _survey(nodes_used: list[Node], first_stream: list[int]) -> Survey:
     s = Survey()
     for n, start in zip(nodes_used, first_stream):
-        for stream in n.relay.streams[start:]:
-            survey_stream(bytes(stream), out=s)
+        for conn in n.relay.conns[start:]:
+            survey_stream(conn.stream(C2S), out=s)
     return s
 
 
@@ -177,7 +178,7 @@ def compare(nodes_used: list[Node], model: Path, args: list[str], *, n_gpu_layer
 
     guards = [g for n in nodes_used for g in n.guards]
     before, graphs0 = _snapshot(guards), _graphs(nodes_used)
-    streams0 = [len(n.relay.streams) for n in nodes_used]
+    streams0 = [len(n.relay.conns) for n in nodes_used]
     t0 = time.monotonic()
     guarded = run_llama([n.connect.endpoint for n in nodes_used], model, args)
     elapsed = time.monotonic() - t0
@@ -278,7 +279,7 @@ def test_two_nodes(nodes, arch_models, model, split):
     two = nodes[:2]  # nodes[2] is the pair that allows unverified ops
     _, _, survey = compare(two, arch_models[model], args)
     assert survey.devices == {0}
-    per_node = [sum(1 for s in n.relay.streams if s) for n in two]
+    per_node = [sum(1 for c in n.relay.conns if c.c2s) for n in two]
     assert all(per_node), per_node
     for n in two:
         assert n.serve.value("rpcguard_frames_total", command="GRAPH_COMPUTE", direction="request") > 0

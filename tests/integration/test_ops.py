@@ -39,6 +39,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import realpeer
 from tests.support.guard import PYTHON, Guard, start_guard, wait_for_line
+from tests.support.waiting import wait_until
 
 LONGCLIENT = Path(__file__).resolve().parent.parent / "support" / "longclient.py"
 
@@ -168,17 +169,6 @@ def session_end_line(guard: Guard, reason: str) -> str:
     lines = [l for l in guard.output().splitlines() if "session end" in l and f"reason={reason}" in l]
     assert lines, guard.output()[-3000:]
     return lines[-1]
-
-
-def wait_until(cond, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:

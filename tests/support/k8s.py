@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rpcguard import certs
@@ -25,7 +26,7 @@ from rpcguard.config import ConfigError, parse_config
 __all__ = [
     "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",
     "rpcguard_containers", "hours", "secret_certificate", "volume_secret", "config_of", "rpc_server_port",
-    "make_issuers", "lay_out_pods", "reroot", "web_config_supported", "usable_config",
+    "make_issuers", "lay_out_pods", "issuers", "pod_roots", "reroot", "web_config_supported", "usable_config",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +153,17 @@ def lay_out_pods(tmp_path_factory, issuers: dict[str, Path]) -> dict[str, Path]:
                 (target / "ca.crt").write_bytes((ca_dir / "ca.pem").read_bytes())
         roots[workload] = root
     return roots
+
+
+# The module-scoped fixtures of the tests that start the pods' rpcguard processes (import them).
+@pytest.fixture(scope="module")
+def issuers(tmp_path_factory) -> dict[str, Path]:
+    return make_issuers(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def pod_roots(tmp_path_factory, issuers) -> dict[str, Path]:
+    return lay_out_pods(tmp_path_factory, issuers)
 
 
 def reroot(text: str, root: Path, container: dict) -> str:

@@ -1,8 +1,8 @@
 """Which ggml ops real llama.cpp sends in GRAPH_COMPUTE: a recording relay and a graph decoder.
 
-How this works: ``RecordingRelay`` is a plain TCP relay (threads, loopback) put in front of a
-real ``ggml-rpc-server``; it forwards every byte untouched and keeps the client->server stream
-of every connection. ``survey_stream`` cuts that stream into request frames (``cmd:u8 |
+How this works: a ``CaptureRelay`` (tests/support/capture.py, client->server bytes only) is put
+in front of a real ``ggml-rpc-server``; it forwards every byte untouched and keeps the
+client->server stream of every connection. ``survey_stream`` cuts that stream into request frames (``cmd:u8 |
 size:u64 | payload``, spec §2.1), decodes every GRAPH_COMPUTE (``device u32 | n_nodes u32 |
 node ids u64[n] | n_tensors u32 | rpc_tensor[n]``, 7.0.0) with rpcguard's own ``decode_tensor``
 and the version's op table, and folds each node into an ``OpStat`` keyed by op name (UNARY and
@@ -13,15 +13,13 @@ srcs, broadcast second operands, a dst that is itself a view, and srcs that are 
 same graph (weights, KV cache, inputs).
 
 ``python -m tests.support.opsurvey_run`` records one client run per configuration and renders the
-survey as markdown (see ``--help``); ``tests/integration/test_models_real.py`` uses the relay
+survey as markdown (see ``--help``); ``tests/integration/test_models_real.py`` uses the survey
 to check that each test model really sends the ops it was built to exercise.
 """
 
 from __future__ import annotations
 
-import socket
 import struct
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,7 +27,7 @@ from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor
 from rpcguard.protocol.versions import COMMAND_IDS, TENSOR_BYTES
 
-__all__ = ["RecordingRelay", "OpStat", "Survey", "survey_stream", "render", "render_summary", "UNARY_OPS",
+__all__ = ["OpStat", "Survey", "survey_stream", "render", "render_summary", "UNARY_OPS",
            "GLU_OPS"]
 
 # enum ggml_unary_op / enum ggml_glu_op, llama-cpp-python 0.3.36 ggml/include/ggml.h:607-644.
@@ -42,65 +40,6 @@ BINARY = frozenset({"ADD", "SUB", "MUL", "DIV"})  # ops whose src[1] may be broa
 MAX_EXAMPLES = 4
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-
-
-class RecordingRelay:
-    """127.0.0.1:port -> 127.0.0.1:target, recording each connection's client->server bytes."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self.streams: list[bytearray] = []
-        self._lock = threading.Lock()
-        self._ls = socket.create_server(("127.0.0.1", 0))
-        self.port = self._ls.getsockname()[1]
-        self._threads: list[threading.Thread] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            try:
-                s = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                c.close()
-                continue
-            for x in (c, s):
-                x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            rec = bytearray()
-            with self._lock:
-                self.streams.append(rec)
-            for args in ((c, s, rec), (s, c, None)):
-                t = threading.Thread(target=self._pump, args=args, daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, rec: bytearray | None) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if rec is not None:
-                    rec += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._ls.close()
-        for t in self._threads:
-            t.join(5)
 
 
 @dataclass

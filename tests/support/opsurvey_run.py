@@ -2,7 +2,7 @@
 
 How this works: for each ``--preset PRESET[@DTYPE][:variant,...]`` the model is generated with
 ``tests/realpeer/make_tiny_model.py``; for each variant a fresh real ``ggml-rpc-server`` (two for
-``split2``) runs behind a ``RecordingRelay`` and the real client (``llama_client.py``) runs one
+``split2``) runs behind a ``CaptureRelay`` (client->server only) and the real client (``llama_client.py``) runs one
 session through the relay(s) with the variant's arguments. Every recorded GRAPH_COMPUTE is
 decoded and folded into one ``Survey`` per model; the output is a markdown file with the union
 over the models and one table per model (the tables of /work/notes/ops_seen.md):
@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from tests.support import llamarun, realpeer
-from tests.support.opsurvey import RecordingRelay, Survey, render, render_summary, survey_stream
+from tests.support.capture import C2S, CaptureRelay
+from tests.support.opsurvey import Survey, render, render_summary, survey_stream
 
 __all__ = ["PROMPT_LONG", "LONG", "VARIANTS", "record", "main"]
 
@@ -39,13 +40,13 @@ VARIANTS = {
 
 
 def record(workdir, model, args: list[str], n_servers: int = 1) -> tuple[Survey, str]:
-    """One real client run through a RecordingRelay per real server; its survey and output."""
+    """One real client run through a CaptureRelay per real server; its survey and output."""
     procs, relays = [], []
     try:
         for _ in range(n_servers):
             proc, port = realpeer.start_rpc_server(workdir)
             procs.append(proc)
-            relays.append(RecordingRelay(port))
+            relays.append(CaptureRelay(port, (C2S,)))
         run = llamarun.run_llama([r.endpoint for r in relays], model, args)
         if not run.ok:
             raise RuntimeError(f"client failed ({run.rc}):\n{run.output[-3000:]}")
@@ -56,8 +57,8 @@ def record(workdir, model, args: list[str], n_servers: int = 1) -> tuple[Survey,
             r.close()
     s = Survey()
     for r in relays:
-        for stream in r.streams:
-            survey_stream(bytes(stream), out=s)
+        for conn in r.conns:
+            survey_stream(conn.stream(C2S), out=s)
     return s, run.output
 
 

@@ -35,8 +35,8 @@ import yaml
 
 from rpcguard.cli import _overrides, _parser
 from rpcguard.config import build_config
-from tests.support.k8s import (
-    K8S, ROOT, RPC_SERVER, config_of, containers, docs, hours, kustomization, lay_out_pods, make_issuers,
+from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
+    K8S, ROOT, RPC_SERVER, config_of, containers, docs, hours, issuers, kustomization, pod_roots,
     named, of_kind, pod_specs, reroot, rpc_server_port, rpcguard_containers, secret_certificate,
     usable_config, volume_secret, web_config_supported,
 )
@@ -152,16 +152,6 @@ def test_kustomize_renders_the_same_objects_with_the_images_set():
 
 
 # ----------------------------------------------------------------------------- rpcguard configs
-
-
-@pytest.fixture(scope="module")
-def issuers(tmp_path_factory) -> dict[str, Path]:
-    return make_issuers(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def pod_roots(tmp_path_factory, issuers) -> dict[str, Path]:
-    return lay_out_pods(tmp_path_factory, issuers)
 
 
 def test_metrics_web_config_known():

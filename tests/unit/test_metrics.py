@@ -8,9 +8,7 @@ import json
 import platform
 import re
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -22,6 +20,7 @@ from rpcguard import metrics_http as http_mod
 from rpcguard import reasons
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.protocol.stats import DEFAULT_COMMAND_NAMES, LATENCY_BUCKETS_S, SessionStats
+from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
 SET_TENSOR, GRAPH_COMPUTE, HELLO = 6, 10, 14
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
@@ -257,19 +256,6 @@ def test_reload_gauges_follow_the_last_attempt(monkeypatch: pytest.MonkeyPatch) 
 
 
 # --- HTTP endpoint ----------------------------------------------------------------------
-
-
-def _run(coro: Coroutine[Any, Any, Any], loop_kind: str) -> Any:
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    return lambda coro: _run(coro, request.param)
 
 
 async def _request(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -23,6 +23,7 @@ from rpcguard.metrics import Metrics
 from rpcguard.metrics_http import start_http
 from rpcguard.server import Runtime
 from rpcguard.webconfig import GO_CIPHER_SUITES, WebGuard, load_web_config
+from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
 PASSWORD = "s3cret-scraper"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()  # cheap rounds for tests
@@ -179,19 +180,6 @@ def test_web_config_errors_name_the_flag_or_key(pki: Path, tmp_path: Path) -> No
 
 
 # ----------------------------------------------------------------------------- the endpoint
-
-
-def _run(coro: Coroutine[Any, Any, Any], loop_kind: str) -> Any:
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    return lambda coro: _run(coro, request.param)
 
 
 def client_ctx(pki: Path, name: str | None = "prometheus", ca_dir: Path | None = None) -> ssl.SSLContext:
