@@ -1,4 +1,4 @@
-"""YAML configuration -> frozen dataclasses.
+"""YAML configuration -> frozen dataclasses, the runtime settings types included.
 
 How this works: ``load_config`` reads the file with a safe YAML loader that also refuses duplicate
 keys; ``parse_config`` walks the plain data section by section. Every reader knows the dotted key
@@ -7,6 +7,13 @@ first problem, so an error is always one line naming the key. Unknown keys are e
 are enforced here, ghostunnel style (loopback upstream / tunnel listen / metrics, TLS 1.3); the
 ``unsafe_*`` keys are the explicit opt-outs. ``build_config`` lays CLI flags over the file: a value
 that came from a flag is wrapped in ``_Flag`` so its errors name the flag (``--upstream``).
+
+``policy`` and ``limits`` are parsed straight into the runtime types of ``protocol/settings.py``
+(``SessionPolicy`` with its ``FirewallPolicy``, ``Limits``, ``Profile``): each YAML key is one row
+of ``_POLICY_KEYS`` / ``_LIMIT_KEYS`` naming the field it sets, and layers (top level, listener,
+profile) are applied with ``dataclasses.replace`` over the defaults written in settings.py, so no
+default is repeated here. ``profiles`` (serve) are named policy/limits overlays; an allow-list entry
+that names one puts the identities it admits under it (``identity.AllowList``: first match wins).
 """
 
 from __future__ import annotations
@@ -15,24 +22,30 @@ import ipaddress
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 import yaml
 
-from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
 from rpcguard.protocol.ggml import OP_TABLES
-from rpcguard.protocol.versions import COMMAND_NAMES
+from rpcguard.protocol.settings import (
+    CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy,
+)
+from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
+from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
 
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    from .identity import AllowList
+
 __all__ = [
     "COMMAND_NAMES", "CATEGORIES", "CHECK_NAMES", "ROLES", "DEFAULT_METRICS", "KIB", "MIB", "GIB",
-    "Address", "TlsConfig", "AclConfig", "PolicyConfig", "LimitsConfig", "MetricsConfig",
-    "LogConfig", "ListenerConfig", "TunnelConfig", "Config",
-    "parse_address", "parse_size",
+    "Address", "TlsConfig", "MetricsConfig", "LogConfig", "ListenerConfig", "TunnelConfig", "Config",
+    "POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS",
+    "parse_address", "parse_size", "expand_commands",
     "load_config", "parse_config", "build_config", "check_config", "config_summary",
 ]
 
@@ -45,19 +58,6 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 #: ggml-rpc command names (index = wire id) and the ``allow_commands`` categories (``"@name"``),
 #: both from the one command table in ``protocol.versions``.
 CATEGORIES: Mapping[str, tuple[str, ...]] = MappingProxyType({"@" + k: v for k, v in _CATEGORIES.items()})
-#: Firewall check switches (``policy.checks``); all on by default.
-CHECK_NAMES: tuple[str, ...] = (
-    "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
-    "device_index",
-)
-
-# One request frame's length cap. SET_TENSOR carries a tensor (or a slice of one) whole in one
-# frame and the largest weights of current models (token embeddings) reach a few GiB. The relay
-# streams bodies, so this bounds how long a bogus 64-bit length can pin a session, not memory.
-DEFAULT_MAX_REQUEST_BYTES = 4 * GIB
-# GRAPH_COMPUTE is validated whole in memory before it is forwarded, so it must be small:
-# 64 MiB holds ~220k serialized tensors (296 bytes each); real decode graphs are a few thousand.
-DEFAULT_MAX_GRAPH_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,56 +89,6 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class AclConfig:
-    """Client certificate allow-list (any match admits). Empty is refused at load unless ``all``
-    (``allow: {all: true}`` / ``--allow-all``) admits any certificate signed by the CA."""
-    cn: tuple[str, ...] = ()
-    dns: tuple[str, ...] = ()
-    uri: tuple[str, ...] = ()
-    ip: tuple[str, ...] = ()  # normalized networks ("10.0.0.0/24", "::1/128")
-    all: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    mode: Literal["enforce", "monitor"] = "enforce"
-    accepted_versions: tuple[str, ...] = ()  # "X.Y.Z"; empty = every version this build knows
-    allow_commands: tuple[str, ...] = ()  # names / "@categories"; empty = the default set
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_graph_bytes: int = DEFAULT_MAX_GRAPH_BYTES
-    max_graph_nodes: int = 262144
-    max_graph_tensors: int = 1048576
-    max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
-    max_session_alloc_bytes: int = 0  # one session, all devices; 0 = per device, its memory total
-    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER (connect: False)
-    denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
-    # ggml ops forwarded without a verified rule (default deny; "*" = every op): logged, counted
-    allow_unverified_ops: tuple[str, ...] = ()
-    max_graph_cpu_ms: int = 500  # CPU one GRAPH_COMPUTE may take to validate (graph_too_costly)
-    disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
-
-    def check_enabled(self, name: str) -> bool:
-        """True unless ``policy.checks.<name>`` was set to false."""
-        return name not in self.disabled_checks
-
-
-@dataclass(frozen=True, slots=True)
-class LimitsConfig:
-    handshake_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    # 0 = off: llama-server keeps its model connection open and quiet between requests for hours,
-    # and llama.cpp aborts when it is closed. A frame that stalls half-way is cut by frame_timeout_s.
-    idle_timeout_s: float = 0.0
-    frame_timeout_s: float = 60.0  # a request frame started but not finished (slowloris)
-    max_session_s: float = 0.0  # 0 = off
-    max_sessions: int = 64
-    upstream_busy: Literal["queue", "refuse"] = "queue"
-    queue_timeout_s: float = 30.0
-    drain_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     listen: Address | None = None  # None = metrics HTTP endpoint disabled
     unsafe_public: bool = False
@@ -153,13 +103,21 @@ class LogConfig:
 
 @dataclass(frozen=True, slots=True)
 class ListenerConfig:
-    """``serve``: accept mTLS on ``listen``, relay to the loopback ggml-rpc-server ``upstream``."""
+    """``serve``: accept mTLS on ``listen``, relay to the loopback ggml-rpc-server ``upstream``.
+
+    ``default`` is the listener's own policy and limits; ``profiles`` holds, by name, the profiles
+    its allow-list entries name, each already merged over ``default``."""
     name: str
     listen: Address
     upstream: Address
-    allow: AclConfig = AclConfig()
-    policy: PolicyConfig = PolicyConfig()
+    allow: AllowList
+    default: Profile = Profile()
+    profiles: Mapping[str, Profile] = field(default_factory=lambda: MappingProxyType({}))
     unsafe_upstream: bool = False
+
+    @property
+    def policy(self) -> SessionPolicy:
+        return self.default.policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +127,12 @@ class TunnelConfig:
     listen: Address
     server: Address
     server_name: str  # expected in the server certificate; default: server.host
-    policy: PolicyConfig = PolicyConfig()
+    default: Profile = Profile(policy=default_policy("connect"))
     unsafe_listen: bool = False
+
+    @property
+    def policy(self) -> SessionPolicy:
+        return self.default.policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +141,10 @@ class Config:
     tls: TlsConfig
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
-    limits: LimitsConfig = LimitsConfig()
+    limits: Limits = Limits()  # the top-level limits: every listener's default, drain_timeout_s
     listeners: tuple[ListenerConfig, ...] = ()
     tunnels: tuple[TunnelConfig, ...] = ()
+    profiles: tuple[str, ...] = ()  # serve: names of the profiles defined (used or not)
 
 
 DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
@@ -389,39 +352,83 @@ def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
                                            "reload_interval_s": _duration(zero_is_off=True)}))
 
 
-_POLICY_READERS: dict[str, Reader] = {
-    "mode": _choice("enforce", "monitor"), "accepted_versions": _list(_version),
-    "allow_commands": _list(_command), "max_request_bytes": _via(parse_size, allow_zero=False),
-    "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
-    "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
-    "denied_ops": _list(_op), "allow_unverified_ops": _list(_op_or_all),
-    "max_graph_cpu_ms": _count, "max_session_alloc_bytes": _via(parse_size),
+def _then(read: Reader, conv: Callable[[Any], Any]) -> Reader:
+    return lambda v, path: conv(read(v, path))
+
+
+def expand_commands(entries: tuple[str, ...]) -> frozenset[str]:
+    """``allow_commands`` entries (names, ``@category``) -> the allowed command names (+ HELLO)."""
+    if not entries:
+        return frozenset(COMMAND_NAMES)
+    names = {n for e in entries for n in (CATEGORIES[e] if e in CATEGORIES else (e,))}
+    return frozenset(names | {"HELLO"})  # the session cannot start without it
+
+
+def _versions(vs: tuple[str, ...]) -> frozenset:
+    return frozenset(parse_version(v) for v in vs) if vs else frozenset(KNOWN_VERSIONS)
+
+
+_SIZE, _SIZE_POS = _via(parse_size), _via(parse_size, allow_zero=False)
+# YAML key under `policy:` -> (reader giving the runtime value, field path in SessionPolicy)
+_POLICY_KEYS: dict[str, tuple[Reader, str]] = {
+    "mode": (_choice("enforce", "monitor"), "mode"),
+    "accepted_versions": (_then(_list(_version), _versions), "accepted_versions"),
+    "allow_commands": (_then(_list(_command), expand_commands), "allowed_commands"),
+    "max_request_bytes": (_SIZE_POS, "max_request_bytes"),
+    "max_graph_bytes": (_SIZE_POS, "max_graph_bytes"),
+    "clear_new_buffers": (_bool, "clear_new_buffers"),
+    "max_graph_nodes": (_count, "firewall.max_graph_nodes"),
+    "max_graph_tensors": (_count, "firewall.max_graph_tensors"),
+    "max_alloc_bytes": (_SIZE, "firewall.max_alloc_bytes"),
+    "max_session_alloc_bytes": (_SIZE, "firewall.max_session_alloc_bytes"),
+    "denied_ops": (_then(_list(_op), frozenset), "firewall.denied_ops"),
+    "allow_unverified_ops": (_then(_list(_op_or_all), frozenset), "firewall.allow_unverified_ops"),
+    "max_graph_cpu_ms": (_then(_count, lambda ms: ms / 1000), "firewall.max_graph_cpu_s"),
 }
-_LIMIT_READERS: dict[str, Reader] = {
+#: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
+POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
+    {f: k for k, (_, f) in _POLICY_KEYS.items()} | {"firewall.disabled_checks": "checks"})
+# YAML key under `limits:` -> reader (the Limits field has the same name)
+_LIMIT_KEYS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
     "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
     "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
     "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
 }
+LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
+#: limits a profile cannot set: they apply before the identity is known, or to the whole process
+PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
+    "handshake_timeout_s": "applies before the identity (and so its profile) is known",
+    "drain_timeout_s": "applies to the whole process",
+})
 _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
                                    "level": _choice("debug", "info", "warning", "error")}
 
 
-# Role defaults that differ from PolicyConfig's: serve zeroes new buffers for the node's tenants;
-# connect doing it too would clear every buffer twice (docs/firewall.md, "Tenant isolation").
-_ROLE_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"serve": {}, "connect": {"clear_new_buffers": False}}
-
-
-def _parse_policy(layers: list[tuple[Any, str]], role: str = "serve") -> PolicyConfig:
-    """Merge policy mappings key by key (later layers win; ``checks`` merges check by check)."""
-    values: dict[str, Any] = dict(_ROLE_POLICY_DEFAULTS.get(role, {}))
-    checks: dict[str, bool] = {}
+def _parse_policy(layers: list[tuple[Any, str]], base: SessionPolicy) -> SessionPolicy:
+    """Lay policy mappings over ``base`` key by key (later layers win; ``checks`` check by check)."""
+    top: dict[str, Any] = {}
+    fw: dict[str, Any] = {}
+    disabled = set(base.firewall.disabled_checks)
     for data, path in layers:
-        s = _Section(data, path, set(_POLICY_READERS) | {"checks"})
-        values.update(s.read_all(_POLICY_READERS))
+        s = _Section(data, path, set(_POLICY_KEYS) | {"checks"})
+        for key, (read, target) in _POLICY_KEYS.items():
+            v, where = s.raw(key)
+            if v is not None:
+                sub, _, name = target.rpartition(".")
+                (fw if sub else top)[name] = read(v, where)
         c = _Section(s.data.get("checks"), s.raw("checks")[1], frozenset(CHECK_NAMES))
-        checks.update(c.read_all(dict.fromkeys(CHECK_NAMES, _bool)))
-    return PolicyConfig(**values, disabled_checks=tuple(n for n in CHECK_NAMES if checks.get(n) is False))
+        for name, on in c.read_all(dict.fromkeys(CHECK_NAMES, _bool)).items():
+            (disabled.discard if on else disabled.add)(name)
+    return replace(base, **top, firewall=replace(base.firewall, **fw, disabled_checks=frozenset(disabled)))
+
+
+def _parse_limits(data: Any, path: str, base: Limits, refused: Mapping[str, str] = MappingProxyType({})) -> Limits:
+    s = _Section(data, path, set(_LIMIT_KEYS))
+    for key, why in refused.items():
+        if s.raw(key)[0] is not None:
+            raise ConfigError(s.raw(key)[1], f"cannot be set in a profile: it {why}; set it in the top-level limits")
+    return replace(base, **s.read_all(_LIMIT_KEYS))
 
 
 def _acl_entry(kind: str, check: Reader) -> Reader:
@@ -438,23 +445,62 @@ def _acl_entry(kind: str, check: Reader) -> Reader:
     return read
 
 
-_ACL_READERS = {"cn": _list(_str), "dns": _list(_acl_entry("dns", _str)),
-                "uri": _list(_acl_entry("uris", _uri)), "ip": _list(_acl_entry("ips", _ip)), "all": _bool}
+# allow-list key -> (reader, identity.Acl field)
+_ACL_KEYS: dict[str, tuple[Reader, str]] = {
+    "cn": (_list(_str), "cns"), "dns": (_list(_acl_entry("dns", _str)), "dns"),
+    "uri": (_list(_acl_entry("uris", _uri)), "uris"), "ip": (_list(_acl_entry("ips", _ip)), "ips"),
+    "all": (_bool, "allow_any"),
+}
+_EMPTY_ACL = ("empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
+              "or all: true (--allow-all) to admit any certificate signed by tls.ca")
 
 
-def _parse_acl(data: Any, path: str) -> AclConfig:
-    acl = AclConfig(**_Section(data, path, set(_ACL_READERS)).read_all(_ACL_READERS))
-    entries = acl.cn or acl.dns or acl.uri or acl.ip
-    if acl.all and entries:
-        raise ConfigError(path + ".all", "all: true admits any certificate; remove it or the entries")
-    return acl
+def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: bool = True) -> AllowList:
+    """``allow``: one mapping (an entry) or a list of entries; an entry may name a ``profile``.
+
+    The first entry that matches a peer decides its profile. An empty allow-list is refused: like
+    ghostunnel, admitting every certificate the CA signed must be asked for (``all: true``).
+    """
+    from .identity import Acl, AllowList  # lazy: pulls in cryptography
+
+    if isinstance(data, list) and not data and require:
+        raise ConfigError(path, _EMPTY_ACL)
+    items = [(x, f"{path}[{i}]") for i, x in enumerate(data)] if isinstance(data, list) else [(data, path)]
+    entries = []
+    for item, where in items:
+        s = _Section(item, where, set(_ACL_KEYS) | {"profile"})
+        values = {attr: s.get(key, read) for key, (read, attr) in _ACL_KEYS.items() if s.raw(key)[0] is not None}
+        named = any(values.get(k) for k in ("cns", "dns", "uris", "ips"))
+        if values.get("allow_any") and named:
+            raise ConfigError(where + ".all", "all: true admits any certificate; remove it or the entries")
+        if not named and not values.get("allow_any") and (require or where != path):
+            raise ConfigError(where, _EMPTY_ACL if where == path else
+                              "empty entry: give cn/dns/uri/ip entries or all: true")
+        profile = s.get("profile", _name, None)
+        if profile is not None and profile not in profiles:
+            known = ", ".join(sorted(profiles)) or "none"
+            raise ConfigError(s.raw("profile")[1], f"unknown profile {profile!r} (defined in profiles: {known})")
+        entries.append(Acl(**values, profile=profile))
+    return AllowList(tuple(entries))
 
 
-def _require_acl(acl: AclConfig, path: str) -> None:
-    """Like ghostunnel: admitting every certificate the CA signed must be asked for."""
-    if not (acl.all or acl.cn or acl.dns or acl.uri or acl.ip):
-        raise ConfigError(path, "empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
-                                "or all: true (--allow-all) to admit any certificate signed by tls.ca")
+def _parse_profiles(data: Any, role: str, top_policy: Any, top_limits: Limits) -> dict[str, tuple[Any, Any]]:
+    """``profiles``: name -> (policy mapping, limits mapping), checked; merged per listener later."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("profiles", f"must be a mapping of name -> {{policy, limits}}, got {_show(data)}")
+    out = {}
+    for name, body in data.items():
+        path = f"profiles.{name}"
+        _name(name, path)
+        if name == DEFAULT_PROFILE:
+            raise ConfigError(path, f"{DEFAULT_PROFILE!r} is reserved: it names the listener's own policy and limits")
+        s = _Section(body, path, {"policy", "limits"})
+        _parse_policy([(top_policy, "policy"), (s.data.get("policy"), path + ".policy")], default_policy(role))
+        _parse_limits(s.data.get("limits"), path + ".limits", top_limits, PROFILE_ONLY_TOP_LIMITS)
+        out[name] = (s.data.get("policy"), s.data.get("limits"))
+    return out
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
@@ -494,7 +540,27 @@ _ITEM_KEYS = {"serve": {"name", "listen", "upstream", "allow", "policy", "unsafe
               "connect": {"name", "listen", "server", "server_name", "policy", "unsafe_listen"}}
 
 
-def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tuple[tuple, list]:
+@dataclass(frozen=True)
+class _Top:
+    """What the items inherit from the top level: raw policy / allow / profiles, parsed limits."""
+    policy: Any
+    allow: Any
+    profiles: Mapping[str, tuple[Any, Any]]
+    limits: Limits
+
+
+def _item_profiles(top: _Top, allow: AllowList, default: Profile) -> Mapping[str, Profile]:
+    """The profiles ``allow`` names, each merged over the item's own ``default``."""
+    out = {}
+    for name in dict.fromkeys(e.profile for e in allow.entries if e.profile is not None):
+        policy_data, limits_data = top.profiles[name]
+        path = f"profiles.{name}"
+        out[name] = Profile(name, _parse_policy([(policy_data, path + ".policy")], default.policy),
+                            _parse_limits(limits_data, path + ".limits", default.limits, PROFILE_ONLY_TOP_LIMITS))
+    return MappingProxyType(out)
+
+
+def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
     """The listeners (serve) or tunnels (connect), and [(listen address, path)] for clash checks."""
     key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     if items is not None and not isinstance(items, list):
@@ -514,32 +580,35 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
                 raise ConfigError(s.raw("listen")[1], f"{listen} already used by {where}")
         names[name] = s.path
         listens.append((listen, s.path))
-        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")], role)
-        if policy.allow_unverified_ops:
+        policy = _parse_policy([(top.policy, "policy"), (s.data.get("policy"), s.path + ".policy")],
+                               default_policy(role))
+        if policy.firewall.allow_unverified_ops:
             log.warning("%s (%s): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): %s; "
                         "each use is counted in rpcguard_unverified_op_nodes_total", s.path, name,
-                        ", ".join(policy.allow_unverified_ops))
+                        ", ".join(sorted(policy.firewall.allow_unverified_ops)))
+        default = Profile(DEFAULT_PROFILE, policy, top.limits)
         if role == "serve":
             upstream, unsafe = s.get("upstream", _connect), s.get("unsafe_upstream", _bool, False)
             if not upstream.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("upstream")[1], upstream, "unsafe_upstream", "listener")
             own = s.data.get("allow") is not None  # else the top-level allow-list applies
-            acl = _parse_acl(s.data["allow"] if own else top_allow, s.path + ".allow" if own else "allow")
-            _require_acl(acl, s.path + ".allow" if own else "allow")
-            if acl.all:
+            allow = _parse_allow(s.data["allow"] if own else top.allow, s.path + ".allow" if own else "allow",
+                                 top.profiles)
+            if any(e.allow_any for e in allow.entries):
                 log.warning("%s (%s): allow.all, any certificate signed by tls.ca is admitted", s.path, name)
-            out.append(ListenerConfig(name, listen, upstream, acl, policy, unsafe))
+            out.append(ListenerConfig(name, listen, upstream, allow, default, _item_profiles(top, allow, default),
+                                      unsafe))
         else:
             server, unsafe = s.get("server", _connect), s.get("unsafe_listen", _bool, False)
             if not listen.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("listen")[1], listen, "unsafe_listen", "tunnel")
             server_name = s.get("server_name", _server_name, server.host)
-            out.append(TunnelConfig(name, listen, server, server_name, policy, unsafe))
+            out.append(TunnelConfig(name, listen, server, server_name, default, unsafe))
     return tuple(out), listens
 
 
 _TOP_KEYS = {"log", "metrics", "tls", "policy", "limits"}
-_ROLE_TOP_KEYS = {"serve": {"allow", "listeners"}, "connect": {"tunnels"}}
+_ROLE_TOP_KEYS = {"serve": {"allow", "listeners", "profiles"}, "connect": {"tunnels"}}
 
 
 def parse_config(data: object, role: str | None = None, *, source: str = "<config>",
@@ -567,18 +636,19 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     _Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
     tls = _parse_tls(data.get("tls"), base_dir)
     metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
-    _parse_policy([(data.get("policy"), "policy")])  # report top-level errors even if overridden
-    if role == "serve":
-        _parse_acl(data.get("allow"), "allow")
-    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"),
-                                  data.get("policy"), data.get("allow"))
+    _parse_policy([(data.get("policy"), "policy")], default_policy(role))  # report top-level errors even if overridden
+    limits = _parse_limits(data.get("limits"), "limits", Limits())
+    profiles = _parse_profiles(data.get("profiles"), role, data.get("policy"), limits) if role == "serve" else {}
+    if role == "serve" and data.get("allow") is not None:
+        _parse_allow(data.get("allow"), "allow", profiles, require=False)  # (required where used)
+    top = _Top(data.get("policy"), data.get("allow"), profiles, limits)
+    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"), top)
     for addr, where in listens:
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
     log = LogConfig(**_Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
-    limits = LimitsConfig(**_Section(data.get("limits"), "limits", set(_LIMIT_READERS)).read_all(_LIMIT_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
-                  items if role == "serve" else (), items if role == "connect" else ())
+                  items if role == "serve" else (), items if role == "connect" else (), tuple(profiles))
 
 
 # ---------------------------------------------------------------- files and flags
@@ -681,10 +751,16 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
             raise ConfigError(flag(k), f"required (or tls.{k} in the config file)")
     items_key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     items = data.get(items_key)
-    if "mode" in given and isinstance(items, list) and isinstance(data["policy"], dict):  # beat items' own mode
-        items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": data["policy"]["mode"]}}
-                                   if isinstance(it, dict) and isinstance(it.get("policy"), dict)
-                                   and "mode" in it["policy"] else it for it in items]
+    if "mode" in given and isinstance(data["policy"], dict):  # beat items' (and profiles') own mode
+        mode = data["policy"]["mode"]
+        if isinstance(items, list):
+            items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": mode}}
+                                       if isinstance(it, dict) and isinstance(it.get("policy"), dict)
+                                       and "mode" in it["policy"] else it for it in items]
+        if isinstance(data.get("profiles"), dict):
+            data["profiles"] = {k: {**p, "policy": {**p["policy"], "mode": mode}}
+                                if isinstance(p, dict) and isinstance(p.get("policy"), dict)
+                                and "mode" in p["policy"] else p for k, p in data["profiles"].items()}
     item_flags = [k for k in _ITEM_FLAGS[role] if k in given]
     if item_flags and (items is None or items == []):
         for k in ("listen", "upstream" if role == "serve" else "server"):
@@ -699,6 +775,9 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
         if any(k.startswith("allow_") for k in item_flags):  # the item's ACL, else the top-level one
             item["allow"] = _copy(data.get("allow") if item.get("allow") is None else item["allow"])
         for k in item_flags:
+            if k.startswith("allow_") and isinstance(item["allow"], list):
+                raise ConfigError(flag(k), "the config file's allow-list is a list of entries (profiles); "
+                                           "put this identity in the file instead")
             if k.startswith("allow_"):
                 if isinstance(item["allow"], dict):
                     v = given[k]
@@ -710,19 +789,32 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
     return parse_config(data, role, source=source, base_dir=os.path.dirname(os.path.abspath(file)) if file else None)
 
 
-def _acl_text(acl: AclConfig) -> str:
-    parts = [f"{tag}:{v}" for tag, vals in (("CN", acl.cn), ("DNS", acl.dns), ("URI", acl.uri), ("IP", acl.ip))
-             for v in vals]
-    return ",".join(parts) if parts else "any-cert-from-ca" if acl.all else "nobody"
+def _acl_text(allow: AllowList) -> str:
+    def entry(e: Any) -> str:
+        parts = [f"{tag}:{v}" for tag, vals in (("CN", e.cns), ("DNS", e.dns), ("URI", e.uris), ("IP", e.ips))
+                 for v in vals]
+        text = ",".join(parts) if parts else "any-cert-from-ca" if e.allow_any else "nobody"
+        return f"{text}=>{e.profile}" if e.profile else text
+    return ",".join(entry(e) for e in allow.entries) or "nobody"
 
 
 def config_summary(cfg: Config) -> list[str]:
     """One human line per listener / tunnel, for ``rpcguard check-config``."""
-    def extra(p: PolicyConfig, unsafe: str | None) -> str:
-        return ((f" checks_off={','.join(p.disabled_checks)}" if p.disabled_checks else "")
-                + (f" unverified_ops={','.join(p.allow_unverified_ops)}" if p.allow_unverified_ops else "")
+    def extra(p: SessionPolicy, unsafe: str | None) -> str:
+        off = [n for n in CHECK_NAMES if n in p.firewall.disabled_checks]
+        return ((f" checks_off={','.join(off)}" if off else "")
+                + (f" unverified_ops={','.join(sorted(p.firewall.allow_unverified_ops))}"
+                   if p.firewall.allow_unverified_ops else "")
                 + (f" {unsafe}" if unsafe else ""))
+
+    def profiles(x: ListenerConfig) -> str:
+        return "".join(f" profile {p.name}: mode={p.policy.mode} commands={len(p.policy.allowed_commands)}"
+                       f" max_sessions={p.limits.max_sessions}"
+                       + (f" max_session_alloc_bytes={p.policy.firewall.max_session_alloc_bytes}"
+                          if p.policy.firewall.max_session_alloc_bytes else "") + ";"
+                       for p in x.profiles.values()).rstrip(";")
     return ([f"serve {x.name} {x.listen} -> {x.upstream} mode={x.policy.mode} acl={_acl_text(x.allow)}"
-             + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None) for x in cfg.listeners]
+             + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None)
+             + (f" |{profiles(x)}" if x.profiles else "") for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"
                + extra(x.policy, "unsafe_listen" if x.unsafe_listen else None) for x in cfg.tunnels])
