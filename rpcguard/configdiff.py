@@ -58,27 +58,27 @@ class ConfigDiff:
         return "; ".join(parts) or "no change"
 
 
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Dataclass fields flattened to ``a.b`` paths (nested dataclasses expanded)."""
+def _flat(obj: Any, deep: bool, prefix: str = "") -> dict[str, Any]:
+    """Dataclass fields by name; ``deep`` expands nested dataclasses to ``a.b`` paths."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            out.update(_flat(v, f"{prefix}{f.name}."))
+        if deep and dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out.update(_flat(v, deep, f"{prefix}{f.name}."))
         else:
             out[prefix + f.name] = v
     return out
 
 
-def _diff(old: Any, new: Any) -> list[str]:
+def _diff(old: Any, new: Any, deep: bool = False) -> list[str]:
     """Field paths that differ between two instances of one dataclass."""
-    a, b = _flat(old), _flat(new)
+    a, b = _flat(old, deep), _flat(new, deep)
     return [k for k in a if a[k] != b.get(k)]
 
 
 def policy_changes(old: Any, new: Any) -> list[str]:
     """``SessionPolicy`` differences as ``policy.<config key>``."""
-    return [f"policy.{POLICY_FIELDS.get(k, k)}" for k in _diff(old, new)]
+    return [f"policy.{POLICY_FIELDS.get(k, k)}" for k in _diff(old, new, deep=True)]
 
 
 def _item(role: str, path: str, old: ListenerConfig | TunnelConfig, new: ListenerConfig | TunnelConfig,

@@ -627,10 +627,19 @@ def test_serve_example(examples: Path) -> None:
     cfg = load_config(str(examples / "serve.example.yaml"))
     assert cfg.role == "serve" and cfg.tls.cert == str(examples.parent / "certs" / "node1.pem")
     assert [(x.name, str(x.upstream)) for x in cfg.listeners] == [("gpu0", "127.0.0.1:50052"), ("gpu1", "127.0.0.1:50053")]
-    (e0,), (e1,) = cfg.listeners[0].allow.entries, cfg.listeners[1].allow.entries
-    assert e0.uris and e0.cns and e1.uris
+    (e0,), (probe, tenant, e1) = cfg.listeners[0].allow.entries, cfg.listeners[1].allow.entries
+    assert e0.uris and e0.cns and e1.uris and e1.profile is None and cfg.listeners[0].profiles == {}
+    assert (probe.cns, probe.profile, tenant.uris, tenant.profile) == (
+        ("grafana-probe",), "monitor", ("spiffe://lab/tenant-a/*",), "tenant-a")
     assert cfg.listeners[0].policy == SessionPolicy()
-    assert cfg.listeners[1].policy == SessionPolicy(firewall=FirewallPolicy(max_session_alloc_bytes=8 << 30))
+    gpu1 = cfg.listeners[1]
+    assert gpu1.policy == SessionPolicy(firewall=FirewallPolicy(max_session_alloc_bytes=8 << 30))
+    monitor, tenant_a = gpu1.profiles["monitor"], gpu1.profiles["tenant-a"]
+    assert monitor.policy.allowed_commands == {"HELLO", "DEVICE_COUNT", "GET_DEVICE_MEMORY"}
+    assert monitor.policy.firewall == gpu1.policy.firewall  # merged over the listener's own policy
+    assert (monitor.limits.max_sessions, monitor.limits.hello_timeout_s) == (2, cfg.limits.hello_timeout_s)
+    assert (tenant_a.policy.firewall.max_session_alloc_bytes, tenant_a.limits.max_sessions) == (16 << 30, 1)
+    assert cfg.profiles == ("monitor", "tenant-a")
     assert (cfg.limits, cfg.log, cfg.tls.min_version, cfg.tls.reload_interval_s) == (Limits(), LogConfig(), "1.3", 0)
 
 
