@@ -269,7 +269,7 @@ class Runtime:
     def _watch(self) -> None:
         """Run the file watcher while ``tls.reload_interval_s`` > 0 (a reload may turn it on or off)."""
         if self.cfg.tls.reload_interval_s and (self._watcher is None or self._watcher.done()):
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_files())
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_files(self._files_stamp()))
             self._tasks.append(self._watcher)
 
     @property
@@ -348,7 +348,8 @@ class Runtime:
         await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
         for lst in fresh:
             lst.accept()
-        self.listeners = kept + fresh
+        order = list(items)  # config order
+        self.listeners = sorted(kept + fresh, key=lambda lst: order.index(lst.route.name))
         self._record_expiry()
         self._watch()
         self.metrics.reload("ok")
@@ -384,11 +385,11 @@ class Runtime:
                 web.append(None)
         return self.tls._stamp(), conf, tuple(web)
 
-    async def _watch_files(self) -> None:
+    async def _watch_files(self, seen: tuple) -> None:
         # Reload when the files differ from the last ones seen, whether that reload worked or
         # not: a broken file is reported once (not at every poll) and retried when it changes.
-        # The interval is read each round: a reload may change it (0 ends the watcher).
-        seen = self._files_stamp()
+        # The interval is read each round: a reload may change it (0 ends the watcher). ``seen``
+        # is taken when the watcher is started, so a change right after that is not missed.
         while self.cfg.tls.reload_interval_s:
             await asyncio.sleep(self.cfg.tls.reload_interval_s)
             now = self._files_stamp()
