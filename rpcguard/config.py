@@ -18,24 +18,25 @@ that names one puts the identities it admits under it (``identity.AllowList``: f
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import re
-from dataclasses import dataclass, field, replace
-from fractions import Fraction
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import yaml
 
-from rpcguard.protocol.ggml import OP_TABLES
-from rpcguard.protocol.settings import (
-    CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy,
-)
-from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
-from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
+from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy
+from rpcguard.protocol.versions import COMMAND_NAMES
 
+from .configread import (
+    CATEGORIES, GIB, KIB, MIB, Address, Reader, _bool, _choice, _connect, _duration, _file, _Flag, _is_ip, _listen, _name,
+    _Section, _server_name, _show, parse_address, parse_size,
+)
+from .configsettings import (
+    LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
+    _parse_profiles, expand_commands,
+)
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,31 +53,6 @@ __all__ = [
 log = logging.getLogger("rpcguard.config")
 
 ROLES = ("serve", "connect")
-_OP_NAMES = frozenset(name for table in OP_TABLES.values() for name in table.ids)
-KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-
-#: ggml-rpc command names (index = wire id) and the ``allow_commands`` categories (``"@name"``),
-#: both from the one command table in ``protocol.versions``.
-CATEGORIES: Mapping[str, tuple[str, ...]] = MappingProxyType({"@" + k: v for k, v in _CATEGORIES.items()})
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    """A TCP endpoint; ``host`` is a name, an IPv4 address or a bare IPv6 address."""
-    host: str
-    port: int
-
-    def is_loopback(self) -> bool:
-        """True for ``localhost``, 127.0.0.0/8 and ::1 (also as ::ffff:127.x.y.z)."""
-        if self.host.lower() == "localhost":
-            return True
-        ip = ipaddress.ip_address(self.host) if _is_ip(self.host) else None
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return ip is not None and ip.is_loopback
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,200 +125,6 @@ class Config:
 
 DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
 
-# ---------------------------------------------------------------- public value parsers
-
-_ADDR_RE = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9_.-]+):(\d{1,5})")
-_HOST_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": KIB, "mib": MIB, "gib": GIB, "tib": 1 << 40}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _host_ok(host: Any) -> bool:
-    """An IP address, or a host name (a numeric-looking name must be a real IPv4 address)."""
-    return isinstance(host, str) and (_is_ip(host) or (
-        not re.fullmatch(r"[\d.]+", host) and _HOST_RE.fullmatch(host) is not None))
-
-
-def parse_address(text: object, *, allow_port_zero: bool = False) -> Address:
-    """Parse ``HOST:PORT`` or ``[IPv6]:PORT``; raises ``ValueError`` with a one-line message."""
-    m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
-    if m is None:
-        raise ValueError(f"must be HOST:PORT ([IPv6]:PORT), got {_show(text)}")
-    v6, host, port = m.group(1) is not None, m.group(1) or m.group(3), int(m.group(2) or m.group(4))
-    if not (":" in host and _is_ip(host) if v6 else _host_ok(host)):
-        raise ValueError(f"bad {'IPv6 address' if v6 else 'host'} in {text!r}")
-    if not (0 if allow_port_zero else 1) <= port <= 65535:
-        raise ValueError(f"port must be {0 if allow_port_zero else 1}..65535, got {text!r}")
-    return Address(str(ipaddress.IPv6Address(host)) if v6 else host, port)
-
-
-def parse_size(value: object, *, allow_zero: bool = True) -> int:
-    """Bytes from an int or a string like ``"64MiB"``/``"1.5GiB"``/``"10MB"``, computed exactly."""
-    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    elif m and m.group(2).lower() in _SIZE_UNITS:
-        exact = Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-        if exact.denominator != 1:
-            raise ValueError(f"must be a whole number of bytes, got {value!r}")
-        n = int(exact)
-    else:
-        raise ValueError(f"must be a size in bytes (integer, or like '64MiB'), got {_show(value)}")
-    if n < 0 or (n == 0 and not allow_zero):
-        raise ValueError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return n
-
-
-# ---------------------------------------------------------------- readers: (value, path) -> value
-
-Reader = Callable[[Any, str], Any]
-
-
-def _show(v: object) -> str:
-    """A short one-line rendering of a bad value for an error message."""
-    try:
-        s = "a mapping" if isinstance(v, dict) else "a list" if isinstance(v, list) else repr(v)
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        s = f"a huge {type(v).__name__}"
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def _reader(ok: Callable[[Any], Any], want: str, conv: Callable[[Any], Any] = lambda v: v) -> Reader:
-    """A reader accepting values where ``ok(v)``; otherwise ``"<path>: must be <want>, got <v>"``."""
-    def read(v: Any, path: str) -> Any:
-        if not ok(v):
-            raise ConfigError(path, f"must be {want}, got {_show(v)}")
-        return conv(v)
-    return read
-
-
-def _via(parse: Callable[..., Any], **kw: Any) -> Reader:
-    """A reader from a public parser that raises ``ValueError``."""
-    def read(v: Any, path: str) -> Any:
-        try:
-            return parse(v, **kw)
-        except ValueError as e:
-            raise ConfigError(path, str(e)) from None
-    return read
-
-
-def _list(item: Reader) -> Reader:
-    def read(v: Any, path: str) -> tuple:
-        if not isinstance(v, list):
-            raise ConfigError(path, f"must be a list, got {_show(v)}")
-        return tuple(item(x, f"{path}[{i}]") for i, x in enumerate(v))
-    return read
-
-
-def _re(pattern: str) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None
-
-
-def _choice(*choices: str) -> Reader:  # a float is read as text: YAML makes `min_version: 1.3` a float
-    text = lambda v: str(v) if isinstance(v, float) else v  # noqa: E731
-    return _reader(lambda v: text(v) in choices, "one of " + ", ".join(choices), text)
-
-
-def _duration(zero_is_off: bool = False) -> Reader:
-    def ok(v: Any) -> bool:  # abs(v) < 1e15 also refuses nan and inf
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e15 and (
-            v > 0 or (zero_is_off and v == 0))
-    return _reader(ok,
-                   "a number of seconds " + (">= 0 (0 = off)" if zero_is_off else "> 0"), float)
-
-
-def _ip(v: Any, path: str) -> str:
-    try:
-        return str(ipaddress.ip_network(v if isinstance(v, str) else ""))
-    except ValueError:
-        raise ConfigError(path, f"must be an IP address or network, got {_show(v)}") from None
-
-
-_str = _reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
-_bool = _reader(lambda v: isinstance(v, bool), "true or false")
-_count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
-_name = _reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
-_version = _reader(_re(r"\d+\.\d+\.\d+"), "a version like '7.0.0'")
-_uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")
-_server_name = _reader(_host_ok, "a host name or IP address")
-_command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),
-                   f"a command name like SET_TENSOR or a category ({', '.join(CATEGORIES)})")
-_op = _reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
-              "a ggml op name like SSM_SCAN or GATED_DELTA_NET (see rpcguard/protocol/ggml.py)")
-_op_or_all = _reader(lambda v: isinstance(v, str) and (v in _OP_NAMES or v == "*"),
-                     "a ggml op name like IM2COL, or * for every op")
-_listen, _connect = _via(parse_address, allow_port_zero=True), _via(parse_address)  # listen :0 = any port
-
-
-def _file(base_dir: str | None) -> Reader:
-    """A readable regular file; relative to ``base_dir`` (the config's dir), or the cwd for flags."""
-    def read(v: Any, path: str) -> str:
-        p = os.path.expanduser(_str(v, path))
-        p = os.path.normpath(os.path.join(os.getcwd() if path.startswith("--") or base_dir is None
-                                          else base_dir, p))
-        if not os.path.isfile(p):
-            raise ConfigError(path, f"{'not a regular file' if os.path.exists(p) else 'no such file'}: {p}")
-        try:
-            open(p, "rb").close()
-        except OSError as e:
-            raise ConfigError(path, f"cannot read {p}: {e.strerror}") from None
-        return p
-    return read
-
-
-# ---------------------------------------------------------------- sections
-
-
-@dataclass(frozen=True, slots=True)
-class _Flag:
-    """A value set by a CLI flag: errors about it name the flag instead of the key path."""
-    value: Any
-    flag: str
-
-
-_MISSING = object()
-
-
-class _Section:
-    """One mapping being read: knows its path, rejects unknown keys, reads keys by reader."""
-
-    def __init__(self, data: Any, path: str, keys: set[str] | frozenset[str]) -> None:
-        data = {} if data is None else data
-        if not isinstance(data, dict):
-            raise ConfigError(path, f"must be a mapping, got {_show(data)}")
-        for k in data:
-            if k not in keys:
-                k = k if isinstance(k, str) and k.isprintable() else repr(k)
-                raise ConfigError(f"{path}.{k}" if path else k,
-                                  f"unknown key (expected one of: {', '.join(sorted(keys))})")
-        self.data, self.path = data, path
-
-    def raw(self, key: str) -> tuple[Any, str]:
-        """(value, path-or-flag) with a ``_Flag`` unwrapped; value None when absent."""
-        v = self.data.get(key)
-        return (v.value, v.flag) if isinstance(v, _Flag) else (v, f"{self.path}.{key}" if self.path else key)
-
-    def get(self, key: str, read: Reader, default: Any = _MISSING) -> Any:
-        """Read ``key`` (absent or null -> ``default``; no default -> "required")."""
-        v, path = self.raw(key)
-        if v is None and default is _MISSING:
-            raise ConfigError(path, "required")
-        return default if v is None else read(v, path)
-
-    def read_all(self, readers: Mapping[str, Reader]) -> dict[str, Any]:
-        """Every key of ``readers`` that is set (not null), read."""
-        return {k: self.get(k, r) for k, r in readers.items() if self.raw(k)[0] is not None}
-
-
 def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
     if data is None:
         raise ConfigError("tls", "required (cert, key and ca)")
@@ -352,155 +134,8 @@ def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
                                            "reload_interval_s": _duration(zero_is_off=True)}))
 
 
-def _then(read: Reader, conv: Callable[[Any], Any]) -> Reader:
-    return lambda v, path: conv(read(v, path))
-
-
-def expand_commands(entries: tuple[str, ...]) -> frozenset[str]:
-    """``allow_commands`` entries (names, ``@category``) -> the allowed command names (+ HELLO)."""
-    if not entries:
-        return frozenset(COMMAND_NAMES)
-    names = {n for e in entries for n in (CATEGORIES[e] if e in CATEGORIES else (e,))}
-    return frozenset(names | {"HELLO"})  # the session cannot start without it
-
-
-def _versions(vs: tuple[str, ...]) -> frozenset:
-    return frozenset(parse_version(v) for v in vs) if vs else frozenset(KNOWN_VERSIONS)
-
-
-_SIZE, _SIZE_POS = _via(parse_size), _via(parse_size, allow_zero=False)
-# YAML key under `policy:` -> (reader giving the runtime value, field path in SessionPolicy)
-_POLICY_KEYS: dict[str, tuple[Reader, str]] = {
-    "mode": (_choice("enforce", "monitor"), "mode"),
-    "accepted_versions": (_then(_list(_version), _versions), "accepted_versions"),
-    "allow_commands": (_then(_list(_command), expand_commands), "allowed_commands"),
-    "max_request_bytes": (_SIZE_POS, "max_request_bytes"),
-    "max_graph_bytes": (_SIZE_POS, "max_graph_bytes"),
-    "clear_new_buffers": (_bool, "clear_new_buffers"),
-    "max_graph_nodes": (_count, "firewall.max_graph_nodes"),
-    "max_graph_tensors": (_count, "firewall.max_graph_tensors"),
-    "max_alloc_bytes": (_SIZE, "firewall.max_alloc_bytes"),
-    "max_session_alloc_bytes": (_SIZE, "firewall.max_session_alloc_bytes"),
-    "denied_ops": (_then(_list(_op), frozenset), "firewall.denied_ops"),
-    "allow_unverified_ops": (_then(_list(_op_or_all), frozenset), "firewall.allow_unverified_ops"),
-    "max_graph_cpu_ms": (_then(_count, lambda ms: ms / 1000), "firewall.max_graph_cpu_s"),
-}
-#: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
-POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
-    {f: k for k, (_, f) in _POLICY_KEYS.items()} | {"firewall.disabled_checks": "checks"})
-# YAML key under `limits:` -> reader (the Limits field has the same name)
-_LIMIT_KEYS: dict[str, Reader] = {
-    "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
-    "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
-    "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
-    "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
-}
-LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
-#: limits a profile cannot set: they apply before the identity is known, or to the whole process
-PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
-    "handshake_timeout_s": "applies before the identity (and so its profile) is known",
-    "drain_timeout_s": "applies to the whole process",
-})
 _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
                                    "level": _choice("debug", "info", "warning", "error")}
-
-
-def _parse_policy(layers: list[tuple[Any, str]], base: SessionPolicy) -> SessionPolicy:
-    """Lay policy mappings over ``base`` key by key (later layers win; ``checks`` check by check)."""
-    top: dict[str, Any] = {}
-    fw: dict[str, Any] = {}
-    disabled = set(base.firewall.disabled_checks)
-    for data, path in layers:
-        s = _Section(data, path, set(_POLICY_KEYS) | {"checks"})
-        for key, (read, target) in _POLICY_KEYS.items():
-            v, where = s.raw(key)
-            if v is not None:
-                sub, _, name = target.rpartition(".")
-                (fw if sub else top)[name] = read(v, where)
-        c = _Section(s.data.get("checks"), s.raw("checks")[1], frozenset(CHECK_NAMES))
-        for name, on in c.read_all(dict.fromkeys(CHECK_NAMES, _bool)).items():
-            (disabled.discard if on else disabled.add)(name)
-    return replace(base, **top, firewall=replace(base.firewall, **fw, disabled_checks=frozenset(disabled)))
-
-
-def _parse_limits(data: Any, path: str, base: Limits, refused: Mapping[str, str] = MappingProxyType({})) -> Limits:
-    s = _Section(data, path, set(_LIMIT_KEYS))
-    for key, why in refused.items():
-        if s.raw(key)[0] is not None:
-            raise ConfigError(s.raw(key)[1], f"cannot be set in a profile: it {why}; set it in the top-level limits")
-    return replace(base, **s.read_all(_LIMIT_KEYS))
-
-
-def _acl_entry(kind: str, check: Reader) -> Reader:
-    """An allow-list entry, also checked by the matcher's own rules (``identity.Acl``)."""
-    def read(v: Any, path: str) -> str:
-        from .identity import Acl  # lazy: pulls in cryptography
-
-        v = check(v, path)
-        try:
-            Acl(**{kind: (v,)})
-        except ValueError as e:
-            raise ConfigError(path, str(e).split(": ", 1)[-1]) from None
-        return v
-    return read
-
-
-# allow-list key -> (reader, identity.Acl field)
-_ACL_KEYS: dict[str, tuple[Reader, str]] = {
-    "cn": (_list(_str), "cns"), "dns": (_list(_acl_entry("dns", _str)), "dns"),
-    "uri": (_list(_acl_entry("uris", _uri)), "uris"), "ip": (_list(_acl_entry("ips", _ip)), "ips"),
-    "all": (_bool, "allow_any"),
-}
-_EMPTY_ACL = ("empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
-              "or all: true (--allow-all) to admit any certificate signed by tls.ca")
-
-
-def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: bool = True) -> AllowList:
-    """``allow``: one mapping (an entry) or a list of entries; an entry may name a ``profile``.
-
-    The first entry that matches a peer decides its profile. An empty allow-list is refused: like
-    ghostunnel, admitting every certificate the CA signed must be asked for (``all: true``).
-    """
-    from .identity import Acl, AllowList  # lazy: pulls in cryptography
-
-    if isinstance(data, list) and not data and require:
-        raise ConfigError(path, _EMPTY_ACL)
-    items = [(x, f"{path}[{i}]") for i, x in enumerate(data)] if isinstance(data, list) else [(data, path)]
-    entries = []
-    for item, where in items:
-        s = _Section(item, where, set(_ACL_KEYS) | {"profile"})
-        values = {attr: s.get(key, read) for key, (read, attr) in _ACL_KEYS.items() if s.raw(key)[0] is not None}
-        named = any(values.get(k) for k in ("cns", "dns", "uris", "ips"))
-        if values.get("allow_any") and named:
-            raise ConfigError(where + ".all", "all: true admits any certificate; remove it or the entries")
-        if not named and not values.get("allow_any") and (require or where != path):
-            raise ConfigError(where, _EMPTY_ACL if where == path else
-                              "empty entry: give cn/dns/uri/ip entries or all: true")
-        profile = s.get("profile", _name, None)
-        if profile is not None and profile not in profiles:
-            known = ", ".join(sorted(profiles)) or "none"
-            raise ConfigError(s.raw("profile")[1], f"unknown profile {profile!r} (defined in profiles: {known})")
-        entries.append(Acl(**values, profile=profile))
-    return AllowList(tuple(entries))
-
-
-def _parse_profiles(data: Any, role: str, top_policy: Any, top_limits: Limits) -> dict[str, tuple[Any, Any]]:
-    """``profiles``: name -> (policy mapping, limits mapping), checked; merged per listener later."""
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("profiles", f"must be a mapping of name -> {{policy, limits}}, got {_show(data)}")
-    out = {}
-    for name, body in data.items():
-        path = f"profiles.{name}"
-        _name(name, path)
-        if name == DEFAULT_PROFILE:
-            raise ConfigError(path, f"{DEFAULT_PROFILE!r} is reserved: it names the listener's own policy and limits")
-        s = _Section(body, path, {"policy", "limits"})
-        _parse_policy([(top_policy, "policy"), (s.data.get("policy"), path + ".policy")], default_policy(role))
-        _parse_limits(s.data.get("limits"), path + ".limits", top_limits, PROFILE_ONLY_TOP_LIMITS)
-        out[name] = (s.data.get("policy"), s.data.get("limits"))
-    return out
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:

@@ -211,7 +211,7 @@ def test_bad_role_and_top_level(base: Path) -> None:
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
-    import rpcguard.config as config_module
+    import rpcguard.configread as config_module  # where the file reader lives
 
     def deny(path, *args, **kw):  # chmod 0 does not stop root, so refuse the open itself
         raise PermissionError(13, "Permission denied", path)
