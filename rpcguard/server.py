@@ -25,10 +25,8 @@ import signal
 import socket
 import ssl
 import time
-import hashlib
 from dataclasses import dataclass
 
-from rpcguard.certs import cert_not_after
 from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.errors import RpcGuardError
@@ -38,7 +36,7 @@ from rpcguard.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
-from rpcguard.tls import client_context, server_context
+from rpcguard.tlsmaterial import TlsMaterial
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -54,79 +52,6 @@ NODE_PROBE_TIMEOUT_S = 3.0
 # Session outcomes that say the tunnel cannot work now (the node's rpcguard or server is at fault).
 _NODE_DOWN_REASONS = frozenset({"node_unreachable", "tls_failed", "node_name_mismatch", "identity_not_allowed",
                                 "version_not_accepted", "upstream_unavailable"})
-
-
-@dataclass(frozen=True)
-class _TlsLoad:
-    """TLS material read and checked, not yet in use."""
-    tls: object  # config.TlsConfig
-    context: ssl.SSLContext
-    expiry: dict
-    stamp: tuple
-    digest: dict  # "cert"/"key"/"ca" -> sha256 of the file's bytes
-
-
-class TlsMaterial:
-    """The current certificate, key and CA as SSL contexts; replaced whole on reload."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.role = cfg.role
-        self.tls = cfg.tls
-        self.use(self.prepare(cfg.tls))
-
-    def prepare(self, tls_cfg) -> _TlsLoad:
-        """Read and check the material of ``tls_cfg`` (raises on any problem); nothing changes yet."""
-        stamp = _stamp_of(tls_cfg)  # before reading: a file replaced meanwhile is seen as changed again
-        digest = {}
-        for name in ("cert", "key", "ca"):
-            with open(getattr(tls_cfg, name), "rb") as f:
-                digest[name] = hashlib.sha256(f.read()).hexdigest()
-        return _TlsLoad(tls_cfg, self._build(tls_cfg), self._read_expiry(tls_cfg), stamp, digest)
-
-    def use(self, loaded: _TlsLoad) -> None:
-        """Put prepared material in use (new sessions get it)."""
-        self.tls, self.context, self.loaded_expiry = loaded.tls, loaded.context, loaded.expiry
-        self.stamp, self.digest = loaded.stamp, loaded.digest
-
-    def _build(self, t) -> ssl.SSLContext:
-        if self.role == "serve":
-            return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
-        # One client context serves every tunnel: the expected node name is given per connection.
-        return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
-
-    @staticmethod
-    def _read_expiry(t) -> dict[str, float]:
-        """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
-        from cryptography import x509
-
-        with open(t.ca, "rb") as f:
-            cas = x509.load_pem_x509_certificates(f.read())
-        return {"cert": cert_not_after(t.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
-
-    def _stamp(self) -> tuple:
-        return _stamp_of(self.tls)
-
-    def changed(self) -> bool:
-        return self._stamp() != self.stamp
-
-    def reload(self, tls_cfg=None) -> None:
-        """Build new contexts; on any error the old ones stay and the error propagates."""
-        self.use(self.prepare(tls_cfg if tls_cfg is not None else self.tls))
-
-    def expiry(self) -> dict[str, float]:
-        """notAfter of the files on disk now (raises if one became unreadable)."""
-        return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
-
-
-def _stamp_of(tls) -> tuple:
-    out = []
-    for path in (tls.cert, tls.key, tls.ca):
-        try:
-            st = os.stat(path)
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
 
 
 @dataclass
