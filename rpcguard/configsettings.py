@@ -111,7 +111,8 @@ def _acl_entry(kind: str, check: Reader) -> Reader:
 
         v = check(v, path)
         try:
-            Acl(**{kind: (v,)})
+            entry: dict[str, Any] = {kind: (v,)}
+            Acl(**entry)
         except ValueError as e:
             raise ConfigError(path, str(e).split(": ", 1)[-1]) from None
         return v
@@ -142,7 +143,8 @@ def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: boo
     entries = []
     for item, where in items:
         s = _Section(item, where, set(_ACL_KEYS) | {"profile"})
-        values = {attr: s.get(key, read) for key, (read, attr) in _ACL_KEYS.items() if s.raw(key)[0] is not None}
+        values: dict[str, Any] = {attr: s.get(key, read) for key, (read, attr) in _ACL_KEYS.items()
+                                  if s.raw(key)[0] is not None}
         named = any(values.get(k) for k in ("cns", "dns", "uris", "ips"))
         if values.get("allow_any") and named:
             raise ConfigError(where + ".all", "all: true admits any certificate; remove it or the entries")

@@ -301,7 +301,7 @@ class Runtime:
             conf = (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
         except OSError:
             conf = None
-        web = []
+        web: list[tuple[int, int, int] | None] = []
         for path in self.web.config.files() if self.web.config else ():
             try:
                 st = os.stat(path)

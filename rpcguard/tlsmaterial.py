@@ -15,7 +15,7 @@ import ssl
 from dataclasses import dataclass
 
 from rpcguard.certs import cert_not_after
-from rpcguard.config import Config
+from rpcguard.config import Config, TlsConfig
 from rpcguard.tls import client_context, server_context
 
 __all__ = ["TlsMaterial"]
@@ -24,11 +24,11 @@ __all__ = ["TlsMaterial"]
 @dataclass(frozen=True)
 class _TlsLoad:
     """TLS material read and checked, not yet in use."""
-    tls: object  # config.TlsConfig
+    tls: TlsConfig
     context: ssl.SSLContext
-    expiry: dict
+    expiry: dict[str, float]
     stamp: tuple
-    digest: dict  # "cert"/"key"/"ca" -> sha256 of the file's bytes
+    digest: dict[str, str]  # "cert"/"key"/"ca" -> sha256 of the file's bytes
 
 
 class TlsMaterial:
@@ -39,10 +39,10 @@ class TlsMaterial:
         self.tls = cfg.tls
         self.use(self.prepare(cfg.tls))
 
-    def prepare(self, tls_cfg) -> _TlsLoad:
+    def prepare(self, tls_cfg: TlsConfig) -> _TlsLoad:
         """Read and check the material of ``tls_cfg`` (raises on any problem); nothing changes yet."""
         stamp = _stamp_of(tls_cfg)  # before reading: a file replaced meanwhile is seen as changed again
-        digest = {}
+        digest: dict[str, str] = {}
         for name in ("cert", "key", "ca"):
             with open(getattr(tls_cfg, name), "rb") as f:
                 digest[name] = hashlib.sha256(f.read()).hexdigest()
@@ -53,14 +53,14 @@ class TlsMaterial:
         self.tls, self.context, self.loaded_expiry = loaded.tls, loaded.context, loaded.expiry
         self.stamp, self.digest = loaded.stamp, loaded.digest
 
-    def _build(self, t) -> ssl.SSLContext:
+    def _build(self, t: TlsConfig) -> ssl.SSLContext:
         if self.role == "serve":
             return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
         # One client context serves every tunnel: the expected node name is given per connection.
         return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
 
     @staticmethod
-    def _read_expiry(t) -> dict[str, float]:
+    def _read_expiry(t: TlsConfig) -> dict[str, float]:
         """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
         from cryptography import x509
 
@@ -74,7 +74,7 @@ class TlsMaterial:
     def changed(self) -> bool:
         return self._stamp() != self.stamp
 
-    def reload(self, tls_cfg=None) -> None:
+    def reload(self, tls_cfg: TlsConfig | None = None) -> None:
         """Build new contexts; on any error the old ones stay and the error propagates."""
         self.use(self.prepare(tls_cfg if tls_cfg is not None else self.tls))
 
@@ -83,8 +83,8 @@ class TlsMaterial:
         return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
 
 
-def _stamp_of(tls) -> tuple:
-    out = []
+def _stamp_of(tls: TlsConfig) -> tuple:
+    out: list[tuple[int, int, int] | None] = []
     for path in (tls.cert, tls.key, tls.ca):
         try:
             st = os.stat(path)
