@@ -11,11 +11,13 @@ Three identities on one listener, each held to its own profile:
 * ``client1`` (no profile named: the listener's own settings) runs a real llama.cpp session.
 
 The audit record names identity and profile; ``rpcguard_profile_sessions_total{profile}`` counts them.
+A reload that changes a profile applies to the next session of that identity.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import ssl
 import struct
@@ -156,3 +158,19 @@ def test_two_identities_two_profiles_each_held_to_its_own(pki, workdir, rpc_serv
     assert serve.value("rpcguard_profile_sessions_total", profile="default") >= 1
     # the probe identity never reached an allocation: nothing it did was forwarded beyond reads
     assert all(r["alloc_bytes"] == 0 for r in monitor)
+
+    # a profile changes on reload (SIGHUP): the next monitor session may allocate
+    refused = serve.value("rpcguard_refusals_total", reason="command_not_allowed")
+    cfg.write_text(cfg.read_text().replace("allow_commands: ['@handshake', GET_DEVICE_MEMORY]",
+                                           "allow_commands: ['@handshake', GET_DEVICE_MEMORY, '@alloc']"))
+    serve.proc.popen.send_signal(signal.SIGHUP)
+    assert serve.wait_value("rpcguard_reload_total", 1, result="ok") == 1, serve.output()[-2000:]
+    line = [x for x in serve.output().splitlines() if "config reloaded" in x][-1]
+    assert "config reloaded (SIGHUP): changed listeners[listener0].profiles.monitor.policy.allow_commands" in line
+    s, _ = open_session(pki, serve.port, probe_cert, probe_key)
+    s.sendall(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, 4096)))
+    handle, size = struct.unpack("<QQ", reply(s))
+    assert handle and size >= 4096
+    s.close()
+    assert serve.wait_value("rpcguard_profile_sessions_total", len(monitor) + 1, profile="monitor") == len(monitor) + 1
+    assert serve.value("rpcguard_refusals_total", reason="command_not_allowed") == refused
