@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.errors import RpcGuardError
-from rpcguard.metrics import Metrics, start_http
+from rpcguard.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.preflight import WARNING_KINDS, certificate_warnings
 from rpcguard.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
@@ -61,6 +61,7 @@ class _Listener:
     port: int  # the configured port until bound (0 = any), then the bound one
     sock: socket.socket | None = None
     task: asyncio.Task | None = None
+    item: ListenerConfig | TunnelConfig | None = None  # the config it was built from
 
     def __post_init__(self) -> None:
         self.config_port = self.port  # as configured: a reload compares this, not the bound port
@@ -87,8 +88,9 @@ class _Listener:
             self.sock.close()
 
 
-def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig) -> None:
+def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) -> None:
     """Give ``route`` the settings of ``item``: new links take them, running links keep theirs."""
+    assert item is not None
     route.default = item.default
     if isinstance(item, ListenerConfig):
         route.profiles = item.profiles
@@ -123,16 +125,19 @@ class Runtime:
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
+        self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
         self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
+        for lst in self.listeners:
+            self._register(lst)
 
     def _listener(self, item: ListenerConfig | TunnelConfig) -> _Listener:
-        """A route (not yet accepting) for one listener (serve) or tunnel (connect) of the config."""
+        """A route (not yet accepting, not yet in the metrics) for one listener (serve) or tunnel (connect)."""
         if isinstance(item, ListenerConfig):
             key = (item.upstream.host, item.upstream.port)
             where = f"{key[0]}:{key[1]}"
             route = Route(
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
-                traffic=self.metrics.listener("serve", item.name, upstream=where),
+                traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
                 facts=self._facts.setdefault(key, UpstreamFacts(where)),
                 ssl_context=lambda: self.tls.context, slot=self._slots.setdefault(key, UpstreamSlot()),
             )
@@ -140,12 +145,19 @@ class Runtime:
             where = f"{item.server.host}:{item.server.port}"
             route = Route(
                 role="connect", name=item.name, upstream_host=item.server.host, upstream_port=item.server.port,
-                traffic=self.metrics.listener("connect", item.name, upstream=where),
+                traffic=ListenerTraffic("connect", item.name, upstream=where),
                 facts=UpstreamFacts(where), ssl_context=lambda: self.tls.context, server_name=item.server_name,
             )
         route.on_session_end = self._session_ended
-        _apply_settings(route, item)
-        return _Listener(route, item.listen.host, item.listen.port)
+        lst = _Listener(route, item.listen.host, item.listen.port)
+        lst.item = item
+        return lst
+
+    def _register(self, lst: _Listener) -> None:
+        """Give a new route its counters (kept across a reload that keeps the name) and settings."""
+        route = lst.route
+        route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
+        _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
         if self.cfg.role == "connect" and record.get("listener"):
@@ -215,9 +227,15 @@ class Runtime:
         keep theirs. systemd hears RELOADING=1 first and READY=1 with the outcome in STATUS=
         after (``Type=notify-reload`` makes ``systemctl reload`` wait for it).
         """
+        async with self._reloading:
+            return await self._reload(why)
+
+    async def _reload(self, why: str) -> bool:
         self.notifier.reloading()
         fresh: list[_Listener] = []
         try:
+            if any(lst.route.draining for lst in self.listeners):
+                raise RpcGuardError("shutting down")
             new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
                        if self.config_path or self.overrides else self.cfg)
             web = WebGuard.load(new_cfg.metrics.web_config)
@@ -259,6 +277,7 @@ class Runtime:
         if self.cfg.log.level != logging.getLevelName(logging.getLogger().level).lower():
             logging.getLogger().setLevel(self.cfg.log.level.upper())
         for lst in fresh:
+            self._register(lst)
             donor = donors.get(lst.route.name)
             if donor is not None:
                 lst.sock, lst.port, donor.sock = donor.sock, donor.port, None
@@ -268,13 +287,14 @@ class Runtime:
             if name in gone:
                 self._retire(lst)
             else:
-                _apply_settings(lst.route, items[name])
+                lst.item = items[name]
+                _apply_settings(lst.route, lst.item)
                 kept.append(lst)
+        order = list(items)  # config order
+        self.listeners = sorted(kept + fresh, key=lambda lst: order.index(lst.route.name))
         await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
         for lst in fresh:
             lst.accept()
-        order = list(items)  # config order
-        self.listeners = sorted(kept + fresh, key=lambda lst: order.index(lst.route.name))
         self._record_expiry()
         self._watch()
         self.metrics.reload("ok")

@@ -134,6 +134,9 @@ def test_a_failed_reload_changes_nothing(pki: Path, tmp_path: Path, caplog) -> N
                 assert sample(rt, "rpcguard_reload_total", result="error") == n
                 assert sample(rt, "rpcguard_reload_last_successful") == 0
             assert rt.retired == []
+            # the listener that failed to bind never reached the metrics
+            assert sample(rt, "rpcguard_sessions_active", listener="b") is None
+            assert sample(rt, "rpcguard_sessions_active", listener="a") == 0
         finally:
             await rt.close()
             busy.close()
@@ -212,6 +215,31 @@ def test_connect_tunnels_reload(pki: Path, tmp_path: Path) -> None:
             assert t2r.default.policy.firewall.max_graph_nodes == 5 and not t2r.default.policy.clear_new_buffers
             await asyncio.sleep(0.05)
             assert await asyncio.to_thread(accepts, p2)
+        finally:
+            await rt.close()
+
+    asyncio.run(body())
+
+
+def test_reloads_run_one_at_a_time(pki: Path, tmp_path: Path, caplog) -> None:
+    """SIGHUP and the file poll may fire together: the second reload sees the first one's result."""
+    pa, pb = free_port(), free_port()
+    a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": "127.0.0.1:1"}
+    b = {"name": "b", "listen": f"127.0.0.1:{pb}", "upstream": "127.0.0.1:2"}
+    path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
+
+    async def body() -> None:
+        rt = runtime(path)
+        await rt.start()
+        try:
+            write(tmp_path / "s.yaml", serve_cfg(pki, [a]))
+            with caplog.at_level(logging.INFO, logger="rpcguard.server"):
+                assert await asyncio.gather(rt.reload("one"), rt.reload("two")) == [True, True]
+            msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config reloaded")]
+            assert msgs == ["config reloaded (one): removed listener b", "config reloaded (two): no change"]
+            assert [lst.route.name for lst in rt.listeners] == ["a"]
+            await rt.drain(0.1)  # closes too
+            assert await rt.reload("three") is False  # no reload once shutting down
         finally:
             await rt.close()
 
