@@ -442,7 +442,7 @@ def test_tables() -> None:
     assert sorted(in_cats) == sorted(COMMAND_NAMES)  # every command in exactly one category
     assert set(CATEGORIES) == {"@handshake", "@query", "@alloc", "@tensor_io", "@compute", "@cache"}
     assert len(CHECK_NAMES) == 7
-    from rpcguard.protocol import versions  # the tables the firewall and policy.py use
+    from rpcguard.protocol import versions  # the tables the firewall and config use
 
     assert COMMAND_NAMES == versions.COMMAND_NAMES
     assert {k[1:]: v for k, v in CATEGORIES.items()} == dict(versions.CATEGORIES)

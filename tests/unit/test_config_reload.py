@@ -130,7 +130,7 @@ def test_a_failed_reload_changes_nothing(pki: Path, tmp_path: Path, caplog) -> N
                 line = caplog.records[-1].getMessage()
                 assert line.startswith("reload (test) failed, nothing changed") and why in line, line
                 assert rt.cfg is cfg and [lst.route for lst in rt.listeners] == [route]
-                assert route.default is default and route.limits.hello_timeout_s == 3
+                assert route.default is default and route.default.limits.hello_timeout_s == 3
                 assert sample(rt, "rpcguard_reload_total", result="error") == n
                 assert sample(rt, "rpcguard_reload_last_successful") == 0
             assert rt.retired == []
