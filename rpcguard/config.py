@@ -242,6 +242,20 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
     return tuple(out), listens
 
 
+def _warn_profiles(listeners: tuple, profiles: Mapping[str, Any]) -> None:
+    """Log (``check-config`` prints) a profile no entry names, and entries behind an ``all: true`` one."""
+    used = {e.profile for li in listeners for e in li.allow.entries}
+    for name in profiles:
+        if name not in used:
+            log.warning("profiles.%s: no allow-list entry names it (unused)", name)
+    for li in listeners:
+        catch_all = next((i for i, e in enumerate(li.allow.entries) if e.allow_any), None)
+        for e in li.allow.entries[catch_all + 1:] if catch_all is not None else ():
+            if e.profile is not None:
+                log.warning("%s: the entry naming profile %s never decides a profile: an earlier entry "
+                            "(all: true) matches every certificate first", li.name, e.profile)
+
+
 _TOP_KEYS = {"log", "metrics", "tls", "policy", "limits"}
 _ROLE_TOP_KEYS = {"serve": {"allow", "listeners", "profiles"}, "connect": {"tunnels"}}
 
@@ -281,6 +295,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     for addr, where in listens:
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
+    _warn_profiles(items if role == "serve" else (), profiles)
     log = LogConfig(**_Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
                   items if role == "serve" else (), items if role == "connect" else (), tuple(profiles))

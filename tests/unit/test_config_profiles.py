@@ -191,3 +191,15 @@ def test_diff_names_what_changed(base: Path) -> None:
     d0["listeners"] = d0["listeners"][:1]
     assert diff_configs(parse_config(d0, base_dir=str(base)), parse_config(d3, base_dir=str(base))).changed == (
         "listeners[gpu0].policy.checks", "listeners[gpu0].policy.max_graph_cpu_ms")
+
+
+def test_unused_and_shadowed_profiles_are_warned_about(base: Path, caplog) -> None:
+    d = data()
+    d["profiles"]["spare"] = {}
+    d["allow"].insert(1, {"all": True})  # the tenant entry behind it can never decide a profile
+    with caplog.at_level("WARNING", logger="rpcguard.config"):
+        parse_config(d, base_dir=str(base))
+    msgs = [r.getMessage() for r in caplog.records if "profile" in r.getMessage()]
+    assert msgs == ["profiles.spare: no allow-list entry names it (unused)"] + [
+        f"{li}: the entry naming profile tenant never decides a profile: an earlier entry (all: true) matches "
+        "every certificate first" for li in ("gpu0", "gpu1")]
