@@ -278,13 +278,12 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
 
 
 async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
-    from rpcguard.policy import session_policy
     from rpcguard.preflight import certificate_warnings
     from rpcguard.probe import probe_node
 
     own = [w.kind for w in certificate_warnings(cfg.tls.cert, cfg.tls.ca)]
     results = await asyncio.gather(*(
-        probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=session_policy(t.policy),
+        probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=t.policy,
                    timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s, own_warnings=own,
                    # as the data path: a node in queue mode answers once its upstream is free
                    hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)

@@ -37,6 +37,7 @@ import ssl
 import time
 
 from rpcguard.errors import FirewallRefusal, Refusal
+from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session
 from rpcguard.protocol.versions import format_version, spec_for
 from rpcguard.route import UPSTREAM_DRAIN_S, Route
@@ -136,7 +137,8 @@ class Link:
         self.id = next(_ids)
         self.peer = "-"
         self.identity = ""
-        self.session = Session(route.policy, route.facts)
+        self.profile = route.default  # settings branch: replaced by the identity's profile (life reworks this)
+        self.session = Session(self.profile.policy, route.facts)
         self.client = Endpoint(self, True)
         self.upstream: Endpoint | None = None
         self.upstream_ready = False
@@ -185,6 +187,9 @@ class Link:
             self.admitted = True
             if sum(link.admitted for link in route.links) > route.limits.max_sessions:
                 raise Refusal("too_many_sessions", f"more than {route.limits.max_sessions} sessions")
+            p = self.profile
+            if p is not route.default and sum(x.admitted and x.profile.name == p.name for x in route.links) > p.limits.max_sessions:
+                raise Refusal("too_many_sessions", f"more than {p.limits.max_sessions} sessions of profile {p.name}")
             if route.draining:
                 raise Refusal("shutdown", "rpcguard is shutting down")
             if self.refusal is not None:
@@ -200,7 +205,7 @@ class Link:
                         return
                 route.traffic.queue_depth = route.slot.waiting + 1
                 try:
-                    await route.slot.acquire(route.limits)
+                    await route.slot.acquire(self.profile.limits)
                 finally:
                     route.traffic.queue_depth = route.slot.waiting
                 self._slot_held = True
@@ -245,6 +250,9 @@ class Link:
             check_usage(ident, "client")  # clientAuth EKU, whoever issued the certificate
             if route.acl is not None:
                 route.acl().authorize(ident)
+                self.profile = p = route.profile_for(ident)  # no request was checked yet: swap its policy
+                s = self.session
+                s.policy, s.firewall, s._enforce = p.policy, Firewall(s.state, p.policy.firewall), p.policy.mode == "enforce"
         except Refusal as refusal:
             # Not a TLS failure (the handshake worked): counted in refusals_total when the
             # session ends, answered at HELLO so the client sees why.
@@ -486,7 +494,7 @@ class Link:
     def _check_timers(self) -> None:
         if self._done:
             return
-        limits = self.route.limits
+        limits = self.profile.limits
         now = time.monotonic()
         session = self.session
         if session.phase != ACTIVE and limits.hello_timeout_s:
@@ -581,6 +589,7 @@ class Link:
             "listener": self.route.name,
             "peer": self.peer,
             "identity": self.identity,
+            "profile": self.profile.name,
             "upstream": self._upstream_text(),
             "version": format_version(s.version) if s.version else None,
             "duration_s": round(time.monotonic() - self.t0, 6),
