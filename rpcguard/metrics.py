@@ -156,9 +156,9 @@ _G = GaugeMetricFamily
 _H = HistogramMetricFamily
 _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
-    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C,
+    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
-    "reload_time": _G, "queue": _G,
+    "reload_time": _G, "queue": _G, "reload_kept": _G,
     "duration": _H,
 })
 

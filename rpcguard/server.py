@@ -31,6 +31,7 @@ from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.errors import RpcGuardError
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
+from rpcguard.metrics_http import HttpServer
 from rpcguard.preflight import WARNING_KINDS, certificate_warnings
 from rpcguard.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
@@ -120,7 +121,7 @@ class Runtime:
         self.retired: list[_Listener] = []  # removed or replaced by a reload: their sessions finish
         self._slots: dict[tuple[str, int], UpstreamSlot] = {}  # serve: one per upstream, shared by routes
         self._facts: dict[tuple[str, int], UpstreamFacts] = {}
-        self._http: asyncio.AbstractServer | None = None
+        self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task] = []
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
@@ -196,7 +197,7 @@ class Runtime:
                 self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready, web=lambda: self.web,
                                               before_scrape=self._probe_upstreams)
                 log.info("metrics on %s://%s:%d/metrics", "https" if self.web.context else "http", m.host,
-                         self._http.sockets[0].getsockname()[1])
+                         self.metrics_port)
         except BaseException:
             await self.close()
             raise
