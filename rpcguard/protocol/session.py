@@ -49,11 +49,21 @@ from rpcguard.protocol.versions import (
     spec_for,
 )
 
-__all__ = ["SessionPolicy", "Session", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation"]
+__all__ = [
+    "SessionPolicy", "Session", "Output", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation",
+    "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION",
+]  # fmt: skip
 
 AWAIT_HELLO = "await_hello"
 AWAIT_HELLO_REPLY = "await_hello_reply"
 ACTIVE = "active"
+
+# What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
+# appends nothing, so the caller tests one list per read instead of polling attributes).
+EV_HELLO = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
+EV_ACTIVE = "active"  # the server's HELLO reply was accepted; value: the version
+EV_NODE_REFUSED = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
+EV_VIOLATION = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
 
 _REQ_HEADER = struct.Struct("<BQ")
 _RSP_HEADER = struct.Struct("<Q")
@@ -86,6 +96,23 @@ class Violation:
     command: str
 
 
+class Output:
+    """What one ``client_data`` / ``server_data`` call produced: frames to send each way and
+    events. One object per session, reused: the caller sends and clears the lists."""
+
+    __slots__ = ("to_server", "to_client", "events")
+
+    def __init__(self) -> None:
+        self.to_server: list[bytes | memoryview] = []
+        self.to_client: list[bytes | memoryview] = []
+        self.events: list[tuple[str, object]] = []
+
+    def clear(self) -> None:
+        self.to_server.clear()
+        self.to_client.clear()
+        self.events.clear()
+
+
 @dataclass(slots=True)
 class _Expect:
     cmd: int
@@ -113,10 +140,11 @@ class Session:
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
-        self.violations: list[Violation] = []
         self.command: int | None = None  # command of the frame being handled (named in refusals)
-        self.to_server: list = []
-        self.to_client: list = []
+        self.out = Output()
+        self.to_server = self.out.to_server
+        self.to_client = self.out.to_client
+        self._events = self.out.events
         self._enforce = self.policy.mode == "enforce"
         self._expect: deque[_Expect] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
@@ -149,15 +177,21 @@ class Session:
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
 
     @property
+    def violations(self) -> list[Violation]:
+        """Monitor-mode violations among the events not yet cleared."""
+        return [v for kind, v in self._events if kind == EV_VIOLATION]  # type: ignore[misc]
+
+    @property
     def mid_frame(self) -> bool:
         """True while a request frame is partially received or streaming."""
         return not self._req.at_boundary
 
     # ----------------------------------------------------------------------------- requests
-    def client_data(self, data: memoryview, now_ns: int = 0) -> None:
-        """Bytes from the client; accepted frames go to ``to_server``."""
+    def client_data(self, data: memoryview, now_ns: int = 0) -> Output:
+        """Bytes from the client; accepted frames go to ``out.to_server`` (returned)."""
         self._now = now_ns
         self._req.feed(data)
+        return self.out
 
     def _plan_request(self, header: tuple) -> tuple[int, int]:
         cmd, length = header
@@ -179,7 +213,7 @@ class Session:
         if rule.name not in self.policy.allowed_commands:
             if self._enforce:
                 raise PolicyRefusal("command_not_allowed", f"{rule.name} is not on the allow-list")
-            self.violations.append(Violation("command_not_allowed", "not on the allow-list", rule.name))
+            self._events.append((EV_VIOLATION, Violation("command_not_allowed", "not on the allow-list", rule.name)))
         stats = self.stats
         stats.req_frames[cmd] += 1
         stats.req_bytes[cmd] += 9 + length
@@ -215,7 +249,7 @@ class Session:
         except FirewallRefusal as refusal:
             if self._enforce:
                 raise
-            self.violations.append(Violation(refusal.reason, refusal.detail, rule.name))
+            self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, rule.name)))
         # Effects of the request on the session state.
         ctx = None
         if cmd == _FREE_BUFFER:
@@ -262,13 +296,15 @@ class Session:
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
         self._expect.append(_Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
         self.phase = AWAIT_HELLO_REPLY
+        self._events.append((EV_HELLO, len(head)))
         out.append(raw)
 
     # ----------------------------------------------------------------------------- responses
-    def server_data(self, data: memoryview, now_ns: int = 0) -> None:
-        """Bytes from the server; accepted frames go to ``to_client``."""
+    def server_data(self, data: memoryview, now_ns: int = 0) -> Output:
+        """Bytes from the server; accepted frames go to ``out.to_client`` (returned)."""
         self._now = now_ns
         self._rsp.feed(data)
+        return self.out
 
     def _plan_response(self, header: tuple) -> tuple[int, int]:
         length = header[0]
@@ -304,6 +340,7 @@ class Session:
         if version[0] == 0:
             # Another rpcguard (the node's `serve`) refused the session: pass its answer on.
             self.node_refusal = REFUSAL_REASONS.get(version[2], "refused")
+            self._events.append((EV_NODE_REFUSED, self.node_refusal))
             return memoryview(self.refusal_answer(self.node_refusal))
         if (len(head) == 28) != (self.hello_request_len == 24):
             raise PolicyRefusal(
@@ -317,6 +354,7 @@ class Session:
         self.state.spec = spec
         self.state.upstream.learn_version(version)
         self.phase = ACTIVE
+        self._events.append((EV_ACTIVE, version))
         if len(head) == 28 and head[4:] != _ZERO_CAPS:
             self.stats.rdma_caps_zeroed_rsp += 1
             raw = memoryview(encode.hello_response(version, new_layout=True))
@@ -380,7 +418,7 @@ class Session:
         except FirewallRefusal as refusal:
             if self._enforce:
                 raise
-            self.violations.append(Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER"))
+            self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER")))
 
     def _on_alloc_size(self, exp: _Expect, head: memoryview) -> None:
         req: bytes = exp.ctx  # type: ignore[assignment]
