@@ -420,7 +420,8 @@ class Lifecycle:
         if isinstance(refusal, FirewallRefusal):
             self.actions.append((COUNT_VIOLATION, (refusal.reason, "enforce", None, self.command)))
         if session.phase != SESSION_ACTIVE and session.hello_request_len is not None:
-            self.refusal = refusal
+            if self.refusal is None:  # else: a refusal already waited for this HELLO, say that one
+                self.refusal = refusal
             self._answer_refusal()
         else:
             self._finish("refused", refusal.reason, refusal.detail)
