@@ -1,11 +1,18 @@
 """The per-connection ggml-rpc state machine: framing + session rules + firewall + counters.
 
-How this works: one ``Session`` sits between one llama.cpp client and one server. The relay
-hands it the bytes read from either side (``client_data`` / ``server_data``) and then writes
-out whatever the session queued in ``to_server`` / ``to_client``: the frames it accepted,
-unchanged (memoryviews into the relay's buffer), or rewritten (HELLO with its RDMA caps
-zeroed), plus frames the proxy injects itself. A frame that breaks a rule raises a
-``Refusal``; nothing of that frame has been queued.
+How this works: one ``Session`` sits between one llama.cpp client and one server. The link's
+lifecycle hands it the bytes read from either side (``client_data`` / ``server_data``); each
+call returns the session's ``Output``: the frames to send each way (``to_server`` /
+``to_client``: the frames it accepted, unchanged as memoryviews into the relay's buffer, or
+rewritten, e.g. HELLO with its RDMA caps zeroed, plus frames the proxy injects itself) and the
+events of that call (the client's HELLO, the session active, a node's refusal, a monitor-mode
+violation). The caller sends and clears them. A frame that breaks a rule raises a ``Refusal``;
+nothing of that frame has been queued.
+
+Per command, the command table (``versions._BEHAVIOUR``) names the firewall check, the
+request's effect on session state (a ``_req_*`` method, which also decodes what the response
+will need) and the response's learner (an ``_on_*`` method); both are resolved into tuples
+indexed by command id, so a frame pays one index each.
 
 Requests are planned from the command table of the version the server announced in its HELLO
 reply (``versions.ProtocolSpec``); until then only HELLO is accepted. Responses carry no
@@ -22,6 +29,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
@@ -43,8 +51,10 @@ from rpcguard.protocol.versions import (
     SIZED_BY_REQUEST,
     STREAM,
     TENSOR_BYTES,
+    CommandRule,
     ProtocolSpec,
     Version,
+    behaviour_table,
     format_version,
     spec_for,
 )
@@ -76,9 +86,7 @@ _ZERO_CAPS = bytes(24)
 # GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
 _GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
 _CMD = COMMAND_IDS
-# Commands whose request changes session state (compared per frame: plain ints, no lookups).
-_FREE_BUFFER, _GRAPH_COMPUTE, _SET_TENSOR = _CMD["FREE_BUFFER"], _CMD["GRAPH_COMPUTE"], _CMD["SET_TENSOR"]
-_ALLOC_BUFFER, _GET_DEVICE_MEMORY = _CMD["ALLOC_BUFFER"], _CMD["GET_DEVICE_MEMORY"]
+_GET_DEVICE_MEMORY = _CMD["GET_DEVICE_MEMORY"]
 _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
@@ -150,16 +158,6 @@ class Session:
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
-        self._handlers = {
-            _CMD["ALLOC_BUFFER"]: self._on_alloc,
-            _CMD["BUFFER_GET_BASE"]: self._on_get_base,
-            _CMD["DEVICE_COUNT"]: self._on_device_count,
-            _CMD["GET_ALIGNMENT"]: self._on_alignment,
-            _CMD["GET_MAX_SIZE"]: self._on_max_size,
-            _CMD["GET_DEVICE_MEMORY"]: self._on_memory,
-            _CMD["SET_TENSOR_HASH"]: self._on_hash,
-            _CMD["GET_ALLOC_SIZE"]: self._on_alloc_size,
-        }
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -193,7 +191,7 @@ class Session:
         self._req.feed(data)
         return self.out
 
-    def _plan_request(self, header: tuple) -> tuple[int, int]:
+    def _plan_request(self, header: tuple[int, int]) -> tuple[int, int]:
         cmd, length = header
         self.command = cmd
         if self.phase != ACTIVE:
@@ -235,14 +233,14 @@ class Session:
             raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self.policy.max_graph_bytes}")
         return length, 0
 
-    def _on_request(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+    def _on_request(self, header: tuple[int, int], head: memoryview, raw: memoryview) -> None:
         cmd = header[0]
         out = self.to_server
         if cmd == HELLO:
             self._on_hello_request(head, raw, out)
             return
         spec = self.state.spec
-        rule = spec.commands[cmd]  # type: ignore[union-attr]
+        rule: CommandRule = spec.commands[cmd]  # type: ignore[union-attr,assignment]  # planned: it exists
         body_len = self._req.body_remaining
         try:
             self.firewall.check_request(rule, head, body_len)
@@ -250,43 +248,55 @@ class Session:
             if self._enforce:
                 raise
             self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, rule.name)))
-        # Effects of the request on the session state.
-        ctx = None
-        if cmd == _FREE_BUFFER:
-            self.state.free_buffer(_U64.unpack_from(head)[0])
-        elif cmd == _GRAPH_COMPUTE:
-            self.state.graph_stored(_U32.unpack_from(head)[0] if spec.multi_device else 0)  # type: ignore[union-attr]
-        elif cmd == _SET_TENSOR:
-            self.stats.upload_bytes_set += body_len
-            if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
-                self.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
-        elif cmd == _ALLOC_BUFFER:
-            ctx = _DEV_U64.unpack_from(head) if spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
-            self.state.charge_alloc(*ctx)  # reserved until the answer says what was granted
+        # The request's effect on the session state (the command table's effect column); it
+        # returns what the response's learner needs.
+        effect = _EFFECTS[cmd]
+        ctx = effect(self, head, body_len) if effect is not None else None
         response = rule.response
         if response != NO_RESPONSE:
             if response == SIZED_BY_REQUEST:
                 size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
                 exp = _Expect(cmd, size, streamed=True, t_ns=self._now)
             else:
-                exp = _Expect(cmd, response, t_ns=self._now, ctx=ctx if ctx is not None else self._context(cmd, head))
+                exp = _Expect(cmd, response, t_ns=self._now, ctx=ctx)
             self._expect.append(exp)
         out.append(raw)
 
-    def _context(self, cmd: int, head: memoryview) -> object:
-        """What a response handler needs to remember from its request."""
-        if cmd == _CMD["BUFFER_GET_BASE"]:
-            return _U64.unpack_from(head)[0]
-        if cmd in (_CMD["GET_ALIGNMENT"], _CMD["GET_MAX_SIZE"], _CMD["GET_DEVICE_MEMORY"]):
-            return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
-        if cmd == _CMD["SET_TENSOR_HASH"]:
-            return bytes(head)
-        if cmd == _CMD["GET_ALLOC_SIZE"]:
-            at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
-            return bytes(head[: at + TENSOR_BYTES])
+    # -- request effects (the command table's effect column): (head, body_len) -> response context
+
+    def _req_alloc(self, head: memoryview, body_len: int) -> object:
+        ctx = _DEV_U64.unpack_from(head) if self.state.spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
+        self.state.charge_alloc(*ctx)  # reserved until the answer says what was granted
+        return ctx
+
+    def _req_device(self, head: memoryview, body_len: int) -> object:
+        return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
+
+    def _req_handle(self, head: memoryview, body_len: int) -> object:
+        return _U64.unpack_from(head)[0]
+
+    def _req_free(self, head: memoryview, body_len: int) -> object:
+        self.state.free_buffer(_U64.unpack_from(head)[0])
         return None
 
-    def _on_hello_request(self, head: memoryview, raw: memoryview, out: list) -> None:
+    def _req_set_tensor(self, head: memoryview, body_len: int) -> object:
+        self.stats.upload_bytes_set += body_len
+        if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
+            self.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
+        return None
+
+    def _req_head_copy(self, head: memoryview, body_len: int) -> object:
+        return bytes(head)
+
+    def _req_graph(self, head: memoryview, body_len: int) -> object:
+        self.state.graph_stored(_U32.unpack_from(head)[0] if self.state.spec.multi_device else 0)  # type: ignore[union-attr]
+        return None
+
+    def _req_alloc_size(self, head: memoryview, body_len: int) -> object:
+        at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
+        return bytes(head[: at + TENSOR_BYTES])
+
+    def _on_hello_request(self, head: memoryview, raw: memoryview, out: list[bytes | memoryview]) -> None:
         self.hello_request_len = len(head)
         self.stats.req_frames[HELLO] += 1
         self.stats.req_bytes[HELLO] += len(raw)
@@ -306,7 +316,7 @@ class Session:
         self._rsp.feed(data)
         return self.out
 
-    def _plan_response(self, header: tuple) -> tuple[int, int]:
+    def _plan_response(self, header: tuple[int]) -> tuple[int, int]:
         length = header[0]
         if not self._expect:
             raise ProtocolRefusal("response_unexpected", f"server sent {length} bytes nobody asked for")
@@ -323,15 +333,15 @@ class Session:
             stats.observe_latency(exp.cmd, self._now - exp.t_ns)
         return (0, length) if exp.streamed else (length, 0)
 
-    def _on_response(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+    def _on_response(self, header: tuple[int], head: memoryview, raw: memoryview) -> None:
         out = self.to_client
         exp = self._expect.popleft()
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)
         else:
-            handler = self._handlers.get(exp.cmd)
-            if handler is not None:
-                handler(exp, head)
+            learn = _LEARNERS[exp.cmd]
+            if learn is not None:
+                learn(self, exp, head)
         if not exp.swallow:
             out.append(raw)
 
@@ -385,6 +395,8 @@ class Session:
 
     def _on_alloc(self, exp: _Expect, head: memoryview) -> None:
         handle, size = _U64x2.unpack_from(head)
+        device: int
+        asked: int
         device, asked = exp.ctx  # type: ignore[misc]
         self.state.charge_alloc(device, (size if handle else 0) - asked)
         if handle:
@@ -393,6 +405,7 @@ class Session:
             if self.policy.clear_new_buffers:
                 # Tenant isolation: new device memory is not zeroed by the server (spec §2.4).
                 rule = self.state.spec.commands[_CMD["BUFFER_CLEAR"]]  # type: ignore[union-attr]
+                assert rule is not None
                 self._inject(_CMD["BUFFER_CLEAR"], struct.pack("<QB", handle, 0), rule.response)
 
     def _on_get_base(self, exp: _Expect, head: memoryview) -> None:
@@ -411,7 +424,7 @@ class Session:
 
     def _on_memory(self, exp: _Expect, head: memoryview) -> None:
         device: int = exp.ctx  # type: ignore[assignment]
-        self.state.upstream.memory[device] = _U64x2.unpack_from(head)  # type: ignore[assignment]
+        self.state.upstream.memory[device] = _U64x2.unpack_from(head)
         # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
         try:
             self.firewall.check_quota(device)
@@ -459,6 +472,13 @@ class Session:
 
     def _vtext(self) -> str:
         return "protocol " + format_version(self.version) if self.version else "this session"
+
+
+# The command table's effect and learn columns as functions, indexed by command id.
+_EFFECTS: tuple[Callable[[Session, memoryview, int], object] | None, ...] = tuple(
+    getattr(Session, name) if name is not None else None for name in behaviour_table(1))
+_LEARNERS: tuple[Callable[[Session, _Expect, memoryview], None] | None, ...] = tuple(
+    getattr(Session, name) if name is not None else None for name in behaviour_table(2))
 
 
 def _name(cmd: int) -> str:
