@@ -50,7 +50,7 @@ from rpcguard.protocol.versions import format_version
 from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, peer_identity
 
-__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES", "Dialer", "dial"]
+__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
 
 log = logging.getLogger("rpcguard.relay")
 
@@ -96,6 +96,12 @@ async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol]) -> Non
     except (OSError, asyncio.TimeoutError) as exc:
         reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
         raise Refusal(reason, f"cannot reach {where}: {exc or 'timeout'}") from None
+
+
+def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
+    """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
+    if route.role == "connect":
+        check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
 
 
 def _write(transport: asyncio.Transport, out: list) -> None:
@@ -186,12 +192,13 @@ _APPLY: dict[str, str] = {
 class Link:
     """One proxied connection: two endpoints, the lifecycle, and the glue between them."""
 
-    def __init__(self, route: Route, *, clock_ns: Callable[[], int] = time.monotonic_ns,
-                 dialer: Dialer = dial) -> None:
+    def __init__(self, route: Route, *, clock_ns: Callable[[], int] = time.monotonic_ns, dialer: Dialer = dial,
+                 check_upstream: Callable[[Route, asyncio.BaseTransport], None] = check_node) -> None:
         self.route = route
         self.id = next(_ids)
         self._clock_ns = clock_ns
         self.dialer = dialer
+        self.check_upstream = check_upstream
         self.lc = Lifecycle(
             link_id=self.id, role=route.role, listener=route.name,
             upstream=f"{route.upstream_host}:{route.upstream_port}", default=route.default, facts=route.facts,
@@ -288,14 +295,13 @@ class Link:
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
-        if route.role == "connect":
-            try:  # the node's certificate must be a server certificate (serverAuth EKU)
-                check_usage(peer_identity(endpoint.transport.get_extra_info("ssl_object")), "server")  # type: ignore[union-attr]
-            except Refusal as refusal:
-                endpoint.transport.close()  # type: ignore[union-attr]
-                route.traffic.tls_failure(refusal.reason)
-                self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}"))
-                return
+        try:
+            self.check_upstream(route, endpoint.transport)  # type: ignore[arg-type]
+        except Refusal as refusal:
+            endpoint.transport.close()  # type: ignore[union-attr]
+            route.traffic.tls_failure(refusal.reason)
+            self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}"))
+            return
         self.lc.upstream_connected()
 
     # ----------------------------------------------------------------------------- data path
