@@ -18,7 +18,7 @@ from rpcguard.errors import Refusal
 from rpcguard.identity import Acl
 from rpcguard.metrics import ListenerTraffic
 from rpcguard.identity import PeerIdentity
-from rpcguard.protocol.lifecycle import UPSTREAM_DRAIN_S
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 

@@ -7,8 +7,8 @@ what the relay must do (actions out, appended to ``actions``: write, open the up
 free the slot, half-close, close, count, and the audit record at the end). It never touches a
 socket or a clock of its own: the relay carries out the actions, the clock is injected.
 
-States (``_EDGES`` lists the allowed transitions, ``_TABLE`` the handler of every event in
-every state; an event a state does not expect is ignored by name, ``_ignore``)::
+States (protocol/linkstate.py: ``EDGES`` lists the allowed transitions, ``TABLE`` the
+handler of every event in every state; an event a state does not expect is ignored by name)::
 
     HANDSHAKE --admit--> AWAIT_HELLO (serve: the slot is taken only once the client said HELLO)
               \\-------> CONNECTING  (connect: the node is dialled at once)
@@ -29,23 +29,20 @@ list. ``_goto`` rebinds the two handlers on every transition, so no table lookup
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, Refusal
-from rpcguard.protocol.session import (
-    ACTIVE as SESSION_ACTIVE,
-    AWAIT_HELLO_REPLY,
-    EV_ACTIVE,
-    EV_HELLO,
-    EV_NODE_REFUSED,
-    EV_VIOLATION,
-    Output,
-    Session,
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
+from rpcguard.protocol.linkstate import (
+    ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
+    COUNT_VIOLATION, DRAINING, EDGES, END, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
+    OPEN_UPSTREAM, QUEUED, REFUSING, SESSION_EVENTS, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action,
 )
+from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
+from rpcguard.protocol.session import AWAIT_HELLO_REPLY, Output, Session, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
-from rpcguard.protocol.versions import format_version, spec_for
 
 __all__ = [
     "Lifecycle", "admission_refusal", "STATES", "EVENTS", "UPSTREAM_DRAIN_S",
@@ -54,100 +51,6 @@ __all__ = [
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
     "COUNT_VIOLATION", "END",
 ]  # fmt: skip
-
-# serve: a finished session's upstream is half-closed and read until the server hangs up
-# (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection); past this
-# long it is aborted. The server hangs up once it has answered the command it is running.
-UPSTREAM_DRAIN_S = 5.0
-
-# ---------------------------------------------------------------------------------- states
-HANDSHAKE = "handshake"  # accepted; serve: TLS handshake running
-AWAIT_HELLO = "await_hello"  # admitted (serve): waiting for the client's HELLO before the slot
-REFUSING = "refusing"  # refused before the client's HELLO: waiting for it to answer 0.0.N
-QUEUED = "queued"  # HELLO received, waiting for the upstream slot
-CONNECTING = "connecting"  # the upstream is being dialled; client bytes are kept meanwhile
-GREETING = "greeting"  # upstream connected, the HELLO exchange not finished
-ACTIVE = "active"  # the session runs: bytes go straight through the Session
-DRAINING = "draining"  # over; serve's upstream half-closed and read until it hangs up
-CLOSED = "closed"
-STATES: tuple[str, ...] = (HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING, GREETING, ACTIVE,
-                           DRAINING, CLOSED)  # fmt: skip
-
-# ---------------------------------------------------------------------------------- events
-EVENTS: tuple[str, ...] = (
-    "admit", "handshake_failed", "client_data", "server_data", "slot_granted", "slot_refused",
-    "upstream_connected", "upstream_failed", "client_closed", "upstream_closed", "tick", "shutdown",
-    "internal_error",
-)  # fmt: skip
-
-# ---------------------------------------------------------------------------------- actions
-# (kind, argument) tuples in ``Lifecycle.actions``, carried out in order by the relay.
-WRITE_CLIENT = "write_client"  # bytes: a refusal answer
-WRITE_UPSTREAM = "write_upstream"  # list[bytes]: client bytes kept while the upstream was dialled
-OPEN_UPSTREAM = "open_upstream"  # None: dial; answer with upstream_connected / upstream_failed
-TAKE_SLOT = "take_slot"  # Limits: queue for the upstream slot; answer slot_granted / slot_refused
-FREE_SLOT = "free_slot"  # None
-HALF_CLOSE_UPSTREAM = "half_close_upstream"  # bool (slot held): write EOF, keep reading
-CLOSE_CLIENT = "close_client"  # None: close after flushing what is queued
-CLOSE_UPSTREAM = "close_upstream"  # None
-ABORT_UPSTREAM = "abort_upstream"  # None
-COUNT_TLS_FAILURE = "tls_failure"  # str: reason
-COUNT_VIOLATION = "violation"  # (reason, mode, Violation | None, command): a firewall rule failed
-END = "end"  # dict: the audit record (the session is over for metrics and logs)
-
-Action = tuple[str, object]
-
-# Allowed transitions: _goto refuses any other (a bug, not a peer's doing).
-_EDGES: Mapping[str, frozenset[str]] = {
-    HANDSHAKE: frozenset({AWAIT_HELLO, REFUSING, CONNECTING, CLOSED}),
-    AWAIT_HELLO: frozenset({QUEUED, REFUSING, CLOSED}),
-    REFUSING: frozenset({CLOSED}),
-    QUEUED: frozenset({CONNECTING, REFUSING, CLOSED}),
-    CONNECTING: frozenset({GREETING, REFUSING, CLOSED}),
-    GREETING: frozenset({ACTIVE, REFUSING, DRAINING, CLOSED}),
-    ACTIVE: frozenset({DRAINING, CLOSED}),
-    DRAINING: frozenset({CLOSED}),
-    CLOSED: frozenset(),
-}
-
-# The handler (a method name) of every event in every state.
-_COMMON = {"admit": "_ignore", "handshake_failed": "_ignore", "client_data": "_drop", "server_data": "_drop",
-           "slot_granted": "_free_granted_slot", "slot_refused": "_ignore",
-           "upstream_connected": "_close_new_upstream", "upstream_failed": "_ignore",
-           "client_closed": "_client_closed", "upstream_closed": "_ignore", "tick": "_tick",
-           "shutdown": "_shutdown", "internal_error": "_internal_error"}  # fmt: skip
-_TABLE: Mapping[str, Mapping[str, str]] = {
-    HANDSHAKE: {**_COMMON, "admit": "_admit", "handshake_failed": "_handshake_failed"},
-    AWAIT_HELLO: {**_COMMON, "client_data": "_client_early"},
-    REFUSING: {**_COMMON, "client_data": "_client_early"},
-    QUEUED: {**_COMMON, "client_data": "_client_early", "slot_granted": "_slot_granted",
-             "slot_refused": "_refuse_early"},
-    CONNECTING: {**_COMMON, "client_data": "_client_early", "upstream_connected": "_upstream_connected",
-                 "upstream_failed": "_refuse_early"},
-    GREETING: {**_COMMON, "client_data": "_client_greeting", "server_data": "_server_greeting",
-               "upstream_closed": "_upstream_closed_early"},
-    ACTIVE: {**_COMMON, "client_data": "_client_active", "server_data": "_server_active",
-             "upstream_closed": "_upstream_closed_active"},
-    DRAINING: {**_COMMON, "client_closed": "_ignore", "upstream_closed": "_drained", "tick": "_tick_drain",
-               "shutdown": "_ignore", "internal_error": "_ignore"},
-    CLOSED: {**_COMMON, "client_closed": "_ignore", "tick": "_ignore", "shutdown": "_ignore",
-             "internal_error": "_ignore"},
-}  # fmt: skip
-
-
-def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Profile]) -> Refusal | None:
-    """``too_many_sessions`` when the admitted links (this one included) exceed the listener's
-    ``max_sessions`` or, among those holding a profile of this name, the profile's own."""
-    total = same = 0
-    for held in admitted:
-        total += 1
-        same += held.name == profile.name
-    if total > default.limits.max_sessions:
-        return Refusal("too_many_sessions", f"more than {default.limits.max_sessions} sessions")
-    if same > profile.limits.max_sessions:
-        return Refusal("too_many_sessions", f"more than {profile.limits.max_sessions} sessions of profile "
-                                            f"{profile.name}")
-    return None
 
 
 class Lifecycle:
@@ -189,16 +92,16 @@ class Lifecycle:
 
     # ----------------------------------------------------------------------------- dispatch
     def _goto(self, state: str) -> None:
-        if self.state and state not in _EDGES[self.state]:
+        if self.state and state not in EDGES[self.state]:
             raise AssertionError(f"link {self.id}: no transition {self.state} -> {state}")
         self.state = state
-        row = _TABLE[state]
+        row = TABLE[state]
         # The data handlers of this state, bound once per transition (the per-read path).
         self.client_data: Callable[[memoryview, int], Output] = getattr(self, row["client_data"])
         self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"])
 
     def _on(self, event: str, *args: object) -> None:
-        getattr(self, _TABLE[self.state][event])(*args)
+        getattr(self, TABLE[self.state][event])(*args)
 
     @property
     def limits(self) -> Limits:
@@ -324,32 +227,14 @@ class Lifecycle:
 
     def _client_early(self, data: memoryview, now_ns: int) -> Output:
         """Client bytes before the upstream is connected: checked, kept for the upstream."""
-        out = self._feed_client(data, now_ns)
-        if out is None:
-            return self.out
+        out = self._client_through(data, now_ns)
         if out.to_server:
             if self.state != REFUSING:
                 self._pending.extend(bytes(chunk) for chunk in out.to_server)
             out.to_server.clear()
-        if out.events:
-            self._session_events(out)
         return out
 
-    def _client_greeting(self, data: memoryview, now_ns: int) -> Output:
-        out = self._feed_client(data, now_ns)
-        if out is None:
-            return self.out
-        if out.events:
-            self._session_events(out)
-        return out
-
-    def _server_greeting(self, data: memoryview, now_ns: int) -> Output:
-        out = self._feed_server(data, now_ns)
-        if out is not None and out.events:
-            self._session_events(out)
-        return self.out
-
-    def _client_active(self, data: memoryview, now_ns: int) -> Output:
+    def _client_through(self, data: memoryview, now_ns: int) -> Output:
         try:
             out = self._feed_c(data, now_ns)
         except Refusal as refusal:
@@ -360,7 +245,7 @@ class Lifecycle:
             self._session_events(out)
         return out
 
-    def _server_active(self, data: memoryview, now_ns: int) -> Output:
+    def _server_through(self, data: memoryview, now_ns: int) -> Output:
         try:
             out = self._feed_s(data, now_ns)
         except Refusal as refusal:
@@ -369,47 +254,38 @@ class Lifecycle:
         self.last_activity_ns = now_ns
         if out.events:
             self._session_events(out)
-        return out
-
-    def _feed_client(self, data: memoryview, now_ns: int) -> Output | None:
-        try:
-            out = self._feed_c(data, now_ns)
-        except Refusal as refusal:
-            self._refused(refusal)
-            return None
-        self.last_activity_ns = now_ns
-        return out
-
-    def _feed_server(self, data: memoryview, now_ns: int) -> Output | None:
-        try:
-            out = self._feed_s(data, now_ns)
-        except Refusal as refusal:
-            self._refused(refusal)
-            return None
-        self.last_activity_ns = now_ns
         return out
 
     def _session_events(self, out: Output) -> None:
         events = list(out.events)
         out.events.clear()
         for kind, value in events:
-            if kind == EV_VIOLATION:
-                v = value
-                self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))  # type: ignore[attr-defined]
-            elif kind == EV_HELLO:
-                if self.state == AWAIT_HELLO:
-                    self._goto(QUEUED)
-                    self.actions.append((TAKE_SLOT, self.limits))
-                elif self.state == REFUSING:
-                    self._answer_refusal()
-                    return
-            elif kind == EV_ACTIVE and self.state == GREETING:
-                self._goto(ACTIVE)
-            elif kind == EV_NODE_REFUSED:
-                # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
-                self.refusal = Refusal(str(value), "refused by the node")
-                self._finish("refused", "node_refused", f"node refused the session: {value}")
-                return
+            if getattr(self, SESSION_EVENTS[kind])(value):
+                return  # the link is over: later events do not matter
+
+    def _ev_violation(self, v: Violation) -> bool:
+        self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))
+        return False
+
+    def _ev_hello(self, length: int) -> bool:
+        if self.state == AWAIT_HELLO:
+            self._goto(QUEUED)
+            self.actions.append((TAKE_SLOT, self.limits))
+        elif self.state == REFUSING:
+            self._answer_refusal()
+            return True
+        return False
+
+    def _ev_active(self, version: object) -> bool:
+        if self.state == GREETING:
+            self._goto(ACTIVE)
+        return False
+
+    def _ev_node_refused(self, reason: str) -> bool:
+        # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
+        self.refusal = Refusal(reason, "refused by the node")
+        self._finish("refused", "node_refused", f"node refused the session: {reason}")
+        return True
 
     def _refused(self, refusal: Refusal) -> None:
         """The session refused a frame (either side)."""
@@ -450,19 +326,8 @@ class Lifecycle:
             refusal = Refusal("tls_failed", "the node closed the TLS session before answering HELLO: "
                                             "its rpcguard refused this certificate (see the node's log)")
         else:
-            refusal = self._hello_closed_refusal()
+            refusal = hello_closed_refusal(self.facts, self.session.hello_request_len if self.session else None)
         self._refuse_early(refusal)
-
-    def _hello_closed_refusal(self) -> Refusal:
-        """The upstream hung up on the HELLO: say why when its version tells (a HELLO of the other era)."""
-        known = self.facts.version
-        spec = spec_for(known) if known is not None else None
-        sent = self.session.hello_request_len if self.session is not None else None
-        if known is not None and spec is not None and sent is not None and sent != spec.hello_request:
-            era = "pre-4.0.0 (0-byte)" if sent == 0 else ">= 4.0.0 (24-byte)"
-            return Refusal("version_not_accepted", f"the client sent a {era} HELLO; the upstream speaks "
-                                                   f"{format_version(known)} and closed the connection")
-        return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
 
     def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
         self.upstream_open = False
@@ -486,40 +351,15 @@ class Lifecycle:
 
     # ----------------------------------------------------------------------------- timers
     def _tick(self, now: float) -> None:
-        limits = self.limits
-        session = self.session
-        hello_s = limits.hello_timeout_s
-        if session is not None and session.phase != SESSION_ACTIVE and hello_s:
-            if session.hello_request_len is None:
-                # The clock starts at admission; the TLS handshake has its own timeout.
-                if self.t_admitted is not None and now - self.t_admitted > hello_s:
-                    self._finish("refused", "hello_timeout", f"no HELLO within {hello_s:g} s")
-                    return
-            elif self.upstream_open and now - self.t_upstream > hello_s + (
-                limits.queue_timeout_s if self.role == "connect" else 0
-            ):
-                # A server that takes the connection but never answers HELLO. connect's upstream
-                # is the node's serve, which may queue the HELLO for its own queue_timeout_s.
-                self.refusal = Refusal("upstream_unavailable", "the upstream did not answer HELLO")
-                self._answer_refusal()
-                return
-        if self.state == ACTIVE and session is not None:
-            quiet = now - self.last_activity_ns / 1e9
-            idle = session.idle
-            if limits.idle_timeout_s and idle and quiet > limits.idle_timeout_s:
-                self._finish("refused", "idle_timeout", f"idle for {quiet:.0f} s")
-                return
-            if limits.frame_timeout_s and not idle and quiet > limits.frame_timeout_s and session.mid_frame:
-                self._finish("refused", "frame_timeout", f"a request frame stalled for {quiet:.0f} s")
-                return
-        blocked = self.client_blocked_since
-        if limits.frame_timeout_s and blocked and now - blocked > limits.frame_timeout_s:
-            # A client that stops reading its responses would hold the single upstream slot forever.
-            self._finish("refused", "frame_timeout",
-                         f"the client has not read its responses for {now - blocked:.0f} s")
+        missed = overdue(self, now)
+        if missed is None:
             return
-        if limits.max_session_s and now - self.t0 > limits.max_session_s:
-            self._finish("refused", "session_lifetime", f"session older than {limits.max_session_s:g} s")
+        refusal, answer = missed
+        if answer:
+            self.refusal = refusal
+            self._answer_refusal()
+        else:
+            self._finish("refused", refusal.reason, refusal.detail)
 
     def _tick_drain(self, now: float) -> None:
         if now - self.t_drain > UPSTREAM_DRAIN_S:
@@ -569,25 +409,4 @@ class Lifecycle:
 
     def audit_record(self) -> dict[str, object]:
         """The per-session audit record (one per session, logged at its end)."""
-        s = self.stats
-        version = self.session.version if self.session is not None else None
-        return {
-            "event": "session_end",
-            "session": self.id,
-            "role": self.role,
-            "listener": self.listener,
-            "profile": self.profile.name,
-            "peer": self.peer,
-            "identity": self.identity,
-            "upstream": self.upstream,
-            "version": format_version(version) if version else None,
-            "duration_s": round(self.clock() - self.t0, 6),
-            "result": self.result,
-            "reason": self.reason or None,
-            "command": self.command if self.command != "-" else None,
-            "detail": self.detail,
-            "alloc_bytes": s.alloc_bytes,
-            "upload_bytes": s.upload_bytes_set,
-            "hash_hit_bytes": s.upload_bytes_hash_hit,
-            "commands": s.per_command(),
-        }
+        return audit_record(self)

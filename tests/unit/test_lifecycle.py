@@ -96,11 +96,11 @@ def active(role: str = "serve", clock: Clock | None = None, profile: Profile = D
 # ----------------------------------------------------------------------------- the table
 def test_every_state_handles_every_event_with_an_existing_method():
     for state in L.STATES:
-        row = L._TABLE[state]
+        row = L.TABLE[state]
         assert set(row) == set(L.EVENTS), state
         for handler in row.values():
             assert callable(getattr(Lifecycle, handler)), handler
-        assert L._EDGES[state] <= set(L.STATES)
+        assert L.EDGES[state] <= set(L.STATES)
 
 
 def test_a_transition_outside_the_table_is_a_bug():
