@@ -241,3 +241,47 @@ def test_node_certificate_refused_by_the_upstream_check():
         assert route.traffic.tls_failures["certificate_usage_invalid"] == 1
 
     run(main())
+
+
+class FakeClient(FakeUpstream):
+    """The client side of a serve link, without TLS (the test admits the link itself)."""
+
+
+def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_until_then():
+    """ggml-rpc-server dies of SIGPIPE on a response written to a closed connection: the link
+    half-closes the upstream, drops what it still sends and frees the slot only once it hung up."""
+    from rpcguard.route import UpstreamSlot
+
+    async def main() -> None:
+        records: list = []
+        ups: list[FakeUpstream] = []
+
+        async def dialer(route, factory):
+            ups.append(FakeUpstream(factory()))
+            ups[0].protocol.connection_made(ups[0])
+
+        route = make_route(records)
+        route.role, route.slot = "serve", UpstreamSlot()
+        link = Link(route, clock_ns=Clock(), dialer=dialer, check_upstream=lambda route, transport: None)
+        route.links.add(link)
+        client = FakeClient(link.client)
+        link.client.transport = client  # what connection_made does, minus the admission
+        link.lc.admit(route.default, "CN=client1")
+        link._apply()
+        client.send(V.HELLO_REQ_V4)  # the slot is taken at HELLO, then the upstream dialled
+        await until(lambda: ups and bytes(ups[0].written) == V.HELLO_REQ_V4, "HELLO forwarded")
+        up = ups[0]
+        assert route.slot.busy
+        up.send(V.HELLO_RSP_700)
+        assert bytes(client.written) == V.HELLO_RSP_700
+        client.send(V.DEVICE_COUNT_REQ)
+        link.eof(link.client)  # the client leaves while the server prepares its answer
+        assert client.closed and up.eof_written and not up.closed
+        assert route.slot.busy and route.slot.draining and records[0]["result"] == "ok"
+        up.send(encode.response(bytes(4)))  # the late answer is read and dropped
+        assert bytes(client.written) == V.HELLO_RSP_700
+        up.close()  # the server hung up
+        await until(lambda: not route.slot.busy, "the slot freed")
+        assert link.lc.state == "closed" and not up.aborted
+
+    run(main())
