@@ -307,14 +307,22 @@ class Link:
     # ----------------------------------------------------------------------------- data path
     def data(self, endpoint: Endpoint, view: memoryview) -> None:
         lc = self.lc
+        # lc.client_data / server_data: in ACTIVE the session's own methods (see Lifecycle:
+        # a refusal and the events are handed back to the lifecycle, as client_bytes does).
         try:
             out = (lc.client_data if endpoint.is_client else lc.server_data)(view, self._clock_ns())
+        except Refusal as refusal:
+            lc.refused(refusal)
+            self._apply()
+            return
         except Exception:  # a bug must cost one session, never the process
             log.exception("session %d: internal error while parsing", self.id)
             lc.out.clear()
             lc.internal_error()
             self._apply()
             return
+        if out.events:
+            lc.session_events(out)
         if out.to_server:
             up = self.upstream
             transport = up.transport if up is not None else None

@@ -22,9 +22,12 @@ reports a version mismatch instead of a crashed server), whatever the HELLO era;
 during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the session's profile:
 ``route.default`` until the identity is authorized, then the profile of that identity.
 
-Hot path: in ACTIVE the bound handlers ``client_data``/``server_data`` hand the bytes straight
-to the ``Session`` and return its ``Output``; the only per-read extra is one test of its event
-list. ``_goto`` rebinds the two handlers on every transition, so no table lookup is paid per read.
+Hot path: ``_goto`` binds ``client_data`` / ``server_data`` to the state's handlers once per
+transition; in GREETING and ACTIVE they are the ``Session``'s own methods, so a read costs no
+call of the lifecycle. The caller's contract (``client_bytes`` / ``server_bytes`` implement it,
+``relay.Link.data`` inlines it): a ``Refusal`` raised goes to ``refused()``, a non-empty
+``out.events`` to ``session_events()``; then the frames in ``out`` are sent and ``actions``
+carried out.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class Lifecycle:
         self.t0 = clock()
         self.t_admitted: float | None = None
         self.t_upstream = 0.0
-        self.last_activity_ns = int(self.t0 * 1e9)
+        self._t0_ns = int(self.t0 * 1e9)
         self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
         self.slot_held = False
         self.upstream_open = False
@@ -106,6 +109,12 @@ class Lifecycle:
     @property
     def limits(self) -> Limits:
         return self.profile.limits
+
+    @property
+    def last_activity_ns(self) -> int:
+        """When bytes last came from either side (the session notes the time of every feed)."""
+        session = self.session
+        return max(self._t0_ns, session.last_feed_ns) if session is not None else self._t0_ns
 
     @property
     def admitted(self) -> bool:
@@ -227,36 +236,43 @@ class Lifecycle:
 
     def _client_early(self, data: memoryview, now_ns: int) -> Output:
         """Client bytes before the upstream is connected: checked, kept for the upstream."""
-        out = self._client_through(data, now_ns)
+        try:
+            out = self._feed_c(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
         if out.to_server:
             if self.state != REFUSING:
                 self._pending.extend(bytes(chunk) for chunk in out.to_server)
             out.to_server.clear()
         return out
 
-    def _client_through(self, data: memoryview, now_ns: int) -> Output:
+    def client_bytes(self, data: memoryview, now_ns: int) -> Output:
+        """``client_data`` with the whole contract: a refusal reported, the events handled."""
         try:
-            out = self._feed_c(data, now_ns)
+            out = self.client_data(data, now_ns)
         except Refusal as refusal:
-            self._refused(refusal)
+            self.refused(refusal)
             return self.out
-        self.last_activity_ns = now_ns
         if out.events:
-            self._session_events(out)
+            self.session_events(out)
         return out
 
-    def _server_through(self, data: memoryview, now_ns: int) -> Output:
+    def server_bytes(self, data: memoryview, now_ns: int) -> Output:
+        """``server_data`` with the whole contract (see ``client_bytes``)."""
         try:
-            out = self._feed_s(data, now_ns)
+            out = self.server_data(data, now_ns)
         except Refusal as refusal:
-            self._refused(refusal)
+            self.refused(refusal)
             return self.out
-        self.last_activity_ns = now_ns
         if out.events:
-            self._session_events(out)
+            self.session_events(out)
         return out
 
-    def _session_events(self, out: Output) -> None:
+    def session_events(self, out: Output) -> None:
+        """Act on the events of one feed (the caller hands them over when ``out.events`` is set)."""
         events = list(out.events)
         out.events.clear()
         for kind, value in events:
@@ -287,8 +303,9 @@ class Lifecycle:
         self._finish("refused", "node_refused", f"node refused the session: {reason}")
         return True
 
-    def _refused(self, refusal: Refusal) -> None:
-        """The session refused a frame (either side)."""
+    def refused(self, refusal: Refusal) -> None:
+        """The session refused a frame (either side): the caller hands over what ``client_data`` /
+        ``server_data`` raised."""
         session = self.session
         assert session is not None
         self.command = session.command_name

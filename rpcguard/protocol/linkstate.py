@@ -86,9 +86,10 @@ TABLE: Mapping[str, Mapping[str, str]] = {
              "slot_refused": "_refuse_early"},
     CONNECTING: {**_COMMON, "client_data": "_client_early", "upstream_connected": "_upstream_connected",
                  "upstream_failed": "_refuse_early"},
-    GREETING: {**_COMMON, "client_data": "_client_through", "server_data": "_server_through",
+    # The session's own client_data / server_data, bound directly (the hot path: no wrapper call).
+    GREETING: {**_COMMON, "client_data": "_feed_c", "server_data": "_feed_s",
                "upstream_closed": "_upstream_closed_early"},
-    ACTIVE: {**_COMMON, "client_data": "_client_through", "server_data": "_server_through",
+    ACTIVE: {**_COMMON, "client_data": "_feed_c", "server_data": "_feed_s",
              "upstream_closed": "_upstream_closed_active"},
     DRAINING: {**_COMMON, "client_closed": "_ignore", "upstream_closed": "_drained", "tick": "_tick_drain",
                "shutdown": "_ignore", "internal_error": "_ignore"},

@@ -175,6 +175,11 @@ class Session:
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
 
     @property
+    def last_feed_ns(self) -> int:
+        """The ``now_ns`` of the last ``client_data`` / ``server_data`` call."""
+        return self._now
+
+    @property
     def violations(self) -> list[Violation]:
         """Monitor-mode violations among the events not yet cleared."""
         return [v for kind, v in self._events if kind == EV_VIOLATION]  # type: ignore[misc]

@@ -82,11 +82,11 @@ def active(role: str = "serve", clock: Clock | None = None, profile: Profile = D
     clock = clock or Clock()
     lc = make(role, clock=clock)
     lc.admit(profile, "CN=client1")
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     if role == "serve":
         lc.slot_granted()
     lc.upstream_connected()
-    feed(lc.server_data, V.HELLO_RSP_700, clock)
+    feed(lc.server_bytes, V.HELLO_RSP_700, clock)
     lc.out.clear()
     take(lc)
     assert lc.state == L.ACTIVE
@@ -95,12 +95,20 @@ def active(role: str = "serve", clock: Clock | None = None, profile: Profile = D
 
 # ----------------------------------------------------------------------------- the table
 def test_every_state_handles_every_event_with_an_existing_method():
+    lc = make()
     for state in L.STATES:
         row = L.TABLE[state]
         assert set(row) == set(L.EVENTS), state
         for handler in row.values():
-            assert callable(getattr(Lifecycle, handler)), handler
+            assert callable(getattr(lc, handler)), handler  # _feed_c/_feed_s: the session's, once admitted
         assert L.EDGES[state] <= set(L.STATES)
+
+
+def test_active_reads_go_straight_to_the_session():
+    lc = active()
+    assert lc.client_data == lc.session.client_data and lc.server_data == lc.session.server_data
+    with pytest.raises(Refusal):  # the caller hands it to refused(): client_bytes does
+        lc.client_data(memoryview(V.HELLO_REQ_V4), 0)
 
 
 def test_a_transition_outside_the_table_is_a_bug():
@@ -146,7 +154,7 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT, "CN=client1")
-    out = feed(lc.client_data, V.HELLO_REQ_V4, clock, how)
+    out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock, how)
     assert lc.state == L.QUEUED and not out.to_server  # kept until the upstream is there
     assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
     lc.slot_granted()
@@ -155,12 +163,12 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     acts = take(lc)
     assert lc.state == L.GREETING and kinds(acts) == [L.WRITE_UPSTREAM]
     assert b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
-    out = feed(lc.server_data, V.HELLO_RSP_700, clock, how)
+    out = feed(lc.server_bytes, V.HELLO_RSP_700, clock, how)
     assert lc.state == L.ACTIVE and sent(out.to_client) == V.HELLO_RSP_700
     # ACTIVE: bytes go straight through, both ways
-    out = feed(lc.client_data, V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ[:3], clock, how)
+    out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ[:3], clock, how)
     assert sent(out.to_server) == V.DEVICE_COUNT_REQ and take(lc) == []
-    out = feed(lc.server_data, DC_RSP_1[:12], clock, how)
+    out = feed(lc.server_bytes, DC_RSP_1[:12], clock, how)
     assert sent(out.to_client) == DC_RSP_1[:12]
     # the client leaves between frames... no: mid-frame (3 bytes of GET_ALIGNMENT)
     lc.client_closed()
@@ -171,7 +179,7 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     assert rec["commands"]["HELLO"] == {"req_frames": 1, "req_bytes": 33, "rsp_frames": 1, "rsp_bytes": 36}
     # DRAINING: the slot is kept and what the server still sends is dropped until it hangs up
     assert lc.state == L.DRAINING and lc.slot_held
-    out = feed(lc.server_data, b"late answer", clock)
+    out = feed(lc.server_bytes, b"late answer", clock)
     assert not out.to_client and take(lc) == []
     lc.client_closed("again")  # no second record
     lc.upstream_closed()
@@ -206,7 +214,7 @@ def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
     lc.admit(DEFAULT)
     assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, None)]
     if hello_first:
-        out = feed(lc.client_data, V.HELLO_REQ_V4, clock)
+        out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
         assert not out.to_server and lc.state == L.CONNECTING
     lc.upstream_connected()
     acts = take(lc)
@@ -214,9 +222,9 @@ def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
         assert kinds(acts) == [L.WRITE_UPSTREAM] and b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
     else:
         assert acts == []
-        out = feed(lc.client_data, V.HELLO_REQ_V4, clock)
+        out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
         assert sent(out.to_server) == V.HELLO_REQ_V4
-    feed(lc.server_data, V.HELLO_RSP_700, clock)
+    feed(lc.server_bytes, V.HELLO_RSP_700, clock)
     assert lc.state == L.ACTIVE
     lc.client_closed()
     acts = take(lc)
@@ -229,10 +237,10 @@ def test_node_refusal_is_passed_through_and_ends_the_session():
     lc = make("connect", clock=clock)
     lc.admit(DEFAULT)
     lc.upstream_connected()
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     take(lc)
     answer = encode.hello_response((0, 0, REFUSAL_CODES["identity_not_allowed"]), new_layout=True)
-    out = feed(lc.server_data, answer, clock)
+    out = feed(lc.server_bytes, answer, clock)
     assert sent(out.to_client) == answer  # the relay writes it before closing
     acts = take(lc)
     assert kinds(acts) == [L.CLOSE_CLIENT, L.CLOSE_UPSTREAM, L.END]
@@ -248,7 +256,7 @@ def test_identity_refused_is_answered_at_hello_in_both_eras(hello, new_layout, h
     lc = make(clock=clock)
     lc.admit(DEFAULT, "CN=mallory", PolicyRefusal("identity_not_allowed", "not on the list"), identity_refused=True)
     assert lc.state == L.REFUSING and take(lc) == []
-    out = feed(lc.client_data, hello, clock, how)
+    out = feed(lc.client_bytes, hello, clock, how)
     assert not out.to_server
     acts = take(lc)
     assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
@@ -261,7 +269,7 @@ def test_hello_with_trailing_data_is_still_answered():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT, refusal=Refusal("shutdown", "rpcguard is shutting down"))
-    feed(lc.client_data, V.HELLO_REQ_V4 + V.DEVICE_COUNT_REQ, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4 + V.DEVICE_COUNT_REQ, clock)
     acts = take(lc)
     assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["shutdown"]), new_layout=True))
 
@@ -271,7 +279,7 @@ def test_every_refusal_code_reaches_the_client(reason):
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V1, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
     take(lc)
     lc.slot_refused(Refusal(reason, "why"))
     acts = take(lc)
@@ -309,7 +317,7 @@ def test_upstream_busy_is_answered_at_hello(detail):
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
     lc.slot_refused(Refusal("upstream_busy", detail))
     acts = take(lc)
@@ -322,7 +330,7 @@ def test_slot_granted_after_the_client_left_goes_straight_back():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     take(lc)
     lc.client_closed()  # waiting for its HELLO reply: not a clean close
     assert end(take(lc))["reason"] == "client_closed_mid_frame" and lc.state == L.CLOSED
@@ -345,9 +353,9 @@ def test_data_before_the_hello_reply_is_refused_at_hello():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     take(lc)
-    feed(lc.client_data, V.DEVICE_COUNT_REQ, clock)  # still queued, no HELLO reply yet
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # still queued, no HELLO reply yet
     acts = take(lc)
     assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["refused"]), new_layout=True))
     rec = end(acts)
@@ -361,14 +369,14 @@ def test_dial_failure_before_the_hello_is_answered_when_it_comes(role, reason):
     lc = make(role, clock=clock)
     lc.admit(DEFAULT)
     if role == "serve":  # serve dials only after HELLO and the slot
-        feed(lc.client_data, V.HELLO_REQ_V1, clock)
+        feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
         lc.slot_granted()
     take(lc)
     lc.upstream_failed(Refusal(reason, "cannot reach it"))
     acts = take(lc)
     if role == "connect":
         assert lc.state == L.REFUSING and acts == []
-        feed(lc.client_data, V.HELLO_REQ_V1, clock)
+        feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
         acts = take(lc)
     assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
     if role == "serve":
@@ -380,7 +388,7 @@ def test_serve_upstream_closed_at_hello():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     lc.slot_granted()
     lc.upstream_connected()
     take(lc)
@@ -395,7 +403,7 @@ def test_upstream_closed_on_a_hello_of_the_other_era(hello, known, era):
     clock = Clock()
     lc = make(facts=UpstreamFacts(version=known, device_count=1), clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, hello, clock)
+    feed(lc.client_bytes, hello, clock)
     lc.slot_granted()
     lc.upstream_connected()
     take(lc)
@@ -416,7 +424,7 @@ def test_connect_node_closing_after_the_handshake_is_a_tls_refusal(tls_reason):
     lc.upstream_closed("alert" if tls_reason else "", tls_reason)
     acts = take(lc)
     assert acts == [(L.COUNT_TLS_FAILURE, tls_reason or "tls_handshake_failed")] and lc.state == L.REFUSING
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     acts = take(lc)
     assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["tls_failed"]), new_layout=True))
     assert L.CLOSE_UPSTREAM not in kinds(acts)  # already gone
@@ -438,7 +446,7 @@ def test_upstream_lost_during_the_session(role):
 def test_refusal_mid_session_closes_both_sides_and_names_the_command():
     clock = Clock()
     lc = active(clock=clock)
-    out = feed(lc.client_data, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
+    out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
     assert not out.to_server  # nothing of the chunk is forwarded once a frame in it is refused
     acts = take(lc)
     assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END]
@@ -449,12 +457,12 @@ def test_refusal_mid_session_closes_both_sides_and_names_the_command():
 def test_firewall_refusal_and_monitor_violation_are_counted():
     clock = Clock()
     lc = active(clock=clock)
-    feed(lc.client_data, V.FREE_REQ, clock)  # a buffer this session never allocated
+    feed(lc.client_bytes, V.FREE_REQ, clock)  # a buffer this session never allocated
     acts = take(lc)
     assert acts[0] == (L.COUNT_VIOLATION, ("buffer_unknown", "enforce", None, "FREE_BUFFER"))
     monitor = Profile("m", SessionPolicy(mode="monitor", firewall=FirewallPolicy()), LIMITS)
     lc = active(clock=clock, profile=monitor)
-    out = feed(lc.client_data, V.FREE_REQ, clock)
+    out = feed(lc.client_bytes, V.FREE_REQ, clock)
     assert sent(out.to_server) == V.FREE_REQ
     (kind, (reason, mode, violation, command)), = take(lc)  # type: ignore[misc]
     assert (kind, reason, mode, command) == (L.COUNT_VIOLATION, "buffer_unknown", "monitor", "FREE_BUFFER")
@@ -502,7 +510,7 @@ def test_upstream_that_never_answers_hello(role, deadline):
     clock = Clock()
     lc = make(role, clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     if role == "serve":
         lc.slot_granted()
     lc.upstream_connected()
@@ -521,7 +529,7 @@ def test_queued_link_has_no_hello_deadline():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT)
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     take(lc)
     assert tick_at(lc, clock, 25) == []  # the slot's queue_timeout_s bounds it (slot_refused)
 
@@ -530,8 +538,8 @@ def test_idle_timeout():
     clock = Clock()
     lc = active(clock=clock)
     assert tick_at(lc, clock, 29) == []
-    feed(lc.client_data, V.DEVICE_COUNT_REQ, clock)
-    feed(lc.server_data, DC_RSP_1, clock)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+    feed(lc.server_bytes, DC_RSP_1, clock)
     lc.out.clear()
     assert tick_at(lc, clock, 29) == []  # activity restarted the clock
     rec = end(tick_at(lc, clock, 2))
@@ -541,7 +549,7 @@ def test_idle_timeout():
 def test_waiting_for_a_response_is_not_idle():
     clock = Clock()
     lc = active(clock=clock)
-    feed(lc.client_data, V.DEVICE_COUNT_REQ, clock)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
     lc.out.clear()
     assert tick_at(lc, clock, 45) == []  # the server computes; not a stalled request frame either
 
@@ -549,7 +557,7 @@ def test_waiting_for_a_response_is_not_idle():
 def test_frame_timeout_for_a_stalled_request_frame():
     clock = Clock()
     lc = active(clock=clock)
-    feed(lc.client_data, V.GET_ALIGNMENT_REQ[:5], clock)
+    feed(lc.client_bytes, V.GET_ALIGNMENT_REQ[:5], clock)
     assert tick_at(lc, clock, 59) == []
     rec = end(tick_at(lc, clock, 2))
     assert rec["reason"] == "frame_timeout" and "a request frame stalled for 61 s" == rec["detail"]
@@ -571,8 +579,8 @@ def test_session_lifetime():
     clock = Clock()
     lc = active(clock=clock, profile=Profile("long", SessionPolicy(), Limits(max_session_s=3600)))
     for _ in range(3):
-        feed(lc.client_data, V.DEVICE_COUNT_REQ, clock)
-        feed(lc.server_data, DC_RSP_1, clock)
+        feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+        feed(lc.server_bytes, DC_RSP_1, clock)
         lc.out.clear()
         assert tick_at(lc, clock, 1000) == []
     rec = end(tick_at(lc, clock, 700))
@@ -584,7 +592,7 @@ def test_admission_while_draining_is_refused_at_hello():
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT, refusal=Refusal("shutdown", "rpcguard is shutting down"))
-    feed(lc.client_data, V.HELLO_REQ_V4, clock)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     assert end(take(lc))["reason"] == "shutdown"
 
 
