@@ -46,6 +46,7 @@ from rpcguard.errors import Refusal
 from rpcguard.identity import check_usage
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
+from rpcguard.protocol.settings import Limits
 from rpcguard.protocol.versions import format_version
 from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, peer_identity
@@ -70,15 +71,14 @@ _ids = itertools.count(1)
 
 
 # Dials the upstream: connects ``factory()``'s protocol to the route's upstream (TLS toward the node
-# for connect); raises Refusal with the stable reason when it cannot.
-Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol]], Awaitable[None]]
+# for connect) within the session's limits; raises Refusal with the stable reason when it cannot.
+Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable[None]]
 TICK_S = 1.0  # how often the lifecycle's deadlines are checked
 
 
-async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol]) -> None:
+async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
     """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
     loop = asyncio.get_running_loop()
-    limits = route.default.limits
     kwargs: dict[str, Any] = {}
     if route.role == "connect":
         assert route.ssl_context is not None
@@ -411,13 +411,13 @@ class Link:
         if up is not None and up.transport is not None and not up.closed:
             up.transport.writelines(pending)
 
-    def _open_upstream(self, _: object) -> None:
-        self._spawn(self._dial())
+    def _open_upstream(self, limits: Limits) -> None:
+        self._spawn(self._dial(limits))
 
-    async def _dial(self) -> None:
+    async def _dial(self, limits: Limits) -> None:
         endpoint = self.upstream = Endpoint(self, False)
         try:
-            await self.dialer(self.route, lambda: endpoint)
+            await self.dialer(self.route, lambda: endpoint, limits)
         except Refusal as refusal:
             self.lc.upstream_failed(refusal)
         except Exception as exc:

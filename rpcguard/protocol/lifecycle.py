@@ -182,7 +182,7 @@ class Lifecycle:
             self._goto(AWAIT_HELLO)
         else:
             self._goto(CONNECTING)
-            self.actions.append((OPEN_UPSTREAM, None))
+            self.actions.append((OPEN_UPSTREAM, self.limits))
 
     def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
         if result == "refused":
@@ -192,7 +192,7 @@ class Lifecycle:
     def _slot_granted(self) -> None:
         self.slot_held = True
         self._goto(CONNECTING)
-        self.actions.append((OPEN_UPSTREAM, None))
+        self.actions.append((OPEN_UPSTREAM, self.limits))
 
     def _free_granted_slot(self) -> None:
         # The session ended while it queued: hand the slot straight back.

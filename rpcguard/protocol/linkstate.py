@@ -46,7 +46,7 @@ EVENTS: tuple[str, ...] = (
 # (kind, argument) tuples in ``Lifecycle.actions``, carried out in order by the relay.
 WRITE_CLIENT = "write_client"  # bytes: a refusal answer
 WRITE_UPSTREAM = "write_upstream"  # list[bytes]: client bytes kept while the upstream was dialled
-OPEN_UPSTREAM = "open_upstream"  # None: dial; answer with upstream_connected / upstream_failed
+OPEN_UPSTREAM = "open_upstream"  # Limits: dial; answer with upstream_connected / upstream_failed
 TAKE_SLOT = "take_slot"  # Limits: queue for the upstream slot; answer slot_granted / slot_refused
 FREE_SLOT = "free_slot"  # None
 HALF_CLOSE_UPSTREAM = "half_close_upstream"  # bool (slot held): write EOF, keep reading

@@ -139,6 +139,19 @@ def test_admission_takes_the_identity_profile_and_builds_the_session_from_it():
     assert take(lc) == []  # serve: nothing happens before the HELLO (the slot is taken only then)
 
 
+def test_the_profile_limits_bound_the_queue_and_the_dial():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(TENANT, "CN=tenant")
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    assert take(lc) == [(L.TAKE_SLOT, TENANT.limits)]
+    lc.slot_granted()
+    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+    lc = make("connect")
+    lc.admit(TENANT)
+    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+
+
 def test_admission_counts_sessions_per_listener_and_per_profile():
     assert admission_refusal(DEFAULT, DEFAULT, [DEFAULT] * 64) is None
     over = admission_refusal(DEFAULT, DEFAULT, [DEFAULT] * 65)
@@ -158,7 +171,7 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     assert lc.state == L.QUEUED and not out.to_server  # kept until the upstream is there
     assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
     lc.slot_granted()
-    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, None)] and lc.slot_held
+    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)] and lc.slot_held
     lc.upstream_connected()
     acts = take(lc)
     assert lc.state == L.GREETING and kinds(acts) == [L.WRITE_UPSTREAM]
@@ -212,7 +225,7 @@ def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
     clock = Clock()
     lc = make("connect", clock=clock)
     lc.admit(DEFAULT)
-    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, None)]
+    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)]
     if hello_first:
         out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
         assert not out.to_server and lc.state == L.CONNECTING

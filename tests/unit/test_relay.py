@@ -126,7 +126,7 @@ def test_connect_session_through_an_injected_dialer():
         records: list = []
         ups: list[FakeUpstream] = []
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             ups.append(FakeUpstream(factory()))
             ups[0].protocol.connection_made(ups[0])
 
@@ -153,7 +153,7 @@ def test_dial_failure_is_answered_at_hello(hello, new_layout):
     async def main() -> None:
         records: list = []
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             raise Refusal("node_unreachable", "cannot reach 127.0.0.1:9: refused")
 
         _, reader, writer = await start(make_route(records), dialer, Clock())
@@ -172,7 +172,7 @@ def test_hello_timeout_on_the_injected_clock():
         records: list = []
         clock = Clock()
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             up = FakeUpstream(factory())
             up.protocol.connection_made(up)
 
@@ -192,7 +192,7 @@ def test_internal_error_while_parsing_costs_one_session(monkeypatch):
     async def main() -> None:
         records: list = []
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             up = FakeUpstream(factory())
             up.protocol.connection_made(up)
 
@@ -214,7 +214,7 @@ def test_node_certificate_refused_by_the_upstream_check():
         records: list = []
         ups: list[FakeUpstream] = []
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             ups.append(FakeUpstream(factory()))
             ups[0].protocol.connection_made(ups[0])
 
@@ -256,7 +256,7 @@ def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_unti
         records: list = []
         ups: list[FakeUpstream] = []
 
-        async def dialer(route, factory):
+        async def dialer(route, factory, limits):
             ups.append(FakeUpstream(factory()))
             ups[0].protocol.connection_made(ups[0])
 
