@@ -4,8 +4,8 @@ How this works: the session has already matched the frame to a ``CommandRule`` o
 negotiated version and checked its length class; it hands the firewall the validated head of
 the payload (the whole payload for fixed-size commands and GRAPH_COMPUTE; for SET_TENSOR only
 rpc_tensor [+ cache_flag] + offset, with ``body_len`` data bytes still to come). The check
-column of the command table (``versions._BEHAVIOUR``) names the method that checks each
-command; commands without one (HELLO, DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
+column of the command table (``commands.ROWS``) names the method that checks each command;
+commands without one (HELLO, DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
 stable reason from docs/design.md and never anything else. The firewall only reads
 ``SessionState``: the session records buffers, bases, frees and stored graphs.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.graph import GraphValidator
@@ -35,7 +35,7 @@ from rpcguard.protocol.tensor import (
     check_tensor,
     decode_tensor,
 )
-from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule, behaviour_table
+from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
 __all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
 
@@ -45,10 +45,6 @@ _U64 = struct.Struct("<Q")
 _U64x2 = struct.Struct("<QQ")
 _DEV_U64 = struct.Struct("<IQ")
 _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
-
-# Check method per command id, from the command table (versions._BEHAVIOUR, like h11's READERS).
-_CHECKS = behaviour_table(0)
-
 
 # Heads whose validity depends only on the command, the head bytes, the body length and the live
 # buffers (the session's version and checks are fixed; SET_TENSOR with cache_flag=1 is not cached).
@@ -85,8 +81,12 @@ class Firewall:
             allow_unverified=frozenset(policy.allow_unverified_ops),
             max_cpu_s=policy.max_graph_cpu_s,
         )
+        # The check per command id, from the command table (like h11's READERS). Imported here:
+        # commands.py uses this module's keys.
+        from rpcguard.protocol.commands import CHECKS
+
         self._table: tuple[Callable[[CommandRule, memoryview, int], None] | None, ...] = tuple(
-            getattr(self, method) if method is not None else None for method in _CHECKS
+            getattr(self, method) if method is not None else None for method in CHECKS
         )
 
     def check_request(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:

@@ -9,14 +9,13 @@ events of that call (the client's HELLO, the session active, a node's refusal, a
 violation). The caller sends and clears them. A frame that breaks a rule raises a ``Refusal``;
 nothing of that frame has been queued.
 
-Per command, the command table (``versions._BEHAVIOUR``) names the firewall check, the
-request's effect on session state (a ``_req_*`` method, which also decodes what the response
-will need) and the response's learner (an ``_on_*`` method); both are resolved into tuples
-indexed by command id, so a frame pays one index each.
+Per command, the command table (``commands.ROWS``) gives the firewall check, the request's
+effect on session state (which also decodes what the response will need) and the response's
+learner; the session indexes ``commands.EFFECTS`` / ``LEARNERS`` by command id.
 
 Requests are planned from the command table of the version the server announced in its HELLO
 reply (``versions.ProtocolSpec``); until then only HELLO is accepted. Responses carry no
-command id: each response-bearing request pushes an ``_Expect`` entry on a FIFO and the next
+command id: each response-bearing request pushes an ``Expect`` entry on a FIFO and the next
 response header is matched against it (size checked exactly), which is also where latency is
 measured and where the session learns buffer handles, bases and device facts for the firewall.
 
@@ -29,15 +28,14 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.firewall import Firewall, alloc_size_key, hash_miss_key
+from rpcguard.protocol.commands import EFFECTS, LEARNERS
+from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.settings import SessionPolicy
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
-from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import (
     COMMAND_IDS,
@@ -54,7 +52,6 @@ from rpcguard.protocol.versions import (
     CommandRule,
     ProtocolSpec,
     Version,
-    behaviour_table,
     format_version,
     spec_for,
 )
@@ -79,20 +76,15 @@ _REQ_HEADER = struct.Struct("<BQ")
 _RSP_HEADER = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_U64x2 = struct.Struct("<QQ")
-_DEV_U64 = struct.Struct("<IQ")
 _ZERO_CAPS = bytes(24)
 
 # GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
 _GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
 _CMD = COMMAND_IDS
 _GET_DEVICE_MEMORY = _CMD["GET_DEVICE_MEMORY"]
-_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
 MEMORY_PROBES_MAX = 16
-HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
-ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +114,7 @@ class Output:
 
 
 @dataclass(slots=True)
-class _Expect:
+class Expect:
     cmd: int
     length: int  # exact response payload size
     streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
@@ -154,7 +146,7 @@ class Session:
         self.to_client = self.out.to_client
         self._events = self.out.events
         self._enforce = self.policy.mode == "enforce"
-        self._expect: deque[_Expect] = deque()
+        self._expect: deque[Expect] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
@@ -250,56 +242,20 @@ class Session:
         try:
             self.firewall.check_request(rule, head, body_len)
         except FirewallRefusal as refusal:
-            if self._enforce:
-                raise
-            self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, rule.name)))
+            self.violated(refusal, rule.name)
         # The request's effect on the session state (the command table's effect column); it
         # returns what the response's learner needs.
-        effect = _EFFECTS[cmd]
+        effect = EFFECTS[cmd]
         ctx = effect(self, head, body_len) if effect is not None else None
         response = rule.response
         if response != NO_RESPONSE:
             if response == SIZED_BY_REQUEST:
                 size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
-                exp = _Expect(cmd, size, streamed=True, t_ns=self._now)
+                exp = Expect(cmd, size, streamed=True, t_ns=self._now)
             else:
-                exp = _Expect(cmd, response, t_ns=self._now, ctx=ctx)
+                exp = Expect(cmd, response, t_ns=self._now, ctx=ctx)
             self._expect.append(exp)
         out.append(raw)
-
-    # -- request effects (the command table's effect column): (head, body_len) -> response context
-
-    def _req_alloc(self, head: memoryview, body_len: int) -> object:
-        ctx = _DEV_U64.unpack_from(head) if self.state.spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
-        self.state.charge_alloc(*ctx)  # reserved until the answer says what was granted
-        return ctx
-
-    def _req_device(self, head: memoryview, body_len: int) -> object:
-        return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
-
-    def _req_handle(self, head: memoryview, body_len: int) -> object:
-        return _U64.unpack_from(head)[0]
-
-    def _req_free(self, head: memoryview, body_len: int) -> object:
-        self.state.free_buffer(_U64.unpack_from(head)[0])
-        return None
-
-    def _req_set_tensor(self, head: memoryview, body_len: int) -> object:
-        self.stats.upload_bytes_set += body_len
-        if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
-            self.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
-        return None
-
-    def _req_head_copy(self, head: memoryview, body_len: int) -> object:
-        return bytes(head)
-
-    def _req_graph(self, head: memoryview, body_len: int) -> object:
-        self.state.graph_stored(_U32.unpack_from(head)[0] if self.state.spec.multi_device else 0)  # type: ignore[union-attr]
-        return None
-
-    def _req_alloc_size(self, head: memoryview, body_len: int) -> object:
-        at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
-        return bytes(head[: at + TENSOR_BYTES])
 
     def _on_hello_request(self, head: memoryview, raw: memoryview, out: list[bytes | memoryview]) -> None:
         self.hello_request_len = len(head)
@@ -309,7 +265,7 @@ class Session:
             # RDMA transport offer: zero it, or tensor traffic could leave the tunnel (spec §4.4).
             self.stats.rdma_caps_zeroed_req += 1
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
-        self._expect.append(_Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
+        self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
         self.phase = AWAIT_HELLO_REPLY
         self._events.append((EV_HELLO, len(head)))
         out.append(raw)
@@ -344,7 +300,7 @@ class Session:
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)
         else:
-            learn = _LEARNERS[exp.cmd]
+            learn = LEARNERS[exp.cmd]
             if learn is not None:
                 learn(self, exp, head)
         if not exp.swallow:
@@ -375,19 +331,25 @@ class Session:
             raw = memoryview(encode.hello_response(version, new_layout=True))
         if spec.multi_device and self.state.upstream.device_count is None:
             # Learn the device count for the device-index checks without bothering the client.
-            self._inject(_CMD["DEVICE_COUNT"], b"", 4)
+            self.inject(_CMD["DEVICE_COUNT"], b"", 4)
         else:
-            self._learn_memory()
+            self.learn_memory()
         return raw
 
-    def _inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
+    def violated(self, refusal: FirewallRefusal, command: str) -> None:
+        """A firewall rule failed: refuse (enforce), or note it and go on (monitor)."""
+        if self._enforce:
+            raise refusal
+        self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, command)))
+
+    def inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
         self.stats.req_frames[cmd] += 1
         self.stats.req_bytes[cmd] += 9 + len(payload)
         self.to_server.append(encode.request(cmd, payload))
         if response != NO_RESPONSE:
-            self._expect.append(_Expect(cmd, response, swallow=True, ctx=ctx))
+            self._expect.append(Expect(cmd, response, swallow=True, ctx=ctx))
 
-    def _learn_memory(self) -> None:
+    def learn_memory(self) -> None:
         """Ask for the memory of devices whose total is unknown: it is the default allocation
         quota (real clients ask for it on an earlier connection, so this rarely sends anything)."""
         if self.firewall.policy.max_session_alloc_bytes or "buffer_bounds" in self.firewall.policy.disabled_checks:
@@ -396,77 +358,7 @@ class Session:
         memory = self.state.upstream.memory
         for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
             if device not in memory:
-                self._inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
-
-    def _on_alloc(self, exp: _Expect, head: memoryview) -> None:
-        handle, size = _U64x2.unpack_from(head)
-        device: int
-        asked: int
-        device, asked = exp.ctx  # type: ignore[misc]
-        self.state.charge_alloc(device, (size if handle else 0) - asked)
-        if handle:
-            self.state.add_buffer(handle, device, size)
-            self.stats.alloc_bytes += size
-            if self.policy.clear_new_buffers:
-                # Tenant isolation: new device memory is not zeroed by the server (spec §2.4).
-                rule = self.state.spec.commands[_CMD["BUFFER_CLEAR"]]  # type: ignore[union-attr]
-                assert rule is not None
-                self._inject(_CMD["BUFFER_CLEAR"], struct.pack("<QB", handle, 0), rule.response)
-
-    def _on_get_base(self, exp: _Expect, head: memoryview) -> None:
-        self.state.set_base(exp.ctx, _U64.unpack_from(head)[0])  # type: ignore[arg-type]
-
-    def _on_device_count(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.device_count = _U32.unpack_from(head)[0]
-        if exp.swallow:
-            self._learn_memory()
-
-    def _on_alignment(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.alignment[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
-
-    def _on_max_size(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
-
-    def _on_memory(self, exp: _Expect, head: memoryview) -> None:
-        device: int = exp.ctx  # type: ignore[assignment]
-        self.state.upstream.memory[device] = _U64x2.unpack_from(head)
-        # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
-        try:
-            self.firewall.check_quota(device)
-        except FirewallRefusal as refusal:
-            if self._enforce:
-                raise
-            self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER")))
-
-    def _on_alloc_size(self, exp: _Expect, head: memoryview) -> None:
-        req: bytes = exp.ctx  # type: ignore[assignment]
-        at = len(req) - TENSOR_BYTES
-        device = _U32.unpack_from(req)[0] if at else 0
-        t = decode_tensor(req, at)
-        info = types_of(self.version).get(t.type)
-        size = _U64.unpack_from(head)[0]
-        if info is not None and size > nbytes(t, info):
-            sizes = self.state.upstream.alloc_sizes
-            if len(sizes) >= ALLOC_SIZES_MAX:
-                sizes.clear()
-            sizes[alloc_size_key(device, t)] = size
-
-    def _on_hash(self, exp: _Expect, head: memoryview) -> None:
-        if head[0] == 0:
-            # A miss: the client may now send this tensor once with cache_flag=1.
-            misses = self.state.hash_misses
-            if len(misses) >= HASH_MISSES_MAX:
-                misses.clear()
-            misses.add(exp.ctx[: TENSOR_BYTES + 8])  # type: ignore[index]  # rpc_tensor + offset
-        elif head[0] == 1:
-            # A hit: the server wrote the tensor from its cache instead of receiving it. The client
-            # hashes whole tensors (offset 0, nbytes), so count what a SET_TENSOR would have sent.
-            req: bytes = exp.ctx  # type: ignore[assignment]
-            t = decode_tensor(req)
-            info = types_of(self.version).get(t.type)
-            offset = _U64.unpack_from(req, TENSOR_BYTES)[0]
-            if info is not None:
-                self.stats.upload_bytes_hash_hit += max(0, nbytes(t, info) - offset)
+                self.inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
 
     # ----------------------------------------------------------------------------- refusals
     def refusal_answer(self, reason: str) -> bytes:
@@ -477,13 +369,6 @@ class Session:
 
     def _vtext(self) -> str:
         return "protocol " + format_version(self.version) if self.version else "this session"
-
-
-# The command table's effect and learn columns as functions, indexed by command id.
-_EFFECTS: tuple[Callable[[Session, memoryview, int], object] | None, ...] = tuple(
-    getattr(Session, name) if name is not None else None for name in behaviour_table(1))
-_LEARNERS: tuple[Callable[[Session, _Expect, memoryview], None] | None, ...] = tuple(
-    getattr(Session, name) if name is not None else None for name in behaviour_table(2))
 
 
 def _name(cmd: int) -> str:

@@ -1,10 +1,8 @@
 """The ggml-rpc command table, one per protocol version.
 
-How this works: everything rpcguard knows about a command is in two adjacent tables here.
-``_rows(version)`` gives its wire layout in one version; ``_BEHAVIOUR`` names, one row per
-command, the firewall method that checks its request, the session method that applies the
-request's effect on session state (and decodes what its response will need) and the session
-method that learns from its response. ``spec_for(version)`` folds the rows into an immutable ``ProtocolSpec`` for one
+How this works: every rule about a command that depends on the protocol version lives in
+``_ROWS`` below, one row per command with the first version it exists in and its layout in
+each era. ``spec_for(version)`` folds the rows into an immutable ``ProtocolSpec`` for one
 version: the request payload size (exact, or the size of the part that must be validated
 before anything is forwarded), the response kind, and the HELLO layout. The decoders and the
 firewall only ever consult a ``ProtocolSpec``; nothing else branches on version numbers.
@@ -34,7 +32,6 @@ __all__ = [
     "REFUSAL_CODES",
     "REFUSAL_REASONS",
     "spec_for",
-    "behaviour_table",
     "parse_version",
     "format_version",
 ]
@@ -107,9 +104,6 @@ class CommandRule:
     request: int  # FIXED: exact payload size; STREAM: head size; WHOLE: minimum size
     response: int  # payload size of the response, NO_RESPONSE or SIZED_BY_REQUEST
     has_device: bool  # the payload starts with u32 device
-    check: str | None = None  # Firewall method that validates the request head
-    effect: str | None = None  # Session method: the request's effect; returns the response's context
-    learn: str | None = None  # Session method: what the response teaches
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,38 +165,6 @@ def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
     return [(n, category[n], layouts.get(n, FIXED), req, rsp, d) for n, req, rsp, d in rows]
 
 
-# What rpcguard does with each command, one row per command: (firewall check, session request
-# effect, session response learner), method names or None. Resolved once into tables indexed by
-# command id (Firewall, Session), so a frame costs one index, not a name lookup.
-_BEHAVIOUR: Mapping[str, tuple[str | None, str | None, str | None]] = {
-    #                     firewall check        request effect       response learner
-    "ALLOC_BUFFER":      ("_alloc_buffer",     "_req_alloc",        "_on_alloc"),
-    "GET_ALIGNMENT":     ("_device_only",      "_req_device",       "_on_alignment"),
-    "GET_MAX_SIZE":      ("_device_only",      "_req_device",       "_on_max_size"),
-    "BUFFER_GET_BASE":   ("_handle",           "_req_handle",       "_on_get_base"),
-    "FREE_BUFFER":       ("_handle",           "_req_free",         None),
-    "BUFFER_CLEAR":      ("_handle",           None,                None),
-    "SET_TENSOR":        ("_set_tensor",       "_req_set_tensor",   None),
-    "SET_TENSOR_HASH":   ("_set_tensor_hash",  "_req_head_copy",    "_on_hash"),
-    "GET_TENSOR":        ("_get_tensor",       None,                None),
-    "COPY_TENSOR":       ("_copy_tensor",      None,                None),
-    "GRAPH_COMPUTE":     ("_graph_compute",    "_req_graph",        None),
-    "GET_DEVICE_MEMORY": ("_device_only",      "_req_device",       "_on_memory"),
-    "INIT_TENSOR":       ("_init_tensor",      None,                None),
-    "GET_ALLOC_SIZE":    ("_get_alloc_size",   "_req_alloc_size",   "_on_alloc_size"),
-    "HELLO":             (None,                None,                None),  # the session's own handshake
-    "DEVICE_COUNT":      (None,                None,                "_on_device_count"),
-    "GRAPH_RECOMPUTE":   ("_graph_recompute",  None,                None),
-    "MEMSET_TENSOR":     ("_get_tensor",       None,                None),  # T, offset, size (+ value)
-}  # fmt: skip
-assert set(_BEHAVIOUR) == set(COMMAND_NAMES)
-
-
-def behaviour_table(column: int) -> tuple[str | None, ...]:
-    """One column of ``_BEHAVIOUR`` (0 check, 1 effect, 2 learn), indexed by command id."""
-    return tuple(_BEHAVIOUR[name][column] for name in COMMAND_NAMES)
-
-
 _SPECS: dict[Version, ProtocolSpec] = {}
 
 
@@ -216,7 +178,7 @@ def spec_for(version: Version) -> ProtocolSpec | None:
     table: list[CommandRule | None] = [None] * len(COMMAND_NAMES)
     for name, category, layout, request, response, has_device in rows:
         cmd = COMMAND_IDS[name]
-        table[cmd] = CommandRule(cmd, name, category, layout, request, response, has_device, *_BEHAVIOUR[name])
+        table[cmd] = CommandRule(cmd, name, category, layout, request, response, has_device)
     hello = table[HELLO]
     assert hello is not None
     spec = ProtocolSpec(

@@ -148,24 +148,26 @@ def test_feeding_returns_the_output_with_what_happened(how):
         assert out(o.to_server) == V.DEVICE_COUNT_REQ and o.events == []
 
 
-def test_every_command_has_one_row_whose_methods_exist():
-    from rpcguard.protocol import session as session_mod
+def test_every_command_has_one_row_whose_parts_exist():
+    from rpcguard.protocol import commands
     from rpcguard.protocol.firewall import Firewall
-    from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, _BEHAVIOUR, spec_for
+    from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, NO_RESPONSE, spec_for
 
-    assert list(_BEHAVIOUR) == list(COMMAND_NAMES)
-    for check, effect, learn in _BEHAVIOUR.values():
-        assert check is None or callable(getattr(Firewall, check))
-        assert effect is None or callable(getattr(Session, effect))
-        assert learn is None or callable(getattr(Session, learn))
+    assert list(commands.ROWS) == list(COMMAND_NAMES)
+    for row in commands.ROWS.values():
+        assert row.check is None or callable(getattr(Firewall, row.check))
     for version in KNOWN_VERSIONS:
         for rule in spec_for(version).commands:
-            if rule is not None:
-                assert (rule.check, rule.effect, rule.learn) == _BEHAVIOUR[rule.name]
-                # a learner needs a response, and what its request effect decoded
-                if rule.learn is not None and rule.name != "DEVICE_COUNT":
-                    assert rule.response >= 0 and rule.effect is not None, rule
-    assert len(session_mod._EFFECTS) == len(session_mod._LEARNERS) == len(COMMAND_NAMES)
+            if rule is None:
+                continue
+            row = commands.ROWS[rule.name]
+            # a learner needs an exactly sized response, and what its request effect decoded
+            if row.learn is not None:
+                assert rule.response >= 0, rule
+                assert row.effect is not None or rule.name == "DEVICE_COUNT", rule
+            if rule.response == NO_RESPONSE:
+                assert row.learn is None
+    assert len(commands.EFFECTS) == len(commands.LEARNERS) == len(commands.CHECKS) == len(COMMAND_NAMES)
 
 
 @pytest.mark.parametrize("how", ["whole", "bytewise"])
