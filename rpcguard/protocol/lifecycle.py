@@ -236,13 +236,7 @@ class Lifecycle:
 
     def _client_early(self, data: memoryview, now_ns: int) -> Output:
         """Client bytes before the upstream is connected: checked, kept for the upstream."""
-        try:
-            out = self._feed_c(data, now_ns)
-        except Refusal as refusal:
-            self.refused(refusal)
-            return self.out
-        if out.events:
-            self.session_events(out)
+        out = self._fed(self._feed_c, data, now_ns)
         if out.to_server:
             if self.state != REFUSING:
                 self._pending.extend(bytes(chunk) for chunk in out.to_server)
@@ -251,19 +245,15 @@ class Lifecycle:
 
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
         """``client_data`` with the whole contract: a refusal reported, the events handled."""
-        try:
-            out = self.client_data(data, now_ns)
-        except Refusal as refusal:
-            self.refused(refusal)
-            return self.out
-        if out.events:
-            self.session_events(out)
-        return out
+        return self._fed(self.client_data, data, now_ns)
 
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
         """``server_data`` with the whole contract (see ``client_bytes``)."""
+        return self._fed(self.server_data, data, now_ns)
+
+    def _fed(self, feed: Callable[[memoryview, int], Output], data: memoryview, now_ns: int) -> Output:
         try:
-            out = self.server_data(data, now_ns)
+            out = feed(data, now_ns)
         except Refusal as refusal:
             self.refused(refusal)
             return self.out
