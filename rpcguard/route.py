@@ -20,15 +20,14 @@ from typing import Callable, Mapping
 from rpcguard.errors import Refusal
 from rpcguard.identity import AllowList, PeerIdentity
 from rpcguard.metrics import ListenerTraffic
-from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
+from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
 
-# serve: a finished session's upstream connection is half-closed and read until the server hangs
-# up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
-# it has answered the command it is running, so this only bounds a server that never does.
-UPSTREAM_DRAIN_S = 5.0
+# UPSTREAM_DRAIN_S (protocol/lifecycle.py): how long a finished session's upstream is drained,
+# holding the slot; refuse mode waits that long for a finished session's drain.
 
 
 class UpstreamSlot:
@@ -103,12 +102,3 @@ class Route:
     def acl(self) -> Callable[[], AllowList] | None:
         """serve: the current allow-list (a getter, as the relay reads it per session)."""
         return (lambda: self.allow) if self.allow is not None else None  # type: ignore[return-value]
-
-    # Read by a relay that predates profiles: the default profile's values.
-    @property
-    def policy(self) -> SessionPolicy:
-        return self.default.policy
-
-    @property
-    def limits(self) -> Limits:
-        return self.default.limits
