@@ -128,7 +128,7 @@ class Endpoint(asyncio.BufferedProtocol):
         self.view: memoryview | None = None
         self.closed = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
