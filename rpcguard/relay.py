@@ -42,7 +42,7 @@ import time
 
 from typing import Any, Awaitable, Callable
 
-from rpcguard.errors import Refusal
+from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.identity import check_usage
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
@@ -300,7 +300,7 @@ class Link:
         except Refusal as refusal:
             endpoint.transport.close()  # type: ignore[union-attr]
             route.traffic.tls_failure(refusal.reason)
-            self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}"))
+            self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}", party=UPSTREAM))
             return
         self.lc.upstream_connected()
 
@@ -518,10 +518,10 @@ class Link:
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(
             level,
-            "session end id=%d role=%s listener=%s profile=%s peer=%s identity=%s result=%s reason=%s command=%s "
-            "detail=%s",
+            "session end id=%d role=%s listener=%s profile=%s peer=%s identity=%s result=%s reason=%s party=%s "
+            "command=%s detail=%s",
             self.id, route.role, route.name, lc.profile.name, lc.peer, lc.identity or "-", result, reason or "-",
-            lc.command, detail,
+            lc.party or "-", lc.command, detail,
             extra={"audit": record},
         )
         if route.on_session_end is not None:

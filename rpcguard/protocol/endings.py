@@ -104,6 +104,7 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         "duration_s": round(lc.clock() - lc.t0, 6),
         "result": lc.result,
         "reason": lc.reason or None,
+        "party": lc.party or None,  # who is at fault: client, upstream or local (errors.py)
         "command": lc.command if lc.command != "-" else None,
         "detail": lc.detail,
         "alloc_bytes": s.alloc_bytes,

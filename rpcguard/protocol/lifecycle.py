@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rpcguard.errors import FirewallRefusal, Refusal
+from rpcguard.errors import FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
     ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
@@ -77,7 +77,7 @@ class Lifecycle:
         self.actions: list[Action] = []
         self.refusal: Refusal | None = None  # refused before ACTIVE: answered at HELLO
         self.refused_on_leave = False  # identity refused: a client leaving before HELLO is a refusal
-        self.result = self.reason = self.detail = ""
+        self.result = self.reason = self.detail = self.party = ""
         self.command = "-"  # command of the frame that was refused
         self.t0 = clock()
         self.t_admitted: float | None = None
@@ -227,7 +227,7 @@ class Lifecycle:
         assert refusal is not None and self.session is not None
         self.out.clear()
         self.actions.append((WRITE_CLIENT, self.session.refusal_answer(refusal.reason)))
-        self._finish("refused", refusal.reason, refusal.detail)
+        self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     # ----------------------------------------------------------------------------- data
     def _drop(self, data: memoryview, now_ns: int) -> Output:
@@ -307,12 +307,12 @@ class Lifecycle:
                 self.refusal = refusal
             self._answer_refusal()
         else:
-            self._finish("refused", refusal.reason, refusal.detail)
+            self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     # ----------------------------------------------------------------------------- closes
     def _client_closed(self, error: str) -> None:
         if self.refused_on_leave and self.refusal is not None:
-            self._finish("refused", self.refusal.reason, self.refusal.detail)  # left before its HELLO
+            self._finish("refused", self.refusal.reason, self.refusal.detail, self.refusal.party)  # left before its HELLO
             return
         s = self.session
         clean = s is None or s.idle or (s.phase == SESSION_ACTIVE and not s.mid_frame)
@@ -366,7 +366,7 @@ class Lifecycle:
             self.refusal = refusal
             self._answer_refusal()
         else:
-            self._finish("refused", refusal.reason, refusal.detail)
+            self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     def _tick_drain(self, now: float) -> None:
         if now - self.t_drain > UPSTREAM_DRAIN_S:
@@ -388,10 +388,12 @@ class Lifecycle:
     def _ignore(self, *args: object) -> None:
         pass
 
-    def _finish(self, result: str, reason: str, detail: str) -> None:
+    def _finish(self, result: str, reason: str, detail: str, party: str | None = None) -> None:
         """End the session: close the client, drain (serve) or close the upstream, free the
-        slot unless the drain keeps it, and hand out the audit record."""
+        slot unless the drain keeps it, and hand out the audit record. ``party``: who is at fault
+        (the Refusal's, else the reason's row in errors.PARTY_OF_REASON)."""
         self.result, self.reason = result, reason
+        self.party = party if party is not None else (party_of(reason) if reason else "")
         actions = self.actions
         actions.append((CLOSE_CLIENT, None))
         drain = self.upstream_open and self.role == "serve"

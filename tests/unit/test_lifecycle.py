@@ -482,6 +482,25 @@ def test_firewall_refusal_and_monitor_violation_are_counted():
     assert lc.state == L.ACTIVE and not lc.out.events
 
 
+def test_the_audit_record_says_who_is_at_fault():
+    """party: the refusal's own (a firewall rule: the client), else the reason's row."""
+    clock = Clock()
+    lc = active(clock=clock)
+    feed(lc.client_bytes, V.FREE_REQ, clock)
+    assert end(take(lc))["party"] == "client"
+    lc = active(clock=clock)
+    lc.upstream_closed()
+    rec = end(take(lc))
+    assert (rec["reason"], rec["party"]) == ("upstream_closed", "upstream")
+    lc = active(clock=clock)
+    lc.internal_error()
+    assert end(take(lc))["party"] == "local"
+    lc = active(clock=clock)
+    lc.client_closed()
+    rec = end(take(lc))
+    assert (rec["result"], rec["party"]) == ("ok", None)
+
+
 def test_internal_error_costs_one_session():
     lc = active()
     lc.internal_error()
@@ -636,6 +655,6 @@ def test_audit_record_fields():
     lc.client_closed()
     rec = end(take(lc))
     assert set(rec) == {"event", "session", "role", "listener", "profile", "peer", "identity", "upstream", "version",
-                        "duration_s", "result", "reason", "command", "detail", "alloc_bytes", "upload_bytes",
+                        "duration_s", "result", "reason", "party", "command", "detail", "alloc_bytes", "upload_bytes",
                         "hash_hit_bytes", "commands"}
     assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0
