@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import Refusal
+from rpcguard.protocol import commands as commands_mod
 from rpcguard.protocol import firewall as firewall_mod
 from rpcguard.protocol import graph as graph_mod
-from rpcguard.protocol import session as session_mod
 from rpcguard.protocol import tensor as tensor_mod
 from rpcguard.protocol.session import Session
 from rpcguard.protocol.settings import SessionPolicy
@@ -32,7 +32,7 @@ from tests.support.tensorref import decode_computed
 
 pytestmark = pytest.mark.integration
 
-DECODING_MODULES = (tensor_mod, graph_mod, firewall_mod, session_mod)
+DECODING_MODULES = (tensor_mod, graph_mod, firewall_mod, commands_mod)
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
 
 
