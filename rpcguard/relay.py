@@ -2,7 +2,11 @@
 
 How this works: a listener's accept loop (server.py) hands each accepted socket to a new
 ``Link``, which owns two ``Endpoint`` protocols (the client side and the upstream side) and one
-sans-IO ``Session``; routes (``route.py``) hold what the links of a listener share.
+sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, refusals at HELLO, close
+classification, the audit record) which owns the ``Session``. The link is glue: it turns
+transport callbacks into lifecycle events and carries out the actions the lifecycle answers
+(write, dial, take or free the upstream slot, half-close, close, count, log). The clock and the
+dialer are injectable. Routes (``route.py``) hold what the links of a listener share.
 
 * ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (server side,
   client certificate required), so a failed handshake raises here, where it is classified and
@@ -36,14 +40,18 @@ import socket
 import ssl
 import time
 
-from rpcguard.errors import FirewallRefusal, Refusal
-from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session
-from rpcguard.protocol.versions import format_version, spec_for
-from rpcguard.route import UPSTREAM_DRAIN_S, Route
+from typing import Any, Awaitable, Callable
+
+from rpcguard.errors import Refusal
 from rpcguard.identity import check_usage
+from rpcguard.protocol import lifecycle as lc_mod
+from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
+from rpcguard.protocol.settings import Limits
+from rpcguard.protocol.versions import format_version
+from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, peer_identity
 
-__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES"]
+__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
 
 log = logging.getLogger("rpcguard.relay")
 
@@ -60,6 +68,40 @@ WRITE_LOW_WATER_BYTES = 512 * 1024
 JOIN_MAX_BYTES = 64 * 1024
 
 _ids = itertools.count(1)
+
+
+# Dials the upstream: connects ``factory()``'s protocol to the route's upstream (TLS toward the node
+# for connect) within the session's limits; raises Refusal with the stable reason when it cannot.
+Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable[None]]
+TICK_S = 1.0  # how often the lifecycle's deadlines are checked
+
+
+async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
+    """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
+    loop = asyncio.get_running_loop()
+    kwargs: dict[str, Any] = {}
+    if route.role == "connect":
+        assert route.ssl_context is not None
+        kwargs = dict(ssl=route.ssl_context(), server_hostname=route.server_name,
+                      ssl_handshake_timeout=limits.handshake_timeout_s or None)
+    where = f"{route.upstream_host}:{route.upstream_port}"
+    try:
+        await asyncio.wait_for(loop.create_connection(factory, route.upstream_host, route.upstream_port, **kwargs),
+                               (limits.connect_timeout_s + limits.handshake_timeout_s) or None)
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        reason = classify_handshake_error(exc)
+        route.traffic.tls_failure(reason)
+        raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
+                      f"TLS to node {where} failed ({reason}): {exc}") from None
+    except (OSError, asyncio.TimeoutError) as exc:
+        reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
+        raise Refusal(reason, f"cannot reach {where}: {exc or 'timeout'}") from None
+
+
+def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
+    """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
+    if route.role == "connect":
+        check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
 
 
 def _write(transport: asyncio.Transport, out: list) -> None:
@@ -95,6 +137,9 @@ class Endpoint(asyncio.BufferedProtocol):
             except OSError:
                 pass
         transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)  # type: ignore[attr-defined]
+        # Told here, not after the awaited accept/dial returns: bytes (or a TLS alert) may be
+        # delivered before the awaiting coroutine resumes.
+        self.link.made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.view is None:
@@ -128,271 +173,285 @@ class Endpoint(asyncio.BufferedProtocol):
         self.view = memoryview(self.buf)
 
 
-class Link:
-    """One proxied session: client endpoint, upstream endpoint, session, timers, accounting."""
+_APPLY: dict[str, str] = {
+    lc_mod.WRITE_CLIENT: "_write_client",
+    lc_mod.WRITE_UPSTREAM: "_write_upstream",
+    lc_mod.OPEN_UPSTREAM: "_open_upstream",
+    lc_mod.TAKE_SLOT: "_take_slot",
+    lc_mod.FREE_SLOT: "_free_slot",
+    lc_mod.HALF_CLOSE_UPSTREAM: "_half_close_upstream",
+    lc_mod.CLOSE_CLIENT: "_close_client",
+    lc_mod.CLOSE_UPSTREAM: "_close_upstream",
+    lc_mod.ABORT_UPSTREAM: "_abort_upstream",
+    lc_mod.COUNT_TLS_FAILURE: "_count_tls_failure",
+    lc_mod.COUNT_VIOLATION: "_count_violation",
+    lc_mod.END: "_end",
+}
 
-    def __init__(self, route: Route) -> None:
+
+class Link:
+    """One proxied connection: two endpoints, the lifecycle, and the glue between them."""
+
+    def __init__(self, route: Route, *, clock_ns: Callable[[], int] = time.monotonic_ns, dialer: Dialer = dial,
+                 check_upstream: Callable[[Route, asyncio.BaseTransport], None] = check_node) -> None:
         self.route = route
         self.id = next(_ids)
-        self.peer = "-"
-        self.identity = ""
-        self.session = Session(route.policy, route.facts)
+        self._clock_ns = clock_ns
+        self.dialer = dialer
+        self.check_upstream = check_upstream
+        self.lc = Lifecycle(
+            link_id=self.id, role=route.role, listener=route.name,
+            upstream=f"{route.upstream_host}:{route.upstream_port}", default=route.default, facts=route.facts,
+            clock=self._clock, uses_slot=route.slot is not None,
+        )
         self.client = Endpoint(self, True)
         self.upstream: Endpoint | None = None
-        self.upstream_ready = False
-        self.pending: list[bytes] = []  # client bytes accepted before the upstream was connected
-        self.refusal: Refusal | None = None  # refused before ACTIVE: answer at HELLO
-        self.identity_refused = False  # the certificate is not on the allow-list (a refusal even without HELLO)
-        self.result = ""
-        self.reason = ""
-        self.t0 = time.monotonic()
-        self.last_activity = self.t0
-        self.refused_command = "-"  # command of the frame that was refused
-        self.detail = ""
-        self._hello_seen: asyncio.Event | None = None  # serve: set when the client's HELLO arrives
-        self.client_blocked_since = 0.0  # when the client's write buffer filled up (flow control)
-        self.t_accepted = self.t0  # after the TLS handshake (serve) or the accept (connect)
-        self.t_upstream = self.t0
-        self.admitted = False  # past the TLS handshake (serve) / accepted (connect): counts in max_sessions
-        self.frame_started = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self._slot_held = False
-        self._drain_timer: asyncio.TimerHandle | None = None  # serve: upstream being drained
-        self._done = False
+        self._tasks: set[asyncio.Task] = set()
+
+    def _clock(self) -> float:
+        return self._clock_ns() / 1e9
+
+    @property
+    def session(self):  # the lifecycle's Session (None before admission)
+        return self.lc.session
 
     # ----------------------------------------------------------------------------- set-up
     async def run(self, sock: socket.socket) -> None:
-        """Serve one accepted socket: TLS (serve), identity, upstream slot, upstream connection."""
+        """Serve one accepted socket: TLS (serve) and admission; the lifecycle drives the rest."""
         route = self.route
         loop = asyncio.get_running_loop()
         try:
             peer = sock.getpeername()
-            self.peer = f"{peer[0]}:{peer[1]}"
+            self.lc.peer = f"{peer[0]}:{peer[1]}"
         except OSError:
             pass
         route.links.add(self)
-        route.traffic.session_started(self.session.stats)
-        self._schedule_check()
+        route.traffic.session_started(self.lc.stats)
+        self._schedule_tick()
         try:
             if route.role == "serve":
-                if not await self._accept_tls(loop, sock):
-                    return
+                assert route.ssl_context is not None
+                try:
+                    await loop.connect_accepted_socket(
+                        lambda: self.client, sock, ssl=route.ssl_context(),
+                        ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
+                    )
+                except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+                    self.lc.handshake_failed("refused", classify_handshake_error(exc), f"TLS handshake failed: {exc}")
             else:
                 await loop.connect_accepted_socket(lambda: self.client, sock)
-            self.t_accepted = time.monotonic()
-            # Only admitted links count: sockets still in their TLS handshake (bounded by
-            # handshake_timeout_s) must not let an unauthenticated flood lock clients out.
-            self.admitted = True
-            if sum(link.admitted for link in route.links) > route.limits.max_sessions:
-                raise Refusal("too_many_sessions", f"more than {route.limits.max_sessions} sessions")
-            if route.draining:
-                raise Refusal("shutdown", "rpcguard is shutting down")
-            if self.refusal is not None:
-                return
-            if route.slot is not None:
-                # Take the single upstream slot only once the client has said HELLO: an
-                # authenticated client that sends nothing must not block the node meanwhile
-                # (it is cut by hello_timeout_s without ever holding the slot).
-                if self.session.hello_request_len is None:
-                    self._hello_seen = asyncio.Event()
-                    await self._hello_seen.wait()
-                    if self._done:
-                        return
-                route.traffic.queue_depth = route.slot.waiting + 1
-                try:
-                    await route.slot.acquire(route.limits)
-                finally:
-                    route.traffic.queue_depth = route.slot.waiting
-                self._slot_held = True
-                if self._done:
-                    route.slot.release()
-                    self._slot_held = False
-                    return
-            await self._open_upstream(loop)
-        except Refusal as refusal:
-            self._refuse_early(refusal)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never let one link take the listener down
             log.exception("link %d: unexpected error during set-up", self.id)
-            self._refuse_early(Refusal("refused", f"internal error: {exc!r}"))
+            self.lc.handshake_failed("error", "internal_error", f"internal error: {exc!r}")
         finally:
             if self.client.transport is None:
                 sock.close()
+        self._apply()
 
-    async def _accept_tls(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+    def made(self, endpoint: Endpoint) -> None:
+        """A transport is up: the client's (admission) or the upstream's (the dial worked)."""
+        try:
+            if endpoint.is_client:
+                self._admit(endpoint)
+            else:
+                self._upstream_made(endpoint)
+        except Exception as exc:
+            log.exception("link %d: unexpected error during set-up", self.id)
+            refusal = Refusal("refused", f"internal error: {exc!r}")
+            self.lc.admit(self.route.default, "", refusal) if endpoint.is_client else self.lc.upstream_failed(refusal)
+        self._apply()
+
+    def _admit(self, endpoint: Endpoint) -> None:
         route = self.route
-        assert route.ssl_context is not None
+        profile = route.default
+        identity = ""
+        refusal: Refusal | None = None
+        identity_refused = False
+        if route.role == "serve":
+            try:
+                ident = peer_identity(endpoint.transport.get_extra_info("ssl_object"))  # type: ignore[union-attr]
+                identity = ident.label()
+                check_usage(ident, "client")  # clientAuth EKU, whoever issued the certificate
+                if route.acl is not None:
+                    route.acl().authorize(ident)
+                profile = route.profile_for(ident)
+            except Refusal as exc:
+                # Not a TLS failure (the handshake worked): counted in refusals_total when the
+                # session ends, answered at HELLO so the client sees why.
+                refusal, identity_refused = exc, True
+        # Only admitted links count: sockets still in their TLS handshake (bounded by
+        # handshake_timeout_s) must not let an unauthenticated flood lock clients out.
+        held = [link.lc.profile for link in route.links if link is not self and link.lc.admitted]
+        held.append(profile)
+        too_many = admission_refusal(route.default, profile, held)
+        if too_many is not None:
+            refusal = too_many
+        elif route.draining:
+            refusal = Refusal("shutdown", "rpcguard is shutting down")
+        self.lc.admit(profile, identity, refusal, identity_refused)
+
+    def _upstream_made(self, endpoint: Endpoint) -> None:
+        route = self.route
         try:
-            await loop.connect_accepted_socket(
-                lambda: self.client,
-                sock,
-                ssl=route.ssl_context(),
-                ssl_handshake_timeout=route.limits.handshake_timeout_s or None,
-            )
-        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-            reason = classify_handshake_error(exc)
-            route.traffic.tls_failure(reason)
-            self._finish("refused", reason, f"TLS handshake failed: {exc}")
-            return False
-        transport = self.client.transport
-        if transport is None or self.client.closed:
-            self._finish("error", "tls_handshake_failed", "connection closed during TLS handshake")
-            return False
-        ident = peer_identity(transport.get_extra_info("ssl_object"))
-        self.identity = ident.label()
-        try:
-            check_usage(ident, "client")  # clientAuth EKU, whoever issued the certificate
-            if route.acl is not None:
-                route.acl().authorize(ident)
+            self.check_upstream(route, endpoint.transport)  # type: ignore[arg-type]
         except Refusal as refusal:
-            # Not a TLS failure (the handshake worked): counted in refusals_total when the
-            # session ends, answered at HELLO so the client sees why.
-            self.refusal = refusal
-            self.identity_refused = True
-        return True
-
-    async def _open_upstream(self, loop: asyncio.AbstractEventLoop) -> None:
-        route = self.route
-        endpoint = Endpoint(self, False)
-        kwargs: dict = {}
-        if route.role == "connect":
-            assert route.ssl_context is not None
-            kwargs = dict(
-                ssl=route.ssl_context(),
-                server_hostname=route.server_name,
-                ssl_handshake_timeout=route.limits.handshake_timeout_s or None,
-            )
-        try:
-            await asyncio.wait_for(
-                loop.create_connection(lambda: endpoint, route.upstream_host, route.upstream_port, **kwargs),
-                (route.limits.connect_timeout_s + route.limits.handshake_timeout_s) or None,
-            )
-        except (ssl.SSLError, ssl.CertificateError) as exc:
-            reason = classify_handshake_error(exc)
-            route.traffic.tls_failure(reason)
-            raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
-                          f"TLS to node {self._upstream_text()} failed ({reason}): {exc}") from None
-        except (OSError, asyncio.TimeoutError) as exc:
-            reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
-            raise Refusal(reason, f"cannot reach {self._upstream_text()}: {exc or 'timeout'}") from None
-        if self._done:
             endpoint.transport.close()  # type: ignore[union-attr]
+            route.traffic.tls_failure(refusal.reason)
+            self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}"))
             return
-        if route.role == "connect":
-            try:  # the node's certificate must be a server certificate (serverAuth EKU)
-                check_usage(peer_identity(endpoint.transport.get_extra_info("ssl_object")), "server")  # type: ignore[union-attr]
-            except Refusal as refusal:
-                endpoint.transport.close()  # type: ignore[union-attr]
-                route.traffic.tls_failure(refusal.reason)
-                raise Refusal(refusal.reason, f"node {self._upstream_text()}: {refusal.detail}") from None
-        self.upstream = endpoint
-        self.upstream_ready = True
-        self.t_upstream = time.monotonic()
-        if self.pending:
-            endpoint.transport.writelines(self.pending)  # type: ignore[union-attr]
-            self.pending.clear()
-
-    def _upstream_text(self) -> str:
-        return f"{self.route.upstream_host}:{self.route.upstream_port}"
-
-    def _refuse_early(self, refusal: Refusal) -> None:
-        self.refusal = refusal
-        if self.session.phase == AWAIT_HELLO_REPLY:
-            self._answer_refusal()  # else: answered once the HELLO arrives
-
-    def _answer_refusal(self) -> None:
-        refusal = self.refusal
-        assert refusal is not None
-        transport = self.client.transport
-        if transport is not None and not self.client.closed:
-            transport.write(self.session.refusal_answer(refusal.reason))
-        self._finish("refused", refusal.reason, refusal.detail)
+        self.lc.upstream_connected()
 
     # ----------------------------------------------------------------------------- data path
     def data(self, endpoint: Endpoint, view: memoryview) -> None:
-        if self._done:
-            return
-        now = time.monotonic_ns()
-        session = self.session
+        lc = self.lc
+        # lc.client_data / server_data: in ACTIVE the session's own methods (see Lifecycle:
+        # a refusal and the events are handed back to the lifecycle, as client_bytes does).
         try:
-            if endpoint.is_client:
-                session.client_data(view, now)
-            else:
-                session.server_data(view, now)
+            out = (lc.client_data if endpoint.is_client else lc.server_data)(view, self._clock_ns())
         except Refusal as refusal:
-            self._refused(refusal)
+            lc.refused(refusal)
+            self._apply()
             return
         except Exception:  # a bug must cost one session, never the process
             log.exception("session %d: internal error while parsing", self.id)
-            self._finish("error", "internal_error", "internal error (logged)")
+            lc.out.clear()
+            lc.internal_error()
+            self._apply()
             return
-        self.last_activity = now / 1e9
-        if self._hello_seen is not None and session.hello_request_len is not None:
-            self._hello_seen.set()
-        if session.violations:
-            self._report_violations()
-        if session.to_server:
-            self._flush_to_server(endpoint)
-        if session.to_client:
-            out = session.to_client
+        if out.events:
+            lc.session_events(out)
+        if out.to_server:
+            up = self.upstream
+            transport = up.transport if up is not None else None
+            if transport is not None and not up.closed:  # type: ignore[union-attr]
+                _write(transport, out.to_server)
+                if endpoint.is_client and transport.get_write_buffer_size():
+                    endpoint.fresh_buffer()
+            out.to_server.clear()
+        if out.to_client:
             transport = self.client.transport
             if transport is not None and not self.client.closed:
-                _write(transport, out)
+                _write(transport, out.to_client)
                 if transport.get_write_buffer_size() and not endpoint.is_client:
                     endpoint.fresh_buffer()
-            out.clear()
-        if session.node_refusal is not None and not self._done:
-            self.refusal = Refusal(session.node_refusal, "refused by the node")
-            self._finish("refused", "node_refused", f"node refused the session: {session.node_refusal}")
-            return
-        if self.refusal is not None and session.phase == AWAIT_HELLO_REPLY:
-            self._answer_refusal()
-
-    def _flush_to_server(self, source: Endpoint) -> None:
-        out = self.session.to_server
-        if self.refusal is not None:
-            out.clear()  # refused: never forward, just wait to answer HELLO
-            return
-        if not self.upstream_ready:
-            self.pending.extend(bytes(chunk) for chunk in out)
-            out.clear()
-            return
-        transport = self.upstream.transport  # type: ignore[union-attr]
-        _write(transport, out)  # type: ignore[arg-type]
-        out.clear()
-        if source.is_client and transport.get_write_buffer_size():  # type: ignore[union-attr]
-            source.fresh_buffer()
-
-    def _refused(self, refusal: Refusal) -> None:
-        self.refused_command = self.session.command_name
-        if isinstance(refusal, FirewallRefusal):
-            self.route.traffic.firewall_violation(refusal.reason, "enforce")
-        if self.session.phase != ACTIVE and self.session.hello_request_len is not None:
-            self.refusal = refusal
-            self._answer_refusal()
-        else:
-            self._finish("refused", refusal.reason, refusal.detail)
-
-    def _report_violations(self) -> None:
-        for v in self.session.violations:
-            self.route.traffic.firewall_violation(v.reason, "monitor")
-            log.warning(
-                "monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
-                self.id, self.route.name, self.identity or "-", v.command, v.reason, v.detail,
-            )
-        self.session.violations.clear()
+            out.to_client.clear()
+        if lc.actions:
+            self._apply()
 
     def eof(self, endpoint: Endpoint) -> None:
-        self._finish_on_close(endpoint, None)
+        if endpoint.is_client:
+            self.lc.client_closed()
+        elif endpoint is self.upstream:
+            self.lc.upstream_closed()
+        self._apply()
 
     def lost(self, endpoint: Endpoint, exc: Exception | None) -> None:
-        if endpoint is self.upstream and self._drain_timer is not None:
-            self._upstream_drained()
-            return
-        self._finish_on_close(endpoint, exc)
+        if endpoint.is_client:
+            self.lc.client_closed(str(exc) if exc else "")
+        elif endpoint is self.upstream:
+            tls_reason = classify_handshake_error(exc) if isinstance(exc, ssl.SSLError) else None
+            self.lc.upstream_closed(str(exc) if exc else "", tls_reason)
+        self._apply()
 
-    def _drain_upstream(self, endpoint: Endpoint) -> bool:
+    def pause_other(self, endpoint: Endpoint) -> None:
+        if endpoint.is_client:
+            self.lc.client_blocked(True)  # the client is not reading its responses
+        other = self.upstream if endpoint.is_client else self.client
+        if other is not None and other.transport is not None and not other.closed:
+            other.transport.pause_reading()
+
+    def resume_other(self, endpoint: Endpoint) -> None:
+        if endpoint.is_client:
+            self.lc.client_blocked(False)
+        other = self.upstream if endpoint.is_client else self.client
+        if other is not None and other.transport is not None and not other.closed:
+            other.transport.resume_reading()
+
+    # ----------------------------------------------------------------------------- timers
+    def _schedule_tick(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.lc.tick(self._clock())
+        self._apply()
+        if self.lc.state != CLOSED:
+            self._schedule_tick()
+
+    def close_for_shutdown(self) -> None:
+        self.lc.shutdown()
+        self._apply()
+
+    # ----------------------------------------------------------------------------- actions
+    def _apply(self) -> None:
+        """Carry out what the lifecycle asked for, in order (an action may raise new ones)."""
+        actions = self.lc.actions
+        while actions:
+            kind, arg = actions.pop(0)
+            getattr(self, _APPLY[kind])(arg)
+        if self.lc.state == CLOSED and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _write_client(self, data: bytes) -> None:
+        transport = self.client.transport
+        if transport is not None and not self.client.closed:
+            transport.write(data)
+
+    def _write_upstream(self, pending: list[bytes]) -> None:
+        up = self.upstream
+        if up is not None and up.transport is not None and not up.closed:
+            up.transport.writelines(pending)
+
+    def _open_upstream(self, limits: Limits) -> None:
+        self._spawn(self._dial(limits))
+
+    async def _dial(self, limits: Limits) -> None:
+        endpoint = self.upstream = Endpoint(self, False)
+        try:
+            await self.dialer(self.route, lambda: endpoint, limits)
+        except Refusal as refusal:
+            self.lc.upstream_failed(refusal)
+        except Exception as exc:
+            log.exception("link %d: unexpected error while dialling the upstream", self.id)
+            self.lc.upstream_failed(Refusal("refused", f"internal error: {exc!r}"))
+        self._apply()
+
+    def _take_slot(self, limits: object) -> None:
+        self._spawn(self._queue(limits))
+
+    async def _queue(self, limits: Any) -> None:
+        """Take the single upstream slot (serve), or be refused per ``upstream_busy``."""
+        slot = self.route.slot
+        traffic = self.route.traffic
+        assert slot is not None
+        traffic.queue_depth = slot.waiting + 1
+        try:
+            await slot.acquire(limits)
+        except Refusal as refusal:
+            self.lc.slot_refused(refusal)
+        except Exception as exc:
+            log.exception("link %d: unexpected error while queueing", self.id)
+            self.lc.slot_refused(Refusal("refused", f"internal error: {exc!r}"))
+        else:
+            self.lc.slot_granted()
+        finally:
+            traffic.queue_depth = slot.waiting
+        self._apply()
+
+    def _free_slot(self, _: object) -> None:
+        if self.route.slot is not None:
+            self.route.slot.release()
+
+    def _half_close_upstream(self, slot_held: bool) -> None:
         """Half-close the upstream and drop what it still sends until it hangs up; the slot is
         kept until then (``UPSTREAM_DRAIN_S`` at most).
 
@@ -400,172 +459,69 @@ class Link:
         it (a client gone while a command runs, a refusal, a drain) kills the server. After our
         EOF it answers the command it is running, reads the EOF and closes its side.
         """
-        transport = endpoint.transport
+        up = self.upstream
+        transport = up.transport if up is not None else None
         try:
             transport.write_eof()  # type: ignore[union-attr]
             transport.resume_reading()  # type: ignore[union-attr]  # flow control may have paused it
         except Exception:
-            return False
-        self._drain_timer = asyncio.get_running_loop().call_later(UPSTREAM_DRAIN_S, self._upstream_drained, True)
-        if self._slot_held and self.route.slot is not None:
+            if transport is not None:
+                transport.close()
+            self.lc.upstream_closed()
+            return
+        if slot_held and self.route.slot is not None:
             self.route.slot.draining = True
-        return True
 
-    def _upstream_drained(self, timed_out: bool = False) -> None:
-        if self._drain_timer is None:
-            return
-        self._drain_timer.cancel()
-        self._drain_timer = None
-        upstream = self.upstream
-        if timed_out and upstream is not None and upstream.transport is not None and not upstream.closed:
-            upstream.transport.abort()
-        if self._slot_held and self.route.slot is not None:
-            self.route.slot.release()
-            self._slot_held = False
+    def _close_client(self, _: object) -> None:
+        # close() flushes what is queued (the refusal answer).
+        if self.client.transport is not None and not self.client.closed:
+            self.client.transport.close()
 
-    def _finish_on_close(self, endpoint: Endpoint, exc: Exception | None) -> None:
-        if self._done:
-            return
-        if endpoint.is_client and self.identity_refused and self.refusal is not None:
-            self._finish("refused", self.refusal.reason, self.refusal.detail)  # left before its HELLO
-        elif endpoint.is_client:
-            clean = self.session.idle or (self.session.phase == ACTIVE and not self.session.mid_frame)
-            self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
-                         "client closed" + (f": {exc}" if exc else ""))
-        elif self.session.phase != ACTIVE:
-            # Before the session is active the client must get the 0.0.N answer, even when the
-            # upstream went away before the client's HELLO arrived (then data() answers it).
-            self.upstream_ready = False
-            if isinstance(exc, ssl.SSLError):
-                # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
-                reason = classify_handshake_error(exc)
-                self.route.traffic.tls_failure(reason)
-                self.refusal = Refusal("tls_failed", f"the node refused the TLS session ({reason}): {exc}")
-            elif self.route.role == "connect":
-                # A node's rpcguard answers every HELLO, refusals included: a bare close means
-                # its TLS layer dropped us after the handshake (certificate refused).
-                self.route.traffic.tls_failure("tls_handshake_failed")
-                self.refusal = Refusal("tls_failed", "the node closed the TLS session before answering HELLO: "
-                                       "its rpcguard refused this certificate (see the node's log)")
-            else:
-                self.refusal = self._hello_closed_refusal()
-            if self.session.phase == AWAIT_HELLO_REPLY:
-                self._answer_refusal()
-        else:
-            self._finish("error", "upstream_closed", "upstream closed" + (f": {exc}" if exc else ""))
+    def _close_upstream(self, _: object) -> None:
+        up = self.upstream
+        if up is not None and up.transport is not None and not up.closed:
+            up.transport.close()
 
-    def _hello_closed_refusal(self) -> Refusal:
-        """The upstream hung up on the HELLO: say why when its version tells (a HELLO of the other era)."""
-        known = self.route.facts.version
-        spec = spec_for(known) if known is not None else None
-        sent = self.session.hello_request_len
-        if spec is not None and sent is not None and sent != spec.hello_request:
-            era = "pre-4.0.0 (0-byte)" if sent == 0 else ">= 4.0.0 (24-byte)"
-            return Refusal("version_not_accepted", f"the client sent a {era} HELLO; the upstream speaks "
-                                                   f"{format_version(known)} and closed the connection")
-        return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
+    def _abort_upstream(self, _: object) -> None:
+        up = self.upstream
+        if up is not None and up.transport is not None and not up.closed:
+            up.transport.abort()
 
-    def pause_other(self, endpoint: Endpoint) -> None:
-        if endpoint.is_client:
-            self.client_blocked_since = time.monotonic()  # the client is not reading its responses
-        other = self.upstream if endpoint.is_client else self.client
-        if other is not None and other.transport is not None and not other.closed:
-            other.transport.pause_reading()
+    def _count_tls_failure(self, reason: str) -> None:
+        self.route.traffic.tls_failure(reason)
 
-    def resume_other(self, endpoint: Endpoint) -> None:
-        if endpoint.is_client:
-            self.client_blocked_since = 0.0
-        other = self.upstream if endpoint.is_client else self.client
-        if other is not None and other.transport is not None and not other.closed:
-            other.transport.resume_reading()
+    def _count_violation(self, what: tuple) -> None:
+        reason, mode, v, command = what
+        self.route.traffic.firewall_violation(reason, mode)
+        if v is not None:
+            log.warning(
+                "monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
+                self.id, self.route.name, self.lc.identity or "-", v.command, v.reason, v.detail,
+            )
 
-    # ----------------------------------------------------------------------------- timers
-    def _schedule_check(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(1.0, self._check_timers)
-
-    def _check_timers(self) -> None:
-        if self._done:
-            return
-        limits = self.route.limits
-        now = time.monotonic()
-        session = self.session
-        if session.phase != ACTIVE and limits.hello_timeout_s:
-            if session.hello_request_len is None:
-                # The client has not sent its HELLO. The clock starts after the TLS handshake
-                # (admitted); the handshake itself is bounded by handshake_timeout_s.
-                if self.admitted and now - self.t_accepted > limits.hello_timeout_s:
-                    self._finish("refused", "hello_timeout", f"no HELLO within {limits.hello_timeout_s:g} s")
-                    return
-            elif self.upstream_ready and now - self.t_upstream > limits.hello_timeout_s + (
-                limits.queue_timeout_s if self.route.role == "connect" else 0
-            ):
-                # Queueing for the upstream is bounded by queue_timeout_s; a server that takes the
-                # connection but never answers HELLO is bounded here. connect's upstream is the
-                # node's serve, which may queue the HELLO behind another session for its own
-                # queue_timeout_s (then answers upstream_busy itself).
-                self.refusal = Refusal("upstream_unavailable", "the upstream did not answer HELLO")
-                self._answer_refusal()
-                return
-        if session.phase == ACTIVE:
-            quiet = now - self.last_activity
-            if limits.idle_timeout_s and session.idle and quiet > limits.idle_timeout_s:
-                self._finish("refused", "idle_timeout", f"idle for {quiet:.0f} s")
-                return
-            if limits.frame_timeout_s and not session.idle and quiet > limits.frame_timeout_s and session.mid_frame:
-                self._finish("refused", "frame_timeout", f"a request frame stalled for {quiet:.0f} s")
-                return
-        if limits.frame_timeout_s and self.client_blocked_since and now - self.client_blocked_since > limits.frame_timeout_s:
-            # A client that stops reading its responses would hold the single upstream slot forever.
-            self._finish("refused", "frame_timeout",
-                         f"the client has not read its responses for {now - self.client_blocked_since:.0f} s")
-            return
-        if limits.max_session_s and now - self.t0 > limits.max_session_s:
-            self._finish("refused", "session_lifetime", f"session older than {limits.max_session_s:g} s")
-            return
-        self._schedule_check()
-
-    # ----------------------------------------------------------------------------- teardown
-    def close_for_shutdown(self) -> None:
-        self._finish("refused", "shutdown", "drain timeout reached")
-
-    def _finish(self, result: str, reason: str, detail: str) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._hello_seen is not None:
-            self._hello_seen.set()  # wake run() so it ends
-        self.result, self.reason, self.detail = result, reason, detail
+    def _end(self, record: dict) -> None:
+        """The session is over: metrics, the session-end log line and the audit record."""
+        lc = self.lc
         route = self.route
-        for endpoint in (self.client, self.upstream):
-            if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
-                if endpoint is self.upstream and route.role == "serve" and self._drain_upstream(endpoint):
-                    continue
-                # close() flushes what is queued (the refusal answer); an error aborts.
-                endpoint.transport.close() if result != "error" or endpoint is self.client else endpoint.transport.abort()
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._slot_held and route.slot is not None and self._drain_timer is None:
-            route.slot.release()
-            self._slot_held = False
+        traffic = route.traffic
         route.links.discard(self)
+        result, reason, detail = lc.result, lc.reason, lc.detail
         if result == "refused" and reason:
-            route.traffic.refusal(reason)
-        if self.session.version is not None:
-            route.traffic.upstream_version = format_version(self.session.version)
-        route.traffic.session_ended(self.session.stats, result)
-        unverified = self.session.state.unverified_uses
-        if unverified:  # ops the site allowed without a verified rule: counted, and in the log line
-            for op, n in unverified.items():
-                route.traffic.unverified_ops[op] = route.traffic.unverified_ops.get(op, 0) + n
-            detail = f"{detail} unverified_ops={','.join(f'{op}:{n}' for op, n in sorted(unverified.items()))}"
-            self.detail = detail
-        record = self.audit_record()
+            traffic.refusal(reason)
+        session = lc.session
+        if session is not None:
+            if session.version is not None:
+                traffic.upstream_version = format_version(session.version)
+            for op, n in session.state.unverified_uses.items():
+                traffic.unverified_ops[op] = traffic.unverified_ops.get(op, 0) + n
+        traffic.session_ended(lc.stats, result)
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(
             level,
-            "session end id=%d role=%s listener=%s peer=%s identity=%s result=%s reason=%s command=%s detail=%s",
-            self.id, route.role, route.name, self.peer, self.identity or "-", result, reason or "-",
-            self.refused_command, detail,
+            "session end id=%d role=%s listener=%s profile=%s peer=%s identity=%s result=%s reason=%s command=%s "
+            "detail=%s",
+            self.id, route.role, route.name, lc.profile.name, lc.peer, lc.identity or "-", result, reason or "-",
+            lc.command, detail,
             extra={"audit": record},
         )
         if route.on_session_end is not None:
@@ -573,23 +529,4 @@ class Link:
 
     def audit_record(self) -> dict:
         """The per-session audit record (one per session, logged at its end)."""
-        s = self.session
-        return {
-            "event": "session_end",
-            "session": self.id,
-            "role": self.route.role,
-            "listener": self.route.name,
-            "peer": self.peer,
-            "identity": self.identity,
-            "upstream": self._upstream_text(),
-            "version": format_version(s.version) if s.version else None,
-            "duration_s": round(time.monotonic() - self.t0, 6),
-            "result": self.result,
-            "reason": self.reason or None,
-            "command": self.refused_command if self.refused_command != "-" else None,
-            "detail": self.detail,
-            "alloc_bytes": s.stats.alloc_bytes,
-            "upload_bytes": s.stats.upload_bytes_set,
-            "hash_hit_bytes": s.stats.upload_bytes_hash_hit,
-            "commands": s.stats.per_command(),
-        }
+        return self.lc.audit_record()

@@ -17,15 +17,15 @@ from typing import Callable
 from rpcguard.errors import Refusal
 from rpcguard.identity import Acl
 from rpcguard.metrics import ListenerTraffic
-from rpcguard.protocol.settings import Limits, SessionPolicy
+from rpcguard.identity import PeerIdentity
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
+from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
 
-# serve: a finished session's upstream connection is half-closed and read until the server hangs
-# up (see Link._drain_upstream); after this long it is aborted. The server hangs up as soon as
-# it has answered the command it is running, so this only bounds a server that never does.
-UPSTREAM_DRAIN_S = 5.0
+# UPSTREAM_DRAIN_S (protocol/lifecycle.py): how long a finished session's upstream is drained,
+# holding the slot; refuse mode waits that long for a finished session's drain.
 
 
 class UpstreamSlot:
@@ -84,3 +84,12 @@ class Route:
     links: set = field(default_factory=set)
     on_session_end: Callable[[dict], None] | None = None  # audit sink
     draining: bool = False
+
+    @property
+    def default(self) -> Profile:
+        """The listener's (serve) or tunnel's (connect) own policy and limits."""
+        return Profile("default", self.policy, self.limits)
+
+    def profile_for(self, identity: PeerIdentity) -> Profile:
+        """The profile of an authorized identity (until profiles exist: the default)."""
+        return self.default

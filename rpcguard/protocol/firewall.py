@@ -3,9 +3,9 @@
 How this works: the session has already matched the frame to a ``CommandRule`` of the
 negotiated version and checked its length class; it hands the firewall the validated head of
 the payload (the whole payload for fixed-size commands and GRAPH_COMPUTE; for SET_TENSOR only
-rpc_tensor [+ cache_flag] + offset, with ``body_len`` data bytes still to come). ``_HANDLERS``
-maps each command name to the method that checks it; commands without a row (HELLO,
-DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
+rpc_tensor [+ cache_flag] + offset, with ``body_len`` data bytes still to come). The check
+column of the command table (``commands.ROWS``) names the method that checks each command;
+commands without one (HELLO, DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
 stable reason from docs/design.md and never anything else. The firewall only reads
 ``SessionState``: the session records buffers, bases, frees and stored graphs.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.graph import GraphValidator
@@ -45,27 +45,6 @@ _U64 = struct.Struct("<Q")
 _U64x2 = struct.Struct("<QQ")
 _DEV_U64 = struct.Struct("<IQ")
 _SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
-
-# Handler per command name (a table, like h11's READERS). Commands absent here carry nothing to check.
-_HANDLERS: Mapping[str, str] = {
-    "ALLOC_BUFFER": "_alloc_buffer",
-    "GET_ALIGNMENT": "_device_only",
-    "GET_MAX_SIZE": "_device_only",
-    "GET_DEVICE_MEMORY": "_device_only",
-    "BUFFER_GET_BASE": "_handle",
-    "FREE_BUFFER": "_handle",
-    "BUFFER_CLEAR": "_handle",
-    "SET_TENSOR": "_set_tensor",
-    "SET_TENSOR_HASH": "_set_tensor_hash",
-    "GET_TENSOR": "_get_tensor",
-    "MEMSET_TENSOR": "_get_tensor",  # T, u64 offset, u64 size (+ u8 value): same ranges
-    "COPY_TENSOR": "_copy_tensor",
-    "INIT_TENSOR": "_init_tensor",
-    "GET_ALLOC_SIZE": "_get_alloc_size",
-    "GRAPH_COMPUTE": "_graph_compute",
-    "GRAPH_RECOMPUTE": "_graph_recompute",
-}
-
 
 # Heads whose validity depends only on the command, the head bytes, the body length and the live
 # buffers (the session's version and checks are fixed; SET_TENSOR with cache_flag=1 is not cached).
@@ -102,13 +81,17 @@ class Firewall:
             allow_unverified=frozenset(policy.allow_unverified_ops),
             max_cpu_s=policy.max_graph_cpu_s,
         )
-        self._table: dict[str, Callable[[CommandRule, memoryview, int], None]] = {
-            name: getattr(self, method) for name, method in _HANDLERS.items()
-        }
+        # The check per command id, from the command table (like h11's READERS). Imported here:
+        # commands.py uses this module's keys.
+        from rpcguard.protocol.commands import CHECKS
+
+        self._table: tuple[Callable[[CommandRule, memoryview, int], None] | None, ...] = tuple(
+            getattr(self, method) if method is not None else None for method in CHECKS
+        )
 
     def check_request(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         """Validate one request (see the module docstring for what ``payload`` holds)."""
-        handler = self._table.get(rule.name)
+        handler = self._table[rule.cmd]
         if handler is None:
             return
         # The session guarantees these sizes; re-checked so that no payload can make a handler

@@ -1,15 +1,21 @@
 """The per-connection ggml-rpc state machine: framing + session rules + firewall + counters.
 
-How this works: one ``Session`` sits between one llama.cpp client and one server. The relay
-hands it the bytes read from either side (``client_data`` / ``server_data``) and then writes
-out whatever the session queued in ``to_server`` / ``to_client``: the frames it accepted,
-unchanged (memoryviews into the relay's buffer), or rewritten (HELLO with its RDMA caps
-zeroed), plus frames the proxy injects itself. A frame that breaks a rule raises a
-``Refusal``; nothing of that frame has been queued.
+How this works: one ``Session`` sits between one llama.cpp client and one server. The link's
+lifecycle hands it the bytes read from either side (``client_data`` / ``server_data``); each
+call returns the session's ``Output``: the frames to send each way (``to_server`` /
+``to_client``: the frames it accepted, unchanged as memoryviews into the relay's buffer, or
+rewritten, e.g. HELLO with its RDMA caps zeroed, plus frames the proxy injects itself) and the
+events of that call (the client's HELLO, the session active, a node's refusal, a monitor-mode
+violation). The caller sends and clears them. A frame that breaks a rule raises a ``Refusal``;
+nothing of that frame has been queued.
+
+Per command, the command table (``commands.ROWS``) gives the firewall check, the request's
+effect on session state (which also decodes what the response will need) and the response's
+learner; the session indexes ``commands.EFFECTS`` / ``LEARNERS`` by command id.
 
 Requests are planned from the command table of the version the server announced in its HELLO
 reply (``versions.ProtocolSpec``); until then only HELLO is accepted. Responses carry no
-command id: each response-bearing request pushes an ``_Expect`` entry on a FIFO and the next
+command id: each response-bearing request pushes an ``Expect`` entry on a FIFO and the next
 response header is matched against it (size checked exactly), which is also where latency is
 measured and where the session learns buffer handles, bases and device facts for the firewall.
 
@@ -25,11 +31,11 @@ from dataclasses import dataclass, field
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.firewall import Firewall, alloc_size_key, hash_miss_key
+from rpcguard.protocol.commands import EFFECTS, LEARNERS
+from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.settings import SessionPolicy
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
-from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import (
     COMMAND_IDS,
@@ -43,38 +49,42 @@ from rpcguard.protocol.versions import (
     SIZED_BY_REQUEST,
     STREAM,
     TENSOR_BYTES,
+    CommandRule,
     ProtocolSpec,
     Version,
     format_version,
     spec_for,
 )
 
-__all__ = ["SessionPolicy", "Session", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation"]
+__all__ = [
+    "SessionPolicy", "Session", "Output", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation",
+    "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION",
+]  # fmt: skip
 
 AWAIT_HELLO = "await_hello"
 AWAIT_HELLO_REPLY = "await_hello_reply"
 ACTIVE = "active"
 
+# What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
+# appends nothing, so the caller tests one list per read instead of polling attributes).
+EV_HELLO = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
+EV_ACTIVE = "active"  # the server's HELLO reply was accepted; value: the version
+EV_NODE_REFUSED = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
+EV_VIOLATION = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
+
 _REQ_HEADER = struct.Struct("<BQ")
 _RSP_HEADER = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_U64x2 = struct.Struct("<QQ")
-_DEV_U64 = struct.Struct("<IQ")
 _ZERO_CAPS = bytes(24)
 
 # GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
 _GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
 _CMD = COMMAND_IDS
-# Commands whose request changes session state (compared per frame: plain ints, no lookups).
-_FREE_BUFFER, _GRAPH_COMPUTE, _SET_TENSOR = _CMD["FREE_BUFFER"], _CMD["GRAPH_COMPUTE"], _CMD["SET_TENSOR"]
-_ALLOC_BUFFER, _GET_DEVICE_MEMORY = _CMD["ALLOC_BUFFER"], _CMD["GET_DEVICE_MEMORY"]
-_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
+_GET_DEVICE_MEMORY = _CMD["GET_DEVICE_MEMORY"]
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
 MEMORY_PROBES_MAX = 16
-HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
-ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +96,25 @@ class Violation:
     command: str
 
 
+class Output:
+    """What one ``client_data`` / ``server_data`` call produced: frames to send each way and
+    events. One object per session, reused: the caller sends and clears the lists."""
+
+    __slots__ = ("to_server", "to_client", "events")
+
+    def __init__(self) -> None:
+        self.to_server: list[bytes | memoryview] = []
+        self.to_client: list[bytes | memoryview] = []
+        self.events: list[tuple[str, object]] = []
+
+    def clear(self) -> None:
+        self.to_server.clear()
+        self.to_client.clear()
+        self.events.clear()
+
+
 @dataclass(slots=True)
-class _Expect:
+class Expect:
     cmd: int
     length: int  # exact response payload size
     streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
@@ -113,25 +140,16 @@ class Session:
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
-        self.violations: list[Violation] = []
         self.command: int | None = None  # command of the frame being handled (named in refusals)
-        self.to_server: list = []
-        self.to_client: list = []
+        self.out = Output()
+        self.to_server = self.out.to_server
+        self.to_client = self.out.to_client
+        self._events = self.out.events
         self._enforce = self.policy.mode == "enforce"
-        self._expect: deque[_Expect] = deque()
+        self._expect: deque[Expect] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
-        self._handlers = {
-            _CMD["ALLOC_BUFFER"]: self._on_alloc,
-            _CMD["BUFFER_GET_BASE"]: self._on_get_base,
-            _CMD["DEVICE_COUNT"]: self._on_device_count,
-            _CMD["GET_ALIGNMENT"]: self._on_alignment,
-            _CMD["GET_MAX_SIZE"]: self._on_max_size,
-            _CMD["GET_DEVICE_MEMORY"]: self._on_memory,
-            _CMD["SET_TENSOR_HASH"]: self._on_hash,
-            _CMD["GET_ALLOC_SIZE"]: self._on_alloc_size,
-        }
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -149,17 +167,28 @@ class Session:
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
 
     @property
+    def last_feed_ns(self) -> int:
+        """The ``now_ns`` of the last ``client_data`` / ``server_data`` call."""
+        return self._now
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Monitor-mode violations among the events not yet cleared."""
+        return [v for kind, v in self._events if kind == EV_VIOLATION]  # type: ignore[misc]
+
+    @property
     def mid_frame(self) -> bool:
         """True while a request frame is partially received or streaming."""
         return not self._req.at_boundary
 
     # ----------------------------------------------------------------------------- requests
-    def client_data(self, data: memoryview, now_ns: int = 0) -> None:
-        """Bytes from the client; accepted frames go to ``to_server``."""
+    def client_data(self, data: memoryview, now_ns: int = 0) -> Output:
+        """Bytes from the client; accepted frames go to ``out.to_server`` (returned)."""
         self._now = now_ns
         self._req.feed(data)
+        return self.out
 
-    def _plan_request(self, header: tuple) -> tuple[int, int]:
+    def _plan_request(self, header: tuple[int, int]) -> tuple[int, int]:
         cmd, length = header
         self.command = cmd
         if self.phase != ACTIVE:
@@ -179,7 +208,7 @@ class Session:
         if rule.name not in self.policy.allowed_commands:
             if self._enforce:
                 raise PolicyRefusal("command_not_allowed", f"{rule.name} is not on the allow-list")
-            self.violations.append(Violation("command_not_allowed", "not on the allow-list", rule.name))
+            self._events.append((EV_VIOLATION, Violation("command_not_allowed", "not on the allow-list", rule.name)))
         stats = self.stats
         stats.req_frames[cmd] += 1
         stats.req_bytes[cmd] += 9 + length
@@ -201,58 +230,34 @@ class Session:
             raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self.policy.max_graph_bytes}")
         return length, 0
 
-    def _on_request(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+    def _on_request(self, header: tuple[int, int], head: memoryview, raw: memoryview) -> None:
         cmd = header[0]
         out = self.to_server
         if cmd == HELLO:
             self._on_hello_request(head, raw, out)
             return
         spec = self.state.spec
-        rule = spec.commands[cmd]  # type: ignore[union-attr]
+        rule: CommandRule = spec.commands[cmd]  # type: ignore[union-attr,assignment]  # planned: it exists
         body_len = self._req.body_remaining
         try:
             self.firewall.check_request(rule, head, body_len)
         except FirewallRefusal as refusal:
-            if self._enforce:
-                raise
-            self.violations.append(Violation(refusal.reason, refusal.detail, rule.name))
-        # Effects of the request on the session state.
-        ctx = None
-        if cmd == _FREE_BUFFER:
-            self.state.free_buffer(_U64.unpack_from(head)[0])
-        elif cmd == _GRAPH_COMPUTE:
-            self.state.graph_stored(_U32.unpack_from(head)[0] if spec.multi_device else 0)  # type: ignore[union-attr]
-        elif cmd == _SET_TENSOR:
-            self.stats.upload_bytes_set += body_len
-            if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
-                self.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
-        elif cmd == _ALLOC_BUFFER:
-            ctx = _DEV_U64.unpack_from(head) if spec.multi_device else (0, _U64.unpack_from(head)[0])  # type: ignore[union-attr]
-            self.state.charge_alloc(*ctx)  # reserved until the answer says what was granted
+            self.violated(refusal, rule.name)
+        # The request's effect on the session state (the command table's effect column); it
+        # returns what the response's learner needs.
+        effect = EFFECTS[cmd]
+        ctx = effect(self, head, body_len) if effect is not None else None
         response = rule.response
         if response != NO_RESPONSE:
             if response == SIZED_BY_REQUEST:
                 size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
-                exp = _Expect(cmd, size, streamed=True, t_ns=self._now)
+                exp = Expect(cmd, size, streamed=True, t_ns=self._now)
             else:
-                exp = _Expect(cmd, response, t_ns=self._now, ctx=ctx if ctx is not None else self._context(cmd, head))
+                exp = Expect(cmd, response, t_ns=self._now, ctx=ctx)
             self._expect.append(exp)
         out.append(raw)
 
-    def _context(self, cmd: int, head: memoryview) -> object:
-        """What a response handler needs to remember from its request."""
-        if cmd == _CMD["BUFFER_GET_BASE"]:
-            return _U64.unpack_from(head)[0]
-        if cmd in (_CMD["GET_ALIGNMENT"], _CMD["GET_MAX_SIZE"], _CMD["GET_DEVICE_MEMORY"]):
-            return _U32.unpack_from(head)[0] if len(head) >= 4 else 0
-        if cmd == _CMD["SET_TENSOR_HASH"]:
-            return bytes(head)
-        if cmd == _CMD["GET_ALLOC_SIZE"]:
-            at = 4 if self.state.spec.multi_device else 0  # type: ignore[union-attr]
-            return bytes(head[: at + TENSOR_BYTES])
-        return None
-
-    def _on_hello_request(self, head: memoryview, raw: memoryview, out: list) -> None:
+    def _on_hello_request(self, head: memoryview, raw: memoryview, out: list[bytes | memoryview]) -> None:
         self.hello_request_len = len(head)
         self.stats.req_frames[HELLO] += 1
         self.stats.req_bytes[HELLO] += len(raw)
@@ -260,17 +265,19 @@ class Session:
             # RDMA transport offer: zero it, or tensor traffic could leave the tunnel (spec §4.4).
             self.stats.rdma_caps_zeroed_req += 1
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
-        self._expect.append(_Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
+        self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
         self.phase = AWAIT_HELLO_REPLY
+        self._events.append((EV_HELLO, len(head)))
         out.append(raw)
 
     # ----------------------------------------------------------------------------- responses
-    def server_data(self, data: memoryview, now_ns: int = 0) -> None:
-        """Bytes from the server; accepted frames go to ``to_client``."""
+    def server_data(self, data: memoryview, now_ns: int = 0) -> Output:
+        """Bytes from the server; accepted frames go to ``out.to_client`` (returned)."""
         self._now = now_ns
         self._rsp.feed(data)
+        return self.out
 
-    def _plan_response(self, header: tuple) -> tuple[int, int]:
+    def _plan_response(self, header: tuple[int]) -> tuple[int, int]:
         length = header[0]
         if not self._expect:
             raise ProtocolRefusal("response_unexpected", f"server sent {length} bytes nobody asked for")
@@ -287,15 +294,15 @@ class Session:
             stats.observe_latency(exp.cmd, self._now - exp.t_ns)
         return (0, length) if exp.streamed else (length, 0)
 
-    def _on_response(self, header: tuple, head: memoryview, raw: memoryview) -> None:
+    def _on_response(self, header: tuple[int], head: memoryview, raw: memoryview) -> None:
         out = self.to_client
         exp = self._expect.popleft()
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)
         else:
-            handler = self._handlers.get(exp.cmd)
-            if handler is not None:
-                handler(exp, head)
+            learn = LEARNERS[exp.cmd]
+            if learn is not None:
+                learn(self, exp, head)
         if not exp.swallow:
             out.append(raw)
 
@@ -304,6 +311,7 @@ class Session:
         if version[0] == 0:
             # Another rpcguard (the node's `serve`) refused the session: pass its answer on.
             self.node_refusal = REFUSAL_REASONS.get(version[2], "refused")
+            self._events.append((EV_NODE_REFUSED, self.node_refusal))
             return memoryview(self.refusal_answer(self.node_refusal))
         if (len(head) == 28) != (self.hello_request_len == 24):
             raise PolicyRefusal(
@@ -317,24 +325,31 @@ class Session:
         self.state.spec = spec
         self.state.upstream.learn_version(version)
         self.phase = ACTIVE
+        self._events.append((EV_ACTIVE, version))
         if len(head) == 28 and head[4:] != _ZERO_CAPS:
             self.stats.rdma_caps_zeroed_rsp += 1
             raw = memoryview(encode.hello_response(version, new_layout=True))
         if spec.multi_device and self.state.upstream.device_count is None:
             # Learn the device count for the device-index checks without bothering the client.
-            self._inject(_CMD["DEVICE_COUNT"], b"", 4)
+            self.inject(_CMD["DEVICE_COUNT"], b"", 4)
         else:
-            self._learn_memory()
+            self.learn_memory()
         return raw
 
-    def _inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
+    def violated(self, refusal: FirewallRefusal, command: str) -> None:
+        """A firewall rule failed: refuse (enforce), or note it and go on (monitor)."""
+        if self._enforce:
+            raise refusal
+        self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, command)))
+
+    def inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
         self.stats.req_frames[cmd] += 1
         self.stats.req_bytes[cmd] += 9 + len(payload)
         self.to_server.append(encode.request(cmd, payload))
         if response != NO_RESPONSE:
-            self._expect.append(_Expect(cmd, response, swallow=True, ctx=ctx))
+            self._expect.append(Expect(cmd, response, swallow=True, ctx=ctx))
 
-    def _learn_memory(self) -> None:
+    def learn_memory(self) -> None:
         """Ask for the memory of devices whose total is unknown: it is the default allocation
         quota (real clients ask for it on an earlier connection, so this rarely sends anything)."""
         if self.firewall.policy.max_session_alloc_bytes or "buffer_bounds" in self.firewall.policy.disabled_checks:
@@ -343,74 +358,7 @@ class Session:
         memory = self.state.upstream.memory
         for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
             if device not in memory:
-                self._inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
-
-    def _on_alloc(self, exp: _Expect, head: memoryview) -> None:
-        handle, size = _U64x2.unpack_from(head)
-        device, asked = exp.ctx  # type: ignore[misc]
-        self.state.charge_alloc(device, (size if handle else 0) - asked)
-        if handle:
-            self.state.add_buffer(handle, device, size)
-            self.stats.alloc_bytes += size
-            if self.policy.clear_new_buffers:
-                # Tenant isolation: new device memory is not zeroed by the server (spec §2.4).
-                rule = self.state.spec.commands[_CMD["BUFFER_CLEAR"]]  # type: ignore[union-attr]
-                self._inject(_CMD["BUFFER_CLEAR"], struct.pack("<QB", handle, 0), rule.response)
-
-    def _on_get_base(self, exp: _Expect, head: memoryview) -> None:
-        self.state.set_base(exp.ctx, _U64.unpack_from(head)[0])  # type: ignore[arg-type]
-
-    def _on_device_count(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.device_count = _U32.unpack_from(head)[0]
-        if exp.swallow:
-            self._learn_memory()
-
-    def _on_alignment(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.alignment[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
-
-    def _on_max_size(self, exp: _Expect, head: memoryview) -> None:
-        self.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]  # type: ignore[index]
-
-    def _on_memory(self, exp: _Expect, head: memoryview) -> None:
-        device: int = exp.ctx  # type: ignore[assignment]
-        self.state.upstream.memory[device] = _U64x2.unpack_from(head)  # type: ignore[assignment]
-        # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
-        try:
-            self.firewall.check_quota(device)
-        except FirewallRefusal as refusal:
-            if self._enforce:
-                raise
-            self.violations.append(Violation(refusal.reason, refusal.detail, "ALLOC_BUFFER"))
-
-    def _on_alloc_size(self, exp: _Expect, head: memoryview) -> None:
-        req: bytes = exp.ctx  # type: ignore[assignment]
-        at = len(req) - TENSOR_BYTES
-        device = _U32.unpack_from(req)[0] if at else 0
-        t = decode_tensor(req, at)
-        info = types_of(self.version).get(t.type)
-        size = _U64.unpack_from(head)[0]
-        if info is not None and size > nbytes(t, info):
-            sizes = self.state.upstream.alloc_sizes
-            if len(sizes) >= ALLOC_SIZES_MAX:
-                sizes.clear()
-            sizes[alloc_size_key(device, t)] = size
-
-    def _on_hash(self, exp: _Expect, head: memoryview) -> None:
-        if head[0] == 0:
-            # A miss: the client may now send this tensor once with cache_flag=1.
-            misses = self.state.hash_misses
-            if len(misses) >= HASH_MISSES_MAX:
-                misses.clear()
-            misses.add(exp.ctx[: TENSOR_BYTES + 8])  # type: ignore[index]  # rpc_tensor + offset
-        elif head[0] == 1:
-            # A hit: the server wrote the tensor from its cache instead of receiving it. The client
-            # hashes whole tensors (offset 0, nbytes), so count what a SET_TENSOR would have sent.
-            req: bytes = exp.ctx  # type: ignore[assignment]
-            t = decode_tensor(req)
-            info = types_of(self.version).get(t.type)
-            offset = _U64.unpack_from(req, TENSOR_BYTES)[0]
-            if info is not None:
-                self.stats.upload_bytes_hash_hit += max(0, nbytes(t, info) - offset)
+                self.inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
 
     # ----------------------------------------------------------------------------- refusals
     def refusal_answer(self, reason: str) -> bytes:

@@ -8,7 +8,9 @@ import pytest
 
 from rpcguard.errors import PolicyRefusal, ProtocolRefusal, Refusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.session import ACTIVE, AWAIT_HELLO_REPLY, Session, SessionPolicy
+from rpcguard.protocol.session import (
+    ACTIVE, AWAIT_HELLO_REPLY, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION, Session, SessionPolicy,
+)
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
 
@@ -36,7 +38,8 @@ def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * 
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
     out(s.to_server), out(s.to_client)
-    assert s.phase == ACTIVE
+    assert s.phase == ACTIVE and [kind for kind, _ in s.out.events] == [EV_HELLO, EV_ACTIVE]
+    s.out.events.clear()
     return s
 
 
@@ -119,9 +122,52 @@ def test_refusal_answer_matches_the_clients_hello_era():
 def test_node_refusal_is_passed_through_and_decoded():
     s = Session()
     s.client_data(memoryview(V.HELLO_REQ_V4))
-    s.server_data(memoryview(encode.hello_response((0, 0, 3), new_layout=True)))
+    o = s.server_data(memoryview(encode.hello_response((0, 0, 3), new_layout=True)))
     assert s.node_refusal == "identity_not_allowed"
+    assert (EV_NODE_REFUSED, "identity_not_allowed") in o.events
     assert out(s.to_client) == encode.response(bytes([0, 0, 3, 0]) + bytes(24))
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise", "trailing"])
+def test_feeding_returns_the_output_with_what_happened(how):
+    """client_data/server_data return what to send each way and the events of the call: the relay
+    reads one list instead of polling attributes, and the data path adds no event."""
+    s = Session(upstream=UpstreamFacts(version=(7, 0, 0), device_count=1, memory={0: (GIB, GIB)}))
+    trailing = V.DEVICE_COUNT_REQ[:4] if how == "trailing" else b""
+    for _, chunks in [r for r in V.runs(V.HELLO_REQ_V4, trailing) if r[0] == ("bytewise" if how == "bytewise" else "whole")]:
+        for c in chunks:
+            o = s.client_data(memoryview(bytearray(c)))
+    assert o is s.out and o.to_server is s.to_server and o.to_client is s.to_client
+    assert o.events == [(EV_HELLO, 24)] and out(o.to_server) == V.HELLO_REQ_V4
+    o.events.clear()
+    o = s.server_data(memoryview(V.HELLO_RSP_700))
+    assert o.events == [(EV_ACTIVE, (7, 0, 0))] and out(o.to_client) == V.HELLO_RSP_700
+    o.clear()
+    if not trailing:
+        o = s.client_data(memoryview(V.DEVICE_COUNT_REQ))
+        assert out(o.to_server) == V.DEVICE_COUNT_REQ and o.events == []
+
+
+def test_every_command_has_one_row_whose_parts_exist():
+    from rpcguard.protocol import commands
+    from rpcguard.protocol.firewall import Firewall
+    from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, NO_RESPONSE, spec_for
+
+    assert list(commands.ROWS) == list(COMMAND_NAMES)
+    for row in commands.ROWS.values():
+        assert row.check is None or callable(getattr(Firewall, row.check))
+    for version in KNOWN_VERSIONS:
+        for rule in spec_for(version).commands:
+            if rule is None:
+                continue
+            row = commands.ROWS[rule.name]
+            # a learner needs an exactly sized response, and what its request effect decoded
+            if row.learn is not None:
+                assert rule.response >= 0, rule
+                assert row.effect is not None or rule.name == "DEVICE_COUNT", rule
+            if rule.response == NO_RESPONSE:
+                assert row.learn is None
+    assert len(commands.EFFECTS) == len(commands.LEARNERS) == len(commands.CHECKS) == len(COMMAND_NAMES)
 
 
 @pytest.mark.parametrize("how", ["whole", "bytewise"])
@@ -182,6 +228,7 @@ def test_allow_list_enforce_and_monitor():
     s.client_data(memoryview(V.ALLOC_REQ_1MIB))
     assert out(s.to_server) == V.ALLOC_REQ_1MIB
     assert [v.reason for v in s.violations] == ["command_not_allowed"]
+    assert [(kind, v.reason) for kind, v in s.out.events] == [(EV_VIOLATION, "command_not_allowed")]
 
 
 def test_device_count_is_learned_by_injection_when_unknown():

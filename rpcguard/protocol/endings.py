@@ -1,0 +1,113 @@
+"""How a link ends: its deadlines, the admission caps, close classification, the audit record.
+
+How this works: pure functions over a ``Lifecycle``'s data, kept apart from its state table.
+``overdue(lc, now)`` is what ``Lifecycle.tick`` enforces: which deadline of the session's
+profile ``Limits`` the link has missed, and whether the refusal is answered at HELLO (the
+client's HELLO is waiting for a reply) or ends the link. ``admission_refusal`` applies the
+listener-wide and per-profile ``max_sessions``. ``hello_closed_refusal`` says why an upstream
+hung up on a HELLO. ``audit_record`` is the per-session record logged at its end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from rpcguard.errors import Refusal
+from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
+from rpcguard.protocol.settings import Profile
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.versions import format_version, spec_for
+
+if TYPE_CHECKING:
+    from rpcguard.protocol.lifecycle import Lifecycle
+
+__all__ = ["UPSTREAM_DRAIN_S", "admission_refusal", "hello_closed_refusal", "overdue", "audit_record"]
+
+# serve: a finished session's upstream is half-closed and read until the server hangs up
+# (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection); past this
+# long it is aborted. The server hangs up once it has answered the command it is running.
+UPSTREAM_DRAIN_S = 5.0
+
+
+def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Profile]) -> Refusal | None:
+    """``too_many_sessions`` when the admitted links (this one included) exceed the listener's
+    ``max_sessions`` or, among those holding a profile of this name, the profile's own."""
+    total = same = 0
+    for held in admitted:
+        total += 1
+        same += held.name == profile.name
+    if total > default.limits.max_sessions:
+        return Refusal("too_many_sessions", f"more than {default.limits.max_sessions} sessions")
+    if same > profile.limits.max_sessions:
+        return Refusal("too_many_sessions", f"more than {profile.limits.max_sessions} sessions of profile "
+                                            f"{profile.name}")
+    return None
+
+
+def hello_closed_refusal(facts: UpstreamFacts, sent: int | None) -> Refusal:
+    """The upstream hung up on the HELLO: say why when its version tells (a HELLO of the other era)."""
+    known = facts.version
+    spec = spec_for(known) if known is not None else None
+    if known is not None and spec is not None and sent is not None and sent != spec.hello_request:
+        era = "pre-4.0.0 (0-byte)" if sent == 0 else ">= 4.0.0 (24-byte)"
+        return Refusal("version_not_accepted", f"the client sent a {era} HELLO; the upstream speaks "
+                                               f"{format_version(known)} and closed the connection")
+    return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
+
+
+def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
+    """The deadline ``lc`` has missed at ``now``: (refusal, answered at HELLO?), or None."""
+    limits = lc.limits
+    session = lc.session
+    hello_s = limits.hello_timeout_s
+    if session is not None and session.phase != SESSION_ACTIVE and hello_s:
+        if session.hello_request_len is None:
+            # The clock starts at admission; the TLS handshake has its own timeout.
+            if lc.t_admitted is not None and now - lc.t_admitted > hello_s:
+                return Refusal("hello_timeout", f"no HELLO within {hello_s:g} s"), False
+        elif lc.upstream_open and now - lc.t_upstream > hello_s + (
+            limits.queue_timeout_s if lc.role == "connect" else 0
+        ):
+            # A server that takes the connection but never answers HELLO. connect's upstream
+            # is the node's serve, which may queue the HELLO for its own queue_timeout_s.
+            return Refusal("upstream_unavailable", "the upstream did not answer HELLO"), True
+    if session is not None and session.phase == SESSION_ACTIVE:
+        quiet = now - lc.last_activity_ns / 1e9
+        idle = session.idle
+        if limits.idle_timeout_s and idle and quiet > limits.idle_timeout_s:
+            return Refusal("idle_timeout", f"idle for {quiet:.0f} s"), False
+        if limits.frame_timeout_s and not idle and quiet > limits.frame_timeout_s and session.mid_frame:
+            return Refusal("frame_timeout", f"a request frame stalled for {quiet:.0f} s"), False
+    blocked = lc.client_blocked_since
+    if limits.frame_timeout_s and blocked and now - blocked > limits.frame_timeout_s:
+        # A client that stops reading its responses would hold the single upstream slot forever.
+        return Refusal("frame_timeout", f"the client has not read its responses for {now - blocked:.0f} s"), False
+    if limits.max_session_s and now - lc.t0 > limits.max_session_s:
+        return Refusal("session_lifetime", f"session older than {limits.max_session_s:g} s"), False
+    return None
+
+
+def audit_record(lc: Lifecycle) -> dict[str, object]:
+    """The per-session audit record (one per session, logged at its end)."""
+    s = lc.stats
+    version = lc.session.version if lc.session is not None else None
+    return {
+        "event": "session_end",
+        "session": lc.id,
+        "role": lc.role,
+        "listener": lc.listener,
+        "profile": lc.profile.name,
+        "peer": lc.peer,
+        "identity": lc.identity,
+        "upstream": lc.upstream,
+        "version": format_version(version) if version else None,
+        "duration_s": round(lc.clock() - lc.t0, 6),
+        "result": lc.result,
+        "reason": lc.reason or None,
+        "command": lc.command if lc.command != "-" else None,
+        "detail": lc.detail,
+        "alloc_bytes": s.alloc_bytes,
+        "upload_bytes": s.upload_bytes_set,
+        "hash_hit_bytes": s.upload_bytes_hash_hit,
+        "commands": s.per_command(),
+    }

@@ -1,0 +1,429 @@
+"""The life of one proxied connection as a sans-IO state machine (h11 style).
+
+How this works: ``Lifecycle`` is told what happened to a link (events in: the TLS handshake
+done with an identity, bytes from either side, the upstream slot granted or refused, the
+upstream connected or failed, either side closed, ``tick(now)``, shutdown) and answers with
+what the relay must do (actions out, appended to ``actions``: write, open the upstream, take or
+free the slot, half-close, close, count, and the audit record at the end). It never touches a
+socket or a clock of its own: the relay carries out the actions, the clock is injected.
+
+States (protocol/linkstate.py: ``EDGES`` lists the allowed transitions, ``TABLE`` the
+handler of every event in every state; an event a state does not expect is ignored by name)::
+
+    HANDSHAKE --admit--> AWAIT_HELLO (serve: the slot is taken only once the client said HELLO)
+              \\-------> CONNECTING  (connect: the node is dialled at once)
+              \\-------> REFUSING    (refused before the HELLO: answered 0.0.N when it comes)
+    AWAIT_HELLO --HELLO--> QUEUED --slot--> CONNECTING --connected--> GREETING --reply--> ACTIVE
+    ACTIVE --end--> DRAINING (serve: upstream half-closed, read until it hangs up, slot kept)
+    any --end--> CLOSED
+
+A refusal before ACTIVE is answered at the client's HELLO with version 0.0.N (llama.cpp then
+reports a version mismatch instead of a crashed server), whatever the HELLO era; a refusal
+during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the session's profile:
+``route.default`` until the identity is authorized, then the profile of that identity.
+
+Hot path: ``_goto`` binds ``client_data`` / ``server_data`` to the state's handlers once per
+transition; in GREETING and ACTIVE they are the ``Session``'s own methods, so a read costs no
+call of the lifecycle. The caller's contract (``client_bytes`` / ``server_bytes`` implement it,
+``relay.Link.data`` inlines it): a ``Refusal`` raised goes to ``refused()``, a non-empty
+``out.events`` to ``session_events()``; then the frames in ``out`` are sent and ``actions``
+carried out.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rpcguard.errors import FirewallRefusal, Refusal
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
+from rpcguard.protocol.linkstate import (
+    ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
+    COUNT_VIOLATION, DRAINING, EDGES, END, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
+    OPEN_UPSTREAM, QUEUED, REFUSING, SESSION_EVENTS, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action,
+)
+from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
+from rpcguard.protocol.session import AWAIT_HELLO_REPLY, Output, Session, Violation
+from rpcguard.protocol.settings import Limits, Profile
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.stats import SessionStats
+
+__all__ = [
+    "Lifecycle", "admission_refusal", "STATES", "EVENTS", "UPSTREAM_DRAIN_S",
+    "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE", "DRAINING",
+    "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
+    "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
+    "COUNT_VIOLATION", "END",
+]  # fmt: skip
+
+
+class Lifecycle:
+    """One link from accept to close; see the module docstring."""
+
+    def __init__(self, *, link_id: int, role: str, listener: str, upstream: str, default: Profile,
+                 facts: UpstreamFacts, clock: Callable[[], float], uses_slot: bool) -> None:
+        self.id = link_id
+        self.role = role  # "serve" or "connect"
+        self.listener = listener
+        self.upstream = upstream  # "host:port", for logs
+        self.profile = default  # replaced by the identity's profile once it is authorized
+        self.facts = facts
+        self.clock = clock
+        self.uses_slot = uses_slot  # serve: the single-client upstream is taken at HELLO
+        self.peer = "-"
+        self.identity = ""
+        self.stats = SessionStats()
+        self.session: Session | None = None  # built at admission, from the profile's policy
+        self.out = Output()  # the session's, once there is one
+        self.actions: list[Action] = []
+        self.refusal: Refusal | None = None  # refused before ACTIVE: answered at HELLO
+        self.refused_on_leave = False  # identity refused: a client leaving before HELLO is a refusal
+        self.result = self.reason = self.detail = ""
+        self.command = "-"  # command of the frame that was refused
+        self.t0 = clock()
+        self.t_admitted: float | None = None
+        self.t_upstream = 0.0
+        self._t0_ns = int(self.t0 * 1e9)
+        self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
+        self.slot_held = False
+        self.upstream_open = False
+        self.t_drain = 0.0
+        self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
+        self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
+        self._feed_s: Callable[[memoryview, int], Output] = self._drop
+        self.state = ""
+        self._goto(HANDSHAKE)
+
+    # ----------------------------------------------------------------------------- dispatch
+    def _goto(self, state: str) -> None:
+        if self.state and state not in EDGES[self.state]:
+            raise AssertionError(f"link {self.id}: no transition {self.state} -> {state}")
+        self.state = state
+        row = TABLE[state]
+        # The data handlers of this state, bound once per transition (the per-read path).
+        self.client_data: Callable[[memoryview, int], Output] = getattr(self, row["client_data"])
+        self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"])
+
+    def _on(self, event: str, *args: object) -> None:
+        getattr(self, TABLE[self.state][event])(*args)
+
+    @property
+    def limits(self) -> Limits:
+        return self.profile.limits
+
+    @property
+    def last_activity_ns(self) -> int:
+        """When bytes last came from either side (the session notes the time of every feed)."""
+        session = self.session
+        return max(self._t0_ns, session.last_feed_ns) if session is not None else self._t0_ns
+
+    @property
+    def admitted(self) -> bool:
+        return self.t_admitted is not None
+
+    # ----------------------------------------------------------------------------- events in
+    def admit(self, profile: Profile, identity: str = "", refusal: Refusal | None = None,
+              identity_refused: bool = False) -> None:
+        """Accepted (connect) or TLS done (serve) with ``identity``; ``refusal`` if the identity or
+        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on."""
+        self._on("admit", profile, identity, refusal, identity_refused)
+
+    def handshake_failed(self, result: str, reason: str, detail: str) -> None:
+        self._on("handshake_failed", result, reason, detail)
+
+    def slot_granted(self) -> None:
+        self._on("slot_granted")
+
+    def slot_refused(self, refusal: Refusal) -> None:
+        self._on("slot_refused", refusal)
+
+    def upstream_connected(self) -> None:
+        self._on("upstream_connected")
+
+    def upstream_failed(self, refusal: Refusal) -> None:
+        self._on("upstream_failed", refusal)
+
+    def client_closed(self, error: str = "") -> None:
+        self._on("client_closed", error)
+
+    def upstream_closed(self, error: str = "", tls_reason: str | None = None) -> None:
+        """The upstream hung up (``error``: why, if it was an error; ``tls_reason``: the
+        classified TLS alert when it was one)."""
+        self._on("upstream_closed", error, tls_reason)
+
+    def tick(self, now: float) -> None:
+        """Enforce the deadlines of the current state (the relay calls this every second)."""
+        self._on("tick", now)
+
+    def shutdown(self) -> None:
+        """The drain timeout is reached: end the session now."""
+        self._on("shutdown")
+
+    def internal_error(self) -> None:
+        self._on("internal_error")
+
+    def client_blocked(self, blocked: bool) -> None:
+        """The client's write buffer filled up (it is not reading its responses) or drained."""
+        self.client_blocked_since = self.clock() if blocked else 0.0
+
+    # ----------------------------------------------------------------------------- set-up
+    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool) -> None:
+        self.profile = profile
+        self.identity = identity
+        self.t_admitted = self.clock()
+        self.session = Session(profile.policy, self.facts, self.stats)
+        self.out = self.session.out
+        self._feed_c = self.session.client_data
+        self._feed_s = self.session.server_data
+        if refusal is not None:
+            self.refusal = refusal
+            self.refused_on_leave = identity_refused
+            self._goto(REFUSING)
+        elif self.uses_slot:
+            self._goto(AWAIT_HELLO)
+        else:
+            self._goto(CONNECTING)
+            self.actions.append((OPEN_UPSTREAM, self.limits))
+
+    def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
+        if result == "refused":
+            self.tls_failure(reason)
+        self._finish(result, reason, detail)
+
+    def _slot_granted(self) -> None:
+        self.slot_held = True
+        self._goto(CONNECTING)
+        self.actions.append((OPEN_UPSTREAM, self.limits))
+
+    def _free_granted_slot(self) -> None:
+        # The session ended while it queued: hand the slot straight back.
+        self.actions.append((FREE_SLOT, None))
+
+    def _upstream_connected(self) -> None:
+        self.upstream_open = True
+        self.t_upstream = self.clock()
+        self._goto(GREETING)
+        if self._pending:
+            self.actions.append((WRITE_UPSTREAM, self._pending))
+            self._pending = []
+
+    def _close_new_upstream(self) -> None:
+        self.actions.append((CLOSE_UPSTREAM, None))
+
+    def _refuse_early(self, refusal: Refusal) -> None:
+        """Refused before ACTIVE: answer now if the HELLO is waiting, else when it comes."""
+        self.refusal = refusal
+        session = self.session
+        if session is not None and session.phase == AWAIT_HELLO_REPLY:
+            self._answer_refusal()
+            return
+        self._release_upstream()
+        if self.slot_held:
+            self.actions.append((FREE_SLOT, None))
+            self.slot_held = False
+        self._goto(REFUSING)
+
+    def _answer_refusal(self) -> None:
+        refusal = self.refusal
+        assert refusal is not None and self.session is not None
+        self.out.clear()
+        self.actions.append((WRITE_CLIENT, self.session.refusal_answer(refusal.reason)))
+        self._finish("refused", refusal.reason, refusal.detail)
+
+    # ----------------------------------------------------------------------------- data
+    def _drop(self, data: memoryview, now_ns: int) -> Output:
+        self.out.clear()
+        return self.out
+
+    def _client_early(self, data: memoryview, now_ns: int) -> Output:
+        """Client bytes before the upstream is connected: checked, kept for the upstream."""
+        try:
+            out = self._feed_c(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
+        if out.to_server:
+            if self.state != REFUSING:
+                self._pending.extend(bytes(chunk) for chunk in out.to_server)
+            out.to_server.clear()
+        return out
+
+    def client_bytes(self, data: memoryview, now_ns: int) -> Output:
+        """``client_data`` with the whole contract: a refusal reported, the events handled."""
+        try:
+            out = self.client_data(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
+        return out
+
+    def server_bytes(self, data: memoryview, now_ns: int) -> Output:
+        """``server_data`` with the whole contract (see ``client_bytes``)."""
+        try:
+            out = self.server_data(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
+        return out
+
+    def session_events(self, out: Output) -> None:
+        """Act on the events of one feed (the caller hands them over when ``out.events`` is set)."""
+        events = list(out.events)
+        out.events.clear()
+        for kind, value in events:
+            if getattr(self, SESSION_EVENTS[kind])(value):
+                return  # the link is over: later events do not matter
+
+    def _ev_violation(self, v: Violation) -> bool:
+        self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))
+        return False
+
+    def _ev_hello(self, length: int) -> bool:
+        if self.state == AWAIT_HELLO:
+            self._goto(QUEUED)
+            self.actions.append((TAKE_SLOT, self.limits))
+        elif self.state == REFUSING:
+            self._answer_refusal()
+            return True
+        return False
+
+    def _ev_active(self, version: object) -> bool:
+        if self.state == GREETING:
+            self._goto(ACTIVE)
+        return False
+
+    def _ev_node_refused(self, reason: str) -> bool:
+        # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
+        self.refusal = Refusal(reason, "refused by the node")
+        self._finish("refused", "node_refused", f"node refused the session: {reason}")
+        return True
+
+    def refused(self, refusal: Refusal) -> None:
+        """The session refused a frame (either side): the caller hands over what ``client_data`` /
+        ``server_data`` raised."""
+        session = self.session
+        assert session is not None
+        self.command = session.command_name
+        self.out.clear()
+        if isinstance(refusal, FirewallRefusal):
+            self.actions.append((COUNT_VIOLATION, (refusal.reason, "enforce", None, self.command)))
+        if session.phase != SESSION_ACTIVE and session.hello_request_len is not None:
+            if self.refusal is None:  # else: a refusal already waited for this HELLO, say that one
+                self.refusal = refusal
+            self._answer_refusal()
+        else:
+            self._finish("refused", refusal.reason, refusal.detail)
+
+    # ----------------------------------------------------------------------------- closes
+    def _client_closed(self, error: str) -> None:
+        if self.refused_on_leave and self.refusal is not None:
+            self._finish("refused", self.refusal.reason, self.refusal.detail)  # left before its HELLO
+            return
+        s = self.session
+        clean = s is None or s.idle or (s.phase == SESSION_ACTIVE and not s.mid_frame)
+        self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
+                     "client closed" + (f": {error}" if error else ""))
+
+    def _upstream_closed_early(self, error: str, tls_reason: str | None) -> None:
+        """The upstream hung up before the session was active: the client still gets its 0.0.N."""
+        self.upstream_open = False
+        if tls_reason is not None:
+            # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
+            self.tls_failure(tls_reason)
+            refusal = Refusal("tls_failed", f"the node refused the TLS session ({tls_reason}): {error}")
+        elif self.role == "connect":
+            # A node's rpcguard answers every HELLO, refusals included: a bare close means its
+            # TLS layer dropped us after the handshake (certificate refused).
+            self.tls_failure("tls_handshake_failed")
+            refusal = Refusal("tls_failed", "the node closed the TLS session before answering HELLO: "
+                                            "its rpcguard refused this certificate (see the node's log)")
+        else:
+            refusal = hello_closed_refusal(self.facts, self.session.hello_request_len if self.session else None)
+        self._refuse_early(refusal)
+
+    def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
+        self.upstream_open = False
+        self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
+
+    def _drained(self, error: str, tls_reason: str | None) -> None:
+        self.upstream_open = False
+        self._end_drain()
+
+    def _end_drain(self) -> None:
+        if self.slot_held:
+            self.actions.append((FREE_SLOT, None))
+            self.slot_held = False
+        self._goto(CLOSED)
+
+    def _release_upstream(self) -> None:
+        """Refused before the HELLO: the upstream (connect's node) is of no more use."""
+        if self.upstream_open:
+            self.upstream_open = False
+            self.actions.append((CLOSE_UPSTREAM, None))
+
+    # ----------------------------------------------------------------------------- timers
+    def _tick(self, now: float) -> None:
+        missed = overdue(self, now)
+        if missed is None:
+            return
+        refusal, answer = missed
+        if answer:
+            self.refusal = refusal
+            self._answer_refusal()
+        else:
+            self._finish("refused", refusal.reason, refusal.detail)
+
+    def _tick_drain(self, now: float) -> None:
+        if now - self.t_drain > UPSTREAM_DRAIN_S:
+            self.upstream_open = False
+            self.actions.append((ABORT_UPSTREAM, None))
+            self._end_drain()
+
+    # ----------------------------------------------------------------------------- the end
+    def _shutdown(self) -> None:
+        self._finish("refused", "shutdown", "drain timeout reached")
+
+    def _internal_error(self) -> None:
+        self._finish("error", "internal_error", "internal error (logged)")
+
+    def tls_failure(self, reason: str) -> None:
+        """Count a failed TLS handshake (or a node's alert after it) under ``reason``."""
+        self.actions.append((COUNT_TLS_FAILURE, reason))
+
+    def _ignore(self, *args: object) -> None:
+        pass
+
+    def _finish(self, result: str, reason: str, detail: str) -> None:
+        """End the session: close the client, drain (serve) or close the upstream, free the
+        slot unless the drain keeps it, and hand out the audit record."""
+        self.result, self.reason = result, reason
+        actions = self.actions
+        actions.append((CLOSE_CLIENT, None))
+        drain = self.upstream_open and self.role == "serve"
+        if drain:
+            actions.append((HALF_CLOSE_UPSTREAM, self.slot_held))
+            self.t_drain = self.clock()
+            self._goto(DRAINING)
+        else:
+            if self.upstream_open:
+                self.upstream_open = False
+                # close() flushes what is queued; an error aborts.
+                actions.append((ABORT_UPSTREAM if result == "error" else CLOSE_UPSTREAM, None))
+            if self.slot_held:
+                actions.append((FREE_SLOT, None))
+                self.slot_held = False
+            self._goto(CLOSED)
+        unverified = self.session.state.unverified_uses if self.session is not None else {}
+        if unverified:  # ops the site allowed without a verified rule: counted, and in the log line
+            detail = f"{detail} unverified_ops={','.join(f'{op}:{n}' for op, n in sorted(unverified.items()))}"
+        self.detail = detail
+        actions.append((END, self.audit_record()))
+
+    def audit_record(self) -> dict[str, object]:
+        """The per-session audit record (one per session, logged at its end)."""
+        return audit_record(self)

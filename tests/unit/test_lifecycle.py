@@ -1,0 +1,641 @@
+"""Lifecycle: every path of a link with a fake clock and no sockets (the relay only carries out actions).
+
+Each test drives one ``Lifecycle`` with events and checks the state it reaches, the actions it
+asks for (in order) and the audit record. Byte vectors are fed whole, byte by byte and with
+trailing data where a path reads frames.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpcguard.errors import PolicyRefusal, Refusal
+from rpcguard.protocol import encode
+from rpcguard.protocol import lifecycle as L
+from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
+from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.versions import REFUSAL_CODES
+from tests.support import vectors as V
+
+GIB = 1 << 30
+LIMITS = Limits(handshake_timeout_s=10, hello_timeout_s=10, idle_timeout_s=30, frame_timeout_s=60,
+                max_session_s=3600, queue_timeout_s=30)
+DEFAULT = Profile("default", SessionPolicy(), LIMITS)
+TENANT = Profile("tenant", SessionPolicy(), Limits(hello_timeout_s=2, idle_timeout_s=5, max_sessions=1))
+DC_RSP_1 = encode.response(struct.pack("<I", 1))  # DEVICE_COUNT answer: 1 device (nothing to learn)
+ERAS = [(V.HELLO_REQ_V4, True), (V.HELLO_REQ_V1, False)]  # (client HELLO, 28-byte answer layout)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    @property
+    def ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+def make(role: str = "serve", facts: UpstreamFacts | None = None, clock: Clock | None = None) -> Lifecycle:
+    return Lifecycle(link_id=7, role=role, listener="gpu0", upstream="127.0.0.1:50052", default=DEFAULT,
+                     facts=facts or UpstreamFacts(version=(7, 0, 0), device_count=1, memory={0: (GIB, GIB)}),
+                     clock=clock or Clock(), uses_slot=role == "serve")
+
+
+def take(lc: Lifecycle) -> list[tuple[str, object]]:
+    out = list(lc.actions)
+    lc.actions.clear()
+    return out
+
+
+def kinds(actions: list[tuple[str, object]]) -> list[str]:
+    return [k for k, _ in actions]
+
+
+def end(actions: list[tuple[str, object]]) -> dict:
+    records = [a for k, a in actions if k == L.END]
+    assert len(records) == 1, actions
+    return records[0]  # type: ignore[return-value]
+
+
+def sent(chunks) -> bytes:
+    data = b"".join(bytes(c) for c in chunks)
+    chunks.clear()
+    return data
+
+
+def feed(fn, data: bytes, clock: Clock, how: str = "whole"):
+    pieces = [data] if how == "whole" else [data[i : i + 1] for i in range(len(data))]
+    out = None
+    for piece in pieces:
+        out = fn(memoryview(bytearray(piece)), clock.ns)
+    return out
+
+
+def active(role: str = "serve", clock: Clock | None = None, profile: Profile = DEFAULT) -> Lifecycle:
+    """A link whose session is ACTIVE on 7.0.0 (serve: holding the slot)."""
+    clock = clock or Clock()
+    lc = make(role, clock=clock)
+    lc.admit(profile, "CN=client1")
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    if role == "serve":
+        lc.slot_granted()
+    lc.upstream_connected()
+    feed(lc.server_bytes, V.HELLO_RSP_700, clock)
+    lc.out.clear()
+    take(lc)
+    assert lc.state == L.ACTIVE
+    return lc
+
+
+# ----------------------------------------------------------------------------- the table
+def test_every_state_handles_every_event_with_an_existing_method():
+    lc = make()
+    for state in L.STATES:
+        row = L.TABLE[state]
+        assert set(row) == set(L.EVENTS), state
+        for handler in row.values():
+            assert callable(getattr(lc, handler)), handler  # _feed_c/_feed_s: the session's, once admitted
+        assert L.EDGES[state] <= set(L.STATES)
+
+
+def test_active_reads_go_straight_to_the_session():
+    lc = active()
+    assert lc.client_data == lc.session.client_data and lc.server_data == lc.session.server_data
+    with pytest.raises(Refusal):  # the caller hands it to refused(): client_bytes does
+        lc.client_data(memoryview(V.HELLO_REQ_V4), 0)
+
+
+def test_a_transition_outside_the_table_is_a_bug():
+    lc = make()
+    with pytest.raises(AssertionError, match="handshake -> active"):
+        lc._goto(L.ACTIVE)
+
+
+# ----------------------------------------------------------------------------- handshake, admission
+def test_tls_failure_is_counted_and_recorded():
+    lc = make()
+    lc.peer = "10.0.0.9:5000"
+    lc.handshake_failed("refused", "tls_unknown_ca", "TLS handshake failed: unknown ca")
+    acts = take(lc)
+    assert kinds(acts) == [L.COUNT_TLS_FAILURE, L.CLOSE_CLIENT, L.END] and acts[0][1] == "tls_unknown_ca"
+    rec = end(acts)
+    assert lc.state == L.CLOSED and lc.session is None
+    assert rec["result"] == "refused" and rec["reason"] == "tls_unknown_ca" and rec["identity"] == ""
+    assert rec["version"] is None and rec["commands"] == {} and rec["peer"] == "10.0.0.9:5000"
+    assert rec["profile"] == "default" and rec["listener"] == "gpu0" and rec["upstream"] == "127.0.0.1:50052"
+
+
+def test_admission_takes_the_identity_profile_and_builds_the_session_from_it():
+    lc = make()
+    lc.admit(TENANT, "CN=tenant")
+    assert lc.state == L.AWAIT_HELLO and lc.profile is TENANT and lc.limits is TENANT.limits
+    assert lc.session is not None and lc.session.policy is TENANT.policy and lc.out is lc.session.out
+    assert take(lc) == []  # serve: nothing happens before the HELLO (the slot is taken only then)
+
+
+def test_the_profile_limits_bound_the_queue_and_the_dial():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(TENANT, "CN=tenant")
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    assert take(lc) == [(L.TAKE_SLOT, TENANT.limits)]
+    lc.slot_granted()
+    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+    lc = make("connect")
+    lc.admit(TENANT)
+    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+
+
+def test_admission_counts_sessions_per_listener_and_per_profile():
+    assert admission_refusal(DEFAULT, DEFAULT, [DEFAULT] * 64) is None
+    over = admission_refusal(DEFAULT, DEFAULT, [DEFAULT] * 65)
+    assert over is not None and over.reason == "too_many_sessions" and "more than 64 sessions" in over.detail
+    assert admission_refusal(DEFAULT, TENANT, [DEFAULT, TENANT]) is None
+    over = admission_refusal(DEFAULT, TENANT, [DEFAULT, TENANT, TENANT])
+    assert over is not None and over.reason == "too_many_sessions" and "profile tenant" in over.detail
+
+
+# ----------------------------------------------------------------------------- the serve path
+@pytest.mark.parametrize("how", ["whole", "bytewise"])
+def test_serve_path_hello_queue_connect_active_drain(how):
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1")
+    out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock, how)
+    assert lc.state == L.QUEUED and not out.to_server  # kept until the upstream is there
+    assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
+    lc.slot_granted()
+    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)] and lc.slot_held
+    lc.upstream_connected()
+    acts = take(lc)
+    assert lc.state == L.GREETING and kinds(acts) == [L.WRITE_UPSTREAM]
+    assert b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
+    out = feed(lc.server_bytes, V.HELLO_RSP_700, clock, how)
+    assert lc.state == L.ACTIVE and sent(out.to_client) == V.HELLO_RSP_700
+    # ACTIVE: bytes go straight through, both ways
+    out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ[:3], clock, how)
+    assert sent(out.to_server) == V.DEVICE_COUNT_REQ and take(lc) == []
+    out = feed(lc.server_bytes, DC_RSP_1[:12], clock, how)
+    assert sent(out.to_client) == DC_RSP_1[:12]
+    # the client leaves between frames... no: mid-frame (3 bytes of GET_ALIGNMENT)
+    lc.client_closed()
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END] and acts[1][1] is True
+    rec = end(acts)
+    assert rec["result"] == "error" and rec["reason"] == "client_closed_mid_frame" and rec["version"] == "7.0.0"
+    assert rec["commands"]["HELLO"] == {"req_frames": 1, "req_bytes": 33, "rsp_frames": 1, "rsp_bytes": 36}
+    # DRAINING: the slot is kept and what the server still sends is dropped until it hangs up
+    assert lc.state == L.DRAINING and lc.slot_held
+    out = feed(lc.server_bytes, b"late answer", clock)
+    assert not out.to_client and take(lc) == []
+    lc.client_closed("again")  # no second record
+    lc.upstream_closed()
+    assert take(lc) == [(L.FREE_SLOT, None)] and lc.state == L.CLOSED and not lc.slot_held
+
+
+def test_clean_close_between_frames_is_ok():
+    lc = active()
+    lc.client_closed()
+    rec = end(take(lc))
+    assert rec["result"] == "ok" and rec["reason"] is None and rec["detail"] == "client closed"
+
+
+def test_drain_that_never_ends_is_aborted_and_frees_the_slot():
+    clock = Clock()
+    lc = active(clock=clock)
+    lc.client_closed()
+    take(lc)
+    clock.now += L.UPSTREAM_DRAIN_S - 0.5
+    lc.tick(clock.now)
+    assert take(lc) == [] and lc.state == L.DRAINING
+    clock.now += 1
+    lc.tick(clock.now)
+    assert take(lc) == [(L.ABORT_UPSTREAM, None), (L.FREE_SLOT, None)] and lc.state == L.CLOSED
+
+
+# ----------------------------------------------------------------------------- the connect path
+@pytest.mark.parametrize("hello_first", [True, False])
+def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
+    clock = Clock()
+    lc = make("connect", clock=clock)
+    lc.admit(DEFAULT)
+    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)]
+    if hello_first:
+        out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+        assert not out.to_server and lc.state == L.CONNECTING
+    lc.upstream_connected()
+    acts = take(lc)
+    if hello_first:
+        assert kinds(acts) == [L.WRITE_UPSTREAM] and b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
+    else:
+        assert acts == []
+        out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+        assert sent(out.to_server) == V.HELLO_REQ_V4
+    feed(lc.server_bytes, V.HELLO_RSP_700, clock)
+    assert lc.state == L.ACTIVE
+    lc.client_closed()
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.CLOSE_UPSTREAM, L.END]  # connect never drains
+    assert end(acts)["role"] == "connect" and lc.state == L.CLOSED
+
+
+def test_node_refusal_is_passed_through_and_ends_the_session():
+    clock = Clock()
+    lc = make("connect", clock=clock)
+    lc.admit(DEFAULT)
+    lc.upstream_connected()
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    take(lc)
+    answer = encode.hello_response((0, 0, REFUSAL_CODES["identity_not_allowed"]), new_layout=True)
+    out = feed(lc.server_bytes, answer, clock)
+    assert sent(out.to_client) == answer  # the relay writes it before closing
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.CLOSE_UPSTREAM, L.END]
+    rec = end(acts)
+    assert rec["reason"] == "node_refused" and "identity_not_allowed" in rec["detail"]
+
+
+# ----------------------------------------------------------------------------- refusal at HELLO
+@pytest.mark.parametrize("hello,new_layout", ERAS)
+@pytest.mark.parametrize("how", ["whole", "bytewise"])
+def test_identity_refused_is_answered_at_hello_in_both_eras(hello, new_layout, how):
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=mallory", PolicyRefusal("identity_not_allowed", "not on the list"), identity_refused=True)
+    assert lc.state == L.REFUSING and take(lc) == []
+    out = feed(lc.client_bytes, hello, clock, how)
+    assert not out.to_server
+    acts = take(lc)
+    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
+    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["identity_not_allowed"]), new_layout=new_layout)
+    rec = end(acts)
+    assert rec["result"] == "refused" and rec["reason"] == "identity_not_allowed" and rec["identity"] == "CN=mallory"
+
+
+def test_hello_with_trailing_data_is_still_answered():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, refusal=Refusal("shutdown", "rpcguard is shutting down"))
+    feed(lc.client_bytes, V.HELLO_REQ_V4 + V.DEVICE_COUNT_REQ, clock)
+    acts = take(lc)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["shutdown"]), new_layout=True))
+
+
+@pytest.mark.parametrize("reason", sorted(REFUSAL_CODES))
+def test_every_refusal_code_reaches_the_client(reason):
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
+    take(lc)
+    lc.slot_refused(Refusal(reason, "why"))
+    acts = take(lc)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
+    assert end(acts)["reason"] == reason and lc.state == L.CLOSED
+
+
+def test_identity_refused_client_leaving_before_hello_is_a_refusal():
+    lc = make()
+    lc.admit(DEFAULT, "CN=mallory", PolicyRefusal("identity_not_allowed", "no"), identity_refused=True)
+    lc.client_closed()
+    rec = end(take(lc))
+    assert rec["result"] == "refused" and rec["reason"] == "identity_not_allowed"
+
+
+def test_other_early_refusal_client_leaving_before_hello_is_a_clean_close():
+    lc = make()
+    lc.admit(DEFAULT, refusal=Refusal("too_many_sessions", "more than 64 sessions"))
+    lc.client_closed()
+    assert end(take(lc))["result"] == "ok"
+
+
+def test_a_refused_link_that_never_says_hello_times_out():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, refusal=Refusal("too_many_sessions", "x"))
+    clock.now += 11
+    lc.tick(clock.now)
+    assert end(take(lc))["reason"] == "hello_timeout"
+
+
+# ----------------------------------------------------------------------------- queue and refuse
+@pytest.mark.parametrize("detail", ["the upstream serves another session", "still busy after 2 s in the queue"])
+def test_upstream_busy_is_answered_at_hello(detail):
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
+    lc.slot_refused(Refusal("upstream_busy", detail))
+    acts = take(lc)
+    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]  # no slot held: none freed
+    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
+    assert end(acts)["detail"] == detail
+
+
+def test_slot_granted_after_the_client_left_goes_straight_back():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    take(lc)
+    lc.client_closed()  # waiting for its HELLO reply: not a clean close
+    assert end(take(lc))["reason"] == "client_closed_mid_frame" and lc.state == L.CLOSED
+    lc.slot_granted()
+    assert take(lc) == [(L.FREE_SLOT, None)]
+
+
+def test_upstream_connected_after_the_end_is_closed():
+    clock = Clock()
+    lc = make("connect", clock=clock)
+    lc.admit(DEFAULT)
+    take(lc)
+    lc.shutdown()
+    take(lc)
+    lc.upstream_connected()
+    assert take(lc) == [(L.CLOSE_UPSTREAM, None)]
+
+
+def test_data_before_the_hello_reply_is_refused_at_hello():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    take(lc)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # still queued, no HELLO reply yet
+    acts = take(lc)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["refused"]), new_layout=True))
+    rec = end(acts)
+    assert rec["reason"] == "data_before_hello_reply" and rec["command"] == "DEVICE_COUNT"
+
+
+# ----------------------------------------------------------------------------- upstream lost at each state
+@pytest.mark.parametrize("role,reason", [("serve", "upstream_unavailable"), ("connect", "node_unreachable")])
+def test_dial_failure_before_the_hello_is_answered_when_it_comes(role, reason):
+    clock = Clock()
+    lc = make(role, clock=clock)
+    lc.admit(DEFAULT)
+    if role == "serve":  # serve dials only after HELLO and the slot
+        feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
+        lc.slot_granted()
+    take(lc)
+    lc.upstream_failed(Refusal(reason, "cannot reach it"))
+    acts = take(lc)
+    if role == "connect":
+        assert lc.state == L.REFUSING and acts == []
+        feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
+        acts = take(lc)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
+    if role == "serve":
+        assert (L.FREE_SLOT, None) in acts
+    assert end(acts)["reason"] == reason and lc.state == L.CLOSED
+
+
+def test_serve_upstream_closed_at_hello():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    lc.slot_granted()
+    lc.upstream_connected()
+    take(lc)
+    lc.upstream_closed()
+    acts = take(lc)
+    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.FREE_SLOT, L.END]  # gone: nothing to drain
+    assert end(acts)["reason"] == "upstream_unavailable"
+
+
+@pytest.mark.parametrize("hello,known,era", [(V.HELLO_REQ_V1, (7, 0, 0), "pre-4.0.0"), (V.HELLO_REQ_V4, (3, 6, 1), ">= 4.0.0")])
+def test_upstream_closed_on_a_hello_of_the_other_era(hello, known, era):
+    clock = Clock()
+    lc = make(facts=UpstreamFacts(version=known, device_count=1), clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, hello, clock)
+    lc.slot_granted()
+    lc.upstream_connected()
+    take(lc)
+    lc.upstream_closed()
+    rec = end(take(lc))
+    assert rec["reason"] == "version_not_accepted" and era in rec["detail"]
+
+
+@pytest.mark.parametrize("tls_reason", [None, "tls_unknown_ca"])
+def test_connect_node_closing_after_the_handshake_is_a_tls_refusal(tls_reason):
+    """Before the client's HELLO (TLS 1.3: the node's verdict on our certificate comes after
+    the handshake): answered 0.0.9 once the HELLO arrives."""
+    clock = Clock()
+    lc = make("connect", clock=clock)
+    lc.admit(DEFAULT)
+    lc.upstream_connected()
+    take(lc)
+    lc.upstream_closed("alert" if tls_reason else "", tls_reason)
+    acts = take(lc)
+    assert acts == [(L.COUNT_TLS_FAILURE, tls_reason or "tls_handshake_failed")] and lc.state == L.REFUSING
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    acts = take(lc)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["tls_failed"]), new_layout=True))
+    assert L.CLOSE_UPSTREAM not in kinds(acts)  # already gone
+    assert end(acts)["reason"] == "tls_failed"
+
+
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_upstream_lost_during_the_session(role):
+    lc = active(role)
+    lc.upstream_closed("reset")
+    acts = take(lc)
+    expected = [L.CLOSE_CLIENT, L.FREE_SLOT, L.END] if role == "serve" else [L.CLOSE_CLIENT, L.END]
+    assert kinds(acts) == expected
+    rec = end(acts)
+    assert rec["result"] == "error" and rec["reason"] == "upstream_closed" and rec["detail"] == "upstream closed: reset"
+
+
+# ----------------------------------------------------------------------------- refusals during the session
+def test_refusal_mid_session_closes_both_sides_and_names_the_command():
+    clock = Clock()
+    lc = active(clock=clock)
+    out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
+    assert not out.to_server  # nothing of the chunk is forwarded once a frame in it is refused
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END]
+    rec = end(acts)
+    assert rec["reason"] == "hello_repeated" and rec["command"] == "HELLO" and lc.state == L.DRAINING
+
+
+def test_firewall_refusal_and_monitor_violation_are_counted():
+    clock = Clock()
+    lc = active(clock=clock)
+    feed(lc.client_bytes, V.FREE_REQ, clock)  # a buffer this session never allocated
+    acts = take(lc)
+    assert acts[0] == (L.COUNT_VIOLATION, ("buffer_unknown", "enforce", None, "FREE_BUFFER"))
+    monitor = Profile("m", SessionPolicy(mode="monitor", firewall=FirewallPolicy()), LIMITS)
+    lc = active(clock=clock, profile=monitor)
+    out = feed(lc.client_bytes, V.FREE_REQ, clock)
+    assert sent(out.to_server) == V.FREE_REQ
+    (kind, (reason, mode, violation, command)), = take(lc)  # type: ignore[misc]
+    assert (kind, reason, mode, command) == (L.COUNT_VIOLATION, "buffer_unknown", "monitor", "FREE_BUFFER")
+    assert lc.state == L.ACTIVE and not lc.out.events
+
+
+def test_internal_error_costs_one_session():
+    lc = active()
+    lc.internal_error()
+    rec = end(take(lc))
+    assert (rec["result"], rec["reason"], rec["detail"]) == ("error", "internal_error", "internal error (logged)")
+
+
+# ----------------------------------------------------------------------------- timeouts
+def tick_at(lc: Lifecycle, clock: Clock, dt: float) -> list[tuple[str, object]]:
+    clock.now += dt
+    lc.tick(clock.now)
+    return take(lc)
+
+
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_hello_timeout_counts_from_admission(role):
+    clock = Clock()
+    lc = make(role, clock=clock)
+    clock.now += 100  # a slow TLS handshake is handshake_timeout_s's business (asyncio's)
+    lc.tick(clock.now)
+    assert take(lc) == []
+    lc.admit(DEFAULT)
+    take(lc)
+    assert tick_at(lc, clock, 9.5) == []
+    rec = end(tick_at(lc, clock, 1))
+    assert rec["reason"] == "hello_timeout" and rec["detail"] == "no HELLO within 10 s"
+
+
+def test_hello_timeout_uses_the_profile_limits():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(TENANT)
+    rec = end(tick_at(lc, clock, 2.5))
+    assert rec["reason"] == "hello_timeout" and rec["profile"] == "tenant"
+
+
+@pytest.mark.parametrize("role,deadline", [("serve", 10), ("connect", 40)])
+def test_upstream_that_never_answers_hello(role, deadline):
+    clock = Clock()
+    lc = make(role, clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    if role == "serve":
+        lc.slot_granted()
+    lc.upstream_connected()
+    take(lc)
+    assert tick_at(lc, clock, deadline - 0.5) == []
+    acts = tick_at(lc, clock, 1)
+    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["upstream_unavailable"]),
+                                                             new_layout=True))
+    rec = end(acts)
+    assert rec["reason"] == "upstream_unavailable" and rec["detail"] == "the upstream did not answer HELLO"
+    if role == "serve":  # the server may still answer: drained, never cut
+        assert L.HALF_CLOSE_UPSTREAM in kinds(acts) and lc.state == L.DRAINING
+
+
+def test_queued_link_has_no_hello_deadline():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    take(lc)
+    assert tick_at(lc, clock, 25) == []  # the slot's queue_timeout_s bounds it (slot_refused)
+
+
+def test_idle_timeout():
+    clock = Clock()
+    lc = active(clock=clock)
+    assert tick_at(lc, clock, 29) == []
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+    feed(lc.server_bytes, DC_RSP_1, clock)
+    lc.out.clear()
+    assert tick_at(lc, clock, 29) == []  # activity restarted the clock
+    rec = end(tick_at(lc, clock, 2))
+    assert rec["reason"] == "idle_timeout" and rec["detail"] == "idle for 31 s"
+
+
+def test_waiting_for_a_response_is_not_idle():
+    clock = Clock()
+    lc = active(clock=clock)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+    lc.out.clear()
+    assert tick_at(lc, clock, 45) == []  # the server computes; not a stalled request frame either
+
+
+def test_frame_timeout_for_a_stalled_request_frame():
+    clock = Clock()
+    lc = active(clock=clock)
+    feed(lc.client_bytes, V.GET_ALIGNMENT_REQ[:5], clock)
+    assert tick_at(lc, clock, 59) == []
+    rec = end(tick_at(lc, clock, 2))
+    assert rec["reason"] == "frame_timeout" and "a request frame stalled for 61 s" == rec["detail"]
+
+
+def test_frame_timeout_for_a_client_that_does_not_read():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("busy", SessionPolicy(), Limits(frame_timeout_s=60)))
+    lc.client_blocked(True)
+    assert tick_at(lc, clock, 20) == []
+    lc.client_blocked(False)
+    assert tick_at(lc, clock, 50) == []
+    lc.client_blocked(True)
+    rec = end(tick_at(lc, clock, 61))
+    assert rec["reason"] == "frame_timeout" and "has not read its responses for 61 s" in rec["detail"]
+
+
+def test_session_lifetime():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("long", SessionPolicy(), Limits(max_session_s=3600)))
+    for _ in range(3):
+        feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+        feed(lc.server_bytes, DC_RSP_1, clock)
+        lc.out.clear()
+        assert tick_at(lc, clock, 1000) == []
+    rec = end(tick_at(lc, clock, 700))
+    assert rec["reason"] == "session_lifetime" and rec["detail"] == "session older than 3600 s"
+
+
+# ----------------------------------------------------------------------------- shutdown (drain of rpcguard)
+def test_admission_while_draining_is_refused_at_hello():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, refusal=Refusal("shutdown", "rpcguard is shutting down"))
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    assert end(take(lc))["reason"] == "shutdown"
+
+
+def test_shutdown_without_a_running_session():
+    lc = make()
+    lc.admit(DEFAULT)
+    lc.shutdown()
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.END] and end(acts)["detail"] == "drain timeout reached"
+    assert lc.state == L.CLOSED
+
+
+def test_shutdown_cuts_a_running_session_and_drains_its_upstream():
+    lc = active()
+    lc.shutdown()
+    acts = take(lc)
+    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END]
+    assert end(acts)["reason"] == "shutdown" and lc.state == L.DRAINING
+    lc.shutdown()  # a second drain pass finds it already over
+    assert take(lc) == []
+    lc.upstream_closed()
+    assert take(lc) == [(L.FREE_SLOT, None)]
+
+
+def test_audit_record_fields():
+    lc = active()
+    lc.peer = "10.1.2.3:4444"
+    lc.client_closed()
+    rec = end(take(lc))
+    assert set(rec) == {"event", "session", "role", "listener", "profile", "peer", "identity", "upstream", "version",
+                        "duration_s", "result", "reason", "command", "detail", "alloc_bytes", "upload_bytes",
+                        "hash_hit_bytes", "commands"}
+    assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0

@@ -1,0 +1,287 @@
+"""relay.Link as glue: the lifecycle's actions carried out on transports, with an injected
+dialer (a fake upstream transport) and an injected clock. The client is a loopback socket; the
+real-peer behaviour is proven by tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from rpcguard.errors import Refusal
+from rpcguard.metrics import Metrics
+from rpcguard.protocol import encode
+from rpcguard.protocol.settings import Limits, SessionPolicy
+from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.versions import REFUSAL_CODES
+from rpcguard.relay import Link
+from rpcguard.route import Route
+from tests.support import vectors as V
+
+GIB = 1 << 30
+
+
+class FakeUpstream(asyncio.Transport):
+    """What the dialer connects the upstream endpoint to: records writes, closes on request."""
+
+    def __init__(self, protocol: asyncio.BufferedProtocol) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.written = bytearray()
+        self.closed = self.aborted = self.eof_written = False
+
+    def write(self, data) -> None:
+        self.written += bytes(data)
+
+    def writelines(self, chunks) -> None:
+        for c in chunks:
+            self.write(c)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def write_eof(self) -> None:
+        self.eof_written = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self._lost()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._lost()
+
+    def _lost(self) -> None:
+        if not self.closed:
+            self.closed = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def send(self, data: bytes) -> None:
+        """The server sends ``data``."""
+        buf = self.protocol.get_buffer(len(data))
+        buf[: len(data)] = data
+        self.protocol.buffer_updated(len(data))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def make_route(records: list) -> Route:
+    route = Route(role="connect", name="t", upstream_host="127.0.0.1", upstream_port=9, policy=SessionPolicy(),
+                  traffic=Metrics().listener("connect", "t", upstream="127.0.0.1:9"),
+                  limits=Limits(hello_timeout_s=10),
+                  facts=UpstreamFacts(version=(7, 0, 0), device_count=1, memory={0: (GIB, GIB)}))
+    route.on_session_end = records.append
+    return route
+
+
+async def start(route: Route, dialer, clock: Clock):
+    """A Link on one accepted loopback socket; returns (link, client reader, client writer)."""
+    loop = asyncio.get_running_loop()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.setblocking(False)
+    reader, writer = await asyncio.open_connection(*lsock.getsockname())
+    conn, _ = await loop.sock_accept(lsock)
+    lsock.close()
+    conn.setblocking(False)
+    link = Link(route, clock_ns=clock, dialer=dialer, check_upstream=lambda route, transport: None)
+    await link.run(conn)
+    return link, reader, writer
+
+
+async def until(cond, what: str) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_connect_session_through_an_injected_dialer():
+    async def main() -> None:
+        records: list = []
+        ups: list[FakeUpstream] = []
+
+        async def dialer(route, factory, limits):
+            ups.append(FakeUpstream(factory()))
+            ups[0].protocol.connection_made(ups[0])
+
+        link, reader, writer = await start(make_route(records), dialer, Clock())
+        await until(lambda: ups, "the dial")
+        up = ups[0]
+        writer.write(V.HELLO_REQ_V4)
+        await until(lambda: bytes(up.written) == V.HELLO_REQ_V4, "HELLO forwarded")
+        up.send(V.HELLO_RSP_700)
+        assert await reader.readexactly(len(V.HELLO_RSP_700)) == V.HELLO_RSP_700
+        writer.write(V.DEVICE_COUNT_REQ)
+        await until(lambda: bytes(up.written).endswith(V.DEVICE_COUNT_REQ), "DEVICE_COUNT forwarded")
+        writer.close()
+        await until(lambda: records, "the session end")
+        assert records[0]["result"] == "ok" and records[0]["version"] == "7.0.0" and records[0]["profile"] == "default"
+        assert up.closed and not up.aborted and link.lc.state == "closed" and link not in link.route.links
+        assert link.route.traffic.sessions_total["ok"] == 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("hello,new_layout", [(V.HELLO_REQ_V4, True), (V.HELLO_REQ_V1, False)])
+def test_dial_failure_is_answered_at_hello(hello, new_layout):
+    async def main() -> None:
+        records: list = []
+
+        async def dialer(route, factory, limits):
+            raise Refusal("node_unreachable", "cannot reach 127.0.0.1:9: refused")
+
+        _, reader, writer = await start(make_route(records), dialer, Clock())
+        writer.write(hello)
+        answer = encode.hello_response((0, 0, REFUSAL_CODES["node_unreachable"]), new_layout=new_layout)
+        assert await reader.read(100) == answer
+        assert await reader.read(100) == b""  # closed after the answer
+        await until(lambda: records, "the session end")
+        assert records[0]["reason"] == "node_unreachable"
+
+    run(main())
+
+
+def test_hello_timeout_on_the_injected_clock():
+    async def main() -> None:
+        records: list = []
+        clock = Clock()
+
+        async def dialer(route, factory, limits):
+            up = FakeUpstream(factory())
+            up.protocol.connection_made(up)
+
+        link, reader, writer = await start(make_route(records), dialer, clock)
+        link._tick()
+        assert link.lc.state == "greeting"  # 0 s: nothing due
+        clock.ns += 11 * 10**9
+        link._tick()
+        assert await reader.read(100) == b""
+        assert records[0]["reason"] == "hello_timeout" and records[0]["duration_s"] == 11
+        writer.close()
+
+    run(main())
+
+
+def test_internal_error_while_parsing_costs_one_session(monkeypatch):
+    async def main() -> None:
+        records: list = []
+
+        async def dialer(route, factory, limits):
+            up = FakeUpstream(factory())
+            up.protocol.connection_made(up)
+
+        link, reader, writer = await start(make_route(records), dialer, Clock())
+
+        def broken(data, now_ns):
+            raise RuntimeError("a bug")
+
+        link.lc.client_data = broken
+        writer.write(V.HELLO_REQ_V4)
+        assert await reader.read(100) == b""
+        assert records[0]["reason"] == "internal_error" and records[0]["result"] == "error"
+
+    run(main())
+
+
+def test_node_certificate_refused_by_the_upstream_check():
+    async def main() -> None:
+        records: list = []
+        ups: list[FakeUpstream] = []
+
+        async def dialer(route, factory, limits):
+            ups.append(FakeUpstream(factory()))
+            ups[0].protocol.connection_made(ups[0])
+
+        def check(route, transport):
+            raise Refusal("certificate_usage_invalid", "certificate without serverAuth")
+
+        loop = asyncio.get_running_loop()
+        lsock = socket.create_server(("127.0.0.1", 0))
+        lsock.setblocking(False)
+        reader, writer = await asyncio.open_connection(*lsock.getsockname())
+        conn, _ = await loop.sock_accept(lsock)
+        lsock.close()
+        conn.setblocking(False)
+        route = make_route(records)
+        link = Link(route, clock_ns=Clock(), dialer=dialer, check_upstream=check)
+        await link.run(conn)
+        await until(lambda: ups and ups[0].closed, "the node connection closed")
+        writer.write(V.HELLO_REQ_V4)
+        assert await reader.read(100) == encode.hello_response(
+            (0, 0, REFUSAL_CODES["certificate_usage_invalid"]), new_layout=True)
+        assert ups[0].written == b""  # nothing reached a node that failed the check
+        await until(lambda: records, "the session end")
+        assert records[0]["reason"] == "certificate_usage_invalid"
+        assert route.traffic.tls_failures["certificate_usage_invalid"] == 1
+
+    run(main())
+
+
+class FakeClient(FakeUpstream):
+    """The client side of a serve link, without TLS (the test admits the link itself)."""
+
+
+def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_until_then():
+    """ggml-rpc-server dies of SIGPIPE on a response written to a closed connection: the link
+    half-closes the upstream, drops what it still sends and frees the slot only once it hung up."""
+    from rpcguard.route import UpstreamSlot
+
+    async def main() -> None:
+        records: list = []
+        ups: list[FakeUpstream] = []
+
+        async def dialer(route, factory, limits):
+            ups.append(FakeUpstream(factory()))
+            ups[0].protocol.connection_made(ups[0])
+
+        route = make_route(records)
+        route.role, route.slot = "serve", UpstreamSlot()
+        link = Link(route, clock_ns=Clock(), dialer=dialer, check_upstream=lambda route, transport: None)
+        route.links.add(link)
+        client = FakeClient(link.client)
+        link.client.transport = client  # what connection_made does, minus the admission
+        link.lc.admit(route.default, "CN=client1")
+        link._apply()
+        client.send(V.HELLO_REQ_V4)  # the slot is taken at HELLO, then the upstream dialled
+        await until(lambda: ups and bytes(ups[0].written) == V.HELLO_REQ_V4, "HELLO forwarded")
+        up = ups[0]
+        assert route.slot.busy
+        up.send(V.HELLO_RSP_700)
+        assert bytes(client.written) == V.HELLO_RSP_700
+        client.send(V.DEVICE_COUNT_REQ)
+        link.eof(link.client)  # the client leaves while the server prepares its answer
+        assert client.closed and up.eof_written and not up.closed
+        assert route.slot.busy and route.slot.draining and records[0]["result"] == "ok"
+        up.send(encode.response(bytes(4)))  # the late answer is read and dropped
+        assert bytes(client.written) == V.HELLO_RSP_700
+        up.close()  # the server hung up
+        await until(lambda: not route.slot.busy, "the slot freed")
+        assert link.lc.state == "closed" and not up.aborted
+
+    run(main())
