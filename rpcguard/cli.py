@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import urllib.request
-from typing import Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 from rpcguard import __version__
 from rpcguard.audit import setup_logging
@@ -108,9 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("csr")
     sg.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
     sg.add_argument("--out", required=True, help="the certificate to write (PEM)")
-    kind = sg.add_mutually_exclusive_group()
-    kind.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
-    kind.add_argument("--client", action="store_true")
+    usage = sg.add_mutually_exclusive_group()
+    usage.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
+    usage.add_argument("--client", action="store_true")
     sg.add_argument("--days", type=int, default=30)
     sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
 
@@ -234,7 +234,7 @@ def _run(coro) -> int:
     try:
         import uvloop  # fast event loop where available (uvicorn's loops/auto.py does the same)
 
-        runner = uvloop.run
+        runner: Callable[[Coroutine[Any, Any, int]], int] = uvloop.run
     except ImportError:
         runner = asyncio.run
     try:
@@ -278,13 +278,12 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
 
 
 async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
-    from rpcguard.policy import session_policy
     from rpcguard.preflight import certificate_warnings
     from rpcguard.probe import probe_node
 
     own = [w.kind for w in certificate_warnings(cfg.tls.cert, cfg.tls.ca)]
     results = await asyncio.gather(*(
-        probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=session_policy(t.policy),
+        probe_node(t.name, t.server.host, t.server.port, ctx, t.server_name, policy=t.policy,
                    timeout=cfg.limits.connect_timeout_s + cfg.limits.handshake_timeout_s, own_warnings=own,
                    # as the data path: a node in queue mode answers once its upstream is free
                    hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)
@@ -327,8 +326,8 @@ def _certs(a: argparse.Namespace) -> int:
     from rpcguard import certs
 
     if a.certs_command == "init-ca":
-        files = certs.init_ca(a.dir, days=a.days, force=a.force)
-        print(f"wrote {files.cert} and {files.key} (0600): keep ca.key off the nodes (certs csr + certs sign)")
+        ca = certs.init_ca(a.dir, days=a.days, force=a.force)
+        print(f"wrote {ca.cert} and {ca.key} (0600): keep ca.key off the nodes (certs csr + certs sign)")
     elif a.certs_command == "issue":
         files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days,
                             force=a.force, ca_dir=a.ca_dir)

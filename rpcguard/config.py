@@ -1,4 +1,4 @@
-"""YAML configuration -> frozen dataclasses.
+"""YAML configuration -> frozen dataclasses, the runtime settings types included.
 
 How this works: ``load_config`` reads the file with a safe YAML loader that also refuses duplicate
 keys; ``parse_config`` walks the plain data section by section. Every reader knows the dotted key
@@ -7,76 +7,52 @@ first problem, so an error is always one line naming the key. Unknown keys are e
 are enforced here, ghostunnel style (loopback upstream / tunnel listen / metrics, TLS 1.3); the
 ``unsafe_*`` keys are the explicit opt-outs. ``build_config`` lays CLI flags over the file: a value
 that came from a flag is wrapped in ``_Flag`` so its errors name the flag (``--upstream``).
+
+``policy`` and ``limits`` are parsed straight into the runtime types of ``protocol/settings.py``
+(``SessionPolicy`` with its ``FirewallPolicy``, ``Limits``, ``Profile``): each YAML key is one row
+of ``_POLICY_KEYS`` / ``_LIMIT_KEYS`` naming the field it sets, and layers (top level, listener,
+profile) are applied with ``dataclasses.replace`` over the defaults written in settings.py, so no
+default is repeated here. ``profiles`` (serve) are named policy/limits overlays; an allow-list entry
+that names one puts the identities it admits under it (``identity.AllowList``: first match wins).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import re
-from dataclasses import dataclass
-from fractions import Fraction
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import yaml
 
-from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
-from rpcguard.protocol.ggml import OP_TABLES
+from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy
 from rpcguard.protocol.versions import COMMAND_NAMES
 
+from .configread import (
+    CATEGORIES, GIB, KIB, MIB, Address, Reader, _bool, _choice, _connect, _duration, _file, _Flag, _is_ip, _listen, _name,
+    _Section, _server_name, _show, parse_address, parse_size,
+)
+from .configsettings import (
+    LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
+    _parse_profiles, expand_commands,
+)
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .identity import AllowList
 
 __all__ = [
     "COMMAND_NAMES", "CATEGORIES", "CHECK_NAMES", "ROLES", "DEFAULT_METRICS", "KIB", "MIB", "GIB",
-    "Address", "TlsConfig", "AclConfig", "PolicyConfig", "LimitsConfig", "MetricsConfig",
-    "LogConfig", "ListenerConfig", "TunnelConfig", "Config",
-    "parse_address", "parse_size",
+    "Address", "TlsConfig", "MetricsConfig", "LogConfig", "ListenerConfig", "TunnelConfig", "Config",
+    "POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS",
+    "parse_address", "parse_size", "expand_commands",
     "load_config", "parse_config", "build_config", "check_config", "config_summary",
 ]
 
 log = logging.getLogger("rpcguard.config")
 
 ROLES = ("serve", "connect")
-_OP_NAMES = frozenset(name for table in OP_TABLES.values() for name in table.ids)
-KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-
-#: ggml-rpc command names (index = wire id) and the ``allow_commands`` categories (``"@name"``),
-#: both from the one command table in ``protocol.versions``.
-CATEGORIES: Mapping[str, tuple[str, ...]] = MappingProxyType({"@" + k: v for k, v in _CATEGORIES.items()})
-#: Firewall check switches (``policy.checks``); all on by default.
-CHECK_NAMES: tuple[str, ...] = (
-    "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
-    "device_index",
-)
-
-# One request frame's length cap. SET_TENSOR carries a tensor (or a slice of one) whole in one
-# frame and the largest weights of current models (token embeddings) reach a few GiB. The relay
-# streams bodies, so this bounds how long a bogus 64-bit length can pin a session, not memory.
-DEFAULT_MAX_REQUEST_BYTES = 4 * GIB
-# GRAPH_COMPUTE is validated whole in memory before it is forwarded, so it must be small:
-# 64 MiB holds ~220k serialized tensors (296 bytes each); real decode graphs are a few thousand.
-DEFAULT_MAX_GRAPH_BYTES = 64 * MIB
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    """A TCP endpoint; ``host`` is a name, an IPv4 address or a bare IPv6 address."""
-    host: str
-    port: int
-
-    def is_loopback(self) -> bool:
-        """True for ``localhost``, 127.0.0.0/8 and ::1 (also as ::ffff:127.x.y.z)."""
-        if self.host.lower() == "localhost":
-            return True
-        ip = ipaddress.ip_address(self.host) if _is_ip(self.host) else None
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return ip is not None and ip.is_loopback
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,56 +62,6 @@ class TlsConfig:
     ca: str
     min_version: Literal["1.2", "1.3"] = "1.3"
     reload_interval_s: float = 0.0  # 0 = reload on SIGHUP only; > 0 also polls the files' mtimes
-
-
-@dataclass(frozen=True, slots=True)
-class AclConfig:
-    """Client certificate allow-list (any match admits). Empty is refused at load unless ``all``
-    (``allow: {all: true}`` / ``--allow-all``) admits any certificate signed by the CA."""
-    cn: tuple[str, ...] = ()
-    dns: tuple[str, ...] = ()
-    uri: tuple[str, ...] = ()
-    ip: tuple[str, ...] = ()  # normalized networks ("10.0.0.0/24", "::1/128")
-    all: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    mode: Literal["enforce", "monitor"] = "enforce"
-    accepted_versions: tuple[str, ...] = ()  # "X.Y.Z"; empty = every version this build knows
-    allow_commands: tuple[str, ...] = ()  # names / "@categories"; empty = the default set
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_graph_bytes: int = DEFAULT_MAX_GRAPH_BYTES
-    max_graph_nodes: int = 262144
-    max_graph_tensors: int = 1048576
-    max_alloc_bytes: int = 0  # 0 = no cap beyond the server's GET_MAX_SIZE
-    max_session_alloc_bytes: int = 0  # one session, all devices; 0 = per device, its memory total
-    clear_new_buffers: bool = True  # inject BUFFER_CLEAR after each ALLOC_BUFFER (connect: False)
-    denied_ops: tuple[str, ...] = ()  # ggml op names refused on top of the custom ops (opt-in)
-    # ggml ops forwarded without a verified rule (default deny; "*" = every op): logged, counted
-    allow_unverified_ops: tuple[str, ...] = ()
-    max_graph_cpu_ms: int = 500  # CPU one GRAPH_COMPUTE may take to validate (graph_too_costly)
-    disabled_checks: tuple[str, ...] = ()  # subset of CHECK_NAMES, in CHECK_NAMES order
-
-    def check_enabled(self, name: str) -> bool:
-        """True unless ``policy.checks.<name>`` was set to false."""
-        return name not in self.disabled_checks
-
-
-@dataclass(frozen=True, slots=True)
-class LimitsConfig:
-    handshake_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    # 0 = off: llama-server keeps its model connection open and quiet between requests for hours,
-    # and llama.cpp aborts when it is closed. A frame that stalls half-way is cut by frame_timeout_s.
-    idle_timeout_s: float = 0.0
-    frame_timeout_s: float = 60.0  # a request frame started but not finished (slowloris)
-    max_session_s: float = 0.0  # 0 = off
-    max_sessions: int = 64
-    upstream_busy: Literal["queue", "refuse"] = "queue"
-    queue_timeout_s: float = 30.0
-    drain_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,13 +79,21 @@ class LogConfig:
 
 @dataclass(frozen=True, slots=True)
 class ListenerConfig:
-    """``serve``: accept mTLS on ``listen``, relay to the loopback ggml-rpc-server ``upstream``."""
+    """``serve``: accept mTLS on ``listen``, relay to the loopback ggml-rpc-server ``upstream``.
+
+    ``default`` is the listener's own policy and limits; ``profiles`` holds, by name, the profiles
+    its allow-list entries name, each already merged over ``default``."""
     name: str
     listen: Address
     upstream: Address
-    allow: AclConfig = AclConfig()
-    policy: PolicyConfig = PolicyConfig()
+    allow: AllowList
+    default: Profile = Profile()
+    profiles: Mapping[str, Profile] = field(default_factory=lambda: MappingProxyType({}))
     unsafe_upstream: bool = False
+
+    @property
+    def policy(self) -> SessionPolicy:
+        return self.default.policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +103,12 @@ class TunnelConfig:
     listen: Address
     server: Address
     server_name: str  # expected in the server certificate; default: server.host
-    policy: PolicyConfig = PolicyConfig()
+    default: Profile = Profile(policy=default_policy("connect"))
     unsafe_listen: bool = False
+
+    @property
+    def policy(self) -> SessionPolicy:
+        return self.default.policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,206 +117,13 @@ class Config:
     tls: TlsConfig
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
-    limits: LimitsConfig = LimitsConfig()
+    limits: Limits = Limits()  # the top-level limits: every listener's default, drain_timeout_s
     listeners: tuple[ListenerConfig, ...] = ()
     tunnels: tuple[TunnelConfig, ...] = ()
+    profiles: tuple[str, ...] = ()  # serve: names of the profiles defined (used or not)
 
 
 DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
-
-# ---------------------------------------------------------------- public value parsers
-
-_ADDR_RE = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9_.-]+):(\d{1,5})")
-_HOST_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": KIB, "mib": MIB, "gib": GIB, "tib": 1 << 40}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _host_ok(host: Any) -> bool:
-    """An IP address, or a host name (a numeric-looking name must be a real IPv4 address)."""
-    return isinstance(host, str) and (_is_ip(host) or (
-        not re.fullmatch(r"[\d.]+", host) and _HOST_RE.fullmatch(host) is not None))
-
-
-def parse_address(text: object, *, allow_port_zero: bool = False) -> Address:
-    """Parse ``HOST:PORT`` or ``[IPv6]:PORT``; raises ``ValueError`` with a one-line message."""
-    m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
-    if m is None:
-        raise ValueError(f"must be HOST:PORT ([IPv6]:PORT), got {_show(text)}")
-    v6, host, port = m.group(1) is not None, m.group(1) or m.group(3), int(m.group(2) or m.group(4))
-    if not (":" in host and _is_ip(host) if v6 else _host_ok(host)):
-        raise ValueError(f"bad {'IPv6 address' if v6 else 'host'} in {text!r}")
-    if not (0 if allow_port_zero else 1) <= port <= 65535:
-        raise ValueError(f"port must be {0 if allow_port_zero else 1}..65535, got {text!r}")
-    return Address(str(ipaddress.IPv6Address(host)) if v6 else host, port)
-
-
-def parse_size(value: object, *, allow_zero: bool = True) -> int:
-    """Bytes from an int or a string like ``"64MiB"``/``"1.5GiB"``/``"10MB"``, computed exactly."""
-    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    elif m and m.group(2).lower() in _SIZE_UNITS:
-        exact = Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-        if exact.denominator != 1:
-            raise ValueError(f"must be a whole number of bytes, got {value!r}")
-        n = int(exact)
-    else:
-        raise ValueError(f"must be a size in bytes (integer, or like '64MiB'), got {_show(value)}")
-    if n < 0 or (n == 0 and not allow_zero):
-        raise ValueError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return n
-
-
-# ---------------------------------------------------------------- readers: (value, path) -> value
-
-Reader = Callable[[Any, str], Any]
-
-
-def _show(v: object) -> str:
-    """A short one-line rendering of a bad value for an error message."""
-    try:
-        s = "a mapping" if isinstance(v, dict) else "a list" if isinstance(v, list) else repr(v)
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        s = f"a huge {type(v).__name__}"
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def _reader(ok: Callable[[Any], Any], want: str, conv: Callable[[Any], Any] = lambda v: v) -> Reader:
-    """A reader accepting values where ``ok(v)``; otherwise ``"<path>: must be <want>, got <v>"``."""
-    def read(v: Any, path: str) -> Any:
-        if not ok(v):
-            raise ConfigError(path, f"must be {want}, got {_show(v)}")
-        return conv(v)
-    return read
-
-
-def _via(parse: Callable[..., Any], **kw: Any) -> Reader:
-    """A reader from a public parser that raises ``ValueError``."""
-    def read(v: Any, path: str) -> Any:
-        try:
-            return parse(v, **kw)
-        except ValueError as e:
-            raise ConfigError(path, str(e)) from None
-    return read
-
-
-def _list(item: Reader) -> Reader:
-    def read(v: Any, path: str) -> tuple:
-        if not isinstance(v, list):
-            raise ConfigError(path, f"must be a list, got {_show(v)}")
-        return tuple(item(x, f"{path}[{i}]") for i, x in enumerate(v))
-    return read
-
-
-def _re(pattern: str) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None
-
-
-def _choice(*choices: str) -> Reader:  # a float is read as text: YAML makes `min_version: 1.3` a float
-    text = lambda v: str(v) if isinstance(v, float) else v  # noqa: E731
-    return _reader(lambda v: text(v) in choices, "one of " + ", ".join(choices), text)
-
-
-def _duration(zero_is_off: bool = False) -> Reader:
-    def ok(v: Any) -> bool:  # abs(v) < 1e15 also refuses nan and inf
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e15 and (
-            v > 0 or (zero_is_off and v == 0))
-    return _reader(ok,
-                   "a number of seconds " + (">= 0 (0 = off)" if zero_is_off else "> 0"), float)
-
-
-def _ip(v: Any, path: str) -> str:
-    try:
-        return str(ipaddress.ip_network(v if isinstance(v, str) else ""))
-    except ValueError:
-        raise ConfigError(path, f"must be an IP address or network, got {_show(v)}") from None
-
-
-_str = _reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
-_bool = _reader(lambda v: isinstance(v, bool), "true or false")
-_count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
-_name = _reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
-_version = _reader(_re(r"\d+\.\d+\.\d+"), "a version like '7.0.0'")
-_uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")
-_server_name = _reader(_host_ok, "a host name or IP address")
-_command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),
-                   f"a command name like SET_TENSOR or a category ({', '.join(CATEGORIES)})")
-_op = _reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
-              "a ggml op name like SSM_SCAN or GATED_DELTA_NET (see rpcguard/protocol/ggml.py)")
-_op_or_all = _reader(lambda v: isinstance(v, str) and (v in _OP_NAMES or v == "*"),
-                     "a ggml op name like IM2COL, or * for every op")
-_listen, _connect = _via(parse_address, allow_port_zero=True), _via(parse_address)  # listen :0 = any port
-
-
-def _file(base_dir: str | None) -> Reader:
-    """A readable regular file; relative to ``base_dir`` (the config's dir), or the cwd for flags."""
-    def read(v: Any, path: str) -> str:
-        p = os.path.expanduser(_str(v, path))
-        p = os.path.normpath(os.path.join(os.getcwd() if path.startswith("--") or base_dir is None
-                                          else base_dir, p))
-        if not os.path.isfile(p):
-            raise ConfigError(path, f"{'not a regular file' if os.path.exists(p) else 'no such file'}: {p}")
-        try:
-            open(p, "rb").close()
-        except OSError as e:
-            raise ConfigError(path, f"cannot read {p}: {e.strerror}") from None
-        return p
-    return read
-
-
-# ---------------------------------------------------------------- sections
-
-
-@dataclass(frozen=True, slots=True)
-class _Flag:
-    """A value set by a CLI flag: errors about it name the flag instead of the key path."""
-    value: Any
-    flag: str
-
-
-_MISSING = object()
-
-
-class _Section:
-    """One mapping being read: knows its path, rejects unknown keys, reads keys by reader."""
-
-    def __init__(self, data: Any, path: str, keys: set[str] | frozenset[str]) -> None:
-        data = {} if data is None else data
-        if not isinstance(data, dict):
-            raise ConfigError(path, f"must be a mapping, got {_show(data)}")
-        for k in data:
-            if k not in keys:
-                k = k if isinstance(k, str) and k.isprintable() else repr(k)
-                raise ConfigError(f"{path}.{k}" if path else k,
-                                  f"unknown key (expected one of: {', '.join(sorted(keys))})")
-        self.data, self.path = data, path
-
-    def raw(self, key: str) -> tuple[Any, str]:
-        """(value, path-or-flag) with a ``_Flag`` unwrapped; value None when absent."""
-        v = self.data.get(key)
-        return (v.value, v.flag) if isinstance(v, _Flag) else (v, f"{self.path}.{key}" if self.path else key)
-
-    def get(self, key: str, read: Reader, default: Any = _MISSING) -> Any:
-        """Read ``key`` (absent or null -> ``default``; no default -> "required")."""
-        v, path = self.raw(key)
-        if v is None and default is _MISSING:
-            raise ConfigError(path, "required")
-        return default if v is None else read(v, path)
-
-    def read_all(self, readers: Mapping[str, Reader]) -> dict[str, Any]:
-        """Every key of ``readers`` that is set (not null), read."""
-        return {k: self.get(k, r) for k, r in readers.items() if self.raw(k)[0] is not None}
-
 
 def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
     if data is None:
@@ -389,72 +134,8 @@ def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
                                            "reload_interval_s": _duration(zero_is_off=True)}))
 
 
-_POLICY_READERS: dict[str, Reader] = {
-    "mode": _choice("enforce", "monitor"), "accepted_versions": _list(_version),
-    "allow_commands": _list(_command), "max_request_bytes": _via(parse_size, allow_zero=False),
-    "max_graph_bytes": _via(parse_size, allow_zero=False), "max_graph_nodes": _count,
-    "max_graph_tensors": _count, "max_alloc_bytes": _via(parse_size), "clear_new_buffers": _bool,
-    "denied_ops": _list(_op), "allow_unverified_ops": _list(_op_or_all),
-    "max_graph_cpu_ms": _count, "max_session_alloc_bytes": _via(parse_size),
-}
-_LIMIT_READERS: dict[str, Reader] = {
-    "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
-    "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
-    "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
-    "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
-}
 _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
                                    "level": _choice("debug", "info", "warning", "error")}
-
-
-# Role defaults that differ from PolicyConfig's: serve zeroes new buffers for the node's tenants;
-# connect doing it too would clear every buffer twice (docs/firewall.md, "Tenant isolation").
-_ROLE_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"serve": {}, "connect": {"clear_new_buffers": False}}
-
-
-def _parse_policy(layers: list[tuple[Any, str]], role: str = "serve") -> PolicyConfig:
-    """Merge policy mappings key by key (later layers win; ``checks`` merges check by check)."""
-    values: dict[str, Any] = dict(_ROLE_POLICY_DEFAULTS.get(role, {}))
-    checks: dict[str, bool] = {}
-    for data, path in layers:
-        s = _Section(data, path, set(_POLICY_READERS) | {"checks"})
-        values.update(s.read_all(_POLICY_READERS))
-        c = _Section(s.data.get("checks"), s.raw("checks")[1], frozenset(CHECK_NAMES))
-        checks.update(c.read_all(dict.fromkeys(CHECK_NAMES, _bool)))
-    return PolicyConfig(**values, disabled_checks=tuple(n for n in CHECK_NAMES if checks.get(n) is False))
-
-
-def _acl_entry(kind: str, check: Reader) -> Reader:
-    """An allow-list entry, also checked by the matcher's own rules (``identity.Acl``)."""
-    def read(v: Any, path: str) -> str:
-        from .identity import Acl  # lazy: pulls in cryptography
-
-        v = check(v, path)
-        try:
-            Acl(**{kind: (v,)})
-        except ValueError as e:
-            raise ConfigError(path, str(e).split(": ", 1)[-1]) from None
-        return v
-    return read
-
-
-_ACL_READERS = {"cn": _list(_str), "dns": _list(_acl_entry("dns", _str)),
-                "uri": _list(_acl_entry("uris", _uri)), "ip": _list(_acl_entry("ips", _ip)), "all": _bool}
-
-
-def _parse_acl(data: Any, path: str) -> AclConfig:
-    acl = AclConfig(**_Section(data, path, set(_ACL_READERS)).read_all(_ACL_READERS))
-    entries = acl.cn or acl.dns or acl.uri or acl.ip
-    if acl.all and entries:
-        raise ConfigError(path + ".all", "all: true admits any certificate; remove it or the entries")
-    return acl
-
-
-def _require_acl(acl: AclConfig, path: str) -> None:
-    """Like ghostunnel: admitting every certificate the CA signed must be asked for."""
-    if not (acl.all or acl.cn or acl.dns or acl.uri or acl.ip):
-        raise ConfigError(path, "empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
-                                "or all: true (--allow-all) to admit any certificate signed by tls.ca")
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
@@ -494,7 +175,27 @@ _ITEM_KEYS = {"serve": {"name", "listen", "upstream", "allow", "policy", "unsafe
               "connect": {"name", "listen", "server", "server_name", "policy", "unsafe_listen"}}
 
 
-def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tuple[tuple, list]:
+@dataclass(frozen=True)
+class _Top:
+    """What the items inherit from the top level: raw policy / allow / profiles, parsed limits."""
+    policy: Any
+    allow: Any
+    profiles: Mapping[str, tuple[Any, Any]]
+    limits: Limits
+
+
+def _item_profiles(top: _Top, allow: AllowList, default: Profile) -> Mapping[str, Profile]:
+    """The profiles ``allow`` names, each merged over the item's own ``default``."""
+    out = {}
+    for name in dict.fromkeys(e.profile for e in allow.entries if e.profile is not None):
+        policy_data, limits_data = top.profiles[name]
+        path = f"profiles.{name}"
+        out[name] = Profile(name, _parse_policy([(policy_data, path + ".policy")], default.policy),
+                            _parse_limits(limits_data, path + ".limits", default.limits, PROFILE_ONLY_TOP_LIMITS))
+    return MappingProxyType(out)
+
+
+def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
     """The listeners (serve) or tunnels (connect), and [(listen address, path)] for clash checks."""
     key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     if items is not None and not isinstance(items, list):
@@ -514,32 +215,49 @@ def _parse_items(role: str, items: Any, top_policy: Any, top_allow: Any) -> tupl
                 raise ConfigError(s.raw("listen")[1], f"{listen} already used by {where}")
         names[name] = s.path
         listens.append((listen, s.path))
-        policy = _parse_policy([(top_policy, "policy"), (s.data.get("policy"), s.path + ".policy")], role)
-        if policy.allow_unverified_ops:
+        policy = _parse_policy([(top.policy, "policy"), (s.data.get("policy"), s.path + ".policy")],
+                               default_policy(role))
+        if policy.firewall.allow_unverified_ops:
             log.warning("%s (%s): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): %s; "
                         "each use is counted in rpcguard_unverified_op_nodes_total", s.path, name,
-                        ", ".join(policy.allow_unverified_ops))
+                        ", ".join(sorted(policy.firewall.allow_unverified_ops)))
+        default = Profile(DEFAULT_PROFILE, policy, top.limits)
         if role == "serve":
             upstream, unsafe = s.get("upstream", _connect), s.get("unsafe_upstream", _bool, False)
             if not upstream.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("upstream")[1], upstream, "unsafe_upstream", "listener")
             own = s.data.get("allow") is not None  # else the top-level allow-list applies
-            acl = _parse_acl(s.data["allow"] if own else top_allow, s.path + ".allow" if own else "allow")
-            _require_acl(acl, s.path + ".allow" if own else "allow")
-            if acl.all:
+            allow = _parse_allow(s.data["allow"] if own else top.allow, s.path + ".allow" if own else "allow",
+                                 top.profiles)
+            if any(e.allow_any for e in allow.entries):
                 log.warning("%s (%s): allow.all, any certificate signed by tls.ca is admitted", s.path, name)
-            out.append(ListenerConfig(name, listen, upstream, acl, policy, unsafe))
+            out.append(ListenerConfig(name, listen, upstream, allow, default, _item_profiles(top, allow, default),
+                                      unsafe))
         else:
             server, unsafe = s.get("server", _connect), s.get("unsafe_listen", _bool, False)
             if not listen.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("listen")[1], listen, "unsafe_listen", "tunnel")
             server_name = s.get("server_name", _server_name, server.host)
-            out.append(TunnelConfig(name, listen, server, server_name, policy, unsafe))
+            out.append(TunnelConfig(name, listen, server, server_name, default, unsafe))
     return tuple(out), listens
 
 
+def _warn_profiles(listeners: tuple, profiles: Mapping[str, Any]) -> None:
+    """Log (``check-config`` prints) a profile no entry names, and entries behind an ``all: true`` one."""
+    used = {e.profile for li in listeners for e in li.allow.entries}
+    for name in profiles:
+        if name not in used:
+            log.warning("profiles.%s: no allow-list entry names it (unused)", name)
+    for li in listeners:
+        catch_all = next((i for i, e in enumerate(li.allow.entries) if e.allow_any), None)
+        for e in li.allow.entries[catch_all + 1:] if catch_all is not None else ():
+            if e.profile is not None:
+                log.warning("%s: the entry naming profile %s never decides a profile: an earlier entry "
+                            "(all: true) matches every certificate first", li.name, e.profile)
+
+
 _TOP_KEYS = {"log", "metrics", "tls", "policy", "limits"}
-_ROLE_TOP_KEYS = {"serve": {"allow", "listeners"}, "connect": {"tunnels"}}
+_ROLE_TOP_KEYS = {"serve": {"allow", "listeners", "profiles"}, "connect": {"tunnels"}}
 
 
 def parse_config(data: object, role: str | None = None, *, source: str = "<config>",
@@ -567,18 +285,20 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     _Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
     tls = _parse_tls(data.get("tls"), base_dir)
     metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
-    _parse_policy([(data.get("policy"), "policy")])  # report top-level errors even if overridden
-    if role == "serve":
-        _parse_acl(data.get("allow"), "allow")
-    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"),
-                                  data.get("policy"), data.get("allow"))
+    _parse_policy([(data.get("policy"), "policy")], default_policy(role))  # report top-level errors even if overridden
+    limits = _parse_limits(data.get("limits"), "limits", Limits())
+    profiles = _parse_profiles(data.get("profiles"), role, data.get("policy"), limits) if role == "serve" else {}
+    if role == "serve" and data.get("allow") is not None:
+        _parse_allow(data.get("allow"), "allow", profiles, require=False)  # (required where used)
+    top = _Top(data.get("policy"), data.get("allow"), profiles, limits)
+    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"), top)
     for addr, where in listens:
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
+    _warn_profiles(items if role == "serve" else (), profiles)
     log = LogConfig(**_Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
-    limits = LimitsConfig(**_Section(data.get("limits"), "limits", set(_LIMIT_READERS)).read_all(_LIMIT_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
-                  items if role == "serve" else (), items if role == "connect" else ())
+                  items if role == "serve" else (), items if role == "connect" else (), tuple(profiles))
 
 
 # ---------------------------------------------------------------- files and flags
@@ -681,10 +401,16 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
             raise ConfigError(flag(k), f"required (or tls.{k} in the config file)")
     items_key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     items = data.get(items_key)
-    if "mode" in given and isinstance(items, list) and isinstance(data["policy"], dict):  # beat items' own mode
-        items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": data["policy"]["mode"]}}
-                                   if isinstance(it, dict) and isinstance(it.get("policy"), dict)
-                                   and "mode" in it["policy"] else it for it in items]
+    if "mode" in given and isinstance(data["policy"], dict):  # beat items' (and profiles') own mode
+        mode = data["policy"]["mode"]
+        if isinstance(items, list):
+            items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": mode}}
+                                       if isinstance(it, dict) and isinstance(it.get("policy"), dict)
+                                       and "mode" in it["policy"] else it for it in items]
+        if isinstance(data.get("profiles"), dict):
+            data["profiles"] = {k: {**p, "policy": {**p["policy"], "mode": mode}}
+                                if isinstance(p, dict) and isinstance(p.get("policy"), dict)
+                                and "mode" in p["policy"] else p for k, p in data["profiles"].items()}
     item_flags = [k for k in _ITEM_FLAGS[role] if k in given]
     if item_flags and (items is None or items == []):
         for k in ("listen", "upstream" if role == "serve" else "server"):
@@ -699,6 +425,9 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
         if any(k.startswith("allow_") for k in item_flags):  # the item's ACL, else the top-level one
             item["allow"] = _copy(data.get("allow") if item.get("allow") is None else item["allow"])
         for k in item_flags:
+            if k.startswith("allow_") and isinstance(item["allow"], list):
+                raise ConfigError(flag(k), "the config file's allow-list is a list of entries (profiles); "
+                                           "put this identity in the file instead")
             if k.startswith("allow_"):
                 if isinstance(item["allow"], dict):
                     v = given[k]
@@ -710,19 +439,32 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
     return parse_config(data, role, source=source, base_dir=os.path.dirname(os.path.abspath(file)) if file else None)
 
 
-def _acl_text(acl: AclConfig) -> str:
-    parts = [f"{tag}:{v}" for tag, vals in (("CN", acl.cn), ("DNS", acl.dns), ("URI", acl.uri), ("IP", acl.ip))
-             for v in vals]
-    return ",".join(parts) if parts else "any-cert-from-ca" if acl.all else "nobody"
+def _acl_text(allow: AllowList) -> str:
+    def entry(e: Any) -> str:
+        parts = [f"{tag}:{v}" for tag, vals in (("CN", e.cns), ("DNS", e.dns), ("URI", e.uris), ("IP", e.ips))
+                 for v in vals]
+        text = ",".join(parts) if parts else "any-cert-from-ca" if e.allow_any else "nobody"
+        return f"{text}=>{e.profile}" if e.profile else text
+    return ",".join(entry(e) for e in allow.entries) or "nobody"
 
 
 def config_summary(cfg: Config) -> list[str]:
     """One human line per listener / tunnel, for ``rpcguard check-config``."""
-    def extra(p: PolicyConfig, unsafe: str | None) -> str:
-        return ((f" checks_off={','.join(p.disabled_checks)}" if p.disabled_checks else "")
-                + (f" unverified_ops={','.join(p.allow_unverified_ops)}" if p.allow_unverified_ops else "")
+    def extra(p: SessionPolicy, unsafe: str | None) -> str:
+        off = [n for n in CHECK_NAMES if n in p.firewall.disabled_checks]
+        return ((f" checks_off={','.join(off)}" if off else "")
+                + (f" unverified_ops={','.join(sorted(p.firewall.allow_unverified_ops))}"
+                   if p.firewall.allow_unverified_ops else "")
                 + (f" {unsafe}" if unsafe else ""))
+
+    def profiles(x: ListenerConfig) -> str:
+        return "".join(f" profile {p.name}: mode={p.policy.mode} commands={len(p.policy.allowed_commands)}"
+                       f" max_sessions={p.limits.max_sessions}"
+                       + (f" max_session_alloc_bytes={p.policy.firewall.max_session_alloc_bytes}"
+                          if p.policy.firewall.max_session_alloc_bytes else "") + ";"
+                       for p in x.profiles.values()).rstrip(";")
     return ([f"serve {x.name} {x.listen} -> {x.upstream} mode={x.policy.mode} acl={_acl_text(x.allow)}"
-             + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None) for x in cfg.listeners]
+             + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None)
+             + (f" |{profiles(x)}" if x.profiles else "") for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"
                + extra(x.policy, "unsafe_listen" if x.unsafe_listen else None) for x in cfg.tunnels])

@@ -4,6 +4,9 @@ How this works: once the TLS layer has verified the peer's chain against the pri
 certificate (DER) becomes a ``PeerIdentity``: CN, DNS / URI / IP SANs, serial, expiry, fingerprint.
 ``Acl.authorize`` is then a pure function of that identity (as in ghostunnel's ``auth/auth.go``):
 the peer passes if any allow-list entry matches, else ``PolicyRefusal("identity_not_allowed")``.
+An ``AllowList`` is an ordered list of such entries, each of which may name a profile (the policy
+and limits its identities are held to): the FIRST entry that matches decides the profile, so a
+narrow entry (``cn: [grafana-probe], profile: monitor``) goes before a broad one (``all: true``).
 
 An ACL admits nobody until it has entries or ``allow_any`` (``--allow-all``, YAML
 ``allow: {all: true}``): like ghostunnel, "any certificate the CA signed" must be said explicitly,
@@ -32,7 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import PolicyRefusal
 
-__all__ = ["PeerIdentity", "Acl", "check_usage", "CLIENT_AUTH", "SERVER_AUTH"]
+__all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "CLIENT_AUTH", "SERVER_AUTH"]
 
 CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.2
 SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.1
@@ -131,6 +134,7 @@ class Acl:
     uris: tuple[str, ...] = ()
     ips: tuple[str, ...] = ()
     allow_any: bool = False
+    profile: str | None = None  # the profile of the identities this entry admits (None: the default)
     _nets: tuple[IpNet, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -193,6 +197,42 @@ class Acl:
             return "nobody (empty allow-list)"
         kinds = (("CN", self.cns), ("DNS", self.dns), ("URI", self.uris), ("IP", tuple(map(str, self._nets))))
         return " ".join(f"{kind}=[{','.join(values)}]" for kind, values in kinds if values)
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """Ordered allow-list entries: a peer passes if any matches; the first match names its profile."""
+
+    entries: tuple[Acl, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no entry admits anyone."""
+        return all(e.is_empty and not e.allow_any for e in self.entries)
+
+    def match(self, identity: PeerIdentity) -> Acl | None:
+        """The first entry that admits ``identity``, or None."""
+        return next((e for e in self.entries if e.allows(identity)), None)
+
+    def allows(self, identity: PeerIdentity) -> bool:
+        return self.match(identity) is not None
+
+    def authorize(self, identity: PeerIdentity) -> Acl:
+        """The entry that admits ``identity``, else ``PolicyRefusal("identity_not_allowed")``."""
+        entry = self.match(identity)
+        if entry is None:
+            raise PolicyRefusal("identity_not_allowed", f"{identity.label()} is not in the allow-list")
+        return entry
+
+    def profile_of(self, identity: PeerIdentity) -> str | None:
+        """The profile named by the first entry admitting ``identity`` (None: default or not admitted)."""
+        entry = self.match(identity)
+        return entry.profile if entry is not None else None
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return "; ".join(e.describe() + (f" -> profile {e.profile}" if e.profile else "")
+                         for e in self.entries) or "nobody (empty allow-list)"
 
 
 def _check_dns_entry(entry: str) -> str:

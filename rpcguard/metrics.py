@@ -81,7 +81,7 @@ class ListenerTraffic:
     __slots__ = (
         "role", "listener", "command_names", "totals", "live", "sessions_total",
         "refusals", "tls_failures", "firewall_violations", "queue_depth", "upstream",
-        "upstream_version", "upstream_up", "unverified_ops",
+        "upstream_version", "upstream_up", "unverified_ops", "profile_sessions",
     )
 
     def __init__(self, role: str, listener: str, *, upstream: str = "",
@@ -106,6 +106,8 @@ class ListenerTraffic:
         self.upstream_up: bool | None = None  # last seen reachable / not; None = not known yet
         # graph nodes forwarded under policy.allow_unverified_ops, by op (folded in at session end)
         self.unverified_ops: dict[str, int] = {}
+        # sessions admitted under each profile (names come from the config: a bounded label)
+        self.profile_sessions: dict[str, int] = {}  # serve: the Runtime adds its profiles at 0
 
     def session_started(self, stats: SessionStats) -> None:
         """Make a running session's counters visible to scrapes."""
@@ -121,6 +123,10 @@ class ListenerTraffic:
         self.live.discard(stats)
         stats.add_into(self.totals)
         self.sessions_total[result] += 1
+
+    def profile_admitted(self, profile: str) -> None:
+        """Count a session whose identity was admitted under ``profile`` (``profile_sessions_total``)."""
+        self.profile_sessions[profile] = self.profile_sessions.get(profile, 0) + 1
 
     def refusal(self, reason: str) -> None:
         """Count a refused session (``refusals_total{reason}``)."""
@@ -150,9 +156,9 @@ _G = GaugeMetricFamily
 _H = HistogramMetricFamily
 _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
-    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C,
+    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
-    "reload_time": _G, "queue": _G,
+    "reload_time": _G, "queue": _G, "reload_kept": _G,
     "duration": _H,
 })
 
@@ -187,6 +193,11 @@ def _families() -> _Families:
                        "certificates (start or reload) worked, 0 if it failed.", labels=["role"]),
         "reload_time": g("rpcguard_reload_last_success_timestamp_seconds",
                          "Unix time of the last successful load (start or reload).", labels=["role"]),
+        "reload_kept": g("rpcguard_reload_kept_keys", "Changed config keys the last successful reload could "
+                         "not apply live (old value kept until a restart; named in its log line).",
+                         labels=["role"]),
+        "profile": c("rpcguard_profile_sessions", "Sessions admitted, by the profile their identity got "
+                     "(allow-list entry; 'default' for the listener's own settings).", labels=rl + ["profile"]),
         "web": c("rpcguard_web_refusals", "Requests refused by the metrics endpoint (TLS, client "
                  "certificate, basic auth).", labels=["role", "reason"]),
         "queue": g("rpcguard_upstream_queue_depth", "Sessions waiting for the upstream.", labels=rl),
@@ -230,6 +241,7 @@ class _Collector:
             f["reload"].add_metric([m.role, result], n)
         f["reload_ok"].add_metric([m.role], 1 if m.reload_last_ok else 0)
         f["reload_time"].add_metric([m.role], m.reload_last_success_s)
+        f["reload_kept"].add_metric([m.role], m.reload_kept_keys)
         for reason, n in m.web_refusals.items():
             f["web"].add_metric([m.role, reason], n)
         return _all(f)
@@ -271,6 +283,8 @@ class _Collector:
         f["upload"].add_metric(rl + ["hash_hit"], agg.upload_bytes_hash_hit)
         for (reason, mode), n in lt.firewall_violations.items():
             f["firewall"].add_metric(rl + [reason, mode], n)
+        for profile, n in lt.profile_sessions.items():
+            f["profile"].add_metric(rl + [profile], n)
         for op, n in lt.unverified_ops.items():
             f["unverified"].add_metric(rl + [op], n)
         f["rdma"].add_metric(rl + ["request"], agg.rdma_caps_zeroed_req)
@@ -290,6 +304,7 @@ class Metrics:
         # The configuration was loaded once before this object exists: that counts as a success.
         self.reload_last_ok = True
         self.reload_last_success_s = time.time()
+        self.reload_kept_keys = 0  # keys the last successful reload kept at their old value
         self.web_refusals: dict[str, int] = dict.fromkeys(WEB_REFUSAL_REASONS, 0)
         # The last refusals with their peer, for a person at a terminal (GET /refusals,
         # `rpcguard status`); bounded, and never a metric label (peers are unbounded).

@@ -31,7 +31,7 @@ from prometheus_client import exposition
 from rpcguard.tls import classify_handshake_error
 from rpcguard.webconfig import WebGuard
 
-__all__ = ["start_http", "MAX_HEADER_BYTES", "READ_TIMEOUT_S", "MAX_HTTP_CONNECTIONS", "PROTECTED_PATHS"]
+__all__ = ["start_http", "HttpServer", "MAX_HEADER_BYTES", "READ_TIMEOUT_S", "MAX_HTTP_CONNECTIONS", "PROTECTED_PATHS"]
 
 log = logging.getLogger("rpcguard.metrics")
 
@@ -135,7 +135,7 @@ class _Endpoint:
         return _response(404, b"not found\n", extra=extra)
 
 
-class _Server:
+class HttpServer:
     """The listening socket and its accept task; ``sockets``/``close``/``wait_closed`` like asyncio's."""
 
     def __init__(self, sock: socket.socket, task: asyncio.Task) -> None:
@@ -156,7 +156,7 @@ class _Server:
 async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None = None,
                      web: Callable[[], WebGuard | None] | None = None,
                      before_scrape: Callable[[], Awaitable[None]] | None = None,
-                     read_timeout_s: float = READ_TIMEOUT_S) -> _Server:
+                     read_timeout_s: float = READ_TIMEOUT_S) -> HttpServer:
     """Serve GET /metrics, /refusals, /healthz and /readyz on ``host:port`` from the running loop.
 
     ``ready`` returns ``(ok, text)`` for /readyz (200 or 503); without it /readyz is always 200.
@@ -239,7 +239,7 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=128)
     sock.setblocking(False)
-    return _Server(sock, loop.create_task(accept(sock)))
+    return HttpServer(sock, loop.create_task(accept(sock)))
 
 
 _TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones

@@ -2,7 +2,9 @@
 
 How this works: ``Route`` is built once per listener by ``server.Runtime`` and handed to every
 ``relay.Link`` it accepts. It carries the resolved policy and limits, the per-upstream facts
-cache, the TLS context and ACL getters (swapped on reload), and, for ``serve``, the
+cache, the TLS context getter, the settings (``default`` profile, the named ``profiles`` and the
+``allow`` list: replaced whole by a reload, so new sessions see the new ones while a running
+link keeps the ``Profile`` object it took), and, for ``serve``, the
 ``UpstreamSlot``: ggml-rpc-server serves one client at a time, so one session holds the slot
 and the others queue for it (bounded) or are refused, per ``limits.upstream_busy``.
 """
@@ -12,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass, field
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 from rpcguard.errors import Refusal
-from rpcguard.identity import Acl
+from rpcguard.identity import AllowList, PeerIdentity
 from rpcguard.metrics import ListenerTraffic
-from rpcguard.identity import PeerIdentity
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
-from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
+from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
@@ -71,25 +73,32 @@ class Route:
     name: str
     upstream_host: str
     upstream_port: int
-    policy: SessionPolicy
     traffic: ListenerTraffic
-    limits: Limits = field(default_factory=Limits)
+    # The listener's (tunnel's) own policy and limits: everything decided before an identity is
+    # known (handshake and pre-admission timeouts, the listener-wide max_sessions), every connect
+    # session, and serve identities whose allow-list entry names no profile.
+    default: Profile = field(default_factory=Profile)
+    profiles: Mapping[str, Profile] = field(default_factory=lambda: MappingProxyType({}))  # by name
+    allow: AllowList | None = None  # serve: who may connect, and under which profile
     facts: UpstreamFacts = field(default_factory=UpstreamFacts)
-    # serve: context for the TLS server side; connect: context toward the node. Callables, so a
-    # reload swaps them for new links while running links keep theirs.
+    # serve: context for the TLS server side; connect: context toward the node. A callable, so a
+    # reload swaps it for new links while running links keep theirs.
     ssl_context: Callable[[], ssl.SSLContext] | None = None
-    acl: Callable[[], Acl] | None = None
     server_name: str | None = None  # connect: expected name in the node's certificate
     slot: UpstreamSlot | None = None  # serve: the single upstream client slot
     links: set = field(default_factory=set)
     on_session_end: Callable[[dict], None] | None = None  # audit sink
     draining: bool = False
 
-    @property
-    def default(self) -> Profile:
-        """The listener's (serve) or tunnel's (connect) own policy and limits."""
-        return Profile("default", self.policy, self.limits)
-
     def profile_for(self, identity: PeerIdentity) -> Profile:
-        """The profile of an authorized identity (until profiles exist: the default)."""
-        return self.default
+        """The profile of an identity the allow-list admitted: the one its first matching entry
+        names, else ``default``. Called once per session; counted per profile (a bounded label)."""
+        name = self.allow.profile_of(identity) if self.allow is not None else None
+        profile = self.profiles.get(name, self.default) if name is not None else self.default
+        self.traffic.profile_admitted(profile.name)
+        return profile
+
+    @property
+    def acl(self) -> Callable[[], AllowList] | None:
+        """serve: the current allow-list (a getter, as the relay reads it per session)."""
+        return (lambda: self.allow) if self.allow is not None else None  # type: ignore[return-value]

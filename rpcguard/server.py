@@ -1,12 +1,19 @@
 """Runtime wiring: listeners, TLS material and its reload, readiness, graceful drain.
 
 How this works: ``Runtime`` turns a ``Config`` into one ``relay.Route`` per listener (serve)
-or tunnel (connect) and one asyncio server per route. TLS contexts live in ``TlsMaterial``;
-routes reach them through a callable, so a reload (SIGHUP, a timer, or a changed file)
-swaps the contexts and allow-lists for *new* sessions while running sessions keep theirs. A
-reload that fails (bad file, key not matching) is logged and counted and the old material
-stays. ``drain()`` stops accepting, waits for running sessions up to the drain timeout, then
-closes the rest. Nothing here prints or exits: the CLI does.
+or tunnel (connect) and one accept loop per route. TLS contexts live in ``TlsMaterial``;
+routes reach them through a callable. A route holds its settings as immutable objects (the
+``default`` Profile, the named ``profiles``, the ``allow`` list) and a link takes the Profile it
+needs when it starts, so a reload (SIGHUP, or a changed file with ``tls.reload_interval_s``)
+applies to *new* sessions only by swapping those objects. A reload is prepared in full first
+(config parsed, TLS contexts and web config loaded, new listener sockets bound) and only then
+committed, so one that fails (bad file, key not matching, busy port) changes nothing. It
+applies TLS, allow-lists, policy, limits, profiles and listeners: a new listener starts, a
+removed one stops accepting and lets its sessions finish, one whose address or upstream changed
+is replaced (remove + add). ``configdiff.RESTART_KEYS`` cannot change live: logged, old value
+kept, counted in ``rpcguard_reload_kept_keys``. One log line names what changed. ``drain()``
+stops accepting, waits for running sessions up to the drain timeout, then closes the rest.
+Nothing here prints or exits: the CLI does.
 """
 
 from __future__ import annotations
@@ -20,18 +27,17 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from rpcguard import policy as policy_mod
-from rpcguard.certs import cert_not_after
-from rpcguard.config import Config, build_config
+from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
+from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.errors import RpcGuardError
-from rpcguard.identity import Acl
-from rpcguard.metrics import Metrics, start_http
+from rpcguard.metrics import ListenerTraffic, Metrics, start_http
+from rpcguard.metrics_http import HttpServer
 from rpcguard.preflight import WARNING_KINDS, certificate_warnings
 from rpcguard.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
-from rpcguard.tls import client_context, server_context
+from rpcguard.tlsmaterial import TlsMaterial
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -49,77 +55,49 @@ _NODE_DOWN_REASONS = frozenset({"node_unreachable", "tls_failed", "node_name_mis
                                 "version_not_accepted", "upstream_unavailable"})
 
 
-class TlsMaterial:
-    """The current certificate, key and CA as SSL contexts; replaced whole on reload."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.role = cfg.role
-        self.tls = cfg.tls
-        self.context: ssl.SSLContext = self._build()
-        self.loaded_expiry = self._read_expiry()  # of the material in use, not of the files now on disk
-        self.stamp = self._stamp()
-
-    def _build(self) -> ssl.SSLContext:
-        t = self.tls
-        if self.role == "serve":
-            return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
-        # One client context serves every tunnel: the expected node name is given per connection.
-        return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
-
-    def _read_expiry(self) -> dict[str, float]:
-        """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
-        from cryptography import x509
-
-        with open(self.tls.ca, "rb") as f:
-            cas = x509.load_pem_x509_certificates(f.read())
-        return {"cert": cert_not_after(self.tls.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
-
-    def _stamp(self) -> tuple:
-        out = []
-        for path in (self.tls.cert, self.tls.key, self.tls.ca):
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return tuple(out)
-
-    def changed(self) -> bool:
-        return self._stamp() != self.stamp
-
-    def reload(self, tls_cfg=None) -> None:
-        """Build new contexts; on any error the old ones stay and the error propagates."""
-        old = self.tls
-        if tls_cfg is not None:
-            self.tls = tls_cfg
-        try:
-            context = self._build()
-            expiry = self._read_expiry()
-        except Exception:
-            self.tls = old
-            raise
-        self.context = context
-        self.loaded_expiry = expiry
-        self.stamp = self._stamp()
-
-    def expiry(self) -> dict[str, float]:
-        """notAfter of the files on disk now (raises if one became unreadable)."""
-        return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
-
-
 @dataclass
 class _Listener:
     route: Route
     host: str
-    port: int
+    port: int  # the configured port until bound (0 = any), then the bound one
     sock: socket.socket | None = None
     task: asyncio.Task | None = None
+    item: ListenerConfig | TunnelConfig | None = None  # the config it was built from
+
+    def __post_init__(self) -> None:
+        self.config_port = self.port  # as configured: a reload compares this, not the bound port
+
+    def bind(self) -> None:
+        """Bind the listening socket (raises OSError on a busy port)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self.sock = socket.create_server((self.host, self.port), family=family, backlog=128, reuse_port=False)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+
+    def accept(self) -> None:
+        """Start accepting connections on the bound socket."""
+        assert self.sock is not None
+        route = self.route
+        self.task = asyncio.get_running_loop().create_task(_accept_loop(route, self.sock))
+        log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, self.host, self.port,
+                 route.upstream_host, route.upstream_port)
 
     def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
         if self.sock is not None:
             self.sock.close()
+
+
+def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) -> None:
+    """Give ``route`` the settings of ``item``: new links take them, running links keep theirs."""
+    assert item is not None
+    route.default = item.default
+    if isinstance(item, ListenerConfig):
+        route.profiles = item.profiles
+        route.allow = item.allow
+        for name in (route.default.name, *item.profiles):  # every profile's series exists from the start
+            route.traffic.profile_sessions.setdefault(name, 0)
 
 
 class Runtime:
@@ -140,39 +118,47 @@ class Runtime:
         self.web = WebGuard.load(cfg.metrics.web_config)  # metrics endpoint TLS/auth; swapped on reload
         self._upstreams_probed_at = 0.0
         self.listeners: list[_Listener] = []
-        self._acls: dict[str, Acl] = {}
-        self._http: asyncio.AbstractServer | None = None
+        self.retired: list[_Listener] = []  # removed or replaced by a reload: their sessions finish
+        self._slots: dict[tuple[str, int], UpstreamSlot] = {}  # serve: one per upstream, shared by routes
+        self._facts: dict[tuple[str, int], UpstreamFacts] = {}
+        self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
-        limits = policy_mod.limits(cfg.limits)
-        if cfg.role == "serve":
-            slots: dict[tuple[str, int], UpstreamSlot] = {}
-            facts: dict[tuple[str, int], UpstreamFacts] = {}
-            for lc in cfg.listeners:
-                key = (lc.upstream.host, lc.upstream.port)
-                self._acls[lc.name] = policy_mod.acl(lc.allow)
-                route = Route(
-                    role="serve", name=lc.name, upstream_host=lc.upstream.host, upstream_port=lc.upstream.port,
-                    policy=policy_mod.session_policy(lc.policy), limits=limits,
-                    traffic=self.metrics.listener("serve", lc.name, upstream=f"{key[0]}:{key[1]}"),
-                    facts=facts.setdefault(key, UpstreamFacts(f"{key[0]}:{key[1]}")),
-                    ssl_context=lambda: self.tls.context, acl=self._acl_getter(lc.name),
-                    slot=slots.setdefault(key, UpstreamSlot()),
-                )
-                route.on_session_end = self._session_ended
-                self.listeners.append(_Listener(route, lc.listen.host, lc.listen.port))
+        self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
+        self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
+        for lst in self.listeners:
+            self._register(lst)
+
+    def _listener(self, item: ListenerConfig | TunnelConfig) -> _Listener:
+        """A route (not yet accepting, not yet in the metrics) for one listener (serve) or tunnel (connect)."""
+        if isinstance(item, ListenerConfig):
+            key = (item.upstream.host, item.upstream.port)
+            where = f"{key[0]}:{key[1]}"
+            route = Route(
+                role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
+                traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
+                facts=self._facts.setdefault(key, UpstreamFacts(where)),
+                ssl_context=lambda: self.tls.context, slot=self._slots.setdefault(key, UpstreamSlot()),
+            )
         else:
-            for tc in cfg.tunnels:
-                route = Route(
-                    role="connect", name=tc.name, upstream_host=tc.server.host, upstream_port=tc.server.port,
-                    policy=policy_mod.session_policy(tc.policy), limits=limits,
-                    traffic=self.metrics.listener("connect", tc.name, upstream=f"{tc.server.host}:{tc.server.port}"),
-                    facts=UpstreamFacts(f"{tc.server.host}:{tc.server.port}"),
-                    ssl_context=lambda: self.tls.context, server_name=tc.server_name,
-                )
-                route.on_session_end = self._session_ended
-                self.listeners.append(_Listener(route, tc.listen.host, tc.listen.port))
+            where = f"{item.server.host}:{item.server.port}"
+            route = Route(
+                role="connect", name=item.name, upstream_host=item.server.host, upstream_port=item.server.port,
+                traffic=ListenerTraffic("connect", item.name, upstream=where),
+                facts=UpstreamFacts(where), ssl_context=lambda: self.tls.context, server_name=item.server_name,
+            )
+        route.on_session_end = self._session_ended
+        lst = _Listener(route, item.listen.host, item.listen.port)
+        lst.item = item
+        return lst
+
+    def _register(self, lst: _Listener) -> None:
+        """Give a new route its counters (kept across a reload that keeps the name) and settings."""
+        route = lst.route
+        route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
+        _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
         if self.cfg.role == "connect" and record.get("listener"):
@@ -188,9 +174,6 @@ class Runtime:
             self.metrics.note_refusal(**{k: record.get(k) for k in (
                 "role", "listener", "peer", "identity", "reason", "command", "detail")})
 
-    def _acl_getter(self, name: str):
-        return lambda: self._acls[name]
-
     def _record_expiry(self) -> None:
         for certificate, when in self.tls.loaded_expiry.items():
             self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
@@ -205,29 +188,27 @@ class Runtime:
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Bind every listener (and the metrics endpoint); raises OSError on a busy port."""
-        loop = asyncio.get_running_loop()
         try:
             for lst in self.listeners:
-                route = lst.route
-                family = socket.AF_INET6 if ":" in lst.host else socket.AF_INET
-                lst.sock = socket.create_server((lst.host, lst.port), family=family, backlog=128, reuse_port=False)
-                lst.sock.setblocking(False)
-                lst.port = lst.sock.getsockname()[1]
-                lst.task = loop.create_task(_accept_loop(route, lst.sock))
-                log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, lst.host, lst.port,
-                         route.upstream_host, route.upstream_port)
+                lst.bind()
+                lst.accept()
             if self.cfg.metrics.listen is not None:
                 m = self.cfg.metrics.listen
                 self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready, web=lambda: self.web,
                                               before_scrape=self._probe_upstreams)
                 log.info("metrics on %s://%s:%d/metrics", "https" if self.web.context else "http", m.host,
-                         self._http.sockets[0].getsockname()[1])
+                         self.metrics_port)
         except BaseException:
             await self.close()
             raise
-        if self.cfg.tls.reload_interval_s:
-            self._tasks.append(loop.create_task(self._watch_files(self.cfg.tls.reload_interval_s)))
-        self._tasks.append(loop.create_task(self.notifier.watchdog()))
+        self._watch()
+        self._tasks.append(asyncio.get_running_loop().create_task(self.notifier.watchdog()))
+
+    def _watch(self) -> None:
+        """Run the file watcher while ``tls.reload_interval_s`` > 0 (a reload may turn it on or off)."""
+        if self.cfg.tls.reload_interval_s and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_files(self._files_stamp()))
+            self._tasks.append(self._watcher)
 
     @property
     def metrics_port(self) -> int | None:
@@ -240,32 +221,99 @@ class Runtime:
         loop.add_signal_handler(signal.SIGINT, self.stopping.set)
 
     async def reload(self, why: str) -> bool:
-        """Reload TLS material and allow-lists; keep the old ones if anything is wrong.
+        """Apply the config file (and flags) again: TLS, allow-lists, policy, limits, profiles, listeners.
 
-        systemd hears RELOADING=1 first and READY=1 with the outcome in STATUS= after
-        (``Type=notify-reload`` makes ``systemctl reload`` wait for it).
+        Everything is prepared before anything changes: a bad file, bad TLS material or a port
+        that cannot be bound changes nothing. New sessions get the new settings; running ones
+        keep theirs. systemd hears RELOADING=1 first and READY=1 with the outcome in STATUS=
+        after (``Type=notify-reload`` makes ``systemctl reload`` wait for it).
         """
+        async with self._reloading:
+            return await self._reload(why)
+
+    async def _reload(self, why: str) -> bool:
         self.notifier.reloading()
+        fresh: list[_Listener] = []
         try:
+            if any(lst.route.draining for lst in self.listeners):
+                raise RpcGuardError("shutting down")
             new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
-                       if self.config_path or self.overrides else None)
-            web = WebGuard.load((new_cfg or self.cfg).metrics.web_config)
-            self.tls.reload(new_cfg.tls if new_cfg else None)
-            self.web = web
-            if new_cfg is not None and self.cfg.role == "serve":
-                for lc in new_cfg.listeners:
-                    if lc.name in self._acls:
-                        self._acls[lc.name] = policy_mod.acl(lc.allow)
-            self._record_expiry()
+                       if self.config_path or self.overrides else self.cfg)
+            web = WebGuard.load(new_cfg.metrics.web_config)
+            tls = self.tls.prepare(new_cfg.tls)
+            diff = diff_configs(self.cfg, new_cfg)
+            items = {x.name: x for x in (new_cfg.listeners if new_cfg.role == "serve" else new_cfg.tunnels)}
+            gone = set(diff.removed) | set(diff.replaced)
+            # a new route on the address of one going away (new upstream, or renamed) takes its socket over
+            sockets = {(lst.host, lst.config_port): lst for lst in self.listeners
+                       if lst.route.name in gone and lst.config_port}
+            donors: dict[str, _Listener] = {}
+            for name in (*diff.added, *diff.replaced):
+                lst = self._listener(items[name])
+                fresh.append(lst)
+                donor = sockets.pop((lst.host, lst.port), None) if lst.port else None
+                if donor is not None:
+                    donors[name] = donor
+                else:
+                    lst.bind()
         except (RpcGuardError, OSError, ValueError, ssl.SSLError) as exc:
+            for lst in fresh:
+                lst.close()
             self.metrics.reload("error")
-            log.error("reload (%s) failed, keeping the previous certificates: %s", why, exc)
-            self.notifier.ready(f"reload ({why}) failed, previous certificates kept: {exc}")
+            log.error("reload (%s) failed, nothing changed, keeping the previous certificates and configuration: %s",
+                      why, exc)
+            self.notifier.ready(f"reload ({why}) failed, nothing changed (previous certificates kept): {exc}")
             return False
+        # ---- commit: nothing below can fail on bad input
+        for key in diff.kept:
+            section, name = key.split(".")
+            log.warning("reload (%s): %s cannot change while running (%s); keeping %s until a restart (file: %s)",
+                        why, key, RESTART_KEYS[key], getattr(getattr(self.cfg, section), name),
+                        getattr(getattr(new_cfg, section), name))
+        files = [n for n in ("cert", "key", "ca") if tls.digest[n] != self.tls.digest[n]]
+        web_changed = web.config != self.web.config and "metrics.web_config" not in diff.changed
+        self.tls.use(tls)
+        self.web = web
+        self.cfg = keep_restart_keys(self.cfg, new_cfg)
+        if self.cfg.log.level != logging.getLevelName(logging.getLogger().level).lower():
+            logging.getLogger().setLevel(self.cfg.log.level.upper())
+        for lst in fresh:
+            self._register(lst)
+            donor = donors.get(lst.route.name)
+            if donor is not None:
+                lst.sock, lst.port, donor.sock = donor.sock, donor.port, None
+        kept: list[_Listener] = []
+        for lst in self.listeners:
+            name = lst.route.name
+            if name in gone:
+                self._retire(lst)
+            else:
+                lst.item = items[name]
+                _apply_settings(lst.route, lst.item)
+                kept.append(lst)
+        order = list(items)  # config order
+        self.listeners = sorted(kept + fresh, key=lambda lst: order.index(lst.route.name))
+        await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
+        for lst in fresh:
+            lst.accept()
+        self._record_expiry()
+        self._watch()
         self.metrics.reload("ok")
-        log.info("reloaded certificates and allow-lists (%s)", why)
-        self.notifier.ready(f"reloaded ({why})" + "".join(f"; warning: {w.kind}" for w in self.cert_warnings))
+        self.metrics.reload_kept_keys = len(diff.kept)
+        summary = diff.summary("listener" if self.cfg.role == "serve" else "tunnel")
+        news = ([f"new tls files ({', '.join(files)})"] if files else []) + (["new metrics web config"] if web_changed else [])
+        if news:
+            summary = "; ".join(news) + ("" if diff.empty else f"; {summary}")
+        log.info("config reloaded (%s): %s", why, summary)
+        self.notifier.ready(f"reloaded ({why}): {summary}" + "".join(f"; warning: {w.kind}" for w in self.cert_warnings))
         return True
+
+    def _retire(self, old: _Listener) -> None:
+        """Stop accepting on ``old``; its running sessions finish on its route (drain() still waits)."""
+        old.close()
+        log.info("%s %s stopped accepting on %s:%d (%d running sessions finish as they are)",
+                 old.route.role, old.route.name, old.host, old.port, len(old.route.links))
+        self.retired = [lst for lst in self.retired if lst.route.links] + [old]
 
     def _files_stamp(self) -> tuple:
         """TLS files and the config file (allow-lists): what a file-change reload watches."""
@@ -274,7 +322,7 @@ class Runtime:
             conf = (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
         except OSError:
             conf = None
-        web = []
+        web: list[tuple[int, int, int] | None] = []
         for path in self.web.config.files() if self.web.config else ():
             try:
                 st = os.stat(path)
@@ -283,12 +331,13 @@ class Runtime:
                 web.append(None)
         return self.tls._stamp(), conf, tuple(web)
 
-    async def _watch_files(self, interval: float) -> None:
+    async def _watch_files(self, seen: tuple) -> None:
         # Reload when the files differ from the last ones seen, whether that reload worked or
         # not: a broken file is reported once (not at every poll) and retried when it changes.
-        seen = self._files_stamp()
-        while True:
-            await asyncio.sleep(interval)
+        # The interval is read each round: a reload may change it (0 ends the watcher). ``seen``
+        # is taken when the watcher is started, so a change right after that is not missed.
+        while self.cfg.tls.reload_interval_s:
+            await asyncio.sleep(self.cfg.tls.reload_interval_s)
             now = self._files_stamp()
             if now != seen:
                 seen = now
@@ -366,17 +415,18 @@ class Runtime:
             lst.route.draining = True
             lst.close()
         deadline = time.monotonic() + timeout_s
-        while any(lst.route.links for lst in self.listeners) and time.monotonic() < deadline:
+        every = self.listeners + self.retired  # routes a reload removed may still run sessions
+        while any(lst.route.links for lst in every) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         cut = 0
-        for lst in self.listeners:
+        for lst in every:
             for link in list(lst.route.links):
                 link.close_for_shutdown()
                 cut += 1
         # An ended session keeps its upstream slot until the server has hung up (relay's
         # _drain_upstream: ggml-rpc-server dies of SIGPIPE on a connection closed under it).
         deadline = time.monotonic() + UPSTREAM_DRAIN_S
-        while any(lst.route.slot is not None and lst.route.slot.busy for lst in self.listeners) and (
+        while any(lst.route.slot is not None and lst.route.slot.busy for lst in every) and (
             time.monotonic() < deadline
         ):
             await asyncio.sleep(0.02)

@@ -5,7 +5,9 @@ How this works: these frozen dataclasses are what the hot path and the link life
 (versions, commands, frame caps, mode); ``Limits`` holds the timeouts and session caps of a
 listener or tunnel; a ``Profile`` bundles a policy and limits under a name (the listener's
 default, or the profile an allow-list entry names). Sans-IO: nothing here reads files or
-sockets. Each default is written once, here.
+sockets. Each default is written once, here: ``rpcguard.config`` parses YAML straight into these
+types by replacing fields of a default instance (``dataclasses.replace``), never by repeating a
+default. ``default_policy(role)`` is the one place a role changes a default.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from dataclasses import dataclass, field
 from rpcguard.protocol.graph import MAX_GRAPH_CPU_S
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
 
-__all__ = ["CHECK_NAMES", "FirewallPolicy", "SessionPolicy", "Limits", "Profile"]
+__all__ = ["CHECK_NAMES", "DEFAULT_PROFILE", "FirewallPolicy", "SessionPolicy", "Limits", "Profile", "default_policy"]
+
+#: Name of a listener's (or tunnel's) own settings, the profile of identities no entry assigns one.
+DEFAULT_PROFILE = "default"
 
 CHECK_NAMES: tuple[str, ...] = (
     "tensor", "buffer_bounds", "graph_structure", "graph_ops", "op_params", "recompute_after_free",
@@ -52,7 +57,7 @@ class FirewallPolicy:
 
 @dataclass(frozen=True)
 class SessionPolicy:
-    """What a session enforces; built from the config by ``rpcguard.policy``."""
+    """What a session enforces; built from the config by ``rpcguard.config``."""
 
     accepted_versions: frozenset[Version] = frozenset(KNOWN_VERSIONS)
     allowed_commands: frozenset[str] = frozenset(COMMAND_NAMES)
@@ -81,12 +86,22 @@ class Limits:
     upstream_busy: str = "queue"  # or "refuse"
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0  # process-wide: how long SIGTERM waits for running sessions
 
 
 @dataclass(frozen=True)
 class Profile:
     """The policy and limits one session is held to, under a name for logs and labels."""
 
-    name: str = "default"
+    name: str = DEFAULT_PROFILE
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     limits: Limits = field(default_factory=Limits)
+
+
+def default_policy(role: str) -> SessionPolicy:
+    """The policy a listener (serve) or tunnel (connect) starts from before its config applies.
+
+    connect does not zero new buffers: serve does it for the node's tenants, and doing it on
+    both sides would clear every buffer twice (docs/firewall.md, "Tenant isolation").
+    """
+    return SessionPolicy(clear_new_buffers=False) if role == "connect" else SessionPolicy()

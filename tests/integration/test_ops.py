@@ -289,7 +289,7 @@ def test_rotation_on_sighup_under_a_running_session(pki, pair, models, workdir, 
     serve.proc.popen.send_signal(signal.SIGHUP)
     assert serve.wait_value("rpcguard_reload_total", 1, result="ok") == 1, serve.output()
     assert serve.value("rpcguard_reload_total", result="error") == 0
-    assert "reloaded certificates and allow-lists (SIGHUP)" in serve.output()
+    assert "config reloaded (SIGHUP): new tls files (cert, key, ca)" in serve.output()
     new_expiry = serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="cert")
     assert new_expiry == pytest.approx(not_after(node2.cert)) and new_expiry != old_expiry
     assert serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="ca") == pytest.approx(
@@ -359,7 +359,7 @@ def test_rotation_by_file_change_and_allow_list_reload(pki, guards, rpc_server, 
     wait_until(lambda: serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="cert")
                == pytest.approx(not_after(renewed.cert)), what="new expiry in the metric")
     assert serve.value("rpcguard_reload_total", result="ok") > reloads
-    assert "reloaded certificates and allow-lists (file change)" in serve.output()
+    assert "config reloaded (file change): new tls files (cert, key)" in serve.output()
     presented = server_cert_der(serve.port, pki, ca=pki.path("ca"), cert=pki.path(pki.client),
                                 key=pki.path(pki.client, "key"))
     assert presented == der(renewed.cert)

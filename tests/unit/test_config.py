@@ -13,11 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcguard.config import (
-    CATEGORIES, CHECK_NAMES, COMMAND_NAMES, GIB, KIB, MIB, AclConfig, Address, LimitsConfig,
-    LogConfig, PolicyConfig, build_config, config_summary, load_config,
+    CATEGORIES, CHECK_NAMES, COMMAND_NAMES, GIB, KIB, MIB, LIMIT_KEYS, POLICY_FIELDS, Address,
+    LogConfig, build_config, config_summary, expand_commands, load_config,
     parse_address, parse_config, parse_size,
 )
 from rpcguard.errors import ConfigError
+from rpcguard.identity import Acl, AllowList
+from rpcguard.protocol.settings import FirewallPolicy, Limits, SessionPolicy
+from rpcguard.protocol.versions import parse_version
+
+
+def allow(**kw) -> AllowList:
+    """A one-entry allow-list, in the config's key names (cn, dns, uri, ip, all)."""
+    names = {"cn": "cns", "dns": "dns", "uri": "uris", "ip": "ips", "all": "allow_any"}
+    return AllowList((Acl(**{names[k]: v for k, v in kw.items()}),))
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "config"
 
@@ -105,7 +114,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("tls-unknown", serve_data, top("tls", crl="x"),
      "tls.crl: unknown key (expected one of: ca, cert, key, min_version, reload_interval_s)"),
     ("top-unknown", serve_data, top(listners=[]),
-     "listners: unknown key (expected one of: allow, limits, listeners, log, metrics, policy, tls)"),
+     "listners: unknown key (expected one of: allow, limits, listeners, log, metrics, policy, profiles, tls)"),
     ("top-other-role", connect_data, top(allow={}), "allow: only valid for rpcguard serve (this is a connect config)"),
     ("both-roles", serve_data, top(tunnels=[]), "tunnels: cannot be combined with listeners (one role per config)"),
     ("no-role", serve_data, drop("listeners"), "<config>: no listeners (serve) or tunnels (connect) defined"),
@@ -169,12 +178,12 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("acl-uri", serve_data, top("allow", uri=["notauri"]), "allow.uri[0]: must be a URI like 'spiffe://domain/workload', got 'notauri'"),
     ("acl-ip", serve_data, top("allow", ip=["10.0.0.1/8"]), "allow.ip[0]: must be an IP address or network, got '10.0.0.1/8'"),
     ("acl-cn-str", serve_data, top("allow", cn="client1"), "allow.cn: must be a list, got 'client1'"),
-    ("acl-unknown", serve_data, L(0, allow={"san": []}), "listeners[0].allow.san: unknown key (expected one of: all, cn, dns, ip, uri)"),
+    ("acl-unknown", serve_data, L(0, allow={"san": []}), "listeners[0].allow.san: unknown key (expected one of: all, cn, dns, ip, profile, uri)"),
     ("acl-ip-int", serve_data, top("allow", ip=[5]), "allow.ip[0]: must be an IP address or network, got 5"),
     ("key-int", serve_data, lambda d: d.setdefault("log", {}).update({1: "x"}),
      "log.1: unknown key (expected one of: format, level)"),
     ("key-newline", serve_data, lambda d: d.update({"a\nb": 1}),
-     "'a\\nb': unknown key (expected one of: allow, limits, listeners, log, metrics, policy, tls)"),
+     "'a\\nb': unknown key (expected one of: allow, limits, listeners, log, metrics, policy, profiles, tls)"),
     ("duration-huge", serve_data, top("limits", drain_timeout_s=10**400),
      "limits.drain_timeout_s: must be a number of seconds > 0, got 1" + "0" * 56 + "..."),
     ("duration-inf", serve_data, top("limits", drain_timeout_s=float("inf")),
@@ -202,7 +211,7 @@ def test_bad_role_and_top_level(base: Path) -> None:
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
-    import rpcguard.config as config_module
+    import rpcguard.configread as config_module  # where the file reader lives
 
     def deny(path, *args, **kw):  # chmod 0 does not stop root, so refuse the open itself
         raise PermissionError(13, "Permission denied", path)
@@ -257,7 +266,7 @@ def test_yaml_merge_keys_are_not_duplicates(base: Path) -> None:
                  "policy: &p {mode: monitor, max_graph_nodes: 5}\n"
                  "listeners:\n  - {listen: '127.0.0.1:1', upstream: '127.0.0.1:2', policy: {<<: *p, mode: enforce}}\n")
     policy = load_config(str(f)).listeners[0].policy
-    assert (policy.mode, policy.max_graph_nodes) == ("enforce", 5)
+    assert (policy.mode, policy.firewall.max_graph_nodes) == ("enforce", 5)
 
 
 # ---------------------------------------------------------------- good configs
@@ -268,14 +277,16 @@ def test_serve_defaults(base: Path) -> None:
     assert cfg.role == "serve" and cfg.tunnels == ()
     assert cfg.tls.cert == str(base / "cert.pem") and cfg.tls.min_version == "1.3" and cfg.tls.reload_interval_s == 0
     assert cfg.metrics.listen == Address("127.0.0.1", 9450)
-    assert (cfg.log, cfg.limits) == (LogConfig(), LimitsConfig())
+    assert (cfg.log, cfg.limits) == (LogConfig(), Limits())
     gpu0, gpu1 = cfg.listeners
     assert (gpu0.name, gpu0.listen, gpu0.upstream) == ("gpu0", Address("0.0.0.0", 50100), Address("127.0.0.1", 50052))
-    assert gpu1.upstream.port == 50053 and gpu1.allow == AclConfig(cn=("llama1",)) and gpu1.policy == PolicyConfig()
-    p = PolicyConfig()
-    assert (p.max_request_bytes, p.max_graph_bytes, p.max_graph_nodes, p.max_graph_tensors) == (4 * GIB, 64 * MIB, 262144, 1048576)
-    assert (p.mode, p.max_alloc_bytes, p.clear_new_buffers, p.disabled_checks) == ("enforce", 0, True, ())
-    assert p.max_session_alloc_bytes == 0
+    assert gpu1.upstream.port == 50053 and gpu1.allow == allow(cn=("llama1",)) and gpu1.policy == SessionPolicy()
+    p = gpu1.policy
+    fw = p.firewall
+    assert (p.max_request_bytes, p.max_graph_bytes, fw.max_graph_nodes, fw.max_graph_tensors) == (4 * GIB, 64 * MIB, 262144, 1048576)
+    assert (p.mode, fw.max_alloc_bytes, p.clear_new_buffers, fw.disabled_checks) == ("enforce", 0, True, frozenset())
+    assert fw.max_session_alloc_bytes == 0 and fw.max_graph_cpu_s == 0.5 and p.allowed_commands == frozenset(COMMAND_NAMES)
+    assert gpu1.default.limits is cfg.limits and gpu1.profiles == {} and gpu1.default.name == "default"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.role = "connect"  # type: ignore[misc]
 
@@ -305,14 +316,16 @@ def test_policy_merge_and_acl_inheritance(base: Path) -> None:
     d["listeners"][1].update(policy={"mode": "enforce", "checks": {"graph_ops": True, "tensor": False},
                                      "max_alloc_bytes": "2GiB"}, allow={"dns": ["client.example"]})
     gpu0, gpu1 = parse_config(d, base_dir=str(base)).listeners
-    assert gpu0.policy == PolicyConfig(mode="monitor", max_graph_bytes=GIB, disabled_checks=("graph_ops", "op_params"),
-                                       accepted_versions=("3.0.0",), allow_commands=("@handshake", "SET_TENSOR"))
-    assert gpu1.policy == PolicyConfig(mode="enforce", max_graph_bytes=GIB, max_alloc_bytes=2 * GIB,
-                                       disabled_checks=("tensor", "op_params"), accepted_versions=("3.0.0",),
-                                       allow_commands=("@handshake", "SET_TENSOR"))
-    assert not gpu1.policy.check_enabled("tensor") and gpu1.policy.check_enabled("graph_ops")
-    assert gpu0.allow == AclConfig(cn=("client1",), uri=("spiffe://x/y",), ip=("10.0.0.0/24", "::1/128"))
-    assert gpu1.allow == AclConfig(dns=("client.example",))
+    commands = frozenset(CATEGORIES["@handshake"]) | {"SET_TENSOR", "HELLO"}
+    assert gpu0.policy == SessionPolicy(mode="monitor", max_graph_bytes=GIB, accepted_versions=frozenset({parse_version("3.0.0")}),
+                                        allowed_commands=commands,
+                                        firewall=FirewallPolicy(disabled_checks=frozenset({"graph_ops", "op_params"})))
+    assert gpu1.policy == SessionPolicy(mode="enforce", max_graph_bytes=GIB, accepted_versions=frozenset({parse_version("3.0.0")}),
+                                        allowed_commands=commands,
+                                        firewall=FirewallPolicy(disabled_checks=frozenset({"tensor", "op_params"}),
+                                                                max_alloc_bytes=2 * GIB))
+    assert gpu0.allow == allow(cn=("client1",), uri=("spiffe://x/y",), ip=("10.0.0.0/24", "::1/128"))
+    assert gpu1.allow == allow(dns=("client.example",))
 
 
 def test_acl_wildcards_and_allow_all_warning(base: Path, caplog) -> None:
@@ -321,8 +334,8 @@ def test_acl_wildcards_and_allow_all_warning(base: Path, caplog) -> None:
     d["listeners"][1]["allow"] = {"all": True}
     with caplog.at_level("WARNING", logger="rpcguard.config"):
         gpu0, gpu1 = parse_config(d, base_dir=str(base)).listeners
-    assert gpu0.allow == AclConfig(dns=("*.lab.example",), uri=("spiffe://lab/llama/*",))
-    assert gpu1.allow == AclConfig(all=True)
+    assert gpu0.allow == allow(dns=("*.lab.example",), uri=("spiffe://lab/llama/*",))
+    assert gpu1.allow == allow(all=True)
     assert [r.getMessage() for r in caplog.records] == [
         "listeners[1] (gpu1): allow.all, any certificate signed by tls.ca is admitted"]
 
@@ -345,7 +358,7 @@ def test_empty_allow_list_refuses_to_start(base: Path, monkeypatch) -> None:
     flags = {**FLAG_TLS, "listen": "0.0.0.0:1", "upstream": "127.0.0.1:1"}
     assert error_of(build_config, "serve", overrides=flags) == f"allow: {EMPTY_ACL}"
     (li,) = build_config("serve", overrides={**flags, "allow_all": True}).listeners
-    assert li.allow == AclConfig(all=True)
+    assert li.allow == allow(all=True)
     assert error_of(build_config, "serve", overrides={**flags, "allow_all": True, "allow_cn": ["x"]}) == \
         "listeners[0].allow.all: all: true admits any certificate; remove it or the entries"
 
@@ -356,14 +369,14 @@ def test_null_values_take_defaults(base: Path) -> None:
     d["listeners"][0]["allow"] = None  # e.g. every entry commented out: inherit, never "allow any"
     d["listeners"][1]["allow"] = {"all": True}
     gpu0, gpu1 = parse_config(d, base_dir=str(base)).listeners
-    assert (gpu0.allow, gpu1.allow) == (AclConfig(cn=("only-me",)), AclConfig(all=True))
+    assert (gpu0.allow, gpu1.allow) == (allow(cn=("only-me",)), allow(all=True))
     d["listeners"][1]["allow"] = {}  # explicit empty mapping: refused, never "allow any"
     assert error_of(parse_config, d, base_dir=str(base)) == f"listeners[1].allow: {EMPTY_ACL}"
     d = serve_data()
     d.update(policy={"mode": None}, limits=None, log={"level": None})
     d["listeners"][0]["policy"] = {"max_graph_nodes": None}
     cfg = parse_config(d, base_dir=str(base))
-    assert cfg.listeners[0].policy == PolicyConfig() and cfg.limits == LimitsConfig() and cfg.log == LogConfig()
+    assert cfg.listeners[0].policy == SessionPolicy() and cfg.limits == Limits() and cfg.log == LogConfig()
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -374,7 +387,7 @@ def test_sizes(base: Path, value, expected: int) -> None:
     assert parse_size(value) == expected
     d = serve_data()
     d["policy"] = {"max_alloc_bytes": value}
-    assert parse_config(d, base_dir=str(base)).listeners[0].policy.max_alloc_bytes == expected
+    assert parse_config(d, base_dir=str(base)).listeners[0].policy.firewall.max_alloc_bytes == expected
 
 
 def test_durations(base: Path) -> None:
@@ -382,7 +395,7 @@ def test_durations(base: Path) -> None:
     d["limits"] = {"idle_timeout_s": 0.5, "max_session_s": 0, "connect_timeout_s": 2, "upstream_busy": "refuse"}
     d["tls"]["reload_interval_s"] = 30
     cfg = parse_config(d, base_dir=str(base))
-    assert cfg.limits == LimitsConfig(idle_timeout_s=0.5, max_session_s=0.0, connect_timeout_s=2.0, upstream_busy="refuse")
+    assert cfg.limits == Limits(idle_timeout_s=0.5, max_session_s=0.0, connect_timeout_s=2.0, upstream_busy="refuse")
     assert cfg.tls.reload_interval_s == 30.0 and isinstance(cfg.limits.connect_timeout_s, float)
 
 
@@ -429,7 +442,7 @@ def test_tables() -> None:
     assert sorted(in_cats) == sorted(COMMAND_NAMES)  # every command in exactly one category
     assert set(CATEGORIES) == {"@handshake", "@query", "@alloc", "@tensor_io", "@compute", "@cache"}
     assert len(CHECK_NAMES) == 7
-    from rpcguard.protocol import versions  # the tables the firewall and policy.py use
+    from rpcguard.protocol import versions  # the tables the firewall and config use
 
     assert COMMAND_NAMES == versions.COMMAND_NAMES
     assert {k[1:]: v for k, v in CATEGORIES.items()} == dict(versions.CATEGORIES)
@@ -515,7 +528,7 @@ def test_flags_only(base: Path, monkeypatch) -> None:
                                            "log_format": "json", "tls_min_version": "1.2", "mode": "monitor"})
     (li,) = cfg.listeners
     assert (li.name, str(li.listen), str(li.upstream), li.policy.mode) == ("listener0", "0.0.0.0:50100", "127.0.0.1:50052", "monitor")
-    assert li.allow == AclConfig(cn=("client1",), uri=("spiffe://a/b",))
+    assert li.allow == allow(cn=("client1",), uri=("spiffe://a/b",))
     assert (cfg.metrics.listen, cfg.log.format, cfg.tls.min_version, cfg.tls.cert) == (None, "json", "1.2", str(base / "cert.pem"))
     cfg = build_config("connect", overrides={**FLAG_TLS, "listen": "127.0.0.1:50052", "server": "n1:50100",
                                              "server_name": "n1.example"})
@@ -545,7 +558,7 @@ def test_flags_over_file(base: Path, tmp_path: Path, monkeypatch) -> None:
     cfg = build_config("serve", file=one, overrides={"upstream": "127.0.0.1:6000", "allow_dns": ["flag.dns"], "cert": "other.pem"})
     (li,) = cfg.listeners
     assert (li.name, li.listen.port, li.upstream.port) == ("gpu0", 50100, 6000)
-    assert li.allow == AclConfig(cn=("file-cn",), dns=("flag.dns",))  # per kind: --allow-dns replaces allow.dns only
+    assert li.allow == allow(cn=("file-cn",), dns=("flag.dns",))  # per kind: --allow-dns replaces allow.dns only
     assert (cfg.tls.cert, cfg.tls.key) == (str(elsewhere / "other.pem"), str(base / "key.pem"))  # flags: cwd; file: its dir
     assert build_config("serve", file=one).listeners[0].upstream.port == 50052
 
@@ -614,15 +627,26 @@ def test_serve_example(examples: Path) -> None:
     cfg = load_config(str(examples / "serve.example.yaml"))
     assert cfg.role == "serve" and cfg.tls.cert == str(examples.parent / "certs" / "node1.pem")
     assert [(x.name, str(x.upstream)) for x in cfg.listeners] == [("gpu0", "127.0.0.1:50052"), ("gpu1", "127.0.0.1:50053")]
-    assert cfg.listeners[0].allow.uri and cfg.listeners[0].allow.cn and cfg.listeners[1].allow.uri
-    assert cfg.listeners[0].policy == PolicyConfig() and cfg.listeners[1].policy == PolicyConfig(max_session_alloc_bytes=8 << 30)
-    assert (cfg.limits, cfg.log, cfg.tls.min_version, cfg.tls.reload_interval_s) == (LimitsConfig(), LogConfig(), "1.3", 0)
+    (e0,), (probe, tenant, e1) = cfg.listeners[0].allow.entries, cfg.listeners[1].allow.entries
+    assert e0.uris and e0.cns and e1.uris and e1.profile is None and cfg.listeners[0].profiles == {}
+    assert (probe.cns, probe.profile, tenant.uris, tenant.profile) == (
+        ("grafana-probe",), "monitor", ("spiffe://lab/tenant-a/*",), "tenant-a")
+    assert cfg.listeners[0].policy == SessionPolicy()
+    gpu1 = cfg.listeners[1]
+    assert gpu1.policy == SessionPolicy(firewall=FirewallPolicy(max_session_alloc_bytes=8 << 30))
+    monitor, tenant_a = gpu1.profiles["monitor"], gpu1.profiles["tenant-a"]
+    assert monitor.policy.allowed_commands == {"HELLO", "DEVICE_COUNT", "GET_DEVICE_MEMORY"}
+    assert monitor.policy.firewall == gpu1.policy.firewall  # merged over the listener's own policy
+    assert (monitor.limits.max_sessions, monitor.limits.hello_timeout_s) == (2, cfg.limits.hello_timeout_s)
+    assert (tenant_a.policy.firewall.max_session_alloc_bytes, tenant_a.limits.max_sessions) == (16 << 30, 1)
+    assert cfg.profiles == ("monitor", "tenant-a")
+    assert (cfg.limits, cfg.log, cfg.tls.min_version, cfg.tls.reload_interval_s) == (Limits(), LogConfig(), "1.3", 0)
 
 
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
     assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
-    assert all(t.policy == PolicyConfig(clear_new_buffers=False) for t in cfg.tunnels) and cfg.limits == LimitsConfig()
+    assert all(t.policy == SessionPolicy(clear_new_buffers=False) for t in cfg.tunnels) and cfg.limits == Limits()
     assert len(config_summary(cfg)) == 2
 
 
@@ -630,15 +654,17 @@ def test_connect_example(examples: Path) -> None:
 def test_examples_show_every_key(name: str) -> None:
     raw = yaml.safe_load((EXAMPLES / name).read_text())
     names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
-    assert set(raw["policy"]) == names(PolicyConfig) - {"disabled_checks"} | {"checks"}
+    assert set(raw["policy"]) == set(POLICY_FIELDS.values())
     assert set(raw["policy"]["checks"]) == set(CHECK_NAMES) and all(raw["policy"]["checks"].values())
-    assert set(raw["limits"]) == names(LimitsConfig) and set(raw["log"]) == names(LogConfig)
+    assert set(raw["limits"]) == set(LIMIT_KEYS) == names(Limits) and set(raw["log"]) == names(LogConfig)
     assert set(raw["tls"]) == {"cert", "key", "ca", "min_version", "reload_interval_s"}
     assert set(raw["metrics"]) == {"listen", "unsafe_public"}
 
 
 def test_denied_ops_are_validated_and_reach_the_firewall(tmp_path):
-    from rpcguard.policy import session_policy
-
-    cfg = PolicyConfig(denied_ops=("SSM_SCAN",))
-    assert session_policy(cfg).firewall.denied_ops == frozenset({"SSM_SCAN"})
+    d = {"tls": {"cert": "c", "key": "k", "ca": "a"}, "allow": {"all": True}, "policy": {"denied_ops": ["SSM_SCAN"]},
+         "listeners": [{"listen": "127.0.0.1:1", "upstream": "127.0.0.1:2"}]}
+    for name in "cka":
+        (tmp_path / name).write_text("x")
+    assert parse_config(d, base_dir=str(tmp_path)).listeners[0].policy.firewall.denied_ops == frozenset({"SSM_SCAN"})
+    assert expand_commands(()) == frozenset(COMMAND_NAMES) and expand_commands(("SET_TENSOR",)) == {"SET_TENSOR", "HELLO"}

@@ -60,6 +60,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     lt.firewall_violation("tensor_out_of_buffer", "monitor")
     lt.queue_depth = 3
     lt.upstream_version = "3.0.0"
+    lt.profile_admitted("monitor")
     m.set_certificate_expiry("serve", "cert", 1_900_000_000)
     m.reload("ok")
     m.cert_warnings[("serve", "expiring_soon")] = 1.0
@@ -68,7 +69,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 22, "design.md metrics table not found or changed shape"
+    assert len(table) == 24, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():

@@ -1,0 +1,94 @@
+"""The TLS material a process serves with: certificate, key and CA as an SSL context.
+
+How this works: ``TlsMaterial.prepare`` reads and checks the files of a ``TlsConfig`` (context
+built, expiry read, a digest of each file taken) without changing anything; ``use`` puts prepared
+material in use. A reload prepares first and commits only when the whole new configuration is
+good, so bad material leaves the running contexts untouched. Routes reach the context through a
+getter: running sessions keep the context they were accepted with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import ssl
+from dataclasses import dataclass
+
+from rpcguard.certs import cert_not_after
+from rpcguard.config import Config, TlsConfig
+from rpcguard.tls import client_context, server_context
+
+__all__ = ["TlsMaterial"]
+
+
+@dataclass(frozen=True)
+class _TlsLoad:
+    """TLS material read and checked, not yet in use."""
+    tls: TlsConfig
+    context: ssl.SSLContext
+    expiry: dict[str, float]
+    stamp: tuple
+    digest: dict[str, str]  # "cert"/"key"/"ca" -> sha256 of the file's bytes
+
+
+class TlsMaterial:
+    """The current certificate, key and CA as SSL contexts; replaced whole on reload."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.role = cfg.role
+        self.tls = cfg.tls
+        self.use(self.prepare(cfg.tls))
+
+    def prepare(self, tls_cfg: TlsConfig) -> _TlsLoad:
+        """Read and check the material of ``tls_cfg`` (raises on any problem); nothing changes yet."""
+        stamp = _stamp_of(tls_cfg)  # before reading: a file replaced meanwhile is seen as changed again
+        digest: dict[str, str] = {}
+        for name in ("cert", "key", "ca"):
+            with open(getattr(tls_cfg, name), "rb") as f:
+                digest[name] = hashlib.sha256(f.read()).hexdigest()
+        return _TlsLoad(tls_cfg, self._build(tls_cfg), self._read_expiry(tls_cfg), stamp, digest)
+
+    def use(self, loaded: _TlsLoad) -> None:
+        """Put prepared material in use (new sessions get it)."""
+        self.tls, self.context, self.loaded_expiry = loaded.tls, loaded.context, loaded.expiry
+        self.stamp, self.digest = loaded.stamp, loaded.digest
+
+    def _build(self, t: TlsConfig) -> ssl.SSLContext:
+        if self.role == "serve":
+            return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
+        # One client context serves every tunnel: the expected node name is given per connection.
+        return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
+
+    @staticmethod
+    def _read_expiry(t: TlsConfig) -> dict[str, float]:
+        """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
+        from cryptography import x509
+
+        with open(t.ca, "rb") as f:
+            cas = x509.load_pem_x509_certificates(f.read())
+        return {"cert": cert_not_after(t.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
+
+    def _stamp(self) -> tuple:
+        return _stamp_of(self.tls)
+
+    def changed(self) -> bool:
+        return self._stamp() != self.stamp
+
+    def reload(self, tls_cfg: TlsConfig | None = None) -> None:
+        """Build new contexts; on any error the old ones stay and the error propagates."""
+        self.use(self.prepare(tls_cfg if tls_cfg is not None else self.tls))
+
+    def expiry(self) -> dict[str, float]:
+        """notAfter of the files on disk now (raises if one became unreadable)."""
+        return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
+
+
+def _stamp_of(tls: TlsConfig) -> tuple:
+    out: list[tuple[int, int, int] | None] = []
+    for path in (tls.cert, tls.key, tls.ca):
+        try:
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
