@@ -12,7 +12,7 @@ import pytest
 from rpcguard.errors import Refusal
 from rpcguard.metrics import Metrics
 from rpcguard.protocol import encode
-from rpcguard.protocol.settings import Limits, SessionPolicy
+from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import REFUSAL_CODES
 from rpcguard.relay import Link
@@ -87,9 +87,9 @@ class Clock:
 
 
 def make_route(records: list) -> Route:
-    route = Route(role="connect", name="t", upstream_host="127.0.0.1", upstream_port=9, policy=SessionPolicy(),
+    route = Route(role="connect", name="t", upstream_host="127.0.0.1", upstream_port=9,
                   traffic=Metrics().listener("connect", "t", upstream="127.0.0.1:9"),
-                  limits=Limits(hello_timeout_s=10),
+                  default=Profile("default", SessionPolicy(), Limits(hello_timeout_s=10)),
                   facts=UpstreamFacts(version=(7, 0, 0), device_count=1, memory={0: (GIB, GIB)}))
     route.on_session_end = records.append
     return route
