@@ -28,6 +28,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
@@ -120,7 +121,7 @@ class Expect:
     streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
     swallow: bool = False  # injected by the proxy: do not forward the response
     t_ns: int = 0
-    ctx: object = None
+    ctx: Any = None  # Any: mypyc cannot resolve "object" in a compiled dataclass field
 
 
 class Session:
