@@ -49,6 +49,8 @@ class OptionalBuildExt(build_ext):
     def finalize_options(self) -> None:
         # mypyc runs here, not when setup.py is loaded: pip loads it three times per install.
         if any(ext.name == PLACEHOLDER for ext in self.distribution.ext_modules or ()):
+            if self.inplace or getattr(self, "editable_mode", False):
+                remove_stale()  # an in-place build replaces the compiled modules of the last one
             self.distribution.ext_modules = ext_modules()
         super().finalize_options()
 
@@ -60,7 +62,8 @@ class OptionalBuildExt(build_ext):
             for path in self.get_outputs():
                 if os.path.exists(path):
                     os.remove(path)
-            remove_stale()
+            if self.inplace:
+                remove_stale()
             self.extensions = []
         else:
             if self.extensions:
@@ -69,7 +72,6 @@ class OptionalBuildExt(build_ext):
 
 @functools.cache  # setuptools may finalize build_ext more than once per process
 def ext_modules() -> list:
-    remove_stale()
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
         say(f"{PURE_ENV} is set: installing pure Python")
         return []

@@ -79,10 +79,23 @@ def _feed(s: Any, way: int, data: bytes, log: list[Any], split: tuple[int, ...] 
         except Exception as exc:  # a bug in one core: part of the outcome, compared like the rest
             log.append(("raised", type(exc).__name__, str(exc)))
             return False
-        log.append((_digest(out.to_server), _digest(out.to_client), [_event(*e) for e in out.events]))
+        st = s.state
+        sizes = (len(st.tensor_cache), len(st.node_cache), sum(map(len, st.layout_cache.values())),
+                 len(st.head_cache))
+        log.append((_digest(out.to_server), _digest(out.to_client), [_event(*e) for e in out.events], sizes))
         out.clear()
+        if sizes[0] > len(_FULLEST.get(id(s), ((),))[0]):  # the caches' contents when fullest
+            _FULLEST[id(s)] = _caches(st)
         if pos >= len(data):
             return True
+
+
+_FULLEST: dict[int, tuple[Any, ...]] = {}  # session id -> _caches() when its tensor cache was fullest
+
+
+def _caches(st: Any) -> tuple[Any, ...]:
+    return (sorted(st.tensor_cache.items()), sorted(st.node_cache),
+            sorted((d, sorted(c)) for d, c in st.layout_cache.items()), sorted(st.head_cache))
 
 
 def _counter_names() -> list[str]:
@@ -98,7 +111,9 @@ def _counter_names() -> list[str]:
 
 def _final(s: Any, log: list[Any]) -> dict[str, Any]:
     st, stats = s.state, s.stats
+    fullest = _FULLEST.pop(id(s), ([], [], [], []))
     return {
+        "fullest_caches": fullest,
         "chunks": log,
         "phase": s.phase,
         "version": s.version,
