@@ -26,6 +26,7 @@ HOT_MODULES = ("framing", "session", "commands", "firewall", "tensor", "state", 
 PURE_ENV = "RPCGUARD_PURE_PYTHON"
 GROUP = "rpcguard_core"  # mypyc's shared library of the compiled modules: rpcguard_core__mypyc
 PLACEHOLDER = "rpcguard_core__placeholder"
+BUILD_COMMANDS = {"editable_wheel", "bdist_wheel", "build", "build_ext", "install", "develop"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -47,11 +48,11 @@ class OptionalBuildExt(build_ext):
     compiled modules or none (a shim without its group library would not import)."""
 
     def finalize_options(self) -> None:
-        # mypyc runs here, not when setup.py is loaded: pip loads it three times per install.
+        # mypyc runs here, not when setup.py is loaded, and only in the process that builds: pip
+        # also loads setup.py for the build requirements and the metadata (egg_info, dist_info).
         if any(ext.name == PLACEHOLDER for ext in self.distribution.ext_modules or ()):
-            if self.inplace or getattr(self, "editable_mode", False):
-                remove_stale()  # an in-place build replaces the compiled modules of the last one
-            self.distribution.ext_modules = ext_modules()
+            building = bool(BUILD_COMMANDS & set(sys.argv))
+            self.distribution.ext_modules = ext_modules() if building else []
         super().finalize_options()
 
     def run(self) -> None:
@@ -62,8 +63,6 @@ class OptionalBuildExt(build_ext):
             for path in self.get_outputs():
                 if os.path.exists(path):
                     os.remove(path)
-            if self.inplace:
-                remove_stale()
             self.extensions = []
         else:
             if self.extensions:
@@ -90,6 +89,12 @@ def ext_modules() -> list:
         say(f"mypyc could not compile the protocol core ({exc!r}); installing pure Python")
         return []
 
+
+# An in-place build (pip install -e ., setup.py develop / build_ext --inplace) replaces what the
+# last one put into the source tree, before anything is compiled: a module dropped from
+# HOT_MODULES, or a pure build, must not leave its extension module behind to be imported.
+if {"editable_wheel", "develop", "--inplace", "-i"} & set(sys.argv):
+    remove_stale()
 
 # A placeholder: it makes setuptools run build_ext, which swaps in mypyc's extensions (or none).
 setup(ext_modules=[Extension(PLACEHOLDER, sources=[])], cmdclass={"build_ext": OptionalBuildExt})
