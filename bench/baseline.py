@@ -107,7 +107,8 @@ def prepare(rev: str, cache: Path) -> Tree:
         marker.write_text(commit + "\n")
     tree = Tree(f"rev {short}", path, commit, sys.executable)
     changed = _git("diff", "--shortstat", commit, "--", "rpcguard", "pyproject.toml")
-    tree.notes.append(f"against the working tree, rpcguard/ and pyproject.toml: {changed or 'identical (an A/A run)'}")
+    same = "identical sources (an A/A run if both run the same protocol core)"
+    tree.notes.append(f"against the working tree, rpcguard/ and pyproject.toml: {changed or same}")
     ours = dependencies_of((ROOT / "pyproject.toml").read_text())
     theirs = dependencies_of((path / "pyproject.toml").read_text())
     if ours != theirs:
