@@ -82,6 +82,10 @@ def test_build_is_compiled(pure):
     for name in _hot_modules():
         mod = importlib.import_module(f"rpcguard.protocol.{name}")
         assert (mod.__file__ or "").endswith(tuple(EXTENSION_SUFFIXES)), name
+        # an editable install compiles once: a source edited (or pulled) since then is not what runs
+        src = ROOT / "rpcguard" / "protocol" / f"{name}.py"
+        assert Path(mod.__file__).stat().st_mtime >= src.stat().st_mtime, (
+            f"{mod.__file__} is older than {src.name}: the compiled core is stale, run pip install -e . again")
 
 
 def _same(pure, case) -> dict:
