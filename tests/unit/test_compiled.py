@@ -7,8 +7,8 @@ each way and the events, or the refusal (class, reason, detail); then the counte
 the four verdict caches, unverified-op uses and allocation charges. Inputs:
 
 * every reproducer of the sanitizer fuzzer (tests/fuzz/findings: shrunk real llama.cpp sessions
-  with the mutation that crashed the server), in enforce and in monitor mode, whole and split
-  into small pieces;
+  with the mutation that crashed the server), in enforce and in monitor mode, whole, split
+  into small pieces, byte by byte (a few) and with a trailing partial frame;
 * generated mutations of those sessions (tests/fuzz/mutate.py, fixed seed);
 * hypothesis: those sessions with random bytes overwritten and random cut points, and random
   byte streams after a valid HELLO exchange.
@@ -166,3 +166,15 @@ def test_random_streams_same_outcome(pure, client, server, cuts):
         if pos[way] < len(streams[way]):
             chunks.append((way, streams[way][pos[way] :]))
     _same(pure, ("chunks", (VERSION, chunks, "enforce", ())))
+
+
+def test_byte_by_byte_and_trailing_data_same_outcome(pure):
+    """A few sessions fed one byte at a time, and with a trailing partial frame after the last."""
+    picked = [s for s in SESSIONS if len(b"".join(f[1] for f in s[1])) < 200_000][:4]
+    assert picked
+    for name, frames, _ in picked:
+        for mode in ("enforce", "monitor"):
+            out = _same(pure, ("frames", (VERSION, frames, mode, (1,))))
+            assert len(out["chunks"]) > 10 * len(frames), name  # really fed byte by byte
+            trailing = frames + [(frames[-1][0], b"\x01\x02", None, 1000)]  # header promises 1000 bytes
+            _same(pure, ("frames", (VERSION, trailing, mode, ())))
