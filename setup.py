@@ -20,8 +20,9 @@ from setuptools.command.build_ext import build_ext
 
 # The modules every frame goes through (framing, the session's per-frame step, the firewall's
 # checks, tensor head decode, the caches and counters, the graph walk and per-op checks), chosen by
-# bench/validation_bench.py. The rest of rpcguard/protocol (lifecycle, endings, settings, the rule
-# tables) runs once per session or at start-up and stays Python.
+# measurement (docs/performance.md, "Compiled core"). Compiling also the rule tables (oprules,
+# versions, ggml) or the per-read lifecycle (lifecycle, linkstate, endings, settings) gave no gain
+# beyond the noise, so they stay Python.
 HOT_MODULES = ("framing", "session", "commands", "firewall", "tensor", "state", "stats", "graph", "opcheck")
 PURE_ENV = "RPCGUARD_PURE_PYTHON"
 GROUP = "rpcguard_core"  # mypyc's shared library of the compiled modules: rpcguard_core__mypyc
