@@ -40,6 +40,7 @@ class Tree:
     revision: str  # `git describe --always --dirty` for the working tree, the full commit otherwise
     python: str
     imported_from: str = ""  # rpcguard.__file__ as that interpreter sees it (set by verify())
+    core: str = "unknown"  # protocol core the tree runs (verify): "compiled" or "pure Python"
     notes: list[str] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
@@ -49,9 +50,12 @@ class Tree:
     def verify(self) -> str:
         """Import rpcguard exactly as the arm will; raise RuntimeError unless it comes from this tree."""
         env = dict(os.environ, **self.env())
-        p = subprocess.run([self.python, "-c", "import rpcguard; print(rpcguard.__file__)"], cwd=self.path,
-                           env=env, capture_output=True, text=True, timeout=60)
-        where = p.stdout.strip()
+        code = "import rpcguard, rpcguard.protocol.session as s; print(rpcguard.__file__); print(s.__file__)"
+        p = subprocess.run([self.python, "-c", code], cwd=self.path, env=env, capture_output=True, text=True,
+                           timeout=60)
+        where, _, session_file = p.stdout.strip().partition("\n")
+        # the protocol core this tree runs: compiled (mypyc extension modules, setup.py) or pure
+        self.core = "compiled" if session_file.endswith((".so", ".pyd")) else "pure Python"
         if p.returncode or not where:
             raise RuntimeError(f"{self.label}: cannot import rpcguard: {p.stderr.strip()[-300:]}")
         if not Path(where).resolve().is_relative_to(self.path.resolve()):
@@ -61,7 +65,8 @@ class Tree:
 
     def describe(self) -> dict:
         return {"label": self.label, "path": str(self.path), "revision": self.revision, "python": self.python,
-                "rpcguard_imported_from": self.imported_from, "notes": self.notes}
+                "rpcguard_imported_from": self.imported_from, "notes": self.notes,
+                "core": self.core}
 
 
 def _git(*args: str) -> str:
@@ -102,7 +107,8 @@ def prepare(rev: str, cache: Path) -> Tree:
         marker.write_text(commit + "\n")
     tree = Tree(f"rev {short}", path, commit, sys.executable)
     changed = _git("diff", "--shortstat", commit, "--", "rpcguard", "pyproject.toml")
-    tree.notes.append(f"against the working tree, rpcguard/ and pyproject.toml: {changed or 'identical (an A/A run)'}")
+    same = "identical sources (an A/A run if both run the same protocol core)"
+    tree.notes.append(f"against the working tree, rpcguard/ and pyproject.toml: {changed or same}")
     ours = dependencies_of((ROOT / "pyproject.toml").read_text())
     theirs = dependencies_of((path / "pyproject.toml").read_text())
     if ours != theirs:

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -68,5 +69,12 @@ def environment() -> tuple[dict, dict]:
     machine = {"host": uname.node, "kernel": uname.release, "cpus": os.cpu_count(), "cpu_model": _cpu_model(),
                "python": platform.python_version(), "loadavg_start": loadavg()}
     versions = {**peer_versions(), **armlib.tool_versions(), "python": platform.python_version(),
-                "uvloop": _dist_version("uvloop")}
+                "uvloop": _dist_version("uvloop"), "rpcguard_core": _core()}
     return machine, versions
+
+
+def _core() -> str:
+    """Which protocol core the working tree's rpcguard runs (a ``--baseline`` tree is pure)."""
+    out = subprocess.run([sys.executable, "-c", "from rpcguard.protocol import core_description as d; print(d())"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[-80:]})"

@@ -85,10 +85,12 @@ def header(results: dict) -> list[str]:
              f"- versions: llama-cpp-python {v.get('llama_cpp_python')} (ggml RPC protocol "
              f"{v.get('ggml_rpc_protocol')}), {v.get('stunnel')}, {v.get('haproxy')}, {v.get('openssl')}, "
              f"Python {v.get('python')}, uvloop {v.get('uvloop')}",
+             f"- rpcguard (working tree): {v.get('rpcguard_core', 'protocol core: not recorded')}",
              f"- command: `{results.get('command', '')}`, nice {results.get('nice', 0)}"]
     for arm, t in results.get("trees", {}).items():
         lines.append(f"- arm `{arm}`: {t['label']} {t['revision']} at {t['path']} (rpcguard imported from "
-                     f"{t['rpcguard_imported_from']}; python {t['python']})" + "".join(f"; {n}" for n in t["notes"]))
+                     f"{t['rpcguard_imported_from']}; python {t['python']}; protocol core: {t.get('core', 'not recorded')})"
+                     + "".join(f"; {n}" for n in t["notes"]))
     return lines
 
 

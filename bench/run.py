@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             base_arm = name
         for arm, tree in args.trees.items():
             tree.verify()
-            print(f"arm {arm}: {tree.label} {tree.revision}, rpcguard imported from {tree.imported_from}"
-                  + "".join(f"; {n}" for n in tree.notes), flush=True)
+            print(f"arm {arm}: {tree.label} {tree.revision}, rpcguard imported from {tree.imported_from} "
+                  f"(protocol core: {tree.core})" + "".join(f"; {n}" for n in tree.notes), flush=True)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+if "--pure-core" in sys.argv:  # the .py sources even where the compiled core is installed
+    from tests.support.corereplay import _SourceFirst  # noqa: E402
+
+    sys.meta_path.insert(0, _SourceFirst())
+from rpcguard.protocol import core_description  # noqa: E402
 from rpcguard.protocol.firewall import CHECK_NAMES, FirewallPolicy  # noqa: E402
 from rpcguard.protocol.session import Session, SessionPolicy  # noqa: E402
 from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
@@ -220,7 +225,10 @@ def main() -> int:
     ap.add_argument("--peer-version", help="real client and server of this protocol version (a matrix build, "
                                            "e.g. 5.0.0) instead of the default pin")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--pure-core", action="store_true",
+                    help="replay with the pure-Python protocol core even where the compiled one is installed")
     a = ap.parse_args()
+    print(f"rpcguard {core_description()}", flush=True)
     global PEER_VERSION
     PEER_VERSION = a.peer_version
 
@@ -233,7 +241,8 @@ def main() -> int:
     server, port = realpeer.start_rpc_server(work, version=a.peer_version)
     direct_ep = f"127.0.0.1:{port}"
     res: dict = {"peer_version": a.peer_version or "pin", "model": str(model), "model_mb": model.stat().st_size / 1e6, "n_tokens": a.n_tokens,
-                 "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+                 "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                 "protocol_core": core_description()}
     try:
         # 1. capture
         relay = CaptureRelay(port)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Coroutine, Sequence
 from rpcguard import __version__
 from rpcguard.audit import setup_logging
 from rpcguard.errors import ConfigError, RpcGuardError
+from rpcguard.protocol import core_description
 
 __all__ = ["main"]
 
@@ -56,7 +57,7 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rpcguard", description="Mutual-TLS tunnel and frame firewall for ggml-rpc.")
-    ap.add_argument("--version", action="version", version=f"rpcguard {__version__}")
+    ap.add_argument("--version", action="version", version=f"rpcguard {__version__} ({core_description()})")
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="on a GPU node: mTLS in front of a loopback ggml-rpc-server")
@@ -261,6 +262,7 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
     # Every listener is bound and the material loaded (the "listening" lines came from start()).
     status = f"{cfg.role}: {len(rt.listeners)} listener(s) ready" + "".join(
         f"; warning: {w.kind}" for w in rt.cert_warnings)
+    log.info("%s", core_description())
     log.info("%s %s", READY_MESSAGE, status)
     notifier.ready(status)
     if check:

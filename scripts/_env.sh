@@ -8,6 +8,9 @@ need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 command -v g++ >/dev/null || need_apt+=(g++)
+# the compiled protocol core (setup.py, mypyc) needs Python's C headers; without them it installs pure
+python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  2>/dev/null || need_apt+=(python3-dev)
 command -v stdbuf >/dev/null || need_apt+=(coreutils)
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing ${need_apt[*]} from Debian"
@@ -20,7 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 if ! "$PY" -c 'import rpcguard, pytest, hypothesis, uvloop, yaml, prometheus_client, cryptography' 2>/dev/null \
-   || [ "$ROOT/pyproject.toml" -nt "$VENV/.rpcguard-installed" ]; then
+   || [ "$ROOT/pyproject.toml" -nt "$VENV/.rpcguard-installed" ] \
+   || [ -n "$(find "$ROOT/setup.py" "$ROOT/rpcguard/protocol" -name '*.py' -newer "$VENV/.rpcguard-installed" 2>/dev/null)" ]; then
+  # (a protocol source newer than the install: the compiled core of an editable install is stale)
   say "installing rpcguard and its test dependencies into $VENV"
   "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
   touch "$VENV/.rpcguard-installed"

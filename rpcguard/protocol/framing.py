@@ -21,13 +21,16 @@ stays flat for multi-GB tensors. The views are valid until the caller reuses its
 from __future__ import annotations
 
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["FrameReader"]
 
-# plan(header fields) -> (head_len, body_len); raises a Refusal to reject the frame.
-Plan = Callable[[tuple[int, ...]], tuple[int, int]]
-OnFrame = Callable[[tuple[int, ...], memoryview, memoryview], None]
+# plan(header fields) -> (head_len, body_len); raises a Refusal to reject the frame. The fields are
+# the header struct's: (command, size) for requests, (size,) for responses; each reader's callbacks
+# take their own shape, so the shared alias leaves it open.
+Fields = Any
+Plan = Callable[[Fields], tuple[int, int]]
+OnFrame = Callable[[Fields, memoryview, memoryview], None]
 OnBody = Callable[[memoryview], None]
 
 

@@ -113,6 +113,11 @@ class Output:
         self.events.clear()
 
 
+# What a request leaves for its response's learner (commands.py). An alias: a compiled (mypyc)
+# dataclass resolves its field annotations in the module's globals, where "object" is not.
+Context = object
+
+
 @dataclass(slots=True)
 class Expect:
     cmd: int
@@ -120,7 +125,7 @@ class Expect:
     streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
     swallow: bool = False  # injected by the proxy: do not forward the response
     t_ns: int = 0
-    ctx: object = None
+    ctx: Context = None
 
 
 class Session:
