@@ -272,7 +272,12 @@ def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | 
         proc = _start_in(tree, cmd, log, f"rpcguard {role} ({tree.label})")
     else:
         proc = start(cmd, log, f"rpcguard {role}")
-    wait_for_line(proc, READY_MESSAGE, timeout=60)
+    # A --baseline tree may predate today's ready line: older revisions print RPCGUARD_READY.
+    deadline = time.monotonic() + 60
+    while not any(marker in proc.output() for marker in (READY_MESSAGE, "RPCGUARD_READY")):
+        if not proc.alive() or time.monotonic() > deadline:
+            wait_for_line(proc, READY_MESSAGE, timeout=0)  # raises with the log
+        time.sleep(0.02)
     wait_port(port, proc=proc.popen)
     return proc, port
 
