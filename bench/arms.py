@@ -276,7 +276,10 @@ def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | 
     deadline = time.monotonic() + 60
     while not any(marker in proc.output() for marker in (READY_MESSAGE, "RPCGUARD_READY")):
         if not proc.alive() or time.monotonic() > deadline:
-            wait_for_line(proc, READY_MESSAGE, timeout=0)  # raises with the log
+            try:
+                wait_for_line(proc, READY_MESSAGE, timeout=0)  # raises with the log
+            finally:
+                proc.stop()  # a pair that never got ready must not outlive the run
         time.sleep(0.02)
     wait_port(port, proc=proc.popen)
     return proc, port
