@@ -18,8 +18,7 @@ import pytest
 
 import rpcguard.protocol
 from rpcguard.protocol.versions import COMMAND_IDS
-from tests.support import realpeer
-from tests.support.capture import C2S, CaptureRelay, Conn
+from tests.support.capture import hello_version, record_real_session
 from tests.support.corereplay import PureWorker, run_case
 
 pytestmark = pytest.mark.integration
@@ -27,23 +26,11 @@ pytestmark = pytest.mark.integration
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
 
 
-def _version(conn: Conn) -> tuple[int, int, int]:
-    hello_reply = b"".join(d for way, d in conn.chunks if way != C2S)[:11]
-    return (hello_reply[8], hello_reply[9], hello_reply[10])
-
 
 def test_recorded_session_same_outcome_compiled_and_pure(tmp_path, rpc_server):
     if os.environ.get("RPCGUARD_PURE_PYTHON", "") in ("", "0"):  # CI builds compiled: compare two cores
         assert rpcguard.protocol.compiled(), "the protocol core is not compiled (see pip install -v)"
-    model = realpeer.make_model(tmp_path / "tiny.gguf")
-    relay = CaptureRelay(rpc_server)
-    try:
-        run = realpeer.run_client(relay.endpoint, model, n=3, timeout=300)
-    finally:
-        relay.close()
-    assert run.ok, run.output[-3000:]
-    conns = [c for c in relay.conns if c.c2s]
-    assert conns
+    conns = record_real_session(rpc_server, tmp_path)
     pure = PureWorker()
     try:
         assert pure.core == "PURE"
@@ -51,7 +38,7 @@ def test_recorded_session_same_outcome_compiled_and_pure(tmp_path, rpc_server):
         for conn in conns:
             chunks = list(conn.chunks)
             for mode, split in (("enforce", ()), ("monitor", ()), ("enforce", (1, 13, 4096))):
-                case = ("chunks", (_version(conn), chunks, mode, split))
+                case = ("chunks", (hello_version(conn), chunks, mode, split))
                 mine = run_case(case)
                 assert mine == pure.run(case), (mode, split)
                 results.append(mine)

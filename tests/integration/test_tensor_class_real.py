@@ -27,9 +27,8 @@ from rpcguard.protocol.settings import SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.versions import COMMAND_IDS
-from tests.support import realpeer
 from tests.support.corereplay import run_pytest_pure
-from tests.support.capture import C2S, CaptureRelay, Conn
+from tests.support.capture import C2S, Conn, hello_version, record_real_session
 from tests.support.tensorref import decode_computed
 
 pytestmark = pytest.mark.integration
@@ -38,16 +37,12 @@ DECODING_MODULES = (tensor_mod, graph_mod, firewall_mod, commands_mod)  # every 
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
 
 
-def _version(conn: Conn) -> tuple[int, int, int]:
-    hello_reply = b"".join(d for way, d in conn.chunks if way != C2S)[:11]
-    return (hello_reply[8], hello_reply[9], hello_reply[10])
-
 
 def _replay(conn: Conn) -> tuple[object, ...]:
     """Feed one recorded connection into a fresh Session; everything a verdict could change."""
     # Facts an earlier connection would have taught serve: no injected DEVICE_COUNT /
     # GET_DEVICE_MEMORY (the recording holds no answer to them); no BUFFER_CLEAR for the same reason.
-    facts = UpstreamFacts(version=_version(conn), device_count=1, memory={0: (1 << 62, 1 << 62)})
+    facts = UpstreamFacts(version=hello_version(conn), device_count=1, memory={0: (1 << 62, 1 << 62)})
     s = Session(SessionPolicy(clear_new_buffers=False), facts)
     outcomes: list[object] = []
     sizes: list[tuple[int, ...]] = []  # the caches' sizes after every chunk
@@ -75,15 +70,7 @@ def test_recorded_session_same_verdicts_and_caches(tmp_path, rpc_server, monkeyp
     if compiled():  # the decoder swap cannot reach compiled modules: this test on the pure core
         print(run_pytest_pure(f"{__file__}::test_recorded_session_same_verdicts_and_caches")[-400:])
         return
-    model = realpeer.make_model(tmp_path / "tiny.gguf")
-    relay = CaptureRelay(rpc_server)
-    try:
-        run = realpeer.run_client(relay.endpoint, model, n=3, timeout=300)
-    finally:
-        relay.close()
-    assert run.ok, run.output[-3000:]
-    conns = [c for c in relay.conns if c.c2s]
-    assert conns
+    conns = record_real_session(rpc_server, tmp_path)
 
     results = {}
     for name, decoder in (("typed", decode_tensor), ("computed", decode_computed)):

@@ -12,8 +12,9 @@ other direction is drained until it ends too, never reset: a reset killed the re
 (SIGPIPE) when rpcguard's own GET_DEVICE_MEMORY was still being answered as the client left.
 
 Used by the op survey (tests/support/opsurvey.py, tests/integration/test_models_real.py), the
-sanitizer fuzzer's recorder (tests/fuzz/replay.py) and the validation benchmark
-(bench/validation_bench.py).
+sanitizer fuzzer's recorder (tests/fuzz/replay.py), the validation benchmark
+(bench/validation_bench.py) and, through ``record_real_session``, the replay tests that compare two
+decoders or two protocol cores on real traffic.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["C2S", "S2C", "Conn", "CaptureRelay"]
+__all__ = ["C2S", "S2C", "Conn", "CaptureRelay", "hello_version", "record_real_session"]
 
 C2S, S2C = 0, 1
 RECV_BYTES = 1 << 16
@@ -124,3 +126,32 @@ class CaptureRelay:
         self._ls.close()
         for t in self._threads:
             t.join(JOIN_TIMEOUT_S)
+
+
+def hello_version(conn: Conn) -> tuple[int, int, int]:
+    """The protocol version the server announced: bytes 8-10 of its HELLO reply (u64 size, then
+    the version), the first bytes it sent on ``conn``."""
+    reply = b""
+    for way, data in conn.chunks:
+        if way == S2C:
+            reply += data
+            if len(reply) >= 11:
+                break
+    return (reply[8], reply[9], reply[10])
+
+
+def record_real_session(server_port: int, workdir: Path, n_tokens: int = 3) -> list[Conn]:
+    """The real llama.cpp client runs a tiny model for ``n_tokens`` through a relay to the real
+    server on ``server_port``; the recorded connections that carried client bytes."""
+    from tests.support import realpeer
+
+    model = realpeer.make_model(workdir / "tiny.gguf")
+    relay = CaptureRelay(server_port)
+    try:
+        run = realpeer.run_client(relay.endpoint, model, n=n_tokens, timeout=300)
+    finally:
+        relay.close()
+    assert run.ok, run.output[-3000:]
+    conns = [c for c in relay.conns if c.c2s]
+    assert conns
+    return conns
