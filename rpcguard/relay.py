@@ -66,6 +66,11 @@ WRITE_LOW_WATER_BYTES = 512 * 1024
 # Several small frames queued in one turn are joined into one write: a TLS transport makes a
 # record (and often a syscall) per element of writelines(). Large chunks are never copied.
 JOIN_MAX_BYTES = 64 * 1024
+# Client frames the server does not answer (Output.urgent False: SET_TENSOR) wait, copied, until
+# the next urgent frame, up to this many bytes; then they go out with it in one write (one TLS
+# record on the tunnel, one wake-up of the far side). Held bytes also go out before any other
+# write to the upstream, before its half-close, on the client's EOF and at the next tick.
+HOLD_MAX_BYTES = JOIN_MAX_BYTES
 
 _ids = itertools.count(1)
 
@@ -208,6 +213,7 @@ class Link:
         self.upstream: Endpoint | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._held = bytearray()  # client frames waiting for the next urgent one (HOLD_MAX_BYTES)
 
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
@@ -323,14 +329,16 @@ class Link:
             return
         if out.events:
             lc.session_events(out)
-        if out.to_server:
-            up = self.upstream
-            transport = up.transport if up is not None else None
-            if transport is not None and not up.closed:  # type: ignore[union-attr]
-                _write(transport, out.to_server)
-                if endpoint.is_client and transport.get_write_buffer_size():
-                    endpoint.fresh_buffer()
-            out.to_server.clear()
+        to_server = out.to_server
+        if to_server:
+            if endpoint.is_client and not out.urgent:
+                held = self._held
+                if len(held) + sum(map(len, to_server)) <= HOLD_MAX_BYTES:
+                    for chunk in to_server:
+                        held += chunk
+                    to_server.clear()
+            if to_server:
+                self._send_upstream(to_server, endpoint)
         if out.to_client:
             transport = self.client.transport
             if transport is not None and not self.client.closed:
@@ -341,8 +349,27 @@ class Link:
         if lc.actions:
             self._apply()
 
+    def _send_upstream(self, chunks: list, source: Endpoint | None) -> None:
+        """Write ``chunks`` (after any held bytes) to the upstream and clear the list."""
+        held = self._held
+        if held:
+            chunks.insert(0, held)
+            self._held = bytearray()  # the transport may keep a reference to the old one
+        up = self.upstream
+        transport = up.transport if up is not None else None
+        if transport is not None and not up.closed:  # type: ignore[union-attr]
+            _write(transport, chunks)
+            if source is not None and source.is_client and transport.get_write_buffer_size():
+                source.fresh_buffer()
+        chunks.clear()
+
+    def flush_held(self) -> None:
+        if self._held:
+            self._send_upstream([], None)
+
     def eof(self, endpoint: Endpoint) -> None:
         if endpoint.is_client:
+            self.flush_held()
             self.lc.client_closed()
         elif endpoint is self.upstream:
             self.lc.upstream_closed()
@@ -376,6 +403,7 @@ class Link:
 
     def _tick(self) -> None:
         self._timer = None
+        self.flush_held()
         self.lc.tick(self._clock())
         self._apply()
         if self.lc.state != CLOSED:
@@ -407,6 +435,7 @@ class Link:
             transport.write(data)
 
     def _write_upstream(self, pending: list[bytes]) -> None:
+        self.flush_held()
         up = self.upstream
         if up is not None and up.transport is not None and not up.closed:
             up.transport.writelines(pending)
@@ -459,6 +488,7 @@ class Link:
         it (a client gone while a command runs, a refusal, a drain) kills the server. After our
         EOF it answers the command it is running, reads the EOF and closes its side.
         """
+        self.flush_held()
         up = self.upstream
         transport = up.transport if up is not None else None
         try:

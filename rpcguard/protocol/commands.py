@@ -23,7 +23,7 @@ from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES
 if TYPE_CHECKING:
     from rpcguard.protocol.session import Expect, Session
 
-__all__ = ["CommandRow", "ROWS", "CHECKS", "EFFECTS", "LEARNERS", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX"]
+__all__ = ["CommandRow", "ROWS", "CHECKS", "EFFECTS", "LEARNERS", "BATCH", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX"]
 
 HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
 ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
@@ -44,6 +44,9 @@ class CommandRow(NamedTuple):
     check: str | None  # Firewall method that validates the request head
     effect: Effect | None
     learn: Learn | None
+    # The server answers nothing and starts no work: the frame may wait in the proxy and go out
+    # with the next one that needs the server's attention (Output.urgent, relay.py).
+    batch: bool = False
 
 
 # ----------------------------------------------------------------------------- request effects
@@ -176,7 +179,7 @@ ROWS: Mapping[str, CommandRow] = {
     "BUFFER_GET_BASE":   CommandRow("_handle",           handle_request,     base_answer),
     "FREE_BUFFER":       CommandRow("_handle",           free_request,       None),
     "BUFFER_CLEAR":      CommandRow("_handle",           None,               None),
-    "SET_TENSOR":        CommandRow("_set_tensor",       set_tensor_request, None),
+    "SET_TENSOR":        CommandRow("_set_tensor",       set_tensor_request, None,  batch=True),
     "SET_TENSOR_HASH":   CommandRow("_set_tensor_hash",  head_copy,          hash_answer),
     "GET_TENSOR":        CommandRow("_get_tensor",       None,               None),  # streamed answer
     "COPY_TENSOR":       CommandRow("_copy_tensor",      None,               None),
@@ -193,3 +196,4 @@ ROWS: Mapping[str, CommandRow] = {
 CHECKS: tuple[str | None, ...] = tuple(ROWS[name].check for name in COMMAND_NAMES)
 EFFECTS: tuple[Effect | None, ...] = tuple(ROWS[name].effect for name in COMMAND_NAMES)
 LEARNERS: tuple[Learn | None, ...] = tuple(ROWS[name].learn for name in COMMAND_NAMES)
+BATCH: tuple[bool, ...] = tuple(ROWS[name].batch for name in COMMAND_NAMES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 
 import pytest
 
@@ -29,10 +30,12 @@ class FakeUpstream(asyncio.Transport):
         super().__init__()
         self.protocol = protocol
         self.written = bytearray()
+        self.writes = 0  # write() calls: one per TLS record on a real tunnel
         self.closed = self.aborted = self.eof_written = False
 
     def write(self, data) -> None:
         self.written += bytes(data)
+        self.writes += 1
 
     def writelines(self, chunks) -> None:
         for c in chunks:
@@ -283,5 +286,84 @@ def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_unti
         up.close()  # the server hung up
         await until(lambda: not route.slot.busy, "the slot freed")
         assert link.lc.state == "closed" and not up.aborted
+
+    run(main())
+
+
+async def active_connect_link(records: list, clock: Clock):
+    """A connect link past HELLO with one 1 MiB buffer allocated and its base known; returns
+    (link, fake upstream, client reader, client writer, a tensor in that buffer)."""
+    ups: list[FakeUpstream] = []
+
+    async def dialer(route, factory, limits):
+        ups.append(FakeUpstream(factory()))
+        ups[0].protocol.connection_made(ups[0])
+
+    link, reader, writer = await start(make_route(records), dialer, clock)
+    await until(lambda: ups, "the dial")
+    up = ups[0]
+    for request, answer in [(V.HELLO_REQ_V4, V.HELLO_RSP_700), (V.ALLOC_REQ_1MIB, V.ALLOC_RSP),
+                            (V.GET_BASE_REQ, V.GET_BASE_RSP)]:
+        writer.write(request)
+        await until(lambda: bytes(up.written).endswith(request), "the request forwarded")
+        up.send(answer)
+        assert await reader.readexactly(len(answer)) == answer
+    t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(16, 1, 1, 1)))
+    return link, up, reader, writer, t
+
+
+def set_tensor(t: bytes) -> bytes:
+    return encode.request("SET_TENSOR", t + bytes(1) + bytes(8) + bytes(64))
+
+
+def test_set_tensors_wait_for_the_next_urgent_frame_and_go_out_in_one_write():
+    async def main() -> None:
+        link, up, reader, writer, t = await active_connect_link([], Clock())
+        before, writes = len(up.written), up.writes
+        for _ in range(3):  # one client write each, as llama.cpp does per frame
+            writer.write(set_tensor(t))
+            await writer.drain()
+        await until(lambda: len(link._held) == 3 * len(set_tensor(t)), "the SET_TENSORs held")
+        assert len(up.written) == before  # nothing sent yet
+        get = encode.request("GET_TENSOR", t + struct.pack("<QQ", 0, 64))
+        writer.write(get)
+        await until(lambda: bytes(up.written).endswith(get), "the GET_TENSOR forwarded")
+        assert bytes(up.written[before:]) == set_tensor(t) * 3 + get  # in order, unchanged
+        assert up.writes == writes + 1  # one write: one TLS record
+        writer.close()
+
+    run(main())
+
+
+def test_held_frames_go_out_at_the_tick_and_before_the_half_close():
+    async def main() -> None:
+        link, up, reader, writer, t = await active_connect_link([], Clock())
+        before = len(up.written)
+        writer.write(set_tensor(t))
+        await until(lambda: link._held, "the SET_TENSOR held")
+        link._tick()
+        assert bytes(up.written[before:]) == set_tensor(t) and not link._held
+        writer.write(set_tensor(t))
+        await until(lambda: link._held, "the second SET_TENSOR held")
+        writer.close()  # the client's EOF: what is held goes out before the upstream's EOF
+        await until(lambda: up.eof_written or up.closed, "the upstream half-closed")
+        assert bytes(up.written[before:]) == set_tensor(t) * 2
+
+    run(main())
+
+
+def test_frames_larger_than_the_hold_limit_are_not_held():
+    from rpcguard.relay import HOLD_MAX_BYTES
+
+    async def main() -> None:
+        link, up, reader, writer, t = await active_connect_link([], Clock())
+        before = len(up.written)
+        t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(HOLD_MAX_BYTES // 4, 1, 1, 1)))
+        big = encode.request("SET_TENSOR", t + bytes(1) + bytes(8) + bytes(HOLD_MAX_BYTES))
+        writer.write(big)
+        # Forwarded without an urgent frame behind it (a tail read after the limit may wait).
+        await until(lambda: len(up.written) - before >= HOLD_MAX_BYTES, "the big SET_TENSOR forwarded")
+        assert len(link._held) <= HOLD_MAX_BYTES
+        writer.close()
 
     run(main())

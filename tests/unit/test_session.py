@@ -453,3 +453,58 @@ def test_init_tensor_is_held_to_the_padded_size_the_server_answered(answer_extra
         assert e.value.reason == "tensor_out_of_buffer" and "padded size" in e.value.detail
     else:
         s.client_data(memoryview(frame))
+
+
+# ----------------------------------------------------------------------------- urgency (Output.urgent)
+def small_set(t: bytes, size: int = 64) -> bytes:
+    return encode.request("SET_TENSOR", t + bytes([0]) + struct.pack("<Q", 0) + bytes(size))
+
+
+def urgency_session() -> tuple[Session, bytes]:
+    s = active(policy=NO_CLEAR)
+    s.state.add_buffer(V.HANDLE, 0, 1 << 26)
+    s.state.set_base(V.HANDLE, V.BASE)
+    return s, encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(16, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise", "trailing"])
+def test_set_tensor_alone_is_not_urgent_and_any_frame_with_an_answer_is(how):
+    s, t = urgency_session()
+    sets = small_set(t) * 3
+    for run_how, chunks in V.runs(sets, trailing=encode.request("GET_ALIGNMENT", bytes(4))[:5]):
+        if run_how != how:
+            continue
+        for c in chunks:
+            s.client_data(memoryview(bytearray(c)))
+            assert not s.out.urgent, "SET_TENSOR frames (and a partial header) may wait"
+    assert out(s.to_server).startswith(sets)
+    s, t = urgency_session()
+    get = encode.request("GET_TENSOR", t + struct.pack("<QQ", 0, 64))
+    s.client_data(memoryview(bytearray(small_set(t) + get)))
+    assert s.out.urgent and out(s.to_server) == small_set(t) + get
+
+
+def test_a_frame_keeps_its_urgency_until_it_is_whole():
+    s, t = urgency_session()
+    get = encode.request("GET_TENSOR", t + struct.pack("<QQ", 0, 64))
+    s.client_data(memoryview(bytearray(get[:9])))  # planned: urgent, nothing forwarded yet
+    assert s.out.urgent and not s.to_server
+    s.client_data(memoryview(bytearray(get[9:])))
+    assert s.out.urgent and out(s.to_server) == get
+    s.client_data(memoryview(bytearray(small_set(t))))  # a new frame at a boundary: not urgent
+    assert not s.out.urgent
+
+
+def test_injected_frames_are_urgent():
+    s = active()  # the default policy clears each new buffer: the proxy injects a BUFFER_CLEAR
+    s.state.add_buffer(V.HANDLE, 0, 1 << 26)
+    s.state.set_base(V.HANDLE, V.BASE)
+    t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(16, 1, 1, 1)))
+    s.client_data(memoryview(bytearray(alloc_req(1 << 20))))
+    out(s.to_server)
+    s.client_data(memoryview(bytearray(small_set(t))))
+    assert not s.out.urgent
+    new = V.HANDLE + (1 << 26)
+    s.server_data(memoryview(bytearray(alloc_rsp(new, 1 << 20))))
+    clear = encode.request("BUFFER_CLEAR", struct.pack("<QB", new, 0))
+    assert s.out.urgent and out(s.to_server).endswith(clear)
