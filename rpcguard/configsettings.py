@@ -52,6 +52,7 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "max_request_bytes": (_SIZE_POS, "max_request_bytes"),
     "max_graph_bytes": (_SIZE_POS, "max_graph_bytes"),
     "clear_new_buffers": (_bool, "clear_new_buffers"),
+    "validate_requests": (_choice("auto", "always"), "validate_requests"),
     "max_graph_nodes": (_count, "firewall.max_graph_nodes"),
     "max_graph_tensors": (_count, "firewall.max_graph_tensors"),
     "max_alloc_bytes": (_SIZE, "firewall.max_alloc_bytes"),

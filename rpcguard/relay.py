@@ -49,7 +49,7 @@ from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits
 from rpcguard.protocol.versions import format_version
 from rpcguard.route import Route
-from rpcguard.tls import classify_handshake_error, peer_identity
+from rpcguard.tls import classify_handshake_error, negotiated_rpcguard, peer_identity
 
 __all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
 
@@ -308,6 +308,12 @@ class Link:
             route.traffic.tls_failure(refusal.reason)
             self.lc.upstream_failed(Refusal(refusal.reason, f"node {self.lc.upstream}: {refusal.detail}", party=UPSTREAM))
             return
+        session = self.lc.session
+        # auto: an rpcguard node runs the request firewall; connect keeps it in monitor mode, whose
+        # point is to report what it would refuse (docs/firewall.md).
+        if (route.role == "connect" and session is not None and session.policy.validate_requests == "auto"
+                and session.policy.mode == "enforce" and negotiated_rpcguard(endpoint.transport.get_extra_info("ssl_object"))):  # type: ignore[union-attr]
+            session.leave_requests_to_node()
         self.lc.upstream_connected()
 
     # ----------------------------------------------------------------------------- data path

@@ -13,6 +13,15 @@ suites, in order TLS_AES_256_GCM_SHA384, TLS_CHACHA20_POLY1305_SHA256, TLS_AES_1
 config file (``Ciphersuites =`` in a ``system_default`` section, via ``OPENSSL_CONF``). With
 ``min_version="1.2"`` the TLS 1.2 list below is ECDHE + AEAD only, AES-GCM before ChaCha20.
 
+ALPN. Both sides offer ``ALPN_RPCGUARD``: a ``connect`` that negotiated it knows its node is an
+rpcguard ``serve``, which validates every request itself, so by default it leaves the request
+firewall to the node (``SessionPolicy.validate_requests``, docs/firewall.md). A node that is not
+rpcguard (stunnel, HAProxy, an old serve) negotiates nothing and connect validates as before.
+
+The transport's ``SSLObject`` is ``DirectSSLObject``: its ``read`` / ``write`` / ``pending`` are
+the C object's own methods, so uvloop's TLS loop, which calls them once per record, skips a
+Python wrapper frame per call (the wrappers only forward their arguments).
+
 ``classify_handshake_error`` maps a failed handshake (either side) to the stable reasons of
 docs/design.md with a table of message substrings; the strings were taken from real loopback
 handshakes (tests/unit/test_tls.py asserts them). With TLS 1.3 a client learns that the server
@@ -45,7 +54,13 @@ __all__ = [
     "peer_identity",
     "HANDSHAKE_ERROR_REASONS",
     "TLS12_CIPHERS",
+    "ALPN_RPCGUARD",
+    "DirectSSLObject",
+    "negotiated_rpcguard",
 ]
+
+# Offered by serve and connect; negotiated only when both ends are rpcguard (see the module doc).
+ALPN_RPCGUARD = "rpcguard/1"
 
 TlsVersion = Literal["1.3", "1.2"]
 _VERSIONS = {"1.3": ssl.TLSVersion.TLSv1_3, "1.2": ssl.TLSVersion.TLSv1_2}
@@ -181,6 +196,9 @@ def _context(
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
     ctx.verify_flags |= ssl.VERIFY_X509_STRICT
     ctx.set_ciphers(TLS12_CIPHERS)  # TLS <= 1.2 only; see the module comment for TLS 1.3
+    ctx.set_alpn_protocols([ALPN_RPCGUARD])
+    if hasattr(ssl.SSLObject, "_create"):  # CPython >= 3.7; else the plain wrappers
+        ctx.sslobject_class = DirectSSLObject
     try:
         ctx.load_verify_locations(cafile=os.fspath(ca))  # private CA only: no load_default_certs()
     except (ssl.SSLError, OSError) as exc:
@@ -190,6 +208,23 @@ def _context(
     except (ssl.SSLError, OSError) as exc:
         raise TlsConfigError(f"{cert}, {key}: cannot load certificate and key: {exc}") from exc
     return ctx
+
+
+class DirectSSLObject(ssl.SSLObject):
+    """``ssl.SSLObject`` with the C object's ``read``/``write``/``pending`` bound on the instance."""
+
+    @classmethod
+    def _create(cls, *args: object, **kwargs: object) -> ssl.SSLObject:
+        obj = super()._create(*args, **kwargs)  # type: ignore[misc]  # private in typeshed
+        c = obj._sslobj
+        # Same signatures and errors as the wrappers in ssl.py, which only forward to these.
+        obj.read, obj.write, obj.pending = c.read, c.write, c.pending
+        return obj
+
+
+def negotiated_rpcguard(ssl_object: ssl.SSLObject | None) -> bool:
+    """True when the TLS peer is rpcguard (both ends offered ``ALPN_RPCGUARD``)."""
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() == ALPN_RPCGUARD
 
 
 def _read(path: Path, what: str) -> bytes:

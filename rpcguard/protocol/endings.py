@@ -107,6 +107,8 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         "party": lc.party or None,  # who is at fault: client, upstream or local (errors.py)
         "command": lc.command if lc.command != "-" else None,
         "detail": lc.detail,
+        # who ran the request firewall: this process, or the node's rpcguard (connect, ALPN)
+        "request_checks": lc.session.requests_checked_by if lc.session is not None else None,
         "alloc_bytes": s.alloc_bytes,
         "upload_bytes": s.upload_bytes_set,
         "hash_hit_bytes": s.upload_bytes_hash_hit,

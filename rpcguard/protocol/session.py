@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.commands import BATCH, EFFECTS, LEARNERS
 from rpcguard.protocol.firewall import Firewall
-from rpcguard.protocol.settings import SessionPolicy
+from rpcguard.protocol.settings import CHECK_NAMES, SessionPolicy
 from rpcguard.protocol.framing import FrameReader
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
@@ -155,6 +155,8 @@ class Session:
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
         self.command: int | None = None  # command of the frame being handled (named in refusals)
+        self.requests_checked_by = "proxy"  # or "node" (leave_requests_to_node)
+        self._check_requests = True
         self.out = Output()
         self.to_server = self.out.to_server
         self.to_client = self.out.to_client
@@ -259,10 +261,11 @@ class Session:
         spec = self.state.spec
         rule: CommandRule = spec.commands[cmd]  # type: ignore[union-attr,assignment]  # planned: it exists
         body_len = self._req.body_remaining
-        try:
-            self.firewall.check_request(rule, head, body_len)
-        except FirewallRefusal as refusal:
-            self.violated(refusal, rule.name)
+        if self._check_requests:
+            try:
+                self.firewall.check_request(rule, head, body_len)
+            except FirewallRefusal as refusal:
+                self.violated(refusal, rule.name)
         # The request's effect on the session state (the command table's effect column); it
         # returns what the response's learner needs.
         effect = EFFECTS[cmd]
@@ -355,6 +358,14 @@ class Session:
         else:
             self.learn_memory()
         return raw
+
+    def leave_requests_to_node(self) -> None:
+        """connect, toward a node that is rpcguard (``SessionPolicy.validate_requests`` "auto"):
+        the node's serve runs the request firewall, so this session's firewall runs no check.
+        Framing, sizes, versions, the allow-list, the response checks and counting stay."""
+        self.firewall = Firewall(self.state, replace(self.policy.firewall, disabled_checks=frozenset(CHECK_NAMES)))
+        self._check_requests = False
+        self.requests_checked_by = "node"
 
     def violated(self, refusal: FirewallRefusal, command: str) -> None:
         """A firewall rule failed: refuse (enforce), or note it and go on (monitor)."""

@@ -71,6 +71,11 @@ class SessionPolicy:
     # Tenant isolation: zero every new buffer (BUFFER_CLEAR injected after ALLOC_BUFFER) so that a
     # session never reads what an earlier session left in freed device memory.
     clear_new_buffers: bool = True
+    # connect: "auto" leaves the request firewall to a node that is rpcguard (ALPN, tls.py), which
+    # validates every request itself; framing, sizes, the allow-list, the response checks and the
+    # counters still run here; in monitor mode connect validates anyway, to report what it would
+    # refuse. "always": validate here as well. serve always validates.
+    validate_requests: str = "always"
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,9 @@ def default_policy(role: str) -> SessionPolicy:
     """The policy a listener (serve) or tunnel (connect) starts from before its config applies.
 
     connect does not zero new buffers: serve does it for the node's tenants, and doing it on
-    both sides would clear every buffer twice (docs/firewall.md, "Tenant isolation").
+    both sides would clear every buffer twice (docs/firewall.md, "Tenant isolation"). For the
+    same reason it leaves request validation to a node that is rpcguard (``validate_requests``).
     """
-    return SessionPolicy(clear_new_buffers=False) if role == "connect" else SessionPolicy()
+    if role == "connect":
+        return SessionPolicy(clear_new_buffers=False, validate_requests="auto")
+    return SessionPolicy()

@@ -206,6 +206,14 @@ def still_serves(st: Stack, models, baseline) -> None:
 
 
 # ------------------------------------------------------------------------------ tests
+# Reasons that connect still refuses itself when its node is rpcguard: framing, sizes, versions and
+# the allow-list (session.py), not the firewall's (SessionPolicy.validate_requests).
+_CONNECT_KEEPS = frozenset({
+    "frame_size_invalid", "command_unknown", "command_not_allowed", "request_too_large", "first_frame_not_hello",
+    "hello_bad_size", "hello_repeated", "data_before_hello_reply", "version_not_accepted",
+})
+
+
 @pytest.mark.parametrize("case", APPLICABLE, ids=lambda c: c.id)
 def test_refused_through_the_tunnel(case: Case, stacks, models, baseline):
     st = stacks(case)
@@ -213,10 +221,16 @@ def test_refused_through_the_tunnel(case: Case, stacks, models, baseline):
     with plain(st.connect.port) as s:
         got = attack(s, case)
     assert got.ending == "closed" and got.tail == b"", (got, st.logs())
-    after_c = st.connect.wait_value("rpcguard_refusals_total", before_c + 1, reason=case.expected_reason)
-    assert after_c == before_c + 1, (case.expected_reason, st.connect.metrics_text(), st.logs())
-    assert refusals(st.serve, case.expected_reason) == before_s  # connect refused it first
-    assert case.expected_reason in st.connect.output()  # the log line names the rule
+    # Exactly one of the pair refuses it. Both ends are rpcguard (TLS ALPN), so connect leaves the
+    # request firewall to serve (validate_requests: auto) and keeps framing, sizes and the
+    # allow-list: a firewall rule is serve's refusal, a framing rule connect's.
+    refuser = st.connect if case.expected_reason in _CONNECT_KEEPS else st.serve
+    other = st.serve if refuser is st.connect else st.connect
+    before = before_c if refuser is st.connect else before_s
+    after = refuser.wait_value("rpcguard_refusals_total", before + 1, reason=case.expected_reason)
+    assert after == before + 1, (case.expected_reason, refuser.metrics_text(), st.logs())
+    assert refusals(other, case.expected_reason) == (before_s if other is st.serve else before_c)
+    assert case.expected_reason in refuser.output()  # the log line names the rule
     report(test="tunnel", case=case.id, reason=case.expected_reason, outcome="refused")
     still_serves(st, models, baseline)
 
@@ -324,18 +338,19 @@ def test_enforce_refusal_counts_as_firewall_violation(stacks, models, baseline):
     def violations(g: Guard) -> float:
         return g.value("rpcguard_firewall_violations_total", reason=case.expected_reason, mode="enforce")
 
-    before_refused, before = refusals(st.connect, case.expected_reason), violations(st.connect)
+    # Through the pair, the node's serve runs the firewall (connect: validate_requests auto).
+    before_refused, before = refusals(st.serve, case.expected_reason), violations(st.serve)
     with plain(st.connect.port) as s:
         got = attack(s, case)
     assert got.ending == "closed" and got.tail == b""
-    assert st.connect.wait_value("rpcguard_refusals_total", before_refused + 1,
-                                 reason=case.expected_reason) == before_refused + 1
-    after = st.connect.wait_value("rpcguard_firewall_violations_total", before + 1, timeout=3,
-                                  reason=case.expected_reason, mode="enforce")
+    assert st.serve.wait_value("rpcguard_refusals_total", before_refused + 1,
+                               reason=case.expected_reason) == before_refused + 1
+    after = st.serve.wait_value("rpcguard_firewall_violations_total", before + 1, timeout=3,
+                                reason=case.expected_reason, mode="enforce")
     assert after == before + 1, (
         f"refused with {case.expected_reason} in enforce mode, but rpcguard_firewall_violations_total"
         f'{{mode="enforce"}} did not move ({before} -> {after}): the RpcguardFirewallViolations alert '
         f"never fires for blocked exploits.\n"
-        + "\n".join(l for l in st.connect.metrics_text().splitlines() if "firewall_violations" in l
+        + "\n".join(l for l in st.serve.metrics_text().splitlines() if "firewall_violations" in l
                     or "refusals_total" in l))
     still_serves(st, models, baseline)

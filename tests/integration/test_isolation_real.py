@@ -85,14 +85,16 @@ def test_bare_cache_flag_is_refused_before_the_server_writes_a_file(pki, pair, w
     try:
         connect, serve = pair(upstream_port=port)
         size = (10 << 20) + 4096
-        for target, guard in (("connect", connect), ("serve", serve)):
+        # Through the pair and straight to serve: serve refuses it both times (connect leaves the
+        # request firewall to an rpcguard node: validate_requests auto).
+        for n, target in enumerate(("connect", "serve"), 1):
             c = RawClient.session(connect.port if target == "connect" else mtls_socket(pki, serve.port))
             t = c.alloc(16 << 20)
             h, base = t.buffer, t.data
             frame = encode.request("SET_TENSOR", f32(h, base, size) + b"\1" + struct.pack("<Q", 0) + bytes(size))
             assert c.closed_after(frame)
             c.close()
-            assert guard.wait_value("rpcguard_refusals_total", 1, reason="set_tensor_cache_flag_invalid") == 1
+            assert serve.wait_value("rpcguard_refusals_total", n, reason="set_tensor_cache_flag_invalid") == n
         assert not [p for p in cache.rglob("*") if p.is_file()]
         assert proc.alive()
     finally:
@@ -107,13 +109,15 @@ def test_alloc_past_the_device_memory_never_reaches_the_server(pki, pair):
     c.alloc(1 << 20)
     assert c.closed_after(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, total)))
     c.close()
-    assert connect.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1
-    assert serve.value("rpcguard_frames_total", command="ALLOC_BUFFER", direction="request") == 1
-    # serve enforces it on its own too (a client that skips connect).
+    # The node's serve refuses it (connect leaves the request firewall to it), before the server.
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1
+    assert serve.value("rpcguard_frames_total", command="ALLOC_BUFFER", direction="request") == 2
+    assert connect.value("rpcguard_refusals_total", reason="alloc_quota_exceeded") == 0
+    # A client that skips connect.
     c = RawClient.session(mtls_socket(pki, serve.port))
     assert c.closed_after(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, total + 1)))
     c.close()
-    assert serve.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1
+    assert serve.wait_value("rpcguard_refusals_total", 2, reason="alloc_quota_exceeded") == 2
 
 
 def test_session_quota_refuses_a_model_load_that_needs_more(pki, pair, models, workdir, rpc_server):

@@ -231,10 +231,10 @@ def test_generation(nodes, arch_models, model, kv):
     args = [*LONG, "--type-k", tk, "--type-v", tv] + (["--flash-attn"] if fa else [])
     node = nodes[2:3] if model in NEEDS_UNVERIFIED else nodes[:1]
     direct, guarded, survey = compare(node, arch_models[model], args)
-    if model in NEEDS_UNVERIFIED:  # forwarded, and every such node counted on both sides
-        op = NEEDS_UNVERIFIED[model]
-        for g in node[0].guards:
-            assert g.value("rpcguard_unverified_op_nodes_total", op=op) > 0, g.output()[-2000:]
+    if model in NEEDS_UNVERIFIED:  # forwarded, and every such node counted by the node's serve,
+        op = NEEDS_UNVERIFIED[model]  # which runs the request firewall (connect: validate_requests auto)
+        assert node[0].serve.value("rpcguard_unverified_op_nodes_total", op=op) > 0, node[0].serve.output()[-2000:]
+        assert node[0].connect.value("rpcguard_unverified_op_nodes_total", op=op) == 0
     assert direct.prompt_tokens > 256 and len(direct.tokens) == N_TOKENS
     assert len(set(direct.tokens)) >= 4, direct.tokens  # a varied sequence, so equality means something
     assert survey.graphs >= (2 if model in NO_ATTENTION else 3)  # prompt ubatch (KV view 256), last
@@ -302,8 +302,9 @@ def test_default_deny_refuses_unverified_ops(nodes, arch_models, model):
     refused at its first GRAPH_COMPUTE, with op_not_verified counted and named in the log."""
     op = NEEDS_UNVERIFIED[model]
     node = nodes[0]
-    before = node.connect.value("rpcguard_refusals_total", reason="op_not_verified")
+    before = node.serve.value("rpcguard_refusals_total", reason="op_not_verified")
     run = run_llama([node.connect.endpoint], arch_models[model], [*LONG])
     assert not run.ok  # llama.cpp aborts on the closed connection
-    assert node.connect.wait_value("rpcguard_refusals_total", before + 1, reason="op_not_verified") == before + 1
-    assert f"op {op} has no verified rule" in node.connect.output()
+    # the node's serve refuses it (connect leaves the request firewall to it: validate_requests auto)
+    assert node.serve.wait_value("rpcguard_refusals_total", before + 1, reason="op_not_verified") == before + 1
+    assert f"op {op} has no verified rule" in node.serve.output()

@@ -145,7 +145,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
      "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, allow_unverified_ops, checks, "
      "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_cpu_ms, max_graph_nodes, max_graph_tensors, "
-     "max_request_bytes, max_session_alloc_bytes, mode)"),
+     "max_request_bytes, max_session_alloc_bytes, mode, validate_requests)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
@@ -646,7 +646,8 @@ def test_serve_example(examples: Path) -> None:
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
     assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
-    assert all(t.policy == SessionPolicy(clear_new_buffers=False) for t in cfg.tunnels) and cfg.limits == Limits()
+    assert all(t.policy == SessionPolicy(clear_new_buffers=False, validate_requests="auto") for t in cfg.tunnels)
+    assert cfg.limits == Limits()
     assert len(config_summary(cfg)) == 2
 
 

@@ -655,6 +655,7 @@ def test_audit_record_fields():
     lc.client_closed()
     rec = end(take(lc))
     assert set(rec) == {"event", "session", "role", "listener", "profile", "peer", "identity", "upstream", "version",
-                        "duration_s", "result", "reason", "party", "command", "detail", "alloc_bytes", "upload_bytes",
+                        "duration_s", "result", "reason", "party", "command", "detail", "request_checks",
+                        "alloc_bytes", "upload_bytes",
                         "hash_hit_bytes", "commands"}
     assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0

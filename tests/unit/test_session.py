@@ -508,3 +508,26 @@ def test_injected_frames_are_urgent():
     s.server_data(memoryview(bytearray(alloc_rsp(new, 1 << 20))))
     clear = encode.request("BUFFER_CLEAR", struct.pack("<QB", new, 0))
     assert s.out.urgent and out(s.to_server).endswith(clear)
+
+
+def test_requests_left_to_the_node_skip_the_firewall_but_not_framing_or_the_allow_list():
+    s, t = urgency_session()
+    bad = encode.request("SET_TENSOR", t + bytes(1) + struct.pack("<Q", 1 << 20) + bytes(64))  # past the tensor
+    with pytest.raises(Refusal) as refused:
+        s.client_data(memoryview(bytearray(bad)))
+    assert refused.value.reason == "range_out_of_tensor"
+
+    s, t = urgency_session()
+    s.leave_requests_to_node()
+    assert s.requests_checked_by == "node"
+    s.client_data(memoryview(bytearray(bad)))
+    assert out(s.to_server) == bad  # the node's serve refuses it (tests/integration/test_pair_checks.py)
+    with pytest.raises(ProtocolRefusal) as refused:
+        s.client_data(memoryview(bytearray(encode.request("SET_TENSOR", t[:100]))))
+    assert refused.value.reason == "frame_size_invalid"
+
+    s = active(policy=SessionPolicy(allowed_commands=frozenset({"HELLO", "GET_ALIGNMENT"})))
+    s.leave_requests_to_node()
+    with pytest.raises(PolicyRefusal) as refused:
+        s.client_data(memoryview(bytearray(V.DEVICE_COUNT_REQ)))
+    assert refused.value.reason == "command_not_allowed"

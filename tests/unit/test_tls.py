@@ -499,3 +499,60 @@ def test_role_must_match_eku(pki):
 def test_ca_file_must_hold_ca_certificates(pki):
     with pytest.raises(TlsConfigError, match="is not a CA certificate"):
         tls.server_context(*pki.pair("server"), pki.pair("client")[0])
+
+
+# -- ALPN and the transport's SSLObject ------------------------------------------------------
+
+
+def bio_handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext):
+    """A handshake between two SSLObjects over memory BIOs (what uvloop's TLS transport drives);
+    returns (server, client, pump) where ``pump()`` moves the pending records both ways."""
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname="localhost")
+
+    def pump() -> None:
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+
+    done = set()
+    for _ in range(10):
+        for side in (client, server):
+            try:
+                side.do_handshake()
+                done.add(side)
+            except ssl.SSLWantReadError:
+                pass
+            pump()
+        if len(done) == 2:
+            return server, client, pump
+    raise AssertionError("handshake did not finish")
+
+
+def test_two_rpcguard_ends_negotiate_alpn_and_others_do_not(pki):
+    server, client, _ = bio_handshake(pki.server_ctx(), pki.client_ctx())
+    assert tls.negotiated_rpcguard(server) and tls.negotiated_rpcguard(client)
+    # A node that is not rpcguard (stunnel, HAProxy, an old serve) offers no ALPN: nothing is
+    # negotiated, the handshake still works, and connect keeps validating requests itself.
+    plain = pki.server_ctx()
+    plain.set_alpn_protocols([])
+    client = bio_handshake(plain, pki.client_ctx())[1]
+    assert not tls.negotiated_rpcguard(client) and client.selected_alpn_protocol() is None
+    other = pki.server_ctx()
+    other.set_alpn_protocols(["h2"])
+    assert not tls.negotiated_rpcguard(bio_handshake(other, pki.client_ctx())[1])
+    assert not tls.negotiated_rpcguard(None)
+
+
+def test_transport_sslobject_calls_the_c_methods_and_moves_the_same_bytes(pki):
+    server, client, pump = bio_handshake(pki.server_ctx(), pki.client_ctx())
+    assert isinstance(client, tls.DirectSSLObject) and client.read == client._sslobj.read
+    assert client.write(b"ab" * 20000) == 40000
+    pump()
+    buf = bytearray(65536)
+    got = bytearray()
+    while len(got) < 40000:  # read(n, buffer) as uvloop calls it, then read(n) and pending()
+        got += buf[: server.read(65536, buf)] if len(got) < 20000 else server.read(65536)
+    assert got == b"ab" * 20000 and server.pending() == 0
+    with pytest.raises(ssl.SSLWantReadError):
+        server.read(10)

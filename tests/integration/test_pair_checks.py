@@ -1,0 +1,42 @@
+"""Who validates requests on a connect -> serve pair (SessionPolicy.validate_requests), with the
+REAL ggml-rpc-server behind serve.
+
+Both ends offer the TLS ALPN ``rpcguard/1``. By default (``auto``) connect leaves the request
+firewall to the node's serve once that is negotiated: the attack below is refused by serve and
+connect forwards it; with ``always`` connect refuses it before it leaves the client machine.
+Either way the real server stays up for the next session.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpcguard.protocol import encode
+from tests.support.rawclient import RawClient
+from tests.support.waiting import wait_until
+
+
+@pytest.mark.parametrize("setting,refuser,forwarder", [(None, "serve", "connect"), ("always", "connect", "serve")])
+def test_a_request_is_refused_by_the_node_or_by_connect_when_told_always(pair, workdir, setting, refuser, forwarder):
+    connect_args = []
+    if setting:
+        cfg = workdir / f"connect-{setting}.yaml"
+        cfg.write_text(f"policy:\n  validate_requests: {setting}\n")
+        connect_args = ["--config", str(cfg)]
+    connect, serve = pair(connect_args=connect_args)
+    guards = {"connect": connect, "serve": serve}
+    c = RawClient.session(connect.port)
+    t = c.alloc(1 << 20)
+    # 64 bytes written 1 MiB past the start of a 1 MiB tensor that fills its buffer.
+    attack = encode.request("SET_TENSOR", encode.pack_tensor(t) + bytes(1) + struct.pack("<Q", 1 << 20) + bytes(64))
+    assert c.closed_after(attack + encode.request("GET_ALIGNMENT", struct.pack("<I", 0)))
+    wait_until(lambda: guards[refuser].value("rpcguard_refusals_total", reason="range_out_of_buffer") == 1,
+               what=f"{refuser} refusing the attack")
+    assert guards[forwarder].value("rpcguard_refusals_total", reason="range_out_of_buffer") == 0
+    c.close()
+    # The real server is unharmed: the next session works.
+    again = RawClient.session(connect.port)
+    assert again.alloc(4096).buffer
+    again.close()
