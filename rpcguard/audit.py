@@ -37,7 +37,8 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     """Human-readable lines; a session end line also gets the audit fields its message lacks
-    (upstream, protocol version, duration, model bytes), before the free-text ``detail=``."""
+    (upstream, protocol version, duration, model bytes, and ``request_checks=node`` when connect
+    left the request firewall to its node), before the free-text ``detail=``."""
 
     def format(self, record: logging.LogRecord) -> str:
         audit = getattr(record, "audit", None)
@@ -47,7 +48,8 @@ class TextFormatter(logging.Formatter):
         extra = []
         for key, value in (("upstream", audit.get("upstream")), ("version", audit.get("version")),
                            ("duration", f"{audit.get('duration_s') or 0:.3f}s"),
-                           ("alloc_bytes", audit.get("alloc_bytes")), ("upload_bytes", audit.get("upload_bytes"))):
+                           ("alloc_bytes", audit.get("alloc_bytes")), ("upload_bytes", audit.get("upload_bytes")),
+                           ("request_checks", "node" if audit.get("request_checks") == "node" else None)):
             if value not in (None, "", 0) and f" {key}=" not in msg:
                 extra.append(f"{key}={value}")
         if extra:

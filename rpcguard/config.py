@@ -467,4 +467,5 @@ def config_summary(cfg: Config) -> list[str]:
              + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None)
              + (f" |{profiles(x)}" if x.profiles else "") for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"
+               f" validate_requests={x.policy.validate_requests}"
                + extra(x.policy, "unsafe_listen" if x.unsafe_listen else None) for x in cfg.tunnels])

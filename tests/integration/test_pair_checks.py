@@ -36,6 +36,10 @@ def test_a_request_is_refused_by_the_node_or_by_connect_when_told_always(pair, w
                what=f"{refuser} refusing the attack")
     assert guards[forwarder].value("rpcguard_refusals_total", reason="range_out_of_buffer") == 0
     c.close()
+    # connect's session-end line says who ran the request firewall (the audit record's request_checks).
+    ends = wait_until(lambda: [l for l in connect.output().splitlines() if "session end" in l and "alloc_bytes=" in l],
+                      what="connect's session end")
+    assert ("request_checks=node" in ends[-1]) == (refuser == "serve"), ends[-1]
     # The real server is unharmed: the next session works.
     again = RawClient.session(connect.port)
     assert again.alloc(4096).buffer

@@ -512,7 +512,12 @@ def test_summary(base: Path) -> None:
     d = connect_data()
     d["policy"] = {"mode": "monitor"}
     assert config_summary(parse_config(d, base_dir=str(base)))[0] == \
-        "connect tunnel0 127.0.0.1:50052 -> node1:50100 server_name=node1 mode=monitor"
+        "connect tunnel0 127.0.0.1:50052 -> node1:50100 server_name=node1 mode=monitor validate_requests=auto"
+    d["policy"] = {"validate_requests": "always"}
+    assert config_summary(parse_config(d, base_dir=str(base)))[0].endswith(" validate_requests=always")
+    d["policy"] = {"validate_requests": "sometimes"}
+    assert error_of(parse_config, d, base_dir=str(base)) == \
+        "policy.validate_requests: must be one of auto, always, got 'sometimes'"
 
 
 # ---------------------------------------------------------------- CLI flag overrides
