@@ -69,7 +69,7 @@ JOIN_MAX_BYTES = 64 * 1024
 # Client frames the server does not answer (Output.urgent False: SET_TENSOR) wait, copied, until
 # the next urgent frame, up to this many bytes; then they go out with it in one write (one TLS
 # record on the tunnel, one wake-up of the far side). Held bytes also go out before any other
-# write to the upstream, before its half-close, on the client's EOF and at the next tick.
+# write to the upstream, before its close or half-close, on the client's EOF and at the next tick.
 HOLD_MAX_BYTES = JOIN_MAX_BYTES
 
 _ids = itertools.count(1)
@@ -514,6 +514,7 @@ class Link:
             self.client.transport.close()
 
     def _close_upstream(self, _: object) -> None:
+        self.flush_held()  # accepted frames go out before the close, as unheld ones would have
         up = self.upstream
         if up is not None and up.transport is not None and not up.closed:
             up.transport.close()

@@ -367,3 +367,20 @@ def test_frames_larger_than_the_hold_limit_are_not_held():
         writer.close()
 
     run(main())
+
+
+def test_a_refusal_still_forwards_the_frames_accepted_before_it():
+    async def main() -> None:
+        records: list = []
+        link, up, reader, writer, t = await active_connect_link(records, Clock())
+        before = len(up.written)
+        writer.write(set_tensor(t))
+        await until(lambda: link._held, "the SET_TENSOR held")
+        bad = encode.request("SET_TENSOR", t + bytes(1) + struct.pack("<Q", 1 << 20) + bytes(64))  # past the buffer
+        writer.write(bad)
+        await until(lambda: records, "the session end")
+        assert records[0]["reason"] == "range_out_of_buffer"
+        assert bytes(up.written[before:]) == set_tensor(t) and up.closed  # the accepted one, then the close
+        assert await reader.read(100) == b""
+
+    run(main())
