@@ -108,10 +108,12 @@ def main() -> int:
     rg = [PY, "-m", "rpcguard"]
 
     print("1. certificates (private CA, node and client)", flush=True)
+    # A new CA on every run, so the node and client certificates are issued anew too (--force):
+    # the demo can be run again.
     subprocess.run(rg + ["certs", "init-ca", str(certs), "--force"], check=True)
-    subprocess.run(rg + ["certs", "issue", str(certs), "node1", "--server", "--dns", "node1", "--ip", "127.0.0.1"],
-                   check=True)
-    subprocess.run(rg + ["certs", "issue", str(certs), "client1", "--client"], check=True)
+    subprocess.run(rg + ["certs", "issue", str(certs), "node1", "--server", "--dns", "node1", "--ip", "127.0.0.1",
+                         "--force"], check=True)
+    subprocess.run(rg + ["certs", "issue", str(certs), "client1", "--client", "--force"], check=True)
     preset = "bench" if a.bench else "tiny"
     model = cache / f"demo-{preset}.gguf"
     if not model.exists():
