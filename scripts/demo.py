@@ -187,4 +187,7 @@ def main() -> int:
 LOGS = Path(".")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as exc:  # the step printed its own error above
+        sys.exit(f"demo: step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
