@@ -162,6 +162,12 @@ class Session:
         self.to_client = self.out.to_client
         self._events = self.out.events
         self._enforce = self.policy.mode == "enforce"
+        # Read per frame: kept as this (compiled) object's own attributes, the command rules of the
+        # server's version as a tuple once its HELLO reply is in (_on_hello_reply).
+        self._allowed = self.policy.allowed_commands
+        self._max_request = self.policy.max_request_bytes
+        self._max_graph = self.policy.max_graph_bytes
+        self._rules: tuple[CommandRule | None, ...] = ()
         self._expect: deque[Expect] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
@@ -223,11 +229,11 @@ class Session:
             return length, 0
         if cmd == HELLO:
             raise ProtocolRefusal("hello_repeated", "second HELLO in one session")
-        spec = self.state.spec
-        rule = spec.rule(cmd) if spec is not None else None
+        rules = self._rules
+        rule = rules[cmd] if cmd < len(rules) else None
         if rule is None:
             raise ProtocolRefusal("command_unknown", f"command {cmd} does not exist in {self._vtext()}")
-        if rule.name not in self.policy.allowed_commands:
+        if rule.name not in self._allowed:
             if self._enforce:
                 raise PolicyRefusal("command_not_allowed", f"{rule.name} is not on the allow-list")
             self._events.append((EV_VIOLATION, Violation("command_not_allowed", "not on the allow-list", rule.name)))
@@ -243,13 +249,11 @@ class Session:
         if length < rule.request:
             raise ProtocolRefusal("frame_size_invalid", f"{rule.name} len {length} < {rule.request}")
         if rule.layout == STREAM:
-            if length > self.policy.max_request_bytes:
-                raise ProtocolRefusal(
-                    "request_too_large", f"{rule.name} len {length} > cap {self.policy.max_request_bytes}"
-                )
+            if length > self._max_request:
+                raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self._max_request}")
             return rule.request, length - rule.request
-        if length > self.policy.max_graph_bytes:
-            raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self.policy.max_graph_bytes}")
+        if length > self._max_graph:
+            raise ProtocolRefusal("request_too_large", f"{rule.name} len {length} > cap {self._max_graph}")
         return length, 0
 
     def _on_request(self, header: tuple[int, int], head: memoryview, raw: memoryview) -> None:
@@ -258,8 +262,7 @@ class Session:
         if cmd == HELLO:
             self._on_hello_request(head, raw, out)
             return
-        spec = self.state.spec
-        rule: CommandRule = spec.commands[cmd]  # type: ignore[union-attr,assignment]  # planned: it exists
+        rule: CommandRule = self._rules[cmd]  # type: ignore[assignment]  # planned: it exists
         body_len = self._req.body_remaining
         if self._check_requests:
             try:
@@ -346,6 +349,7 @@ class Session:
             raise PolicyRefusal("version_not_accepted", f"server protocol {format_version(version)} is {why}")
         self.version = version
         self.state.spec = spec
+        self._rules = spec.commands
         self.state.upstream.learn_version(version)
         self.phase = ACTIVE
         self._events.append((EV_ACTIVE, version))
