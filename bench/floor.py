@@ -121,7 +121,7 @@ def measure(arm: str, rep: int, workload: str, count: int, workdir: Path, pki: P
     try:
         stack = start_stack(arm, workdir, pki)
     except (OSError, RuntimeError, subprocess.SubprocessError, realpeer.MissingPeer) as exc:
-        run.error = f"start: {exc!s:.200}"
+        run.error = f"start: {_short(exc)}"
         return run
     try:
         if rep == 0:
@@ -135,10 +135,20 @@ def measure(arm: str, rep: int, workload: str, count: int, workdir: Path, pki: P
         if result.get("intact") is False:
             run.error = "data corrupted on the way"
     except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
-        run.error = f"{type(exc).__name__}: {exc!s:.200}"
+        run.error = f"{type(exc).__name__}: {_short(exc)}"
     finally:
         stack.stop()
     return run
+
+
+def _short(exc: BaseException) -> str:
+    """One line for a failure: the message's first line and, when it quotes a process's log, the
+    log's last line (the child's own error)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text[:300]
 
 
 def orders(arms: list[str], reps: int) -> list[list[str]]:
