@@ -45,6 +45,7 @@ from typing import Any, Awaitable, Callable
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.identity import check_usage
 from rpcguard.protocol import lifecycle as lc_mod
+from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits
 from rpcguard.protocol.versions import format_version
@@ -70,7 +71,7 @@ JOIN_MAX_BYTES = 64 * 1024
 # the next urgent frame, up to this many bytes; then they go out with it in one write (one TLS
 # record on the tunnel, one wake-up of the far side). Held bytes also go out before any other
 # write to the upstream, before its close or half-close, on the client's EOF and at the next tick.
-HOLD_MAX_BYTES = JOIN_MAX_BYTES
+HOLD_MAX_BYTES = BATCH_MAX_BYTES
 
 _ids = itertools.count(1)
 

@@ -23,8 +23,12 @@ from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES
 if TYPE_CHECKING:
     from rpcguard.protocol.session import Expect, Session
 
-__all__ = ["CommandRow", "ROWS", "CHECKS", "EFFECTS", "LEARNERS", "BATCH", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX"]
+__all__ = ["CommandRow", "ROWS", "CHECKS", "EFFECTS", "LEARNERS", "BATCH", "BATCH_MAX_BYTES", "HASH_MISSES_MAX",
+           "ALLOC_SIZES_MAX"]
 
+# A BATCH frame larger than this is urgent all the same: its body is streamed as it comes (held
+# bytes are copied; a model load's multi-MB SET_TENSORs must not be).
+BATCH_MAX_BYTES = 64 * 1024
 HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
 ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.commands import BATCH, EFFECTS, LEARNERS
+from rpcguard.protocol.commands import BATCH, BATCH_MAX_BYTES, EFFECTS, LEARNERS
 from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.settings import CHECK_NAMES, SessionPolicy
 from rpcguard.protocol.framing import FrameReader
@@ -101,7 +101,8 @@ class Output:
     events. One object per session, reused: the caller sends and clears the lists.
 
     ``urgent`` is False only when every frame this ``client_data`` call put in ``to_server`` is
-    one the server answers with nothing and that starts no work (``commands.BATCH``: SET_TENSOR).
+    one the server answers with nothing and that starts no work (``commands.BATCH``: SET_TENSOR),
+    and no larger than ``commands.BATCH_MAX_BYTES`` (a model load's tensors stream as before).
     The caller may then hold those bytes and send them with the next urgent ones: the client
     cannot observe the difference, since it learns nothing until a request that needs an answer,
     and that request is urgent. A decode step of llama.cpp is ~6 SET_TENSORs and one GRAPH_COMPUTE
@@ -217,7 +218,7 @@ class Session:
     def _plan_request(self, header: tuple[int, int]) -> tuple[int, int]:
         cmd, length = header
         self.command = cmd
-        if cmd >= len(BATCH) or not BATCH[cmd]:
+        if cmd >= len(BATCH) or not BATCH[cmd] or length > BATCH_MAX_BYTES:
             self.out.urgent = True
         if self.phase != ACTIVE:
             if self.phase == AWAIT_HELLO_REPLY:

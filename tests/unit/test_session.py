@@ -484,6 +484,20 @@ def test_set_tensor_alone_is_not_urgent_and_any_frame_with_an_answer_is(how):
     assert s.out.urgent and out(s.to_server) == small_set(t) + get
 
 
+def test_a_set_tensor_above_the_batch_limit_is_urgent_in_every_read():
+    from rpcguard.protocol.commands import BATCH_MAX_BYTES
+
+    s, t = urgency_session()
+    t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(BATCH_MAX_BYTES // 4, 1, 1, 1)))
+    big = encode.request("SET_TENSOR", t + bytes(1) + struct.pack("<Q", 0) + bytes(BATCH_MAX_BYTES))
+    for at in range(0, len(big), 4096):  # a model load's tensor, read by read
+        s.client_data(memoryview(bytearray(big[at : at + 4096])))
+        assert s.out.urgent, at
+    assert out(s.to_server) == big
+    s.client_data(memoryview(bytearray(small_set(urgency_session()[1]))))
+    assert not s.out.urgent  # the next small one may wait again
+
+
 def test_a_frame_keeps_its_urgency_until_it_is_whole():
     s, t = urgency_session()
     get = encode.request("GET_TENSOR", t + struct.pack("<QQ", 0, 64))
