@@ -15,7 +15,9 @@ dialer are injectable. Routes (``route.py``) hold what the links of a listener s
   loopback ``ggml-rpc-server``. At the end the upstream is half-closed and drained, never cut
   under a response (the server dies of SIGPIPE).
 * ``connect``: the accepted loopback socket reads at once; a TLS connection to the node is
-  opened with the node's expected name.
+  opened with the node's expected name. When the node negotiates the ALPN ``rpcguard/1`` (it is
+  an rpcguard ``serve``), the session leaves the request firewall to it
+  (``SessionPolicy.validate_requests``).
 
 Bytes read on one side go through ``Session.client_data`` / ``server_data`` and whatever the
 session queued is written to the other side. Endpoints are ``BufferedProtocol``s reading into
@@ -24,7 +26,9 @@ memoryviews into that buffer, so a payload byte is never copied by Python code. 
 may keep a memoryview queued (uvloop does not copy), so when the destination still holds
 unsent data after a write, the source switches to a fresh buffer instead of overwriting.
 Flow control: when the destination's write buffer passes its high-water mark the source
-stops reading until it drains, so memory stays flat whatever the tensor size.
+stops reading until it drains, so memory stays flat whatever the tensor size. Small client
+frames the server does not answer (``Output.urgent`` False) are copied aside and go out with
+the next frame that needs the server, in one write (``HOLD_MAX_BYTES``).
 
 A session refused before it is active (TLS, identity, version, upstream down or busy) is
 answered at HELLO with the refusal version 0.0.N so llama.cpp reports a version mismatch
