@@ -43,7 +43,7 @@ CATEGORIES = [
      re.compile(r"^(__libc_)?(send|recv|sendmsg|recvmsg|write|writev|read|__send|__recv|__write|__read)\b"
                 r"|\(libc\.so\.6\)$|entry_SYSCALL")),
     ("rpcguard protocol (parse/validate)", re.compile(r"rpcguard/protocol/")),
-    ("rpcguard relay glue", re.compile(r"rpcguard/relay\.py")),
+    ("rpcguard relay glue", re.compile(r"rpcguard/(relay|endpoint)\.py")),
     ("rpcguard other (metrics, server)", re.compile(r"rpcguard/")),
     ("event loop (uvloop/libuv)", re.compile(r"uvloop|loop\.c|\(core\.c|stream\.c|linux\.c|uv_|uv__")),
 ]
@@ -133,7 +133,7 @@ def summarize_perf(path: Path, top: int = 12) -> str:
 
 CPROFILE_GROUPS = [
     ("rpcguard protocol (session, framing, firewall, tensor, graph)", re.compile(r"rpcguard/protocol/")),
-    ("rpcguard relay (Link, Endpoint)", re.compile(r"rpcguard/relay\.py")),
+    ("rpcguard relay (Link, Endpoint)", re.compile(r"rpcguard/(relay|endpoint)\.py")),
     ("rpcguard other (metrics, server, audit)", re.compile(r"rpcguard/")),
     ("transport write/writelines (TLS encrypt + send syscall inside)",
      re.compile(r"method '(write|writelines)' of 'uvloop")),

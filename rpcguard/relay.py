@@ -1,12 +1,12 @@
-"""The only module that touches transports: one ``Link`` per proxied connection.
+"""One ``Link`` per proxied connection: the glue between two endpoints and the lifecycle.
 
 How this works: a listener's accept loop (server.py) hands each accepted socket to a new
-``Link``, which owns two ``Endpoint`` protocols (the client side and the upstream side) and one
-sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, refusals at HELLO, close
-classification, the audit record) which owns the ``Session``. The link is glue: it turns
-transport callbacks into lifecycle events and carries out the actions the lifecycle answers
-(write, dial, take or free the upstream slot, half-close, close, count, log). The clock and the
-dialer are injectable. Routes (``route.py``) hold what the links of a listener share.
+``Link``, which owns two ``Endpoint`` protocols (endpoint.py: the client side and the upstream
+side) and one sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, refusals at
+HELLO, close classification, the audit record) which owns the ``Session``. The link is glue: it
+turns transport callbacks into lifecycle events and carries out the actions the lifecycle
+answers (write, dial, take or free the upstream slot, half-close, close, count, log). The clock
+and the dialer are injectable. Routes (``route.py``) hold what the links of a listener share.
 
 * ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (server side,
   client certificate required), so a failed handshake raises here, where it is classified and
@@ -20,15 +20,10 @@ dialer are injectable. Routes (``route.py``) hold what the links of a listener s
   (``SessionPolicy.validate_requests``).
 
 Bytes read on one side go through ``Session.client_data`` / ``server_data`` and whatever the
-session queued is written to the other side. Endpoints are ``BufferedProtocol``s reading into
-a preallocated buffer (TLS decrypts straight into it); accepted frames are forwarded as
-memoryviews into that buffer, so a payload byte is never copied by Python code. A transport
-may keep a memoryview queued (uvloop does not copy), so when the destination still holds
-unsent data after a write, the source switches to a fresh buffer instead of overwriting.
-Flow control: when the destination's write buffer passes its high-water mark the source
-stops reading until it drains, so memory stays flat whatever the tensor size. Small client
-frames the server does not answer (``Output.urgent`` False) are copied aside and go out with
-the next frame that needs the server, in one write (``HOLD_MAX_BYTES``).
+session queued is written to the other side, as memoryviews into the endpoint's read buffer
+(endpoint.py: zero-copy forwarding, fresh buffers, flow control). Small client frames the
+server does not answer (``Output.urgent`` False) are copied aside and go out with the next
+frame that needs the server, in one write (``HOLD_MAX_BYTES``).
 
 A session refused before it is active (TLS, identity, version, upstream down or busy) is
 answered at HELLO with the refusal version 0.0.N so llama.cpp reports a version mismatch
@@ -43,9 +38,9 @@ import logging
 import socket
 import ssl
 import time
-
 from typing import Any, Awaitable, Callable
 
+from rpcguard.endpoint import READ_BUFFER_BYTES, Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.identity import check_usage
 from rpcguard.protocol import lifecycle as lc_mod
@@ -56,21 +51,10 @@ from rpcguard.protocol.versions import format_version
 from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, negotiated_rpcguard, peer_identity
 
-__all__ = ["Endpoint", "Link", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
+__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "Endpoint", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
 
 log = logging.getLogger("rpcguard.relay")
 
-# One read lands in this buffer. 256 KiB: large enough that a multi-MB SET_TENSOR costs a few
-# Python calls per MB, small enough that many sessions stay cheap.
-READ_BUFFER_BYTES = 256 * 1024
-# A destination holding more than this unsent stops the source from reading (flow control);
-# with the read buffer this bounds per-session memory to a few MB.
-WRITE_HIGH_WATER_BYTES = 2 * 1024 * 1024
-WRITE_LOW_WATER_BYTES = 512 * 1024
-
-# Several small frames queued in one turn are joined into one write: a TLS transport makes a
-# record (and often a syscall) per element of writelines(). Large chunks are never copied.
-JOIN_MAX_BYTES = 64 * 1024
 # Client frames the server does not answer (Output.urgent False: SET_TENSOR) wait, copied, until
 # the next urgent frame, up to this many bytes; then they go out with it in one write (one TLS
 # record on the tunnel, one wake-up of the far side). Held bytes also go out before any other
@@ -78,109 +62,7 @@ JOIN_MAX_BYTES = 64 * 1024
 HOLD_MAX_BYTES = BATCH_MAX_BYTES
 
 _ids = itertools.count(1)
-
-
-# Dials the upstream: connects ``factory()``'s protocol to the route's upstream (TLS toward the node
-# for connect) within the session's limits; raises Refusal with the stable reason when it cannot.
-Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable[None]]
 TICK_S = 1.0  # how often the lifecycle's deadlines are checked
-
-
-async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
-    """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
-    loop = asyncio.get_running_loop()
-    kwargs: dict[str, Any] = {}
-    if route.role == "connect":
-        assert route.ssl_context is not None
-        kwargs = dict(ssl=route.ssl_context(), server_hostname=route.server_name,
-                      ssl_handshake_timeout=limits.handshake_timeout_s or None)
-    where = f"{route.upstream_host}:{route.upstream_port}"
-    try:
-        await asyncio.wait_for(loop.create_connection(factory, route.upstream_host, route.upstream_port, **kwargs),
-                               (limits.connect_timeout_s + limits.handshake_timeout_s) or None)
-    except (ssl.SSLError, ssl.CertificateError) as exc:
-        reason = classify_handshake_error(exc)
-        route.traffic.tls_failure(reason)
-        raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
-                      f"TLS to node {where} failed ({reason}): {exc}") from None
-    except (OSError, asyncio.TimeoutError) as exc:
-        reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
-        raise Refusal(reason, f"cannot reach {where}: {exc or 'timeout'}") from None
-
-
-def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
-    """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
-    if route.role == "connect":
-        check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
-
-
-def _write(transport: asyncio.Transport, out: list) -> None:
-    if len(out) == 1:
-        transport.write(out[0])
-    elif sum(map(len, out)) <= JOIN_MAX_BYTES:
-        transport.write(b"".join(out))
-    else:
-        transport.writelines(out)
-
-
-class Endpoint(asyncio.BufferedProtocol):
-    """One side of a link: reads into a reusable buffer and reports to the link."""
-
-    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed")
-
-    def __init__(self, link: Link, is_client: bool) -> None:
-        self.link = link
-        self.is_client = is_client
-        self.transport: asyncio.Transport | None = None
-        # Allocated on the first read, not here: a TLS handshake that never completes (a flood of
-        # idle or garbage sockets) must not cost a read buffer per accepted socket.
-        self.buf: bytearray | None = None
-        self.view: memoryview | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)  # type: ignore[attr-defined]
-        # Told here, not after the awaited accept/dial returns: bytes (or a TLS alert) may be
-        # delivered before the awaiting coroutine resumes.
-        self.link.made(self)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.view is None:
-            self.fresh_buffer()
-        return self.view  # type: ignore[return-value]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.link.data(self, self.view[:nbytes])  # type: ignore[index]
-
-    def eof_received(self) -> bool:
-        self.link.eof(self)
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        # Let the read buffer go now: the link, its endpoints and transports form reference
-        # cycles that only the cyclic GC frees, and ended sessions wait in its oldest generation
-        # (serve's RSS grew ~10 MiB per 100 llama.cpp runs until a full collection).
-        self.buf = self.view = None
-        self.link.lost(self, exc)
-
-    def pause_writing(self) -> None:
-        self.link.pause_other(self)
-
-    def resume_writing(self) -> None:
-        self.link.resume_other(self)
-
-    def fresh_buffer(self) -> None:
-        """The transport may still reference the old buffer: read into a new one."""
-        self.buf = bytearray(READ_BUFFER_BYTES)
-        self.view = memoryview(self.buf)
 
 
 _APPLY: dict[str, str] = {
@@ -353,7 +235,7 @@ class Link:
         if out.to_client:
             transport = self.client.transport
             if transport is not None and not self.client.closed:
-                _write(transport, out.to_client)
+                write(transport, out.to_client)
                 if transport.get_write_buffer_size() and not endpoint.is_client:
                     endpoint.fresh_buffer()
             out.to_client.clear()
@@ -369,7 +251,7 @@ class Link:
         up = self.upstream
         transport = up.transport if up is not None else None
         if transport is not None and not up.closed:  # type: ignore[union-attr]
-            _write(transport, chunks)
+            write(transport, chunks)
             if source is not None and source.is_client and transport.get_write_buffer_size():
                 source.fresh_buffer()
         chunks.clear()

@@ -1,0 +1,146 @@
+"""One side of a proxied link: the asyncio protocol that reads and writes, and the dialer.
+
+How this works: an ``Endpoint`` is the ``BufferedProtocol`` of one transport of a ``relay.Link``
+(the client's, or the upstream's once dialled). It reads into a preallocated buffer (TLS
+decrypts straight into it) and hands each read to the link as a memoryview, so a payload byte is
+never copied by Python code; a transport may keep a memoryview queued (uvloop does not copy), so
+when the destination still holds unsent data after a write the link switches the source to a
+fresh buffer. Flow control: when the destination's write buffer passes its high-water mark the
+link pauses the source until it drains, so memory stays flat whatever the tensor size. ``dial``
+opens the upstream (plain TCP to serve's loopback server, TLS to connect's node) and turns
+failures into refusals with a stable reason; ``check_node`` checks the node's certificate usage;
+``write`` sends a list of chunks, joining small ones into one write (one TLS record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from rpcguard.errors import Refusal
+from rpcguard.identity import check_usage
+from rpcguard.protocol.settings import Limits
+from rpcguard.route import Route
+from rpcguard.tls import classify_handshake_error, peer_identity
+
+if TYPE_CHECKING:
+    from rpcguard.relay import Link
+
+__all__ = ["Endpoint", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
+           "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES"]
+
+# One read lands in this buffer. 256 KiB: large enough that a multi-MB SET_TENSOR costs a few
+# Python calls per MB, small enough that many sessions stay cheap.
+READ_BUFFER_BYTES = 256 * 1024
+# A destination holding more than this unsent stops the source from reading (flow control);
+# with the read buffer this bounds per-session memory to a few MB.
+WRITE_HIGH_WATER_BYTES = 2 * 1024 * 1024
+WRITE_LOW_WATER_BYTES = 512 * 1024
+
+# Several small frames queued in one turn are joined into one write: a TLS transport makes a
+# record (and often a syscall) per element of writelines(). Large chunks are never copied.
+JOIN_MAX_BYTES = 64 * 1024
+
+# Dials the upstream: connects ``factory()``'s protocol to the route's upstream (TLS toward the node
+# for connect) within the session's limits; raises Refusal with the stable reason when it cannot.
+Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable[None]]
+
+
+async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
+    """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
+    loop = asyncio.get_running_loop()
+    kwargs: dict[str, Any] = {}
+    if route.role == "connect":
+        assert route.ssl_context is not None
+        kwargs = dict(ssl=route.ssl_context(), server_hostname=route.server_name,
+                      ssl_handshake_timeout=limits.handshake_timeout_s or None)
+    where = f"{route.upstream_host}:{route.upstream_port}"
+    try:
+        await asyncio.wait_for(loop.create_connection(factory, route.upstream_host, route.upstream_port, **kwargs),
+                               (limits.connect_timeout_s + limits.handshake_timeout_s) or None)
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        reason = classify_handshake_error(exc)
+        route.traffic.tls_failure(reason)
+        raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
+                      f"TLS to node {where} failed ({reason}): {exc}") from None
+    except (OSError, asyncio.TimeoutError) as exc:
+        reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
+        raise Refusal(reason, f"cannot reach {where}: {exc or 'timeout'}") from None
+
+
+def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
+    """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
+    if route.role == "connect":
+        check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
+
+
+def write(transport: asyncio.Transport, out: list) -> None:
+    """Send ``out``: one chunk as is, small chunks joined into one write, large ones as they are."""
+    if len(out) == 1:
+        transport.write(out[0])
+    elif sum(map(len, out)) <= JOIN_MAX_BYTES:
+        transport.write(b"".join(out))
+    else:
+        transport.writelines(out)
+
+
+class Endpoint(asyncio.BufferedProtocol):
+    """One side of a link: reads into a reusable buffer and reports to the link."""
+
+    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed")
+
+    def __init__(self, link: Link, is_client: bool) -> None:
+        self.link = link
+        self.is_client = is_client
+        self.transport: asyncio.Transport | None = None
+        # Allocated on the first read, not here: a TLS handshake that never completes (a flood of
+        # idle or garbage sockets) must not cost a read buffer per accepted socket.
+        self.buf: bytearray | None = None
+        self.view: memoryview | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        transport.set_write_buffer_limits(WRITE_HIGH_WATER_BYTES, WRITE_LOW_WATER_BYTES)  # type: ignore[attr-defined]
+        # Told here, not after the awaited accept/dial returns: bytes (or a TLS alert) may be
+        # delivered before the awaiting coroutine resumes.
+        self.link.made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.view is None:
+            self.fresh_buffer()
+        return self.view  # type: ignore[return-value]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.link.data(self, self.view[:nbytes])  # type: ignore[index]
+
+    def eof_received(self) -> bool:
+        self.link.eof(self)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        # Let the read buffer go now: the link, its endpoints and transports form reference
+        # cycles that only the cyclic GC frees, and ended sessions wait in its oldest generation
+        # (serve's RSS grew ~10 MiB per 100 llama.cpp runs until a full collection).
+        self.buf = self.view = None
+        self.link.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.link.pause_other(self)
+
+    def resume_writing(self) -> None:
+        self.link.resume_other(self)
+
+    def fresh_buffer(self) -> None:
+        """The transport may still reference the old buffer: read into a new one."""
+        self.buf = bytearray(READ_BUFFER_BYTES)
+        self.view = memoryview(self.buf)
