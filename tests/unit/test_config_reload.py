@@ -58,14 +58,21 @@ def sample(rt: Runtime, name: str, **labels: str) -> float | None:
     return rt.metrics.registry.get_sample_value(name, {"role": rt.cfg.role, **labels})
 
 
+def listener(name: str, upstream_port: int, **extra: object) -> dict:
+    """A serve listener entry on a free loopback port (``port_of`` reads the port back)."""
+    return {"name": name, "listen": f"127.0.0.1:{free_port()}", "upstream": f"127.0.0.1:{upstream_port}", **extra}
+
+
+def port_of(item: dict) -> int:
+    return int(item["listen"].rsplit(":", 1)[1])
+
+
 def runtime(path: str) -> Runtime:
     return Runtime(load_config(path), metrics=Metrics(CollectorRegistry()), config_path=path)
 
 
 def test_listeners_added_removed_and_replaced(pki: Path, tmp_path: Path, caplog) -> None:
-    pa, pb, pc = free_port(), free_port(), free_port()
-    a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": "127.0.0.1:1"}
-    b = {"name": "b", "listen": f"127.0.0.1:{pb}", "upstream": "127.0.0.1:2"}
+    a, b, pc = listener("a", 1), listener("b", 2), free_port()
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
 
     async def body() -> None:
@@ -92,7 +99,7 @@ def test_listeners_added_removed_and_replaced(pki: Path, tmp_path: Path, caplog)
             assert line == ("config reloaded (test): changed listeners[a].upstream; added listener c; "
                             "added listener d; removed listener b; replaced listener a")
             await asyncio.sleep(0.05)
-            for port in (pa, pb, pc):
+            for port in (port_of(a), port_of(b), pc):
                 assert await asyncio.to_thread(accepts, port), port
             assert sample(rt, "rpcguard_reload_total", result="ok") == 1
         finally:
@@ -102,8 +109,7 @@ def test_listeners_added_removed_and_replaced(pki: Path, tmp_path: Path, caplog)
 
 
 def test_a_failed_reload_changes_nothing(pki: Path, tmp_path: Path, caplog) -> None:
-    pa = free_port()
-    a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": "127.0.0.1:1", "policy": {"max_graph_nodes": 9}}
+    a = listener("a", 1, policy={"max_graph_nodes": 9})
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a], limits={"hello_timeout_s": 3}))
     busy = socket.create_server(("127.0.0.1", 0))
     busy_port = busy.getsockname()[1]
@@ -145,8 +151,7 @@ def test_a_failed_reload_changes_nothing(pki: Path, tmp_path: Path, caplog) -> N
 
 
 def test_settings_swap_for_new_sessions_and_live_keys(pki: Path, tmp_path: Path, caplog) -> None:
-    pa = free_port()
-    a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": "127.0.0.1:1"}
+    a = listener("a", 1)
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a]))
 
     async def body() -> None:
@@ -223,9 +228,7 @@ def test_connect_tunnels_reload(pki: Path, tmp_path: Path) -> None:
 
 def test_reloads_run_one_at_a_time(pki: Path, tmp_path: Path, caplog) -> None:
     """SIGHUP and the file poll may fire together: the second reload sees the first one's result."""
-    pa, pb = free_port(), free_port()
-    a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": "127.0.0.1:1"}
-    b = {"name": "b", "listen": f"127.0.0.1:{pb}", "upstream": "127.0.0.1:2"}
+    a, b = listener("a", 1), listener("b", 2)
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
 
     async def body() -> None:

@@ -16,7 +16,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import REFUSAL_CODES
-from rpcguard.relay import Link
+from rpcguard.relay import Dialer, Link
 from rpcguard.route import Route
 from tests.support import vectors as V
 
@@ -89,6 +89,18 @@ class Clock:
         return self.ns
 
 
+def fake_dialer() -> tuple[Dialer, list[FakeUpstream]]:
+    """A dialer that connects the upstream endpoint to a new FakeUpstream, kept in the list."""
+    ups: list[FakeUpstream] = []
+
+    async def dialer(route, factory, limits):
+        up = FakeUpstream(factory())
+        ups.append(up)
+        up.protocol.connection_made(up)
+
+    return dialer, ups
+
+
 def make_route(records: list) -> Route:
     route = Route(role="connect", name="t", upstream_host="127.0.0.1", upstream_port=9,
                   traffic=Metrics().listener("connect", "t", upstream="127.0.0.1:9"),
@@ -127,11 +139,7 @@ def run(coro) -> None:
 def test_connect_session_through_an_injected_dialer():
     async def main() -> None:
         records: list = []
-        ups: list[FakeUpstream] = []
-
-        async def dialer(route, factory, limits):
-            ups.append(FakeUpstream(factory()))
-            ups[0].protocol.connection_made(ups[0])
+        dialer, ups = fake_dialer()
 
         link, reader, writer = await start(make_route(records), dialer, Clock())
         await until(lambda: ups, "the dial")
@@ -175,9 +183,7 @@ def test_hello_timeout_on_the_injected_clock():
         records: list = []
         clock = Clock()
 
-        async def dialer(route, factory, limits):
-            up = FakeUpstream(factory())
-            up.protocol.connection_made(up)
+        dialer, _ = fake_dialer()
 
         link, reader, writer = await start(make_route(records), dialer, clock)
         link._tick()
@@ -195,9 +201,7 @@ def test_internal_error_while_parsing_costs_one_session(monkeypatch):
     async def main() -> None:
         records: list = []
 
-        async def dialer(route, factory, limits):
-            up = FakeUpstream(factory())
-            up.protocol.connection_made(up)
+        dialer, _ = fake_dialer()
 
         link, reader, writer = await start(make_route(records), dialer, Clock())
 
@@ -215,11 +219,7 @@ def test_internal_error_while_parsing_costs_one_session(monkeypatch):
 def test_node_certificate_refused_by_the_upstream_check():
     async def main() -> None:
         records: list = []
-        ups: list[FakeUpstream] = []
-
-        async def dialer(route, factory, limits):
-            ups.append(FakeUpstream(factory()))
-            ups[0].protocol.connection_made(ups[0])
+        dialer, ups = fake_dialer()
 
         def check(route, transport):
             raise Refusal("certificate_usage_invalid", "certificate without serverAuth")
@@ -257,11 +257,7 @@ def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_unti
 
     async def main() -> None:
         records: list = []
-        ups: list[FakeUpstream] = []
-
-        async def dialer(route, factory, limits):
-            ups.append(FakeUpstream(factory()))
-            ups[0].protocol.connection_made(ups[0])
+        dialer, ups = fake_dialer()
 
         route = make_route(records)
         route.role, route.slot = "serve", UpstreamSlot()
@@ -293,11 +289,7 @@ def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_unti
 async def active_connect_link(records: list, clock: Clock):
     """A connect link past HELLO with one 1 MiB buffer allocated and its base known; returns
     (link, fake upstream, client reader, client writer, a tensor in that buffer)."""
-    ups: list[FakeUpstream] = []
-
-    async def dialer(route, factory, limits):
-        ups.append(FakeUpstream(factory()))
-        ups[0].protocol.connection_made(ups[0])
+    dialer, ups = fake_dialer()
 
     link, reader, writer = await start(make_route(records), dialer, clock)
     await until(lambda: ups, "the dial")
