@@ -36,6 +36,7 @@ import pytest
 
 from rpcguard.protocol import encode
 from rpcguard.protocol.versions import NO_RESPONSE, spec_for
+from rpcguard.reasons import FIREWALL_REASONS
 from tests.corpus import CASES, Case, CaseContext, preamble_frames
 from tests.support import realpeer
 from tests.support.guard import Guard, start_guard
@@ -206,14 +207,6 @@ def still_serves(st: Stack, models, baseline) -> None:
 
 
 # ------------------------------------------------------------------------------ tests
-# Reasons that connect still refuses itself when its node is rpcguard: framing, sizes, versions and
-# the allow-list (session.py), not the firewall's (SessionPolicy.validate_requests).
-_CONNECT_KEEPS = frozenset({
-    "frame_size_invalid", "command_unknown", "command_not_allowed", "request_too_large", "first_frame_not_hello",
-    "hello_bad_size", "hello_repeated", "data_before_hello_reply", "version_not_accepted",
-})
-
-
 @pytest.mark.parametrize("case", APPLICABLE, ids=lambda c: c.id)
 def test_refused_through_the_tunnel(case: Case, stacks, models, baseline):
     st = stacks(case)
@@ -223,8 +216,8 @@ def test_refused_through_the_tunnel(case: Case, stacks, models, baseline):
     assert got.ending == "closed" and got.tail == b"", (got, st.logs())
     # Exactly one of the pair refuses it. Both ends are rpcguard (TLS ALPN), so connect leaves the
     # request firewall to serve (validate_requests: auto) and keeps framing, sizes and the
-    # allow-list: a firewall rule is serve's refusal, a framing rule connect's.
-    refuser = st.connect if case.expected_reason in _CONNECT_KEEPS else st.serve
+    # allow-list: a firewall rule (reasons.FIREWALL_REASONS) is serve's refusal, the others connect's.
+    refuser = st.serve if case.expected_reason in FIREWALL_REASONS else st.connect
     other = st.serve if refuser is st.connect else st.connect
     before = before_c if refuser is st.connect else before_s
     after = refuser.wait_value("rpcguard_refusals_total", before + 1, reason=case.expected_reason)
