@@ -6,7 +6,8 @@ the repository this harness lives in. ``prepare(REV)`` resolves REV to a commit,
 with ``git archive`` into ``<bench cache>/trees/<commit>/`` (no git metadata is touched; a
 ``.complete`` marker makes the extraction reusable across runs) and picks the Python that runs
 it: the harness's own interpreter with ``PYTHONPATH`` set to the tree when the revision's
-``pyproject.toml`` declares the same runtime dependencies, else a venv of its own in the tree
+``pyproject.toml`` declares the same runtime dependencies (its compiled core is then built in
+place, as ``pip install`` would, marked ``.compiled``), else a venv of its own in the tree
 (``pip install`` of the tree, not editable). Every rpcguard process of an arm is started with
 ``cwd`` and ``PYTHONPATH`` set to its tree, so ``python -m rpcguard`` imports that tree's
 package first (``sys.path[0]`` is the cwd) and the editable install of the working tree, which
@@ -119,4 +120,21 @@ def prepare(rev: str, cache: Path) -> Tree:
                            timeout=PIP_TIMEOUT_S)
         tree.python = str(venv / "bin" / "python")
         tree.notes.append(f"own venv: its dependencies differ from the working tree's ({theirs} vs {ours})")
+    else:
+        _compile(tree)
     return tree
+
+
+def _compile(tree: Tree) -> None:
+    """Build the revision's compiled protocol core in its tree (mypyc, as ``pip install`` does), so
+    a compiled working tree is compared with a compiled baseline. A revision without one, or a
+    build that fails, runs pure Python; ``Tree.verify`` reports which core runs."""
+    marker = tree.path / ".compiled"
+    if marker.exists() or not (tree.path / "setup.py").exists():
+        return
+    p = subprocess.run([tree.python, "setup.py", "build_ext", "--inplace"], cwd=tree.path, capture_output=True,
+                       text=True, timeout=PIP_TIMEOUT_S)
+    if p.returncode:
+        tree.notes.append(f"compiled core not built, runs pure Python: {p.stderr.strip()[-200:]}")
+        return
+    marker.write_text(tree.revision + "\n")
