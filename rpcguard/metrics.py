@@ -54,6 +54,7 @@ __all__ = [
     "RELOAD_RESULTS",
     "CERTIFICATES",
     "FIREWALL_MODES",
+    "CHECKED_BY",
     "WEB_REFUSAL_REASONS",
     "ListenerTraffic",
     "Metrics",
@@ -68,6 +69,7 @@ SESSION_RESULTS = ("ok", "refused", "error")
 RELOAD_RESULTS = ("ok", "error")
 CERTIFICATES = ("cert", "ca")
 FIREWALL_MODES = ("enforce", "monitor")
+CHECKED_BY = ("proxy", "node")  # who validates a session's requests (request_checks_sessions_total)
 # Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
 WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS))
 
@@ -81,7 +83,7 @@ class ListenerTraffic:
     __slots__ = (
         "role", "listener", "command_names", "totals", "live", "sessions_total",
         "refusals", "tls_failures", "firewall_violations", "queue_depth", "upstream",
-        "upstream_version", "upstream_up", "unverified_ops", "profile_sessions",
+        "upstream_version", "upstream_up", "unverified_ops", "profile_sessions", "request_checks",
     )
 
     def __init__(self, role: str, listener: str, *, upstream: str = "",
@@ -108,6 +110,8 @@ class ListenerTraffic:
         self.unverified_ops: dict[str, int] = {}
         # sessions admitted under each profile (names come from the config: a bounded label)
         self.profile_sessions: dict[str, int] = {}  # serve: the Runtime adds its profiles at 0
+        # sessions connected to their upstream, by who runs the request firewall on them
+        self.request_checks: dict[str, int] = dict.fromkeys(CHECKED_BY, 0)
 
     def session_started(self, stats: SessionStats) -> None:
         """Make a running session's counters visible to scrapes."""
@@ -127,6 +131,14 @@ class ListenerTraffic:
     def profile_admitted(self, profile: str) -> None:
         """Count a session whose identity was admitted under ``profile`` (``profile_sessions_total``)."""
         self.profile_sessions[profile] = self.profile_sessions.get(profile, 0) + 1
+
+    def requests_checked(self, by: str) -> None:
+        """Count a session connected to its upstream under who validates its requests
+        (``request_checks_sessions_total{checked_by}``): ``proxy`` (this process) or ``node`` (connect,
+        toward an rpcguard serve: ``policy.validate_requests: auto``)."""
+        if by not in self.request_checks:
+            raise ValueError(f"checked_by must be one of {CHECKED_BY}, not {by!r}")
+        self.request_checks[by] += 1
 
     def refusal(self, reason: str) -> None:
         """Count a refused session (``refusals_total{reason}``)."""
@@ -156,7 +168,7 @@ _G = GaugeMetricFamily
 _H = HistogramMetricFamily
 _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
-    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C,
+    "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C, "checks": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
     "reload_time": _G, "queue": _G, "reload_kept": _G,
     "duration": _H,
@@ -198,6 +210,9 @@ def _families() -> _Families:
                          labels=["role"]),
         "profile": c("rpcguard_profile_sessions", "Sessions admitted, by the profile their identity got "
                      "(allow-list entry; 'default' for the listener's own settings).", labels=rl + ["profile"]),
+        "checks": c("rpcguard_request_checks_sessions", "Sessions connected to their upstream, by who runs "
+                    "the request firewall on them: 'proxy' (this process) or 'node' (connect toward an "
+                    "rpcguard serve, policy.validate_requests: auto).", labels=rl + ["checked_by"]),
         "web": c("rpcguard_web_refusals", "Requests refused by the metrics endpoint (TLS, client "
                  "certificate, basic auth).", labels=["role", "reason"]),
         "queue": g("rpcguard_upstream_queue_depth", "Sessions waiting for the upstream.", labels=rl),
@@ -285,6 +300,8 @@ class _Collector:
             f["firewall"].add_metric(rl + [reason, mode], n)
         for profile, n in lt.profile_sessions.items():
             f["profile"].add_metric(rl + [profile], n)
+        for by, n in lt.request_checks.items():
+            f["checks"].add_metric(rl + [by], n)
         for op, n in lt.unverified_ops.items():
             f["unverified"].add_metric(rl + [op], n)
         f["rdma"].add_metric(rl + ["request"], agg.rdma_caps_zeroed_req)

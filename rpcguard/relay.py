@@ -201,6 +201,8 @@ class Link:
         if (route.role == "connect" and session is not None and session.policy.validate_requests == "auto"
                 and session.policy.mode == "enforce" and negotiated_rpcguard(endpoint.transport.get_extra_info("ssl_object"))):  # type: ignore[union-attr]
             session.leave_requests_to_node()
+        if session is not None:
+            route.traffic.requests_checked(session.requests_checked_by)
         self.lc.upstream_connected()
 
     # ----------------------------------------------------------------------------- data path

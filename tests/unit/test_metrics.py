@@ -69,7 +69,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 24, "design.md metrics table not found or changed shape"
+    assert len(table) == 25, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -475,3 +475,19 @@ def test_unverified_op_uses_are_exported():
     lt.unverified_ops["IM2COL"] = 3
     assert m.registry.get_sample_value(
         "rpcguard_unverified_op_nodes_total", {"role": "serve", "listener": "gpu0", "op": "IM2COL"}) == 3
+
+
+def test_request_checks_sessions_count_who_validates_each_session_s_requests() -> None:
+    m = Metrics(CollectorRegistry())
+    lt = m.listener("connect", "gpu0")
+    lab = {"role": "connect", "listener": "gpu0"}
+    g = m.registry.get_sample_value
+    for by in ("proxy", "node"):  # both series exist from the start, at 0
+        assert g("rpcguard_request_checks_sessions_total", {**lab, "checked_by": by}) == 0
+    lt.requests_checked("node")
+    lt.requests_checked("node")
+    lt.requests_checked("proxy")
+    assert g("rpcguard_request_checks_sessions_total", {**lab, "checked_by": "node"}) == 2
+    assert g("rpcguard_request_checks_sessions_total", {**lab, "checked_by": "proxy"}) == 1
+    with pytest.raises(ValueError):
+        lt.requests_checked("nobody")
