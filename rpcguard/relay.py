@@ -6,24 +6,23 @@ side) and one sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, r
 HELLO, close classification, the audit record) which owns the ``Session``. The link is glue: it
 turns transport callbacks into lifecycle events and carries out the actions the lifecycle
 answers (write, dial, take or free the upstream slot, half-close, close, count, log). The clock
-and the dialer are injectable. Routes (``route.py``) hold what the links of a listener share.
+and the dialer are injectable. The ``Route`` (route.py) holds what the links of a listener
+share and decides admission.
 
-* ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (server side,
-  client certificate required), so a failed handshake raises here, where it is classified and
-  counted; the verified certificate goes through the ACL; then the upstream slot is taken (the
-  real server serves one client at a time) and a plain TCP connection is opened to the
-  loopback ``ggml-rpc-server``. At the end the upstream is half-closed and drained, never cut
+* ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (client
+  certificate required), so a failed handshake raises here, where it is classified and counted;
+  then admission, the upstream slot (the server serves one client at a time) and a plain TCP
+  connection to the loopback ``ggml-rpc-server``, half-closed and drained at the end, never cut
   under a response (the server dies of SIGPIPE).
 * ``connect``: the accepted loopback socket reads at once; a TLS connection to the node is
   opened with the node's expected name. When the node negotiates the ALPN ``rpcguard/1`` (it is
   an rpcguard ``serve``), the session leaves the request firewall to it
   (``SessionPolicy.validate_requests``).
 
-Bytes read on one side go through ``Session.client_data`` / ``server_data`` and whatever the
-session queued is written to the other side, as memoryviews into the endpoint's read buffer
-(endpoint.py: zero-copy forwarding, fresh buffers, flow control). Small client frames the
-server does not answer (``Output.urgent`` False) are copied aside and go out with the next
-frame that needs the server, in one write (``HOLD_MAX_BYTES``).
+Bytes read on one side go through ``Session.client_data`` / ``server_data``; what the session
+queued is written to the other side as memoryviews into the read buffer (endpoint.py). Small
+client frames the server does not answer (``Output.urgent`` False) are copied aside and go out
+with the next frame that needs the server, in one write (``HOLD_MAX_BYTES``).
 
 A session refused before it is active (TLS, identity, version, upstream down or busy) is
 answered at HELLO with the refusal version 0.0.N so llama.cpp reports a version mismatch
@@ -38,20 +37,18 @@ import logging
 import socket
 import ssl
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
-from rpcguard.endpoint import READ_BUFFER_BYTES, Dialer, Endpoint, check_node, dial, write
+from rpcguard.endpoint import Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
-from rpcguard.identity import check_usage
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
-from rpcguard.protocol.lifecycle import CLOSED, Lifecycle, admission_refusal
+from rpcguard.protocol.lifecycle import CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
-from rpcguard.protocol.versions import format_version
 from rpcguard.route import Route
-from rpcguard.tls import classify_handshake_error, negotiated_rpcguard, peer_identity
+from rpcguard.tls import classify_handshake_error, negotiated_rpcguard
 
-__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "Endpoint", "READ_BUFFER_BYTES", "Dialer", "dial", "check_node"]
+__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S"]
 
 log = logging.getLogger("rpcguard.relay")
 
@@ -105,10 +102,6 @@ class Link:
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
 
-    @property
-    def session(self):  # the lifecycle's Session (None before admission)
-        return self.lc.session
-
     # ----------------------------------------------------------------------------- set-up
     async def run(self, sock: socket.socket) -> None:
         """Serve one accepted socket: TLS (serve) and admission; the lifecycle drives the rest."""
@@ -158,33 +151,8 @@ class Link:
         self._apply()
 
     def _admit(self, endpoint: Endpoint) -> None:
-        route = self.route
-        profile = route.default
-        identity = ""
-        refusal: Refusal | None = None
-        identity_refused = False
-        if route.role == "serve":
-            try:
-                ident = peer_identity(endpoint.transport.get_extra_info("ssl_object"))  # type: ignore[union-attr]
-                identity = ident.label()
-                check_usage(ident, "client")  # clientAuth EKU, whoever issued the certificate
-                if route.acl is not None:
-                    route.acl().authorize(ident)
-                profile = route.profile_for(ident)
-            except Refusal as exc:
-                # Not a TLS failure (the handshake worked): counted in refusals_total when the
-                # session ends, answered at HELLO so the client sees why.
-                refusal, identity_refused = exc, True
-        # Only admitted links count: sockets still in their TLS handshake (bounded by
-        # handshake_timeout_s) must not let an unauthenticated flood lock clients out.
-        held = [link.lc.profile for link in route.links if link is not self and link.lc.admitted]
-        held.append(profile)
-        too_many = admission_refusal(route.default, profile, held)
-        if too_many is not None:
-            refusal = too_many
-        elif route.draining:
-            refusal = Refusal("shutdown", "rpcguard is shutting down")
-        self.lc.admit(profile, identity, refusal, identity_refused)
+        ssl_object = endpoint.transport.get_extra_info("ssl_object") if self.route.role == "serve" else None  # type: ignore[union-attr]
+        self.lc.admit(*self.route.admit(self, ssl_object))
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
@@ -349,26 +317,13 @@ class Link:
             self.lc.upstream_failed(Refusal("refused", f"internal error: {exc!r}"))
         self._apply()
 
-    def _take_slot(self, limits: object) -> None:
+    def _take_slot(self, limits: Limits) -> None:
         self._spawn(self._queue(limits))
 
-    async def _queue(self, limits: Any) -> None:
+    async def _queue(self, limits: Limits) -> None:
         """Take the single upstream slot (serve), or be refused per ``upstream_busy``."""
-        slot = self.route.slot
-        traffic = self.route.traffic
-        assert slot is not None
-        traffic.queue_depth = slot.waiting + 1
-        try:
-            await slot.acquire(limits)
-        except Refusal as refusal:
-            self.lc.slot_refused(refusal)
-        except Exception as exc:
-            log.exception("link %d: unexpected error while queueing", self.id)
-            self.lc.slot_refused(Refusal("refused", f"internal error: {exc!r}"))
-        else:
-            self.lc.slot_granted()
-        finally:
-            traffic.queue_depth = slot.waiting
+        refusal = await self.route.take_slot(limits, self.id)
+        self.lc.slot_granted() if refusal is None else self.lc.slot_refused(refusal)
         self._apply()
 
     def _free_slot(self, _: object) -> None:
@@ -417,30 +372,14 @@ class Link:
         self.route.traffic.tls_failure(reason)
 
     def _count_violation(self, what: tuple) -> None:
-        reason, mode, v, command = what
-        self.route.traffic.firewall_violation(reason, mode)
-        if v is not None:
-            log.warning(
-                "monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
-                self.id, self.route.name, self.lc.identity or "-", v.command, v.reason, v.detail,
-            )
+        self.route.violation(self.id, self.lc.identity, what)
 
     def _end(self, record: dict) -> None:
         """The session is over: metrics, the session-end log line and the audit record."""
         lc = self.lc
         route = self.route
-        traffic = route.traffic
-        route.links.discard(self)
+        route.session_over(self, lc)
         result, reason, detail = lc.result, lc.reason, lc.detail
-        if result == "refused" and reason:
-            traffic.refusal(reason)
-        session = lc.session
-        if session is not None:
-            if session.version is not None:
-                traffic.upstream_version = format_version(session.version)
-            for op, n in session.state.unverified_uses.items():
-                traffic.unverified_ops[op] = traffic.unverified_ops.get(op, 0) + n
-        traffic.session_ended(lc.stats, result)
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(
             level,

@@ -7,24 +7,36 @@ cache, the TLS context getter, the settings (``default`` profile, the named ``pr
 link keeps the ``Profile`` object it took), and, for ``serve``, the
 ``UpstreamSlot``: ggml-rpc-server serves one client at a time, so one session holds the slot
 and the others queue for it (bounded) or are refused, per ``limits.upstream_busy``.
+
+The route also decides what concerns the whole listener about one of its links: whether a new
+session is admitted (``admit``: the client certificate, the allow-list and the identity's
+profile, the session limits, a shutdown in progress), its wait for the slot (``take_slot``), and
+what a violation or a finished session adds to the listener's counters (``violation``,
+``session_over``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from rpcguard.errors import Refusal
-from rpcguard.identity import AllowList, PeerIdentity
+from rpcguard.identity import AllowList, PeerIdentity, check_usage
 from rpcguard.metrics import ListenerTraffic
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
+from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.versions import format_version
+from rpcguard.tls import peer_identity
 
-__all__ = ["Limits", "UpstreamSlot", "Route", "UPSTREAM_DRAIN_S"]
+__all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "UPSTREAM_DRAIN_S"]
+
+log = logging.getLogger("rpcguard.relay")  # the links' logger: their lines keep one name
 
 # UPSTREAM_DRAIN_S (protocol/lifecycle.py): how long a finished session's upstream is drained,
 # holding the slot; refuse mode waits that long for a finished session's drain.
@@ -65,6 +77,15 @@ class UpstreamSlot:
             self._lock.release()
 
 
+class Admission(NamedTuple):
+    """What ``Route.admit`` decided about a new session (``Lifecycle.admit``'s arguments)."""
+
+    profile: Profile
+    identity: str = ""
+    refusal: Refusal | None = None
+    identity_refused: bool = False  # the refusal is about who the client is (answered at HELLO)
+
+
 @dataclass
 class Route:
     """One listener (serve) or tunnel (connect) and everything its links share."""
@@ -102,3 +123,71 @@ class Route:
     def acl(self) -> Callable[[], AllowList] | None:
         """serve: the current allow-list (a getter, as the relay reads it per session)."""
         return (lambda: self.allow) if self.allow is not None else None  # type: ignore[return-value]
+
+    def admit(self, link: Any, ssl_object: ssl.SSLObject | None) -> Admission:
+        """Whether the new session of ``link`` may start. serve: the client certificate's usage
+        (clientAuth, whoever issued it), the allow-list, the identity's profile. Both roles: the
+        session limits, counting admitted links only (sockets still in their TLS handshake, bounded
+        by handshake_timeout_s, must not let an unauthenticated flood lock clients out), and a
+        shutdown in progress. An identity refusal is no TLS failure (the handshake worked): it is
+        counted in refusals_total when the session ends and answered at HELLO."""
+        profile, identity = self.default, ""
+        refusal: Refusal | None = None
+        identity_refused = False
+        if self.role == "serve":
+            try:
+                ident = peer_identity(ssl_object)  # type: ignore[arg-type]  # serve: always TLS
+                identity = ident.label()
+                check_usage(ident, "client")
+                if self.allow is not None:
+                    self.allow.authorize(ident)
+                profile = self.profile_for(ident)
+            except Refusal as exc:
+                refusal, identity_refused = exc, True
+        held = [other.lc.profile for other in self.links if other is not link and other.lc.admitted]
+        held.append(profile)
+        too_many = admission_refusal(self.default, profile, held)
+        if too_many is not None:
+            refusal = too_many
+        elif self.draining:
+            refusal = Refusal("shutdown", "rpcguard is shutting down")
+        return Admission(profile, identity, refusal, identity_refused)
+
+    async def take_slot(self, limits: Limits, link_id: int) -> Refusal | None:
+        """serve: wait for the single upstream slot; the refusal when ``upstream_busy`` says no."""
+        slot = self.slot
+        assert slot is not None
+        self.traffic.queue_depth = slot.waiting + 1
+        try:
+            await slot.acquire(limits)
+        except Refusal as refusal:
+            return refusal
+        except Exception as exc:
+            log.exception("link %d: unexpected error while queueing", link_id)
+            return Refusal("refused", f"internal error: {exc!r}")
+        finally:
+            self.traffic.queue_depth = slot.waiting
+        return None
+
+    def violation(self, link_id: int, identity: str, what: tuple) -> None:
+        """Count a firewall violation; log one that monitor mode let through."""
+        reason, mode, v, _command = what
+        self.traffic.firewall_violation(reason, mode)
+        if v is not None:
+            log.warning("monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
+                        link_id, self.name, identity or "-", v.command, v.reason, v.detail)
+
+    def session_over(self, link: Any, lc: Lifecycle) -> None:
+        """Fold a finished session into the listener: its refusal, the upstream's version, the
+        unverified ops it used, its counters and result."""
+        traffic = self.traffic
+        self.links.discard(link)
+        if lc.result == "refused" and lc.reason:
+            traffic.refusal(lc.reason)
+        session = lc.session
+        if session is not None:
+            if session.version is not None:
+                traffic.upstream_version = format_version(session.version)
+            for op, n in session.state.unverified_uses.items():
+                traffic.unverified_ops[op] = traffic.unverified_ops.get(op, 0) + n
+        traffic.session_ended(lc.stats, lc.result)

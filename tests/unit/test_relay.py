@@ -16,7 +16,8 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import REFUSAL_CODES
-from rpcguard.relay import Dialer, Link
+from rpcguard.endpoint import Dialer
+from rpcguard.relay import Link
 from rpcguard.route import Route
 from tests.support import vectors as V
 
