@@ -13,7 +13,7 @@ Effects run after the firewall accepted the frame; learners run on the exactly s
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Final, Mapping, NamedTuple
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.firewall import alloc_size_key, hash_miss_key
@@ -28,17 +28,17 @@ __all__ = ["CommandRow", "ROWS", "CHECKS", "EFFECTS", "LEARNERS", "BATCH", "BATC
 
 # A BATCH frame larger than this is urgent all the same: its body is streamed as it comes (held
 # bytes are copied; a model load's multi-MB SET_TENSORs must not be).
-BATCH_MAX_BYTES = 64 * 1024
-HASH_MISSES_MAX = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
-ALLOC_SIZES_MAX = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
+BATCH_MAX_BYTES: Final = 64 * 1024
+HASH_MISSES_MAX: Final = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
+ALLOC_SIZES_MAX: Final = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
 
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_U64x2 = struct.Struct("<QQ")
-_DEV_U64 = struct.Struct("<IQ")
-_CLEAR = struct.Struct("<QB")
-_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
-_BUFFER_CLEAR = COMMAND_IDS["BUFFER_CLEAR"]
+_U32: Final = struct.Struct("<I")
+_U64: Final = struct.Struct("<Q")
+_U64x2: Final = struct.Struct("<QQ")
+_DEV_U64: Final = struct.Struct("<IQ")
+_CLEAR: Final = struct.Struct("<QB")
+_SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
+_BUFFER_CLEAR: Final = COMMAND_IDS["BUFFER_CLEAR"]
 
 Effect = Callable[["Session", memoryview, int], object]  # (session, head, body_len) -> response context
 Learn = Callable[["Session", "Expect", memoryview], None]  # (session, expectation, response head)
@@ -197,7 +197,7 @@ ROWS: Mapping[str, CommandRow] = {
     "MEMSET_TENSOR":     CommandRow("_get_tensor",       None,               None),  # T, offset, size (+ value)
 }  # fmt: skip
 
-CHECKS: tuple[str | None, ...] = tuple(ROWS[name].check for name in COMMAND_NAMES)
-EFFECTS: tuple[Effect | None, ...] = tuple(ROWS[name].effect for name in COMMAND_NAMES)
-LEARNERS: tuple[Learn | None, ...] = tuple(ROWS[name].learn for name in COMMAND_NAMES)
-BATCH: tuple[bool, ...] = tuple(ROWS[name].batch for name in COMMAND_NAMES)
+CHECKS: Final[tuple[str | None, ...]] = tuple(ROWS[name].check for name in COMMAND_NAMES)
+EFFECTS: Final[tuple[Effect | None, ...]] = tuple(ROWS[name].effect for name in COMMAND_NAMES)
+LEARNERS: Final[tuple[Learn | None, ...]] = tuple(ROWS[name].learn for name in COMMAND_NAMES)
+BATCH: Final[tuple[bool, ...]] = tuple(ROWS[name].batch for name in COMMAND_NAMES)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Final
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.graph import GraphValidator
@@ -40,21 +40,21 @@ from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 __all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
 
 
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
+_U32: Final = struct.Struct("<I")
+_U64: Final = struct.Struct("<Q")
 _U64x2 = struct.Struct("<QQ")
-_DEV_U64 = struct.Struct("<IQ")
-_SET_TENSOR_CACHE_HEAD = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
+_DEV_U64: Final = struct.Struct("<IQ")
+_SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
 
 # Heads whose validity depends only on the command, the head bytes, the body length and the live
 # buffers (the session's version and checks are fixed; SET_TENSOR with cache_flag=1 is not cached).
-_CACHEABLE = frozenset({"SET_TENSOR", "GET_TENSOR", "SET_TENSOR_HASH", "MEMSET_TENSOR"})
-HEAD_CACHE_MAX = 4096  # entries of ~300 bytes: bounded memory per session
+_CACHEABLE: Final = frozenset({"SET_TENSOR", "GET_TENSOR", "SET_TENSOR_HASH", "MEMSET_TENSOR"})
+HEAD_CACHE_MAX: Final = 4096  # entries of ~300 bytes: bounded memory per session
 # The client asks the server to store a tensor in its -c cache (cache_flag=1) only after a
 # SET_TENSOR_HASH miss for that tensor, and only above this size (ggml-rpc.cpp:87 HASH_THRESHOLD,
 # :717 rpc_use_hash_cache `size > HASH_THRESHOLD`, :723-739 set_tensor).
-HASH_THRESHOLD_BYTES = 10 * 1024 * 1024
-_FLAG_AT = TENSOR_BYTES  # >= 7.0.0 SET_TENSOR: u8 cache_flag right after the rpc_tensor
+HASH_THRESHOLD_BYTES: Final = 10 * 1024 * 1024
+_FLAG_AT: Final = TENSOR_BYTES  # >= 7.0.0 SET_TENSOR: u8 cache_flag right after the rpc_tensor
 
 
 class Firewall:

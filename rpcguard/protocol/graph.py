@@ -31,7 +31,7 @@ from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
 from operator import ge, gt, lt
-from typing import Callable, Literal, Mapping
+from typing import Callable, Final, Literal, Mapping
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
@@ -50,32 +50,32 @@ from rpcguard.protocol.versions import TENSOR_BYTES, Version
 
 __all__ = ["GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX"]
 
-GGML_MAX_SRC = 10
-_U32 = struct.Struct("<I")
-_LITTLE = sys.byteorder == "little"
+GGML_MAX_SRC: Final = 10
+_U32: Final = struct.Struct("<I")
+_LITTLE: Final = sys.byteorder == "little"
 # u64 words per rpc_tensor; fields at byte offsets ≡ 4 (mod 8) are read from a view shifted by 4.
-_Q = TENSOR_BYTES // 8  # 37
-_I = TENSOR_BYTES // 4  # 74
-_Q_ID = 0  # id @0
-_Q4_SRC = 15  # src[0] @124 = 4 + 8*15
-_Q4_VIEW_SRC = 25  # view_src @204 = 4 + 8*25
-_I_OP = 13  # op @52
-_I_USE_COUNT = 73  # use_count @292
+_Q: Final = TENSOR_BYTES // 8  # 37
+_I: Final = TENSOR_BYTES // 4  # 74
+_Q_ID: Final = 0  # id @0
+_Q4_SRC: Final = 15  # src[0] @124 = 4 + 8*15
+_Q4_VIEW_SRC: Final = 25  # view_src @204 = 4 + 8*25
+_I_OP: Final = 13  # op @52
+_I_USE_COUNT: Final = 73  # use_count @292
 _USE_COUNT_SINCE: Version = (5, 1, 0)  # the padding became use_count in 5.1.0
 _OP_TABLES_SINCE: Version = (3, 6, 1)  # from here GGML_OP_COUNT is pinned to the RPC version
 
 # Accepted nodes are remembered per session by their bytes and their sources' bytes; a decode
 # graph has a few thousand nodes, 65536 entries (~40 MB at most) cover several graphs.
-NODE_CACHE_MAX = 1 << 16
+NODE_CACHE_MAX: Final = 1 << 16
 # CPU time one graph may take to validate (thread time, so a loaded machine does not inflate
 # it): a real 16-layer decode graph (581 nodes) takes ~10 ms cold, the largest real graphs a few
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
-MAX_GRAPH_CPU_S = 0.5
-_BUDGET_STRIDE = 255  # check the clock every 256 tensors/nodes
-_SELF_SRC = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
+MAX_GRAPH_CPU_S: Final = 0.5
+_BUDGET_STRIDE: Final = 255  # check the clock every 256 tensors/nodes
+_SELF_SRC: Final = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
 
 
-_I_NE0 = 5  # ne[0] @20: u32 word 5 of an rpc_tensor (id u64, type u32, buffer u64 come first)
+_I_NE0: Final = 5  # ne[0] @20: u32 word 5 of an rpc_tensor (id u64, type u32, buffer u64 come first)
 
 
 def _empty(ne: memoryview[int] | array[int], p: int) -> bool:
@@ -443,7 +443,7 @@ class GraphValidator:
             node = decode_tensor(region, p * step)
             node_srcs = [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]]
             if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
-                tensor(src_pos[GGML_MAX_SRC])  # type: ignore[arg-type]
+                tensor(src_pos[GGML_MAX_SRC])
             check_node(rule, node, node_srcs, by_id)
             if len(cache) >= NODE_CACHE_MAX:
                 cache.clear()

@@ -13,6 +13,8 @@ kernel derives from ``ne`` addresses bytes inside the tensor's own buffer range.
 
 from __future__ import annotations
 
+from typing import Final
+
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import New, OpRule, Result, View, contiguous_nb, refuse
@@ -21,9 +23,9 @@ from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["check_node", "check_layout", "GGML_MAX_SRC"]
 
-GGML_MAX_SRC = 10
-_SRC0 = 29  # index of src0 in RpcTensor
-_PARAM0 = 12  # index of op_params[0]
+GGML_MAX_SRC: Final = 10
+_SRC0: Final = 29  # index of src0 in RpcTensor
+_PARAM0: Final = 12  # index of op_params[0]
 
 
 def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:

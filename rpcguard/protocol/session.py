@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Final
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
@@ -61,30 +62,30 @@ __all__ = [
     "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION",
 ]  # fmt: skip
 
-AWAIT_HELLO = "await_hello"
-AWAIT_HELLO_REPLY = "await_hello_reply"
-ACTIVE = "active"
+AWAIT_HELLO: Final = "await_hello"
+AWAIT_HELLO_REPLY: Final = "await_hello_reply"
+ACTIVE: Final = "active"
 
 # What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
 # appends nothing, so the caller tests one list per read instead of polling attributes).
-EV_HELLO = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
-EV_ACTIVE = "active"  # the server's HELLO reply was accepted; value: the version
-EV_NODE_REFUSED = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
-EV_VIOLATION = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
+EV_HELLO: Final = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
+EV_ACTIVE: Final = "active"  # the server's HELLO reply was accepted; value: the version
+EV_NODE_REFUSED: Final = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
+EV_VIOLATION: Final = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
 
-_REQ_HEADER = struct.Struct("<BQ")
-_RSP_HEADER = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_ZERO_CAPS = bytes(24)
+_REQ_HEADER: Final = struct.Struct("<BQ")
+_RSP_HEADER: Final = struct.Struct("<Q")
+_U32: Final = struct.Struct("<I")
+_U64: Final = struct.Struct("<Q")
+_ZERO_CAPS: Final = bytes(24)
 
 # GET_TENSOR: rpc_tensor, u64 offset, u64 size -> the response is `size` bytes.
-_GET_TENSOR_SIZE_AT = TENSOR_BYTES + 8
-_CMD = COMMAND_IDS
-_GET_DEVICE_MEMORY = _CMD["GET_DEVICE_MEMORY"]
+_GET_TENSOR_SIZE_AT: Final = TENSOR_BYTES + 8
+_CMD: Final = COMMAND_IDS
+_GET_DEVICE_MEMORY: Final = _CMD["GET_DEVICE_MEMORY"]
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
-MEMORY_PROBES_MAX = 16
+MEMORY_PROBES_MAX: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,19 +124,24 @@ class Output:
         self.events.clear()
 
 
-# What a request leaves for its response's learner (commands.py). An alias: a compiled (mypyc)
-# dataclass resolves its field annotations in the module's globals, where "object" is not.
+# What a request leaves for its response's learner (commands.py).
 Context = object
 
 
-@dataclass(slots=True)
 class Expect:
-    cmd: int
-    length: int  # exact response payload size
-    streamed: bool = False  # payload streamed as body (GET_TENSOR) instead of read as head
-    swallow: bool = False  # injected by the proxy: do not forward the response
-    t_ns: int = 0
-    ctx: Context = None
+    """A response the server owes: for which command, its exact payload size, and what the
+    request left for the response's learner. A plain class: the session makes one per request."""
+
+    __slots__ = ("cmd", "length", "streamed", "swallow", "t_ns", "ctx")
+
+    def __init__(self, cmd: int, length: int, streamed: bool = False, swallow: bool = False, t_ns: int = 0,
+                 ctx: Context = None) -> None:
+        self.cmd = cmd
+        self.length = length  # exact response payload size
+        self.streamed = streamed  # payload streamed as body (GET_TENSOR) instead of read as head
+        self.swallow = swallow  # injected by the proxy: do not forward the response
+        self.t_ns = t_ns
+        self.ctx = ctx
 
 
 class Session:
@@ -278,9 +284,9 @@ class Session:
         if response != NO_RESPONSE:
             if response == SIZED_BY_REQUEST:
                 size = _U64.unpack_from(head, _GET_TENSOR_SIZE_AT)[0]
-                exp = Expect(cmd, size, streamed=True, t_ns=self._now)
+                exp = Expect(cmd, size, True, False, self._now, None)
             else:
-                exp = Expect(cmd, response, t_ns=self._now, ctx=ctx)
+                exp = Expect(cmd, response, False, False, self._now, ctx)
             self._expect.append(exp)
         out.append(raw)
 

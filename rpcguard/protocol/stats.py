@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Mapping
+from typing import Final
 
 from rpcguard.protocol.versions import COMMAND_NAMES
 
@@ -31,7 +32,7 @@ __all__ = [
 # Command ids are one byte on the wire but the protocol defines fewer than 20; 32 slots
 # leave room for new versions while keeping each per-session list tiny. The session must
 # refuse (and not count) ids >= N_COMMANDS: indexing past the end raises IndexError.
-N_COMMANDS = 32
+N_COMMANDS: Final = 32
 
 # Upper bounds (inclusive, Prometheus "le") of the command latency histogram, in seconds.
 # From 100 µs (GET_ALIGNMENT on loopback) to 10 s (a large GRAPH_COMPUTE); +Inf is implied.
@@ -42,7 +43,7 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 # The same bounds in integer nanoseconds, so observe_latency() bisects ints, no float math.
 LATENCY_BUCKETS_NS: tuple[int, ...] = tuple(round(b * 1_000_000_000) for b in LATENCY_BUCKETS_S)
 # Number of per-command bucket slots: one per bound plus the +Inf slot (last index).
-N_LATENCY_BUCKETS = len(LATENCY_BUCKETS_S) + 1
+N_LATENCY_BUCKETS: Final = len(LATENCY_BUCKETS_S) + 1
 
 # Command names (the wire ids of protocol/versions.py), used for metric labels and the
 # audit log. Ids missing here are named "CMD_<n>" (see command_name()).

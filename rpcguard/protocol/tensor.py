@@ -20,7 +20,7 @@ Rules (reason strings are stable, see docs/design.md):
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Final, Mapping, NamedTuple
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import TENSOR_STRUCT
@@ -44,20 +44,21 @@ __all__ = [
 ]
 
 # Rule groups for check_tensor (bit mask).
-CHECK_TENSOR = 1  # type, shape, nbytes, flags, name
-CHECK_BUFFER = 2  # buffer/data consistency and the data range inside the buffer
+CHECK_TENSOR: Final = 1  # type, shape, nbytes, flags, name
+CHECK_BUFFER: Final = 2  # buffer/data consistency and the data range inside the buffer
 # GET_ALLOC_SIZE only: the server treats an unknown handle as "no buffer" and never touches the
 # data there, and the 7.0.0 client serialises srcs living on *another* RPC server with that
 # server's handle, so an unknown handle is not refused for it (known handles are range-checked).
-FOREIGN_BUFFER_OK = 4
-STRICT = CHECK_TENSOR | CHECK_BUFFER
+FOREIGN_BUFFER_OK: Final = 4
+STRICT: Final = CHECK_TENSOR | CHECK_BUFFER
 
-NBYTES_LIMIT = 1 << 63  # the server's size_t arithmetic wraps; anything this large is a lie
-INT64_MAX = (1 << 63) - 1  # ggml_new_tensor_impl asserts the element count fits in int64_t
-FLAGS_MASK = 0x1F  # INPUT, OUTPUT, PARAM, LOSS, COMPUTE; other bits are undefined (spec §3.1)
+NBYTES_LIMIT: Final = 1 << 63  # the server's size_t arithmetic wraps; anything this large is a lie
+INT64_MAX: Final = (1 << 63) - 1  # ggml_new_tensor_impl asserts the element count fits in int64_t
+FLAGS_MASK: Final = 0x1F  # INPUT, OUTPUT, PARAM, LOSS, COMPUTE; other bits are undefined (spec §3.1)
 # Validated tensors are remembered by their 296 raw bytes (SessionState.tensor_cache). A graph's
 # weight tensors repeat every token; node ids change when shapes change, so the cache is bounded:
 # 65536 entries is about 30 MB, several times the tensors of one large-model graph.
+# Not Final: tests shrink it (an insert-time bound, off the per-frame path).
 TENSOR_CACHE_MAX = 1 << 16
 
 

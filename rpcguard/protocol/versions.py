@@ -15,7 +15,7 @@ docs/protocol-verification.md, and from the rpcguard protocol spec (shared/spec,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Final, Mapping
 
 __all__ = [
     "Version",
@@ -38,18 +38,18 @@ __all__ = [
 
 Version = tuple[int, int, int]
 
-HEADER_REQ_BYTES = 9  # cmd:u8 | len:u64
-HEADER_RSP_BYTES = 8  # len:u64
-TENSOR_BYTES = 296  # sizeof(rpc_tensor), packed, GGML_MAX_DIMS=4, GGML_MAX_SRC=10, GGML_MAX_NAME=64
+HEADER_REQ_BYTES: Final = 9  # cmd:u8 | len:u64
+HEADER_RSP_BYTES: Final = 8  # len:u64
+TENSOR_BYTES: Final = 296  # sizeof(rpc_tensor), packed, GGML_MAX_DIMS=4, GGML_MAX_SRC=10, GGML_MAX_NAME=64
 
 # Payload layouts.
-FIXED = "fixed"  # len must equal `request`; the whole payload is validated before forwarding
-STREAM = "stream"  # len >= `request` (the head); the head is validated, the rest is streamed
-WHOLE = "whole"  # variable len, validated whole (bounded by policy) before forwarding
+FIXED: Final = "fixed"  # len must equal `request`; the whole payload is validated before forwarding
+STREAM: Final = "stream"  # len >= `request` (the head); the head is validated, the rest is streamed
+WHOLE: Final = "whole"  # variable len, validated whole (bounded by policy) before forwarding
 
 # Response kinds.
-NO_RESPONSE = -1  # the server sends nothing back
-SIZED_BY_REQUEST = -2  # GET_TENSOR: the payload is the `size` asked for
+NO_RESPONSE: Final = -1  # the server sends nothing back
+SIZED_BY_REQUEST: Final = -2  # GET_TENSOR: the payload is the `size` asked for
 
 COMMAND_NAMES: tuple[str, ...] = (
     "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER",
@@ -58,7 +58,9 @@ COMMAND_NAMES: tuple[str, ...] = (
     "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
 )  # fmt: skip
 COMMAND_IDS: Mapping[str, int] = {n: i for i, n in enumerate(COMMAND_NAMES)}
-HELLO = COMMAND_IDS["HELLO"]
+# A literal, so that compiled modules (setup.py) inline it; the table above stays the truth.
+HELLO: Final = 14
+assert COMMAND_NAMES[HELLO] == "HELLO"
 
 CATEGORIES: Mapping[str, tuple[str, ...]] = {
     "handshake": ("HELLO", "DEVICE_COUNT"),
