@@ -23,6 +23,9 @@ CPU with HAProxy's and rpcguard's):
   ``ssl.MemoryBIO`` objects (encrypted bytes in and out of the transport).
 * ``thread``: one thread per connection, a blocking plain socket and a non-blocking
   ``ssl.SSLSocket`` waited on with ``poll()``.
+* ``sock``: uvloop, the plain side as in ``aio``; the TLS side a non-blocking ``ssl.SSLSocket``
+  (OpenSSL reads and writes the socket itself: no MemoryBIO copy) driven by the loop's
+  ``add_reader`` / ``add_writer``.
 
 The ready line (``READY_MESSAGE``) is printed once the listening socket is bound. This is a
 benchmark tool, good for the few sessions a benchmark opens; it is not a product.
@@ -40,7 +43,7 @@ import threading
 
 __all__ = ["DESIGNS", "ROLES", "READY_MESSAGE", "tls_context", "main"]
 
-DESIGNS = ("aio", "bio", "thread")
+DESIGNS = ("aio", "bio", "thread", "sock")
 ROLES = ("connect", "serve")
 READY_MESSAGE = "passthrough ready"
 HOST = "127.0.0.1"
@@ -277,6 +280,124 @@ class BioTlsEnd(PlainEnd):
         super().connection_lost(exc)
 
 
+class SockTlsEnd:
+    """The TLS side of the ``sock`` design: a non-blocking ``ssl.SSLSocket`` on the event loop.
+    It stands in for a transport too (``close``, ``pause_reading``, ``resume_reading``)."""
+
+    def __init__(self, link: Link, tls: ssl.SSLSocket) -> None:
+        self.link, self.tls = link, tls
+        self.obj = getattr(tls, "_sslobj", None) or tls  # the C object, as BioTlsEnd
+        self.fd = tls.fileno()
+        self.loop = asyncio.get_running_loop()
+        self.buf = memoryview(bytearray(BUF_BYTES))
+        self.out: list[bytes] = []  # what SSL_write could not send yet, retried whole and in order
+        self.transport = self
+        self.closed = False
+        link.ends.append(self)  # type: ignore[arg-type]
+        self.loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        other, obj, buf = self.link.other(self), self.obj, self.buf  # type: ignore[arg-type]
+        while True:  # until OpenSSL has nothing buffered and the socket nothing to read
+            try:
+                n = obj.read(BUF_BYTES, buf)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except OSError:  # ssl.SSLError included: a bad record or close_notify
+                self.link.close()
+                return
+            if not n:
+                self.link.close()
+                return
+            other.send(bytes(buf[:n]))
+
+    def send(self, data: bytes) -> None:
+        if self.out:
+            self.out.append(data)
+            return
+        try:
+            self.obj.write(data)
+        except ssl.SSLWantWriteError:  # the socket is full: retry when it drains
+            self.out.append(data)
+            self.loop.add_writer(self.fd, self._writable)
+            self.link.other(self).transport.pause_reading()  # type: ignore[arg-type,union-attr]
+        except OSError:
+            self.link.close()
+
+    def _writable(self) -> None:
+        while self.out:
+            try:
+                self.obj.write(self.out[0])
+            except ssl.SSLWantWriteError:
+                return
+            except OSError:
+                self.link.close()
+                return
+            self.out.pop(0)
+        self.loop.remove_writer(self.fd)
+        self.link.other(self).transport.resume_reading()  # type: ignore[arg-type,union-attr]
+
+    def pause_reading(self) -> None:
+        self.loop.remove_reader(self.fd)
+
+    def resume_reading(self) -> None:
+        self.loop.add_reader(self.fd, self._readable)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+            self.tls.close()
+
+
+async def _wait_fd(fd: int, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    (loop.add_writer if write else loop.add_reader)(fd, ready.set_result, None)
+    try:
+        await ready
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+async def _sock_handshake(tls: ssl.SSLSocket) -> None:
+    while True:
+        try:
+            tls.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            await _wait_fd(tls.fileno(), write=False)
+        except ssl.SSLWantWriteError:
+            await _wait_fd(tls.fileno(), write=True)
+
+
+async def _sock_session(ctx: ssl.SSLContext, opts: Options, sock: socket.socket, link: Link) -> None:
+    loop = asyncio.get_running_loop()
+    if opts.role == "serve":
+        upstream = PlainEnd(link)
+        await loop.create_connection(lambda: upstream, HOST, opts.upstream)
+        sock.setblocking(False)
+        _nodelay(sock)
+        tls = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        await _sock_handshake(tls)
+        SockTlsEnd(link, tls)
+    else:
+        raw = socket.socket()
+        try:
+            raw.setblocking(False)
+            await loop.sock_connect(raw, (HOST, opts.upstream))
+            _nodelay(raw)
+            tls = ctx.wrap_socket(raw, server_hostname=opts.server_name, do_handshake_on_connect=False)
+            await _sock_handshake(tls)  # the client's bytes are read only once TLS is up
+        except BaseException:
+            raw.close()
+            raise
+        SockTlsEnd(link, tls)
+        accepted = PlainEnd(link)
+        await loop.connect_accepted_socket(lambda: accepted, sock)
+
+
 async def _aio_session(ctx: ssl.SSLContext, opts: Options, sock: socket.socket, link: Link) -> None:
     loop = asyncio.get_running_loop()
     accepted, upstream = PlainEnd(link), PlainEnd(link)
@@ -303,7 +424,7 @@ async def _bio_session(ctx: ssl.SSLContext, opts: Options, sock: socket.socket, 
         await loop.connect_accepted_socket(lambda: accepted, sock)
 
 
-_SESSIONS = {"aio": _aio_session, "bio": _bio_session}
+_SESSIONS = {"aio": _aio_session, "bio": _bio_session, "sock": _sock_session}
 
 
 async def _guarded(session, ctx: ssl.SSLContext, opts: Options, sock: socket.socket) -> None:
