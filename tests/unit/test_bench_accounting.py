@@ -1,5 +1,5 @@
 """The arithmetic of the benchmark harness: CPU deltas and sums (bench/cpuacct.py), speed ratios
-against a baseline (bench/report.py) and the dependency comparison that decides whether a
+against a baseline (bench/report.py), the paired ratios of bench/paired.py and the dependency comparison that decides whether a
 baseline revision needs a venv of its own (bench/baseline.py). The measurements themselves are
 run by bench/run.py, never by pytest."""
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(BENCH))
 import arms  # noqa: E402
 import baseline  # noqa: E402
 import cpuacct  # noqa: E402
+import paired  # noqa: E402
 import report  # noqa: E402
 
 
@@ -99,3 +100,21 @@ def test_dependencies_of_ignores_order_and_other_tables():
     two = '[project]\ndependencies = ["a", "b>=1"]\n'
     assert baseline.dependencies_of(one) == baseline.dependencies_of(two) == ["a", "b>=1"]
     assert baseline.dependencies_of('[project]\nname = "x"\n') == []
+
+
+def test_paired_summary_divides_each_run_by_the_first_arm_s_run_of_the_same_repetition():
+    def run(tok_s: float, client: float, server: float) -> dict:
+        return {"tok_s": tok_s, "tokens": [1, 2], "cpu_ms": {"client": client, "server": server}}
+
+    runs = {
+        "haproxy": [run(100, 0.1, 0.1), run(50, 0.2, 0.2), run(100, 0.1, 0.1)],
+        # each run twice HAProxy's CPU of the same repetition, whatever the level of the machine
+        "rpcguard": [run(80, 0.2, 0.3), run(40, 0.4, 0.6), {"error": "Remote RPC server crashed"}],
+    }
+    got = paired.summarize(runs, ["haproxy", "rpcguard"])
+    assert got["haproxy"]["cpu_vs_first"] == {"client": 1.0, "server": 1.0}
+    assert got["rpcguard"]["cpu_vs_first"] == {"client": 2.0, "server": 3.0}  # the failed run is left out
+    assert got["rpcguard"]["speed_vs_first"] == 0.8
+    assert (got["rpcguard"]["runs"], got["rpcguard"]["failed"]) == (2, 1)
+    assert got["rpcguard"]["cpu_ms"] == {"client": 0.3, "server": 0.45}  # medians of its own runs
+    assert "| rpcguard | 2 | 60.0 | 0.3 | 0.45 | 0.8 | 2.0 / 3.0 |" in paired.table(got, ["haproxy", "rpcguard"])
