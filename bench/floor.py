@@ -53,7 +53,7 @@ import protoclient  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 
-__all__ = ["ARMS", "WORKLOADS", "SIDE", "SIDES", "Run", "start_stack", "measure", "summarize", "main"]
+__all__ = ["ARMS", "WORKLOADS", "SIDE", "SIDES", "Run", "arm_list", "start_stack", "measure", "summarize", "main"]
 
 ARMS = ("haproxy", "rpcguard", *passthrough.DESIGNS)
 WORKLOADS = {"ping": protoclient.ping, "burst": protoclient.burst}
@@ -248,6 +248,15 @@ def _mtls_line(runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------ CLI
+def arm_list(ap: argparse.ArgumentParser, text: str, at_least: int = 1) -> list[str]:
+    """The arms of ``--arms`` (comma-separated, known ones only); ``ap.error`` otherwise."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(arms) < at_least:
+        ap.error(f"--arms: give at least {at_least} of {','.join(ARMS)} (unknown: {','.join(unknown) or '-'})")
+    return arms
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
@@ -256,10 +265,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--count", type=int, default=5000, help="measured operations per repetition")
     ap.add_argument("--json", type=Path, help="also write the runs and the summary to this file")
     args = ap.parse_args(argv)
-    args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in args.arm_list if a not in ARMS]
-    if unknown or not args.arm_list:
-        ap.error(f"--arms: unknown arm {','.join(unknown) or '(none given)'}; choose from {','.join(ARMS)}")
+    args.arm_list = arm_list(ap, args.arms)
     if args.reps < 1 or args.count < 1:
         ap.error("--reps and --count must be at least 1")
     return args

@@ -107,10 +107,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, help="tokens per run (default: 100 tiny, 64 bench)")
     ap.add_argument("--json", type=Path, help="also write the runs and the summary to this file")
     args = ap.parse_args(argv)
-    args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in args.arm_list if a not in floor.ARMS]
-    if unknown or len(args.arm_list) < 2:
-        ap.error(f"--arms: give at least two of {','.join(floor.ARMS)} (unknown: {','.join(unknown) or '-'})")
+    args.arm_list = floor.arm_list(ap, args.arms, at_least=2)
     if args.reps < 1 or args.restart_every < 1:
         ap.error("--reps and --restart-every must be at least 1")
     return args

@@ -119,11 +119,6 @@ class Route:
         self.traffic.profile_admitted(profile.name)
         return profile
 
-    @property
-    def acl(self) -> Callable[[], AllowList] | None:
-        """serve: the current allow-list (a getter, as the relay reads it per session)."""
-        return (lambda: self.allow) if self.allow is not None else None  # type: ignore[return-value]
-
     def admit(self, link: Any, ssl_object: ssl.SSLObject | None) -> Admission:
         """Whether the new session of ``link`` may start. serve: the client certificate's usage
         (clientAuth, whoever issued it), the allow-list, the identity's profile. Both roles: the

@@ -78,7 +78,7 @@ def test_first_matching_entry_decides_the_profile(base: Path) -> None:
     assert route.profile_for(ident("probe")) is gpu0.profiles["monitor"]
     assert route.profile_for(ident(uri="spiffe://lab/t/a")) is gpu0.profiles["tenant"]
     assert route.profile_for(ident("client1")) is gpu0.default
-    assert route.acl is not None and not route.acl().allows(ident("nobody"))
+    assert route.allow is not None and not route.allow.allows(ident("nobody"))
     assert route.traffic.profile_sessions == {"monitor": 1, "tenant": 1, "default": 1}
     assert route.default is gpu0.default  # (route.policy / route.limits: read-only views of it for the old relay)
     # a reload swaps the route's settings; a Profile already handed out is unchanged
