@@ -519,7 +519,9 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     bad = (mode not in ROPE_MODES or n_dims <= 0 or n_dims % 2 or n_offs < 0 or n_offs % 2
            or n_offs + n_dims > a.ne0)
     if mode & ROPE_TYPE_MROPE:
-        bad = bad or min(sections) < 0 or not 0 < sum(sections) <= a.ne0
+        # ops.cpp:6382 GGML_ASSERT(sections[0] > 0 || sections[1] > 0 || sections[2] > 0): the
+        # fourth section alone does not count
+        bad = bad or min(sections) < 0 or not 0 < sum(sections) <= a.ne0 or not max(sections[:3]) > 0
     if mode == ROPE_TYPE_VISION:
         bad = bad or n_dims != a.ne0 // 2 or n_offs != 0
     if bad:
@@ -687,6 +689,8 @@ def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     assert a is not None
     _types(n, "DIAG_MASK", ONLY_F32, a)
     _need(is_contiguous(a) and n.param0 >= 0, n, "DIAG_MASK", "src not contiguous or n_past < 0")
+    # ops.cpp:5761 asserts nb0 == sizeof(float) of dst and src (ggml_is_contiguous skips ne0 == 1)
+    _need(a.nb0 == 4, n, "DIAG_MASK", "nb0 is not the element size")
     return _dup_or_inplace(a)
 
 
@@ -728,6 +732,7 @@ def _timestep_embedding(n: RpcTensor, s: Srcs) -> Result:
     if n.param0 <= 0:
         raise refuse(n, "TIMESTEP_EMBEDDING", f"dim {n.param0}", "graph_op_params_invalid")
     _types(n, "TIMESTEP_EMBEDDING", ONLY_F32, a)
+    _need(a.nb0 == 4, n, "TIMESTEP_EMBEDDING", "nb0 is not the element size")  # ops.cpp:8659
     return New(F32, (n.param0, a.ne0, 1, 1))
 
 
@@ -786,7 +791,9 @@ def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
     n_t = sx.ne0 - c.ne0 + 1
     ok = sx.ne3 == 1 and c.ne2 == 1 and c.ne3 == 1 and sx.ne1 == c.ne1 and n_t >= 0
     _need(ok, n, "SSM_CONV", f"sx {sx.ne} c {c.ne}")
-    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c), n, "SSM_CONV", "strides the kernel assumes")
+    # ops.cpp:9948-9949 assert unit nb0 of both (ggml_is_contiguous does not look at it for ne0 == 1)
+    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c) and c.nb0 == 4, n, "SSM_CONV",
+          "strides the kernel assumes")
     return New(F32, (c.ne1, n_t, sx.ne2, 1))
 
 
@@ -815,11 +822,11 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MUL", "ggml.c:2284 ggml_mul", 2, _binary),
     OpRule("DIV", "ggml.c:2316 ggml_div", 2, _binary),
     OpRule("ADD_ID", "ggml.c:2130 ggml_add_id", 3, _add_id),
-    OpRule("SQR", "ggml.c:2344 ggml_sqr", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("SQRT", "ggml.c:2370 ggml_sqrt", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("LOG", "ggml.c:2396 ggml_log", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("SIN", "ggml.c:2446 ggml_sin", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("COS", "ggml.c:2472 ggml_cos", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("SQR", "ggml.c:2344 ggml_sqr", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("SQRT", "ggml.c:2370 ggml_sqrt", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("LOG", "ggml.c:2396 ggml_log", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("SIN", "ggml.c:2446 ggml_sin", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("COS", "ggml.c:2472 ggml_cos", 1, _unary_like(F32_F16, rows=True, unit=True)),
     OpRule("SUM", "ggml.c:2486 ggml_sum", 1, _sum),
     OpRule("SUM_ROWS", "ggml.c:2499 ggml_sum_rows", 1, _reduce_rows(None)),
     OpRule("CUMSUM", "ggml.c:2517 ggml_cumsum", 1, _cumsum),
