@@ -579,7 +579,14 @@ def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
     """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35; SWIGLU_CLAMP came with 7.0.0)."""
     if n.param0 >= GLU_OP_COUNT - 1:
         raise refuse(n, "GLU", f"glu op {n.param0} unknown before 7.0.0", "graph_op_params_invalid")
+    a = s[0]
+    assert a is not None
+    _types(n, "GLU", F32_F16, a)  # BF16 kernels were read for 7.0.0 only
     return _glu(n, s)
+
+
+# glu op -> the types its CPU kernel dispatches (ops.cpp:3456ff): F32/F16/BF16 but these
+_GLU_TYPES: Mapping[int, frozenset[int]] = {GLU_OP_SWIGLU_OAI: ONLY_F32, 6: F32_F16}  # 6: SWIGLU_CLAMP
 
 
 def _glu(n: RpcTensor, s: Srcs) -> Result:
@@ -589,12 +596,13 @@ def _glu(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     if not 0 <= n.param0 < GLU_OP_COUNT or n.param1 not in (0, 1):
         raise refuse(n, "GLU", f"glu op {n.param0} swapped {n.param1}", "graph_op_params_invalid")
-    _types(n, "GLU", ONLY_F32 if n.param0 == GLU_OP_SWIGLU_OAI else F32_F16, a)  # ops.cpp:3564
+    _types(n, "GLU", _GLU_TYPES.get(n.param0, FLOAT), a)  # ops.cpp: the dispatch of each glu op
     _need(is_contiguous(a, 1), n, "GLU", "src0 not contiguous_1")
     if b is not None:
         _need(is_contiguous(b, 1) and b.ne == a.ne and b.type == a.type, n, "GLU", "src1")
         return New(a.type, a.ne)
-    _need(a.ne0 % 2 == 0, n, "GLU", "odd ne0 without a split source")
+    # an odd ne0 gives ne0 // 2 (the constructor and the kernel's nc = ne00 / 2: both halves
+    # inside the row)
     return New(a.type, (a.ne0 // 2, a.ne1, a.ne2, a.ne3))
 
 
@@ -618,6 +626,10 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return _dup_or_inplace(a)
 
 
+# the concat kernels that copy element by element (ops.cpp concat_f32/_f16/_i8), any strides
+_CONCAT_ELEMENTWISE = frozenset({F32, F16, BF16, I32, I16, I8})
+
+
 def _concat(n: RpcTensor, s: Srcs) -> Result:
     """ggml_concat ggml.c:2631."""
     a, b = s[0], s[1]
@@ -626,7 +638,11 @@ def _concat(n: RpcTensor, s: Srcs) -> Result:
     if not 0 <= dim < MAX_DIMS:
         raise refuse(n, "CONCAT", f"dim {dim}", "graph_op_params_invalid")
     _need(a.type == b.type and all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), n, "CONCAT", "shapes")
-    _types(n, "CONCAT", frozenset({F32, F16, BF16, I32, I16, I8}), a)
+    if a.type not in _CONCAT_ELEMENTWISE:
+        # ops.cpp ggml_compute_forward_concat_any: other types (I64, block types) are copied a row
+        # of bytes at a time; it asserts contiguous rows of both sources (blocks whole per row:
+        # the tensor rule's ne0 % block size)
+        _need(rows_contiguous(a) and rows_contiguous(b), n, "CONCAT", "rows not contiguous")
     ne = list(a.ne)
     ne[dim] += b.ne[dim]
     return New(a.type, tuple(ne))  # type: ignore[arg-type]
@@ -800,6 +816,158 @@ def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (c.ne1, n_t, sx.ne2, 1))
 
 
+WKV7_HEAD_MULTIPLE = 64  # the widest GGML_F32_STEP of the CPU backends (AVX-512: 16 floats x 4)
+
+
+def _linear_attn(state_src: int, n_inputs: int, op: str) -> Derive:
+    """RWKV_WKV6 (ggml.c ggml_rwkv_wkv6: k v r tf td state), RWKV_WKV7 (r w k v a b state) and
+    GATED_LINEAR_ATTN (k v q g state, param scale): S = head size, H = heads, T = tokens taken
+    from the [S, H, T] inputs, all contiguous F32 (the kernels, ops.cpp:10642/11651/10854,
+    dispatch on F32 and read every source as a flat float array); the state holds S*S*H floats
+    per sequence, n_seqs = state.ne1. Result F32 (S*H, T + S*n_seqs): the output rows, then the
+    new state. Beyond the constructor: the kernels take sequence ``t / (T / n_seqs)`` of the state
+    for token t, so T must be a multiple of n_seqs (else T / n_seqs is 0, a division by zero, or
+    the last tokens index a state past the end: a read and write out of bounds); WKV6 reads
+    C = S*H values of tf (time_faaaa), which the constructor does not check."""
+    def derive(n: RpcTensor, s: Srcs) -> Result:
+        srcs = [s[i] for i in range(state_src + 1)]
+        assert all(t is not None for t in srcs)
+        ts = [t for t in srcs if t is not None]
+        state = ts[state_src]
+        _types(n, op, ONLY_F32, *ts)
+        _need(all(is_contiguous(t) for t in ts), n, op, "sources not contiguous (the constructor asserts it)")
+        shaped = [t for i, t in enumerate(ts[:n_inputs]) if not (op == "RWKV_WKV6" and i == 3)]  # tf: its own shape
+        head = shaped[0]
+        S, H, T = head.ne0, head.ne1, head.ne2
+        _need(all(t.ne0 == S and t.ne1 == H and t.ne2 == T and t.ne3 == 1 for t in shaped), n, op,
+              f"inputs are not all [S, H, T] = {head.ne[:3]}")
+        n_seqs = state.ne1
+        _need(nelements(state) == S * S * H * n_seqs, n, op, f"state {state.ne} for S={S} H={H}")
+        _need(T % n_seqs == 0, n, op, f"{T} tokens are not a multiple of {n_seqs} sequences")
+        if op == "RWKV_WKV6":
+            _need(nelements(ts[3]) >= S * H, n, op, f"time_faaaa {ts[3].ne} holds fewer than {S * H} values")
+        if op == "RWKV_WKV7":
+            # ops.cpp:11747 loads GGML_F32_STEP floats at a time with no remainder loop (32 with
+            # AVX2, 64 with AVX-512): a head size that is not a multiple reads and writes past
+            # the rows (RWKV-7 models use 64)
+            _need(S % WKV7_HEAD_MULTIPLE == 0, n, op, f"head size {S} is not a multiple of {WKV7_HEAD_MULTIPLE}")
+        return New(F32, (S * H, T + S * n_seqs, 1, 1))
+
+    return derive
+
+
+def _ssm_scan(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_ssm_scan ggml.c:5696 (srcs s x dt A B C ids, param K) with the kernel's asserts
+    (ops.cpp ggml_compute_forward_ssm_scan_f32): F32 with unit nb0 everywhere, I32 ids, heads a
+    multiple of groups. The kernel writes sequence i3's new state at dst + i3*s.nb3 + |x|: the
+    state's nb3 must be its packed size even where ne3 == 1 (ggml_is_contiguous ignores it). The
+    state it reads is ``s + ids[i3]*nb3``: contents (CONTENT_INDEXED), so contained only."""
+    st, x, dt, A, B, C, ids = (s[i] for i in range(7))
+    assert st is not None and x is not None and dt is not None and A is not None
+    assert B is not None and C is not None and ids is not None
+    K = n.param0
+    _types(n, "SSM_SCAN", ONLY_F32, st, x, dt, A, B, C)
+    _types(n, "SSM_SCAN", frozenset({I32}), ids)
+    d_state, head_dim, n_head, n_tok, n_seqs = st.ne0, x.ne0, x.ne1, x.ne2, x.ne3
+    ok = (1 <= K <= INT32_MAX and is_contiguous(st) and is_contiguous(dt) and is_contiguous(A)
+          and all(t.nb0 == 4 for t in (st, x, dt, A, B, C, ids))
+          and x.nb1 == x.ne0 * 4 and B.nb1 == B.ne0 * 4 and C.nb1 == C.ne0 * 4 and B.ne == C.ne
+          and dt.ne == (n_head, n_tok, n_seqs, 1) and st.ne1 == head_dim and st.ne2 == n_head
+          and B.ne0 == d_state and B.ne2 == n_tok and B.ne3 == n_seqs
+          and ids.ne == (n_seqs, 1, 1, 1) and A.ne1 == n_head and A.ne2 == 1 and A.ne3 == 1
+          and (A.ne0 == 1 or (A.ne0 == d_state and K == 1)) and n_head % B.ne1 == 0
+          and st.nb3 == d_state * head_dim * n_head * 4)
+    _need(ok, n, "SSM_SCAN", f"s {st.ne} x {x.ne} dt {dt.ne} A {A.ne} B {B.ne} ids {ids.ne} K {K}")
+    return New(F32, (nelements(x) + K * d_state * head_dim * n_head * ids.ne0, 1, 1, 1))
+
+
+def _c_div(a: int, b: int) -> int:
+    """C's integer division (truncation toward zero), which ggml's shape arithmetic uses."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+def _conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
+    """ggml.c:4548 ggml_calc_conv_output_size, in C arithmetic (the caller refuses s == 0)."""
+    return _c_div(ins + 2 * p - d * (ks - 1) - 1, s) + 1
+
+
+def _im2col(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_im2col ggml.c:4556: params {s0, s1, p0, p1, d0, d1, is_2D}; a (the kernel) gives only
+    its shape. The kernels (ops.cpp ggml_compute_forward_im2col_f32/_f16) write F32 or F16 from
+    an F32 (or, into F16, F16) b with unit nb0; they read a channel's pixels as
+    ``src[iih*IW + iiw]`` from ``b + in*ofs0 + iic*ofs1`` with the two offsets held in an ``int``:
+    a 2D b has packed rows, and those strides fit in 31 bits. A zero stride divides by zero in
+    the shape arithmetic (the client's constructor would have crashed first)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    s0, s1, p0, p1, d0, d1, is_2d = n.op_params[:7]
+    if is_2d not in (0, 1) or s0 == 0 or (is_2d and s1 == 0):
+        raise refuse(n, "IM2COL", f"params {n.op_params[:7]}", "graph_op_params_invalid")
+    if is_2d:
+        _need(a.ne2 == b.ne2, n, "IM2COL", f"channels of {a.ne} and {b.ne}")
+    else:
+        _need(b.ne1 == a.ne1 and b.ne3 == 1, n, "IM2COL", f"channels of {a.ne} and {b.ne}")
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1) if is_2d else 0
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    _need((not is_2d or oh > 0) and ow > 0, n, "IM2COL", f"b {b.ne} too small for a {a.ne}")
+    if n.type == F32:
+        _types(n, "IM2COL", ONLY_F32, b)
+    else:
+        _types(n, "IM2COL", F32_F16, b)
+        _need(n.type == F16, n, "IM2COL", "result neither F32 nor F16")
+    esize = TYPES[b.type].type_size
+    ofs = (b.nb3, b.nb2) if is_2d else (b.nb2, b.nb1)
+    _need(b.nb0 == esize and max(ofs) <= INT32_MAX and (not is_2d or b.nb1 == b.ne0 * esize), n, "IM2COL",
+          f"strides {b.nb} of b")
+    ne = (a.ne2 * a.ne1 * a.ne0 if is_2d else a.ne1 * a.ne0, ow, oh if is_2d else b.ne2, b.ne3 if is_2d else 1)
+    return New(n.type if n.type in (F32, F16) else F32, ne)
+
+
+POOL_OPS = (0, 1)  # ggml.h enum ggml_op_pool: AVG, MAX (COUNT aborts in the kernels)
+
+
+def _pool_out(ins: int, k: int, st: int, p: int) -> int:
+    """ggml.c:5074 ggml_calc_pool_output_size: (ins + 2*p - k) / s + 1 with a float p, so in
+    single precision, each operation rounded, then truncated to int64."""
+    x = _round_f32(_round_f32(_round_f32(float(ins)) + _round_f32(2.0 * p)) - k)
+    return int(_round_f32(_round_f32(x / st) + 1.0))
+
+
+def _pool(two_d: bool) -> Derive:
+    """POOL_1D (ggml.c:5080, params {op, k0, s0, p0}) and POOL_2D (ggml.c:5108, params {op, k0,
+    k1, s0, s1, p0, p1}): an F32 result of the pooled shape. The kernels (ops.cpp
+    ggml_compute_forward_pool_1d_ksp / _pool_2d) read F32 or F16 elements ``row[j]`` (unit nb0);
+    POOL_1D walks ggml_nrows rows at ``ir*nb1`` (the flat-row rule), POOL_2D walks planes from
+    data to data + nbytes in steps of nb2, so its source is packed exactly as ggml_new_tensor
+    lays it out (a size-1 dimension's stride included: nb2 = 0 would never end). Window
+    positions are ``int``: kernel, stride and output size keep them inside 31 bits."""
+    def derive(n: RpcTensor, s: Srcs) -> Result:
+        a = s[0]
+        assert a is not None
+        op = "POOL_2D" if two_d else "POOL_1D"
+        if two_d:
+            pool, k0, k1, s0, s1, p0, p1 = n.op_params[:7]
+        else:
+            pool, k0, s0, p0 = n.op_params[:4]
+            k1, s1, p1 = 1, 1, 0
+        if pool not in POOL_OPS or min(k0, k1, s0, s1) <= 0:
+            raise refuse(n, op, f"params {n.op_params[:7]}", "graph_op_params_invalid")
+        _types(n, op, F32_F16, a)
+        _need(a.nb0 == TYPES[a.type].type_size, n, op, "nb0 is not the element size")
+        if two_d:
+            _need(a.nb == contiguous_nb(a.type, a.ne), n, op, "source not packed")
+        ow = _pool_out(a.ne0, k0, s0, p0)
+        oh = _pool_out(a.ne1, k1, s1, p1) if two_d else a.ne1
+        _need(ow > 0 and oh > 0, n, op, f"window larger than {a.ne}")
+        reach = max(ow * s0, oh * s1) + max(k0, k1) + abs(p0) + abs(p1)
+        if reach > INT32_MAX:
+            raise refuse(n, op, f"window positions past 2^31 ({reach})", "graph_op_params_invalid")
+        return New(F32, (ow, oh, a.ne2, a.ne3))
+
+    return derive
+
+
 def _roll(n: RpcTensor, s: Srcs) -> Result:
     """ggml_roll ggml.c:5330: unit nb0, |shift_i| < ne_i (params 0..3); result a fresh copy. The
     kernel (ops.cpp:8557) is F32 only and copies whole rows of ne0."""
@@ -874,6 +1042,13 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
     OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16), params=1),
+    OpRule("IM2COL", "ggml.c:4556 ggml_im2col", 2, _im2col, params=7),
+    OpRule("POOL_1D", "ggml.c:5080 ggml_pool_1d", 1, _pool(False), params=4),
+    OpRule("POOL_2D", "ggml.c:5108 ggml_pool_2d", 1, _pool(True), params=7),
+    OpRule("SSM_SCAN", "ggml.c:5696 ggml_ssm_scan", 7, _ssm_scan, params=1),
+    OpRule("RWKV_WKV6", "ggml.c:5882 ggml_rwkv_wkv6", 6, _linear_attn(5, 5, "RWKV_WKV6")),
+    OpRule("RWKV_WKV7", "ggml.c:5968 ggml_rwkv_wkv7", 7, _linear_attn(6, 6, "RWKV_WKV7")),
+    OpRule("GATED_LINEAR_ATTN", "ggml.c:5925 ggml_gated_linear_attn", 5, _linear_attn(4, 4, "GATED_LINEAR_ATTN"), params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
@@ -891,7 +1066,7 @@ _ROWS: tuple[OpRule, ...] = (
 PER_DIMENSION_OPS = frozenset({
     "DUP", "CPY", "CONT", "ACC", "SET", "ADD", "SUB", "MUL", "DIV", "ADD_ID", "SUM", "SUM_ROWS", "CUMSUM", "MEAN",
     "REPEAT", "CONCAT", "NORM", "RMS_NORM", "L2_NORM", "MUL_MAT", "MUL_MAT_ID", "GET_ROWS", "SET_ROWS",
-    "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE", "PAD", "ROLL", "FILL", "FLASH_ATTN_EXT",
+    "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE", "PAD", "ROLL", "FILL", "FLASH_ATTN_EXT", "IM2COL",
     "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE",
 })  # fmt: skip
 
@@ -938,10 +1113,10 @@ def op_status(op: str, version: Version) -> str:
     an out-of-range index aborts the server), ``verified, residual risk`` (a rule; an out-of-range
     index reaches memory: RESIDUAL_RISK says why it is forwarded), ``contained only``, or
     ``refused`` (no rule)."""
-    if needs_containment(op):
-        return "contained only"
     if rule_for(op, version) is None:
         return "refused"
+    if needs_containment(op):
+        return "contained only"
     entry = CONTENT_INDEXED.get(op)
     if entry is None:
         return "verified"

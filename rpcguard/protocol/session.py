@@ -330,6 +330,7 @@ class Session:
     def _on_response(self, header: tuple[int], head: memoryview, raw: memoryview) -> None:
         out = self.to_client
         exp = self._expect.popleft()
+        self.state.inflight_flops = 0  # the server answered: everything before it has run
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)
         else:

@@ -374,3 +374,58 @@ def test_docs_show_what_holds_per_op():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- op-status:begin")) + 1
     assert doc[begin : doc.index("<!-- op-status:end -->")] == status_markdown(V7, op_table(V7).names)  # type: ignore[union-attr]
+
+
+def ssm_scan(n_seqs=2, state_nb3=None):
+    ds, hd, nh, t = 16, 3, 2, 2
+    st = T(0x10, F32, (ds, hd, nh, n_seqs), nb=None if state_nb3 is None else (4, 64, 192, state_nb3))
+    x = T(0x11, F32, (hd, nh, t, n_seqs))
+    dt = T(0x12, F32, (nh, t, n_seqs, 1))
+    a = T(0x13, F32, (1, nh, 1, 1))
+    b = T(0x14, F32, (ds, 1, t, n_seqs))
+    c = T(0x15, F32, (ds, 1, t, n_seqs))
+    ids = T(0x16, I32, (n_seqs, 1, 1, 1))
+    n = hd * nh * t * n_seqs + ds * hd * nh * n_seqs
+    d = T(0x20, F32, (n, 1, 1, 1), op=OPS["SSM_SCAN"], src=tuple(range(0x10, 0x17)), op_params=(1,))
+    return [st, x, dt, a, b, c, ids], d
+
+
+def test_ssm_scan_needs_containment():
+    tensors, d = ssm_scan()
+    assert reason(tensors, d) == "op_needs_containment"
+    v = GraphValidator(max_nodes=64, max_tensors=64, contained=True)
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+    # one sequence whose state stride (ne3 == 1: not looked at by ggml_is_contiguous) is not the
+    # packed size: the kernel writes the new state at dst + i3*nb3
+    tensors, d = ssm_scan(n_seqs=1, state_nb3=1 << 20)
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+    assert exc.value.reason == "graph_shape_invalid"
+
+
+def wkv(op, S=64, H=2, T_=4, n_seqs=2, tf_ne=None):
+    n_in = {"RWKV_WKV6": 5, "RWKV_WKV7": 6, "GATED_LINEAR_ATTN": 4}[op]
+    ins = [T(0x10 + i, F32, (S, H, T_, 1)) for i in range(n_in)]
+    if tf_ne is not None:
+        ins[3] = T(0x13, F32, tf_ne)
+    st = T(0x10 + n_in, F32, (S * S * H, n_seqs, 1, 1))
+    params = (f(0.5),) if op == "GATED_LINEAR_ATTN" else ()
+    d = T(0x20, F32, (S * H, T_ + S * n_seqs, 1, 1), op=OPS[op], src=tuple(range(0x10, 0x11 + n_in)),
+          op_params=params)
+    return ins + [st], d
+
+
+@pytest.mark.parametrize("op", ["RWKV_WKV6", "RWKV_WKV7", "GATED_LINEAR_ATTN"])
+def test_linear_attention_rules(op):
+    run(*wkv(op))
+    # 5 tokens over 2 sequences: the kernel takes state t / (5 // 2) for token t, past the end
+    assert reason(*wkv(op, T_=5)) == "graph_shape_invalid"
+
+
+def test_wkv6_reads_head_size_times_heads_of_time_first():
+    assert reason(*wkv("RWKV_WKV6", tf_ne=(4, 1, 1, 1))) == "graph_shape_invalid"
+
+
+def test_wkv7_head_size_is_a_multiple_of_the_simd_step():
+    assert reason(*wkv("RWKV_WKV7", S=4)) == "graph_shape_invalid"
+    run(*wkv("RWKV_WKV6", S=4))  # WKV6 has a remainder loop
