@@ -109,7 +109,12 @@ _FREE = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
 def _nb(t: RpcTensor | None) -> int:
-    return 0 if t is None else nbytes(t, TYPES[t.type])
+    """Logical bytes (elements x type size), not ggml_nbytes: a view with a zero or overlapping
+    stride is still read element by element."""
+    if t is None:
+        return 0
+    info = TYPES[t.type]
+    return t.ne0 * t.ne1 * t.ne2 * t.ne3 // info.blck_size * info.type_size
 
 
 def _row_bytes(t: RpcTensor, ne0: int) -> int:
@@ -139,6 +144,73 @@ def graph_bytes(payload: bytes) -> int:
     return sum(node_bytes(table.name(by_id[n].op) or "", by_id[n], _srcs(by_id[n], by_id)) for n in nodes)
 
 
+# -- the proposed model (docs/firewall.md "Compute budget"): what the measurements ask of cost.py --
+#
+# Every node pays BYTE_FLOPS per byte it reads and writes (node_bytes) on top of its arithmetic:
+# at the recommended rate a byte costs what the memory-bound matrix-vector products measure.
+# The arithmetic term is cost.flops with these changes: OUT_PROD's inner dimension is src0's ne1
+# (not ne0); ops whose kernel does more than a few operations per element get their own
+# operations per element; ops whose work is not proportional to their elements (sorting,
+# pooling, direct convolution) get a formula. Factors are rounded up from the "needed" figures
+# of the -t 1 run (calibration.md) with at least 1.4x margin.
+BYTE_FLOPS = 4
+RECOMMENDED_GFLOPS = 50.0  # half the -t 1 idle MUL_MAT rate of this machine (87-105 GFLOP/s)
+FA_FACTOR = {"float": 3, "quant": 5}  # FLASH_ATTN_EXT: multiplies 2*n_q*H*n_kv*(DK+DV)
+OUT_PROD_FACTOR = 6  # the CPU kernel is vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
+ELEMENT_FLOPS_OP = {"SOFT_MAX": 48, "RMS_NORM": 24, "NORM": 24, "L2_NORM": 24, "GROUP_NORM": 24, "ROPE": 16}
+CONVERT_FLOPS = 32  # CPY/DUP/CONT/SET_ROWS/GET_ROWS with an F16/BF16/quantized side
+SORT_FLOPS = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
+POOL_FLOPS = 32  # POOL_1D/2D: per dst element per kernel tap (scalar loop)
+CONV_FACTOR = 2  # CONV_2D (direct): multiplies 2*|dst|*KW*KH*Cin
+
+
+def _elems(t: RpcTensor | None) -> int:
+    return 0 if t is None else t.ne0 * t.ne1 * t.ne2 * t.ne3
+
+
+def _float(t: RpcTensor | None) -> bool:
+    return t is None or t.type == 0  # F32
+
+
+def proposed_flops(op: str, node: RpcTensor, srcs: Sequence[RpcTensor | None]) -> int:
+    """The proposed estimate of one node, in flop at the recommended rate."""
+    if op in _FREE or not _elems(node):
+        return 0
+    moved = BYTE_FLOPS * node_bytes(op, node, srcs)
+    a = srcs[0]
+    if op in ("MUL_MAT", "MUL_MAT_ID", "SSM_CONV"):
+        return flops(op, node, srcs) + moved
+    if op == "OUT_PROD":
+        return OUT_PROD_FACTOR * 2 * (a.ne1 if a is not None else 1) * _elems(node) + moved
+    if op == "FLASH_ATTN_EXT":
+        k = srcs[1]
+        kind = "quant" if k is not None and TYPES[k.type].blck_size > 1 else "float"
+        return FA_FACTOR[kind] * flops(op, node, srcs) + moved
+    if op in ("ARGSORT", "TOP_K") and a is not None:
+        return SORT_FLOPS * _elems(a) * max(1, math.ceil(math.log2(max(a.ne0, 2)))) + moved
+    if op == "POOL_2D":
+        return POOL_FLOPS * _elems(node) * max(1, node.param1) * max(1, node.param2) + moved
+    if op == "POOL_1D":
+        return POOL_FLOPS * _elems(node) * max(1, node.param1) + moved
+    if op == "CONV_2D" and a is not None:
+        return CONV_FACTOR * 2 * _elems(node) * a.ne0 * a.ne1 * a.ne2 + moved
+    if op in ("GET_ROWS", "SET_ROWS"):  # elements touched, not the whole table or cache
+        data = a if op == "GET_ROWS" else srcs[1]
+        per = 8 if _float(node) and _float(data) else CONVERT_FLOPS
+        return per * node_bytes(op, node, srcs) // 4 + moved
+    per = ELEMENT_FLOPS_OP.get(op, 8)
+    if op in ("CPY", "DUP", "CONT") and not all(_float(t) for t in (node, *srcs)):
+        per = CONVERT_FLOPS
+    return per * (_elems(node) + sum(_elems(t) for t in srcs)) + moved
+
+
+def proposed_graph_flops(payload: bytes) -> int:
+    table = op_table(V7)
+    assert table is not None
+    nodes, by_id = payload_tensors(payload)
+    return sum(proposed_flops(table.name(by_id[n].op) or "", by_id[n], _srcs(by_id[n], by_id)) for n in nodes)
+
+
 def graph_flops(payload: bytes) -> int:
     return sum(c for _, c in node_costs(payload))
 
@@ -165,6 +237,7 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
     bytes: int = 0  # node_bytes summed over the graph
+    prop_flop: int = 0  # proposed_flops summed over the graph
 
     def took(self, on: str = "wall") -> float:
         """Measured seconds: ``wall`` (median wall time on this busy machine) or ``idle`` (the
@@ -181,6 +254,11 @@ class Row:
     def ratio(self, node_gflops: float, on: str = "wall", byte_flops: float = 0.0) -> float:
         """Estimated seconds at ``node_gflops`` over measured seconds (>= 1: over-estimate)."""
         return self.gflops(on, byte_flops) / node_gflops
+
+    def prop_ratio(self, node_gflops: float, on: str = "wall") -> float:
+        """The same for the proposed model (proposed_flops)."""
+        s = self.took(on)
+        return self.prop_flop / (node_gflops * 1e9) / s if s > 0 else math.inf
 
 
 def median(xs: Sequence[float]) -> float:
@@ -665,6 +743,33 @@ def summary(rows: Sequence[Row], g: float) -> list[str]:
     return out
 
 
+def proposed_summary(rows: Sequence[Row], g: float, on: str = "idle") -> list[str]:
+    """The proposed model at ``g`` GFLOP/s: per kind, the lowest and highest est/actual."""
+    out = []
+    for t in sorted({r.threads for r in rows}):
+        mine = [r for r in rows if r.threads == t and r.took(on) >= TINY_S and r.prop_flop]
+        out.append(f"proposed model at {g:g} GFLOP/s, -t {t} {on}: per kind lowest / highest est/actual")
+        for kind in dict.fromkeys(r.kind for r in mine):
+            ks = [r for r in mine if r.kind == kind]
+            lo = min(ks, key=lambda r: r.prop_ratio(g, on))
+            hi = max(ks, key=lambda r: r.prop_ratio(g, on))
+            out.append(f"   {kind}: {lo.prop_ratio(g, on):.3g} ({lo.case}) / {hi.prop_ratio(g, on):.3g} ({hi.case})")
+    return out
+
+
+def refill(rows: list[Row]) -> None:
+    """Recompute bytes and the proposed estimate of rows read back from --json (older runs)."""
+    from tests.support.ggmlref import Built, build_many
+
+    want = {r.case for r in rows}
+    todo = [c for c in cases(False, True) if c.name in want]
+    payloads = {c.name: b.payload for c, b in zip(todo, build_many([c.recipe.fix() for c in todo], timeout_s=600))
+                if isinstance(b, Built)}
+    for r in rows:
+        if r.case in payloads:
+            r.bytes, r.prop_flop = graph_bytes(payloads[r.case]), proposed_graph_flops(payloads[r.case])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2", help="server -t values, comma-separated (default 1,2)")
@@ -682,7 +787,10 @@ def main(argv: list[str] | None = None) -> int:
         from rpcguard.protocol.graph import NODE_GFLOPS as default_g
 
         rows = [Row(**json.loads(line)) for f in a.summarize for line in f.read_text().splitlines() if line.strip()]
+        refill(rows)
         print("\n".join(summary(rows, a.node_gflops or default_g)))
+        print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS)))
+        print("\n".join(proposed_summary(rows, nice_floor(RECOMMENDED_GFLOPS * 0.4), "wall")))
         return 0
 
     from rpcguard.protocol.graph import NODE_GFLOPS
@@ -721,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = Row(c.name, c.kind, threads, sum(x for _, x in costs), m["seconds"], m["cpu_s"],
                               m["reps"], c.real, {"by_op": by_op(costs), "first_s": m["first"], "walls": m["walls"],
                                                   "cpus": m["cpus"], "rtt_s": m["rtt"], "load": loadavg()},
-                              graph_bytes(b.payload))
+                              graph_bytes(b.payload), proposed_graph_flops(b.payload))
                     rows.append(row)
                     print(fmt_row(row, g), flush=True)
                     if a.json:
@@ -731,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
                 srv.close()
     print(f"\n# load average {loadavg()} at the end", flush=True)
     print("\n".join(summary(rows, g)))
+    print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS)))
     return 0
 
 

@@ -148,3 +148,41 @@ def test_crafted_max_fits_the_budget_and_beats_its_grid_neighbours():
             assert 2 * kk * mm * nn <= f
     # smaller weights leave room for more products
     assert cc.crafted_max(budget, "q4_0", step=64)[3] > f
+
+
+def test_proposed_out_prod_uses_the_inner_dimension_ne1_of_src0():
+    a = tensor(spec(1, (64, 65536, 1, 1)))
+    b = tensor(spec(2, (64, 65536, 1, 1)))
+    dst = tensor(spec(3, (64, 64, 1, 1), op="OUT_PROD", src=(1, 2)))
+    moved = cc.BYTE_FLOPS * 4 * (64 * 65536 * 2 + 64 * 64)
+    assert cc.proposed_flops("OUT_PROD", dst, [a, b]) == cc.OUT_PROD_FACTOR * 2 * 65536 * 64 * 64 + moved
+    assert cc.flops("OUT_PROD", dst, [a, b]) == 2 * 64 * 64 * 64  # what cost.py says today: ne0
+
+
+def test_proposed_sort_grows_with_log_of_the_row():
+    short = tensor(spec(1, (4, 8, 1, 1)))
+    long_ = tensor(spec(1, (1024, 8, 1, 1)))
+    f = [cc.proposed_flops("ARGSORT", tensor(spec(2, (t.ne0, 8, 1, 1), type_=I32, op="ARGSORT", src=(1,))), [t])
+         for t in (short, long_)]
+    assert f[0] == cc.SORT_FLOPS * 32 * 2 + cc.BYTE_FLOPS * 2 * 4 * 32
+    assert f[1] == cc.SORT_FLOPS * 8192 * 10 + cc.BYTE_FLOPS * 2 * 4 * 8192
+
+
+def test_proposed_attention_costs_more_with_quantized_kv():
+    q = tensor(spec(1, (128, 4, 8, 1)))
+    kf, vf = tensor(spec(2, (128, 256, 2, 1), type_=F16, size=2)), tensor(spec(3, (128, 256, 2, 1), type_=F16, size=2))
+    kq = tensor(spec(2, (128, 256, 2, 1), type_=Q8_0, size=34, blck=32))
+    vq = tensor(spec(3, (128, 256, 2, 1), type_=Q8_0, size=34, blck=32))
+    dst = tensor(spec(4, (128, 8, 4, 1), op="FLASH_ATTN_EXT", src=(1, 2, 3)))
+    base = 2 * 4 * 8 * 1 * 256 * (128 + 128)
+    ff = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kf, vf, None])
+    fq = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kq, vq, None])
+    assert ff - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kf, vf, None]) == cc.FA_FACTOR["float"] * base
+    assert fq - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kq, vq, None]) == cc.FA_FACTOR["quant"] * base
+
+
+def test_logical_bytes_ignore_strides():
+    # a broadcast view (stride 0 in dim 1) is still read element by element
+    v = decode_tensor(pack_tensor(TensorSpec(id=1, ne=(16, 1000, 1, 1), nb=(4, 0, 0, 0))))
+    dst = tensor(spec(2, (16, 1000, 1, 1), op="ADD", src=(1, 1)))
+    assert cc.node_bytes("ADD", dst, [v, v]) == 3 * 4 * 16 * 1000
