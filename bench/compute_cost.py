@@ -785,6 +785,52 @@ def refill(rows: list[Row]) -> None:
             r.bytes, r.prop_flop = graph_bytes(payloads[r.case]), proposed_graph_flops(payloads[r.case])
 
 
+def real_session(workdir: Path, repeats: int, threads: int = 1) -> list[str]:
+    """The real llama.cpp client (``--preset bench`` model, a prompt of ``repeats`` x 6 words, 16
+    tokens) through a recording relay to a real server: every GRAPH_COMPUTE priced by cost.flops
+    and by the proposal, GRAPH_RECOMPUTE charged again, against the server's CPU time for the
+    whole session (which also holds the model upload: an upper bound of the compute)."""
+    from rpcguard.protocol.graph import NODE_GFLOPS
+    from rpcguard.protocol.versions import COMMAND_IDS
+    from tests.support import realpeer
+    from tests.support.capture import C2S, CaptureRelay
+
+    model = realpeer.make_model(workdir / "bench.gguf", "--preset", "bench")
+    prompt = " ".join(["hello world the quick brown fox"] * repeats)
+    srv = Server(workdir, threads)
+    srv.sock.close()  # the real client connects instead (the server takes one client at a time)
+    relay = CaptureRelay(srv.port, directions=(C2S,))
+    try:
+        c0 = cpu_ns(srv.proc.popen.pid)
+        run = realpeer.run_client(f"127.0.0.1:{relay.port}", model, n=16, extra=["-p", prompt, "--n-ctx", "512"])
+        cpu = (cpu_ns(srv.proc.popen.pid) - c0) / 1e9
+    finally:
+        srv.proc.stop()
+    if not run.ok:
+        return [f"real client failed: {run.output[-500:]}"]
+    gc, gr = COMMAND_IDS["GRAPH_COMPUTE"], COMMAND_IDS["GRAPH_RECOMPUTE"]
+    now = prop = 0
+    graphs = recomputes = 0
+    for conn in relay.conns:
+        data, i, last = conn.stream(C2S), 0, (0, 0)
+        while i + 9 <= len(data):
+            cmd, size = struct.unpack_from("<BQ", data, i)
+            body = data[i + 9:i + 9 + size]
+            i += 9 + size
+            if cmd == gc:
+                last = (graph_flops(body), proposed_graph_flops(body))
+                graphs += 1
+            elif cmd == gr:
+                recomputes += 1
+            else:
+                continue
+            now, prop = now + last[0], prop + last[1]
+    lines = [line for line in run.output.splitlines() if line.startswith(("prompt:", "generated"))]
+    return lines + [f"server CPU {cpu:.3f} s for {graphs} GRAPH_COMPUTE + {recomputes} GRAPH_RECOMPUTE (-t {threads}); "
+                    f"cost.flops {now:.3g} = {now / NODE_GFLOPS / 1e9:.3f} s at {NODE_GFLOPS:g} GFLOP/s; proposed "
+                    f"{prop:.3g} = {prop / RECOMMENDED_GFLOPS / 1e9:.3f} s at {RECOMMENDED_GFLOPS:g}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2", help="server -t values, comma-separated (default 1,2)")
@@ -797,8 +843,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-gflops", type=float, default=None, help="ratio column at this rate (default graph.py)")
     ap.add_argument("--json", type=Path, help="write every row here (appended per case)")
     ap.add_argument("--logdir", type=Path, help="keep the servers' logs here (default: a temporary directory)")
+    ap.add_argument("--real", type=int, metavar="N", help="only price a real llama.cpp session (prompt of N x 6 words)")
     ap.add_argument("--summarize", type=Path, nargs="+", help="only print the conclusions of earlier --json files")
     a = ap.parse_args(argv)
+    if a.real:
+        with tempfile.TemporaryDirectory(prefix="compute-cost-") as tmp:
+            print("\n".join(real_session(a.logdir or Path(tmp), a.real, int(a.threads.split(",")[0]))))
+        return 0
     if a.summarize:
         from rpcguard.protocol.graph import NODE_GFLOPS as default_g
 
