@@ -4,7 +4,9 @@
 Usage (from the repository root, with the real peers built by tests/realpeer/setup.sh):
 
     .venv/bin/python bench/compute_cost.py [--threads 1,2] [--only mul_mat,layer] [--reps 5]
-        [--json FILE] [--crafted] [--quick]
+        [--json FILE] [--crafted] [--quick] [--match TEXT] [--logdir DIR]
+    .venv/bin/python bench/compute_cost.py --real 10           # a real llama.cpp session, priced
+    .venv/bin/python bench/compute_cost.py --summarize a.jsonl b.jsonl
 
 How this works: every case is a small graph built by ggml's REAL constructors
 (tests/support/ggmlref.build_many, the same serialiser as ggml-rpc's client), so shapes, strides
@@ -30,6 +32,12 @@ than the budget thinks).
 ``--crafted`` adds the attacker's cases: the largest single MUL_MAT that about 1 GiB of buffers
 allow (F32 and Q4_0 weights) and a 40-node graph of matrix products sharing their two sources,
 measured, next to what the estimate says for 40 nodes of the largest product.
+
+Next to cost.flops each case is priced by ``proposed_flops``: the model the measurements ask for
+(a byte term, OUT_PROD's inner dimension, per-op factors, sort/pool/conv formulas; see its
+comment), at ``RECOMMENDED_GFLOPS``. ``--real N`` instead records a real llama.cpp session (the
+105 MB ``bench`` model) and prices every graph it sent against the server's CPU time.
+``--summarize FILES`` re-reads ``--json`` runs and prints the conclusions again.
 
 The machine this runs on is shared: every figure is a median of repetitions; the load average
 before and after is printed. A benchmark, not a test: it never fails on a figure.
@@ -853,11 +861,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.summarize:
         from rpcguard.protocol.graph import NODE_GFLOPS as default_g
 
-        rows = [Row(**json.loads(line)) for f in a.summarize for line in f.read_text().splitlines() if line.strip()]
-        refill(rows)
-        print("\n".join(summary(rows, a.node_gflops or default_g)))
-        print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS)))
-        print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS / 2, "wall")))
+        read = [Row(**json.loads(line)) for f in a.summarize for line in f.read_text().splitlines() if line.strip()]
+        refill(read)
+        print("\n".join(summary(read, a.node_gflops or default_g)))
+        print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS)))
+        print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS / 2, "wall")))
         return 0
 
     from rpcguard.protocol.graph import NODE_GFLOPS
