@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
-from rpcguard.protocol.ggml import op_table
+from rpcguard.protocol.ggml import OpTable, op_table
 from rpcguard.protocol.tensor import decode_tensor
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -19,8 +19,9 @@ sys.path.insert(0, str(BENCH))
 
 import compute_cost as cc  # noqa: E402
 
-OPS = op_table((7, 0, 0))
-assert OPS is not None
+_OPS = op_table((7, 0, 0))
+assert _OPS is not None
+OPS: OpTable = _OPS
 F32, F16, I32, Q8_0 = 0, 1, 26, 8
 
 
