@@ -64,7 +64,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from rpcguard.protocol import encode  # noqa: E402
-from rpcguard.protocol.cost import flops  # noqa: E402
+from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes as node_bytes  # noqa: E402
+from rpcguard.protocol.graph import NODE_GFLOPS  # noqa: E402
 from rpcguard.protocol.encode import TENSOR_STRUCT  # noqa: E402
 from rpcguard.protocol.ggml import TYPES, op_table  # noqa: E402
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes  # noqa: E402
@@ -113,38 +114,6 @@ def node_costs(payload: bytes) -> list[tuple[str, int]]:
     return out
 
 
-_FREE = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
-
-
-def _nb(t: RpcTensor | None) -> int:
-    """Logical bytes (elements x type size), not ggml_nbytes: a view with a zero or overlapping
-    stride is still read element by element."""
-    if t is None:
-        return 0
-    info = TYPES[t.type]
-    return t.ne0 * t.ne1 * t.ne2 * t.ne3 // info.blck_size * info.type_size
-
-
-def _row_bytes(t: RpcTensor, ne0: int) -> int:
-    info = TYPES[t.type]
-    return ne0 // info.blck_size * info.type_size
-
-
-def node_bytes(op: str, node: RpcTensor, srcs: Sequence[RpcTensor | None]) -> int:
-    """Bytes a node reads and writes: its dst and every source, except that the row-indexed
-    operand of GET_ROWS / SET_ROWS counts only the rows touched (a token's embedding row, a
-    batch's KV cells), not the whole table or cache."""
-    if op in _FREE:
-        return 0
-    rows = node.ne1 * node.ne2 * node.ne3
-    if op == "GET_ROWS" and srcs[0] is not None:
-        return _nb(node) + _nb(srcs[1]) + rows * _row_bytes(srcs[0], srcs[0].ne0)
-    if op == "SET_ROWS" and srcs[1] is not None:
-        b = srcs[1]
-        return _nb(b) + _nb(srcs[2]) + b.ne1 * b.ne2 * b.ne3 * _row_bytes(node, node.ne0)
-    return _nb(node) + sum(_nb(t) for t in srcs)
-
-
 def graph_bytes(payload: bytes) -> int:
     table = op_table(V7)
     assert table is not None
@@ -152,64 +121,11 @@ def graph_bytes(payload: bytes) -> int:
     return sum(node_bytes(table.name(by_id[n].op) or "", by_id[n], _srcs(by_id[n], by_id)) for n in nodes)
 
 
-# -- the proposed model (docs/firewall.md "Compute budget"): what the measurements ask of cost.py --
-#
-# Every node pays BYTE_FLOPS per byte it reads and writes (node_bytes) on top of its arithmetic:
-# at the recommended rate a byte costs what the memory-bound matrix-vector products measure.
-# The arithmetic term is cost.flops with these changes: OUT_PROD's inner dimension is src0's ne1
-# (not ne0); ops whose kernel does more than a few operations per element get their own
-# operations per element; ops whose work is not proportional to their elements (sorting,
-# pooling, direct convolution) get a formula. Factors are rounded up from the "needed" figures
-# of the -t 1 run (calibration.md) with at least 1.4x margin.
-BYTE_FLOPS = 4
-RECOMMENDED_GFLOPS = 40.0  # -t 1 idle: MUL_MAT 87-145 GFLOP/s, Q4_0 the slowest at 49-56
-FA_FACTOR = {"float": 3, "quant": 5}  # FLASH_ATTN_EXT: multiplies 2*n_q*H*n_kv*(DK+DV)
-OUT_PROD_FACTOR = 6  # the CPU kernel is vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
-ELEMENT_FLOPS_OP = {"SOFT_MAX": 48, "RMS_NORM": 24, "NORM": 24, "L2_NORM": 24, "GROUP_NORM": 24, "ROPE": 16}
-CONVERT_FLOPS = 32  # CPY/DUP/CONT/SET_ROWS/GET_ROWS with an F16/BF16/quantized side
-SORT_FLOPS = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
-POOL_FLOPS = 32  # POOL_1D/2D: per dst element per kernel tap (scalar loop)
-CONV_FACTOR = 2  # CONV_2D (direct): multiplies 2*|dst|*KW*KH*Cin
-
-
-def _elems(t: RpcTensor | None) -> int:
-    return 0 if t is None else t.ne0 * t.ne1 * t.ne2 * t.ne3
-
-
-def _float(t: RpcTensor | None) -> bool:
-    return t is None or t.type == 0  # F32
-
-
-def proposed_flops(op: str, node: RpcTensor, srcs: Sequence[RpcTensor | None]) -> int:
-    """The proposed estimate of one node, in flop at the recommended rate."""
-    if op in _FREE or not _elems(node):
-        return 0
-    moved = BYTE_FLOPS * node_bytes(op, node, srcs)
-    a = srcs[0]
-    if op in ("MUL_MAT", "MUL_MAT_ID", "SSM_CONV"):
-        return flops(op, node, srcs) + moved
-    if op == "OUT_PROD":
-        return OUT_PROD_FACTOR * 2 * (a.ne1 if a is not None else 1) * _elems(node) + moved
-    if op == "FLASH_ATTN_EXT":
-        k = srcs[1]
-        kind = "quant" if k is not None and TYPES[k.type].blck_size > 1 else "float"
-        return FA_FACTOR[kind] * flops(op, node, srcs) + moved
-    if op in ("ARGSORT", "TOP_K") and a is not None:
-        return SORT_FLOPS * _elems(a) * max(1, math.ceil(math.log2(max(a.ne0, 2)))) + moved
-    if op == "POOL_2D":
-        return POOL_FLOPS * _elems(node) * max(1, node.param1) * max(1, node.param2) + moved
-    if op == "POOL_1D":
-        return POOL_FLOPS * _elems(node) * max(1, node.param1) + moved
-    if op == "CONV_2D" and a is not None:
-        return CONV_FACTOR * 2 * _elems(node) * a.ne0 * a.ne1 * a.ne2 + moved
-    if op in ("GET_ROWS", "SET_ROWS"):  # elements touched, not the whole table or cache
-        data = a if op == "GET_ROWS" else srcs[1]
-        per = 8 if _float(node) and _float(data) else CONVERT_FLOPS
-        return per * node_bytes(op, node, srcs) // 4 + moved
-    per = ELEMENT_FLOPS_OP.get(op, 8)
-    if op in ("CPY", "DUP", "CONT") and not all(_float(t) for t in (node, *srcs)):
-        per = CONVERT_FLOPS
-    return per * (_elems(node) + sum(_elems(t) for t in srcs)) + moved
+# -- the proposed model: adopted by cost.flops (main 1689ff5: a byte term, OUT_PROD's inner
+# dimension, per-op operations per element, sort/pool/conv formulas); kept as a name so that the
+# "proposed" columns and --summarize of earlier runs still read.
+proposed_flops = flops
+RECOMMENDED_GFLOPS = NODE_GFLOPS
 
 
 def proposed_graph_flops(payload: bytes) -> int:

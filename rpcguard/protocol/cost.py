@@ -176,7 +176,9 @@ def _bytes(t: RpcTensor | None) -> int:
 
 def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
     """Bytes a node reads and writes; GET_ROWS / SET_ROWS count the rows they touch of the table
-    or cache, not all of it."""
+    or cache, not all of it; views move nothing."""
+    if op in _FREE:
+        return 0
     if op == "GET_ROWS" and srcs[0] is not None:
         return _bytes(node) + _bytes(srcs[1]) + node.ne1 * node.ne2 * node.ne3 * _row_size(srcs[0].type, srcs[0].ne0)
     if op == "SET_ROWS" and srcs[1] is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rpcguard.protocol import cost
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import OpTable, op_table
 from rpcguard.protocol.tensor import decode_tensor
@@ -46,9 +47,10 @@ def test_payload_tensors_reads_nodes_and_every_tensor_by_id():
 
 def test_node_costs_prices_each_node_with_cost_flops_and_views_free():
     costs = cc.node_costs(mul_mat_graph(64, 32, 8))
-    assert costs == [("MUL_MAT", 2 * 64 * 32 * 8), ("RESHAPE", 0)]
-    assert cc.graph_flops(mul_mat_graph(64, 32, 8)) == 2 * 64 * 32 * 8
-    assert cc.by_op(costs) == {"MUL_MAT": 2 * 64 * 32 * 8}
+    mm = 2 * 64 * 32 * 8 + cc.BYTE_FLOPS * 4 * (64 * 32 + 64 * 8 + 32 * 8)  # arithmetic + bytes moved
+    assert costs == [("MUL_MAT", mm), ("RESHAPE", 0)]
+    assert cc.graph_flops(mul_mat_graph(64, 32, 8)) == mm
+    assert cc.by_op(costs) == {"MUL_MAT": mm}
 
 
 def test_node_bytes_counts_dst_and_sources():
@@ -156,7 +158,7 @@ def test_proposed_out_prod_uses_the_inner_dimension_ne1_of_src0():
     b = tensor(spec(2, (64, 65536, 1, 1)))
     dst = tensor(spec(3, (64, 64, 1, 1), op="OUT_PROD", src=(1, 2)))
     moved = cc.BYTE_FLOPS * 4 * (64 * 65536 * 2 + 64 * 64)
-    assert cc.proposed_flops("OUT_PROD", dst, [a, b]) == cc.OUT_PROD_FACTOR * 2 * 65536 * 64 * 64 + moved
+    assert cc.proposed_flops("OUT_PROD", dst, [a, b]) == cost.OUT_PROD_FACTOR * 2 * 65536 * 64 * 64 + moved
 
 
 def test_proposed_sort_grows_with_log_of_the_row():
@@ -164,8 +166,8 @@ def test_proposed_sort_grows_with_log_of_the_row():
     long_ = tensor(spec(1, (1024, 8, 1, 1)))
     f = [cc.proposed_flops("ARGSORT", tensor(spec(2, (t.ne0, 8, 1, 1), type_=I32, op="ARGSORT", src=(1,))), [t])
          for t in (short, long_)]
-    assert f[0] == cc.SORT_FLOPS * 32 * 2 + cc.BYTE_FLOPS * 2 * 4 * 32
-    assert f[1] == cc.SORT_FLOPS * 8192 * 10 + cc.BYTE_FLOPS * 2 * 4 * 8192
+    assert f[0] == cost.SORT_FLOPS * 32 * 2 + cc.BYTE_FLOPS * 2 * 4 * 32
+    assert f[1] == cost.SORT_FLOPS * 8192 * 10 + cc.BYTE_FLOPS * 2 * 4 * 8192
 
 
 def test_proposed_attention_costs_more_with_quantized_kv():
@@ -177,8 +179,8 @@ def test_proposed_attention_costs_more_with_quantized_kv():
     base = 2 * 4 * 8 * 1 * 256 * (128 + 128)
     ff = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kf, vf, None])
     fq = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kq, vq, None])
-    assert ff - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kf, vf, None]) == cc.FA_FACTOR["float"] * base
-    assert fq - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kq, vq, None]) == cc.FA_FACTOR["quant"] * base
+    assert ff - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kf, vf, None]) == cost.FA_FACTOR[False] * base
+    assert fq - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kq, vq, None]) == cost.FA_FACTOR[True] * base
 
 
 def test_logical_bytes_ignore_strides():
