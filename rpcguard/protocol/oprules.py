@@ -306,12 +306,16 @@ def _set_rows(n: RpcTensor, s: Srcs) -> Result:
           and b.ne2 % c.ne1 == 0 and b.ne3 % c.ne2 == 0 and c.ne3 == 1 and b.type in F32_F16
           and c.type in (I64, I32) and rows_contiguous(a) and rows_contiguous(b))
     _need(bool(ok), n, "SET_ROWS", f"shapes a {a.ne} b {b.ne} c {c.ne}")
-    _need(a.type not in _NO_FROM_FLOAT, n, "SET_ROWS", "destination type has no from_float")
+    # set_rows (ops.cpp:5477) converts with type_traits_cpu[dst].from_float: NULL for the types
+    # ggml-cpu.c:215ff does not list (I8, I16, I64, F64) and the iq types without a quantizer
+    _need(a.type in _FROM_FLOAT, n, "SET_ROWS", "destination type has no from_float")
     return View(2, a.ne, a.nb, 0)
 
 
 # ggml-cpu.cpp:434-442: CPY/SET_ROWS into these types abort (no from_float).
 _NO_FROM_FLOAT = frozenset({16, 17, 18, 19, 21, 22, 29})  # iq2_xxs iq2_xs iq3_xxs iq1_s iq3_s iq2_s iq1_m
+# types with a CPU from_float (ggml-cpu.c type_traits_cpu): the float types, I32 and the block types
+_FROM_FLOAT = (frozenset({F32, F16, BF16, I32}) | QUANTIZED) - _NO_FROM_FLOAT
 
 
 def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
@@ -338,6 +342,8 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     _check_dup_types(n, "CPY", a.type, b.type)
     if b.type in QUANTIZED and a.type != b.type:  # ops.cpp:292-293, else "not implemented" (:321)
         _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing copy layout")
+    if a.type == b.type:
+        _need(_dup_bytes_ok(a, b.ne, b.nb), n, "CPY", "block-type copy into a contiguous tensor of another layout")
     if a.type in _DEQUANTIZE and b.type == F32:
         # ggml_compute_forward_dup_from_q (ops.cpp:475): one block of qk values per step, read at
         # (i00/qk)*nb00 + i01*nb01 ... of a, written at i10*nb10 + ... of b: a's rows hold whole
@@ -368,6 +374,36 @@ def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     raise refuse(n, op, f"copy {TYPES[src].name} -> {TYPES[dst].name} not handled", "graph_type_invalid")
 
 
+def _dup_bytes_ok(a: RpcTensor, ne: tuple[int, int, int, int], nb: tuple[int, int, int, int]) -> bool:
+    """Whether ggml_compute_forward_dup_bytes (ops.cpp:326) copies a block-type ``a`` into a
+    destination of shape ``ne``/strides ``nb`` within both: its branch for a contiguous
+    destination copies rows of ``ne00 * type_size`` bytes, the size of a row of blocks times the
+    block size, so a block type may take it only when the destination is not contiguous, or
+    through the branches before it (both contiguous; same shape with unit nb0)."""
+    info = TYPES[a.type]
+    if info.blck_size == 1:
+        return True
+    size = info.type_size
+    dst_contiguous = tuple(nb) == contiguous_nb(a.type, ne) or _contiguous_ne_nb(a.type, ne, nb)
+    if not dst_contiguous:
+        return True
+    return is_contiguous(a) or (a.ne == ne and a.nb0 == size and nb[0] == size)
+
+
+def _contiguous_ne_nb(type_: int, ne: Sequence[int], nb: Sequence[int]) -> bool:
+    """ggml_is_contiguous of a tensor given by its shape and strides."""
+    info = TYPES[type_]
+    nxt = info.type_size
+    if ne[0] != info.blck_size and nb[0] != nxt:
+        return False
+    nxt *= ne[0] // info.blck_size
+    for i in range(1, MAX_DIMS):
+        if ne[i] != 1 and nb[i] != nxt:
+            return False
+        nxt *= ne[i]
+    return True
+
+
 def _dup(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
@@ -381,6 +417,8 @@ def _cont(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     _need(nelements(a) == nelements(n), n, "CONT", f"{n.ne} has another element count than {a.ne}")
     _need(TYPES[a.type].blck_size == 1 or n.ne0 % TYPES[a.type].blck_size == 0, n, "CONT", "blocks")
+    _need(_dup_bytes_ok(a, n.ne, contiguous_nb(a.type, n.ne)), n, "CONT",
+          "block-type source neither contiguous nor of the result's shape (dup_bytes' row size)")
     return New(a.type, n.ne)
 
 
@@ -720,6 +758,10 @@ def _pad(n: RpcTensor, s: Srcs) -> Result:
     pads = n.op_params[:8]
     if min(pads) < 0 or n.param8 not in (0, 1):
         raise refuse(n, "PAD", f"pads {pads}", "graph_op_params_invalid")
+    if n.param8 and any(pads[2 * i] > a.ne[i] for i in range(4)):
+        # circular: ops.cpp ggml_wrap_around((i - lp) + ne) % ne is negative for a left pad past
+        # the size, a read before the source (ggml_pad_ext_circular asserts nothing)
+        raise refuse(n, "PAD", f"circular left pads {pads[::2]} past {a.ne}", "graph_op_params_invalid")
     _types(n, "PAD", ONLY_F32, a)
     ne = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
     return New(a.type, ne)  # type: ignore[arg-type]
@@ -1091,7 +1133,6 @@ CONTENT_INDEXED: Mapping[str, tuple[str, str]] = {
     "ADD_ID": ("row ids (src[2])", "abort"),  # ops.cpp:746 GGML_ASSERT(i11 >= 0 && i11 < ne11)
     "MUL_MAT_ID": ("expert ids (src[2])", "memory"),  # ggml-cpu.c:1655 assert(), not GGML_ASSERT
     "SSM_SCAN": ("state slot ids (src[6])", "memory"),  # ops.cpp:10049 src0 + ids[i3]*nb3 (#25765)
-    "GATED_DELTA_NET": ("state indices", "memory"),  # #25704
     "GET_ROWS_BACK": ("row indices (src[1])", "memory"),
 }
 #: content-indexed ops forwarded even to a server that is not contained, and why

@@ -429,3 +429,33 @@ def test_wkv6_reads_head_size_times_heads_of_time_first():
 def test_wkv7_head_size_is_a_multiple_of_the_simd_step():
     assert reason(*wkv("RWKV_WKV7", S=4)) == "graph_shape_invalid"
     run(*wkv("RWKV_WKV6", S=4))  # WKV6 has a remainder loop
+
+
+def test_block_type_cont_of_a_strided_view_into_another_shape_is_refused():
+    # ops.cpp dup_bytes copies rows of ne00 * type_size bytes into a contiguous result: for q8_0
+    # that is 32 rows' worth (the acceptance fuzz's SIGSEGV)
+    a = T(0x10, Q8_0, (64, 4, 2, 1), nb=(34, 68 * 2, 68 * 8, 68 * 16))  # every other row of a parent
+    assert reason([a], T(0x20, Q8_0, (512, 1, 1, 1), op=OPS["CONT"], src=(0x10,))) == "graph_shape_invalid"
+    run([a], T(0x20, Q8_0, (64, 4, 2, 1), op=OPS["CONT"], src=(0x10,)))  # same shape: copied by rows
+
+
+def test_set_rows_needs_a_destination_type_with_from_float():
+    rows = T(0x10, F32, (4, 1, 1, 1))
+    idx = T(0x11, 27, (1, 1, 1, 1))  # I64
+    for dst_type, ok in ((F32, True), (27, False)):  # I64 has no from_float: a NULL call
+        dst = T(0x12, dst_type, (4, 3, 1, 1))
+        d = T(0x20, dst_type, (4, 3, 1, 1), op=OPS["SET_ROWS"], src=(0x10, 0x11, 0x12), view_src=0x12,
+              data=dst.data)
+        if ok:
+            run([rows, idx, dst], d)
+        else:
+            assert reason([rows, idx, dst], d) == "graph_shape_invalid"
+
+
+def test_circular_pad_past_the_source_is_refused():
+    a = T(0x10, F32, (1, 2, 7, 1))
+    params = (0, 0, 7, 1, 0, 0, 0, 0, 1)  # circular, 7 left pads on a dimension of 2
+    d = T(0x20, F32, (1, 10, 7, 1), op=OPS["PAD"], src=(0x10,), op_params=params)
+    assert reason([a], d) == "graph_op_params_invalid"
+    params = (0, 0, 2, 1, 0, 0, 0, 0, 1)
+    run([a], T(0x20, F32, (1, 5, 7, 1), op=OPS["PAD"], src=(0x10,), op_params=params))
