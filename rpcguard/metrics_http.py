@@ -191,14 +191,15 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
     """
     endpoint = _Endpoint(metrics, ready, web, before_scrape, read_timeout_s)
     loop = asyncio.get_running_loop()
-    # Open connections: task -> [source, still waiting for its request]; in accept order, so the
-    # first waiting one is the oldest (the one evicted when the endpoint is full).
+    # Open connections: task -> [source, still waiting for its request, peer, the socket until the
+    # task runs]; in accept order, so the first waiting one is the oldest (evicted when full).
     conns: dict[asyncio.Task, list] = {}
     per_source: dict[str, int] = {}
 
     async def handle(conn: socket.socket, peer: str, state: list) -> None:
         """One connection: the handshake and the request head within ``read_timeout_s`` of the
         accept (by age, however the bytes are spread), then the answer."""
+        state[3] = None  # the socket is this task's from here (closed by it, whatever happens)
         guard = web() if web is not None else None
         context = guard.context if guard is not None else None
         deadline = loop.time() + read_timeout_s
@@ -264,7 +265,9 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
         conn.close()
 
     def done(task: asyncio.Task) -> None:
-        source = conns.pop(task)[0]
+        source, _, _, unstarted = conns.pop(task)
+        if unstarted is not None:  # evicted before it ran
+            unstarted.close()
         left = per_source[source] - 1
         if left:
             per_source[source] = left
@@ -287,7 +290,7 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
             conns[oldest][1] = False
             endpoint.refuse("evicted", conns[oldest][2], "the oldest connection without a request made room")
             oldest.cancel()
-        state = [source, True, peer]
+        state = [source, True, peer, conn]
         task = loop.create_task(handle(conn, peer, state))
         conns[task] = state
         per_source[source] = per_source.get(source, 0) + 1

@@ -529,6 +529,22 @@ def test_hello_timeout_counts_from_admission(role):
     assert rec["reason"] == "hello_timeout" and rec["detail"] == "no HELLO within 10 s"
 
 
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_a_hello_trickled_a_byte_a_second_is_cut_by_its_age(role):
+    clock = Clock()
+    lc = make(role, clock=clock)
+    lc.admit(DEFAULT)
+    take(lc)
+    acts: list = []
+    for i in range(20):
+        if i < len(V.HELLO_REQ_V4) - 1:
+            feed(lc.client_bytes, V.HELLO_REQ_V4[i : i + 1], clock)
+        acts = tick_at(lc, clock, 1)
+        if acts:
+            break
+    assert end(acts)["reason"] == "hello_timeout" and i == 10  # hello_timeout_s after admission
+
+
 def test_hello_timeout_uses_the_profile_limits():
     clock = Clock()
     lc = make(clock=clock)
