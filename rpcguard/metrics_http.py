@@ -2,7 +2,12 @@
 
 How this works: one asyncio server on the event-loop thread (no ``start_http_server`` thread),
 one request per connection (``Connection: close``), bounded header size, read time and
-connection count. With a web config (``rpcguard.webconfig``) each accepted socket does its TLS
+connection count. Nobody can starve the probes: a source address holds at most
+``MAX_HTTP_PER_SOURCE`` connections; when ``MAX_HTTP_CONNECTIONS`` are open, the oldest one that
+has not sent its request yet (in its handshake, silent, or trickling its head) makes room for the
+new one; the handshake and the request head must arrive within ``READ_TIMEOUT_S`` of the accept,
+by age. Every error is answered (when the client can still read an answer) and counted in
+``rpcguard_web_refusals_total{reason}`` (``HTTP_REASONS``, the TLS and auth reasons). With a web config (``rpcguard.webconfig``) each accepted socket does its TLS
 handshake in ``loop.connect_accepted_socket``, so a failed handshake is
 classified (``tls.classify_handshake_error``), counted in ``rpcguard_web_refusals_total`` and
 logged with the peer, like a refused proxy session. The guard is fetched per connection through
