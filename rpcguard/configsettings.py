@@ -79,6 +79,8 @@ LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
 PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "handshake_timeout_s": "applies before the identity (and so its profile) is known",
     "drain_timeout_s": "applies to the whole process",
+    "max_sessions_per_source": "counts every identity that connects from one address",
+    "max_pending_per_source": "counts every identity that connects from one address",
 })
 
 

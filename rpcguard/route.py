@@ -146,7 +146,7 @@ class Route:
         held.append(profile)
         too_many = admission_refusal(self.default, profile, held)
         if too_many is None and refusal is None and self.role == "serve":
-            too_many = peer_cap_refusal(self.default.limits, self.peer_counts(link, identity))
+            too_many = peer_cap_refusal(self.default.limits, profile.limits, self.peer_counts(link, identity))
             identity_refused = too_many is not None  # about who (where) it is: counted if it leaves
         if too_many is not None:
             refusal = too_many

@@ -44,23 +44,24 @@ def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Pro
     return None
 
 
-def peer_cap_refusal(limits: Limits, counts: tuple[int, int, int, int]) -> Refusal | None:
+def peer_cap_refusal(listener: Limits, profile: Limits, counts: tuple[int, int, int, int]) -> Refusal | None:
     """serve: a new session would take one certificate or one host past its share of the
     listener. ``counts``: admitted sessions (the new one included) of the same identity, of the
-    same source address, and among those the ones without a HELLO yet (the new one has none)."""
+    same source address, and among those the ones without a HELLO yet (the new one has none).
+    The identity's caps are its profile's; the source's, the listener's."""
     ident, source, ident_pending, source_pending = counts
     checks = (
-        (ident, limits.max_sessions_per_identity,
-         Refusal("too_many_sessions_per_identity", f"more than {limits.max_sessions_per_identity} sessions of "
+        (ident, profile.max_sessions_per_identity,
+         Refusal("too_many_sessions_per_identity", f"more than {profile.max_sessions_per_identity} sessions of "
                                                    "this identity")),
-        (source, limits.max_sessions_per_source,
-         Refusal("too_many_sessions_per_source", f"more than {limits.max_sessions_per_source} sessions from "
+        (source, listener.max_sessions_per_source,
+         Refusal("too_many_sessions_per_source", f"more than {listener.max_sessions_per_source} sessions from "
                                                  "this address")),
-        (ident_pending, limits.max_pending_per_identity,
-         Refusal("too_many_pending_per_identity", f"more than {limits.max_pending_per_identity} connections of "
+        (ident_pending, profile.max_pending_per_identity,
+         Refusal("too_many_pending_per_identity", f"more than {profile.max_pending_per_identity} connections of "
                                                   "this identity waiting for their HELLO")),
-        (source_pending, limits.max_pending_per_source,
-         Refusal("too_many_pending_per_source", f"more than {limits.max_pending_per_source} connections from "
+        (source_pending, listener.max_pending_per_source,
+         Refusal("too_many_pending_per_source", f"more than {listener.max_pending_per_source} connections from "
                                                 "this address waiting for their HELLO")),
     )
     for count, cap, refusal in checks:

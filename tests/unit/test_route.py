@@ -168,3 +168,13 @@ def test_the_peer_caps_are_off_with_zero_and_do_not_apply_to_connect(pki):
     mine = link(c.default, source="127.0.0.1")
     c.links.update({mine, *(link(c.default, source="127.0.0.1", state="await_hello") for _ in range(20))})
     assert c.admit(mine, None).refusal is None
+
+
+def test_the_identity_caps_are_the_profile_s(pki):
+    tenant = Profile("tenant", SessionPolicy(), Limits(max_pending_per_identity=1))
+    r = route(allow=AllowList((Acl(cns=("client1",), profile="tenant"),)), profiles=MappingProxyType({"tenant": tenant}))
+    me = link(r.default, state="handshake")
+    r.links.update({me, link(tenant, identity=CLIENT1, source="10.0.0.7", state="await_hello")})
+    got = r.admit(me, Peer(Path(pki.path(pki.client))))  # type: ignore[arg-type]
+    assert got.refusal is not None and got.refusal.reason == "too_many_pending_per_identity"
+    assert got.refusal.detail == "more than 1 connections of this identity waiting for their HELLO"
