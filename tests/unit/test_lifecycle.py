@@ -730,6 +730,17 @@ def test_work_restarts_the_fair_slot_clock_and_a_trickle_is_no_work():
     assert end(acts)["reason"] == "idle_while_waiting"
 
 
+def test_a_client_that_does_not_read_the_answer_it_is_owed_is_not_working():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits(idle_while_waiting_s=20)))
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # owed, but the client stopped reading
+    lc.client_blocked(True)
+    acts: list = []
+    for _ in range(22):
+        acts += tick_waiting(lc, clock, 1, 1)
+    assert end(acts)["reason"] == "idle_while_waiting"
+
+
 def test_a_session_sending_at_the_minimum_rate_works():
     clock = Clock()
     lc, t = with_buffer(clock, Limits(idle_while_waiting_s=20))
