@@ -73,6 +73,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "min_data_rate_bps": _count_or_off, "idle_while_waiting_s": _duration(zero_is_off=True),
     "max_sessions_per_identity": _count_or_off, "max_sessions_per_source": _count_or_off,
     "max_pending_per_identity": _count_or_off, "max_pending_per_source": _count_or_off,
+    "max_handshakes_per_source": _count_or_off,
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
 #: limits a profile cannot set: they apply before the identity is known, or to the whole process
@@ -81,6 +82,7 @@ PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "drain_timeout_s": "applies to the whole process",
     "max_sessions_per_source": "counts every identity that connects from one address",
     "max_pending_per_source": "counts every identity that connects from one address",
+    "max_handshakes_per_source": "applies before the identity (and so its profile) is known",
 })
 
 

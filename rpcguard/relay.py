@@ -130,13 +130,11 @@ class Link:
         try:
             if route.role == "serve":
                 assert route.ssl_context is not None
-                try:
-                    await loop.connect_accepted_socket(
-                        lambda: self.client, sock, ssl=route.ssl_context(),
-                        ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
-                    )
-                except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-                    self.lc.handshake_failed("refused", classify_handshake_error(exc), f"TLS handshake failed: {exc}")
+                too_many = route.handshake_refusal(self.lc.source)
+                if too_many is not None:
+                    self.lc.rejected(too_many)  # closed at once (finally), no TLS spent on it
+                else:
+                    await self._handshake(loop, sock)
             else:
                 await loop.connect_accepted_socket(lambda: self.client, sock)
         except asyncio.CancelledError:
@@ -148,6 +146,24 @@ class Link:
             if self.client.transport is None:
                 sock.close()
         self._apply()
+
+    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """serve: the TLS handshake, counted among its source's (``max_handshakes_per_source``)."""
+        route, source = self.route, self.lc.source
+        route.handshaking[source] = route.handshaking.get(source, 0) + 1
+        try:
+            await loop.connect_accepted_socket(
+                lambda: self.client, sock, ssl=route.ssl_context(),  # type: ignore[misc]
+                ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
+            )
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            self.lc.handshake_failed("refused", classify_handshake_error(exc), f"TLS handshake failed: {exc}")
+        finally:
+            left = route.handshaking[source] - 1
+            if left:
+                route.handshaking[source] = left
+            else:
+                del route.handshaking[source]
 
     def made(self, endpoint: Endpoint) -> None:
         """A transport is up: the client's (admission) or the upstream's (the dial worked)."""

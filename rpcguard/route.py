@@ -108,8 +108,16 @@ class Route:
     server_name: str | None = None  # connect: expected name in the node's certificate
     slot: UpstreamSlot | None = None  # serve: the single upstream client slot
     links: set = field(default_factory=set)
+    handshaking: dict = field(default_factory=dict)  # serve: source address -> TLS handshakes running
     on_session_end: Callable[[dict], None] | None = None  # audit sink
     draining: bool = False
+
+    def handshake_refusal(self, source: str) -> Refusal | None:
+        """serve: ``max_handshakes_per_source`` handshakes from ``source`` run already."""
+        cap = self.default.limits.max_handshakes_per_source
+        if cap and self.handshaking.get(source, 0) >= cap:
+            return Refusal("too_many_handshakes_per_source", f"more than {cap} TLS handshakes from this address")
+        return None
 
     def profile_for(self, identity: PeerIdentity) -> Profile:
         """The profile of an identity the allow-list admitted: the one its first matching entry

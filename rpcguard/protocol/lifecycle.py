@@ -141,6 +141,10 @@ class Lifecycle:
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
         self._on("handshake_failed", result, reason, detail)
 
+    def rejected(self, refusal: Refusal) -> None:
+        """Refused at accept, before any TLS (serve's cap on handshakes per source): closed."""
+        self._on("rejected", refusal)
+
     def slot_granted(self) -> None:
         self._on("slot_granted")
 
@@ -196,6 +200,9 @@ class Lifecycle:
         else:
             self._goto(CONNECTING)
             self.actions.append((OPEN_UPSTREAM, self.limits))
+
+    def _rejected(self, refusal: Refusal) -> None:
+        self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
         if result == "refused":

@@ -101,6 +101,9 @@ class Limits:
     max_sessions_per_source: int = 32
     max_pending_per_identity: int = 4  # admitted, no HELLO yet: llama.cpp says HELLO at once
     max_pending_per_source: int = 8
+    # serve: TLS handshakes in progress from one source address (each holds a socket and ~60 KiB
+    # for up to handshake_timeout_s): one host cannot take the process's file descriptors.
+    max_handshakes_per_source: int = 64
     # serve: a session holding the upstream with no request running for this long is ended when
     # another session waits for the upstream (alone it idles as long as it likes); 0 = off.
     idle_while_waiting_s: float = 20.0

@@ -202,6 +202,21 @@ def test_one_certificate_or_one_host_cannot_take_the_listener(pki, rpc_server, w
     assert serve.wait_value("rpcguard_refusals_total", 12 - cap, reason=reason) == 12 - cap
 
 
+def test_one_host_cannot_take_the_listener_with_tls_handshakes(pki, rpc_server, workdir, models, guards):
+    # Unauthenticated: 300 TCP connections from one address that never finish their handshake
+    # (each a socket for handshake_timeout_s, re-opened by the attacker) would exhaust the fds.
+    connect, serve = start_pair(workdir, pki, rpc_server, guards)
+    flood = [socket.create_connection(("127.0.0.1", serve.port), source_address=("127.0.0.9", 0))
+             for _ in range(300)]
+    run = realpeer.run_client(connect.endpoint, models["tiny"], n=N_TOKENS, timeout=120)
+    assert run.ok, run.output[-2000:]
+    assert serve.wait_value("rpcguard_refusals_total", 300 - 64, reason="too_many_handshakes_per_source") >= 300 - 64
+    closed = sum(closed_within(s, 0.01) is not None for s in flood)
+    assert closed >= 300 - 64  # closed at accept, before any TLS
+    for s in flood:
+        s.close()
+
+
 # ----------------------------------------------------------------------------- 4. probes cannot be starved
 def test_silent_connections_cannot_reset_the_health_probes(pki, rpc_server, workdir, guards):
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args()])

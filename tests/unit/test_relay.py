@@ -435,3 +435,22 @@ def test_a_flood_of_small_frames_is_read_a_little_at_a_time_one_read_per_loop_tu
         writer.close()
 
     run(main())
+
+
+def test_serve_closes_a_socket_at_accept_past_the_handshakes_of_its_source():
+    async def main() -> None:
+        records: list = []
+        route = Route(role="serve", name="t", upstream_host="127.0.0.1", upstream_port=9,
+                      traffic=Metrics().listener("serve", "t", upstream="127.0.0.1:9"),
+                      default=Profile("default", SessionPolicy(), Limits(max_handshakes_per_source=3)),
+                      ssl_context=lambda: (_ for _ in ()).throw(AssertionError("no TLS for a refused socket")))
+        route.on_session_end = records.append
+        route.handshaking["127.0.0.1"] = 3  # three handshakes from this address run already
+        link, reader, writer = await start(route, fake_dialer()[0], Clock())
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        assert records[0]["reason"] == "too_many_handshakes_per_source" and records[0]["party"] == "client"
+        assert route.traffic.refusals["too_many_handshakes_per_source"] == 1 and not route.links
+        assert route.handshaking == {"127.0.0.1": 3}
+        writer.close()
+
+    run(main())
