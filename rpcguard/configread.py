@@ -175,6 +175,8 @@ def _ip(v: Any, path: str) -> str:
 _str = _reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 _bool = _reader(lambda v: isinstance(v, bool), "true or false")
 _count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
+_count_or_off = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62,
+                        "an integer >= 0 (0 = off)")
 _name = _reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
 _version = _reader(_re(r"\d+\.\d+\.\d+"), "a version like '7.0.0'")
 _uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")

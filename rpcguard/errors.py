@@ -58,7 +58,10 @@ PARTY_OF_REASON: Mapping[str, str] = {
     # the version the upstream announced (or the client's HELLO era against it) is not accepted
     "version_not_accepted": _U,
     # timers (relay.py): a client that does not speak, or stops mid-frame / stops reading
-    "hello_timeout": _C, "idle_timeout": _C, "frame_timeout": _C,
+    "hello_timeout": _C, "idle_timeout": _C, "frame_timeout": _C, "idle_while_waiting": _C,
+    # one certificate or one host past its share of a listener (route.py, issue 21)
+    "too_many_sessions_per_identity": _C, "too_many_sessions_per_source": _C,
+    "too_many_pending_per_identity": _C, "too_many_pending_per_source": _C, "too_many_handshakes_per_source": _C,
     # the upstream side (relay.py, route.py)
     "node_refused": _U, "node_unreachable": _U, "upstream_unavailable": _U, "upstream_busy": _U,
     "tls_failed": _U, "node_name_mismatch": _U, "upstream_closed": _U,

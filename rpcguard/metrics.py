@@ -37,7 +37,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from rpcguard import __version__
-from rpcguard.metrics_http import MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
+from rpcguard.metrics_http import HTTP_REASONS, MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
 from rpcguard.reasons import FIREWALL_REASONS, REFUSAL_REASONS, TLS_REASONS
 from rpcguard.webconfig import AUTH_REASONS
 from rpcguard.protocol.stats import (
@@ -71,7 +71,7 @@ CERTIFICATES = ("cert", "ca")
 FIREWALL_MODES = ("enforce", "monitor")
 CHECKED_BY = ("proxy", "node")  # who validates a session's requests (request_checks_sessions_total)
 # Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
-WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS))
+WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS + HTTP_REASONS))
 
 _LE = tuple(floatToGoString(b) for b in LATENCY_BUCKETS_S) + ("+Inf",)
 _NS_PER_S = 1_000_000_000

@@ -34,7 +34,9 @@ SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "first_frame_not_hello", "hello_repeated", "hello_bad_size", "data_before_hello_reply",
     "version_not_accepted", "command_unknown", "command_not_allowed", "frame_size_invalid",
     "request_too_large", "response_unexpected", "response_size_invalid", "hello_timeout",
-    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused",
+    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused", "idle_while_waiting",
+    "too_many_sessions_per_identity", "too_many_sessions_per_source", "too_many_pending_per_identity",
+    "too_many_pending_per_source", "too_many_handshakes_per_source",
     *(r for r in REFUSAL_CODES if r not in IDENTITY_REASONS),
 )))
 # protocol/firewall.py, tensor.py, graph.py, oprules.py, opcheck.py: the rule names of FirewallRefusal.

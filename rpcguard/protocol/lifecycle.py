@@ -70,6 +70,7 @@ class Lifecycle:
         self.clock = clock
         self.uses_slot = uses_slot  # serve: the single-client upstream is taken at HELLO
         self.peer = "-"
+        self.source = ""  # the peer's address without the port (serve's per-source caps)
         self.identity = ""
         self.stats = SessionStats()
         self.session: Session | None = None  # built at admission, from the profile's policy
@@ -84,6 +85,16 @@ class Lifecycle:
         self.t_upstream = 0.0
         self._t0_ns = int(self.t0 * 1e9)
         self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
+        # Deadlines by age, sampled at the tick (no clock read per frame): client bytes read
+        # (counted per read by the caller), the tick that first saw the request frame in progress
+        # and the byte count then, the last tick that saw the session working.
+        self.rx_bytes = 0
+        self.client_held_back = False  # the relay paused the client's reads (a slow upstream)
+        self.frame_t = 0.0
+        self.frame_rx = 0
+        self._tick_rx = 0
+        self._tick_t = self.working_t = self.t0
+        self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
         self.slot_held = False
         self.upstream_open = False
         self.t_drain = 0.0
@@ -130,6 +141,10 @@ class Lifecycle:
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
         self._on("handshake_failed", result, reason, detail)
 
+    def rejected(self, refusal: Refusal) -> None:
+        """Refused at accept, before any TLS (serve's cap on handshakes per source): closed."""
+        self._on("rejected", refusal)
+
     def slot_granted(self) -> None:
         self._on("slot_granted")
 
@@ -150,8 +165,10 @@ class Lifecycle:
         classified TLS alert when it was one)."""
         self._on("upstream_closed", error, tls_reason)
 
-    def tick(self, now: float) -> None:
-        """Enforce the deadlines of the current state (the relay calls this every second)."""
+    def tick(self, now: float, others_waiting: int = 0) -> None:
+        """Enforce the deadlines of the current state (the relay calls this every second);
+        ``others_waiting``: sessions queued for the upstream slot this one may hold."""
+        self.others_waiting = others_waiting
         self._on("tick", now)
 
     def shutdown(self) -> None:
@@ -183,6 +200,9 @@ class Lifecycle:
         else:
             self._goto(CONNECTING)
             self.actions.append((OPEN_UPSTREAM, self.limits))
+
+    def _rejected(self, refusal: Refusal) -> None:
+        self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
         if result == "refused":
@@ -244,7 +264,9 @@ class Lifecycle:
         return out
 
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
-        """``client_data`` with the whole contract: a refusal reported, the events handled."""
+        """``client_data`` with the whole contract: a refusal reported, the events handled, the
+        bytes counted (``rx_bytes``)."""
+        self.rx_bytes += len(data)
         return self._fed(self.client_data, data, now_ns)
 
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
@@ -357,7 +379,30 @@ class Lifecycle:
             self.actions.append((CLOSE_UPSTREAM, None))
 
     # ----------------------------------------------------------------------------- timers
+    def _sample(self, now: float) -> None:
+        """What the deadlines by age need from this tick: whether the request frame in progress
+        is the one the last tick saw (its age then counts from that tick), and whether the
+        session worked since the last tick (the server owed an answer, or the client sent at
+        ``min_data_rate_bps``)."""
+        session = self.session
+        if session is None or session.phase != SESSION_ACTIVE:
+            self._tick_t, self._tick_rx, self.working_t = now, self.rx_bytes, now
+            return
+        rx = self.rx_bytes
+        if session.mid_frame and not self.client_held_back:
+            if not self.frame_t:
+                self.frame_t, self.frame_rx = now, rx
+        else:
+            self.frame_t = 0.0
+        owed = not session.idle and not session.mid_frame  # a response owed or streaming
+        rate = self.limits.min_data_rate_bps
+        if (owed and not self.client_blocked_since) or self.client_held_back or (
+                rx - self._tick_rx >= rate * (now - self._tick_t) > 0) or (not rate and rx != self._tick_rx):
+            self.working_t = now
+        self._tick_t, self._tick_rx = now, rx
+
     def _tick(self, now: float) -> None:
+        self._sample(now)
         missed = overdue(self, now)
         if missed is None:
             return

@@ -304,7 +304,7 @@ def test_http_metrics_health_and_errors(run) -> None:  # type: ignore[no-untyped
         assert (await _request(port, _get("/readyz")))[::2] == (200, b"ready\n")
         assert (await _request(port, _get("/nope")))[0] == 404
         status, headers, _ = await _request(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
-        assert status == 405 and headers["allow"] == "GET"
+        assert status == 405 and headers["allow"] == "GET, HEAD"
         assert (await _request(port, b"garbage\r\n\r\n"))[0] == 400
         big = _get("/metrics", "X-Pad: " + "a" * (http_mod.MAX_HEADER_BYTES + 100) + "\r\n")
         assert (await _request(port, big))[0] == 431
@@ -351,9 +351,9 @@ def test_http_never_blocks_the_loop(run) -> None:  # type: ignore[no-untyped-def
         for _ in range(5):
             assert (await _request(port, _get("/healthz")))[0] == 200
         assert time.monotonic() - t0 < 1.0
-        # the read timeout closes both without an answer
-        assert await asyncio.wait_for(silent_r.read(), 2) == b""
-        assert await asyncio.wait_for(slow_r.read(), 2) == b""
+        # the read timeout answers both 408 (counted) and closes them
+        assert (await asyncio.wait_for(silent_r.read(), 2)).startswith(b"HTTP/1.1 408 ")
+        assert (await asyncio.wait_for(slow_r.read(), 2)).startswith(b"HTTP/1.1 408 ")
         assert time.monotonic() - t0 >= 0.25
         assert ticks >= 10
         tick_task.cancel()
@@ -363,23 +363,108 @@ def test_http_never_blocks_the_loop(run) -> None:  # type: ignore[no-untyped-def
     run(_with_server(body, read_timeout_s=0.3))
 
 
-def test_http_connection_cap(run, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(http_mod, "MAX_HTTP_CONNECTIONS", 2)
+def test_http_connection_cap_per_source(run, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(http_mod, "MAX_HTTP_PER_SOURCE", 2)
+    m, _ = _populated()
 
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            # over the source's cap: answered 503 at once, before any request is read
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 503 ")
+            writer.close()
+            assert m.web_refusals["too_many_connections_per_source"] == 1
+            # another address is served meanwhile
+            assert (await _request(port, _get("/healthz")))[0] == 200
+            for _, w in held:
+                w.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(body())
+
+
+async def _silent(port: int, n: int, sources: int) -> list:
+    return [await asyncio.open_connection("127.0.0.1", port, local_addr=(f"127.0.0.{2 + i % sources}", 0))
+            for i in range(n)]
+
+
+def test_a_silent_flood_cannot_keep_the_health_probes_out(run) -> None:  # type: ignore[no-untyped-def]
+    # issue 21: 64 silent TCP connections took every slot; /healthz and /readyz were reset.
+    m, _ = _populated()
+
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            # one host: its share only; many hosts: the oldest silent connection makes room
+            flood = await _silent(port, 64, 1) + await _silent(port, 2 * http_mod.MAX_HTTP_CONNECTIONS, 24)
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            for path in ("/healthz", "/readyz", "/healthz"):
+                status, _, _ = await _request(port, _get(path))
+                assert status == 200
+            assert time.monotonic() - t0 < 1.0
+            assert m.web_refusals["too_many_connections_per_source"] >= 64 - http_mod.MAX_HTTP_PER_SOURCE
+            assert m.web_refusals["evicted"] >= 1
+            for _, w in flood:
+                w.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(body())
+
+
+def test_http_head_on_every_path(run) -> None:  # type: ignore[no-untyped-def]
     async def body(port: int) -> None:
-        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        await asyncio.sleep(0.1)
-        # over the cap: answered 503 at once, before any request is read (a client that
-        # already sent its request may see a reset instead: unread data on close)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 503 ")
-        writer.close()
-        for _, w in held:
-            w.close()
-        await asyncio.sleep(0.1)
-        assert (await _request(port, _get("/healthz")))[0] == 200
+        for path, status in (("/healthz", 200), ("/readyz", 200), ("/metrics", 200), ("/nope", 404)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            head, _, rest = data.partition(b"\r\n\r\n")
+            assert head.startswith(f"HTTP/1.1 {status} ".encode()) and rest == b"", (path, data[:200])
+            length = int(dict(ln.split(": ", 1) for ln in head.decode().split("\r\n")[1:])["Content-Length"])
+            assert length > 0  # what GET would send
 
     run(_with_server(body))
+
+
+def test_every_http_error_is_counted(run) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _populated()
+    before = sum(m.web_refusals.values())
+
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0, read_timeout_s=0.3)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            assert (await _request(port, b"garbage\r\n\r\n"))[0] == 400
+            assert (await _request(port, b"DELETE / HTTP/1.1\r\n\r\n"))[0] == 405
+            assert (await _request(port, _get("/x")))[0] == 404
+            big = _get("/metrics", "X-Pad: " + "a" * (http_mod.MAX_HEADER_BYTES + 100) + "\r\n")
+            assert (await _request(port, big))[0] == 431
+            assert (await _request(port, b"GET /metrics HTTP/1.1\r\nHo"))[0] == 408
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /")
+            w.close()  # closed half-way: nothing to answer, still counted
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            w2.close()  # a bare connect and close (a TCP probe) is no error
+            await asyncio.sleep(0.2)
+        finally:
+            server.close()
+            await server.wait_closed()
+        for reason in ("bad_request", "method_not_allowed", "not_found", "header_too_large", "request_timeout",
+                       "request_incomplete"):
+            assert m.web_refusals[reason] == 1, (reason, m.web_refusals)
+        assert sum(m.web_refusals.values()) == before + 6
+
+    run(body())
 
 
 def test_recent_refusals_are_bounded_and_served_as_json(run) -> None:  # type: ignore[no-untyped-def]
