@@ -140,6 +140,8 @@ class OpRules:
     no_compute: frozenset[int]
     # content-indexed ops with no check on the index (oprules.needs_containment)
     contained_only: frozenset[int] = frozenset()
+    # ops whose kernels skip an empty source (OpRule.empty_sources)
+    empty_sources_ok: frozenset[int] = frozenset()
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -167,6 +169,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             none=ids["NONE"],
             no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
             contained_only=frozenset(ids[n] for n in ids if needs_containment(n)),
+            empty_sources_ok=frozenset(op for op, r in rows.items() if r.empty_sources),
         )
     _RULES[key] = rules
     return rules
@@ -409,6 +412,14 @@ class GraphValidator:
         for column in srcs[:GGML_MAX_SRC]:
             touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
         touched.discard(pos.get(0))
+        if rules is not None and rules.empty_sources_ok:
+            # an empty source of a node whose kernel never reads one (CONCAT: RWKV's token shift
+            # concatenates an empty view for one-token batches) is no tensor a kernel touches;
+            # the same tensor read by another node stays in the set
+            ops_ = _u32(region)[_I_OP::_I]
+            keep = {q for p in npos if ops_[p] not in rules.empty_sources_ok
+                    for q in (getp(c[p]) for c in srcs[:GGML_MAX_SRC]) if q is not None}
+            touched = {q for q in touched if not _empty(ne, q) or q in keep or q in npos}
         cache = state.layout_cache.setdefault(device, set())
         for i, q in enumerate(touched):
             if not i & _BUDGET_STRIDE:

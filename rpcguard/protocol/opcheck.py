@@ -47,11 +47,11 @@ def check_sources(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None]) -
 def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:
     """Refuse ``node`` unless it is what ``rule``'s constructor builds from ``srcs``."""
     op = rule.op
-    for t in (node, *srcs):
+    for i, t in enumerate((node, *srcs)):
         if t is not None:
             if t.type not in TYPES:
                 raise refuse(node, op, f"tensor id={t.id:#x} has type {t.type}", "tensor_type_invalid")
-            if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
+            if not (t.ne0 and t.ne1 and t.ne2 and t.ne3) and not (i and rule.empty_sources):
                 raise refuse(node, op, f"tensor id={t.id:#x} is empty {t.ne}", "tensor_layout_invalid")
     check_sources(rule, node, srcs)
     params = node[_PARAM0 + rule.params : _PARAM0 + 16]

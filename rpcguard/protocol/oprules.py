@@ -105,6 +105,9 @@ class OpRule:
     # of that walk is checked for the node and its sources (opcheck.check_flat_rows). True unless
     # every kernel of the op was read to index each dimension with its own stride.
     flat_rows: bool = True
+    # A source may be empty (a 0 in ne): the kernel's loops then copy nothing from it (CONCAT).
+    # Else an empty source is refused: broadcasting kernels take an index modulo its ne (SIGFPE).
+    empty_sources: bool = False
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -1046,7 +1049,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MEAN", "ggml.c:2532 ggml_mean", 1, _reduce_rows(F32)),
     OpRule("ARGMAX", "ggml.c:2546 ggml_argmax", 1, _argmax),
     OpRule("REPEAT", "ggml.c:2579 ggml_repeat", 1, _repeat),
-    OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1),
+    OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1, empty_sources=True),
     OpRule("NORM", "ggml.c:3160 ggml_norm", 1, _norm, params=1),
     OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _rms_norm, params=1),
     OpRule("GROUP_NORM", "ggml.c:3242 ggml_group_norm", 1, _group_norm, params=2),

@@ -459,3 +459,13 @@ def test_circular_pad_past_the_source_is_refused():
     assert reason([a], d) == "graph_op_params_invalid"
     params = (0, 0, 2, 1, 0, 0, 0, 0, 1)
     run([a], T(0x20, F32, (1, 5, 7, 1), op=OPS["PAD"], src=(0x10,), op_params=params))
+
+
+def test_concat_takes_an_empty_source():
+    # RWKV's token shift for a one-token batch: concat(view of ne1 = n_tokens - 1 = 0, state)
+    empty = T(0x10, F32, (128, 0, 1, 1))
+    state_ = T(0x11, F32, (128, 1, 1, 1))
+    run([empty, state_], T(0x20, F32, (128, 1, 1, 1), op=OPS["CONCAT"], src=(0x10, 0x11), op_params=(1,)))
+    # ... but a broadcasting kernel that reads it is still refused (its index modulo 0)
+    b = T(0x12, F32, (128, 2, 1, 1))
+    assert reason([b, empty], T(0x21, F32, (128, 2, 1, 1), op=OPS["ADD"], src=(0x12, 0x10))) == "tensor_layout_invalid"
