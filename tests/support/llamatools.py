@@ -201,8 +201,9 @@ def w_parallel(n: int = 12) -> Callable[[LlamaServer], Any]:
     return run
 
 
-# ~200 tokens ("hello", "world", "the", "a" are single pieces); llama.cpp pads n_ctx to 256
-PROMPT_SHIFT = "hello world the a " * 50
+# ~200 tokens (the generated SPM vocab tokenizes this text about one token per byte); llama.cpp
+# pads n_ctx to a multiple of 256, so -c 256 with 80 generated tokens shifts once
+PROMPT_SHIFT = "hello world the a " * 11
 
 
 def w_shift(n: int) -> Callable[[LlamaServer], Any]:
@@ -218,15 +219,16 @@ def w_shift(n: int) -> Callable[[LlamaServer], Any]:
 
 
 def w_cache_reuse(n: int = 8) -> Callable[[LlamaServer], Any]:
-    """Request 2 shares request 1's head and tail with other text in between: --cache-reuse moves the
-    cached tail chunk (seq_add: the K-shift graph) instead of recomputing it."""
-    head = "hello world the a " * 4
-    tail = " the world hello a world the" * 6
+    """Request 2 is request 1 without its middle: --cache-reuse moves the cached tail chunk back
+    over the middle (seq_rm + seq_add: the K-shift graph) instead of recomputing it."""
+    head = "hello world the a " * 2
+    middle = "a a world world a " * 2
+    tail = " the world hello a world the" * 4
     def run(s: LlamaServer) -> Any:
-        first = s.complete_full(head + tail, n)
-        second = s.complete_full(head + "a a world" + tail, n)
-        computed = second["timings"]["prompt_n"]  # prompt tokens evaluated: the tail must not be
-        if computed >= 20:                          # (~40 without reuse: the middle + the tail)
+        first = s.complete_full(head + middle + tail, n)
+        second = s.complete_full(head + tail, n)
+        computed = second["timings"]["prompt_n"]  # prompt tokens evaluated: not the ~110 of the tail
+        if computed >= 20:
             raise ToolFailed(f"request 2 evaluated {computed} prompt tokens: the cached tail was not reused")
         return [first["tokens"], second["tokens"], computed]
     return run
@@ -314,7 +316,8 @@ def _run_tool(sc: Scenario, t: Tools, workdir: Path, model: Path, draft: Path | 
     if sc.tool == "bench":  # timings differ by nature: the rows it measured are the result
         rows = json.loads(p.stdout)
         return [(r["n_prompt"], r["n_gen"], r["n_gpu_layers"]) for r in rows]
-    return p.stdout
+    # llama-cli: the banner, the prompt and the reply, without its "[ Prompt: N t/s | ... ]" line
+    return "\n".join(line for line in p.stdout.splitlines() if " t/s" not in line)
 
 
 def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], models: Callable[[str, tuple], Path],
@@ -372,6 +375,13 @@ ARCH_MODELS = {
 }
 # head_dim 32 (the quantized KV cache needs a multiple of the 32-element block)
 KV_MODEL = "gqa"
+# The shift / reuse scenarios: head_dim 64. With a quantized K cache and a head_dim that is not a
+# multiple of 64, this tree's K-shift dereferences a NULL Hadamard rotation (llama-kv-cache.cpp
+# build_rope_shift -> llama_mul_mat_hadamard(rot = NULL)): llama-server segfaults, local or RPC.
+SHIFT_MODEL_ARGS = ("--n-head", "4", "--n-head-kv", "2")
+# KV types whose K-shift the CPU backend cannot run: ROPE has no bf16 kernel (ggml-cpu/ops.cpp
+# "fatal error" in ggml_compute_forward_rope; local llama-server aborts the same way)
+NO_SHIFT = ("bf16",)
 
 
 def _kv_args(ctk: str, ctv: str, fa: str) -> tuple[str, ...]:
@@ -386,20 +396,22 @@ def _kv(ctk: str, fa: str) -> tuple[str, str]:
 def _shift(ctk: str, fa: str) -> Scenario:
     k, v = _kv(ctk, fa)
     return Scenario(f"shift-{ctk}-fa{fa}", KV_MODEL,
-                    ("-ngl", "99", "-c", "256", "-np", "1", "--context-shift", *_kv_args(k, v, fa)), w_shift(80))
+                    ("-ngl", "99", "-c", "256", "-np", "1", "--context-shift", *_kv_args(k, v, fa)), w_shift(80),
+                    model_args=SHIFT_MODEL_ARGS)
 
 
 def _reuse(ctk: str, fa: str) -> Scenario:
     k, v = _kv(ctk, fa)
     return Scenario(f"reuse-{ctk}-fa{fa}", KV_MODEL,
                     ("-ngl", "99", "-c", "512", "-np", "1", "--cache-reuse", "8", *_kv_args(k, v, fa)),
-                    w_cache_reuse())
+                    w_cache_reuse(), model_args=SHIFT_MODEL_ARGS)
 
 
 def _spec(kind: str) -> Scenario:
     return Scenario(f"spec-{kind}", "tiny", (*SERVER, "--spec-type", kind), w_greedy(24, "hello world " * 8))
 
 
+BENCH = ("-p", "32", "-n", "8", "-r", "1", "-o", "json", "-ngl", "99")
 CI: list[Scenario] = [
     Scenario("greedy-tiny", "tiny", SERVER, w_greedy()),
     Scenario("np4-concurrent", KV_MODEL, ("-ngl", "99", "-c", "1024", "-np", "4"), w_parallel()),
@@ -414,14 +426,20 @@ CI: list[Scenario] = [
     Scenario("embd-cls", "bert", ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "cls"), w_embed()),
     Scenario("two-nodes", KV_MODEL, SERVER, w_greedy(), nodes=2, model_args=("--n-layer", "4")),
     Scenario("hybrid-ngl1", KV_MODEL, ("-ngl", "1", "-c", "512", "-np", "1"), w_greedy()),
-    Scenario("bench", "tiny", ("-p", "32", "-n", "8", "-r", "1", "-o", "json", "-ngl", "99"), tool="bench"),
+    Scenario("bench", "tiny", BENCH, tool="bench"),
     Scenario("cli", "tiny", ("-p", PROMPT, "-n", "12", "-c", "256", "-st", "-ngl", "99", "--simple-io"),
              tool="cli"),
     *[Scenario(f"arch-{m}", m, SERVER, w_greedy(12)) for m in ARCH_MODELS],
 ]
 
 LONG: list[Scenario] = [
-    *[s for ctk in KV_TYPES for fa in ("off", "on") for s in (_shift(ctk, fa), _reuse(ctk, fa))],
+    # llama-bench takes every KV type but f32
+    *[Scenario(f"bench-{k}-fa{fa}", KV_MODEL, (*BENCH, "-ctk", k, "-ctv", _kv(k, "on" if fa == "1" else "off")[1],
+                                                "-fa", fa), tool="bench")
+      for k in KV_TYPES if k != "f32" for fa in ("0", "1")],
+    *[Scenario(f"bench-arch-{m}", m, BENCH, tool="bench") for m in ARCH_MODELS],
+    Scenario("bench-two-nodes", KV_MODEL, BENCH, tool="bench", nodes=2, model_args=("--n-layer", "4")),
+    *[s for ctk in KV_TYPES if ctk not in NO_SHIFT for fa in ("off", "on") for s in (_shift(ctk, fa), _reuse(ctk, fa))],
     *[_spec(k) for k in NGRAM_KINDS],
     Scenario("embd-last", KV_MODEL, ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "last"), w_embed()),
     Scenario("embd-mean-bert", "bert", ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "mean"), w_embed()),
