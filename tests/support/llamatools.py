@@ -234,6 +234,20 @@ def w_cache_reuse(n: int = 8) -> Callable[[LlamaServer], Any]:
     return run
 
 
+DRAFTS = re.compile(r"draft acceptance = [0-9.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)")
+
+
+def w_spec(n: int, prompt: str, must_draft: bool = True) -> Callable[[LlamaServer], Any]:
+    """Greedy tokens with speculative decoding, which must really have drafted (its log line)."""
+    def run(s: LlamaServer) -> Any:
+        toks = s.complete(prompt, n)
+        m = DRAFTS.search(s.proc.output())
+        if must_draft and (not m or int(m.group(2)) == 0):
+            raise ToolFailed("no draft tokens generated: speculative decoding did not run")
+        return toks
+    return run
+
+
 def w_embed(texts: tuple[str, ...] = (PROMPT, "the a world")) -> Callable[[LlamaServer], Any]:
     return lambda s: [s.embedding(x) for x in texts]
 
@@ -407,8 +421,20 @@ def _reuse(ctk: str, fa: str) -> Scenario:
                     w_cache_reuse(), model_args=SHIFT_MODEL_ARGS)
 
 
+# ngram lookups of one token (the random models' greedy text repeats itself after a while)
+NGRAM_ARGS = {
+    "ngram-simple": ("--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4"),
+    "ngram-map-k": ("--spec-ngram-map-k-size-n", "1", "--spec-ngram-map-k-size-m", "4"),
+    "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "1", "--spec-ngram-map-k4v-size-m", "4"),
+    "ngram-mod": ("--spec-ngram-mod-n-match", "2", "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "4"),
+}
+
+
 def _spec(kind: str) -> Scenario:
-    return Scenario(f"spec-{kind}", "tiny", (*SERVER, "--spec-type", kind), w_greedy(24, "hello world " * 8))
+    # ngram-cache has fixed n-gram sizes (no flags) and drafted nothing in 96 tokens of these
+    # models: it runs as a plain greedy comparison
+    return Scenario(f"spec-{kind}", "tiny", (*SERVER, "--spec-type", kind, *NGRAM_ARGS.get(kind, ())),
+                    w_spec(48, PROMPT, must_draft=kind != "ngram-cache"))
 
 
 BENCH = ("-p", "32", "-n", "8", "-r", "1", "-o", "json", "-ngl", "99")
@@ -420,7 +446,8 @@ CI: list[Scenario] = [
     _shift("q4_0", "off"),
     _reuse("f16", "on"),
     _reuse("q8_0", "off"),
-    Scenario("spec-draft", "tiny", (*SERVER, "--spec-type", "draft-simple"), w_greedy(24), draft="draft"),
+    # a draft of other weights: its drafts are rejected, the verification batches run all the same
+    Scenario("spec-draft", "tiny", (*SERVER, "--spec-type", "draft-simple"), w_spec(24, PROMPT), draft="draft"),
     _spec("ngram-simple"),
     Scenario("embd-mean", KV_MODEL, ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "mean"), w_embed()),
     Scenario("embd-cls", "bert", ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "cls"), w_embed()),
@@ -441,6 +468,8 @@ LONG: list[Scenario] = [
     Scenario("bench-two-nodes", KV_MODEL, BENCH, tool="bench", nodes=2, model_args=("--n-layer", "4")),
     *[s for ctk in KV_TYPES if ctk not in NO_SHIFT for fa in ("off", "on") for s in (_shift(ctk, fa), _reuse(ctk, fa))],
     *[_spec(k) for k in NGRAM_KINDS],
+    # the target as its own draft: every draft accepted (multi-token outputs per verification)
+    Scenario("spec-draft-self", "tiny", (*SERVER, "--spec-type", "draft-simple"), w_spec(24, PROMPT), draft="tiny"),
     Scenario("embd-last", KV_MODEL, ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "last"), w_embed()),
     Scenario("embd-mean-bert", "bert", ("-ngl", "99", "-c", "256", "--embeddings", "--pooling", "mean"), w_embed()),
     Scenario("two-nodes-split13", KV_MODEL, (*SERVER, "-ts", "1,3"), w_greedy(), nodes=2,
