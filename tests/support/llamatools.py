@@ -35,7 +35,7 @@ from typing import Any, Callable
 from tests.support import realpeer
 from tests.support.guard import Guard, Pki, start_pair
 
-__all__ = ["Tools", "tools", "Scenario", "Outcome", "Node", "Refused", "run_scenario", "start_nodes", "SETS"]
+__all__ = ["Tools", "tools", "Scenario", "Outcome", "Node", "Fleet", "Refused", "run_scenario", "start_nodes", "SETS"]
 
 TOOL_VARS = {"server": "LLAMA_SERVER_BIN", "cli": "LLAMA_CLI_BIN", "bench": "LLAMA_BENCH_BIN",
              "rpc_server": "TOOLS_RPC_SERVER_BIN"}
@@ -110,14 +110,44 @@ def start_nodes(t: Tools, workdir: Path, pki: Pki, guards: list[Guard], n: int =
     return out
 
 
-def revive(t: Tools, workdir: Path, pki: Pki, guards: list[Guard], node: Node) -> Node:
-    """A node whose real server died (a crash the firewall let through) gets a fresh one and pair."""
-    if node.server.alive() and node.serve.proc.alive() and node.connect.proc.alive():
-        return node
-    for g in (node.connect, node.serve):
-        g.stop()
-    node.server.stop()
-    return start_nodes(t, workdir, pki, guards, 1)[0]
+@dataclass
+class Fleet:
+    """The nodes of a run: two on the default pair, and one per allow-list of unverified ops
+    (``serve --allow-unverified-op OP``), started on first use. A node whose real server died (a
+    crash the firewall let through) gets a fresh server and pair before the next scenario."""
+
+    tools: Tools
+    workdir: Path
+    pki: Pki
+    guards: list[Guard] = field(default_factory=list)
+    nodes: dict[tuple[str, ...], list[Node]] = field(default_factory=dict)
+
+    def _args(self, allow: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(a for op in allow for a in ("--allow-unverified-op", op))
+
+    def for_scenario(self, sc: "Scenario") -> list[Node]:
+        allow = sc.allow
+        if allow not in self.nodes:
+            self.nodes[allow] = start_nodes(self.tools, self.workdir, self.pki, self.guards, 2 if not allow else 1,
+                                            serve_args=self._args(allow))
+        fresh = []
+        for node in self.nodes[allow]:
+            if not (node.server.alive() and node.serve.proc.alive() and node.connect.proc.alive()):
+                for g in (node.connect, node.serve):
+                    g.stop()
+                node.server.stop()
+                node = start_nodes(self.tools, self.workdir, self.pki, self.guards, 1,
+                                   serve_args=self._args(allow))[0]
+            fresh.append(node)
+        self.nodes[allow] = fresh
+        return fresh
+
+    def close(self) -> None:
+        for g in self.guards:
+            g.stop()
+        for group in self.nodes.values():
+            for n in group:
+                n.server.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +296,7 @@ class Scenario:
     nodes: int = 1
     model_args: tuple[str, ...] = ()         # extra make_tiny_model.py flags
     draft: str | None = None                 # preset of the -md draft model
+    allow: tuple[str, ...] = ()              # serve --allow-unverified-op OP... (a pair of its own)
 
     @property
     def model_key(self) -> str:
@@ -387,6 +418,9 @@ ARCH_MODELS = {
     "gptoss": "MUL_MAT_ID, ADD_ID, SWIGLU_OAI, sinks",
     "qwen2moe": "MUL_MAT_ID, ARGSORT",
 }
+# the models whose ops a default pair refuses, and the ops a pair must allow to forward them
+ALLOWED = {"mamba2": ("SSM_SCAN",), "qwen3next": ("GATED_DELTA_NET",), "rwkv6": ("RWKV_WKV6",),
+           "rwkv7": ("RWKV_WKV7",)}
 # head_dim 32 (the quantized KV cache needs a multiple of the 32-element block)
 KV_MODEL = "gqa"
 # The shift / reuse scenarios: head_dim 64. With a quantized K cache and a head_dim that is not a
@@ -457,6 +491,8 @@ CI: list[Scenario] = [
     Scenario("cli", "tiny", ("-p", PROMPT, "-n", "12", "-c", "256", "-st", "-ngl", "99", "--simple-io"),
              tool="cli"),
     *[Scenario(f"arch-{m}", m, SERVER, w_greedy(12)) for m in ARCH_MODELS],
+    # the ops that index state with tensor contents, forwarded by a pair that names them
+    *[Scenario(f"arch-{m}-allowed", m, SERVER, w_greedy(12), allow=ops) for m, ops in ALLOWED.items()],
 ]
 
 LONG: list[Scenario] = [
@@ -512,6 +548,8 @@ def markdown(results: list[tuple[Scenario, Outcome]]) -> str:
             flags += f" -md {sc.draft}"
         if sc.nodes > 1:
             flags += f" (--rpc {sc.nodes} nodes)"
+        if sc.allow:
+            flags += f" (serve --allow-unverified-op {','.join(sc.allow)})"
         detail = o.detail.replace("|", "\\|")[:240]
         lines.append(f"| {sc.name} | {sc.model}{' ' + ' '.join(sc.model_args) if sc.model_args else ''} | "
                      f"`{sc.tool} {flags}` | **{o.kind}** | {o.reason.replace('|', '/')[:160]} | {detail} | "
@@ -535,8 +573,7 @@ def main() -> None:
     pki = Pki(work / "pki")
     (work / "models").mkdir(exist_ok=True)
     models = ModelCache(work / "models")
-    guards: list[Guard] = []
-    nodes = start_nodes(t, work, pki, guards, 2)
+    fleet = Fleet(t, work, pki)
     results: list[tuple[Scenario, Outcome]] = []
     scenarios = SETS[a.set]
     if a.only:
@@ -544,9 +581,8 @@ def main() -> None:
     t_all = time.monotonic()
     try:
         for sc in scenarios:
-            nodes = [revive(t, work, pki, guards, n) for n in nodes]
             try:
-                o = run_scenario(sc, t, work, nodes, models)
+                o = run_scenario(sc, t, work, fleet.for_scenario(sc), models)
             except ToolFailed as exc:  # the direct run itself failed: not rpcguard's doing
                 o = Outcome("direct-failed", 0.0, str(exc)[:200])
             results.append((sc, o))
@@ -555,10 +591,7 @@ def main() -> None:
                 Path(a.report).write_text(markdown(results) + f"\n{len(results)} scenarios, "
                                           f"{time.monotonic() - t_all:.0f} s, logs in {work}\n")
     finally:
-        for g in guards:
-            g.stop()
-        for n in nodes:
-            n.server.stop()
+        fleet.close()
 
 
 if __name__ == "__main__":
