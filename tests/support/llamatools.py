@@ -375,12 +375,13 @@ def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], model
     guards = [g for n in used for g in (n.connect, n.serve)]
     offsets = {id(g): len(g.output()) for g in guards}
     graphs0 = _graphs(used)
+    ended0 = {id(g): g.value("rpcguard_sessions_total") for g in guards}
     try:
         guarded = _run_tool(sc, t, workdir, model, draft, [n.connect.endpoint for n in used], f"{sc.name}-guarded")
         failure = ""
     except ToolFailed as exc:
         guarded, failure = None, str(exc)
-    time.sleep(0.2)  # the session-end line of the last session is logged as the tool disconnects
+    _wait_ended(guards, offsets, ended0)
     refused = _refusals(guards, offsets)
     dt = time.monotonic() - t0
     graphs = _graphs(used) - graphs0
@@ -393,6 +394,19 @@ def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], model
     if guarded != direct:
         return Outcome("differs", dt, "", "", direct, guarded, logs, graphs)
     return Outcome("identical", dt, "", "", direct, guarded, logs, graphs)
+
+
+def _wait_ended(guards: list[Guard], offsets: dict[int, int], ended0: dict[int, float],
+                timeout: float = 15.0) -> None:
+    """Until every session of the run is over and has its session-end line (metrics first, then the
+    line: relay._end), so that the refusal of the last one is not missed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(g.value("rpcguard_sessions_active") == 0 and
+               len(SESSION_END.findall(g.output()[offsets[id(g)]:])) >= g.value("rpcguard_sessions_total") - ended0[id(g)]
+               for g in guards):
+            return
+        time.sleep(0.05)
 
 
 def _graphs(nodes: list[Node]) -> float:
