@@ -105,7 +105,11 @@ def start_nodes(t: Tools, workdir: Path, pki: Pki, guards: list[Guard], n: int =
     out = []
     for _ in range(n):
         server, port = start_rpc_server(t, workdir)
-        connect, serve = start_pair(workdir, pki, port, guards, serve_args, connect_args)
+        try:
+            connect, serve = start_pair(workdir, pki, port, guards, serve_args, connect_args)
+        except BaseException:  # the guards started so far are in ``guards``; the server is not
+            server.stop()
+            raise
         out.append(Node(server, port, connect, serve))
     return out
 
