@@ -43,12 +43,8 @@ REFUSED_BY_DESIGN: dict[str, tuple[str, str]] = {
 # is refused for another reason than this one (then the entry says what is refused now).
 # (Fixed since ac2a74f: the quantized-KV K-shift, "CPY: copy <q> -> f32 not handled", 24 scenarios.)
 REFUSED_TODAY: dict[str, tuple[str, str]] = {
-    **{name: ("op_not_verified", f"op {op} has no verified rule")
-       for m, op in (("rwkv6", "RWKV_WKV6"), ("rwkv7", "RWKV_WKV7"))
-       for name in (f"arch-{m}", f"arch-{m}-np4", f"bench-arch-{m}")},
-    # RWKV's token shift of a one-token ubatch: ggml_view_3d(att_norm, n_embd, n_seq_tokens - 1, ...)
-    # is empty (ne1 = 0) and a CONCAT source; the CPU server runs it
-    **{f"arch-{m}-allowed": ("tensor_layout_invalid", "empty shape (128, 0, 1, 1)") for m in ("rwkv6", "rwkv7")},
+    # none since main 72ce32e (RWKV_WKV6/7 rules, CONCAT of an empty token-shift view): a scenario
+    # refused again goes here with its reason and detail, and the test fails once it passes
 }
 
 LONG = os.environ.get("RPCGUARD_LLAMA_TOOLS", "") == "long"
