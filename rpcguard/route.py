@@ -109,6 +109,9 @@ class Route:
     slot: UpstreamSlot | None = None  # serve: the single upstream client slot
     links: set = field(default_factory=set)
     on_session_end: Callable[[dict], None] | None = None  # audit sink
+    # serve with upstream.exec: the upstream/pool.UpstreamPool that runs the server processes and
+    # gives each session its connection (endpoint.dial, relay.Link, admit's quarantine check)
+    provider: Any = None
     draining: bool = False
 
     def profile_for(self, identity: PeerIdentity) -> Profile:
@@ -139,6 +142,9 @@ class Route:
                 profile = self.profile_for(ident)
             except Refusal as exc:
                 refusal, identity_refused = exc, True
+            if refusal is None and self.provider is not None:
+                refusal = self.provider.quarantined(identity)
+                identity_refused = refusal is not None
         held = [other.lc.profile for other in self.links if other is not link and other.lc.admitted]
         held.append(profile)
         too_many = admission_refusal(self.default, profile, held)

@@ -38,6 +38,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tlsmaterial import TlsMaterial
+from rpcguard.upstream.runtime import Upstreams
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -123,6 +124,7 @@ class Runtime:
         self._facts: dict[tuple[str, int], UpstreamFacts] = {}
         self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.upstreams = Upstreams(self.metrics)  # serve's own server processes (upstream.exec)
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
@@ -134,8 +136,8 @@ class Runtime:
     def _listener(self, item: ListenerConfig | TunnelConfig) -> _Listener:
         """A route (not yet accepting, not yet in the metrics) for one listener (serve) or tunnel (connect)."""
         if isinstance(item, ListenerConfig):
-            key = (item.upstream.host, item.upstream.port)
-            where = f"{key[0]}:{key[1]}"
+            key = (item.upstream.host, item.upstream.port) if item.managed is None else (f"exec:{item.name}", 0)
+            where = f"{key[0]}:{key[1]}" if item.managed is None else f"exec {item.managed.exec[0]}"
             route = Route(
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
@@ -150,6 +152,8 @@ class Runtime:
                 facts=UpstreamFacts(where), ssl_context=lambda: self.tls.context, server_name=item.server_name,
             )
         route.on_session_end = self._session_ended
+        if isinstance(item, ListenerConfig) and item.managed is not None:
+            route.provider = self.upstreams.pool(item.name, item.managed)
         lst = _Listener(route, item.listen.host, item.listen.port)
         lst.item = item
         return lst
@@ -189,6 +193,7 @@ class Runtime:
     async def start(self) -> None:
         """Bind every listener (and the metrics endpoint); raises OSError on a busy port."""
         try:
+            await self.upstreams.start()
             for lst in self.listeners:
                 lst.bind()
                 lst.accept()
@@ -365,6 +370,13 @@ class Runtime:
             route = lst.route
             if route.role != "serve":
                 continue
+            if route.provider is not None:  # serve runs the server: its pool knows
+                ok, why = route.provider.ready()
+                route.traffic.upstream_up = ok
+                if not ok:
+                    return False, f"{route.name}: upstream {why}"
+                lines.append(f"{route.name}: upstream {why}")
+                continue
             if route.slot is not None and route.slot.busy:
                 lines.append(f"{route.name}: upstream in use by a session")
                 continue
@@ -403,7 +415,8 @@ class Runtime:
         if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
             return
         self._upstreams_probed_at = now
-        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining]
+        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining
+                  and lst.route.provider is None]
         oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
         for route, ok in zip(routes, oks):
             route.traffic.upstream_up = ok
@@ -440,6 +453,7 @@ class Runtime:
             lst.close()
         if self._http is not None:
             self._http.close()
+        await self.upstreams.close()
         await asyncio.sleep(0)
 
 

@@ -86,6 +86,7 @@ class Lifecycle:
         self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
         self.slot_held = False
         self.upstream_open = False
+        self.upstream_exit: tuple[str, str] | None = None  # (reason, detail): the server died (upstream/pool.py)
         self.t_drain = 0.0
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
@@ -338,6 +339,9 @@ class Lifecycle:
 
     def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
         self.upstream_open = False
+        if self.upstream_exit is not None:  # serve runs the server and saw it die under this session
+            self._finish("error", *self.upstream_exit)
+            return
         self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
 
     def _drained(self, error: str, tls_reason: str | None) -> None:
