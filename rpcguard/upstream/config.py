@@ -31,6 +31,11 @@ _uid = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 1000
 _path = _reader(lambda v: isinstance(v, str) and os.path.isabs(v), "an absolute path")
 
 
+def _mode(v: Any, path: str) -> str:
+    # YAML 1.1 reads a bare `off` as false
+    return "off" if v is False else _choice(*SANDBOX_MODES)(v, path)
+
+
 def _command(v: Any, path: str) -> tuple[str, ...]:
     argv = _list(_text)(v, path)
     if not argv:
@@ -61,7 +66,7 @@ def parse_upstream(data: Any, path: str) -> UpstreamSettings:
     if s.raw("start_timeout_s")[0] is not None:
         kw["start_timeout_s"] = s.get("start_timeout_s", _duration())
     sb = _Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
-    sbkw = sb.read_all({"mode": _choice(*SANDBOX_MODES), "uid_base": _uid, "uid_count": _count,
+    sbkw = sb.read_all({"mode": _mode, "uid_base": _uid, "uid_count": _count,
                         "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": _list(_path)})
     q = _Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
     qkw = q.read_all({"crashes": _count, "window_s": _duration(), "duration_s": _duration(zero_is_off=True)})

@@ -134,7 +134,8 @@ class UpstreamPool:
                                info_fd="{INFO_FD}")
         proc = ServerProcess(argv, port=port, listener=self.listener, number=n, wrapped=self.sandboxed,
                              limits=sandbox.rlimits(s.sandbox), netns=self.netns, on_exit=self._exited,
-                             identity=identity if s.uses_cache else None)
+                             identity=identity if s.uses_cache else None,
+                             env=None if self.sandboxed or cache is None else {**os.environ, "LLAMA_CACHE": cache})
         self.starts += 1
         self._live.add(proc)
         try:

@@ -98,8 +98,9 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], *, port: int, listener: str, number: int, wrapped: bool,
                  limits: list[tuple[int, int]], netns: bool, on_exit: Callable[[ServerProcess], None] | None = None,
-                 identity: str | None = None) -> None:
+                 identity: str | None = None, env: dict[str, str] | None = None) -> None:
         self.argv = argv
+        self.env = env  # None: rpcguard's (bwrap clears it for the sandbox)
         self.port = port
         self.listener = listener
         self.number = number  # the pool's count: names the process in logs
@@ -146,7 +147,7 @@ class ServerProcess:
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, pass_fds=(wfd,) if self.wrapped else (),
-                preexec_fn=self._preexec, start_new_session=True)
+                preexec_fn=self._preexec, start_new_session=True, env=self.env)
         except OSError as exc:
             raise StartFailed(f"cannot run {argv[0]}: {exc}") from None
         finally:

@@ -5,9 +5,9 @@ present and able to make its namespaces, root to drop to a uid of our own and to
 server's network namespace, setpriv). ``command()`` wraps the server's argv in::
 
     bwrap --unshare-{ipc,pid,net,uts,cgroup-try} --die-with-parent --new-session --clearenv
-          --ro-bind /usr ... (the system's libraries, read-only)  --ro-bind DIR DIR (each
-          directory holding a file named on the command line: the binary and its $ORIGIN libs)
-          --proc /proc --dev /dev --tmpfs /tmp  --bind CACHE /cache (per identity, LLAMA_CACHE)
+          --ro-bind /usr ... (the system's libraries, read-only)  --proc /proc --dev /dev
+          --tmpfs /tmp  --ro-bind FILE FILE (each file named on the command line: the binary,
+          and the lib*.so* beside it for its $ORIGIN)  --bind CACHE /cache (per identity)
           --dev-bind-try /dev/nvidia* /dev/dri /dev/kfd (GPU nodes, when present)
           --info-fd N   setpriv --reuid UID --regid UID --clear-groups --inh-caps=-all
           --bounding-set=-all --no-new-privs -- SERVER ARGS -H 127.0.0.1 -p PORT
@@ -44,6 +44,7 @@ SANDBOX_PORT = 50052
 _GPU_NODES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri", "/dev/kfd")
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
 _CACHE_IN_SANDBOX = "/cache"
+_MOUNTED = ("/proc", "/dev", "/tmp")  # made by bwrap before the command's binds (which may lie below /tmp)
 
 
 @dataclass(frozen=True)
@@ -121,25 +122,33 @@ def _system_binds() -> list[str]:
 
 
 def _command_binds(argv: list[str], extra: tuple[str, ...]) -> list[str]:
-    """Each directory holding a file the command line names (the binary and its $ORIGIN libs)."""
-    dirs: list[str] = []
+    """Each file the command line names, and the shared libraries beside it (lib*.so*: a binary
+    with RUNPATH $ORIGIN loads them from there), read-only at their paths; nothing else of their
+    directories (a config or a key next to the binary stays out)."""
+    files: list[str] = []
     for arg in argv:
         if os.path.isabs(arg) and os.path.isfile(arg):
-            d = os.path.dirname(os.path.realpath(arg))
-            if d not in dirs and not any(d.startswith(p + "/") or d == p for p in _SYSTEM_DIRS):
-                dirs.append(d)
+            real = os.path.realpath(arg)
+            d = os.path.dirname(real)
+            if any(d == p or d.startswith(p + "/") for p in _SYSTEM_DIRS):
+                continue
+            files.append(real)
+            try:
+                files += sorted(os.path.join(d, n) for n in os.listdir(d) if n.startswith("lib") and ".so" in n)
+            except OSError:
+                pass
     out: list[str] = []
-    made: set[str] = set()
-    for d in [*dirs, *extra]:
+    made: set[str] = set(_MOUNTED)
+    for path in [*dict.fromkeys(files), *extra]:
         # bwrap would copy the mode of the host's parents (/root is 0700): the server's uid
-        # could not reach its own binary. Its parents are made 0755 (empty but for the bind).
-        parts = d.strip("/").split("/")[:-1]
+        # could not reach its own binary. Its parents are made 0755 (empty but for the binds).
+        parts = path.strip("/").split("/")[:-1]
         for i in range(1, len(parts) + 1):
             parent = "/" + "/".join(parts[:i])
             if parent not in made and parent not in _SYSTEM_DIRS:
                 made.add(parent)
                 out += ["--perms", "0755", "--dir", parent]
-        out += ["--ro-bind", d, d]
+        out += ["--ro-bind", path, path]
     return out
 
 
@@ -157,8 +166,8 @@ def command(argv: list[str], *, port: int, mech: Mechanisms, settings: SandboxSe
     cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
             "--setenv", "HOME", "/tmp", "--setenv", "GGML_NO_BACKTRACE", "1"]
-    cmd += _system_binds() + _command_binds(argv, settings.ro_paths)
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    cmd += _system_binds() + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    cmd += _command_binds(argv, settings.ro_paths)
     for pattern in _GPU_NODES:
         for node in sorted(glob.glob(pattern)):
             cmd += ["--dev-bind-try", node, node]

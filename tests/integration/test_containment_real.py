@@ -1,0 +1,286 @@
+"""serve runs the REAL ggml-rpc-server itself, a fresh sandboxed process per session (issue 18).
+
+* A payload standing for code execution inside the server (tests/support/escape_payload.c,
+  built here) tries the escapes, reports each on stderr and execs the real server: run as
+  ``serve -- payload ggml-rpc-server``, every attempt is denied while the real llama.cpp client
+  through it gets the tokens it gets direct. The control arm (``sandbox: {mode: off}``) lets the
+  same attempts through, so the test can fail.
+* A marker one session leaves in the server's freed memory is not readable by the next session
+  (per-session processes); the control (``isolation: shared``) reads it back.
+* The real server SIGKILLed or aborted mid-session: the session ends ``upstream_crashed`` with the
+  identity, the next session is served within seconds, the identity is quarantined after N
+  crashes (answered 0.0.11 at HELLO) while another identity is still served.
+* Without the sandbox's tools: ``required`` exits 2 with one line, ``best_effort`` serves with a
+  warning and ``rpcguard_upstream_sandbox_missing``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rpcguard.protocol import encode
+from rpcguard.upstream.sandbox import SandboxSettings, cache_dir
+from tests.integration.test_isolation_real import PATTERN, SMALL, f32
+from tests.support import realpeer
+from tests.support.guard import Pki, start_guard
+from tests.support.rawclient import PeerClosed, RawClient, mtls_socket, read_response
+from tests.support.waiting import wait_until
+
+HERE = Path(__file__).resolve().parent
+PAYLOAD_SRC = HERE.parent / "support" / "escape_payload.c"
+USR_FILE = "/usr/local/rpcguard-escape-test"  # the control arm really writes it (then removed)
+EXPECTED_ESCAPES = ("connect_loopback", "connect_external", "read_serve_key", "read_serve_config",
+                    "read_other_cache", "write_outside_cache", "write_usr", "signal_outside", "ptrace_outside")
+
+
+def server_binary() -> str:
+    py = realpeer.realpeer_python()
+    return subprocess.check_output(
+        [py, "-c", "import importlib.util,os;s=importlib.util.find_spec('llama_cpp');"
+                   "print(os.path.join(list(s.submodule_search_locations)[0],'lib','ggml-rpc-server'))"],
+        text=True).strip()
+
+
+def write_config(workdir: Path, name: str, upstream: str, extra: str = "") -> str:
+    path = workdir / name
+    path.write_text("listeners:\n  - upstream:\n" + upstream + extra)
+    return str(path)
+
+
+class Sink:
+    """A loopback listener that counts the connections it gets (an escape would be one)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.hits = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.hits += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def build_payload(workdir: Path, **targets: object) -> str:
+    out = workdir / "payload"
+    defs = [f"-D{k}={v}" if isinstance(v, int) else f'-D{k}="{v}"' for k, v in targets.items()]
+    subprocess.run(["gcc", "-O1", "-Wall", *defs, "-o", str(out), str(PAYLOAD_SRC)], check=True)
+    return str(out)
+
+
+def escapes(output: str) -> dict[str, str]:
+    return dict(re.findall(r"ESCAPE (\w+): (\w+)", output))
+
+
+def _escape_run(pki: Pki, workdir: Path, models: dict, mode: str) -> tuple[dict[str, str], object, bool, list]:
+    """serve -- payload ggml-rpc-server -c, with the sandbox in ``mode``; a real client through it."""
+    sink, outside = Sink(), subprocess.Popen(["sleep", "300"])
+    listen_port = realpeer.free_port()
+    cache_root = workdir / f"cache-{mode}"
+    other = Path(cache_dir(SandboxSettings(cache_root=str(cache_root)), "CN=someone-else"))
+    other.mkdir(parents=True)
+    (other / "marker").write_text("another tenant's cache file\n")
+    outside_file = workdir / f"escaped-{mode}.txt"
+    cfg = write_config(workdir, f"payload-{mode}.yaml",
+                       f"      exec: [PAYLOAD, {server_binary()}, -c]\n"
+                       f"      sandbox: {{mode: {mode}, cache_root: {cache_root}}}\n")
+    payload = build_payload(workdir, CONNECT_PORT=sink.port, EXTERNAL_IP="10.255.255.1", LISTEN_PORT=listen_port,
+                            SERVE_KEY=pki.path(pki.node, "key"), SERVE_CONFIG=cfg,
+                            OTHER_CACHE_FILE=str(other / "marker"), OUTSIDE_FILE=str(outside_file),
+                            OUTSIDE_PID=outside.pid, USR_FILE=USR_FILE)
+    Path(cfg).write_text(Path(cfg).read_text().replace("PAYLOAD", payload))
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
+    try:
+        # the spare ran the payload at serve's start: its own listener is up (or not) now
+        wait_until(lambda: len(escapes(serve.output())) >= len(EXPECTED_ESCAPES), 30, "the payload's report")
+        try:
+            socket.create_connection(("127.0.0.1", listen_port), 2).close()
+            reachable = True
+        except OSError:
+            reachable = False
+        run = realpeer.run_client(connect.endpoint, models["tiny"])
+        seen = escapes(serve.output())
+        assert sink.hits == (0 if mode == "required" else sink.hits)
+        return seen, run, reachable, [sink.hits, outside_file.exists(), outside.poll()]
+    finally:
+        connect.stop()
+        serve.stop()
+        outside.kill()
+        sink.close()
+        if os.path.exists(USR_FILE):  # the control arm (no sandbox) wrote it as root
+            os.unlink(USR_FILE)
+
+
+def test_payload_escapes_are_denied_and_tokens_stay_identical(pki, workdir, models, rpc_server):
+    direct = realpeer.run_client(f"127.0.0.1:{rpc_server}", models["tiny"])
+    assert direct.ok, direct.output
+    seen, run, reachable, (hits, wrote, outside_rc) = _escape_run(pki, workdir, models, "required")
+    assert run.ok, run.output
+    assert run.tokens == direct.tokens
+    assert set(EXPECTED_ESCAPES) <= set(seen), seen
+    assert all(seen[name] == "denied" for name in EXPECTED_ESCAPES), seen
+    assert not reachable  # its own listener is bound inside a network namespace nobody can reach
+    assert hits == 0 and not wrote and outside_rc is None
+
+
+def test_payload_escapes_succeed_without_the_sandbox(pki, workdir, models):
+    """The control arm: the same payload with ``sandbox: {mode: off}`` gets out, so the test above
+    can fail; the server still serves (the sandbox changes nothing in the data path)."""
+    seen, run, reachable, (hits, wrote, _) = _escape_run(pki, workdir, models, "off")
+    assert run.ok, run.output
+    for name in ("connect_loopback", "read_serve_key", "read_serve_config", "read_other_cache",
+                 "write_outside_cache", "signal_outside"):
+        assert seen[name] == "ALLOWED", (name, seen)
+    assert reachable and hits >= 1 and wrote
+
+
+def _marker_left(pki: Pki, serve) -> bytes:
+    """Session 1 writes PATTERN into a buffer and frees it; what session 2 reads from a new one."""
+    one = RawClient.session(mtls_socket(pki, serve.port))
+    t = one.alloc(SMALL)
+    one.sock.sendall(encode.request("SET_TENSOR", f32(t.buffer, t.data, SMALL) + b"\0" + struct.pack("<Q", 0)
+                                    + PATTERN))
+    assert one.call("GET_TENSOR", f32(t.buffer, t.data, SMALL) + struct.pack("<QQ", 0, SMALL)) == PATTERN
+    one.sock.sendall(encode.request("FREE_BUFFER", struct.pack("<Q", t.buffer)))
+    one.close()
+    two = RawClient.session(mtls_socket(pki, serve.port))
+    t = two.alloc(SMALL)
+    data = two.call("GET_TENSOR", f32(t.buffer, t.data, SMALL) + struct.pack("<QQ", 0, SMALL))
+    two.close()
+    return data
+
+
+@pytest.mark.parametrize("isolation", ["session", "shared"])
+def test_a_sessions_marker_is_gone_in_the_next_sessions_process(pki, workdir, isolation):
+    # BUFFER_CLEAR off: only the process boundary stands between the two sessions
+    cfg = write_config(workdir, f"iso-{isolation}.yaml", f"      exec: [{server_binary()}]\n"
+                                                         f"      isolation: {isolation}\n",
+                       "policy:\n  clear_new_buffers: false\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    try:
+        data = _marker_left(pki, serve)
+        if isolation == "session":
+            assert data == bytes(SMALL)
+            assert serve.value("rpcguard_upstream_exits_total", cause="killed") >= 1
+        else:  # the control: one process for both sessions hands the freed bytes out
+            assert sum(1 for b in data if b) > SMALL // 2, data[:64]
+    finally:
+        serve.stop()
+
+
+def serving_pid(serve_pid: int) -> int | None:
+    """The descendant ggml-rpc-server of serve with a connection established (not the spare)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    todo, found = [serve_pid], []
+    while todo:
+        pid = todo.pop()
+        for kid in kids.get(pid, []):
+            todo.append(kid)
+            try:
+                exe = os.readlink(f"/proc/{kid}/exe")
+                tcp = open(f"/proc/{kid}/net/tcp").read()
+            except OSError:
+                continue
+            if exe.endswith("ggml-rpc-server") and any(ln.split()[3] == "01" for ln in tcp.splitlines()[1:]):
+                found.append(kid)
+    return found[0] if found else None
+
+
+def hello_answer(pki: Pki, port: int, cert: tuple[str, str] | None = None) -> tuple[int, int, int]:
+    ctx = None
+    if cert is not None:
+        import ssl
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=pki.path("ca"))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(*cert)
+        raw = socket.create_connection(("127.0.0.1", port), 10)
+        sock = ctx.wrap_socket(raw)
+    else:
+        sock = mtls_socket(pki, port)
+    sock.sendall(encode.request("HELLO", bytes(24)))
+    rsp = read_response(sock)
+    sock.close()
+    return struct.unpack_from("<BBB", rsp)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
+def test_a_server_that_dies_mid_session_names_the_session_and_quarantines_its_identity(pki, workdir, sig):
+    cfg = write_config(workdir, "crash.yaml", f"      exec: [{server_binary()}]\n"
+                                              "      quarantine: {crashes: 2, window_s: 600, duration_s: 600}\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    other = pki.issue("tenant2", server=False)
+    try:
+        for n in (1, 2):
+            c = RawClient.session(mtls_socket(pki, serve.port))
+            c.alloc(SMALL)  # a session with state in its server
+            pid = wait_until(lambda: serving_pid(serve.proc.popen.pid), 10, "the session's server process")
+            os.kill(pid, sig)
+            with pytest.raises((PeerClosed, ConnectionError, OSError)):
+                c.call("GET_ALIGNMENT", struct.pack("<I", 0))
+            c.close()
+            wait_until(lambda: serve.output().count("reason=upstream_crashed") >= n, 10, "the crash in the log")
+            t0 = time.monotonic()
+            if n == 1:  # the next session is served, in a fresh process, within seconds
+                nxt = RawClient.session(mtls_socket(pki, serve.port))
+                assert nxt.alloc(SMALL).buffer
+                nxt.close()
+                assert time.monotonic() - t0 < 5
+        line = [ln for ln in serve.output().splitlines() if "reason=upstream_crashed" in ln][-1]
+        assert "identity=CN=client1" in line and f"signal {sig.name}" in line, line
+        assert "command=" in line and "command=-" not in line, line
+        assert serve.value("rpcguard_upstream_crashes_total") == 2
+        # two crashes within the window: this identity is answered 0.0.11, another is served
+        assert hello_answer(pki, serve.port) == (0, 0, 11)
+        assert hello_answer(pki, serve.port, other)[0] >= 2
+        assert serve.value("rpcguard_refusals_total", reason="identity_quarantined") >= 1
+        assert serve.value("rpcguard_identities_quarantined") == 1
+    finally:
+        serve.stop()
+
+
+def test_without_the_sandbox_tools_required_exits_2_and_best_effort_warns(pki, workdir):
+    env = {"PATH": "/nonexistent"}  # no bwrap, no setpriv
+    cfg = write_config(workdir, "req.yaml", f"      exec: [{server_binary()}]\n")
+    g = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg], env=env, ready=False)
+    assert g.proc.popen.wait(30) == 2
+    lines = [ln for ln in g.output().splitlines() if "config error" in ln]
+    assert len(lines) == 1 and "upstream.sandbox.mode" in lines[0] and "bwrap" in lines[0], g.output()
+    cfg = write_config(workdir, "best.yaml", f"      exec: [{server_binary()}]\n"
+                                             "      sandbox: {mode: best_effort}\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg], env=env)
+    try:
+        c = RawClient.session(mtls_socket(pki, serve.port))
+        assert c.alloc(SMALL).buffer
+        c.close()
+        assert "sandbox mechanism namespaces unavailable" in serve.output()
+        assert serve.value("rpcguard_upstream_sandbox_missing", mechanism="namespaces") == 1
+        assert serve.value("rpcguard_upstream_sandbox_missing", mechanism="own_uid") == 1
+    finally:
+        serve.stop()
