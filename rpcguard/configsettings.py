@@ -69,6 +69,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
     "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
     "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
+    "max_graph_s": _duration(zero_is_off=True),
     "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)

@@ -78,6 +78,10 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
             return Refusal("idle_timeout", f"idle for {quiet:.0f} s"), False
         if limits.frame_timeout_s and not idle and quiet > limits.frame_timeout_s and session.mid_frame:
             return Refusal("frame_timeout", f"a request frame stalled for {quiet:.0f} s"), False
+    owed = session.owed_since_ns if session is not None and session.phase == SESSION_ACTIVE else 0
+    if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
+        return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "
+                                        f"(limits.max_graph_s {limits.max_graph_s:g})"), False
     blocked = lc.client_blocked_since
     if limits.frame_timeout_s and blocked and now - blocked > limits.frame_timeout_s:
         # A client that stops reading its responses would hold the single upstream slot forever.

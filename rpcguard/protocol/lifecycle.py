@@ -369,8 +369,9 @@ class Lifecycle:
         if answer:
             self.refusal = refusal
             self._answer_refusal()
-        else:
-            self._finish("refused", refusal.reason, refusal.detail, refusal.party)
+        else:  # a hung server is the session's error, not a refusal (reasons.SESSION_ERROR_REASONS)
+            self._finish("error" if refusal.reason == "upstream_hung" else "refused", refusal.reason, refusal.detail,
+                         refusal.party)
 
     def _tick_drain(self, now: float) -> None:
         if now - self.t_drain > UPSTREAM_DRAIN_S:

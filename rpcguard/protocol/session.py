@@ -196,6 +196,11 @@ class Session:
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
 
     @property
+    def owed_since_ns(self) -> int:
+        """When the oldest response the server still owes was asked for (0: none owed)."""
+        return self._expect[0].t_ns if self._expect else 0
+
+    @property
     def last_feed_ns(self) -> int:
         """The ``now_ns`` of the last ``client_data`` / ``server_data`` call."""
         return self._now

@@ -55,6 +55,8 @@ ISOLATIONS = ("session", "identity", "shared")
 PROBE_COMMANDS = frozenset({"HELLO", "DEVICE_COUNT", "GET_DEVICE_MEMORY", "GET_ALIGNMENT", "GET_MAX_SIZE"})
 # rpcguard sets the server's address itself: a command that sets one is a config error.
 HOST_OPTIONS = ("-H", "--host", "-p", "--port")
+# shared: a server that ran this long before it exited is restarted without backoff.
+RESTART_RESET_S = 10.0
 # How long a session that saw its upstream close waits for the process's exit status.
 EXIT_WAIT_S = 2.0
 
@@ -163,6 +165,10 @@ class UpstreamPool:
             self.kept = None
         if proc is self.shared and not self.closing:
             self.shared = None
+            # a server that dies soon after its start (a crash loop) backs off; one that ran for a
+            # while, or that we killed (a hang), is restarted at once
+            lived = time.time() - proc.started_s
+            self._failures = 0 if proc.killed or lived >= RESTART_RESET_S else self._failures + 1
             self._restart_shared()
 
     def _restart_shared(self) -> None:
@@ -179,7 +185,6 @@ class UpstreamPool:
                 await asyncio.sleep(delay)
             try:
                 self.shared = await self._spawn(None)
-                self._failures = 0
             except StartFailed:
                 self._failures += 1
             else:
@@ -244,6 +249,12 @@ class UpstreamPool:
     async def connect(self, link_id: int, identity: str, timeout_s: float) -> socket.socket:
         """A connection to the server process of session ``link_id``; Refusal when there is none."""
         if self.settings.isolation == "shared":
+            restart = self._restart
+            if (self.shared is None or not self.shared.alive) and restart is not None and not restart.done():
+                try:  # a restart under way (backoff 0 the first time): wait for it, up to the dial's timeout
+                    await asyncio.wait_for(asyncio.shield(restart), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
             proc = self.shared
             if proc is None or not proc.alive:
                 raise Refusal("upstream_unavailable", f"the server is down ({self.last_error or 'restarting'})")
@@ -253,7 +264,8 @@ class UpstreamPool:
                 proc, how = await self._take(identity)
             except StartFailed as exc:
                 raise Refusal("upstream_unavailable", f"the server did not start: {exc}") from None
-            self._start_spare(identity)
+            # the next spare is started when this session ends (ended): started now, it would
+            # compete with this session for the CPU (bench/session_start.py)
         self.sessions_by_start[how] += 1
         proc.session = link_id
         proc.session_identity = identity

@@ -284,3 +284,35 @@ def test_without_the_sandbox_tools_required_exits_2_and_best_effort_warns(pki, w
         assert serve.value("rpcguard_upstream_sandbox_missing", mechanism="own_uid") == 1
     finally:
         serve.stop()
+
+
+@pytest.mark.parametrize("isolation", ["session", "shared"])
+def test_the_watchdog_ends_a_session_whose_server_stops_answering(pki, workdir, isolation):
+    """The server SIGSTOPped with a response owed: after limits.max_graph_s the session ends
+    upstream_hung, its process is killed (shared: and restarted), the next session is served."""
+    cfg = write_config(workdir, f"hung-{isolation}.yaml", f"      exec: [{server_binary()}]\n"
+                                                          f"      isolation: {isolation}\n",
+                       "limits:\n  max_graph_s: 2\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    try:
+        c = RawClient.session(mtls_socket(pki, serve.port))
+        c.alloc(SMALL)
+        pid = wait_until(lambda: serving_pid(serve.proc.popen.pid), 10, "the session's server process")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises((PeerClosed, ConnectionError, OSError)):
+            c.call("GET_ALIGNMENT", struct.pack("<I", 0))
+        c.close()
+        assert 1.5 < time.monotonic() - t0 < 10
+        wait_until(lambda: "reason=upstream_hung" in serve.output(), 10, "the hang in the log")
+        line = [ln for ln in serve.output().splitlines() if "reason=upstream_hung" in ln][-1]
+        assert "result=error" in line and "identity=CN=client1" in line, line
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
+                   10, "the hung server killed")
+        if isolation == "shared":
+            assert "the shared server hung in session" in serve.output()
+        nxt = RawClient.session(mtls_socket(pki, serve.port))
+        assert nxt.alloc(SMALL).buffer
+        nxt.close()
+    finally:
+        serve.stop()
