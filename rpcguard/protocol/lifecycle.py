@@ -86,7 +86,7 @@ class Lifecycle:
         self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
         self.slot_held = False
         self.upstream_open = False
-        self.upstream_exit: tuple[str, str] | None = None  # (reason, detail): the server died (upstream/pool.py)
+        self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
         self.t_drain = 0.0
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
@@ -340,7 +340,7 @@ class Lifecycle:
     def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
         self.upstream_open = False
         if self.upstream_exit is not None:  # serve runs the server and saw it die under this session
-            self._finish("error", *self.upstream_exit)
+            self._finish("error", self.upstream_exit.reason, self.upstream_exit.detail, self.upstream_exit.party)
             return
         self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
 

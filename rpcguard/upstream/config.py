@@ -53,7 +53,7 @@ def _command(v: Any, path: str) -> tuple[str, ...]:
 def parse_upstream(data: Any, path: str) -> UpstreamSettings:
     """The mapping form of ``upstream`` (see the module docstring)."""
     if isinstance(data, _Flag):
-        data, path = {"exec": data.value}, data.flag
+        data = {"exec": data}  # errors about it name the flag (_Section.raw unwraps it)
     if not isinstance(data, dict):
         raise ConfigError(path, f"must be HOST:PORT or a mapping with exec, got {_show(data)}")
     s = _Section(data, path, _KEYS)

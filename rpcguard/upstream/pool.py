@@ -279,9 +279,9 @@ class UpstreamPool:
                 proc.kill()
             raise Refusal("upstream_unavailable", f"cannot reach the server: {exc}") from None
 
-    async def crash_cause(self, link_id: int) -> tuple[str, str] | None:
-        """The session's server closed its connection: did it die (not killed by us)? Then
-        (``upstream_crashed``, how), and the crash is counted against the session's identity."""
+    async def crash_cause(self, link_id: int) -> Refusal | None:
+        """The session's server closed its connection: did it die (not killed by us)? Then the
+        session's ending (``upstream_crashed``, how); ``ended`` counts it against the identity."""
         proc = self.by_link.get(link_id)
         if proc is None or proc.exited is None:
             return None
@@ -291,8 +291,8 @@ class UpstreamPool:
             return None
         if proc.killed:
             return None
-        return "upstream_crashed", f"the server (pid {proc.pid}) died: {proc.cause()}; last output: " \
-                                   f"{proc.last_stderr or '-'}"
+        return Refusal("upstream_crashed", f"the server (pid {proc.pid}) died: {proc.cause()}; last output: "
+                                           f"{proc.last_stderr or '-'}")
 
     def ended(self, link_id: int, record: dict) -> None:
         """Session ``link_id`` is over (its audit record): count a crash, keep or kill its process."""
