@@ -385,38 +385,38 @@ class PoolCollector(Collector):
         self.pools = pools
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        starts = CounterMetricFamily("rpcguard_upstream_starts", "server processes started", labels=["listener"])
+        starts = CounterMetricFamily("rpcguard_upstream_starts", "server processes started", labels=["role", "listener"])
         failed = CounterMetricFamily("rpcguard_upstream_start_failures", "server starts that failed",
-                                     labels=["listener"])
+                                     labels=["role", "listener"])
         exits = CounterMetricFamily("rpcguard_upstream_exits", "server processes that ended, by cause "
-                                    "(killed: by rpcguard; exit N; signal NAME)", labels=["listener", "cause"])
+                                    "(killed: by rpcguard; exit N; signal NAME)", labels=["role", "listener", "cause"])
         ready = CounterMetricFamily("rpcguard_upstream_start_seconds", "time from spawn to listening, summed",
-                                    labels=["listener"])
+                                    labels=["role", "listener"])
         last = GaugeMetricFamily("rpcguard_upstream_last_start_seconds", "the last start's time to listening",
-                                 labels=["listener"])
+                                 labels=["role", "listener"])
         how = CounterMetricFamily("rpcguard_upstream_sessions_by_start", "sessions by where their process came "
-                                  "from (spare, kept, cold, shared)", labels=["listener", "start"])
+                                  "from (spare, kept, cold, shared)", labels=["role", "listener", "start"])
         crashes = CounterMetricFamily("rpcguard_upstream_crashes", "sessions whose server died or hung",
-                                      labels=["listener"])
-        quar = CounterMetricFamily("rpcguard_identity_quarantines", "identities quarantined", labels=["listener"])
+                                      labels=["role", "listener"])
+        quar = CounterMetricFamily("rpcguard_identity_quarantines", "identities quarantined", labels=["role", "listener"])
         qnow = GaugeMetricFamily("rpcguard_identities_quarantined", "identities in quarantine now",
-                                 labels=["listener"])
+                                 labels=["role", "listener"])
         missing = GaugeMetricFamily("rpcguard_upstream_sandbox_missing", "1: this sandbox mechanism is not in "
-                                    "use (unavailable here, or sandbox: off)", labels=["listener", "mechanism"])
+                                    "use (unavailable here, or sandbox: off)", labels=["role", "listener", "mechanism"])
         for name, p in self.pools.items():
-            starts.add_metric([name], p.starts)
-            failed.add_metric([name], p.start_failures)
+            starts.add_metric(["serve", name], p.starts)
+            failed.add_metric(["serve", name], p.start_failures)
             for cause, n in p.exits.items():
-                exits.add_metric([name, cause], n)
-            ready.add_metric([name], p.start_seconds_sum)
-            last.add_metric([name], p.last_start_s)
+                exits.add_metric(["serve", name, cause], n)
+            ready.add_metric(["serve", name], p.start_seconds_sum)
+            last.add_metric(["serve", name], p.last_start_s)
             for k, n in p.sessions_by_start.items():
-                how.add_metric([name, k], n)
-            crashes.add_metric([name], p.crashes)
-            quar.add_metric([name], p.quarantines)
+                how.add_metric(["serve", name, k], n)
+            crashes.add_metric(["serve", name], p.crashes)
+            quar.add_metric(["serve", name], p.quarantines)
             now = time.monotonic()
-            qnow.add_metric([name], sum(1 for until in p.quarantine.values() if until > now))
+            qnow.add_metric(["serve", name], sum(1 for until in p.quarantine.values() if until > now))
             off = p.settings.sandbox.mode == "off"
             for m in sandbox.MECHANISMS:
-                missing.add_metric([name, m], 1 if off or m in p.missing else 0)
+                missing.add_metric(["serve", name, m], 1 if off or m in p.missing else 0)
         yield from (starts, failed, exits, ready, last, how, crashes, quar, qnow, missing)
