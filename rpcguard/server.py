@@ -152,8 +152,6 @@ class Runtime:
                 facts=UpstreamFacts(where), ssl_context=lambda: self.tls.context, server_name=item.server_name,
             )
         route.on_session_end = self._session_ended
-        if isinstance(item, ListenerConfig) and item.managed is not None:
-            route.provider = self.upstreams.pool(item.name, item.managed)
         lst = _Listener(route, item.listen.host, item.listen.port)
         lst.item = item
         return lst
@@ -163,6 +161,8 @@ class Runtime:
         route = lst.route
         route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
         _apply_settings(route, lst.item)
+        if isinstance(lst.item, ListenerConfig) and lst.item.managed is not None:  # serve runs the server
+            route.provider = self.upstreams.pool(route.name, lst.item.managed)
 
     def _session_ended(self, record: dict) -> None:
         if self.cfg.role == "connect" and record.get("listener"):
@@ -301,6 +301,7 @@ class Runtime:
         await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
         for lst in fresh:
             lst.accept()
+        await self.upstreams.start_new()  # a pool that cannot start logs why; its sessions are refused
         self._record_expiry()
         self._watch()
         self.metrics.reload("ok")
@@ -316,6 +317,8 @@ class Runtime:
     def _retire(self, old: _Listener) -> None:
         """Stop accepting on ``old``; its running sessions finish on its route (drain() still waits)."""
         old.close()
+        if old.route.provider is not None:  # its server processes end with its last session
+            self.upstreams.retire(old.route.provider)
         log.info("%s %s stopped accepting on %s:%d (%d running sessions finish as they are)",
                  old.route.role, old.route.name, old.host, old.port, len(old.route.links))
         self.retired = [lst for lst in self.retired if lst.route.links] + [old]

@@ -316,3 +316,52 @@ def test_the_watchdog_ends_a_session_whose_server_stops_answering(pki, workdir, 
         nxt.close()
     finally:
         serve.stop()
+
+
+def server_processes(serve_pid: int) -> list[int]:
+    """Every ggml-rpc-server below serve (running, not zombies)."""
+    out, todo = [], [serve_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            kids = [int(k) for t in os.listdir(f"/proc/{pid}/task")
+                    for k in open(f"/proc/{pid}/task/{t}/children").read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            todo.append(kid)
+            try:
+                if os.readlink(f"/proc/{kid}/exe").endswith("ggml-rpc-server"):
+                    out.append(kid)
+            except OSError:
+                pass
+    return out
+
+
+def test_a_reload_that_changes_the_command_replaces_the_processes(pki, workdir):
+    cfg = write_config(workdir, "reload.yaml", f"      exec: [{server_binary()}]\n      isolation: shared\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    try:
+        c = RawClient.session(mtls_socket(pki, serve.port))
+        assert c.alloc(SMALL).buffer
+        c.close()
+        old = server_processes(serve.proc.popen.pid)
+        assert len(old) == 1
+        Path(cfg).write_text(Path(cfg).read_text().replace("isolation: shared", "isolation: session"))
+        serve.proc.popen.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reloaded" in serve.output(), 15, "the reload")
+        assert "replaced listener listener0" in serve.output() or "listeners[listener0].managed" in serve.output()
+        for _ in range(2):  # two sessions, each in a process of its own
+            c = RawClient.session(mtls_socket(pki, serve.port))
+            assert c.alloc(SMALL).buffer
+            c.close()
+        # the shared process of the replaced listener is gone; what runs now is the new pool's
+        wait_until(lambda: not set(old) & set(server_processes(serve.proc.popen.pid)), 10, "the old process gone")
+        assert serve.value("rpcguard_upstream_sessions_by_start_total", start="shared") == 0  # the new pool's
+        assert serve.value("rpcguard_upstream_starts_total") >= 2
+        running = server_processes(serve.proc.popen.pid)
+        assert running  # the spare
+    finally:
+        serve.stop()
+    # serve's exit takes its processes with it (killed at close; bwrap --die-with-parent)
+    wait_until(lambda: not [p for p in running if os.path.exists(f"/proc/{p}")], 10, "the servers gone")
