@@ -156,6 +156,8 @@ class Link:
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
+        if route.provider is not None and self.lc.session is not None:  # post-mortem of a crash
+            self.lc.session.record_recent()
         try:
             self.check_upstream(route, endpoint.transport)  # type: ignore[arg-type]
         except Refusal as refusal:
@@ -266,6 +268,7 @@ class Link:
         if cause is not None and self.lc.session is not None:
             self.lc.upstream_exit = cause
             self.lc.command = self.lc.session.command_name  # the command it was running (audit record)
+            self.lc.post_mortem = self.lc.session.post_mortem()
         self.lc.upstream_closed(error)
         self._apply()
 

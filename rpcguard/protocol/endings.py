@@ -117,4 +117,5 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         "upload_bytes": s.upload_bytes_set,
         "hash_hit_bytes": s.upload_bytes_hash_hit,
         "commands": s.per_command(),
+        **({"post_mortem": lc.post_mortem} if lc.post_mortem is not None else {}),
     }

@@ -87,6 +87,7 @@ class Lifecycle:
         self.slot_held = False
         self.upstream_open = False
         self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
+        self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
         self.t_drain = 0.0
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
@@ -370,6 +371,8 @@ class Lifecycle:
             self.refusal = refusal
             self._answer_refusal()
         else:  # a hung server is the session's error, not a refusal (reasons.SESSION_ERROR_REASONS)
+            if refusal.reason == "upstream_hung" and self.session is not None:
+                self.post_mortem = self.session.post_mortem()
             self._finish("error" if refusal.reason == "upstream_hung" else "refused", refusal.reason, refusal.detail,
                          refusal.party)
 

@@ -29,6 +29,7 @@ dies while it serves a session (not killed by us) is a crash of that session's i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -307,6 +308,8 @@ class UpstreamPool:
         identity = str(record.get("identity") or "")
         if record.get("reason") in ("upstream_crashed", "upstream_hung"):
             self._crashed(identity)
+            log.warning("upstream listener=%s session=%d identity=%s post-mortem: %s", self.listener, link_id,
+                        identity or "-", json.dumps(record.get("post_mortem"), separators=(",", ":")))
         if proc is self.shared:
             if record.get("reason") == "upstream_hung":
                 log.warning("upstream listener=%s: the shared server hung in session %d; restarting it",

@@ -255,6 +255,8 @@ def test_a_server_that_dies_mid_session_names_the_session_and_quarantines_its_id
         line = [ln for ln in serve.output().splitlines() if "reason=upstream_crashed" in ln][-1]
         assert "identity=CN=client1" in line and f"signal {sig.name}" in line, line
         assert "command=" in line and "command=-" not in line, line
+        pm = [ln for ln in serve.output().splitlines() if "post-mortem:" in ln][-1]
+        assert '["ALLOC_BUFFER",' in pm and '"last_graph":null' in pm, pm  # its requests, no graph sent
         assert serve.value("rpcguard_upstream_crashes_total") == 2
         # two crashes within the window: this identity is answered 0.0.11, another is served
         assert hello_answer(pki, serve.port) == (0, 0, 11)
