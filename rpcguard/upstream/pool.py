@@ -138,7 +138,8 @@ class UpstreamPool:
         proc = ServerProcess(argv, port=port, listener=self.listener, number=n, wrapped=self.sandboxed,
                              limits=sandbox.rlimits(s.sandbox), netns=self.netns, on_exit=self._exited,
                              identity=identity if s.uses_cache else None,
-                             env=None if self.sandboxed or cache is None else {**os.environ, "LLAMA_CACHE": cache})
+                             env=None if self.sandboxed or cache is None else {**os.environ, "LLAMA_CACHE": cache},
+                             ns_helper=not self.mech.root)
         self.starts += 1
         self._live.add(proc)
         try:

@@ -20,8 +20,10 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Callable
@@ -93,12 +95,20 @@ def _connect_in(ns_path: str, port: int, timeout_s: float) -> socket.socket:
     return result[0]
 
 
+def _helper_python() -> str:
+    """A Python for nshelper.py (standard library only): ours, or the system's if ours cannot be
+    run by our uid (a venv whose interpreter lives under another user's home)."""
+    if os.access(sys.executable, os.X_OK):
+        return sys.executable
+    return shutil.which("python3") or sys.executable
+
+
 class ServerProcess:
     """One server process of a listener (see the module docstring)."""
 
     def __init__(self, argv: list[str], *, port: int, listener: str, number: int, wrapped: bool,
                  limits: list[tuple[int, int]], netns: bool, on_exit: Callable[[ServerProcess], None] | None = None,
-                 identity: str | None = None, env: dict[str, str] | None = None) -> None:
+                 identity: str | None = None, env: dict[str, str] | None = None, ns_helper: bool = False) -> None:
         self.argv = argv
         self.env = env  # None: rpcguard's (bwrap clears it for the sandbox)
         self.port = port
@@ -107,6 +117,10 @@ class ServerProcess:
         self.wrapped = wrapped  # under bwrap: --info-fd, exit statuses 128 + N
         self.limits = limits
         self.netns = netns
+        self.ns_helper = ns_helper  # not root: connections into its namespace come from nshelper.py
+        self._helper: asyncio.subprocess.Process | None = None
+        self._chan: socket.socket | None = None
+        self._chan_lock = threading.Lock()
         self.on_exit = on_exit
         self.identity = identity  # whose cache directory it has (None: no cache directory)
         self.session_identity = ""  # the identity of that session
@@ -168,10 +182,45 @@ class ServerProcess:
                 if time.monotonic() > deadline:
                     raise StartFailed(f"the server did not listen on its port within {timeout_s:g} s")
                 await asyncio.sleep(_LISTEN_POLL_S)
+            if self.netns and self.ns_helper:
+                await self._start_helper(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.kill()
             raise
         self.ready_s = time.monotonic() - t0
+
+    async def _start_helper(self, timeout_s: float) -> None:
+        """nshelper.py, entered into the server's user and network namespaces (not root)."""
+        from rpcguard.upstream import nshelper
+
+        ours, theirs = socket.socketpair()
+        try:
+            self._helper = await asyncio.create_subprocess_exec(
+                _helper_python(), "-I", "-S", nshelper.__file__, str(self.ns_pid), str(self.port), str(theirs.fileno()),
+                stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            theirs.close()
+        ours.settimeout(timeout_s)
+        loop = asyncio.get_running_loop()
+        first = await loop.run_in_executor(None, ours.recv, 256)
+        if first != b"R":
+            ours.close()
+            raise StartFailed(f"cannot enter the server's network namespace: {first[1:].decode(errors='replace') or 'the helper died'}")
+        self._chan = ours
+
+    def _helper_connect(self, timeout_s: float) -> socket.socket:
+        chan = self._chan
+        if chan is None:
+            raise OSError("no namespace helper")
+        with self._chan_lock:
+            chan.settimeout(timeout_s)
+            chan.sendall(b"c")
+            msg, fds, _flags, _addr = socket.recv_fds(chan, 1, 1)
+        if msg != b"K" or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("the server does not accept connections")
+        return socket.socket(fileno=fds[0])
 
     async def _info(self, rfd: int) -> int:
         """bwrap's --info-fd: the pid of the server's namespace, once it is set up."""
@@ -217,7 +266,9 @@ class ServerProcess:
 
     async def connect(self, timeout_s: float) -> socket.socket:
         """A connected, non-blocking TCP socket to the server (inside its namespace if it has one)."""
-        if self.netns:
+        if self.netns and self.ns_helper:
+            sock = await asyncio.get_running_loop().run_in_executor(None, self._helper_connect, timeout_s)
+        elif self.netns:
             sock = await asyncio.get_running_loop().run_in_executor(
                 None, _connect_in, f"/proc/{self.ns_pid}/ns/net", self.port, timeout_s)
         else:
@@ -233,7 +284,11 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL the server (and bwrap: its child dies with it, --die-with-parent)."""
         self.killed = True
-        for pid in {self.ns_pid, self.pid} - {0}:
+        if self._chan is not None:
+            self._chan.close()  # the helper ends when its channel does
+            self._chan = None
+        helper = self._helper.pid if self._helper is not None else 0
+        for pid in {self.ns_pid, self.pid, helper} - {0}:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -92,10 +92,8 @@ def probe() -> Mechanisms:
             m.missing["namespaces"] = f"bwrap failed: {exc}"
     if "namespaces" in m.missing:
         m.missing["network_namespace"] = "needs the namespaces"
-    elif not m.root:
-        # Entering another network namespace needs CAP_SYS_ADMIN in our own user namespace.
-        m.missing["network_namespace"] = "rpcguard is not root: it cannot open connections inside the server's " \
-                                         "network namespace, so the server shares the host's network"
+    # (not root: rpcguard cannot enter the server's network namespace itself, CAP_SYS_ADMIN in its
+    # own user namespace; nshelper.py enters the sandbox's user namespace first, which it owns)
     if not m.root or m.setpriv is None:
         m.missing["own_uid"] = ("rpcguard is not root: the server runs as rpcguard's own uid" if not m.root
                                 else "setpriv (util-linux) is not installed")

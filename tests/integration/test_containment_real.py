@@ -367,3 +367,60 @@ def test_a_reload_that_changes_the_command_replaces_the_processes(pki, workdir):
         serve.stop()
     # serve's exit takes its processes with it (killed at close; bwrap --die-with-parent)
     wait_until(lambda: not [p for p in running if os.path.exists(f"/proc/{p}")], 10, "the servers gone")
+
+
+def test_not_root_the_server_still_gets_only_its_own_loopback(workdir):
+    """serve as an unprivileged user (the hardened unit's User=): bwrap makes a user namespace,
+    nshelper.py brings the connections out of the server's network namespace. Its own uid is
+    missing (best_effort: a warning and the metric); the network stays closed."""
+    import shutil
+    import tempfile
+
+    from tests.support.guard import READY_MESSAGE, wait_for_line
+
+    base = Path(tempfile.mkdtemp(prefix="rpcguard-nonroot-"))
+    try:
+        os.chmod(base, 0o755)
+        bindir = base / "bin"
+        bindir.mkdir()
+        src = Path(server_binary())
+        for f in [src, *src.parent.glob("lib*.so*")]:
+            shutil.copy(f, bindir / f.name)
+        sink = Sink()
+        payload = build_payload(workdir, CONNECT_PORT=sink.port, EXTERNAL_IP="10.255.255.1",
+                                LISTEN_PORT=realpeer.free_port(), SERVE_KEY="/nonexistent", SERVE_CONFIG="/nonexistent",
+                                OTHER_CACHE_FILE="/nonexistent", OUTSIDE_FILE=str(base / "escaped"),
+                                OUTSIDE_PID=os.getpid(), USR_FILE="/nonexistent/x")
+        shutil.copy(payload, bindir / "payload")
+        pki = Pki(base / "pki")
+        (base / "cache").mkdir()
+        for p in [base / "pki", base / "cache", *(base / "pki").iterdir()]:
+            os.chown(p, 65534, 65534)
+        cfg = base / "serve.yaml"
+        cfg.write_text(f"listeners:\n  - upstream:\n      exec: [{bindir / 'payload'}, {bindir / 'ggml-rpc-server'}]\n"
+                       f"      sandbox: {{mode: best_effort, cache_root: {base / 'cache'}}}\n")
+        port, mport = realpeer.free_port(), realpeer.free_port()
+        proc = realpeer.start(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", realpeer.PYTHON, "-m",
+                               "rpcguard", "serve", "--config", str(cfg), "--listen", f"127.0.0.1:{port}", "--metrics",
+                               f"127.0.0.1:{mport}", *pki.serve_args(), "--allow-all"],
+                              workdir / "serve-nonroot.log", "rpcguard serve (nobody)")
+        try:
+            wait_for_line(proc, READY_MESSAGE)
+            c = RawClient.session(mtls_socket(pki, port))
+            assert c.alloc(SMALL).buffer
+            c.close()
+            wait_until(lambda: "connect_external" in escapes(proc.output()), 15, "the payload's report")
+            seen = escapes(proc.output())
+            assert seen["connect_loopback"] == "denied" and seen["connect_external"] == "denied", seen
+            assert sink.hits == 0
+            assert "sandbox mechanism own_uid unavailable" in proc.output()
+            assert "network_namespace unavailable" not in proc.output()
+            from tests.support.guard import Guard
+            g = Guard(proc, port, mport, "serve")
+            assert g.value("rpcguard_upstream_sandbox_missing", mechanism="network_namespace") == 0
+            assert g.value("rpcguard_upstream_sandbox_missing", mechanism="own_uid") == 1
+        finally:
+            proc.stop()
+            sink.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
