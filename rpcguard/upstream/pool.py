@@ -235,6 +235,12 @@ class UpstreamPool:
                 return proc, "spare"
         return await self._spawn(identity if self.settings.uses_cache else None), "cold"
 
+    @property
+    def contained(self) -> bool:
+        """A fresh process per session in the full sandbox: what the firewall's contents-dependent
+        ops (issue 20: SSM_SCAN, GATED_DELTA_NET, row indices) may be forwarded under."""
+        return self.settings.isolation == "session" and self.sandboxed and not self.missing
+
     # ----------------------------------------------------------------------------- the route's side
     async def start(self) -> None:
         """At serve's start: check the sandbox, start the first process (shared) or the spare."""

@@ -212,3 +212,12 @@ def test_a_required_sandbox_that_is_missing_stops_the_start():
     pool = UpstreamPool("l0", UpstreamSettings(exec=(TRUE,)), _mech(missing={"namespaces": "no bwrap"}))
     with pytest.raises(SandboxUnavailable, match="namespaces: no bwrap"):
         asyncio.run(pool.start())
+
+
+def test_contained_means_a_process_per_session_in_the_full_sandbox():
+    full, nothing = _mech(), _mech(missing={"own_uid": "not root"})
+    assert UpstreamPool("l", UpstreamSettings(exec=(TRUE,)), full).contained
+    assert not UpstreamPool("l", UpstreamSettings(exec=(TRUE,), isolation="identity"), full).contained
+    assert not UpstreamPool("l", UpstreamSettings(exec=(TRUE,)), nothing).contained
+    off = UpstreamSettings(exec=(TRUE,), sandbox=sandbox.SandboxSettings(mode="off"))
+    assert not UpstreamPool("l", off, full).contained
