@@ -38,7 +38,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tlsmaterial import TlsMaterial
-from rpcguard.upstream.runtime import Upstreams
+from rpcguard.upstream.runtime import Upstreams, contain, contain_all
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -97,6 +97,8 @@ def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) ->
     if isinstance(item, ListenerConfig):
         route.profiles = item.profiles
         route.allow = item.allow
+        if route.provider is not None and route.provider.contained:  # content-indexed ops may reach it
+            route.default, route.profiles = contain(route.default), contain_all(route.profiles)
         for name in (route.default.name, *item.profiles):  # every profile's series exists from the start
             route.traffic.profile_sessions.setdefault(name, 0)
 
@@ -160,9 +162,9 @@ class Runtime:
         """Give a new route its counters (kept across a reload that keeps the name) and settings."""
         route = lst.route
         route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
-        _apply_settings(route, lst.item)
         if isinstance(lst.item, ListenerConfig) and lst.item.managed is not None:  # serve runs the server
             route.provider = self.upstreams.pool(route.name, lst.item.managed)
+        _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
         if self.cfg.role == "connect" and record.get("listener"):

@@ -11,15 +11,31 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Mapping
+
 from rpcguard.errors import ConfigError
+from rpcguard.protocol.settings import Profile
 from rpcguard.metrics import Metrics
 from rpcguard.upstream import sandbox
 from rpcguard.upstream.pool import PoolCollector, SandboxUnavailable, UpstreamPool, UpstreamSettings
 
-__all__ = ["Upstreams"]
+__all__ = ["Upstreams", "contain", "contain_all"]
 
 log = logging.getLogger("rpcguard.upstream")
 _RETIRE_POLL_S = 0.5  # a replaced pool is closed once its last session is over
+
+
+def contain(profile: Profile) -> Profile:
+    """``profile`` for a contained listener (UpstreamPool.contained): its firewall may forward the
+    content-indexed ops no shape rule bounds (oprules.needs_containment; FirewallPolicy.contained)."""
+    policy = profile.policy
+    return replace(profile, policy=replace(policy, firewall=replace(policy.firewall, contained=True)))
+
+
+def contain_all(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
+    return MappingProxyType({name: contain(p) for name, p in profiles.items()})
 
 
 class Upstreams:

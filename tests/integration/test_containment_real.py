@@ -424,3 +424,30 @@ def test_not_root_the_server_still_gets_only_its_own_loopback(workdir):
             sink.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_mamba2_model_works_contained_and_is_refused_uncontained(pki, workdir, rpc_server):
+    """SSM_SCAN indexes its state with tensor contents (oprules.needs_containment): forwarded to a
+    contained server (a fresh sandboxed process per session), refused op_needs_containment by the
+    same serve running one shared process."""
+    model = realpeer.make_model(workdir / "mamba2.gguf", "--preset", "mamba2")
+    direct = realpeer.run_client(f"127.0.0.1:{rpc_server}", model)
+    assert direct.ok, direct.output[-2000:]
+    for isolation in ("session", "shared"):
+        cfg = write_config(workdir, f"mamba-{isolation}.yaml", f"      exec: [{server_binary()}]\n"
+                                                               f"      isolation: {isolation}\n")
+        serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+        connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                                   *pki.connect_args()])
+        try:
+            run = realpeer.run_client(connect.endpoint, model)
+            if isolation == "session":
+                assert run.ok, (run.output[-2000:], serve.output()[-3000:])
+                assert run.tokens == direct.tokens
+            else:
+                assert not run.ok
+                assert serve.value("rpcguard_refusals_total", reason="op_needs_containment") >= 1, serve.output()[-3000:]
+                assert "upstream.isolation: session" in serve.output()
+        finally:
+            connect.stop()
+            serve.stop()
