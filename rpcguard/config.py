@@ -475,7 +475,12 @@ def config_summary(cfg: Config) -> list[str]:
                        + (f" max_session_alloc_bytes={p.policy.firewall.max_session_alloc_bytes}"
                           if p.policy.firewall.max_session_alloc_bytes else "") + ";"
                        for p in x.profiles.values()).rstrip(";")
-    return ([f"serve {x.name} {x.listen} -> {x.upstream} mode={x.policy.mode} acl={_acl_text(x.allow)}"
+
+    def up(x: ListenerConfig) -> str:
+        m = x.managed
+        return str(x.upstream) if m is None else f"exec {m.exec[0]} (isolation={m.isolation} sandbox={m.sandbox.mode})"
+
+    return ([f"serve {x.name} {x.listen} -> {up(x)} mode={x.policy.mode} acl={_acl_text(x.allow)}"
              + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None)
              + (f" |{profiles(x)}" if x.profiles else "") for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"

@@ -80,8 +80,8 @@ class _Listener:
         assert self.sock is not None
         route = self.route
         self.task = asyncio.get_running_loop().create_task(_accept_loop(route, self.sock))
-        log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, self.host, self.port,
-                 route.upstream_host, route.upstream_port)
+        log.info("%s %s listening on %s:%d -> %s", route.role, route.name, self.host, self.port,
+                 route.traffic.upstream or f"{route.upstream_host}:{route.upstream_port}")
 
     def close(self) -> None:
         if self.task is not None:

@@ -221,3 +221,11 @@ def test_contained_means_a_process_per_session_in_the_full_sandbox():
     assert not UpstreamPool("l", UpstreamSettings(exec=(TRUE,)), nothing).contained
     off = UpstreamSettings(exec=(TRUE,), sandbox=sandbox.SandboxSettings(mode="off"))
     assert not UpstreamPool("l", off, full).contained
+
+
+def test_check_config_describes_the_command_it_runs(tmp_path, capsys):
+    from rpcguard.config import config_summary as describe
+    cfg = build_config("serve", overrides=dict(cert=__file__, key=__file__, ca=__file__, listen="127.0.0.1:0",
+                                                upstream_exec=["true"], allow_all=True))
+    line = describe(cfg)[0]
+    assert f"-> exec {os.path.realpath(TRUE)} (isolation=session sandbox=required)" in line, line
