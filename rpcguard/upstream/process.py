@@ -33,6 +33,7 @@ __all__ = ["ServerProcess", "StartFailed", "exit_cause", "listening"]
 log = logging.getLogger("rpcguard.upstream")
 
 _CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 # How often the namespace's socket table is read while the server starts (it takes 50-200 ms).
 _LISTEN_POLL_S = 0.003
@@ -145,6 +146,9 @@ class ServerProcess:
         return exit_cause(self.status, self.wrapped)
 
     def _preexec(self) -> None:
+        # The process dies with rpcguard, even SIGKILLed (bwrap --die-with-parent then takes the
+        # server with it): a server nobody can reach any more must not outlive its proxy.
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         for res, value in self.limits:
             soft, hard = resource.getrlimit(res)
             limit = value if hard == resource.RLIM_INFINITY else min(value, hard)

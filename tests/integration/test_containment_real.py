@@ -451,3 +451,19 @@ def test_a_mamba2_model_works_contained_and_is_refused_uncontained(pki, workdir,
         finally:
             connect.stop()
             serve.stop()
+
+
+@pytest.mark.parametrize("mode", ["required", "off"])
+def test_the_servers_die_with_a_killed_serve(pki, workdir, mode):
+    """serve SIGKILLed: no drain, no close; its servers go with it (bwrap --die-with-parent, and
+    the parent-death signal rpcguard sets on what it spawns: all there is with sandbox off)."""
+    cfg = write_config(workdir, f"die-{mode}.yaml", f"      exec: [{server_binary()}]\n      sandbox: {{mode: {mode}}}\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    c = RawClient.session(mtls_socket(pki, serve.port))
+    assert c.alloc(SMALL).buffer
+    running = wait_until(lambda: server_processes(serve.proc.popen.pid), 15, "the session's server")
+    serve.proc.popen.kill()  # SIGKILL: no drain, no close
+    serve.proc.popen.wait(10)
+    c.close()
+    wait_until(lambda: not [p for p in running if os.path.exists(f"/proc/{p}")
+                            and open(f"/proc/{p}/stat").read().split()[2] != "Z"], 10, "the servers gone")
