@@ -271,7 +271,11 @@ def test_without_the_sandbox_tools_required_exits_2_and_best_effort_warns(pki, w
     env = {"PATH": "/nonexistent"}  # no bwrap, no setpriv
     cfg = write_config(workdir, "req.yaml", f"      exec: [{server_binary()}]\n")
     g = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg], env=env, ready=False)
-    assert g.proc.popen.wait(30) == 2
+    try:
+        assert g.proc.popen.wait(30) == 2
+    finally:
+        if g.proc.alive():
+            g.stop()
     lines = [ln for ln in g.output().splitlines() if "config error" in ln]
     assert len(lines) == 1 and "upstream.sandbox.mode" in lines[0] and "bwrap" in lines[0], g.output()
     cfg = write_config(workdir, "best.yaml", f"      exec: [{server_binary()}]\n"
@@ -459,9 +463,13 @@ def test_the_servers_die_with_a_killed_serve(pki, workdir, mode):
     the parent-death signal rpcguard sets on what it spawns: all there is with sandbox off)."""
     cfg = write_config(workdir, f"die-{mode}.yaml", f"      exec: [{server_binary()}]\n      sandbox: {{mode: {mode}}}\n")
     serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
-    c = RawClient.session(mtls_socket(pki, serve.port))
-    assert c.alloc(SMALL).buffer
-    running = wait_until(lambda: server_processes(serve.proc.popen.pid), 15, "the session's server")
+    try:
+        c = RawClient.session(mtls_socket(pki, serve.port))
+        assert c.alloc(SMALL).buffer
+        running = wait_until(lambda: server_processes(serve.proc.popen.pid), 15, "the session's server")
+    except BaseException:
+        serve.stop()
+        raise
     serve.proc.popen.kill()  # SIGKILL: no drain, no close
     serve.proc.popen.wait(10)
     c.close()
