@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", help="HOST:PORT to accept mTLS on")
     s.add_argument("--upstream", help="HOST:PORT of the ggml-rpc-server (loopback)")
     s.add_argument("--unsafe-upstream", action="store_true", help="allow a non-loopback upstream")
+    s.add_argument("upstream_exec", nargs="*", metavar="-- COMMAND", help="run the server: rpcguard serve [options] -- "
+                   "ggml-rpc-server [ARGS] (rpcguard adds -H 127.0.0.1 -p PORT; docs/containment.md)")
     for kind in ("cn", "dns", "uri", "ip"):
         s.add_argument(f"--allow-{kind}", action="append", default=[], metavar="X",
                        help=f"allow clients whose certificate has this {kind.upper()} (repeatable)")
@@ -132,7 +134,7 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(a: argparse.Namespace) -> dict:
     keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
-            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream",
+            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream", "upstream_exec",
             "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "allow_all", "server",
             "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
@@ -258,6 +260,8 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
         await rt.start()
     except OSError as exc:
         return _fail(f"cannot listen: {exc}", EXIT_FAIL, json_log)
+    except RpcGuardError as exc:  # upstream.exec: a required sandbox not available here
+        return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
     rt.install_signals()
     # Every listener is bound and the material loaded (the "listening" lines came from start()).
     status = f"{cfg.role}: {len(rt.listeners)} listener(s) ready" + "".join(

@@ -73,6 +73,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
     "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
     "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
+    "max_graph_s": _duration(zero_is_off=True),
     "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
     "min_data_rate_bps": _count_or_off, "idle_while_waiting_s": _duration(zero_is_off=True),
     "max_sessions_per_identity": _count_or_off, "max_sessions_per_source": _count_or_off,

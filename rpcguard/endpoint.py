@@ -54,6 +54,12 @@ Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable
 async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
     """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
     loop = asyncio.get_running_loop()
+    if route.provider is not None:  # serve runs the server: the session's own process (upstream/pool.py)
+        protocol = factory()
+        link = protocol.link  # type: ignore[attr-defined]  # an Endpoint
+        sock = await route.provider.connect(link.id, link.lc.identity, limits.connect_timeout_s or 10.0)
+        await loop.create_connection(lambda: protocol, sock=sock)
+        return
     kwargs: dict[str, Any] = {}
     if route.role == "connect":
         assert route.ssl_context is not None

@@ -55,7 +55,9 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "op_needs_containment",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
-SESSION_ERROR_REASONS: tuple[str, ...] = ("client_closed_mid_frame", "upstream_closed", "internal_error")
+# upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py).
+SESSION_ERROR_REASONS: tuple[str, ...] = ("client_closed_mid_frame", "upstream_closed", "internal_error",
+                                          "upstream_crashed", "upstream_hung")
 # Every value refusals_total{reason} can take.
 REFUSAL_REASONS: tuple[str, ...] = tuple(dict.fromkeys(
     TLS_REASONS + IDENTITY_REASONS + SESSION_REASONS + FIREWALL_REASONS))

@@ -43,7 +43,7 @@ from rpcguard.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dia
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
-from rpcguard.protocol.lifecycle import CLOSED, Lifecycle
+from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
 from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, negotiated_rpcguard
@@ -184,6 +184,8 @@ class Link:
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
+        if route.provider is not None and self.lc.session is not None:  # post-mortem of a crash
+            self.lc.session.record_recent()
         try:
             self.check_upstream(route, endpoint.transport)  # type: ignore[arg-type]
         except Refusal as refusal:
@@ -276,6 +278,8 @@ class Link:
             self.flush_held()
             self.lc.client_closed()
         elif endpoint is self.upstream:
+            if self._upstream_gone():
+                return
             self.lc.upstream_closed()
         self._apply()
 
@@ -283,8 +287,30 @@ class Link:
         if endpoint.is_client:
             self.lc.client_closed(str(exc) if exc else "")
         elif endpoint is self.upstream:
+            if self._upstream_gone(str(exc) if exc else ""):
+                return
             tls_reason = classify_handshake_error(exc) if isinstance(exc, ssl.SSLError) else None
             self.lc.upstream_closed(str(exc) if exc else "", tls_reason)
+        self._apply()
+
+    def _upstream_gone(self, error: str = "") -> bool:
+        """serve runs the server: an active session's upstream closed. Ask the pool whether the
+        process died under it (``upstream_crashed``) before the lifecycle hears of the close."""
+        provider = self.route.provider
+        if provider is None or self.lc.state != ACTIVE:
+            return False
+        if not getattr(self, "_gone", False):
+            self._gone = True
+            self._spawn(self._crash_check(provider, error))
+        return True
+
+    async def _crash_check(self, provider, error: str) -> None:
+        cause = await provider.crash_cause(self.id)
+        if cause is not None and self.lc.session is not None:
+            self.lc.upstream_exit = cause
+            self.lc.command = self.lc.session.command_name  # the command it was running (audit record)
+            self.lc.post_mortem = self.lc.session.post_mortem()
+        self.lc.upstream_closed(error)
         self._apply()
 
     def pause_other(self, endpoint: Endpoint) -> None:
@@ -427,6 +453,8 @@ class Link:
         lc = self.lc
         route = self.route
         route.session_over(self, lc)
+        if route.provider is not None:
+            route.provider.ended(self.id, record)
         result, reason, detail = lc.result, lc.reason, lc.detail
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(

@@ -110,6 +110,9 @@ class Route:
     links: set = field(default_factory=set)
     handshaking: dict = field(default_factory=dict)  # serve: source address -> TLS handshakes running
     on_session_end: Callable[[dict], None] | None = None  # audit sink
+    # serve with upstream.exec: the upstream/pool.UpstreamPool that runs the server processes and
+    # gives each session its connection (endpoint.dial, relay.Link, admit's quarantine check)
+    provider: Any = None
     draining: bool = False
 
     def handshake_refusal(self, source: str) -> Refusal | None:
@@ -147,6 +150,9 @@ class Route:
                 profile = self.profile_for(ident)
             except Refusal as exc:
                 refusal, identity_refused = exc, True
+            if refusal is None and self.provider is not None:
+                refusal = self.provider.quarantined(identity)
+                identity_refused = refusal is not None
         # Links refused already (waiting to answer their HELLO) hold no session: a flood of them
         # must not lock others out.
         held = [other.lc.profile for other in self.links

@@ -38,6 +38,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tlsmaterial import TlsMaterial
+from rpcguard.upstream.runtime import Upstreams, contain, contain_all
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -79,8 +80,8 @@ class _Listener:
         assert self.sock is not None
         route = self.route
         self.task = asyncio.get_running_loop().create_task(_accept_loop(route, self.sock))
-        log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, self.host, self.port,
-                 route.upstream_host, route.upstream_port)
+        log.info("%s %s listening on %s:%d -> %s", route.role, route.name, self.host, self.port,
+                 route.traffic.upstream or f"{route.upstream_host}:{route.upstream_port}")
 
     def close(self) -> None:
         if self.task is not None:
@@ -96,6 +97,8 @@ def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) ->
     if isinstance(item, ListenerConfig):
         route.profiles = item.profiles
         route.allow = item.allow
+        if route.provider is not None and route.provider.contained:  # content-indexed ops may reach it
+            route.default, route.profiles = contain(route.default), contain_all(route.profiles)
         for name in (route.default.name, *item.profiles):  # every profile's series exists from the start
             route.traffic.profile_sessions.setdefault(name, 0)
 
@@ -123,6 +126,7 @@ class Runtime:
         self._facts: dict[tuple[str, int], UpstreamFacts] = {}
         self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.upstreams = Upstreams(self.metrics)  # serve's own server processes (upstream.exec)
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
@@ -134,8 +138,8 @@ class Runtime:
     def _listener(self, item: ListenerConfig | TunnelConfig) -> _Listener:
         """A route (not yet accepting, not yet in the metrics) for one listener (serve) or tunnel (connect)."""
         if isinstance(item, ListenerConfig):
-            key = (item.upstream.host, item.upstream.port)
-            where = f"{key[0]}:{key[1]}"
+            key = (item.upstream.host, item.upstream.port) if item.managed is None else (f"exec:{item.name}", 0)
+            where = f"{key[0]}:{key[1]}" if item.managed is None else f"exec {item.managed.exec[0]}"
             route = Route(
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
@@ -158,6 +162,8 @@ class Runtime:
         """Give a new route its counters (kept across a reload that keeps the name) and settings."""
         route = lst.route
         route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
+        if isinstance(lst.item, ListenerConfig) and lst.item.managed is not None:  # serve runs the server
+            route.provider = self.upstreams.pool(route.name, lst.item.managed)
         _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
@@ -189,6 +195,7 @@ class Runtime:
     async def start(self) -> None:
         """Bind every listener (and the metrics endpoint); raises OSError on a busy port."""
         try:
+            await self.upstreams.start()
             for lst in self.listeners:
                 lst.bind()
                 lst.accept()
@@ -296,6 +303,7 @@ class Runtime:
         await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
         for lst in fresh:
             lst.accept()
+        await self.upstreams.start_new()  # a pool that cannot start logs why; its sessions are refused
         self._record_expiry()
         self._watch()
         self.metrics.reload("ok")
@@ -311,6 +319,8 @@ class Runtime:
     def _retire(self, old: _Listener) -> None:
         """Stop accepting on ``old``; its running sessions finish on its route (drain() still waits)."""
         old.close()
+        if old.route.provider is not None:  # its server processes end with its last session
+            self.upstreams.retire(old.route.provider)
         log.info("%s %s stopped accepting on %s:%d (%d running sessions finish as they are)",
                  old.route.role, old.route.name, old.host, old.port, len(old.route.links))
         self.retired = [lst for lst in self.retired if lst.route.links] + [old]
@@ -365,6 +375,13 @@ class Runtime:
             route = lst.route
             if route.role != "serve":
                 continue
+            if route.provider is not None:  # serve runs the server: its pool knows
+                ok, why = route.provider.ready()
+                route.traffic.upstream_up = ok
+                if not ok:
+                    return False, f"{route.name}: upstream {why}"
+                lines.append(f"{route.name}: upstream {why}")
+                continue
             if route.slot is not None and route.slot.busy:
                 lines.append(f"{route.name}: upstream in use by a session")
                 continue
@@ -403,7 +420,8 @@ class Runtime:
         if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
             return
         self._upstreams_probed_at = now
-        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining]
+        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining
+                  and lst.route.provider is None]
         oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
         for route, ok in zip(routes, oks):
             route.traffic.upstream_up = ok
@@ -440,6 +458,7 @@ class Runtime:
             lst.close()
         if self._http is not None:
             self._http.close()
+        await self.upstreams.close()
         await asyncio.sleep(0)
 
 

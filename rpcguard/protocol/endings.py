@@ -118,6 +118,10 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
         if wait_s and lc.others_waiting and lc.slot_held and now - lc.working_t > wait_s:
             return Refusal("idle_while_waiting", f"idle for {now - lc.working_t:.0f} s while {lc.others_waiting} "
                                                  f"session(s) waited for the upstream"), False
+    owed = session.owed_since_ns if session is not None and session.phase == SESSION_ACTIVE else 0
+    if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
+        return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "
+                                        f"(limits.max_graph_s {limits.max_graph_s:g})"), False
     blocked = lc.client_blocked_since
     if limits.frame_timeout_s and blocked and now - blocked > limits.frame_timeout_s:
         # A client that stops reading its responses would hold the single upstream slot forever.
@@ -163,4 +167,5 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         # the compute budget's estimate of what this session's graphs cost the server (cost.py)
         "compute_s_estimated": _compute_s(lc),
         "commands": s.per_command(),
+        **({"post_mortem": lc.post_mortem} if lc.post_mortem is not None else {}),
     }

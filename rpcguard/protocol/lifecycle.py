@@ -97,6 +97,8 @@ class Lifecycle:
         self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
         self.slot_held = False
         self.upstream_open = False
+        self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
+        self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
         self.t_drain = 0.0
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
@@ -360,6 +362,9 @@ class Lifecycle:
 
     def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
         self.upstream_open = False
+        if self.upstream_exit is not None:  # serve runs the server and saw it die under this session
+            self._finish("error", self.upstream_exit.reason, self.upstream_exit.detail, self.upstream_exit.party)
+            return
         self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
 
     def _drained(self, error: str, tls_reason: str | None) -> None:
@@ -410,8 +415,11 @@ class Lifecycle:
         if answer:
             self.refusal = refusal
             self._answer_refusal()
-        else:
-            self._finish("refused", refusal.reason, refusal.detail, refusal.party)
+        else:  # a hung server is the session's error, not a refusal (reasons.SESSION_ERROR_REASONS)
+            if refusal.reason == "upstream_hung" and self.session is not None:
+                self.post_mortem = self.session.post_mortem()
+            self._finish("error" if refusal.reason == "upstream_hung" else "refused", refusal.reason, refusal.detail,
+                         refusal.party)
 
     def _tick_drain(self, now: float) -> None:
         if now - self.t_drain > UPSTREAM_DRAIN_S:

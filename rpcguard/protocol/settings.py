@@ -123,6 +123,9 @@ class Limits:
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0  # process-wide: how long SIGTERM waits for running sessions
+    # The watchdog: a response the server has owed this long (a GET_TENSOR behind a GRAPH_COMPUTE
+    # that does not finish) ends the session upstream_hung; a server serve runs is killed.
+    max_graph_s: float = 0.0
 
 
 @dataclass(frozen=True)
