@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
+from rpcguard.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.metrics_http import HttpServer
@@ -126,6 +127,7 @@ class Runtime:
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
+        report_downgrades(cfg, self.metrics, self.web.config)  # a WARNING each, and the gauges
         self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
         self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
         for lst in self.listeners:
@@ -140,7 +142,9 @@ class Runtime:
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
                 facts=self._facts.setdefault(key, UpstreamFacts(where)),
-                ssl_context=lambda: self.tls.context, slot=self._slots.setdefault(key, UpstreamSlot()),
+                # the listener says in ALPN whether it enforces everything (downgrades.enforces, tls.py)
+                ssl_context=lambda: self.tls.context_for(enforces(route.default, route.profiles)),
+                slot=self._slots.setdefault(key, UpstreamSlot()),
             )
         else:
             where = f"{item.server.host}:{item.server.port}"
@@ -297,6 +301,7 @@ class Runtime:
         for lst in fresh:
             lst.accept()
         self._record_expiry()
+        report_downgrades(self.cfg, self.metrics, self.web.config)  # again: a reload that keeps them says so
         self._watch()
         self.metrics.reload("ok")
         self.metrics.reload_kept_keys = len(diff.kept)
@@ -388,7 +393,7 @@ class Runtime:
         async with lock:
             seen = self._node_seen.get(route.name)
             if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
-                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
+                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.probe_context,
                                          route.server_name or route.upstream_host,
                                          timeout=min(NODE_PROBE_TIMEOUT_S, self.cfg.limits.connect_timeout_s
                                                      + self.cfg.limits.handshake_timeout_s),

@@ -290,6 +290,21 @@ def test_check_config_runs_the_start_up_checks_and_warns(pki, tmp_path):
     assert "WARNING certificate untrusted" in p.stdout, p.stdout
 
 
+def test_check_config_and_serve_say_loudly_that_a_listener_does_not_enforce(pki, tmp_path):
+    t = _Ctx(tmp_path, pki, 0, 0)
+    p = rg("check-config", t.config())
+    assert "NOT ENFORCING" not in p.stdout, p.stdout
+    path = Path(t.config())
+    data = json.loads(path.read_text())
+    data["policy"] = {"mode": "monitor"}
+    path.write_text(json.dumps(data))
+    p = rg("check-config", str(path))
+    assert p.returncode == 0, p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if "NOT ENFORCING" in x]
+    assert line.startswith("  WARNING serve listener listener0: NOT ENFORCING: profile default: firewall in "
+                           "monitor mode"), line
+
+
 def test_status_without_metrics_tries_serve_then_connect_defaults():
     from rpcguard.cli import DEFAULT_STATUS
 
