@@ -79,10 +79,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--unsafe-listen", action="store_true", help="allow a non-loopback listen address")
     c.add_argument("--no-check", action="store_true", help="skip the start-up TLS + HELLO check of each node")
 
-    k = sub.add_parser("check", help="TLS + HELLO to each node of a connect config; one line per node")
-    _common_tls(k)
-    k.add_argument("--server")
-    k.add_argument("--server-name")
+    k = sub.add_parser("check", help="TLS + HELLO to each node of a connect config; one line per node",
+                       description="Probe each node as connect would, without queueing for it: a node whose "
+                                   "server another session holds reads 'OK ... server busy'. Exit 0 when every "
+                                   "node answers, 1 when one refuses or cannot be reached, 2 on bad input.")
+    k.add_argument("--config", help="connect config file: checks each of its tunnels (flags override it)")
+    k.add_argument("--server", metavar="HOST:PORT", help="the node's rpcguard serve (instead of --config's tunnels)")
+    k.add_argument("--server-name", help="name expected in the node's certificate (default: the host)")
+    k.add_argument("--cert", help="this side's client certificate (PEM)")
+    k.add_argument("--key", help="this side's private key (PEM, mode 0600)")
+    k.add_argument("--ca", help="the private CA that signs the node's certificate")
+    k.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
+    k.add_argument("--json", action="store_true", help="one JSON object per node on stdout (for scripts)")
+    k.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
     cc = sub.add_parser("check-config", help="validate a config file without starting")
     cc.add_argument("file")
@@ -216,7 +225,12 @@ def _main(a: argparse.Namespace) -> int:
         elif a.command == "check" and not a.config:
             raise ConfigError("--server", "required (HOST:PORT of the node), or --config with tunnels")
         with held:
-            cfg = build_config(role, file=a.config, overrides=overrides)
+            try:
+                cfg = build_config(role, file=a.config, overrides=overrides)
+            except ConfigError as exc:
+                if a.command == "check" and exc.path == "--listen":  # set above, never given: say --server
+                    raise ConfigError("--server", exc.message.replace("this flag", "--server")) from None
+                raise
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
     except (CertError, RpcGuardError) as exc:
@@ -226,7 +240,7 @@ def _main(a: argparse.Namespace) -> int:
     held.replay()
     json_log = cfg.log.format == "json"
     if a.command == "check":
-        return _run(_check_nodes(cfg, json_log))
+        return _run(_check_nodes(cfg, json_log, as_json=a.json))
     return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check), overrides=_overrides(a),
                        json_log=json_log))
 
@@ -266,7 +280,7 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
     log.info("%s %s", READY_MESSAGE, status)
     notifier.ready(status)
     if check:
-        results = await _probe_all(cfg, rt.tls.context)
+        results = await _probe_all(cfg, rt.tls.probe_context)
         for line, ok in results:
             log.log(logging.INFO if ok else logging.WARNING, "check: %s", line)
         bad = sum(not ok for _, ok in results)
@@ -280,6 +294,10 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
 
 
 async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
+    return [(r.line(), r.ok) for r in await _probe_results(cfg, ctx)]
+
+
+async def _probe_results(cfg, ctx) -> list:
     from rpcguard.preflight import certificate_warnings
     from rpcguard.probe import probe_node
 
@@ -291,20 +309,20 @@ async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
                    hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)
         for t in cfg.tunnels
     ))
-    return [(r.line(), r.ok) for r in results]
+    return list(results)
 
 
-async def _check_nodes(cfg, json_log: bool) -> int:
+async def _check_nodes(cfg, json_log: bool, *, as_json: bool = False) -> int:
     from rpcguard.server import TlsMaterial
 
     try:
         tls = TlsMaterial(cfg)  # the same context checks as connect's start
     except RpcGuardError as exc:
         return _fail(str(exc), EXIT_CONFIG, json_log)
-    results = await _probe_all(cfg, tls.context)
-    for line, _ok in results:
-        print(line)
-    return EXIT_OK if all(ok for _, ok in results) else EXIT_FAIL
+    results = await _probe_results(cfg, tls.probe_context)  # the node never queues a probe
+    for r in results:
+        print(json.dumps(r.as_dict(), sort_keys=True) if as_json else r.line())
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAIL
 
 
 def _check_config(path: str) -> int:
