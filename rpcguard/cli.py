@@ -336,10 +336,29 @@ def _check_config(path: str) -> int:
     print(f"OK {path}: {cfg.role}")
     for line in config_summary(cfg):
         print("  " + line)
+    for line in _versions_summary(cfg):
+        print("  " + line)
     for record in held.records:
         if record.levelno >= logging.WARNING:
             print(f"  WARNING {record.getMessage()}")
     return EXIT_OK
+
+
+def _versions_summary(cfg) -> list[str]:
+    """One line per listener / tunnel (and profile): the protocol versions its sessions may speak."""
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    def text(versions) -> str:
+        shown = ", ".join(format_version(v) for v in sorted(versions))
+        return f"{shown} (every version rpcguard knows)" if set(versions) == set(KNOWN_VERSIONS) else shown
+
+    out = []
+    for item in cfg.listeners or cfg.tunnels:
+        out.append(f"{item.name}: accepted protocol versions {text(item.policy.accepted_versions)}")
+        for p in getattr(item, "profiles", {}).values():
+            if p.policy.accepted_versions != item.policy.accepted_versions:
+                out.append(f"{item.name} profile {p.name}: accepted protocol versions {text(p.policy.accepted_versions)}")
+    return out
 
 
 def _certs(a: argparse.Namespace) -> int:

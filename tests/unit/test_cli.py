@@ -305,6 +305,25 @@ def test_check_config_and_serve_say_loudly_that_a_listener_does_not_enforce(pki,
                            "monitor mode"), line
 
 
+def test_check_config_names_the_accepted_versions_and_refuses_unknown_ones(pki, tmp_path):
+    t = _Ctx(tmp_path, pki, 0, 0)
+    p = rg("check-config", t.config())
+    assert "  listener0: accepted protocol versions 2.0.0, " in p.stdout and "7.0.0 (every version rpcguard knows)" \
+        in p.stdout, p.stdout
+    path = Path(t.config())
+    data = json.loads(path.read_text())
+    for versions, code in ((["7.0.0", "5.0.0"], 0), (["9.9.9"], 2)):
+        data["policy"] = {"accepted_versions": versions}
+        path.write_text(json.dumps(data))
+        p = rg("check-config", str(path))
+        assert p.returncode == code, p.stdout + p.stderr
+    assert p.stderr.startswith("rpcguard: config error: policy.accepted_versions[0]: must be a protocol version "
+                               "rpcguard knows (2.0.0, "), p.stderr
+    data["policy"] = {"accepted_versions": ["7.0.0", "5.0.0"]}
+    path.write_text(json.dumps(data))
+    assert "  listener0: accepted protocol versions 5.0.0, 7.0.0\n" in rg("check-config", str(path)).stdout
+
+
 def test_status_without_metrics_tries_serve_then_connect_defaults():
     from rpcguard.cli import DEFAULT_STATUS
 

@@ -149,7 +149,12 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
-     "policy.accepted_versions[0]: must be a version like '7.0.0', got '7.0'"),
+     "policy.accepted_versions[0]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
+     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '7.0'"),
+    # well-formed but unknown: it would pass and then refuse every session at HELLO
+    ("version-unknown", serve_data, top("policy", accepted_versions=["7.0.0", "9.9.9"]),
+     "policy.accepted_versions[1]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
+     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '9.9.9'"),
     ("versions-not-list", serve_data, top("policy", accepted_versions="7.0.0"), "policy.accepted_versions: must be a list, got '7.0.0'"),
     ("command", serve_data, L(0, policy={"allow_commands": ["HELLO", "FOO"]}),
      f"listeners[0].policy.allow_commands[1]: must be {CMDS}, got 'FOO'"),
