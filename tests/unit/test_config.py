@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import os
 import shutil
@@ -212,7 +214,8 @@ def test_bad_role_and_top_level(base: Path) -> None:
     assert error_of(parse_config, serve_data(), "proxy") == "role: must be serve or connect, got 'proxy'"
     assert error_of(parse_config, [1], source="x.yaml") == "x.yaml: top level must be a mapping, got a list"
     assert error_of(parse_config, serve_data(), "connect", base_dir=str(base)) == \
-        "allow: only valid for rpcguard serve (this is a connect config)"
+        "<config>: this is a serve config (it defines listeners); rpcguard connect and check read a connect config " \
+        "(with tunnels)"
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
@@ -615,7 +618,20 @@ def test_flag_file_errors(base: Path, monkeypatch) -> None:
     assert error_of(build_config, "serve", file=two, overrides={"listen": "0.0.0.0:1", "upstream": "127.0.0.1:1"}) == \
         "--listen: the config file defines 2 listeners; this flag can only configure a single listener"
     assert error_of(build_config, "proxy", overrides={}) == "role: must be serve or connect, got 'proxy'"
-    assert error_of(build_config, "connect", file=two) == "allow: only valid for rpcguard serve (this is a connect config)"
+    assert error_of(build_config, "connect", file=two) == (
+        f"{two}: this is a serve config (it defines listeners); rpcguard connect and check read a connect config "
+        "(with tunnels)")
+
+
+@pytest.mark.parametrize("role,data", [("connect", serve_data), ("serve", connect_data)])
+def test_a_config_of_the_other_role_is_named_the_right_way_round(base, role, data):
+    path = base / "other.yaml"
+    path.write_text(json.dumps(data()))
+    text = error_of(build_config, role, file=str(path))
+    other = "serve" if role == "connect" else "connect"
+    assert text.startswith(f"{path}: this is a {other} config (it defines {'listeners' if other == 'serve' else 'tunnels'}); "
+                           f"rpcguard {role}"), text
+    assert text.endswith(f"a {role} config (with {'tunnels' if role == 'connect' else 'listeners'})"), text
     (base / "list.yaml").write_text("- 1\n")
     assert error_of(build_config, "serve", file=str(base / "list.yaml")) == f"{base}/list.yaml: top level must be a mapping, got a list"
 
