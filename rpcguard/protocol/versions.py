@@ -91,6 +91,7 @@ REFUSAL_CODES: Mapping[str, int] = {
     "shutdown": 8,
     "tls_failed": 9,
     "certificate_usage_invalid": 10,
+    "node_name_mismatch": 11,
 }
 REFUSAL_REASONS: Mapping[int, str] = {v: k for k, v in REFUSAL_CODES.items()}
 
