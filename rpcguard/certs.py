@@ -308,6 +308,11 @@ def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
 
 
 def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
+    from rpcguard.keyfiles import key_file_problem
+
+    problem = key_file_problem(path)  # the rule of every private key rpcguard reads
+    if problem:
+        raise CertError(problem.replace("private key", "CA key", 1))
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as exc:

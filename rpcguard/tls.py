@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-import stat
 from pathlib import Path
 from typing import Literal
 
@@ -51,6 +50,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from .errors import PolicyRefusal, RpcGuardError
 from .identity import PeerIdentity
+from .keyfiles import key_file_problem
 
 __all__ = [
     "TlsConfigError",
@@ -327,16 +327,7 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier,
 
 
 def _check_key_perms(path: Path, allow_insecure: bool) -> None:
-    """Refuse a key others can read. Like PostgreSQL: 0600 or stricter, or 0640 when owned by root."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise TlsConfigError(f"{path}: cannot read private key: {exc.strerror or exc}") from exc
-    if allow_insecure or os.name != "posix":
-        return
-    too_open = stat.S_IMODE(st.st_mode) & (0o037 if st.st_uid == 0 else 0o077)
-    if too_open:
-        raise TlsConfigError(
-            f"{path}: private key is accessible by others (mode {stat.S_IMODE(st.st_mode):04o});"
-            " chmod 600 it (or chown root and chmod 640)"
-        )
+    """The one rule for private key files (keyfiles.py): readable, a key, not readable by others."""
+    problem = key_file_problem(path, allow_insecure=allow_insecure)
+    if problem:
+        raise TlsConfigError(problem)
