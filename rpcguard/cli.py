@@ -12,8 +12,7 @@ import json
 import logging
 import os
 import sys
-import time
-import urllib.request
+from dataclasses import replace
 from typing import Any, Callable, Coroutine, Sequence
 
 from rpcguard import __version__
@@ -124,9 +123,22 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--days", type=int, default=30)
     sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
 
-    st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint")
+    st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",
+                        description="Read each instance's /metrics, /refusals and /readyz. HTTPS endpoints (a "
+                                    "web config) need --ca, and --cert/--key or --user when the web config asks; "
+                                    "the password comes from $RPCGUARD_METRICS_PASSWORD or --password-file.")
     st.add_argument("--metrics", action="append", metavar="HOST:PORT|URL",
-                    help="metrics endpoint(s) (repeatable; default: serve's 127.0.0.1:9450 and connect's :9451)")
+                    help="metrics endpoint(s), http(s):// (repeatable; default: serve's 127.0.0.1:9450 and "
+                         "connect's :9451)")
+    st.add_argument("--config", action="append", metavar="FILE",
+                    help="a serve/connect config: its metrics address, and https with its tls.ca when its web "
+                         "config has TLS (repeatable)")
+    st.add_argument("--ca", help="CA that signed the metrics endpoint's certificate (https)")
+    st.add_argument("--cert", help="client certificate for a web config that requires one (PEM)")
+    st.add_argument("--key", help="its private key")
+    st.add_argument("--server-name", help="name in the endpoint's certificate when it is not the host given")
+    st.add_argument("--user", help="basic auth user (password: $RPCGUARD_METRICS_PASSWORD or --password-file)")
+    st.add_argument("--password-file", metavar="FILE", help="file whose first line is the basic auth password")
     return ap
 
 
@@ -215,7 +227,7 @@ def _main(a: argparse.Namespace) -> int:
         if a.command == "certs":
             return _certs(a)
         if a.command == "status":
-            return _status(a.metrics)
+            return _status(a)
         from rpcguard.config import build_config
 
         role = "connect" if a.command == "check" else a.command
@@ -386,100 +398,40 @@ def _certs(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-RECENT_SHOWN = 10  # recent refusals printed by `rpcguard status`
-
-
 DEFAULT_STATUS = ("127.0.0.1:9450", "127.0.0.1:9451")  # serve's and connect's default metrics
 
 
-def _metrics_url(text: str) -> str:
-    """``HOST:PORT``, ``http(s)://HOST:PORT`` with or without a path -> the /metrics URL."""
-    from urllib.parse import urlsplit
+def _status(a: argparse.Namespace) -> int:
+    """Summarise each instance; with no --metrics/--config, whichever of the default endpoints answer."""
+    from rpcguard import status
 
-    if "://" not in text:
-        text = "http://" + text
-    try:
-        u = urlsplit(text)
-        port = u.port
-    except ValueError as exc:
-        raise ConfigError("--metrics", f"{text!r}: {exc}") from None
-    if u.scheme not in ("http", "https") or not u.hostname or port is None and "://" not in text:
-        raise ConfigError("--metrics", f"{text!r}: expected HOST:PORT or http://HOST:PORT[/metrics]")
-    path = u.path.rstrip("/")
-    if not path.endswith("/metrics"):
-        path += "/metrics"
-    return f"{u.scheme}://{u.netloc}{path}"
-
-
-def _recent_refusals(metrics_url: str) -> list[dict]:
-    """The instance's last refusals (GET /refusals next to /metrics); [] if it has none."""
-    try:
-        with urllib.request.urlopen(metrics_url.rsplit("/metrics", 1)[0] + "/refusals", timeout=5) as rsp:
-            return json.loads(rsp.read().decode())
-    except (OSError, ValueError):
-        return []
-
-
-def _status(addresses: list[str] | None) -> int:
-    """Summarise each instance; with no --metrics, whichever of the default endpoints answer."""
-    urls = [_metrics_url(x) for x in (addresses or DEFAULT_STATUS)]
+    access = status.Access(ca=a.ca, cert=a.cert, key=a.key, server_name=a.server_name, user=a.user,
+                           password=status.password_from(a.password_file) if a.user else None)
+    if a.key and not a.cert:
+        raise ConfigError("--key", "needs --cert")
+    targets = [(status.metrics_url(x), access) for x in a.metrics or ()]
+    for path in a.config or ():
+        url, from_file = status.from_config(path)
+        targets.append((url, replace(from_file, **{k: v for k, v in vars(access).items() if v is not None})))
+    given = bool(targets)
+    if not given:
+        targets = [(status.metrics_url(x), access) for x in DEFAULT_STATUS]
     failed: list[str] = []
     shown = 0
-    for url in urls:
+    for url, how in targets:
         try:
-            with urllib.request.urlopen(url, timeout=5) as rsp:
-                fam = _families(rsp.read().decode("utf-8", "replace"))
-        except (OSError, ValueError) as exc:  # URLError/HTTPError are OSErrors; a page that is not metrics
-            failed.append(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}")
+            inst = status.read(url, how)
+        except status.StatusError as exc:
+            # a default address nobody listens on is no news; one that answers otherwise is
+            if given or "Connection refused" not in str(exc):
+                failed.append(str(exc))
             continue
-        _status_one(url, fam)  # a BrokenPipeError of our stdout goes up to main()
+        for line in status.summary(inst):  # a BrokenPipeError of our stdout goes up to main()
+            print(line)
         shown += 1
-    if addresses:
-        for line in failed:
-            print(f"rpcguard status: {line}", file=sys.stderr)
-    elif not shown:
-        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(urls)} "
-              "(serve, connect); pass --metrics HOST:PORT", file=sys.stderr)
-    return EXIT_FAIL if (failed and addresses) or not shown else EXIT_OK
-
-
-def _families(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        fam = {f.name: f for f in text_string_to_metric_families(text)}
-    except ValueError as exc:
-        raise ValueError(f"not an rpcguard metrics page ({exc})") from None
-    if not any(name.startswith("rpcguard_") for name in fam):
-        raise ValueError("not an rpcguard metrics page")
-    return fam
-
-
-def _status_one(url: str, fam: dict) -> None:
-    def samples(name: str):
-        return fam[name].samples if name in fam else []
-
-    print(f"rpcguard instance at {url}")
-    for s in samples("rpcguard_sessions_active"):
-        done = {x.labels["result"]: int(x.value) for x in samples("rpcguard_sessions")
-                if x.name == "rpcguard_sessions_total" and x.labels.get("listener") == s.labels["listener"]}
-        print(f"  {s.labels['role']} {s.labels['listener']}: {int(s.value)} active, "
-              + ", ".join(f"{k} {v}" for k, v in sorted(done.items())))
-    for s in samples("rpcguard_upstream_protocol_info"):
-        print(f"  upstream {s.labels['upstream']} speaks protocol {s.labels['version']}")
-    refusals = [s for s in samples("rpcguard_refusals") if s.name == "rpcguard_refusals_total" and s.value]
-    print("  refusals since start: " + (", ".join(f"{s.labels['reason']}={int(s.value)} ({s.labels['listener']})"
-                                                  for s in refusals) or "none"))
-    for r in _recent_refusals(url)[-RECENT_SHOWN:]:
-        ago = time.time() - r.get("time", 0)
-        print(f"    {ago:7.0f} s ago  {r.get('role')} {r.get('listener')}  {r.get('reason')}"
-              f"  peer={r.get('peer')} identity={r.get('identity') or '-'}"
-              + (f" command={r['command']}" if r.get("command") else "") + f"  {r.get('detail') or ''}")
-    now = time.time()
-    for s in samples("rpcguard_certificate_expiry_timestamp_seconds"):
-        days = (s.value - now) / 86400
-        warn = "  <-- renew soon" if days < 7 else ""
-        print(f"  certificate {s.labels['certificate']} expires in {days:.1f} days{warn}")
-    for s in samples("rpcguard_certificate_warning"):
-        if s.value:
-            print(f"  certificate warning: {s.labels['kind']} (see the instance's log)")
+    for line in failed:
+        print(f"rpcguard status: {line}", file=sys.stderr)
+    if not given and not shown and not failed:
+        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(DEFAULT_STATUS)} "
+              "(serve, connect); pass --metrics HOST:PORT or --config FILE", file=sys.stderr)
+    return EXIT_FAIL if failed or not shown else EXIT_OK

@@ -175,7 +175,7 @@ _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
     "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C, "checks": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
-    "reload_time": _G, "queue": _G, "reload_kept": _G, "enforcing": _G, "switched_off": _G, "unprotected": _G,
+    "reload_time": _G, "queue": _G, "reload_kept": _G, "enforcing": _G, "switched_off": _G, "unprotected": _G, "certfile": _G,
     "duration": _H,
 })
 
@@ -211,6 +211,8 @@ def _families() -> _Families:
                          "without TLS and authentication (metrics.unsafe_public).", labels=["role"]),
         "cert": g("rpcguard_certificate_expiry_timestamp_seconds",
                   "notAfter of the loaded certificates, Unix time.", labels=["role", "certificate"]),
+        "certfile": g("rpcguard_certificate_file_info", "The file each loaded certificate was read from.",
+                      labels=["role", "certificate", "file"]),
         "certwarn": g("rpcguard_certificate_warning", "1 while the loaded certificate has this problem.",
                       labels=["role", "kind"]),
         "reload": c("rpcguard_reload", "Configuration / certificate reloads.", labels=["role", "result"]),
@@ -268,6 +270,8 @@ class _Collector:
         f["unprotected"].add_metric([m.role], 1 if m.metrics_unprotected else 0)
         for (role, cert), epoch_s in m._cert_expiry.items():
             f["cert"].add_metric([role, cert], epoch_s)
+        for (role, cert), file in m._cert_files.items():
+            f["certfile"].add_metric([role, cert, file], 1)
         for (role, kind), on in m.cert_warnings.items():
             f["certwarn"].add_metric([role, kind], on)
         for result, n in m._reloads.items():
@@ -334,6 +338,7 @@ class Metrics:
         self.role = role  # label of the process-level series; the Runtime sets it
         self._listeners: dict[tuple[str, str], ListenerTraffic] = {}
         self._cert_expiry: dict[tuple[str, str], float] = {}
+        self._cert_files: dict[tuple[str, str], str] = {}
         self._reloads: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
         self.cert_warnings: dict[tuple[str, str], float] = {}  # (role, kind) -> 0/1, set by server.Runtime
         # The configuration was loaded once before this object exists: that counts as a success.
@@ -377,11 +382,13 @@ class Metrics:
                 lt.command_names = command_names
         return lt
 
-    def set_certificate_expiry(self, role: str, certificate: str, epoch_s: float) -> None:
-        """Record the notAfter (Unix seconds) of the loaded ``cert`` or ``ca``."""
+    def set_certificate_expiry(self, role: str, certificate: str, epoch_s: float, file: str | None = None) -> None:
+        """Record the notAfter (Unix seconds) of the loaded ``cert`` or ``ca`` (and the file it came from)."""
         if role not in ROLES or certificate not in CERTIFICATES:
             raise ValueError(f"bad role/certificate {role!r}/{certificate!r}")
         self._cert_expiry[(role, certificate)] = float(epoch_s)
+        if file is not None:
+            self._cert_files[(role, certificate)] = file
 
     def reload(self, result: str) -> None:
         """Count a reload attempt; ``result`` is ``ok`` or ``error`` (also the last-result gauges)."""

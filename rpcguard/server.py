@@ -180,7 +180,7 @@ class Runtime:
 
     def _record_expiry(self) -> None:
         for certificate, when in self.tls.loaded_expiry.items():
-            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
+            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when, getattr(self.tls.tls, certificate))
         # Warnings about the material just loaded (the same checks as `rpcguard check-config`).
         self.cert_warnings = certificate_warnings(self.tls.tls.cert, self.tls.tls.ca)
         kinds = {w.kind for w in self.cert_warnings}

@@ -62,7 +62,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     lt.queue_depth = 3
     lt.upstream_version = "3.0.0"
     lt.profile_admitted("monitor")
-    m.set_certificate_expiry("serve", "cert", 1_900_000_000)
+    m.set_certificate_expiry("serve", "cert", 1_900_000_000, "/etc/rpcguard/node1.pem")
     m.reload("ok")
     m.cert_warnings[("serve", "expiring_soon")] = 1.0
     m.enforcement[("serve", "gpu0")] = frozenset({"monitor_mode"})  # downgrades.report sets it
@@ -71,7 +71,7 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 28, "design.md metrics table not found or changed shape"
+    assert len(table) == 29, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -122,6 +122,8 @@ def test_sample_values() -> None:
     assert g("rpcguard_listener_switched_off", {**rl, "what": "check_tensor"}) == 0
     assert g("rpcguard_metrics_unprotected", {"role": "serve"}) == 0
     assert g("rpcguard_certificate_expiry_timestamp_seconds", {"role": "serve", "certificate": "cert"}) == 1.9e9
+    assert g("rpcguard_certificate_file_info", {"role": "serve", "certificate": "cert",
+                                                "file": "/etc/rpcguard/node1.pem"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "ok"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "error"}) == 0
     assert g("rpcguard_reload_last_successful", {"role": "serve"}) == 1
