@@ -115,13 +115,18 @@ def init_ca(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .sign(key, hashes.SHA256())
     )
+    make_dir(d)
+    _write_private(files.key, _key_pem(key))
+    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def make_dir(d: Path) -> None:
+    """Create ``d`` (and its parents) if missing, as ``init-ca``, ``issue`` and ``csr`` write into it."""
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CertError(f"{d}: cannot create the directory: {exc.strerror or exc}") from exc
-    _write_private(files.key, _key_pem(key))
-    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    return files
 
 
 def issue(
@@ -154,6 +159,7 @@ def issue(
     cert = _sign(ca, key.public_key(), profile, days, files.cert, not_before, not_after)
     # Key first: a reloading listener that sees the new key with the old cert fails the pair check
     # and keeps its old context until the next poll.
+    make_dir(files.key.parent)
     _write_private(files.key, _key_pem(key))
     _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
@@ -177,9 +183,9 @@ def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, 
         for p in (files.cert, files.key):
             if p.exists():
                 raise CertError(f"{p}: already exists (--force renews it)")
-    if not d.is_dir():
-        raise CertError(f"{d}: no such directory")
-    return files
+    if d.exists() and not d.is_dir():
+        raise CertError(f"{d}: not a directory")
+    return files  # a missing directory is created when the files are written
 
 
 def _profile(name: str, server: bool, dns: Iterable[str], ips: Iterable[str], uris: Iterable[str],

@@ -37,6 +37,7 @@ ggml-rpc-server or an HTTP port, not an unreachable node.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Iterable
@@ -138,6 +139,9 @@ async def _open(host: str, port: int, ctx: ssl.SSLContext, server_name: str, tim
                                         "or an HTTP port?); give the node's rpcguard serve address",
                           "tls_not_tls") from None
         what = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+        if isinstance(exc, socket.gaierror):  # the first mistake of a quick start: a name without DNS
+            what += (f" ({host!r} does not resolve here: give --server IP:PORT --server-name {server_name} "
+                     "(server / server_name in a config), the name in the node's certificate)")
         raise _Failed("node_unreachable", f"cannot reach the node: {what}") from None
 
 

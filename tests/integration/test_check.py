@@ -276,3 +276,9 @@ def test_a_plain_port_is_not_tls(pki, node, rpc_server):
     for port in (rpc_server, g.metrics_port):
         p = check(f"127.0.0.1:{port}", pki)
         assert p.returncode == 1 and ": not TLS (tls_failed: tls_not_tls) - " in p.stdout, (port, p.stdout)
+
+
+def test_a_node_name_that_does_not_resolve_gets_the_hint(pki):
+    p = check("nosuchnode.invalid:50100", pki, name="node1")  # .invalid never resolves (RFC 6761)
+    assert p.returncode == 1 and ": node_unreachable - cannot reach the node: " in p.stdout, p.stdout
+    assert "'nosuchnode.invalid' does not resolve here: give --server IP:PORT --server-name node1" in p.stdout, p.stdout

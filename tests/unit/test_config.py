@@ -671,7 +671,7 @@ def test_serve_example(examples: Path) -> None:
 
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
-    assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
+    assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50152", "127.0.0.1:50153"]
     assert all(t.policy == SessionPolicy(clear_new_buffers=False, validate_requests="auto") for t in cfg.tunnels)
     assert cfg.limits == Limits()
     assert len(config_summary(cfg)) == 2
