@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="one JSON object per node on stdout (for scripts)")
     k.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
+    ops = sub.add_parser("ops", help="the graph ops of a protocol version and what the firewall does with each")
+    ops.add_argument("--protocol", metavar="X.Y.Z", default="7.0.0", help="protocol version (default 7.0.0)")
+    ops.add_argument("--json", action="store_true", help="one JSON object per op")
+
     cc = sub.add_parser("check-config", help="validate a config file without starting")
     cc.add_argument("file")
 
@@ -226,6 +230,8 @@ def _main(a: argparse.Namespace) -> int:
             return _check_config(a.file)
         if a.command == "certs":
             return _certs(a)
+        if a.command == "ops":
+            return _ops(a)
         if a.command == "status":
             return _status(a)
         from rpcguard.config import build_config
@@ -371,6 +377,26 @@ def _versions_summary(cfg) -> list[str]:
             if p.policy.accepted_versions != item.policy.accepted_versions:
                 out.append(f"{item.name} profile {p.name}: accepted protocol versions {text(p.policy.accepted_versions)}")
     return out
+
+
+def _ops(a: argparse.Namespace) -> int:
+    from rpcguard.opslist import op_rows
+    from rpcguard.protocol.versions import parse_version
+
+    try:
+        rows = op_rows(parse_version(a.protocol))
+    except ValueError as exc:
+        raise ConfigError("--protocol", str(exc)) from None
+    if a.json:
+        for r in rows:
+            print(json.dumps({"id": r.id, "op": r.op, "status": r.status, "constructor": r.ctor or None}))
+        return EXIT_OK
+    for r in rows:
+        print(f"{r.id:4d}  {r.op:<24} {r.status}" + (f"  ({r.ctor})" if r.ctor else ""))
+    counts = {s: sum(r.status == s for r in rows) for s in ("verified", "not verified", "denied")}
+    print(f"protocol {a.protocol}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + "; not verified ops are refused (op_not_verified) unless policy.allow_unverified_ops names them")
+    return EXIT_OK
 
 
 def _certs(a: argparse.Namespace) -> int:
