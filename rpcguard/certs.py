@@ -174,9 +174,21 @@ class _Profile:
     eku: x509.ObjectIdentifier
 
 
-def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, force: bool) -> LeafFiles:
+# A certificate name is a file name (NAME.pem, NAME.key) and the default common name, whose
+# X.509 upper bound is 64 characters (RFC 5280 ub-common-name).
+MAX_NAME_CHARS = 64
+
+
+def _check_name(name: str) -> None:
     if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
         raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    if len(name) > MAX_NAME_CHARS:
+        raise CertError(f"certificate name of {len(name)} characters: at most {MAX_NAME_CHARS} (it is the file name "
+                        "and the common name)")
+
+
+def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, force: bool) -> LeafFiles:
+    _check_name(name)
     d = Path(directory)
     files = LeafFiles(d / f"{name}{cert_suffix}", d / f"{name}.key")
     if not force:
@@ -191,8 +203,7 @@ def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, 
 def _profile(name: str, server: bool, dns: Iterable[str], ips: Iterable[str], uris: Iterable[str],
              common_name: str | None) -> _Profile:
     """The one set of naming rules of ``issue``, ``make_csr`` and ``sign_csr``."""
-    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
-        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    _check_name(name)
     cn = _check_common_name(common_name if common_name is not None else name)
     sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]
     sans += [x509.IPAddress(_check_ip(str(v))) for v in ips]

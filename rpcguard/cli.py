@@ -202,22 +202,68 @@ def _fail(message: str, code: int, json_log: bool = False) -> int:
     return code
 
 
+class _StdoutFailed(Exception):
+    """Our stdout cannot be written (closed, a full disk): said in one line, not an internal error."""
+
+
+class _Stdout:
+    """sys.stdout for the length of a command: a write error becomes ``_StdoutFailed``; a reader
+    that went away stays ``BrokenPipeError`` (quiet, exit 0)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._inner is None:
+            raise _StdoutFailed("stdout is closed")
+        try:
+            return getattr(self._inner, name)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _StdoutFailed(exc.strerror or str(exc)) from None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        if self._inner is not None:
+            self._call("flush")
+
+    def fileno(self) -> int:
+        return self._call("fileno")
+
+    def isatty(self) -> bool:
+        return self._inner is not None and self._inner.isatty()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    saved = sys.stdout
+    sys.stdout = _Stdout(saved)  # only write/flush/fileno are used
     try:
         code = _main(a)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
-        # The reader of our stdout went away (`rpcguard status | head`): not worth a word.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # The reader of our stdout went away (`rpcguard check-config F | head -1`): it read what it
+        # wanted, so not worth a word, nor a failure; later writes must not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, saved.fileno())
+        except (OSError, AttributeError, ValueError):
+            pass
+        return EXIT_OK
+    except _StdoutFailed as exc:
+        print(f"rpcguard: cannot write the output: {exc}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line for the user, the details for the report
         return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it with the command line",
                      EXIT_FAIL, _LOGGING[0] and getattr(a, "log_format", None) == "json")
+    finally:
+        sys.stdout = saved
 
 
 def _main(a: argparse.Namespace) -> int:

@@ -164,6 +164,8 @@ CASES = [
                                       p.path(p.node)], 2, "already exists"),
     ("sign-out-bad-dir", lambda p, t: ["certs", "sign", str(p.dir / "req.csr"), "--ca-dir", str(p.dir), "--out",
                                        "/proc/nodir/x.pem"], 2, "cannot write"),
+    ("ops-unknown-protocol", lambda p, t: ["ops", "--protocol", "9.9.9"], 2, "no op table for protocol 9.9.9"),
+    ("ops-bad-protocol", lambda p, t: ["ops", "--protocol", "seven"], 2, "--protocol: not a version"),
     ("status-closed", lambda p, t: ["status", "--metrics", f"127.0.0.1:{free_port()}"], 1, "cannot read"),
     ("status-bad-url", lambda p, t: ["status", "--metrics", "ftp://x/metrics"], 2, "--metrics"),
     ("status-no-host", lambda p, t: ["status", "--metrics", "http://"], 2, "--metrics"),
@@ -257,7 +259,7 @@ def test_status_defaults_url_forms_and_broken_pipe(pages):
                  f"http://127.0.0.1:{pages}/metrics"):
         p = rg("status", "--metrics", form)
         assert p.returncode == 0 and f"rpcguard instance at http://127.0.0.1:{pages}/metrics" in p.stdout, p.stderr
-    # stdout closed by its reader (`rpcguard status | head -0`): no traceback, exit 1
+    # stdout closed by its reader (`rpcguard status | head -0`): it read what it wanted: quiet, exit 0
     r, w = os.pipe()
     os.close(r)
     try:
@@ -266,7 +268,7 @@ def test_status_defaults_url_forms_and_broken_pipe(pages):
     finally:
         os.close(w)
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
-    assert p.returncode == 1 and p.stderr == ""
+    assert p.returncode == 0 and p.stderr == ""
 
 
 def test_check_config_broken_pipe(pki, tmp_path):
@@ -278,7 +280,30 @@ def test_check_config_broken_pipe(pki, tmp_path):
                            text=True, timeout=60)
     finally:
         os.close(w)
-    assert "Traceback" not in p.stderr and p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr and p.returncode == 0 and p.stderr == "", p.stderr  # `| head -1`
+
+
+def test_stdout_closed_or_full_is_one_line_not_an_internal_error(pages):
+    for how, kw, why in (("closed", {"stdout": None, "pass_fds": ()}, "stdout is closed"),
+                         ("full", {}, "No space left on device")):
+        cmd = [PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{pages}"]
+        if how == "closed":
+            p = subprocess.run(["sh", "-c", '"$@" >&-', "sh", *cmd], stderr=subprocess.PIPE, text=True, timeout=60)
+        else:
+            with open("/dev/full", "w") as full:
+                p = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+        assert p.returncode == 1 and p.stderr == f"rpcguard: cannot write the output: {why}\n", (how, p.stderr)
+
+
+def test_a_very_long_certificate_name_is_one_line(tmp_path):
+    p = rg("certs", "init-ca", str(tmp_path / "ca"))
+    assert p.returncode == 0, p.stderr
+    for kind in ("issue", "csr"):
+        args = ["certs", kind, str(tmp_path), "a" * 300, "--server"] + (["--ca-dir", str(tmp_path / "ca")]
+                                                                        if kind == "issue" else [])
+        p = rg(*args)
+        assert p.returncode == 2 and p.stderr == ("rpcguard: certificate name of 300 characters: at most 64 (it is the "
+                                                  "file name and the common name)\n"), p.stderr
 
 
 def test_check_config_runs_the_start_up_checks_and_warns(pki, tmp_path):
