@@ -40,7 +40,8 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
     p.add_argument("--tls-reload-interval-s", type=float, metavar="SECONDS",
                    help="also reload when the certificate files change, polled this often (default 0: SIGHUP only)")
-    p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off)")
+    p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off; default 127.0.0.1:9450 "
+                                     "for serve, 127.0.0.1:9451 for connect)")
     p.add_argument("--metrics-unsafe-public", action="store_true",
                    help="allow a non-loopback --metrics address (metrics name peers and listeners)")
     p.add_argument("--web-config", metavar="FILE",
@@ -50,14 +51,88 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unverified-op", action="append", metavar="OP",
                    help="forward graph nodes of this ggml op although it has no verified rule "
                         "(default deny; repeatable; * = every op; counted per use)")
-    p.add_argument("--log-format", choices=["text", "json"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["text", "json"], help="default text")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each flag's default when it has one of its own (config-given defaults are
+    written in the flag's help text: a flag left out keeps the config file's value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "%(default)" not in text \
+                and not action.required and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+_REQUIRED = {
+    "serve": "required, as flags or in --config: --listen and --upstream (or listeners:), --cert, --key and --ca "
+             "(or tls:), and an allow-list (--allow-cn/-dns/-uri/-ip, or --allow-all)",
+    "connect": "required, as flags or in --config: --listen and --server (or tunnels:), --cert, --key and --ca "
+               "(or tls:)",
+    "check": "required: --server, or --config with tunnels; --cert, --key and --ca (or tls: in --config)",
+}
+
+
+class _Version(argparse.Action):
+    """``--version``: the release, the core, the protocol versions, OpenSSL, Python and the commit
+    (read when asked, not at every start)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """What ``rpcguard --version`` prints."""
+    import platform
+    import ssl
+
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    return "\n".join((
+        f"rpcguard {__version__} ({core_description()})",
+        "protocol versions: " + ", ".join(format_version(v) for v in KNOWN_VERSIONS),
+        f"{ssl.OPENSSL_VERSION}; Python {platform.python_version()}",
+        f"commit {_commit()}",
+    ))
+
+
+def _commit() -> str:
+    """The git commit of the source tree rpcguard runs from (an editable install), or why not known."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return "unknown (not run from a git checkout)"
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rpcguard", description="Mutual-TLS tunnel and frame firewall for ggml-rpc.")
-    ap.add_argument("--version", action="version", version=f"rpcguard {__version__} ({core_description()})")
+    ap = argparse.ArgumentParser(prog="rpcguard", description="Mutual-TLS tunnel and frame firewall for ggml-rpc.",
+                                 formatter_class=_Help)
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="command", required=True)
+    _sub = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        import textwrap
+
+        epilog = textwrap.fill(_REQUIRED[name], 100) if name in _REQUIRED else None
+        return _sub(name, formatter_class=_Help, epilog=epilog, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("serve", help="on a GPU node: mTLS in front of a loopback ggml-rpc-server")
     _common_tls(s)
@@ -101,16 +176,18 @@ def _parser() -> argparse.ArgumentParser:
 
     ce = sub.add_parser("certs", help="a private CA and leaf certificates")
     csub = ce.add_subparsers(dest="certs_command", required=True)
+    _csub = csub.add_parser
+    csub.add_parser = lambda name, **kw: _csub(name, formatter_class=_Help, **kw)  # type: ignore[method-assign]
     ca = csub.add_parser("init-ca", help="create DIR/ca.pem and DIR/ca.key")
     ca.add_argument("dir")
-    ca.add_argument("--days", type=int, default=365 * 5)
-    ca.add_argument("--force", action="store_true")
+    ca.add_argument("--days", type=int, default=365 * 5, help="validity of the CA certificate in days")
+    ca.add_argument("--force", action="store_true", help="replace an existing CA (every certificate it signed stops working)")
     iss = csub.add_parser("issue", help="issue DIR/NAME.pem and DIR/NAME.key (key made here: prefer csr + sign)")
     iss.add_argument("dir")
     iss.add_argument("name")
     _leaf_args(iss)
     iss.add_argument("--ca-dir", help="where ca.pem and ca.key are (default: DIR)")
-    iss.add_argument("--days", type=int, default=30)
+    iss.add_argument("--days", type=int, default=30, help="validity in days (short-lived: renew with --force)")
     iss.add_argument("--force", action="store_true", help="replace an existing NAME.pem/NAME.key (renewal)")
     csr = csub.add_parser("csr", help="on the node: DIR/NAME.key (0600, stays here) and DIR/NAME.csr for the CA")
     csr.add_argument("dir")
@@ -124,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     usage = sg.add_mutually_exclusive_group()
     usage.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
     usage.add_argument("--client", action="store_true")
-    sg.add_argument("--days", type=int, default=30)
+    sg.add_argument("--days", type=int, default=30, help="validity in days")
     sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
 
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",

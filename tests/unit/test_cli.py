@@ -440,3 +440,31 @@ def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(certs, "init_ca", boom)
     p = main_in_process(["certs", "init-ca", str(tmp_path)], capsys)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "internal error (RuntimeError: injected)" in p.stderr
+
+
+def test_version_says_core_protocols_openssl_and_commit():
+    import ssl
+
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    p = rg("--version")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("rpcguard ") and "protocol core: " in lines[0], lines
+    assert lines[1] == "protocol versions: " + ", ".join(format_version(v) for v in KNOWN_VERSIONS)
+    assert lines[2].startswith(ssl.OPENSSL_VERSION + "; Python ")
+    assert lines[3].startswith("commit ") and lines[3] != "commit ", lines
+
+
+@pytest.mark.parametrize("command,needle", [
+    (["serve"], "required, as flags or in --config: --listen and --upstream"),
+    (["connect"], "required, as flags or in --config: --listen and --server"),
+    (["check"], "required: --server, or --config with tunnels"),
+    (["certs", "init-ca"], "(default: 1825)"),
+    (["certs", "issue"], "(default: 30)"),
+])
+def test_help_shows_defaults_and_what_is_required(command, needle):
+    p = rg(*command, "--help")
+    assert p.returncode == 0 and needle in " ".join(p.stdout.split()), p.stdout
+    if command[0] in ("serve", "connect"):
+        assert "default 127.0.0.1:9450" in " ".join(p.stdout.split()) and "(default: None)" not in p.stdout
