@@ -314,8 +314,21 @@ class _Stdout:
         return self._inner is not None and self._inner.isatty()
 
 
+def _quiet_stdout() -> None:
+    """Our reader went away: later writes (and the interpreter's final flush) go to /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    try:
+        a = _parser().parse_args(argv)  # --help and --version print here
+    except BrokenPipeError:  # `rpcguard --version | head -1`
+        _quiet_stdout()
+        return EXIT_OK
     saved = sys.stdout
     sys.stdout = _Stdout(saved)  # only write/flush/fileno are used
     try:
@@ -325,11 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of our stdout went away (`rpcguard check-config F | head -1`): it read what it
         # wanted, so not worth a word, nor a failure; later writes must not raise again.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, saved.fileno())
-        except (OSError, AttributeError, ValueError):
-            pass
+        sys.stdout = saved
+        _quiet_stdout()
         return EXIT_OK
     except _StdoutFailed as exc:
         print(f"rpcguard: cannot write the output: {exc}", file=sys.stderr)

@@ -468,3 +468,14 @@ def test_help_shows_defaults_and_what_is_required(command, needle):
     assert p.returncode == 0 and needle in " ".join(p.stdout.split()), p.stdout
     if command[0] in ("serve", "connect"):
         assert "default 127.0.0.1:9450" in " ".join(p.stdout.split()) and "(default: None)" not in p.stdout
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"]])
+def test_help_and_version_into_a_closed_pipe_are_quiet(args):
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([PYTHON, "-m", "rpcguard", *args], stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
