@@ -526,7 +526,7 @@ def _ops(a: argparse.Namespace) -> int:
         return EXIT_OK
     for r in rows:
         print(f"{r.id:4d}  {r.op:<24} {r.status}" + (f"  ({r.ctor})" if r.ctor else ""))
-    counts = {s: sum(r.status == s for r in rows) for s in ("verified", "not verified", "denied")}
+    counts = {s: sum(r.status == s for r in rows) for s in ("verified", "not verified", "denied", "leaf")}
     print(f"protocol {a.protocol}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
           + "; not verified ops are refused (op_not_verified) unless policy.allow_unverified_ops names them")
     return EXIT_OK

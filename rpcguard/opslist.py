@@ -3,8 +3,9 @@
 How this works: the op enum of the version (``protocol.ggml.op_table``) and the verified rules
 (``protocol.oprules.rule_for``) give one row per op: ``denied`` (its op_params carry a function
 pointer: always refused), ``verified`` (a rule re-derives the node as its ggml constructor would;
-the row names the constructor), or ``not verified`` (refused as ``op_not_verified`` unless
-``policy.allow_unverified_ops`` names it). Read-only: the tables are the lead's.
+the row names the constructor), ``leaf`` (NONE: a parameter listed as a node, never computed,
+forwarded with the layout checks only), or ``not verified`` (refused as ``op_not_verified``
+unless ``policy.allow_unverified_ops`` names it). Read-only: the tables are the lead's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = ["OpRow", "op_rows", "versions_with_ops"]
 class OpRow:
     id: int
     op: str
-    status: str  # "verified", "not verified", "denied"
+    status: str  # "verified", "not verified", "denied", "leaf"
     ctor: str = ""
 
 
@@ -41,6 +42,9 @@ def op_rows(version: Version) -> list[OpRow]:
     for i, name in enumerate(table.names[:table.count]):
         if name in DENIED_OPS:
             rows.append(OpRow(i, name, "denied"))
+            continue
+        if name == "NONE":  # graph.py: a PARAM leaf listed as a node is never computed
+            rows.append(OpRow(i, name, "leaf"))
             continue
         rule = rule_for(name, version)
         rows.append(OpRow(i, name, "verified", rule.ctor) if rule is not None else OpRow(i, name, "not verified"))
