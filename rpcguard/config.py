@@ -285,6 +285,11 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     if role not in ROLES:
         raise ConfigError("role", f"must be serve or connect, got {_show(role)}")
     other = "connect" if role == "serve" else "serve"
+    own, others = ("listeners", "tunnels") if role == "serve" else ("tunnels", "listeners")
+    if others in data and own not in data:  # the file of the other role, given to this command
+        readers = "rpcguard serve reads" if role == "serve" else "rpcguard connect and check read"
+        raise ConfigError(source, f"this is a {other} config (it defines {others}); {readers} a {role} config "
+                                  f"(with {own})")
     for k in data:
         if k in _ROLE_TOP_KEYS[other]:
             raise ConfigError(str(k), f"only valid for rpcguard {other} (this is a {role} config)")

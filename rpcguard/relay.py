@@ -50,6 +50,10 @@ from rpcguard.tls import classify_handshake_error, negotiated_rpcguard
 
 __all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS"]
 
+# The session-end line's level by result: a probe (rpcguard check, connect's /readyz every few
+# seconds) is no news; a refusal or an error is.
+_END_LEVEL = {"ok": logging.INFO, "no_hello": logging.INFO, "probe": logging.DEBUG}
+
 log = logging.getLogger("rpcguard.relay")
 
 # Client frames the server does not answer (Output.urgent False: SET_TENSOR) wait, copied, until
@@ -456,7 +460,7 @@ class Link:
         if route.provider is not None:
             route.provider.ended(self.id, record)
         result, reason, detail = lc.result, lc.reason, lc.detail
-        level = logging.INFO if result == "ok" else logging.WARNING
+        level = _END_LEVEL.get(result, logging.WARNING)
         log.log(
             level,
             "session end id=%d role=%s listener=%s profile=%s peer=%s identity=%s result=%s reason=%s party=%s "

@@ -32,7 +32,7 @@ from rpcguard.protocol.lifecycle import AWAIT_HELLO, Lifecycle, admission_refusa
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
-from rpcguard.tls import peer_identity
+from rpcguard.tls import is_probe, peer_identity
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "UPSTREAM_DRAIN_S"]
 
@@ -84,6 +84,7 @@ class Admission(NamedTuple):
     identity: str = ""
     refusal: Refusal | None = None
     identity_refused: bool = False  # the refusal is about who the client is (answered at HELLO)
+    probe: bool = False  # serve: the client said in the handshake it is a probe (tls.ALPN_PROBES)
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Route:
             refusal = too_many
         elif self.draining:
             refusal = Refusal("shutdown", "rpcguard is shutting down")
-        return Admission(profile, identity, refusal, identity_refused)
+        return Admission(profile, identity, refusal, identity_refused, self.role == "serve" and is_probe(ssl_object))
 
     def peer_counts(self, link: Any, identity: str) -> tuple[int, int, int, int]:
         """serve: admitted sessions that are not refused (``link``, new, included) of ``identity``

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
+from rpcguard.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.metrics_http import HttpServer
@@ -130,6 +131,7 @@ class Runtime:
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
+        report_downgrades(cfg, self.metrics, self.web.config)  # a WARNING each, and the gauges
         self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
         self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
         for lst in self.listeners:
@@ -144,7 +146,9 @@ class Runtime:
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
                 facts=self._facts.setdefault(key, UpstreamFacts(where)),
-                ssl_context=lambda: self.tls.context, slot=self._slots.setdefault(key, UpstreamSlot()),
+                # the listener says in ALPN whether it enforces everything (downgrades.enforces, tls.py)
+                ssl_context=lambda: self.tls.context_for(enforces(route.default, route.profiles)),
+                slot=self._slots.setdefault(key, UpstreamSlot()),
             )
         else:
             where = f"{item.server.host}:{item.server.port}"
@@ -182,7 +186,7 @@ class Runtime:
 
     def _record_expiry(self) -> None:
         for certificate, when in self.tls.loaded_expiry.items():
-            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
+            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when, getattr(self.tls.tls, certificate))
         # Warnings about the material just loaded (the same checks as `rpcguard check-config`).
         self.cert_warnings = certificate_warnings(self.tls.tls.cert, self.tls.tls.ca)
         kinds = {w.kind for w in self.cert_warnings}
@@ -305,6 +309,7 @@ class Runtime:
             lst.accept()
         await self.upstreams.start_new()  # a pool that cannot start logs why; its sessions are refused
         self._record_expiry()
+        report_downgrades(self.cfg, self.metrics, self.web.config)  # again: a reload that keeps them says so
         self._watch()
         self.metrics.reload("ok")
         self.metrics.reload_kept_keys = len(diff.kept)
@@ -405,7 +410,7 @@ class Runtime:
         async with lock:
             seen = self._node_seen.get(route.name)
             if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
-                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
+                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.probe_context,
                                          route.server_name or route.upstream_host,
                                          timeout=min(NODE_PROBE_TIMEOUT_S, self.cfg.limits.connect_timeout_s
                                                      + self.cfg.limits.handshake_timeout_s),

@@ -32,6 +32,7 @@ carried out.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
@@ -78,6 +79,9 @@ class Lifecycle:
         self.actions: list[Action] = []
         self.refusal: Refusal | None = None  # refused before ACTIVE: answered at HELLO
         self.refused_on_leave = False  # identity refused: a client leaving before HELLO is a refusal
+        # serve: the client said in the handshake that it is a probe (rpcguard check, connect's
+        # /readyz): never queued for the upstream, and its end is result "probe", not a session.
+        self.probe = False
         self.result = self.reason = self.detail = self.party = ""
         self.command = "-"  # command of the frame that was refused
         self.t0 = clock()
@@ -135,10 +139,11 @@ class Lifecycle:
 
     # ----------------------------------------------------------------------------- events in
     def admit(self, profile: Profile, identity: str = "", refusal: Refusal | None = None,
-              identity_refused: bool = False) -> None:
+              identity_refused: bool = False, probe: bool = False) -> None:
         """Accepted (connect) or TLS done (serve) with ``identity``; ``refusal`` if the identity or
-        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on."""
-        self._on("admit", profile, identity, refusal, identity_refused)
+        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on;
+        ``probe``: the client said it is a probe."""
+        self._on("admit", profile, identity, refusal, identity_refused, probe)
 
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
         self._on("handshake_failed", result, reason, detail)
@@ -185,7 +190,9 @@ class Lifecycle:
         self.client_blocked_since = self.clock() if blocked else 0.0
 
     # ----------------------------------------------------------------------------- set-up
-    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool) -> None:
+    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool,
+               probe: bool = False) -> None:
+        self.probe = probe
         self.profile = profile
         self.identity = identity
         self.t_admitted = self.clock()
@@ -249,6 +256,9 @@ class Lifecycle:
         assert refusal is not None and self.session is not None
         self.out.clear()
         self.actions.append((WRITE_CLIENT, self.session.refusal_answer(refusal.reason)))
+        if self.probe and refusal.reason == "upstream_busy":  # the probe's answer, not a refusal
+            self._finish("probe", "", "probe: identity accepted, upstream busy with another session")
+            return
         self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     # ----------------------------------------------------------------------------- data
@@ -300,7 +310,9 @@ class Lifecycle:
     def _ev_hello(self, length: int) -> bool:
         if self.state == AWAIT_HELLO:
             self._goto(QUEUED)
-            self.actions.append((TAKE_SLOT, self.limits))
+            # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
+            self.actions.append((TAKE_SLOT, replace(self.limits, upstream_busy="refuse") if self.probe
+                                 else self.limits))
         elif self.state == REFUSING:
             self._answer_refusal()
             return True
@@ -340,8 +352,11 @@ class Lifecycle:
             return
         s = self.session
         clean = s is None or s.idle or (s.phase == SESSION_ACTIVE and not s.mid_frame)
-        self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
-                     "client closed" + (f": {error}" if error else ""))
+        said_hello = s is not None and s.hello_request_len is not None
+        result = "error" if not clean else "probe" if self.probe else "ok" if said_hello else "no_hello"
+        self._finish(result, "" if clean else "client_closed_mid_frame",
+                     "client closed" + (f": {error}" if error else "") + ("" if said_hello or not clean else
+                                                                          " before its HELLO"))
 
     def _upstream_closed_early(self, error: str, tls_reason: str | None) -> None:
         """The upstream hung up before the session was active: the client still gets its 0.0.N."""

@@ -312,7 +312,7 @@ def test_other_early_refusal_client_leaving_before_hello_is_a_clean_close():
     lc = make()
     lc.admit(DEFAULT, refusal=Refusal("too_many_sessions", "more than 64 sessions"))
     lc.client_closed()
-    assert end(take(lc))["result"] == "ok"
+    assert end(take(lc))["result"] == "no_hello"  # not a session that worked
 
 
 def test_a_refused_link_that_never_says_hello_times_out():
@@ -337,6 +337,46 @@ def test_upstream_busy_is_answered_at_hello(detail):
     assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]  # no slot held: none freed
     assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
     assert end(acts)["detail"] == detail
+
+
+def test_a_probe_is_never_queued_and_its_busy_answer_is_no_refusal():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", probe=True)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    (kind, limits), = take(lc)
+    # the slot is asked for in refuse mode: a probe is answered "busy" at once, never queued
+    assert kind == L.TAKE_SLOT and limits.upstream_busy == "refuse" and limits.queue_timeout_s == LIMITS.queue_timeout_s
+    lc.slot_refused(Refusal("upstream_busy", "the upstream serves another session"))
+    acts = take(lc)
+    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
+    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
+    rec = end(acts)
+    assert rec["result"] == "probe" and rec["reason"] is None  # not counted in refusals_total
+
+
+def test_a_probe_that_got_through_or_said_nothing_is_a_probe_and_an_identity_refusal_still_counts():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", probe=True)
+    lc.client_closed()  # connect's /readyz: TLS only, no HELLO
+    assert end(take(lc))["result"] == "probe"
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", refusal=Refusal("identity_not_allowed", "not on the list"),
+             identity_refused=True, probe=True)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    rec = end(take(lc))
+    assert rec["result"] == "refused" and rec["reason"] == "identity_not_allowed"
+
+
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_a_client_that_leaves_before_its_hello_is_no_hello_not_ok(role):
+    lc = make(role)
+    lc.admit(DEFAULT, "CN=client1")
+    take(lc)
+    lc.client_closed()
+    rec = end(take(lc))
+    assert rec["result"] == "no_hello" and rec["reason"] is None and "before its HELLO" in rec["detail"]
 
 
 def test_slot_granted_after_the_client_left_goes_straight_back():

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import rpcguard
+import rpcguard.protocol
 from rpcguard import metrics as metrics_mod
 from rpcguard import metrics_http as http_mod
 from rpcguard import reasons
@@ -61,15 +62,16 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     lt.queue_depth = 3
     lt.upstream_version = "3.0.0"
     lt.profile_admitted("monitor")
-    m.set_certificate_expiry("serve", "cert", 1_900_000_000)
+    m.set_certificate_expiry("serve", "cert", 1_900_000_000, "/etc/rpcguard/node1.pem")
     m.reload("ok")
     m.cert_warnings[("serve", "expiring_soon")] = 1.0
+    m.enforcement[("serve", "gpu0")] = frozenset({"monitor_mode"})  # downgrades.report sets it
     return m, lt
 
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 25, "design.md metrics table not found or changed shape"
+    assert len(table) == 29, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -110,9 +112,18 @@ def test_sample_values() -> None:
     assert g("rpcguard_upload_bytes_total", {**rl, "kind": "hash_hit"}) == 64
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "request"}) == 1
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "response"}) == 2
-    build = {"role": "serve", "version": rpcguard.__version__, "python": platform.python_version()}
+    core = "compiled" if rpcguard.protocol.compiled() else "pure"
+    build = {"role": "serve", "version": rpcguard.__version__, "python": platform.python_version(), "core": core}
     assert g("rpcguard_build_info", build) == 1
+    assert g("rpcguard_build_info", {**build, "core": "pure" if core == "compiled" else "compiled"}) is None
+    # a listener in monitor mode does not enforce, and says what is switched off (each known value at 0)
+    assert g("rpcguard_listener_enforcing", rl) == 0
+    assert g("rpcguard_listener_switched_off", {**rl, "what": "monitor_mode"}) == 1
+    assert g("rpcguard_listener_switched_off", {**rl, "what": "check_tensor"}) == 0
+    assert g("rpcguard_metrics_unprotected", {"role": "serve"}) == 0
     assert g("rpcguard_certificate_expiry_timestamp_seconds", {"role": "serve", "certificate": "cert"}) == 1.9e9
+    assert g("rpcguard_certificate_file_info", {"role": "serve", "certificate": "cert",
+                                                "file": "/etc/rpcguard/node1.pem"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "ok"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "error"}) == 0
     assert g("rpcguard_reload_last_successful", {"role": "serve"}) == 1
@@ -206,7 +217,8 @@ def test_empty_metrics_still_export_process_level() -> None:
     g = m.registry.get_sample_value
     assert g("rpcguard_reload_total", {"role": "connect", "result": "error"}) == 0
     assert g("rpcguard_build_info", {"role": "connect", "version": rpcguard.__version__,
-                                     "python": platform.python_version()}) == 1
+                                     "python": platform.python_version(),
+                                     "core": "compiled" if rpcguard.protocol.compiled() else "pure"}) == 1
     # prometheus_client's process collector, on the same registry (Linux /proc)
     assert g("process_resident_memory_bytes") > 1e6
     assert g("process_open_fds") >= 3
@@ -230,7 +242,7 @@ def test_every_known_label_value_starts_at_zero() -> None:
     assert "identity_not_allowed" not in reasons.TLS_REASONS
     for mode in ("enforce", "monitor"):
         assert values("rpcguard_firewall_violations_total", "reason", mode=mode) == set(reasons.FIREWALL_REASONS)
-    assert values("rpcguard_sessions_total", "result") == {"ok", "refused", "error"}
+    assert values("rpcguard_sessions_total", "result") == {"ok", "refused", "error", "probe", "no_hello"}
     for direction in ("request", "response"):
         assert values("rpcguard_frames_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())
         assert values("rpcguard_bytes_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())

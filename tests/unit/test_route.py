@@ -36,6 +36,9 @@ class Peer:
     def getpeercert(self, binary_form: bool = False) -> bytes | None:
         return self.der
 
+    def selected_alpn_protocol(self) -> str | None:
+        return None
+
 
 class FakeLink:
     """What admission reads of the other links: their lifecycle's profile, admission, identity,
