@@ -2,8 +2,10 @@
 
 How this works: the op enum of the version (``protocol.ggml.op_table``) and the verified rules
 (``protocol.oprules.rule_for``) give one row per op: ``denied`` (its op_params carry a function
-pointer: always refused), ``verified`` (a rule re-derives the node as its ggml constructor would;
-the row names the constructor), ``leaf`` (NONE: a parameter listed as a node, never computed,
+pointer: always refused), a status of ``oprules.op_status``: ``verified`` (a rule re-derives the node as its ggml
+constructor would; the row names the constructor), ``verified, contents abort`` /
+``verified, residual risk`` (its kernel indexes with tensor contents), ``contained only``
+(forwarded only to a contained server), ``leaf`` (NONE: a parameter listed as a node, never computed,
 forwarded with the layout checks only), or ``not verified`` (refused as ``op_not_verified``
 unless ``policy.allow_unverified_ops`` names it). Read-only: the tables are the lead's.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rpcguard.protocol.ggml import DENIED_OPS, op_table
-from rpcguard.protocol.oprules import rule_for
+from rpcguard.protocol.oprules import op_status, rule_for
 from rpcguard.protocol.versions import KNOWN_VERSIONS, Version, format_version
 
 __all__ = ["OpRow", "op_rows", "versions_with_ops"]
@@ -23,7 +25,7 @@ __all__ = ["OpRow", "op_rows", "versions_with_ops"]
 class OpRow:
     id: int
     op: str
-    status: str  # "verified", "not verified", "denied", "leaf"
+    status: str  # oprules.op_status ("not verified" for its "refused"), "denied", "leaf"
     ctor: str = ""
 
 
@@ -47,5 +49,8 @@ def op_rows(version: Version) -> list[OpRow]:
             rows.append(OpRow(i, name, "leaf"))
             continue
         rule = rule_for(name, version)
-        rows.append(OpRow(i, name, "verified", rule.ctor) if rule is not None else OpRow(i, name, "not verified"))
+        if rule is None:
+            rows.append(OpRow(i, name, "not verified"))
+        else:
+            rows.append(OpRow(i, name, op_status(name, version), rule.ctor))
     return rows
