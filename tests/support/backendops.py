@@ -406,6 +406,11 @@ def classify(direct: dict[str, CaseResult], pair: dict[str, CaseResult]) -> dict
     return out
 
 
+def _pattern(detail: str) -> str:
+    """A refusal detail with its tensor ids (server heap addresses) blanked, for grouping."""
+    return re.sub(r"0x[0-9a-f]+", "0x...", detail)
+
+
 def write_report(path: Path, tools: Tools, direct: list[CaseResult], pair: list[CaseResult],
                  listing: dict[str, list[str]], note: str = "") -> None:
     d = {r.case: r for r in direct}
@@ -443,7 +448,7 @@ def write_report(path: Path, tools: Tools, direct: list[CaseResult], pair: list[
     for op in sorted(false):
         by_reason: dict[tuple[str, str], list[str]] = {}
         for r in false[op]:
-            by_reason.setdefault((r.reason, r.detail), []).append(r.case)
+            by_reason.setdefault((r.reason, _pattern(r.detail)), []).append(r.case)
         lines.append(f"### {op}: {len(false[op])} false refusals")
         for (reason, detail), cs in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
             lines.append(f"- `{reason}` x{len(cs)}: detail `{detail}`")
@@ -482,9 +487,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write every case result here (JSON lines)")
     ap.add_argument("--report", type=Path, default=Path("/work/reports/backend-ops-refusals.md"))
     ap.add_argument("--workdir", type=Path)
-    ap.add_argument("--skip-direct", action="store_true", help="pair only; direct only for refused cases")
+    ap.add_argument("--note", default="", help="a line for the report's header")
+    ap.add_argument("--sample", type=int, help="per op, N cases spread evenly over its listing (ops with more)")
+    ap.add_argument("--skip-direct", action="store_true", help="the pair; direct only the cases it did not run ok")
+    ap.add_argument("--from-json", type=Path, help="only rewrite --report from a --json file of a run")
     a = ap.parse_args(argv)
     tools = load_tools(a.suite)
+    if a.from_json:
+        recs = [json.loads(l) for l in a.from_json.read_text().splitlines() if l.strip()]
+        res = {side: [CaseResult(**{k: v for k, v in r.items() if k != "side"}) for r in recs if r["side"] == side]
+               for side in ("direct", "pair")}
+        ops_run = {r.op for r in res["pair"]}
+        write_report(a.report, tools, res["direct"], res["pair"], list_cases(tools),
+                     note=f"From {a.from_json.name}: {len(ops_run)} ops" + (f" ({a.note})" if a.note else "") + ".")
+        return 0
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="backendops-"))
     workdir.mkdir(parents=True, exist_ok=True)
     listing = list_cases(tools, a.ops.split(",") if a.ops else None)
@@ -507,13 +523,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         pair_t = ThroughPair(tools, workdir / "p")
         for i, op in enumerate(ops):
             cases = listing.get(op, [])
+            only = None
+            if a.sample and len(cases) > a.sample:
+                only = cases[::len(cases) // a.sample][:a.sample]
             if a.skip_direct:
-                pr = run_op(pair_t, op, cases, budget_s=a.budget, on_case=rec("pair"))
+                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, on_case=rec("pair"))
                 suspect = [r.case for r in pr.results if r.status not in ("ok", "not_supported")]
                 dr = run_op(direct_t, op, cases, only=suspect, on_case=rec("direct")) if suspect else OpRun(op)
             else:
-                dr = run_op(direct_t, op, cases, budget_s=a.budget, on_case=rec("direct"))
-                pr = run_op(pair_t, op, cases, budget_s=a.budget, on_case=rec("pair"))
+                dr = run_op(direct_t, op, cases, budget_s=a.budget, only=only, on_case=rec("direct"))
+                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, on_case=rec("pair"))
             listing[op] = merge_listing(cases, (r.case for r in dr.results + pr.results))
             direct_all += dr.results
             pair_all += pr.results
