@@ -62,7 +62,510 @@ OPS: tuple[str, ...] = (
 # the op's first cases run, it XPASSes and turns the suite red: REMOVE the op's entries then. A
 # listed case that runs while others of its op are still refused fails for real (FixLanded):
 # remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
-KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {}
+KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=1,OC=5,T_in=13,s0=1,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=16,OC=32,T_in=197,s0=8,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=2,OC=3,T_in=9,s0=3,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=1,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=7,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=5,OC=4,T_in=11,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=6,OC=4,T_in=11,s0=3,p0=1)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=8,OC=4,T_in=13,s0=4,p0=2)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('CONCAT', 'CONCAT(type=i64,ne_a=[11,12,13,14],ne_b_d=7,dim=0,v=0)'):
+        'graph_type_invalid: op CONCAT: type i64 of id=0x... not handled by the kernel',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=bf16,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f16,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f32,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=bf16,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f16,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f32,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f16,stride=2,padding=2,dilation=2)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f32,stride=2,padding=2,dilation=2)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=1,KW=5,s0=2,s1=1,s2=1,p0=2,p1=0,p2=1,d0=1,d1=1,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,500,1,1])'):
+        'op_not_verified: op COUNT_EQUAL has no verified rule',
+    ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,5000,1,1])'):
+        'op_not_verified: op COUNT_EQUAL has no verified rule',
+    ('CROSS_ENTROPY_LOSS', 'CROSS_ENTROPY_LOSS(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS has no verified rule',
+    ('CROSS_ENTROPY_LOSS', 'CROSS_ENTROPY_LOSS(type=f32,ne=[30000,1,1,1])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS has no verified rule',
+    ('CROSS_ENTROPY_LOSS_BACK', 'CROSS_ENTROPY_LOSS_BACK(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS_BACK has no verified rule',
+    ('CROSS_ENTROPY_LOSS_BACK', 'CROSS_ENTROPY_LOSS_BACK(type=f32,ne=[30000,1,1,1])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS_BACK has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[10,1,4,3])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[256,1,8,16])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[79,1,19,13])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=1,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=4,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=256,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=257,n_iter=8,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=336,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=512,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=1,n_tokens=1,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=128,n_tokens=257,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=1,n_hc=4,n_tokens=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=4,n_tokens=257,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=16,head_size=64,n_seq_tokens=1,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=128,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=1,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=1,kda=1,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=8,head_size=32,n_seq_tokens=4,n_seqs=2,v_repeat=2,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=1)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=1,m=70000,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=1,m=8,r=2,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=1)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,384,1,1],ne_kernel=[3,384,384,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=3,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=3,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=3,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('OPT_STEP_ADAMW', 'OPT_STEP_ADAMW(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op OPT_STEP_ADAMW has no verified rule',
+    ('OPT_STEP_SGD', 'OPT_STEP_SGD(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op OPT_STEP_SGD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[1,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[1,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[2,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[2,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[1,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[1,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[2,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[2,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=2)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=2)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,2],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,2,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,2,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,2,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[2,1,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[2,1,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000001)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000100)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.100000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000001)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000100)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.100000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,32,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,40,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,52,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,64,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[16,16,8192,1],n_dims=16,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,1,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,71,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,8,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=0)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=1)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SCALE', 'SCALE(type=bf16,ne=[100,10,10,10],scale=0.500000,bias=0.000000,inplace=0)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=0)'):
+        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
+    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=1)'):
+        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
+    ('SILU_BACK', 'SILU_BACK(type=f32,ne=[64,5,4,3],eps=0.000001)'):
+        'op_not_verified: op SILU_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[1023,15,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[1024,16,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[15,1023,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[15,15,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,1024,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,1024,2,3],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,16,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,16,2,3],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[10,10,4,3],ne_rhs=[3,10,4,3])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[11,11,1,1],ne_rhs=[5,11,1,1])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[17,17,2,4],ne_rhs=[9,17,2,4])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[30,30,7,1],ne_rhs=[8,30,7,1])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[42,42,5,2],ne_rhs=[10,42,5,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[10,64,2,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[64,64,2,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[79,79,5,3],ne_rhs=[417,79,5,3])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=128,n_head=4,n_group=4,n_seq_tokens=16,n_seqs=2,xbc_overlap=1,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=64,n_head=16,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=256,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=512,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=16,head_dim=1,n_head=1024,n_group=1,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=256,head_dim=64,n_head=8,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=128,n_group=8,n_seq_tokens=1,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=0)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=1)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=2)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=3)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=bilinear)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=nearest)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=bilinear)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=nearest)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=0)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=1)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=0)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=1)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+}
 
 
 class FixLanded(Exception):
@@ -128,9 +631,13 @@ class _Runs:
                 tools = bo.load_tools(suite)
             except MissingPeer as exc:
                 pytest.fail(str(exc))
-            listing = bo.list_cases(tools)
+            order = bo.list_all(tools)
+            listing: dict[str, list[str]] = {}
+            for c in order:
+                listing.setdefault(bo.op_of(c), []).append(c)
             ops = sorted(self.selected(suite) & set(listing))
-            first = [c for op in ops for c in listing[op][:CASES_PER_OP]]
+            wanted = {c for op in ops for c in listing[op][:CASES_PER_OP]}
+            first = [c for c in dict.fromkeys(order) if c in wanted]  # in the tool's own order
             pair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-{suite}-pair"), self.pki)
             direct = bo.Direct(tools, self.tmp.mktemp(f"tbo-{suite}-direct"))
             self.targets += [pair, direct]

@@ -121,16 +121,21 @@ def list_ops(tools: Tools) -> list[str]:
     return [l.strip() for l in out.splitlines() if re.fullmatch(r"\s*[A-Z][A-Z0-9_]*\s*", l)]
 
 
-def list_cases(tools: Tools, ops: Sequence[str] | None = None) -> dict[str, list[str]]:
-    """Every case, per op, in run order: ``support`` mode on the CPU builds each case's graph and
-    runs nothing. (It leaves out the few whole-graph fusion cases; ``merge_listing`` adds those
-    from a run's own output.)"""
+def list_all(tools: Tools, ops: Sequence[str] | None = None) -> list[str]:
+    """Every case in the order test-backend-ops runs them: ``support`` mode on the CPU builds
+    each case's graph and runs nothing. (It leaves out the few whole-graph fusion cases;
+    ``merge_listing`` adds those from a run's own output.)"""
     cmd = [tools.test_backend_ops, "support", "-b", "CPU"]
     if ops:
         cmd += ["-o", ",".join(ops)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_base_env(), timeout=600).stdout
+    return [case for case, _ in parse_cases(out)]
+
+
+def list_cases(tools: Tools, ops: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """``list_all`` per op, each op's cases in run order."""
     cases: dict[str, list[str]] = {}
-    for case, _ in parse_cases(out):
+    for case in list_all(tools, ops):
         cases.setdefault(op_of(case), []).append(case)
     return cases
 
@@ -319,8 +324,9 @@ def _run_once(target: Target, filt: str, budget_end: float | None,
 def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | None = None,
            only: Sequence[str] | None = None, stall_s: float = STALL_S,
            on_case: Callable[[CaseResult], None] | None = None) -> OpRun:
-    """Run ``op``'s cases (with ``only``: just those, by exact case text) on ``target``, resuming
-    after every case that kills the process. ``budget_s`` stops the run after that many seconds;
+    """Run ``op``'s cases (with ``only``: just those, by exact case text, IN THE ORDER the tool
+    runs them, see list_all: the case after the last printed one is the one that killed the
+    process) on ``target``, resuming after every case that kills the process. ``budget_s`` stops the run after that many seconds;
     the cases finished by then count."""
     t0 = time.monotonic()
     budget_end = t0 + budget_s if budget_s is not None else None
@@ -342,11 +348,18 @@ def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | Non
                 on_case(r)
         if batch is None:
             cases = merge_listing(cases, (c for c, _ in printed))
-        expected = cases if batch is None else batch
+        # what this process was to run, in the tool's order, duplicates included: the same case
+        # text can occur more than once in the suite, and -o runs every occurrence
+        chosen = set(cases if batch is None else batch)
+        expected = [c for c in cases if c in chosen] if cases else list(batch or [])
         rest = [] if queue is None or batch is None else queue[len(batch):]
-        last = printed[-1][0] if printed else None
-        pending = expected[expected.index(last) + 1:] if last in expected else \
-            (list(expected) if last is None else [c for c in expected if c not in {p for p, _ in printed}])
+        names = [c for c, _ in printed]
+        if names == expected[:len(names)]:
+            pending = expected[len(names):]
+        elif names and names[-1] in expected:  # not a prefix (a listing gap): after the last one printed
+            pending = expected[len(expected) - expected[::-1].index(names[-1]):]
+        else:
+            pending = [c for c in expected if c not in set(names)]
         if rc is None and not timed_out:  # the budget ended it
             run.truncated = True
             break
@@ -382,7 +395,10 @@ def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | Non
             on_case(r)
         if timed_out and target.server is not None:
             target.server.stop()  # a stalled server holds its only connection slot
-        queue = list(dict.fromkeys(pending[1:] + rest))
+        # a text already run or attributed in this run is not run again: a later occurrence is the
+        # same case (and would kill the resumed process at its first occurrence again)
+        done_texts = {x.case for x in run.results}
+        queue = [c for c in dict.fromkeys(pending[1:] + rest) if c not in done_texts]
     run.seconds = time.monotonic() - t0
     return run
 
@@ -495,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tools = load_tools(a.suite)
     if a.from_json:
         recs = [json.loads(l) for l in a.from_json.read_text().splitlines() if l.strip()]
+        recs = list({(r["side"], r["case"]): r for r in recs}.values())  # a re-run case counts once
         res = {side: [CaseResult(**{k: v for k, v in r.items() if k != "side"}) for r in recs if r["side"] == side]
                for side in ("direct", "pair")}
         ops_run = {r.op for r in res["pair"]}
