@@ -641,9 +641,10 @@ class _Runs:
             pair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-{suite}-pair"), self.pki)
             direct = bo.Direct(tools, self.tmp.mktemp(f"tbo-{suite}-direct"))
             self.targets += [pair, direct]
-            run = bo.run_op(pair, "*", [], only=first, budget_s=BUDGET_PER_OP_S * len(ops))
+            # the whole order goes along: a case text can occur twice, before and after others
+            run = bo.run_op(pair, "*", order, only=first, budget_s=BUDGET_PER_OP_S * len(ops))
             suspect = [r.case for r in run.results if r.status not in ("ok", "not_supported")]
-            d = {r.case: r for r in bo.run_op(direct, "*", [], only=suspect).results} if suspect else {}
+            d = {r.case: r for r in bo.run_op(direct, "*", order, only=suspect).results} if suspect else {}
             by_op: dict[str, list[bo.CaseResult]] = {}
             for r in run.results:
                 by_op.setdefault(r.op, []).append(r)
