@@ -21,7 +21,9 @@ from rpcguard.protocol.oprules import New, OpRule, Result, View, contiguous_nb, 
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC"]
+__all__ = [
+    "check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC",
+]
 
 GGML_MAX_SRC: Final = 10
 _SRC0: Final = 29  # index of src0 in RpcTensor
@@ -164,3 +166,4 @@ def check_flat_rows(t: RpcTensor, state: SessionState) -> None:
             f"tensor id={t.id:#x}: {nrows} rows of stride nb1={t.nb1} reach byte {end} of its {buf.size}-byte "
             "buffer (the kernel walks rows flattened)",
         )
+

@@ -512,12 +512,15 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return _dup_or_inplace(a)
 
 
+_SCALE_TYPES = frozenset({F32, BF16})
+
+
 def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     """ggml_scale_impl ggml.c:3455: a padded 1d; params {s, b}. The kernel asserts more than the
     constructor: a contiguous F32 source (ops.cpp:4886 ggml_compute_forward_scale_f32)."""
     a = s[0]
     assert a is not None
-    _types(n, "SCALE", ONLY_F32, a)
+    _types(n, "SCALE", _SCALE_TYPES, a)  # ops.cpp scale_f32 / scale_bf16
     # the constructor's padded-1d check has no size-1 exception: the kernel walks flat rows at
     # i1*nb01 (ops.cpp:4886ff); it also asserts a contiguous source
     _need(is_padded_1d(a) and is_contiguous(a), n, "SCALE", "src is not padded 1d and contiguous")
@@ -538,8 +541,8 @@ def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(ok, n, "SOFT_MAX", f"mask {mask.ne} for {a.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "SOFT_MAX", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
-        _need(mask is not None and sinks.type == F32 and sinks.ne0 == a.ne2, n, "SOFT_MAX", "sinks")
+    if sinks is not None:  # one F32 per head; the kernel reads it with or without a mask
+        _need(sinks.type == F32 and sinks.ne0 == a.ne2 and sinks.nb0 == 4, n, "SOFT_MAX", "sinks")
     return _dup_or_inplace(a)
 
 
@@ -599,8 +602,8 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
         _need(ok, n, "FLASH_ATTN_EXT", f"mask {mask.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
-        _need(mask is not None and sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
+    if sinks is not None:  # one F32 per head; the kernel reads it with or without a mask
+        _need(sinks.type == F32 and sinks.ne0 == q.ne2 and sinks.nb0 == 4, n, "FLASH_ATTN_EXT", "sinks")
     # precision; n_kv_max (ggml_flash_attn_ext_set_n_kv_max) selects K/V by the mask's finite entries
     if n.param3 not in PRECS or n.param4 < 0 or (n.param4 and mask is None):
         raise refuse(n, "FLASH_ATTN_EXT", f"prec {n.param3} n_kv_max {n.param4}", "graph_op_params_invalid")
@@ -812,7 +815,19 @@ def _arange(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (steps, 1, 1, 1))
 
 
-def _acc_set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+def _acc(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    return _acc_set(n, s, ONLY_F32)  # ops.cpp ggml_compute_forward_acc: F32 only
+
+
+def _set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    return _acc_set(n, s, _SET_TYPES)
+
+
+# ops.cpp ggml_compute_forward_set: set_f32 and set_i32 (4-byte elements; the rest abort)
+_SET_TYPES = frozenset({F32, I32})
+
+
+def _acc_set(n: RpcTensor, s: Srcs, types: frozenset[int]) -> tuple[Result, ...]:
     """ACC / SET (ggml_acc_impl ggml.c:2190, ggml_set_impl ggml.c:3510): params {nb1, nb2, nb3,
     offset, inplace}; result = dup or view of a. The kernel writes b's shape at dst.data + offset
     with those strides and checks only the far corner in size_t arithmetic, so negative values
@@ -823,7 +838,8 @@ def _acc_set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     s1, s2, s3, offset, inplace = n.param0, n.param1, n.param2, n.param3, n.param4
     if min(s1, s2, s3, offset) < 0 or inplace not in (0, 1):
         raise refuse(n, "ACC/SET", f"negative stride/offset {(s1, s2, s3, offset)}", "graph_op_params_invalid")
-    _types(n, "ACC/SET", ONLY_F32, a, b)
+    _types(n, "ACC/SET", types, a, b)
+    _need(a.type == b.type, n, "ACC/SET", "src0 and src1 types differ")
     _need(nelements(b) <= nelements(a), n, "ACC/SET", "src1 has more elements than src0")
     _need(is_contiguous(a) and a.nb0 == 4 and b.nb0 == 4, n, "ACC/SET", "src0 not contiguous")
     end = offset + (b.ne0 - 1) * 4 + (b.ne1 - 1) * s1 + (b.ne2 - 1) * s2 + (b.ne3 - 1) * s3 + 4
@@ -1030,8 +1046,8 @@ def _roll(n: RpcTensor, s: Srcs) -> Result:
 
 _ROWS: tuple[OpRule, ...] = (
     OpRule("DUP", "ggml.c:2053 ggml_dup", 1, _dup),
-    OpRule("ACC", "ggml.c:2212 ggml_acc", 2, _acc_set, params=5),
-    OpRule("SET", "ggml.c:3533 ggml_set", 2, _acc_set, params=5),
+    OpRule("ACC", "ggml.c:2212 ggml_acc", 2, _acc, params=5),
+    OpRule("SET", "ggml.c:3533 ggml_set", 2, _set, params=5),
     OpRule("PAD_REFLECT_1D", "ggml.c:5299 ggml_pad_reflect_1d", 1, _pad_reflect_1d, params=2),
     OpRule("ADD", "ggml.c:2083 ggml_add", 2, _binary),
     OpRule("SUB", "ggml.c:2252 ggml_sub", 2, _binary),
