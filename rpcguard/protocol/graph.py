@@ -505,7 +505,10 @@ class GraphValidator:
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             if rule is not None and op in rules.contained_only and not self.contained:
                 name = rules.name(op)
-                if self.ops and not (name in self.allow_unverified or "*" in self.allow_unverified):
+                if name in self.allow_unverified or "*" in self.allow_unverified:
+                    # the site forwards it uncontained: its shape rule still runs, the use counts
+                    state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
+                elif self.ops:
                     raise _refuse("op_needs_containment",
                                   f"node id={ids[p]:#x} op {name} indexes state with tensor contents, which no shape "
                                   "rule can bound: forwarded only to a contained server (upstream.isolation: session) "
