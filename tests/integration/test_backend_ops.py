@@ -79,23 +79,9 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op COL2IM_1D has no verified rule',
     ('COL2IM_1D', 'COL2IM_1D(type=f32,K=8,OC=4,T_in=13,s0=4,p0=2)'):
         'op_not_verified: op COL2IM_1D has no verified rule',
-    ('CONCAT', 'CONCAT(type=i64,ne_a=[11,12,13,14],ne_b_d=7,dim=0,v=0)'):
-        'graph_type_invalid: op CONCAT: type i64 of id=0x... not handled by the kernel',
     ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=bf16,stride=1,padding=0,dilation=1)'):
         'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f16,stride=1,padding=0,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f32,stride=1,padding=0,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
     ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=bf16,stride=1,padding=3,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f16,stride=1,padding=3,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f32,stride=1,padding=3,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f16,stride=2,padding=2,dilation=2)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f32,stride=2,padding=2,dilation=2)'):
         'op_not_verified: op IM2COL has no verified rule',
     ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
         'op_not_verified: op CONV_2D has no verified rule',
@@ -249,32 +235,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op GATED_DELTA_NET has no verified rule',
     ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=8,head_size=32,n_seq_tokens=4,n_seqs=2,v_repeat=2,permuted=0,kda=0,K=1)'):
         'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
-        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
-    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
-        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
-    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
-        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
-    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
-        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
-    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=0)'):
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=1)'):
@@ -287,22 +247,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=1)'):
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,384,1,1],ne_kernel=[3,384,384,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=3,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=3,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
-        'op_not_verified: op IM2COL has no verified rule',
     ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
         'op_not_verified: op IM2COL_3D has no verified rule',
     ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
@@ -371,44 +315,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op OUT_PROD has no verified rule',
     ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[2,2],trans_b=0)'):
         'op_not_verified: op OUT_PROD has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=0)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=1)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=2)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=0)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=1)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=2)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=0)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=1)'):
-        'op_not_verified: op POOL_1D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=0)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=1)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=0)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=1)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=0)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=1)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=0)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=1)'):
-        'op_not_verified: op POOL_2D has no verified rule',
-    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
     ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=0)'):
         'op_not_verified: op REPEAT_BACK has no verified rule',
     ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=1)'):
@@ -457,34 +363,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op ROPE_BACK has no verified rule',
     ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,8,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
         'op_not_verified: op ROPE_BACK has no verified rule',
-    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
-        'op_not_verified: op RWKV_WKV6 has no verified rule',
-    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
-        'op_not_verified: op RWKV_WKV6 has no verified rule',
-    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
-        'op_not_verified: op RWKV_WKV6 has no verified rule',
-    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
-        'op_not_verified: op RWKV_WKV6 has no verified rule',
-    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
-        'op_not_verified: op RWKV_WKV7 has no verified rule',
-    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=4)'):
-        'op_not_verified: op RWKV_WKV7 has no verified rule',
-    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
-        'op_not_verified: op RWKV_WKV7 has no verified rule',
-    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
-        'op_not_verified: op RWKV_WKV7 has no verified rule',
-    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
-        'op_not_verified: op RWKV_WKV7 has no verified rule',
-    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=0)'):
-        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
-    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=1)'):
-        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
-    ('SCALE', 'SCALE(type=bf16,ne=[100,10,10,10],scale=0.500000,bias=0.000000,inplace=0)'):
-        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
-    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=0)'):
-        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
-    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=1)'):
-        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
     ('SILU_BACK', 'SILU_BACK(type=f32,ne=[64,5,4,3],eps=0.000001)'):
         'op_not_verified: op SILU_BACK has no verified rule',
     ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[1023,15,1,1],scale=1.000000,max_bias=0.000000)'):
@@ -535,12 +413,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op SSM_SCAN has no verified rule',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
         'op_not_verified: op SSM_SCAN has no verified rule',
-    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
-    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
-        'graph_shape_invalid: op GLU: odd ne0 without a split source',
     ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=0)'):
         'op_not_verified: op TRI has no verified rule',
     ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=1)'):
