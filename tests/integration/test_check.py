@@ -72,7 +72,7 @@ def test_ok_one_connection(node, pki):
 
 
 def test_closed_port_is_node_unreachable(pki):
-    port = realpeer.free_port()
+    port = realpeer.reserve_port()
     p = check(f"127.0.0.1:{port}", pki)
     assert p.returncode == 1
     assert p.stdout.count("\n") == 1 and "REFUSED" in p.stdout and ": node_unreachable - " in p.stdout, p.stdout
@@ -140,7 +140,7 @@ def test_identity_not_allowed(node, pki):
 
 
 def test_upstream_unavailable(node, pki):
-    g = node(upstream=realpeer.free_port())
+    g = node(upstream=realpeer.reserve_port())
     p = check(g.endpoint, pki)
     assert p.returncode == 1 and ": upstream_unavailable - " in p.stdout, p.stdout
     assert wait_connections(g, 1) == 1

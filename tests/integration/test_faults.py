@@ -72,15 +72,19 @@ def direct(models, tmp_path_factory) -> dict[str, list[int]]:
 def upstreams(workdir, peer_python):
     """Start real ggml-rpc-servers this test may kill and restart; all are stopped at the end."""
     procs: list[realpeer.Proc] = []
+    ports: set[int] = set()
 
     def start(port: int | None = None) -> tuple[realpeer.Proc, int]:
         proc, port = realpeer.start_rpc_server(workdir, port=port)
         procs.append(proc)
+        ports.add(port)
         return proc, port
 
     yield start
     for p in procs:
         p.stop(signal.SIGKILL)
+    for port in ports:
+        realpeer.release_port(port)
 
 
 @pytest.fixture
@@ -405,11 +409,9 @@ def test_client_that_never_reads_is_cut_and_frees_the_upstream(rpc_server, guard
 def test_serve_restarted_under_idle_and_active_sessions(workdir, pki, upstreams, models, direct, how):
     procs_ports = [upstreams() for _ in range(2)]
     ups = [port for _, port in procs_ports]
-    sports = [realpeer.free_port() for _ in ups]
-    cports = [realpeer.free_port() for _ in ups]
-    serve_cfg, connect_cfg = procinfo.pair_configs(pki, sports, cports, ups, extra=SHORT_LIMITS)
-    serve = procinfo.start_config_guard("serve", workdir, serve_cfg, sports)
-    connect = procinfo.start_config_guard("connect", workdir, connect_cfg, cports)
+    serve, connect, serve_cfg = procinfo.start_config_pair(workdir, pki, ups, extra=SHORT_LIMITS,
+                                                           restartable=True)
+    sports, cports = serve.extra["ports"], connect.extra["ports"]
     serve2 = None
     try:
         track = procinfo.Tracker(connect=connect)

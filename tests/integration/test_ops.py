@@ -672,7 +672,7 @@ def test_readyz_polling_never_refuses_a_session(pki, pair, models, workdir):
 
 
 def test_readyz_fails_when_upstream_down_or_certificate_expired(pki, models, workdir):
-    dead = realpeer.free_port()
+    dead = realpeer.reserve_port()
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{dead}", *pki.serve_args()])
     try:
         status, body = http_get(serve.metrics_port, "/readyz")
@@ -683,13 +683,13 @@ def test_readyz_fails_when_upstream_down_or_certificate_expired(pki, models, wor
     proc, port = realpeer.start_rpc_server(workdir)
     now = datetime.datetime.now(datetime.timezone.utc)
     short = certs.issue(pki.dir, "node1-short", server=True, dns=["node1"], ips=["127.0.0.1"], force=True,
-                        not_after=now + datetime.timedelta(seconds=4))
+                        not_after=now + datetime.timedelta(seconds=10))  # outlives a start on a busy machine
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{port}", "--cert", str(short.cert),
                                            "--key", str(short.key), "--ca", pki.path("ca")])
     try:
         status, body = http_get(serve.metrics_port, "/readyz")
         assert status == 200, body
-        wait_until(lambda: http_get(serve.metrics_port, "/readyz")[0] == 503, 10, "not ready after expiry")
+        wait_until(lambda: http_get(serve.metrics_port, "/readyz")[0] == 503, 30, "not ready after expiry")
         assert "expired" in http_get(serve.metrics_port, "/readyz")[1]
     finally:
         serve.stop()
@@ -816,7 +816,7 @@ def test_status_reads_a_running_instance(pki, pair, models, workdir):
     p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{connect.metrics_port}"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and "connect tunnel0:" in p.stdout, p.stdout + p.stderr
-    p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{realpeer.free_port()}"],
+    p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{realpeer.reserve_port()}"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 1 and "cannot read" in p.stderr
 

@@ -183,7 +183,7 @@ def test_server_version_not_accepted(pki, pair, models, workdir):
 
 
 def test_upstream_down(pki, pair, models, workdir):
-    dead = realpeer.free_port()
+    dead = realpeer.reserve_port()
     connect, serve = pair(upstream_port=dead)
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "upstream_unavailable")
     assert serve.value("rpcguard_refusals_total", reason="upstream_unavailable") >= 1
@@ -196,7 +196,7 @@ def test_upstream_down(pki, pair, models, workdir):
 
 
 def test_connect_node_unreachable(pki, models, workdir):
-    connect = start_guard("connect", workdir, ["--server", f"127.0.0.1:{realpeer.free_port()}",
+    connect = start_guard("connect", workdir, ["--server", f"127.0.0.1:{realpeer.reserve_port()}",
                                                "--server-name", pki.node, *pki.connect_args()])
     try:
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "node_unreachable")

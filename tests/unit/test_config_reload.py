@@ -19,6 +19,7 @@ from rpcguard.config import load_config
 from rpcguard.metrics import Metrics
 from rpcguard.server import Runtime
 from prometheus_client import CollectorRegistry
+from tests.support.realpeer import reserve_port
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     certs.issue(d, "node1", server=True, dns=["node1"], force=True)
     certs.issue(d, "client1", server=False, force=True)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_cfg(pki: Path, listeners: list[dict], **extra) -> dict:
@@ -59,8 +54,8 @@ def sample(rt: Runtime, name: str, **labels: str) -> float | None:
 
 
 def listener(name: str, upstream_port: int, **extra: object) -> dict:
-    """A serve listener entry on a free loopback port (``port_of`` reads the port back)."""
-    return {"name": name, "listen": f"127.0.0.1:{free_port()}", "upstream": f"127.0.0.1:{upstream_port}", **extra}
+    """A serve listener entry on a reserved loopback port (``port_of`` reads the port back)."""
+    return {"name": name, "listen": f"127.0.0.1:{reserve_port()}", "upstream": f"127.0.0.1:{upstream_port}", **extra}
 
 
 def port_of(item: dict) -> int:
@@ -72,7 +67,7 @@ def runtime(path: str) -> Runtime:
 
 
 def test_listeners_added_removed_and_replaced(pki: Path, tmp_path: Path, caplog) -> None:
-    a, b, pc = listener("a", 1), listener("b", 2), free_port()
+    a, b, pc = listener("a", 1), listener("b", 2), reserve_port()
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
 
     async def body() -> None:
@@ -201,7 +196,7 @@ def test_settings_swap_for_new_sessions_and_live_keys(pki: Path, tmp_path: Path,
 
 
 def test_connect_tunnels_reload(pki: Path, tmp_path: Path) -> None:
-    p1, p2 = free_port(), free_port()
+    p1, p2 = reserve_port(), reserve_port()
     base = {"tls": {"cert": str(pki / "client1.pem"), "key": str(pki / "client1.key"), "ca": str(pki / "ca.pem")},
             "metrics": {"listen": ""}}
     t1 = {"name": "t1", "listen": f"127.0.0.1:{p1}", "server": "127.0.0.1:1", "server_name": "node1"}
