@@ -741,9 +741,22 @@ def test_audit_record_of_a_real_session(pki, pair, models, rpc_server):
     assert rec["result"] == "refused" and rec["reason"] == "tls_not_tls" and rec["identity"] == ""
     assert rec["level"] == "warning" and rec["version"] is None and rec["commands"] == {}
     # connect writes its own records (no peer certificate on that side)
-    crecs = [json.loads(l) for l in connect.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+    crecs = end_records(connect)
     assert crecs and all(r["role"] == "connect" and r["result"] == "ok" for r in crecs)
     assert max(r["upload_bytes"] for r in crecs) == main["upload_bytes"]
+
+
+def end_records(guard) -> list[dict]:
+    """The JSON session-end records of ``guard`` once every session it counted has ended and
+    been written: the count and the log line come from the same step of its event loop, so a
+    scrape that counts N sessions means N lines were written (a client that has exited may
+    still have a session ending in rpcguard)."""
+    def settled() -> list[dict] | None:
+        if guard.value("rpcguard_sessions_active") != 0:
+            return None
+        recs = [json.loads(l) for l in guard.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+        return recs if len(recs) == guard.value("rpcguard_sessions_total") else None
+    return wait_until(settled, 30, f"{guard.role}'s session-end records")
 
 
 @pytest.fixture(scope="module")
@@ -760,7 +773,7 @@ def test_audit_record_counts_hash_cache_hits(pki, pair, workdir, bigtensor):
         connect, serve = pair(serve_args=["--log-format", "json"], upstream_port=port)
 
         def load_record(after: int) -> tuple[dict, int]:
-            recs = [json.loads(l) for l in serve.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+            recs = end_records(serve)
             return max(recs[after:], key=lambda r: r["upload_bytes"] + r["hash_hit_bytes"]), len(recs)
 
         first = realpeer.run_client(connect.endpoint, bigtensor, n=4)
