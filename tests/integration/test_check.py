@@ -68,7 +68,7 @@ def test_ok_one_connection(node, pki):
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("OK") and "protocol 7.0.0, 1 device(s)" in p.stdout, p.stdout
     assert wait_connections(g, 1) == 1
-    assert g.value("rpcguard_sessions_total", result="ok") == 1
+    assert g.wait_value("rpcguard_sessions_total", 1, result="ok") == 1
 
 
 def test_closed_port_is_node_unreachable(pki):

@@ -346,7 +346,7 @@ def test_rotation_by_file_change_and_allow_list_reload(pki, guards, rpc_server, 
     os.replace(cfg + ".tmp", cfg)
     assert serve.wait_value("rpcguard_reload_total", 1, result="ok") >= 1, serve.output()
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "identity_not_allowed")
-    assert serve.value("rpcguard_refusals_total", reason="identity_not_allowed") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="identity_not_allowed") >= 1
     client.go(1)
     client.wait_for("WAITING 2")
 
@@ -391,7 +391,7 @@ def test_broken_new_file_is_rejected_and_old_material_stays(pki, pair, models, w
     assert "keeping the previous certificates" in line and tls["cert"] in line and "not a PEM certificate" in line
     if how == "timer":  # a broken file is reported once, not at every poll
         time.sleep(1.0)
-        assert serve.value("rpcguard_reload_total", result="error") == 1, serve.output()
+        assert serve.wait_value("rpcguard_reload_total", 1, result="error") == 1, serve.output()
     assert serve.value("rpcguard_reload_total", result="ok") == 0
     status, body = http_get(serve.metrics_port, "/readyz")  # the material IN USE still works: ready
     assert status == 200, body  # (the broken file is reported by rpcguard_reload_total{result="error"})
@@ -424,7 +424,7 @@ def test_tls_handshake_timeout(pki, pair, models, workdir):
         took = closed_after(s)  # connected, never says a word
     assert 0.8 < took < 5, took
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="tls_handshake_timeout") == 1
-    assert serve.value("rpcguard_tls_handshake_failures_total", reason="tls_handshake_timeout") == 1
+    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_handshake_timeout") == 1
     assert "result=refused" in session_end_line(serve, "tls_handshake_timeout")
     still_serves(connect, models)
 
@@ -489,7 +489,7 @@ def test_max_concurrent_sessions(pki, pair, models, workdir):
     try:
         assert serve.wait_value("rpcguard_sessions_active", 2) == 2
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "too_many_sessions")
-        assert serve.value("rpcguard_refusals_total", reason="too_many_sessions") >= 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="too_many_sessions") >= 1
         session_end_line(serve, "too_many_sessions")
     finally:
         first.close()
@@ -506,10 +506,10 @@ def test_upstream_busy_refused_at_hello(pki, pair, models, workdir, rpc_server):
         t0 = time.monotonic()
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "upstream_busy")
         assert time.monotonic() - t0 < 10
-        assert serve.value("rpcguard_refusals_total", reason="upstream_busy") == 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="upstream_busy") == 1
         line = session_end_line(serve, "upstream_busy")
         assert f"127.0.0.1:{rpc_server}" in line, line  # the log names the busy upstream
-        assert connect.value("rpcguard_refusals_total", reason="node_refused") >= 1
+        assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_refused") >= 1
     finally:
         holder.close()
     wait_until(lambda: serve.value("rpcguard_sessions_active") == 0, what="holder gone")
@@ -551,7 +551,7 @@ def test_stuck_session_cannot_block_the_node(pki, pair, models, workdir):
     run = realpeer.run_client(connect.endpoint, models["tiny"], n=4)
     assert run.ok, run.output[-3000:]
     assert 1.0 < time.monotonic() - t0 < 20
-    assert serve.value("rpcguard_refusals_total", reason="frame_timeout") == 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="frame_timeout") == 1
     assert "stalled" in session_end_line(serve, "frame_timeout")
     stuck.close()
 
