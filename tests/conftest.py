@@ -50,6 +50,7 @@ def rpc_server(workdir, peer_python):
     proc, port = realpeer.start_rpc_server(workdir)
     yield port
     proc.stop()
+    realpeer.release_port(port)
 
 
 @pytest.fixture

@@ -85,10 +85,11 @@ class Replayer:
         self.sock: socket.socket | None = None
         self.log_at = 0
         self.restarts = 0
+        self.port: int | None = None
 
     def _start(self) -> None:
-        port = realpeer.free_port()
-        log = self.workdir / f"san-{port}.log"
+        port = self.port = self.port or realpeer.reserve_port()  # one reserved port for every restart
+        log = self.workdir / f"san-{port}-{self.restarts}.log"
         self.server = realpeer.start([self.binary, "-H", "127.0.0.1", "-p", str(port), "-t", "1"], log,
                                      f"asan-rpc-server:{port}", dict(SAN_ENV))  # fmt: skip
         realpeer.wait_port(port, timeout=60, proc=self.server.popen)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.realpeer import REALPEER_HOME, _read_env, free_port, wait_port
+from tests.support.realpeer import REALPEER_HOME, _read_env, reserve_port, wait_port
 
 __all__ = ["SanServer", "Verdict", "asan_binary", "MissingSanitizerBuild", "SANITIZER_ENV", "classify_log"]
 
@@ -91,7 +91,7 @@ class SanServer:
     def __init__(self, workdir: Path, *, port: int | None = None, threads: int = 1) -> None:
         self.binary = asan_binary()
         self.workdir = workdir
-        self.port = port or free_port()
+        self.port = port or reserve_port()  # held for every restart: see realpeer
         self.threads = threads
         self.starts = 0
         self.popen: subprocess.Popen | None = None

@@ -72,13 +72,13 @@ def test_ok_one_connection(node, pki):
     assert p.stdout.startswith("OK") and "protocol 7.0.0, 1 device(s)" in p.stdout, p.stdout
     assert wait_connections(g, 1) == 1
     # the check said in the handshake it is a probe: the node records no session that worked
-    assert g.value("rpcguard_sessions_total", result="probe") == 1
+    assert g.wait_value("rpcguard_sessions_total", 1, result="probe") == 1
     assert g.value("rpcguard_sessions_total", result="ok") == 0
     assert "node enforces every request check" in p.stdout, p.stdout
 
 
 def test_closed_port_is_node_unreachable(pki):
-    port = realpeer.free_port()
+    port = realpeer.reserve_port()
     p = check(f"127.0.0.1:{port}", pki)
     assert p.returncode == 1
     assert p.stdout.count("\n") == 1 and "REFUSED" in p.stdout and ": node_unreachable - " in p.stdout, p.stdout
@@ -148,7 +148,7 @@ def test_identity_not_allowed(node, pki):
 
 
 def test_upstream_unavailable(node, pki):
-    g = node(upstream=realpeer.free_port())
+    g = node(upstream=realpeer.reserve_port())
     p = check(g.endpoint, pki)
     assert p.returncode == 1 and ": upstream_unavailable - " in p.stdout, p.stdout
     assert wait_connections(g, 1) == 1

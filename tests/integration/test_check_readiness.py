@@ -27,7 +27,7 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 def test_connect_readyz_follows_its_node(pki, workdir, rpc_server):
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args(),
                                            "--allow-cn", pki.client])
-    dead = realpeer.free_port()
+    dead = realpeer.reserve_port()
     up = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
                                           *pki.connect_args()])
     down = start_guard("connect", workdir, ["--server", f"127.0.0.1:{dead}", "--server-name", pki.node,
@@ -115,7 +115,7 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
     from rpcguard.config import build_config
     from rpcguard.server import Runtime
 
-    dead = realpeer.free_port()  # nothing listens: only the session records can make it ready
+    dead = realpeer.reserve_port()  # nothing listens: only the session records can make it ready
     cfg = build_config("connect", overrides={"listen": "127.0.0.1:0", "server": f"127.0.0.1:{dead}",
                                              "server_name": pki.node, "cert": pki.path(pki.client),
                                              "key": pki.path(pki.client, "key"), "ca": pki.path("ca")})

@@ -72,15 +72,19 @@ def direct(models, tmp_path_factory) -> dict[str, list[int]]:
 def upstreams(workdir, peer_python):
     """Start real ggml-rpc-servers this test may kill and restart; all are stopped at the end."""
     procs: list[realpeer.Proc] = []
+    ports: set[int] = set()
 
     def start(port: int | None = None) -> tuple[realpeer.Proc, int]:
         proc, port = realpeer.start_rpc_server(workdir, port=port)
         procs.append(proc)
+        ports.add(port)
         return proc, port
 
     yield start
     for p in procs:
         p.stop(signal.SIGKILL)
+    for port in ports:
+        realpeer.release_port(port)
 
 
 @pytest.fixture
@@ -243,13 +247,13 @@ def test_upstream_killed_mid_session_then_restarted(workdir, upstreams, guards, 
     assert client.popen.wait(30) != 0 and "RPC_CLIENT_OK" not in client.output()
     client_gone_s = time.monotonic() - t_kill
     assert wait_for(lambda: serve.value("rpcguard_sessions_active") == 0, 5)
-    assert serve.value("rpcguard_sessions_total", result="error") >= 1
+    assert serve.wait_value("rpcguard_sessions_total", 1, result="error") >= 1
     assert "reason=upstream_closed" in serve.output()
     assert wait_for(lambda: connect.value("rpcguard_sessions_active") == 0, 5)
 
     # While the upstream is down, sessions are refused at HELLO and counted.
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=4, timeout=60), "upstream_unavailable")
-    assert serve.value("rpcguard_refusals_total", reason="upstream_unavailable") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="upstream_unavailable") >= 1
 
     # Restarted on the same port: the same proxies carry the next session.
     upstreams(port)
@@ -405,11 +409,9 @@ def test_client_that_never_reads_is_cut_and_frees_the_upstream(rpc_server, guard
 def test_serve_restarted_under_idle_and_active_sessions(workdir, pki, upstreams, models, direct, how):
     procs_ports = [upstreams() for _ in range(2)]
     ups = [port for _, port in procs_ports]
-    sports = [realpeer.free_port() for _ in ups]
-    cports = [realpeer.free_port() for _ in ups]
-    serve_cfg, connect_cfg = procinfo.pair_configs(pki, sports, cports, ups, extra=SHORT_LIMITS)
-    serve = procinfo.start_config_guard("serve", workdir, serve_cfg, sports)
-    connect = procinfo.start_config_guard("connect", workdir, connect_cfg, cports)
+    serve, connect, serve_cfg = procinfo.start_config_pair(workdir, pki, ups, extra=SHORT_LIMITS,
+                                                           restartable=True)
+    sports, cports = serve.extra["ports"], connect.extra["ports"]
     serve2 = None
     try:
         track = procinfo.Tracker(connect=connect)
@@ -444,7 +446,7 @@ def test_serve_restarted_under_idle_and_active_sessions(workdir, pki, upstreams,
 
         # connect keeps serving: while the node is down the session is refused and counted...
         mismatch(realpeer.run_client(f"127.0.0.1:{cports[0]}", models["tiny"], n=4, timeout=60), "node_unreachable")
-        assert connect.value("rpcguard_refusals_total", reason="node_unreachable") >= 1
+        assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_unreachable") >= 1
         # ggml-rpc-server dies of SIGPIPE when the connection it is answering on is closed under
         # it. A drain (SIGTERM) half-closes and waits for the server, so no upstream dies; a killed
         # serve leaves that to the kernel, and the server being answered may die: its supervisor
@@ -599,9 +601,9 @@ def test_flood_slowloris_garbage_while_a_real_session_runs(pki, rpc_server, guar
     assert 0 < past_cap <= 200 - 64
     assert tls("tls_handshake_timeout") + past_cap >= 240
     assert tls("tls_not_tls") + tls("tls_handshake_failed") >= 50
-    assert serve.value("rpcguard_refusals_total", reason="hello_timeout") >= 2
-    assert connect.value("rpcguard_refusals_total", reason="hello_timeout") >= 2
-    assert serve.value("rpcguard_refusals_total", reason="frame_timeout") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 2, reason="hello_timeout") >= 2
+    assert connect.wait_value("rpcguard_refusals_total", 2, reason="hello_timeout") >= 2
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="frame_timeout") >= 1
     assert serve.proc.alive() and connect.proc.alive()
     after = track.check(rss_slack_mib=32)
     procinfo.record("flood_slowloris_garbage", hostile_sockets=sum(a.count for a in attacks),

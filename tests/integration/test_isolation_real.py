@@ -64,7 +64,7 @@ def test_new_buffers_never_hold_a_previous_sessions_bytes(pki, rpc_server, workd
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args()])
     try:
         assert leftover(pki, serve) == bytes(SMALL)  # default: BUFFER_CLEAR injected after ALLOC
-        assert serve.value("rpcguard_frames_total", command="BUFFER_CLEAR", direction="request") >= 2
+        assert serve.wait_value("rpcguard_frames_total", 2, command="BUFFER_CLEAR", direction="request") >= 2
     finally:
         serve.stop()
     control = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args(),
@@ -111,7 +111,7 @@ def test_alloc_past_the_device_memory_never_reaches_the_server(pki, pair):
     c.close()
     # The node's serve refuses it (connect leaves the request firewall to it), before the server.
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="alloc_quota_exceeded") == 1
-    assert serve.value("rpcguard_frames_total", command="ALLOC_BUFFER", direction="request") == 2
+    assert serve.wait_value("rpcguard_frames_total", 2, command="ALLOC_BUFFER", direction="request") == 2
     assert connect.value("rpcguard_refusals_total", reason="alloc_quota_exceeded") == 0
     # A client that skips connect.
     c = RawClient.session(mtls_socket(pki, serve.port))

@@ -6,8 +6,8 @@ arguments (it must listen on loopback only), and the whole fleet runs: one serve
 ``rpcguard serve`` per StatefulSet replica, one ``rpcguard connect``, each with its container's
 arguments and config, only the addresses moved to free loopback ports (the node names stay the
 TLS server names). connect's start-up check must reach every node and the real llama.cpp client
-must generate through a tunnel. With an rpcguard that has metrics.web_config, the metrics
-endpoint behind the manifests' web config is checked too (probe.py, the Prometheus identity).
+must generate through a tunnel. The metrics endpoint behind the manifests' web config is
+checked too (probe.py, the Prometheus identity).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import yaml
 from rpcguard import certs
 from tests.support import realpeer
 from rpcguard.cli import READY_MESSAGE
-from tests.support.guard import wait_for_line
+from tests.support.guard import bound_metrics_port, bound_ports, wait_for_line
 from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
     RPC_SERVER, containers, issuers, named, pod_roots, pod_specs, reroot, rpc_server_port,
-    rpcguard_containers, secret_certificate, usable_config, web_config_supported,
+    rpcguard_containers, secret_certificate,
 )
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ def _rpc_server_bin() -> str:
 def test_real_rpc_server_takes_the_manifest_arguments_and_binds_loopback(tmp_path):
     binary = _rpc_server_bin()
     (c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
-    port = realpeer.free_port()
+    port = realpeer.reserve_port()
     args = [str(port) if a == str(rpc_server_port()) else a for a in c["args"]]
     proc = realpeer.start([binary, *args], tmp_path / "rpc-server.log", "rpc-server")
     try:
@@ -65,7 +65,7 @@ def _rerooted_args(workload: str, root: Path) -> tuple[list[str], Path]:
 def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> realpeer.Proc:
     config.write_text(yaml.safe_dump(data))
     i = args.index("--config")
-    proc = realpeer.start([sys.executable, "-m", "rpcguard", *args[:i], "--config", str(usable_config(config)),
+    proc = realpeer.start([sys.executable, "-m", "rpcguard", *args[:i], "--config", str(config),
                            *args[i + 2:]], log, log.stem)
     wait_for_line(proc, READY_MESSAGE)
     return proc
@@ -86,26 +86,29 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
     try:
         serve_ports, metrics_ports = [], []
         for i in range(replicas):
-            rpc_port, serve_port = realpeer.free_port(), realpeer.free_port()
+            rpc_port = realpeer.reserve_port()
             args = [str(rpc_port) if a == str(rpc_server_port()) else a for a in rpc_c["args"]]
             procs.append(realpeer.start([binary, *args], tmp_path / f"rpc-{i}.log", f"rpc-{i}"))
             realpeer.wait_port(rpc_port, proc=procs[-1].popen)
             data = yaml.safe_load(serve_conf.read_text())
-            data["listeners"][0].update(listen=f"127.0.0.1:{serve_port}", upstream=f"127.0.0.1:{rpc_port}")
-            metrics_ports.append(realpeer.free_port())
-            data["metrics"]["listen"] = f"127.0.0.1:{metrics_ports[-1]}"
-            procs.append(_start_rpcguard(serve_args, serve_conf.with_name(f"serve-{i}.yaml"), data,
-                                         tmp_path / f"serve-{i}.log"))
+            data["listeners"][0].update(listen="127.0.0.1:0", upstream=f"127.0.0.1:{rpc_port}")
+            data["metrics"]["listen"] = "127.0.0.1:0"
+            serve = _start_rpcguard(serve_args, serve_conf.with_name(f"serve-{i}.yaml"), data,
+                                    tmp_path / f"serve-{i}.log")
+            procs.append(serve)
+            (serve_port,) = bound_ports(serve.output()).values()
             serve_ports.append(serve_port)
+            metrics_ports.append(bound_metrics_port(serve.output()))
         data = yaml.safe_load(connect_conf.read_text())
         assert len(data["tunnels"]) == replicas
         for t, port in zip(data["tunnels"], serve_ports):
             host = t["server"].rsplit(":", 1)[0]
-            t.update(listen=f"127.0.0.1:{realpeer.free_port()}", server=f"127.0.0.1:{port}", server_name=host)
-        data["metrics"]["listen"] = f"127.0.0.1:{realpeer.free_port()}"
+            t.update(listen="127.0.0.1:0", server=f"127.0.0.1:{port}", server_name=host)
+        data["metrics"]["listen"] = "127.0.0.1:0"
         connect = _start_rpcguard(connect_args, connect_conf.with_name("connect-loopback.yaml"), data,
                                   tmp_path / "connect.log")
         procs.append(connect)
+        tunnel_ports = bound_ports(connect.output())
         deadline = time.monotonic() + 30  # connect checks its nodes right after it is ready
         while True:
             checks = [line for line in connect.output().splitlines() if '"msg":"check: ' in line]
@@ -113,10 +116,10 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
                 break
             time.sleep(0.2)
         assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
-        run = realpeer.run_client(data["tunnels"][0]["listen"], model, n=8, timeout=120)
+        run = realpeer.run_client(f"127.0.0.1:{tunnel_ports[data['tunnels'][0]['name']]}", model, n=8, timeout=120)
         assert run.ok and len(run.tokens) == 8, run.output[-2000:]
-        if web_config_supported():  # the real metrics endpoint behind the manifests' web config
-            _check_metrics_endpoint(pod_roots["gpu-node"], issuers, metrics_ports[0])
+        # the real metrics endpoint behind the manifests' web config
+        _check_metrics_endpoint(pod_roots["gpu-node"], issuers, metrics_ports[0])
     finally:
         for p in reversed(procs):
             p.stop()

@@ -346,7 +346,7 @@ def test_rotation_by_file_change_and_allow_list_reload(pki, guards, rpc_server, 
     os.replace(cfg + ".tmp", cfg)
     assert serve.wait_value("rpcguard_reload_total", 1, result="ok") >= 1, serve.output()
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "identity_not_allowed")
-    assert serve.value("rpcguard_refusals_total", reason="identity_not_allowed") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="identity_not_allowed") >= 1
     client.go(1)
     client.wait_for("WAITING 2")
 
@@ -391,7 +391,7 @@ def test_broken_new_file_is_rejected_and_old_material_stays(pki, pair, models, w
     assert "keeping the previous certificates" in line and tls["cert"] in line and "not a PEM certificate" in line
     if how == "timer":  # a broken file is reported once, not at every poll
         time.sleep(1.0)
-        assert serve.value("rpcguard_reload_total", result="error") == 1, serve.output()
+        assert serve.wait_value("rpcguard_reload_total", 1, result="error") == 1, serve.output()
     assert serve.value("rpcguard_reload_total", result="ok") == 0
     status, body = http_get(serve.metrics_port, "/readyz")  # the material IN USE still works: ready
     assert status == 200, body  # (the broken file is reported by rpcguard_reload_total{result="error"})
@@ -424,7 +424,7 @@ def test_tls_handshake_timeout(pki, pair, models, workdir):
         took = closed_after(s)  # connected, never says a word
     assert 0.8 < took < 5, took
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="tls_handshake_timeout") == 1
-    assert serve.value("rpcguard_tls_handshake_failures_total", reason="tls_handshake_timeout") == 1
+    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_handshake_timeout") == 1
     assert "result=refused" in session_end_line(serve, "tls_handshake_timeout")
     still_serves(connect, models)
 
@@ -489,7 +489,7 @@ def test_max_concurrent_sessions(pki, pair, models, workdir):
     try:
         assert serve.wait_value("rpcguard_sessions_active", 2) == 2
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "too_many_sessions")
-        assert serve.value("rpcguard_refusals_total", reason="too_many_sessions") >= 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="too_many_sessions") >= 1
         session_end_line(serve, "too_many_sessions")
     finally:
         first.close()
@@ -506,10 +506,10 @@ def test_upstream_busy_refused_at_hello(pki, pair, models, workdir, rpc_server):
         t0 = time.monotonic()
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "upstream_busy")
         assert time.monotonic() - t0 < 10
-        assert serve.value("rpcguard_refusals_total", reason="upstream_busy") == 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="upstream_busy") == 1
         line = session_end_line(serve, "upstream_busy")
         assert f"127.0.0.1:{rpc_server}" in line, line  # the log names the busy upstream
-        assert connect.value("rpcguard_refusals_total", reason="node_refused") >= 1
+        assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_refused") >= 1
     finally:
         holder.close()
     wait_until(lambda: serve.value("rpcguard_sessions_active") == 0, what="holder gone")
@@ -551,7 +551,7 @@ def test_stuck_session_cannot_block_the_node(pki, pair, models, workdir):
     run = realpeer.run_client(connect.endpoint, models["tiny"], n=4)
     assert run.ok, run.output[-3000:]
     assert 1.0 < time.monotonic() - t0 < 20
-    assert serve.value("rpcguard_refusals_total", reason="frame_timeout") == 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="frame_timeout") == 1
     assert "stalled" in session_end_line(serve, "frame_timeout")
     stuck.close()
 
@@ -672,7 +672,7 @@ def test_readyz_polling_never_refuses_a_session(pki, pair, models, workdir):
 
 
 def test_readyz_fails_when_upstream_down_or_certificate_expired(pki, models, workdir):
-    dead = realpeer.free_port()
+    dead = realpeer.reserve_port()
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{dead}", *pki.serve_args()])
     try:
         status, body = http_get(serve.metrics_port, "/readyz")
@@ -683,13 +683,13 @@ def test_readyz_fails_when_upstream_down_or_certificate_expired(pki, models, wor
     proc, port = realpeer.start_rpc_server(workdir)
     now = datetime.datetime.now(datetime.timezone.utc)
     short = certs.issue(pki.dir, "node1-short", server=True, dns=["node1"], ips=["127.0.0.1"], force=True,
-                        not_after=now + datetime.timedelta(seconds=4))
+                        not_after=now + datetime.timedelta(seconds=10))  # outlives a start on a busy machine
     serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{port}", "--cert", str(short.cert),
                                            "--key", str(short.key), "--ca", pki.path("ca")])
     try:
         status, body = http_get(serve.metrics_port, "/readyz")
         assert status == 200, body
-        wait_until(lambda: http_get(serve.metrics_port, "/readyz")[0] == 503, 10, "not ready after expiry")
+        wait_until(lambda: http_get(serve.metrics_port, "/readyz")[0] == 503, 30, "not ready after expiry")
         assert "expired" in http_get(serve.metrics_port, "/readyz")[1]
     finally:
         serve.stop()
@@ -741,9 +741,22 @@ def test_audit_record_of_a_real_session(pki, pair, models, rpc_server):
     assert rec["result"] == "refused" and rec["reason"] == "tls_not_tls" and rec["identity"] == ""
     assert rec["level"] == "warning" and rec["version"] is None and rec["commands"] == {}
     # connect writes its own records (no peer certificate on that side)
-    crecs = [json.loads(l) for l in connect.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+    crecs = end_records(connect)
     assert crecs and all(r["role"] == "connect" and r["result"] == "ok" for r in crecs)
     assert max(r["upload_bytes"] for r in crecs) == main["upload_bytes"]
+
+
+def end_records(guard) -> list[dict]:
+    """The JSON session-end records of ``guard`` once every session it counted has ended and
+    been written: the count and the log line come from the same step of its event loop, so a
+    scrape that counts N sessions means N lines were written (a client that has exited may
+    still have a session ending in rpcguard)."""
+    def settled() -> list[dict] | None:
+        if guard.value("rpcguard_sessions_active") != 0:
+            return None
+        recs = [json.loads(l) for l in guard.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+        return recs if len(recs) == guard.value("rpcguard_sessions_total") else None
+    return wait_until(settled, 30, f"{guard.role}'s session-end records")
 
 
 @pytest.fixture(scope="module")
@@ -760,7 +773,7 @@ def test_audit_record_counts_hash_cache_hits(pki, pair, workdir, bigtensor):
         connect, serve = pair(serve_args=["--log-format", "json"], upstream_port=port)
 
         def load_record(after: int) -> tuple[dict, int]:
-            recs = [json.loads(l) for l in serve.output().splitlines() if l.startswith("{") and '"session_end"' in l]
+            recs = end_records(serve)
             return max(recs[after:], key=lambda r: r["upload_bytes"] + r["hash_hit_bytes"]), len(recs)
 
         first = realpeer.run_client(connect.endpoint, bigtensor, n=4)
@@ -817,7 +830,7 @@ def test_status_reads_a_running_instance(pki, pair, models, workdir):
     p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{connect.metrics_port}"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and "connect tunnel0:" in p.stdout, p.stdout + p.stderr
-    p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{realpeer.free_port()}"],
+    p = subprocess.run([PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{realpeer.reserve_port()}"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 1 and "cannot read" in p.stderr
 

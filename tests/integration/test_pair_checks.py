@@ -47,9 +47,9 @@ def test_a_request_is_refused_by_the_node_or_by_connect_when_told_always(pair, w
     assert ("request_checks=node" in ends[-1]) == (refuser == "serve"), ends[-1]
     # ... and so do both ends' metrics: serve always checks; connect only when told ``always``.
     connect_by = "node" if refuser == "serve" else "proxy"
-    assert connect.value("rpcguard_request_checks_sessions_total", checked_by=connect_by) == 1
+    assert connect.wait_value("rpcguard_request_checks_sessions_total", 1, checked_by=connect_by) == 1
     assert connect.value("rpcguard_request_checks_sessions_total") == 1
-    assert serve.value("rpcguard_request_checks_sessions_total", checked_by="proxy") == 1
+    assert serve.wait_value("rpcguard_request_checks_sessions_total", 1, checked_by="proxy") == 1
     assert serve.value("rpcguard_request_checks_sessions_total", checked_by="node") == 0
     assert serve.value("rpcguard_listener_enforcing") == (serve_mode == "enforce")
     assert serve.value("rpcguard_listener_switched_off", what="monitor_mode") == (serve_mode == "monitor")

@@ -121,7 +121,7 @@ def test_two_identities_two_profiles_each_held_to_its_own(pki, workdir, rpc_serv
     assert closed(s)
     s.close()
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="command_not_allowed") == 1
-    assert serve.value("rpcguard_refusals_total", reason="too_many_sessions") == 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="too_many_sessions") == 1
 
     # a real llama.cpp client holding the monitor identity cannot load a model
     as_probe = guards("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
@@ -155,7 +155,7 @@ def test_two_identities_two_profiles_each_held_to_its_own(pki, workdir, rpc_serv
     assert serve.value("rpcguard_profile_sessions_total", profile="monitor") == len(monitor) >= 3
     assert serve.value("rpcguard_profile_sessions_total", profile="tenant") == sum(
         r["profile"] == "tenant" for r in records) >= 1
-    assert serve.value("rpcguard_profile_sessions_total", profile="default") >= 1
+    assert serve.wait_value("rpcguard_profile_sessions_total", 1, profile="default") >= 1
     # the probe identity never reached an allocation: nothing it did was forwarded beyond reads
     assert all(r["alloc_bytes"] == 0 for r in monitor)
 

@@ -59,7 +59,6 @@ def prometheus(workdir):
 
     def start(serve_port: int, connect_port: int, scrape_configs: list[dict] | None = None) -> int:
         binary = tool("prometheus")
-        port = realpeer.free_port()
         shutil.copyfile(RULES, workdir / "rpcguard-rules.yml")
         cfg = workdir / "prometheus.yml"
         default = [{"job_name": "rpcguard", "static_configs": [
@@ -72,8 +71,9 @@ def prometheus(workdir):
         check = subprocess.run([tool("promtool"), "check", "config", str(cfg)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         proc = realpeer.start([binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{port}"], workdir / "prometheus.log", "prometheus")
+                               "--web.listen-address=127.0.0.1:0"], workdir / "prometheus.log", "prometheus")
         procs.append(proc)
+        port = realpeer.wait_bound(proc.popen)  # its web port, the only one it listens on
         deadline = time.monotonic() + 30
         while True:
             try:

@@ -97,7 +97,7 @@ def test_bad_client_certificate_reaches_llama_as_version_mismatch(pki, pair, mod
         run = realpeer.run_client(bad.endpoint, models["tiny"], n=4)
         mismatch(run, "tls_failed")
         assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason=reason) >= 1
-        assert bad.value("rpcguard_refusals_total", reason="tls_failed") >= 1
+        assert bad.wait_value("rpcguard_refusals_total", 1, reason="tls_failed") >= 1
     finally:
         bad.stop()
     still_serves(connect, models)
@@ -110,7 +110,7 @@ def test_identity_not_on_allow_list(pki, pair, models, workdir):
     try:
         run = realpeer.run_client(connect.endpoint, models["tiny"], n=4)
         mismatch(run, "identity_not_allowed")
-        assert serve.value("rpcguard_refusals_total", reason="identity_not_allowed") >= 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="identity_not_allowed") >= 1
         assert "identity_not_allowed" in serve.output() and "CN=client1" in serve.output()
         # the handshake worked: a refusal, never a TLS handshake failure
         assert serve.value("rpcguard_tls_handshake_failures_total") == 0
@@ -177,16 +177,16 @@ def test_server_version_not_accepted(pki, pair, models, workdir):
     cfg.write_text("policy:\n  accepted_versions: ['5.0.0']\n")
     connect, serve = pair(serve_args=["--config", str(cfg)])
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "version_not_accepted")
-    assert serve.value("rpcguard_refusals_total", reason="version_not_accepted") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="version_not_accepted") >= 1
     assert "7.0.0" in serve.output() and "not on the accepted list" in serve.output()
-    assert connect.value("rpcguard_refusals_total", reason="node_refused") >= 1
+    assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_refused") >= 1
 
 
 def test_upstream_down(pki, pair, models, workdir):
-    dead = realpeer.free_port()
+    dead = realpeer.reserve_port()
     connect, serve = pair(upstream_port=dead)
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "upstream_unavailable")
-    assert serve.value("rpcguard_refusals_total", reason="upstream_unavailable") >= 1
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="upstream_unavailable") >= 1
     # the server comes up: the same proxies serve the next session
     proc, _ = realpeer.start_rpc_server(workdir, port=dead)
     try:
@@ -196,11 +196,11 @@ def test_upstream_down(pki, pair, models, workdir):
 
 
 def test_connect_node_unreachable(pki, models, workdir):
-    connect = start_guard("connect", workdir, ["--server", f"127.0.0.1:{realpeer.free_port()}",
+    connect = start_guard("connect", workdir, ["--server", f"127.0.0.1:{realpeer.reserve_port()}",
                                                "--server-name", pki.node, *pki.connect_args()])
     try:
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "node_unreachable")
-        assert connect.value("rpcguard_refusals_total", reason="node_unreachable") >= 1
+        assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_unreachable") >= 1
     finally:
         connect.stop()
 
@@ -242,13 +242,13 @@ def test_client_certificate_without_client_auth_is_refused(pki, pair, models, wo
                                                *pki.connect_args(cert=cert, key=key)])
     try:
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "certificate_usage_invalid")
-        assert serve.value("rpcguard_refusals_total", reason="certificate_usage_invalid") >= 1
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="certificate_usage_invalid") >= 1
         assert "certificate_usage_invalid" in serve.output() and "without clientAuth" in serve.output()
         # a node's server certificate (EKU serverAuth only) is not a client certificate either:
         # OpenSSL already fails that handshake (the EKU extension is there and lacks clientAuth)
         node_cert, node_key = pki.path(pki.node), pki.path(pki.node, "key")
         assert raw_tls(pki, serve.port, encode.hello_request(), cert=node_cert, key=node_key) == b""
-        assert serve.value("rpcguard_tls_handshake_failures_total", reason="tls_bad_certificate") >= 1
+        assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_bad_certificate") >= 1
     finally:
         connect.stop()
 
@@ -261,7 +261,7 @@ def test_node_certificate_without_server_auth_is_refused_by_connect(pki, rpc_ser
                                                *pki.connect_args()])
     try:
         mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "certificate_usage_invalid")
-        assert connect.value("rpcguard_refusals_total", reason="certificate_usage_invalid") >= 1
+        assert connect.wait_value("rpcguard_refusals_total", 1, reason="certificate_usage_invalid") >= 1
         assert "without serverAuth" in connect.output()
     finally:
         connect.stop()

@@ -63,7 +63,7 @@ def start_serve(workdir: Path, cfg: Path, port: int, mport: int, procs: list) ->
     guard = Guard(proc, port, mport, "serve")
     procs.append(guard)
     wait_for_line(proc, READY_MESSAGE)
-    realpeer.wait_port(port)
+    realpeer.wait_port(port, proc=proc.popen)
     return guard
 
 
@@ -96,7 +96,8 @@ def refused_connection(port: int) -> bool:
 def test_reload_policy_limits_and_listeners(pki, models, workdir, rpc_server, procs):
     up2 = realpeer.start_rpc_server(workdir)  # listener b's own real server (a's is busy with a long session)
     procs.append(up2[0])
-    pa, pb, pa2, mport = (realpeer.free_port() for _ in range(4))
+    # reserved ports: the reloads move listeners to ports named in the file (realpeer.reserve_port)
+    pa, pb, pa2, mport = (realpeer.reserve_port() for _ in range(4))
     a = {"name": "a", "listen": f"127.0.0.1:{pa}", "upstream": f"127.0.0.1:{rpc_server}"}
     b = {"name": "b", "listen": f"127.0.0.1:{pb}", "upstream": f"127.0.0.1:{up2[1]}"}
     cfg = workdir / "serve.yaml"
@@ -117,7 +118,7 @@ def test_reload_policy_limits_and_listeners(pki, models, workdir, rpc_server, pr
         "config reloaded (SIGHUP): changed limits.hello_timeout_s, listeners[a].policy.max_graph_nodes; "
         "added listener b")
     assert serve.value("rpcguard_reload_last_successful") == 1 and serve.value("rpcguard_reload_kept_keys") == 0
-    realpeer.wait_port(pb)
+    realpeer.wait_port(pb, proc=serve.proc.popen)
 
     # the session that started before the reload still computes its graphs on the old policy
     # (it holds a's single-client upstream: the next session on a waits for it to end)
@@ -177,7 +178,7 @@ def test_reload_policy_limits_and_listeners(pki, models, workdir, rpc_server, pr
         "config reloaded (SIGHUP): changed limits.hello_timeout_s, listeners[a].listen; replaced listener a")
     # (log.format is back to the value in use: nothing kept any more)
     assert serve.value("rpcguard_reload_last_successful") == 1 and serve.value("rpcguard_reload_kept_keys") == 0
-    realpeer.wait_port(pa2)
+    realpeer.wait_port(pa2, proc=serve.proc.popen)
     assert refused_connection(pa)
     to_a2 = tunnel(workdir, pki, pa2, procs)
     run = realpeer.run_client(to_a2.endpoint, models["tiny"], n=4)

@@ -111,13 +111,9 @@ def test_concurrent_sessions_over_two_listeners(workdir, pki, models):
     guards = []
     try:
         want = _direct(ups[0][1], models["tiny"])
-        sports = [realpeer.free_port() for _ in ups]
-        cports = [realpeer.free_port() for _ in ups]
-        serve_cfg, connect_cfg = procinfo.pair_configs(pki, sports, cports, [port for _, port in ups])
-        serve = procinfo.start_config_guard("serve", workdir, serve_cfg, sports)
-        guards.append(serve)
-        connect = procinfo.start_config_guard("connect", workdir, connect_cfg, cports)
-        guards.append(connect)
+        serve, connect, _ = procinfo.start_config_pair(workdir, pki, [port for _, port in ups])
+        guards += [serve, connect]
+        cports = connect.extra["ports"]
         endpoints = [f"127.0.0.1:{port}" for port in cports]
         for endpoint in endpoints:
             _run(endpoint, models["tiny"], want)

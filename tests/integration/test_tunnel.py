@@ -19,8 +19,8 @@ def test_tokens_identical_to_direct(models, pair, rpc_server, model):
     assert guarded.tokens == direct.tokens and len(direct.tokens) == 16
     for guard in (connect, serve):
         assert guard.value("rpcguard_refusals_total") == 0, guard.output()
-        assert guard.value("rpcguard_sessions_total", result="ok") >= 7  # llama.cpp's serial connections
-        assert guard.value("rpcguard_frames_total", command="GRAPH_COMPUTE", direction="request") >= 1
+        assert guard.wait_value("rpcguard_sessions_total", 7, result="ok") >= 7  # llama.cpp's serial connections
+        assert guard.wait_value("rpcguard_frames_total", 1, command="GRAPH_COMPUTE", direction="request") >= 1
     assert serve.value("rpcguard_upstream_protocol_info", version="7.0.0") == 1
     # SET_TENSOR carries the offloaded weights (token_embd stays on the CPU): within a few percent.
     weights = realpeer.gguf_tensor_bytes(models[model])

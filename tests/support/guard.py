@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rpcguard import certs
 from rpcguard.cli import READY_MESSAGE
-from tests.support.realpeer import PYTHON, Proc, free_port, start, wait_port
+from tests.support.realpeer import PYTHON, Proc, start, wait_port
 
 
 @dataclass
@@ -85,11 +86,31 @@ class Guard:
         return self.proc.stop(**kw)
 
 
+# What rpcguard logs once it has bound a port (server.py): "<role> <name> listening on
+# <host>:<port> -> <upstream>" per listener or tunnel, "metrics on http(s)://<host>:<port>/metrics".
+LISTENING = re.compile(r"(\S+) listening on (\S+):(\d+) -> ")
+METRICS_ON = re.compile(r"metrics on https?://\S+:(\d+)/metrics")
+
+
+def bound_ports(text: str) -> dict[str, int]:
+    """Listener/tunnel name -> the port it bound, from a log (the first line of each name)."""
+    out: dict[str, int] = {}
+    for m in LISTENING.finditer(text):
+        out.setdefault(m.group(1), int(m.group(3)))
+    return out
+
+
+def bound_metrics_port(text: str) -> int | None:
+    m = METRICS_ON.search(text)
+    return int(m.group(1)) if m else None
+
+
 def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None = None,
                 env: dict | None = None, ready: bool = True) -> Guard:
-    """Start ``rpcguard ROLE ARGS --listen 127.0.0.1:PORT --metrics 127.0.0.1:MPORT`` and wait for it."""
-    port = port or free_port()
-    mport = free_port()
+    """Start ``rpcguard ROLE ARGS --listen 127.0.0.1:PORT --metrics 127.0.0.1:0`` and wait for it.
+
+    Without ``port`` it listens on port 0: the ports it bound are read from its log once it is
+    ready, so no other process can take them between choosing and binding."""
     allow_flags = ("--allow-cn", "--allow-dns", "--allow-uri", "--allow-ip", "--allow-all")
     if role == "serve" and not any(a.split("=", 1)[0] in allow_flags for a in args):
         # serve refuses an empty allow-list; these fixtures admit any certificate of their CA
@@ -97,18 +118,21 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
         cfg = args[args.index("--config") + 1] if "--config" in args else None
         if cfg is None or "allow:" not in Path(cfg).read_text():
             args = [*args, "--allow-all"]
-    cmd = [PYTHON, "-m", "rpcguard", role, "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}",
+    cmd = [PYTHON, "-m", "rpcguard", role, "--listen", f"127.0.0.1:{port or 0}", "--metrics", "127.0.0.1:0",
            *args]
     if role == "connect" and "--no-check" not in args:
         cmd.append("--no-check")
-    proc = start(cmd, workdir / f"rpcguard-{role}-{port}.log", f"rpcguard {role}", env)
-    if ready:
-        wait_for_line(proc, READY_MESSAGE)
-        wait_port(port)
-    return Guard(proc, port, mport, role)
+    proc = start(cmd, workdir / f"rpcguard-{role}-{port or time.monotonic_ns()}.log", f"rpcguard {role}", env)
+    if not ready:
+        return Guard(proc, port or 0, 0, role)
+    wait_for_line(proc, READY_MESSAGE)
+    text = proc.output()
+    bound = port or next(iter(bound_ports(text).values()))
+    wait_port(bound, proc=proc.popen)
+    return Guard(proc, bound, bound_metrics_port(text) or 0, role)
 
 
-def wait_for_line(proc: Proc, text: str, timeout: float = 20.0) -> None:
+def wait_for_line(proc: Proc, text: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in proc.output():
         if not proc.alive():

@@ -21,12 +21,11 @@ import pytest
 import yaml
 
 from rpcguard import certs
-from rpcguard.config import ConfigError, parse_config
 
 __all__ = [
     "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",
     "rpcguard_containers", "hours", "secret_certificate", "volume_secret", "config_of", "rpc_server_port",
-    "make_issuers", "lay_out_pods", "issuers", "pod_roots", "reroot", "web_config_supported", "usable_config",
+    "make_issuers", "lay_out_pods", "issuers", "pod_roots", "reroot",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,30 +170,3 @@ def reroot(text: str, root: Path, container: dict) -> str:
     mounts = sorted((m["mountPath"] for m in container["volumeMounts"]), key=len, reverse=True)
     pattern = r"(?<![\w/.-])(" + "|".join(map(re.escape, mounts)) + ")/"
     return re.sub(pattern, lambda m: f"{root}{m.group(1)}/", text)  # one pass: never twice
-
-
-def web_config_supported() -> bool:
-    """True once rpcguard understands metrics.web_config (another branch adds it)."""
-    data = {"tls": {"cert": __file__, "key": __file__, "ca": __file__},
-            "metrics": {"web_config": "/nonexistent"}, "tunnels": [{"listen": "127.0.0.1:1", "server": "a:1"}]}
-    try:
-        parse_config(data)
-    except ConfigError as exc:
-        return "web_config: unknown key" not in str(exc)
-    return True
-
-
-def usable_config(path: Path) -> Path:
-    """The config file as rpcguard of this checkout can read it (see test_metrics_web_config_known).
-
-    Without metrics.web_config, the key is dropped and ``unsafe_public: true`` stands in for the
-    authentication it provides (a non-loopback metrics address needs one or the other).
-    """
-    if web_config_supported():
-        return path
-    data = yaml.safe_load(path.read_text())
-    del data["metrics"]["web_config"]
-    data["metrics"]["unsafe_public"] = True
-    out = path.with_name("no-web-config-" + path.name)
-    out.write_text(yaml.safe_dump(data))
-    return out

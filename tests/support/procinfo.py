@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Snapshot", "snapshot", "fd_count", "sockets", "tcp_states", "wait_settled", "mib", "Tracker",
-           "record", "start_config_guard", "pair_configs"]
+           "record", "start_config_guard", "start_config_pair", "pair_configs"]
 
 # RPCGUARD_RESILIENCE_REPORT=FILE: each scenario appends one JSON line of measured numbers
 # (the source of the tables in docs/resilience.md and the README).
@@ -214,25 +214,58 @@ def record(scenario: str, **fields) -> None:
             f.write(json.dumps({"scenario": scenario, **fields}, default=str) + "\n")
 
 
-def start_config_guard(role: str, workdir: Path, config: str, ports: list[int], *, args: tuple = (),
-                       tag: str = ""):
+def start_config_guard(role: str, workdir: Path, config: str, ports: list[int] | None = None, *,
+                       args: tuple = (), tag: str = ""):
     """Start ``rpcguard ROLE --config FILE`` for a config with several listeners/tunnels (which the
-    single-listener ``start_guard`` flags cannot express); wait until every port listens."""
-    from rpcguard.cli import READY_MESSAGE
-    from tests.support.guard import Guard, wait_for_line
-    from tests.support.realpeer import PYTHON, free_port, start, wait_port
+    single-listener ``start_guard`` flags cannot express) and wait until it is ready.
 
-    mport = free_port()
-    path = workdir / f"{role}{tag}-{ports[0]}.yaml"
+    Listen on port 0 in the config: the bound ports are read from the log, in the order of the
+    config's ``name:`` entries (``extra["ports"]``; ``extra["names"]`` maps names to ports).
+    ``ports`` is for a config that names fixed ports (a restart on the ports of a first run)."""
+    import re
+
+    from rpcguard.cli import READY_MESSAGE
+    from tests.support.guard import Guard, bound_metrics_port, bound_ports, wait_for_line
+    from tests.support.realpeer import PYTHON, start, wait_port
+
+    stamp = time.monotonic_ns()
+    path = workdir / f"{role}{tag}-{stamp}.yaml"
     path.write_text(config)
-    cmd = [PYTHON, "-m", "rpcguard", role, "--config", str(path), "--metrics", f"127.0.0.1:{mport}", *args]
+    cmd = [PYTHON, "-m", "rpcguard", role, "--config", str(path), "--metrics", "127.0.0.1:0", *args]
     if role == "connect":
         cmd.append("--no-check")
-    proc = start(cmd, workdir / f"rpcguard-{role}{tag}-{ports[0]}.log", f"rpcguard {role}")
+    proc = start(cmd, workdir / f"rpcguard-{role}{tag}-{stamp}.log", f"rpcguard {role}")
     wait_for_line(proc, READY_MESSAGE)
-    for port in ports:
-        wait_port(port)
-    return Guard(proc, ports[0], mport, role, extra={"ports": ports, "config": path})
+    text = proc.output()
+    names = bound_ports(text)
+    order = [n for n in re.findall(r"name: (\S+)", config) if n in names]
+    got = ports if ports is not None else [names[n] for n in order] or list(names.values())
+    for port in got:
+        wait_port(port, proc=proc.popen)
+    return Guard(proc, got[0], bound_metrics_port(text) or 0, role, extra={"ports": got, "names": names,
+                                                                            "config": path})
+
+
+def start_config_pair(workdir: Path, pki, upstream_ports: list[int], extra: str = "", *,
+                      restartable: bool = False):
+    """serve with a listener ``gpu<i>`` per upstream and connect with a tunnel to each (see
+    ``pair_configs``); returns (serve, connect, serve_config), serve_config naming serve's bound
+    ports. Both bind port 0, except serve when it is ``restartable`` (the test restarts it on the
+    same ports): it is then given reserved ports (realpeer.reserve_port) that stay its own while
+    it is down."""
+    from tests.support.realpeer import reserve_port
+
+    zeros = [0] * len(upstream_ports)
+    ports = [reserve_port() for _ in upstream_ports] if restartable else zeros
+    first, _ = pair_configs(pki, ports, zeros, upstream_ports, extra)
+    serve = start_config_guard("serve", workdir, first, ports if restartable else None)
+    serve_cfg, connect_cfg = pair_configs(pki, serve.extra["ports"], zeros, upstream_ports, extra)
+    try:
+        connect = start_config_guard("connect", workdir, connect_cfg)
+    except BaseException:
+        serve.stop()
+        raise
+    return serve, connect, serve_cfg
 
 
 def pair_configs(pki, serve_ports: list[int], connect_ports: list[int], upstream_ports: list[int],

@@ -53,20 +53,102 @@ def realpeer_python(version: str | None = None) -> str:
     return py
 
 
+# Ports. A port chosen by one process (bind port 0, read it, close) and bound later by another
+# can be taken in between: by any connect() on the machine, which the kernel gives a port of the
+# same ephemeral range, or by a second test run choosing the same way ("Address already in use").
+# So rpcguard is started on port 0 and says which port it bound (tests/support/guard.py reads
+# its "listening on" lines), in-process servers bind 0 and read getsockname(), Prometheus binds 0
+# and wait_bound() reads its port from /proc. A process that must be told its port (ggml-rpc-server:
+# its -p refuses 0; a restart on the port of a first run; a port where nothing may listen) gets a
+# reserved one: reserve_port() binds port 0 with SO_REUSEADDR and keeps that socket, bound and
+# never listening, for the rest of the test run. The kernel gives no other bind(port 0) and no
+# connect() a port that is bound, and a bind without SO_REUSEADDR fails on it, so nobody else can
+# take it; a server that sets SO_REUSEADDR itself (ggml-rpc-server, rpcguard, asyncio, Go) binds
+# and listens on it all the same, and again after a restart; while nothing listens, connecting is
+# refused at once.
+_RESERVED: dict[int, socket.socket] = {}
+
+
+def reserve_port() -> int:
+    """A loopback port nobody else can take for the rest of the test run (see above)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    _RESERVED[port] = s
+    return port
+
+
+def release_port(port: int) -> None:
+    """Give a reserved port back once nothing of the test will bind it again (the fixture of a
+    server that is stopped for good calls this: a whole run would otherwise hold hundreds)."""
+    sock = _RESERVED.pop(port, None)
+    if sock is not None:
+        sock.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The old name of reserve_port() (bench/ still calls it)."""
+    return reserve_port()
 
 
-def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
-    """Wait for a LISTEN socket on 127.0.0.1:port without connecting (the real server is single-client)."""
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    except OSError:
+        pass
+    return out
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports (IPv4 and IPv6) on which process ``pid`` holds a listening socket."""
+    inodes, ports = _socket_inodes(pid), set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in list(f)[1:]]
+        except OSError:
+            continue
+        ports.update(int(r[1].rsplit(":", 1)[1], 16) for r in rows if r[3] == "0A" and r[9] in inodes)
+    return ports
+
+
+def wait_bound(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """The port of the one socket that ``proc`` (started on port 0) listens on, once it does."""
+    deadline = time.monotonic() + timeout
+    while not (ports := listening_ports(proc.pid)):
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {proc.pid} did not listen within {timeout} s")
+        time.sleep(0.02)
+    if len(ports) > 1:
+        raise RuntimeError(f"process {proc.pid} listens on {sorted(ports)}, not on one port")
+    return ports.pop()
+
+
+def wait_port(port: int, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait for a LISTEN socket on 127.0.0.1:port without connecting (the real server is single-client).
+
+    With ``proc``, the socket must be that process's own: another process listening on the same
+    port (it took the port first) does not count, and ``proc`` exiting fails at once."""
     want = "%08X:%04X" % (int.from_bytes(socket.inet_aton("127.0.0.1"), "little"), port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with open("/proc/net/tcp") as f:
-            if any(l.split()[1] == want and l.split()[3] == "0A" for l in list(f)[1:]):
+        if proc is not None:
+            if port in listening_ports(proc.pid):
                 return
+        else:
+            with open("/proc/net/tcp") as f:
+                if any(l.split()[1] == want and l.split()[3] == "0A" for l in list(f)[1:]):
+                    return
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
         time.sleep(0.02)
@@ -110,12 +192,12 @@ def start_rpc_server(workdir: Path, *, version: str | None = None, binary: bool 
                      cache_dir: Path | None = None, port: int | None = None) -> tuple[Proc, int]:
     """Start the real ggml-rpc-server (binary when built, else the ctypes runner) on loopback."""
     py = realpeer_python(version)
-    port = port or free_port()
-    log = workdir / f"rpc-server-{port}.log"
     server_bin = Path(subprocess.check_output(
         [py, "-c", "import importlib.util,os;s=importlib.util.find_spec('llama_cpp');"
                    "print(os.path.join(list(s.submodule_search_locations)[0],'lib','ggml-rpc-server'))"],
         text=True).strip())
+
+    port = port or reserve_port()
     if binary and server_bin.exists():
         cmd = ["stdbuf", "-oL", str(server_bin), "-H", "127.0.0.1", "-p", str(port)]
         if cache_dir is not None:
@@ -126,8 +208,12 @@ def start_rpc_server(workdir: Path, *, version: str | None = None, binary: bool 
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         env = None
-    proc = start(cmd, log, f"ggml-rpc-server:{port}", env)
-    wait_port(port, proc=proc.popen)
+    proc = start(cmd, workdir / f"rpc-server-{port}-{time.monotonic_ns()}.log", f"ggml-rpc-server:{port}", env)
+    try:
+        wait_port(port, proc=proc.popen)
+    except TimeoutError:
+        proc.stop()
+        raise
     return proc, port
 
 

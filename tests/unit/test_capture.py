@@ -14,6 +14,7 @@ import threading
 import time
 
 from tests.support.capture import C2S, S2C, CaptureRelay
+from tests.support.realpeer import reserve_port
 
 ANSWER = (16).to_bytes(8, "little") + bytes(range(16))
 
@@ -84,9 +85,8 @@ def test_records_both_directions_in_order_or_one_only():
 
 
 def test_a_refused_target_closes_the_client_side():
-    with socket.create_server(("127.0.0.1", 0)) as dead:
-        port = dead.getsockname()[1]
-    relay = CaptureRelay(port)  # nothing listens there any more
+    port = reserve_port()
+    relay = CaptureRelay(port)  # nothing listens there
     try:
         with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as c:
             assert c.recv(1) == b""

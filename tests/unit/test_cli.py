@@ -19,7 +19,7 @@ import pytest
 
 from rpcguard.metrics import Metrics
 from tests.support.guard import Pki
-from tests.support.realpeer import PYTHON, free_port
+from tests.support.realpeer import PYTHON, reserve_port
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +114,8 @@ CASES = [
                                         "--metrics", "", "--no-check", *ctls(p)], 1, "cannot listen"),
     ("connect-public-listen", lambda p, t: ["connect", "--listen", "10.0.0.1:5000", "--server", "127.0.0.1:1",
                                             *ctls(p)], 2, "--unsafe-listen"),
-    ("check-closed-port", lambda p, t: ["check", "--server", f"127.0.0.1:{free_port()}", "--server-name", "node1",
-                                        *ctls(p)], 1, ""),
+    ("check-closed-port", lambda p, t: ["check", "--server", f"127.0.0.1:{reserve_port()}",
+                                        "--server-name", "node1", *ctls(p)], 1, ""),
     ("check-server-cert", lambda p, t: ["check", "--server", "127.0.0.1:1", *tls(p)], 2, "extended key usage"),
     ("check-no-server", lambda p, t: ["check", *ctls(p)], 2, "--server"),
     ("check-bad-server", lambda p, t: ["check", "--server", "x", *ctls(p)], 2, "--server"),
@@ -166,7 +166,7 @@ CASES = [
                                        "/proc/nodir/x.pem"], 2, "cannot write"),
     ("ops-unknown-protocol", lambda p, t: ["ops", "--protocol", "9.9.9"], 2, "no op table for protocol 9.9.9"),
     ("ops-bad-protocol", lambda p, t: ["ops", "--protocol", "seven"], 2, "--protocol: not a version"),
-    ("status-closed", lambda p, t: ["status", "--metrics", f"127.0.0.1:{free_port()}"], 1, "cannot read"),
+    ("status-closed", lambda p, t: ["status", "--metrics", f"127.0.0.1:{reserve_port()}"], 1, "cannot read"),
     ("status-bad-url", lambda p, t: ["status", "--metrics", "ftp://x/metrics"], 2, "--metrics"),
     ("status-no-host", lambda p, t: ["status", "--metrics", "http://"], 2, "--metrics"),
     ("status-bad-port", lambda p, t: ["status", "--metrics", "127.0.0.1:notaport"], 2, "--metrics"),

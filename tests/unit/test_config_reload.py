@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from rpcguard.config import load_config
 from rpcguard.metrics import Metrics
 from rpcguard.server import Runtime
 from prometheus_client import CollectorRegistry
+from tests.support.realpeer import reserve_port
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +30,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     certs.issue(d, "node1", server=True, dns=["node1"], force=True)
     certs.issue(d, "client1", server=False, force=True)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_cfg(pki: Path, listeners: list[dict], **extra) -> dict:
@@ -59,8 +55,8 @@ def sample(rt: Runtime, name: str, **labels: str) -> float | None:
 
 
 def listener(name: str, upstream_port: int, **extra: object) -> dict:
-    """A serve listener entry on a free loopback port (``port_of`` reads the port back)."""
-    return {"name": name, "listen": f"127.0.0.1:{free_port()}", "upstream": f"127.0.0.1:{upstream_port}", **extra}
+    """A serve listener entry on a reserved loopback port (``port_of`` reads the port back)."""
+    return {"name": name, "listen": f"127.0.0.1:{reserve_port()}", "upstream": f"127.0.0.1:{upstream_port}", **extra}
 
 
 def port_of(item: dict) -> int:
@@ -72,7 +68,7 @@ def runtime(path: str) -> Runtime:
 
 
 def test_listeners_added_removed_and_replaced(pki: Path, tmp_path: Path, caplog) -> None:
-    a, b, pc = listener("a", 1), listener("b", 2), free_port()
+    a, b, pc = listener("a", 1), listener("b", 2), reserve_port()
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
 
     async def body() -> None:
@@ -185,13 +181,13 @@ def test_settings_swap_for_new_sessions_and_live_keys(pki: Path, tmp_path: Path,
             # tls.reload_interval_s went from 0 to 0.05: the file watcher runs now
             assert rt._watcher is not None and not rt._watcher.done()
             write(tmp_path / "s.yaml", serve_cfg(pki, [a], log={"level": "debug"}))
-            for _ in range(100):
+            deadline = time.monotonic() + 15
+            while sample(rt, "rpcguard_reload_total", result="ok") != 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-                if sample(rt, "rpcguard_reload_total", result="ok") == 2:
-                    break
             assert sample(rt, "rpcguard_reload_total", result="ok") == 2  # by the watcher
             assert sample(rt, "rpcguard_reload_kept_keys") == 0
-            await asyncio.sleep(0.1)
+            while not rt._watcher.done() and time.monotonic() < deadline + 5:
+                await asyncio.sleep(0.02)
             assert rt._watcher.done()  # interval back to 0: the watcher ended
         finally:
             await rt.close()
@@ -201,7 +197,7 @@ def test_settings_swap_for_new_sessions_and_live_keys(pki: Path, tmp_path: Path,
 
 
 def test_connect_tunnels_reload(pki: Path, tmp_path: Path) -> None:
-    p1, p2 = free_port(), free_port()
+    p1, p2 = reserve_port(), reserve_port()
     base = {"tls": {"cert": str(pki / "client1.pem"), "key": str(pki / "client1.key"), "ca": str(pki / "ca.pem")},
             "metrics": {"listen": ""}}
     t1 = {"name": "t1", "listen": f"127.0.0.1:{p1}", "server": "127.0.0.1:1", "server_name": "node1"}

@@ -4,7 +4,6 @@ the data path itself is driven by tests/unit/test_relay.py)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 
 import pytest
@@ -14,6 +13,7 @@ from rpcguard.errors import Refusal
 from rpcguard.metrics import Metrics
 from rpcguard.protocol.settings import Limits
 from rpcguard.route import Route
+from tests.support.realpeer import reserve_port
 
 
 class Recorder:
@@ -40,9 +40,8 @@ def test_write_joins_small_chunks_into_one_write_and_leaves_large_ones(chunks, k
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port where nothing listens, held so that nothing else can listen there meanwhile."""
+    return reserve_port()
 
 
 @pytest.mark.parametrize("role, reason", [("serve", "upstream_unavailable"), ("connect", "node_unreachable")])

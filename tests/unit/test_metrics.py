@@ -537,9 +537,9 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    listener.close()  # nothing listens on `port` now
+    from tests.support.realpeer import reserve_port
+
+    port = reserve_port()  # nothing listens on `port` yet, and nothing else can take it
     ov = {"cert": str(tmp_path / "node.pem"), "key": str(tmp_path / "node.key"), "ca": str(tmp_path / "ca.pem"),
           "listen": "127.0.0.1:0", "upstream": f"127.0.0.1:{port}", "metrics": "", "allow_all": True}
     rt = server.Runtime(build_config("serve", overrides=ov), metrics=Metrics(CollectorRegistry()))

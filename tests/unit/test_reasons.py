@@ -2,7 +2,7 @@
 
 The catalogue initialises the reason-labelled counters, so it must hold exactly the reasons the
 code can produce: every string literal given as a reason (first argument of ``Refusal`` and its
-subclasses or of a module's ``_refuse`` helper, second argument of ``Link._finish``, the value of
+subclasses or of a module's ``_refuse`` helper, second argument of ``Lifecycle._finish``, the value of
 ``tls_failure``/``refusal``/``firewall_violation``, both branches of a conditional there) is
 collected from the source of every module, and compared both ways.
 """

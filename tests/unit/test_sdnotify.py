@@ -18,7 +18,7 @@ import pytest
 
 from rpcguard.sdnotify import Notifier, monotonic_usec
 from tests.support.guard import Pki
-from tests.support.realpeer import PYTHON, free_port
+from tests.support.realpeer import PYTHON, reserve_port
 
 
 def _dgram(address) -> socket.socket:
@@ -86,7 +86,7 @@ def _recv_until(sock: socket.socket, key: str, seen: list[dict], timeout: float 
 def test_serve_notifies_ready_reload_watchdog_and_stopping(tmp_path, pki):
     sock = _dgram(str(tmp_path / "notify"))
     cert, key = pki.issue("sdnode", server=True, ips=["127.0.0.1"])
-    port = free_port()
+    port = reserve_port()
     env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000"}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([PYTHON, "-m", "rpcguard", "serve", "--listen", f"127.0.0.1:{port}", "--upstream",
