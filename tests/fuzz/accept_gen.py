@@ -468,8 +468,9 @@ def p_mul_mat(d: Draw) -> Proto:
 def p_mul_mat_id(d: Draw) -> Proto:
     at = d.ftype((F32, F16, Q8_0, 2, 12))
     K = blocked(at, d.dim(True))
-    M, n_as = d.dim(True), d.dim()
-    n_used, T = d.dim(), d.dim(True)
+    # every dimension the planner multiplies (n_as x ids.ne0 x ids.ne1, ggml_graph_plan) may be large
+    M, n_as = d.dim(True), d.dim(True)
+    n_used, T = d.dim(True), d.dim(True)
     b1 = d.pick((1, n_used))
     bt = F32 if d.p(0.8) else d.ftype((F32, F16, 8, 15))
     prm = [d.pick((0, 10, 0, 20)), 0, 0, d.pick((0, 0, 10))]
@@ -724,7 +725,10 @@ class Builder:
             offs = 0
         else:
             offs = self.d.r.randint(0, size - n) // align * align
-        if self.d.p(0.15) and self.buffers:  # sometimes share the previous tensor's buffer
+        # sometimes share the previous tensor's buffer (only random-filled sources: an index tensor
+        # overlapped by another tensor's data would hold out-of-range indices, a known data-only
+        # hole; a node's pre-fill would overwrite a source)
+        if t.fill == "rand" and self.d.p(0.15) and self.buffers:
             i = len(self.buffers) - 1
             if self.buffers[i] >= max(n, *t.nb[1:]):
                 t.buf, t.offs = i, self.d.r.randint(0, self.buffers[i] - n) // align * align
@@ -803,9 +807,10 @@ def _node_from(rule: OpRule, op: str, proto: Proto, srcs: list[Tensor | None], b
             return "result_type"
         if max(r.ne) >= 1 << 32 or min(r.ne) < 0 or max(contiguous_nb(r.type, r.ne)) >= 1 << 32:
             return "result_not_encodable"
-        node = Tensor(nid, r.type, r.ne, contiguous_nb(r.type, r.ne), op=TABLE.ids[op], params=prm, src=src_ids)
+        # pre-filled, so that bytes the kernel leaves alone are the same in both runs
+        node = Tensor(nid, r.type, r.ne, contiguous_nb(r.type, r.ne), op=TABLE.ids[op], params=prm, src=src_ids,
+                      fill="prefill")
         b.place(node, 0)
-        node.fill = "prefill"  # so that bytes the kernel leaves alone are the same in both runs
         return node
     assert isinstance(r, View)
     src = srcs[r.src]

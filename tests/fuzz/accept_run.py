@@ -60,7 +60,7 @@ from rpcguard.protocol.session import Session, SessionPolicy  # noqa: E402
 from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
 from rpcguard.protocol.versions import COMMAND_IDS  # noqa: E402
 from tests.fuzz import accept_gen as gen  # noqa: E402
-from tests.fuzz.sanserver import SanServer, Verdict  # noqa: E402
+from tests.fuzz.sanserver import SanServer, Verdict, classify_log  # noqa: E402
 from tests.fuzz.wire import Frame  # noqa: E402
 
 __all__ = ["Runner", "Outcome", "main", "classify", "FINDINGS_DIR", "write_report"]
@@ -274,6 +274,7 @@ class Runner:
         self.upstream = UpstreamFacts()
         self.gate: Gate | None = None
         self.log = log
+        self._free_failed = False
 
     def close(self) -> None:
         if self.gate:
@@ -302,13 +303,25 @@ class Runner:
         self.server.mark()
         try:
             g = self._gate()
-        except (ServerGone, Budget, OSError) as e:
+        except (ServerGone, Budget, OSError):
+            # the server went away between cases: not this case's doing; a fresh server, once
             self._drop()
             self.server.restart()
-            return Outcome("crash", f"no session: {e}")
+            self.server.mark()
+            try:
+                g = self._gate()
+            except (ServerGone, Budget, OSError) as e:
+                v = self.server.verdict()
+                self._drop()
+                self.server.restart()
+                return Outcome(v.kind if v.finding else "crash", f"no session on a fresh server: "
+                               f"{v.summary if v.finding else e}", v.log)
         mark = len(g.frames)
+        self._free_failed = False
         try:
             out = self._run(g, case, data, second)
+            if self._free_failed and out.kind == "clean":
+                out = Outcome("crash", "the server went away while the case's buffers were freed", seconds=out.seconds)
         except GateRefused as e:
             self._drop()
             return Outcome("gate_refused", f"{e.command} {e.reason}: {e.detail}")
@@ -330,7 +343,16 @@ class Runner:
             self._drop()
             self.server.restart()
         elif out.kind == "server_closed":
-            self._drop()
+            self._drop()  # the server frees the session's buffers now: does it survive that?
+            deadline = time.monotonic() + 1.0
+            while self.server.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not self.server.alive() or classify_log(self.server.since_mark()):
+                v = self.server.verdict()
+                out = Outcome(v.kind if v.finding else "crash",
+                              f"after the server closed the connection: {v.summary or 'died'}", v.log,
+                              out.seconds, out.frames, out.buffers)
+                self.server.restart()
         return out
 
     def _run(self, g: Gate, case: gen.Case, data: bool, second: bool) -> Outcome:
@@ -348,7 +370,13 @@ class Runner:
                     try:
                         g.free(h)
                     except (ServerGone, Budget, GateRefused):
+                        self._free_failed = True
                         break
+                if not self._free_failed:
+                    try:  # the frees have no answer: a probe tells whether the server survived them
+                        g._request(CMD["GET_ALIGNMENT"], struct.pack("<I", 0), True)
+                    except (ServerGone, Budget, GateRefused):
+                        self._free_failed = True
                 for h, _ in live:
                     g.buffers.pop(h, None)
 
