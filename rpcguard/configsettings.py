@@ -60,6 +60,10 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "denied_ops": (_then(_list(_op), frozenset), "firewall.denied_ops"),
     "allow_unverified_ops": (_then(_list(_op_or_all), frozenset), "firewall.allow_unverified_ops"),
     "max_graph_cpu_ms": (_then(_count, lambda ms: ms / 1000), "firewall.max_graph_cpu_s"),
+    "max_graph_compute_s": (_duration(zero_is_off=True), "firewall.max_graph_compute_s"),
+    "node_gflops": (_duration(), "firewall.node_gflops"),  # (a positive number, read as a duration is)
+    "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
+    "server_threads": (_count, "firewall.server_threads"),
 }
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(

@@ -87,6 +87,14 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
     return None
 
 
+def _compute_s(lc: Lifecycle) -> float | None:
+    session = lc.session
+    if session is None:
+        return None
+    policy = session.policy.firewall
+    return round(session.state.compute_flops / (policy.node_gflops * 1e9), 3)
+
+
 def audit_record(lc: Lifecycle) -> dict[str, object]:
     """The per-session audit record (one per session, logged at its end)."""
     s = lc.stats
@@ -112,5 +120,7 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         "alloc_bytes": s.alloc_bytes,
         "upload_bytes": s.upload_bytes_set,
         "hash_hit_bytes": s.upload_bytes_hash_hit,
+        # the compute budget's estimate of what this session's graphs cost the server (cost.py)
+        "compute_s_estimated": _compute_s(lc),
         "commands": s.per_command(),
     }

@@ -80,6 +80,10 @@ class Firewall:
             extra_denied=frozenset(policy.denied_ops),
             allow_unverified=frozenset(policy.allow_unverified_ops),
             max_cpu_s=policy.max_graph_cpu_s,
+            max_compute_s=policy.max_graph_compute_s,
+            node_gflops=policy.node_gflops,
+            max_work_bytes=policy.max_work_bytes,
+            server_threads=policy.server_threads,
         )
         # The check per command id, from the command table (like h11's READERS). Imported here:
         # commands.py uses this module's keys.
@@ -297,6 +301,7 @@ class Firewall:
             )
         if device not in state.graph_devices:
             raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
+        state.compute_flops += state.graph_flops.get(device, 0)  # the stored graph runs again
 
 
 def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:

@@ -35,7 +35,8 @@ from typing import Callable, Final, Literal, Mapping
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
-from rpcguard.protocol.opcheck import check_layout, check_node
+from rpcguard.protocol.cost import flops, work_bytes
+from rpcguard.protocol.opcheck import check_flat_rows, check_layout, check_node, check_sources
 from rpcguard.protocol.oprules import OpRule, rule_for
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
@@ -48,7 +49,10 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, Version
 
-__all__ = ["GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX"]
+__all__ = [
+    "GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX", "MAX_GRAPH_COMPUTE_S",
+    "NODE_GFLOPS", "MAX_WORK_BYTES", "SERVER_THREADS",
+]
 
 GGML_MAX_SRC: Final = 10
 _U32: Final = struct.Struct("<I")
@@ -71,6 +75,20 @@ NODE_CACHE_MAX: Final = 1 << 16
 # it): a real 16-layer decode graph (581 nodes) takes ~10 ms cold, the largest real graphs a few
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
 MAX_GRAPH_CPU_S: Final = 0.5
+# The compute budget (cost.py). A graph's estimated compute time on the node: far above any real
+# graph (a 512-token batch through 35e9 parameters on one CPU node estimates ~360 s at the default
+# rate), far below what a crafted graph of huge matrix products can ask for (hours).
+MAX_GRAPH_COMPUTE_S: Final = 900.0
+# Throughput the estimate assumes: measured with the real server's MUL_MAT on this project's
+# 2-core CI machine (docs/firewall.md "Compute budget"); a GPU node sets its own (policy).
+NODE_GFLOPS: Final = 100.0
+# The CPU planner's work buffer for one node (cost.work_bytes): real graphs need a few hundred
+# MiB at most (a 256-expert MoE batch of 4096 tokens: ~70 MiB of row map).
+MAX_WORK_BYTES: Final = 4 << 30
+# Threads the planner multiplies per-thread scratch by: ggml-rpc-server's default is half the
+# hardware threads (tools/rpc/rpc-server.cpp:89), 64 covers a 128-thread host; a server started
+# with more (-t) sets policy.server_threads.
+SERVER_THREADS: Final = 64
 _BUDGET_STRIDE: Final = 255  # check the clock every 256 tensors/nodes
 _SELF_SRC: Final = 1  # the one src slot a real graph may point back at its own tensor (ggml_cast)
 
@@ -173,6 +191,10 @@ class GraphValidator:
         extra_denied: frozenset[str] = frozenset(),
         allow_unverified: frozenset[str] = frozenset(),
         max_cpu_s: float = MAX_GRAPH_CPU_S,
+        max_compute_s: float = MAX_GRAPH_COMPUTE_S,
+        node_gflops: float = NODE_GFLOPS,
+        max_work_bytes: int = MAX_WORK_BYTES,
+        server_threads: int = SERVER_THREADS,
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -188,6 +210,10 @@ class GraphValidator:
         # Ops the site forwards without a verified rule ("*": every op), counted per use.
         self.allow_unverified = allow_unverified
         self.max_cpu_s = max_cpu_s
+        self.max_compute_s = max_compute_s
+        self.node_flops = node_gflops * 1e9
+        self.max_work_bytes = max_work_bytes
+        self.server_threads = server_threads
         self._deadline = 0.0
 
     # -- entry point -------------------------------------------------------------------------
@@ -253,8 +279,23 @@ class GraphValidator:
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
         if self.ops or self.op_params:
-            self._ops(rules, region, chunks, ids, npos, srcs, pos, state)
+            cost = self._ops(rules, region, chunks, ids, npos, srcs, pos, state)
+            self._charge(cost, device, state)
         return device
+
+    def _charge(self, cost: int, device: int, state: SessionState) -> None:
+        """The compute budget: a graph whose estimated compute time on the node exceeds
+        ``max_compute_s`` is refused before the server sees it; the estimate is remembered for
+        GRAPH_RECOMPUTE (which runs the stored graph again) and summed per session."""
+        seconds = cost / self.node_flops
+        if self.max_compute_s and seconds > self.max_compute_s:
+            raise _refuse(
+                "graph_too_costly",
+                f"estimated compute {seconds:.0f} s ({cost:.3g} flop at {self.node_flops / 1e9:g} GFLOP/s) > "
+                f"max_graph_compute_s {self.max_compute_s:g}",
+            )
+        state.graph_flops[device] = cost
+        state.compute_flops += cost
 
     def _budget(self) -> None:
         """The proxy's own cost per graph is bounded: a graph whose validation takes more CPU
@@ -385,18 +426,19 @@ class GraphValidator:
         srcs: list[list[int]],
         pos: dict[int, int],
         state: SessionState,
-    ) -> None:
+    ) -> int:
+        """The op rules for every node; returns the graph's estimated floating-point operations."""
         if rules is None:
             # No verified op table for this version: no node can be re-derived, so none is
             # forwarded unless the site accepted every op ("*" in allow_unverified_ops).
             if "*" not in self.allow_unverified:
                 raise _refuse("op_not_verified", f"protocol {state.spec.version if state.spec else '?'} has no "
                                                  "verified op table")
-            return
+            return 0
         ops = _u32(region)[_I_OP::_I].tolist()
         if max(ops) >= rules.count:
             if not self.ops:
-                return  # op ids unchecked: nothing below can name them
+                return 0  # op ids unchecked: nothing below can name them
             i = next(i for i, op in enumerate(ops) if op >= rules.count)
             raise _refuse("graph_op_invalid", f"tensor {i} (id={ids[i]:#x}) op {ops[i]} >= OP_COUNT {rules.count}")
         denied = rules.denied
@@ -416,6 +458,7 @@ class GraphValidator:
         getp = pos.get
         ne = _u32(region)
         empty = {p for p in npos if _empty(ne, p)}
+        total = 0  # estimated floating-point operations of the graph (cost.py)
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
                 self._budget()
@@ -423,28 +466,47 @@ class GraphValidator:
             if op == rules.none:
                 continue  # a PARAM leaf listed as a node: never computed
             rule = rows.get(op)
+            src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             if rule is None:
                 name = rules.name(op)
                 if name in self.allow_unverified or "*" in self.allow_unverified:
                     state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
+                    node = decode_tensor(region, p * step)
+                    total += flops(name, node, [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]])
                     continue
                 if self.ops:
                     raise _refuse("op_not_verified", f"node id={ids[p]:#x} op {name} has no verified rule")
                 continue
             if not self.op_params:
                 continue
-            if p in empty:
-                continue  # never computed (ggml-cpu returns on ggml_is_empty): nothing to derive
-            src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
             # A node's verdict depends only on its bytes and those of its sources and view root.
             key = b"".join([chunks[q] for q in (p, *src_pos) if q is not None])
-            if key in cache:
+            cost = cache.get(key)
+            if cost is not None:
+                total += cost
                 continue
             node = decode_tensor(region, p * step)
             node_srcs = [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]]
-            if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
-                tensor(src_pos[GGML_MAX_SRC])
-            check_node(rule, node, node_srcs, by_id)
+            if p in empty:
+                # never computed (ggml-cpu returns on ggml_is_empty), but ggml_graph_plan still
+                # reads its sources and sizes the work buffer from them
+                check_sources(rule, node, node_srcs)
+            else:
+                if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
+                    tensor(src_pos[GGML_MAX_SRC])
+                check_node(rule, node, node_srcs, by_id)
+                if rule.flat_rows and self.tensor_checks == STRICT:
+                    for t in (node, *node_srcs):
+                        if t is not None:
+                            check_flat_rows(t, state)
+            work = work_bytes(rule.op, node, node_srcs, self.server_threads)
+            if work > self.max_work_bytes:
+                raise _refuse("graph_work_too_large",
+                              f"node id={node.id:#x} op {rule.op}: the CPU planner would allocate {work} bytes of "
+                              f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
+            cost = 0 if p in empty else flops(rule.op, node, node_srcs)
+            total += cost
             if len(cache) >= NODE_CACHE_MAX:
                 cache.clear()
-            cache.add(key)
+            cache[key] = cost
+        return total

@@ -21,11 +21,27 @@ from rpcguard.protocol.oprules import New, OpRule, Result, View, contiguous_nb, 
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["check_node", "check_layout", "GGML_MAX_SRC"]
+__all__ = ["check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC"]
 
 GGML_MAX_SRC: Final = 10
 _SRC0: Final = 29  # index of src0 in RpcTensor
 _PARAM0: Final = 12  # index of op_params[0]
+
+
+def check_sources(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None]) -> None:
+    """The sources the constructor always sets are there, those it never sets are not. Also
+    applied to empty nodes, which no kernel computes but ggml_graph_plan reads (cost.py)."""
+    op = rule.op
+    for i, t in enumerate(srcs):
+        if t is not None and t.id == node.id and not (i == 1 and rule.self_src1):
+            raise refuse(node, op, f"src[{i}] is the node itself", "graph_order_invalid")
+    for i in range(rule.srcs):
+        if srcs[i] is None:
+            raise FirewallRefusal("graph_src_missing", f"node id={node.id:#x} op {op} needs src[{i}]")
+    for i in range(rule.srcs + rule.optional, GGML_MAX_SRC):
+        if srcs[i] is not None:
+            raise refuse(node, op, f"src[{i}] is set; the constructor sets at most {rule.srcs + rule.optional}",
+                         "graph_src_unexpected")
 
 
 def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:
@@ -37,16 +53,7 @@ def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_i
                 raise refuse(node, op, f"tensor id={t.id:#x} has type {t.type}", "tensor_type_invalid")
             if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
                 raise refuse(node, op, f"tensor id={t.id:#x} is empty {t.ne}", "tensor_layout_invalid")
-    for i, t in enumerate(srcs):
-        if t is not None and t.id == node.id and not (i == 1 and rule.self_src1):
-            raise refuse(node, op, f"src[{i}] is the node itself", "graph_order_invalid")
-    for i in range(rule.srcs):
-        if srcs[i] is None:
-            raise FirewallRefusal("graph_src_missing", f"node id={node.id:#x} op {op} needs src[{i}]")
-    for i in range(rule.srcs + rule.optional, GGML_MAX_SRC):
-        if srcs[i] is not None:
-            raise refuse(node, op, f"src[{i}] is set; the constructor sets at most {rule.srcs + rule.optional}",
-                         "graph_src_unexpected")
+    check_sources(rule, node, srcs)
     params = node[_PARAM0 + rule.params : _PARAM0 + 16]
     if any(params):
         raise refuse(node, op, f"op_params[{rule.params}:] not zero: {params}", "graph_op_params_invalid")
@@ -120,12 +127,40 @@ def check_layout(t: RpcTensor, state: SessionState, device: int) -> None:
             "tensor_layout_invalid", f"tensor id={t.id:#x}: a stride of {t.nb} exceeds its {buf.size}-byte buffer"
         )
     # ggml_new_tensor_impl asserts that a view's packed size (plus its offset) fits in its source,
-    # and a fresh tensor is packed: no tensor ggml builds has more element bytes than the buffer
-    # it lives in. This bounds the element count, and every work size a kernel derives from it,
-    # by the buffer (zero strides would otherwise give 2^62 elements in 4 bytes).
+    # and a fresh tensor is packed: no tensor ggml builds has more element bytes, counted from its
+    # first byte, than the rest of the buffer it lives in holds. This bounds the element count,
+    # and every work size a kernel derives from it, by the buffer (zero strides would otherwise
+    # give 2^62 elements in 4 bytes), and it is the reach of every kernel that walks a
+    # contiguous tensor as one flat run of elements (memcpy of ggml_nbytes, ``i*type_size``).
     dense = ne0 // blck * size * ne1 * ne2 * ne3
-    if dense > buf.size:
+    start = t.data - buf.base if buf.base is not None else 0
+    if start + dense > buf.size:
         raise FirewallRefusal(
             "tensor_layout_invalid",
-            f"tensor id={t.id:#x}: {t.ne} elements ({dense} bytes packed) exceed its {buf.size}-byte buffer",
+            f"tensor id={t.id:#x}: {t.ne} elements ({dense} bytes packed from offset {start}) exceed its "
+            f"{buf.size}-byte buffer",
+        )
+
+
+def check_flat_rows(t: RpcTensor, state: SessionState) -> None:
+    """The reach of a kernel that walks a tensor's rows flattened, row ``i`` at ``data + i*nb1``
+    for ``i < ne1*ne2*ne3`` (scale, clamp, argsort, top-k, glu, leaky_relu ...), lies in its
+    buffer. ggml_is_contiguous ignores the stride of a size-1 dimension, so such a kernel would
+    otherwise read and write anywhere through the nb1 of a tensor with ne1 == 1 (issue 20, class
+    1). A tensor ggml builds for such a kernel has its rows packed above dimension 1, where this
+    reach is the per-dimension one that the range check (tensor.py) already bounds."""
+    info = TYPES.get(t.type)
+    buf = state.buffers.get(t.buffer)
+    if info is None or buf is None or buf.base is None:
+        return  # checks off, or a tensor no kernel computes on (the layout rule refuses the rest)
+    nrows = t.ne1 * t.ne2 * t.ne3
+    if not (t.ne0 and nrows):
+        return
+    row = (t.ne0 // info.blck_size - 1) * t.nb0 + info.type_size
+    end = t.data - buf.base + (nrows - 1) * t.nb1 + row
+    if end > buf.size:
+        raise FirewallRefusal(
+            "tensor_layout_invalid",
+            f"tensor id={t.id:#x}: {nrows} rows of stride nb1={t.nb1} reach byte {end} of its {buf.size}-byte "
+            "buffer (the kernel walks rows flattened)",
         )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
@@ -45,6 +45,15 @@ INT32_MAX = (1 << 31) - 1
 
 _F = struct.Struct("<f")
 _I = struct.Struct("<i")
+
+
+def _round_f32(x: float) -> float:
+    """``x`` rounded to single precision, as a C float expression of two floats is: a double
+    result of one + - * / of two floats, rounded once, is the correctly rounded float result."""
+    if not math.isfinite(x) or abs(x) >= 3.4028235677973366e38:
+        return math.inf if x > 0 else -math.inf if x < 0 else x
+    value: float = _F.unpack(_F.pack(x))[0]
+    return value
 
 
 def f32(i32: int) -> float:
@@ -89,6 +98,10 @@ class OpRule:
     since: Version = (0, 0, 0)  # first protocol version the row holds for
     until: Version = (99, 0, 0)  # first version it no longer holds for (a later row takes over)
     self_src1: bool = False  # src[1] may be the node itself (ggml_cast)
+    # The CPU kernel may walk rows flattened (row i at data + i*nb1, i < ne1*ne2*ne3): the reach
+    # of that walk is checked for the node and its sources (opcheck.check_flat_rows). True unless
+    # every kernel of the op was read to index each dimension with its own stride.
+    flat_rows: bool = True
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -322,11 +335,22 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     _check_dup_types(n, "CPY", a.type, b.type)
     if b.type in QUANTIZED and a.type != b.type:  # ops.cpp:292-293, else "not implemented" (:321)
         _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing copy layout")
+    if a.type in _DEQUANTIZE and b.type == F32:
+        # ggml_compute_forward_dup_from_q (ops.cpp:475): one block of qk values per step, read at
+        # (i00/qk)*nb00 + i01*nb01 ... of a, written at i10*nb10 + ... of b: a's rows hold whole
+        # blocks, b has unit nb0 and either whole blocks per row or is contiguous (its asserts)
+        qk = TYPES[a.type].blck_size
+        _need(a.ne0 % qk == 0 and b.nb0 == 4 and (b.ne0 % qk == 0 or is_contiguous(b)), n, "CPY",
+              "dequantizing copy layout")
     return View(1, b.ne, b.nb, 0)
 
 
 # F32 converts into these with type_traits_cpu[dst].from_float (ggml-cpu.c; NULL for the others).
 _CPY_TO = frozenset(VEC_DOT) - _NO_FROM_FLOAT
+# Block types the dup kernel dequantizes into F32 with ggml_get_type_traits(type)->to_float (the
+# types GET_ROWS also dequantizes; q8_1 has none): a quantized KV cache read back by the K-shift
+# graph of context shift and --cache-reuse.
+_DEQUANTIZE = (frozenset(VEC_DOT) & QUANTIZED)
 
 
 def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
@@ -335,6 +359,8 @@ def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     if src in FLOAT and (dst in FLOAT or dst in _CPY_TO):
         return
     if (src, dst) in ((F32, I32), (I32, F32)):
+        return
+    if src in _DEQUANTIZE and dst == F32:  # ops.cpp:563 ggml_compute_forward_dup_from_q
         return
     raise refuse(n, op, f"copy {TYPES[src].name} -> {TYPES[dst].name} not handled", "graph_type_invalid")
 
@@ -493,7 +519,9 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     bad = (mode not in ROPE_MODES or n_dims <= 0 or n_dims % 2 or n_offs < 0 or n_offs % 2
            or n_offs + n_dims > a.ne0)
     if mode & ROPE_TYPE_MROPE:
-        bad = bad or min(sections) < 0 or not 0 < sum(sections) <= a.ne0
+        # ops.cpp:6382 GGML_ASSERT(sections[0] > 0 || sections[1] > 0 || sections[2] > 0): the
+        # fourth section alone does not count
+        bad = bad or min(sections) < 0 or not 0 < sum(sections) <= a.ne0 or not max(sections[:3]) > 0
     if mode == ROPE_TYPE_VISION:
         bad = bad or n_dims != a.ne0 // 2 or n_offs != 0
     if bad:
@@ -661,6 +689,8 @@ def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     assert a is not None
     _types(n, "DIAG_MASK", ONLY_F32, a)
     _need(is_contiguous(a) and n.param0 >= 0, n, "DIAG_MASK", "src not contiguous or n_past < 0")
+    # ops.cpp:5761 asserts nb0 == sizeof(float) of dst and src (ggml_is_contiguous skips ne0 == 1)
+    _need(a.nb0 == 4, n, "DIAG_MASK", "nb0 is not the element size")
     return _dup_or_inplace(a)
 
 
@@ -702,6 +732,7 @@ def _timestep_embedding(n: RpcTensor, s: Srcs) -> Result:
     if n.param0 <= 0:
         raise refuse(n, "TIMESTEP_EMBEDDING", f"dim {n.param0}", "graph_op_params_invalid")
     _types(n, "TIMESTEP_EMBEDDING", ONLY_F32, a)
+    _need(a.nb0 == 4, n, "TIMESTEP_EMBEDDING", "nb0 is not the element size")  # ops.cpp:8659
     return New(F32, (n.param0, a.ne0, 1, 1))
 
 
@@ -710,7 +741,10 @@ def _arange(n: RpcTensor, s: Srcs) -> Result:
     start, stop, step = f32(n.param0), f32(n.param1), f32(n.param2)
     if not (stop > start) or not step > 0 or not math.isfinite(stop - start):
         raise refuse(n, "ARANGE", f"start {start} stop {stop} step {step}", "graph_op_params_invalid")
-    steps = math.ceil(_F.unpack(_F.pack((stop - start) / step))[0])
+    # in float as ggml.c and the kernel (ops.cpp:8628) compute it: ceilf((stop - start) / step),
+    # each operation rounded to single precision (a double quotient can cross an integer the
+    # float one does not: the kernel then asserts nelements == steps)
+    steps = math.ceil(_round_f32(_round_f32(stop - start) / step))
     return New(F32, (steps, 1, 1, 1))
 
 
@@ -757,7 +791,9 @@ def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
     n_t = sx.ne0 - c.ne0 + 1
     ok = sx.ne3 == 1 and c.ne2 == 1 and c.ne3 == 1 and sx.ne1 == c.ne1 and n_t >= 0
     _need(ok, n, "SSM_CONV", f"sx {sx.ne} c {c.ne}")
-    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c), n, "SSM_CONV", "strides the kernel assumes")
+    # ops.cpp:9948-9949 assert unit nb0 of both (ggml_is_contiguous does not look at it for ne0 == 1)
+    _need(sx.nb0 == 4 and sx.nb1 == 4 * sx.ne0 and is_contiguous(c) and c.nb0 == 4, n, "SSM_CONV",
+          "strides the kernel assumes")
     return New(F32, (c.ne1, n_t, sx.ne2, 1))
 
 
@@ -786,11 +822,11 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MUL", "ggml.c:2284 ggml_mul", 2, _binary),
     OpRule("DIV", "ggml.c:2316 ggml_div", 2, _binary),
     OpRule("ADD_ID", "ggml.c:2130 ggml_add_id", 3, _add_id),
-    OpRule("SQR", "ggml.c:2344 ggml_sqr", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("SQRT", "ggml.c:2370 ggml_sqrt", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("LOG", "ggml.c:2396 ggml_log", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("SIN", "ggml.c:2446 ggml_sin", 1, _unary_like(F32_F16, rows=True)),
-    OpRule("COS", "ggml.c:2472 ggml_cos", 1, _unary_like(F32_F16, rows=True)),
+    OpRule("SQR", "ggml.c:2344 ggml_sqr", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("SQRT", "ggml.c:2370 ggml_sqrt", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("LOG", "ggml.c:2396 ggml_log", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("SIN", "ggml.c:2446 ggml_sin", 1, _unary_like(F32_F16, rows=True, unit=True)),
+    OpRule("COS", "ggml.c:2472 ggml_cos", 1, _unary_like(F32_F16, rows=True, unit=True)),
     OpRule("SUM", "ggml.c:2486 ggml_sum", 1, _sum),
     OpRule("SUM_ROWS", "ggml.c:2499 ggml_sum_rows", 1, _reduce_rows(None)),
     OpRule("CUMSUM", "ggml.c:2517 ggml_cumsum", 1, _cumsum),
@@ -844,8 +880,21 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
 )
 
+# Ops whose every CPU kernel (0.3.36 ggml-cpu/ops.cpp, binary-ops.cpp, unary-ops.cpp) indexes each
+# dimension with its own stride (``i01*nb01 + i02*nb02 + i03*nb03``), or never computes (views):
+# the flat-row reach rule (OpRule.flat_rows) is not theirs, since real graphs hand them permuted
+# views whose flattened rows would leave the buffer. Every other row keeps the rule (scale,
+# clamp, argsort, top_k, leaky_relu and the glu kernels walk ``i*nb1`` over ggml_nrows).
+PER_DIMENSION_OPS = frozenset({
+    "DUP", "CPY", "CONT", "ACC", "SET", "ADD", "SUB", "MUL", "DIV", "ADD_ID", "SUM", "SUM_ROWS", "CUMSUM", "MEAN",
+    "REPEAT", "CONCAT", "NORM", "RMS_NORM", "L2_NORM", "MUL_MAT", "MUL_MAT_ID", "GET_ROWS", "SET_ROWS",
+    "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE", "PAD", "ROLL", "FILL", "FLASH_ATTN_EXT",
+    "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE",
+})  # fmt: skip
+
 RULES: Mapping[str, tuple[OpRule, ...]] = {
-    op: tuple(r for r in _ROWS if r.op == op) for op in dict.fromkeys(r.op for r in _ROWS)
+    op: tuple(replace(r, flat_rows=False) if op in PER_DIMENSION_OPS else r for r in _ROWS if r.op == op)
+    for op in dict.fromkeys(r.op for r in _ROWS)
 }
 
 

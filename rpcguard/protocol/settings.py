@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rpcguard.protocol.graph import MAX_GRAPH_CPU_S
+from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, MAX_GRAPH_CPU_S, MAX_WORK_BYTES, NODE_GFLOPS, SERVER_THREADS
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
 
 __all__ = ["CHECK_NAMES", "DEFAULT_PROFILE", "FirewallPolicy", "SessionPolicy", "Limits", "Profile", "default_policy"]
@@ -48,6 +48,14 @@ class FirewallPolicy:
     # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
     allow_unverified_ops: frozenset[str] = frozenset()
     max_graph_cpu_s: float = MAX_GRAPH_CPU_S  # graph_too_costly past this much validation CPU
+    # The compute budget (protocol/cost.py): graph_too_costly when a graph's estimated compute on
+    # the node (its flop at node_gflops) exceeds this; 0 turns it off.
+    max_graph_compute_s: float = MAX_GRAPH_COMPUTE_S
+    node_gflops: float = NODE_GFLOPS
+    # graph_work_too_large when the CPU planner's work buffer for one node would exceed this,
+    # with per-thread scratch counted for server_threads threads.
+    max_work_bytes: int = MAX_WORK_BYTES
+    server_threads: int = SERVER_THREADS
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)

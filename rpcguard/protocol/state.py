@@ -71,7 +71,10 @@ class SessionState:
     tensor_cache: dict[bytes, int] = field(default_factory=dict)  # validated rpc_tensor -> nbytes
     # graph device -> bytes of tensors a kernel touches that passed the layout rule (graph.py)
     layout_cache: dict[int, set[bytes]] = field(default_factory=dict)
-    node_cache: set[bytes] = field(default_factory=set)  # accepted node + source bytes (graph.py)
+    # accepted node + source bytes (graph.py) -> the node's estimated flop (cost.py)
+    node_cache: dict[bytes, int] = field(default_factory=dict)
+    graph_flops: dict[int, int] = field(default_factory=dict)  # device -> estimate of its stored graph
+    compute_flops: int = 0  # estimated flop of every graph computed in this session, recomputes too
     unverified_uses: dict[str, int] = field(default_factory=dict)  # allowed ops without a rule, per use
     # Validated request heads, keyed by (command id, head bytes, body_len): see Firewall.check_request.
     head_cache: set[tuple[int, bytes, int]] = field(default_factory=set)

@@ -298,3 +298,69 @@ def test_small_buffer_handles_do_not_hide_nodes():
     with pytest.raises(FirewallRefusal) as exc:
         GraphValidator(max_nodes=8, max_tensors=8).check(memoryview(graph_payload([0x20], [a, d])), st)
     assert exc.value.reason == "graph_shape_invalid"
+
+
+# Cases the acceptance-region fuzz (tests/fuzz/accept_gen.py) found forwarded and fatal to the
+# real server: each is refused now (issue 20).
+def _unary_size1(op):
+    a = T(0x10, F32, (1, 12, 43, 1), nb=(5, 5, 60, 2580))  # ne0 == 1: rows "contiguous", nb0 5
+    return [a], T(0x20, F32, (1, 12, 43, 1), op=OPS[op], src=(0x10,))
+
+
+def _diag_mask_size1():
+    a = T(0x10, F32, (1, 1, 8, 3), nb=(64, 100, 4, 32))  # unary-ops/ops.cpp assert nb0 == 4
+    return [a], T(0x20, F32, (1, 1, 8, 3), op=OPS["DIAG_MASK_INF"], src=(0x10,), op_params=(1,))
+
+
+def _mrope_fourth_section_only():
+    tensors, d = rope()
+    params = list(d.op_params)
+    params[2], params[11:15] = 8, [0, 0, 0, 2]  # mrope, sections (0, 0, 0, 2): ops.cpp:6382 asserts
+    d.op_params = tuple(params)
+    tensors[1].ne = (12, 1, 1, 1)  # 4 positions per token
+    return tensors, d
+
+
+def _timestep_strided():
+    a = T(0x10, F32, (66, 1, 1, 1), nb=(12, 792, 792, 792))
+    return [a], T(0x20, F32, (16, 66, 1, 1), op=OPS["TIMESTEP_EMBEDDING"], src=(0x10,), op_params=(16, 790))
+
+
+def _ssm_conv_strided_weights():
+    sx = T(0x10, F32, (4, 8, 1, 1))
+    c = T(0x11, F32, (1, 8, 1, 1), nb=(32, 4, 32, 32))
+    return [sx, c], T(0x20, F32, (8, 4, 1, 1), op=OPS["SSM_CONV"], src=(0x10, 0x11))
+
+
+@pytest.mark.parametrize("build", [
+    *(lambda op=op: _unary_size1(op) for op in ("SQR", "SQRT", "LOG", "SIN", "COS")),
+    _diag_mask_size1, _mrope_fourth_section_only, _timestep_strided, _ssm_conv_strided_weights,
+])
+def test_fuzz_findings_are_refused(build):
+    assert reason(*build()) in ("graph_shape_invalid", "graph_op_params_invalid")
+
+
+def test_arange_counts_steps_in_float():
+    # (stop - start) / step in double is 396.0000...2 (ceil 397); in float, as ops.cpp:8628, 396
+    start, stop, step = 72.99748992919922, 884.6215209960938, 2.049555540084839
+    for steps, ok in ((396, True), (397, False)):
+        d = T(0x20, F32, (steps, 1, 1, 1), op=OPS["ARANGE"], op_params=(f(start), f(stop), f(step)))
+        if ok:
+            run([], d)
+        else:
+            assert reason([], d) == "graph_shape_invalid"
+
+
+def test_quantized_kv_cache_dequantizes_into_f32():
+    # the K-shift of a q8_0 cache (llama.cpp build_rope_shift): ggml_cast(view of k, F32), and
+    # ggml_cpy of a q8_0 view into an F32 tensor (ggml_compute_forward_dup_from_q)
+    k = T(0x10, Q8_0, (64, 2, 8, 1))
+    cast = T(0x20, F32, (64, 2, 8, 1), op=OPS["CPY"], src=(0x10, 0x20))
+    run([k], cast)
+    out = T(0x11, F32, (64, 2, 8, 1))
+    cpy = T(0x21, F32, (64, 2, 8, 1), op=OPS["CPY"], src=(0x10, 0x11), view_src=0x11, data=out.data)
+    run([k, out], cpy)
+    strided = T(0x11, F32, (64, 2, 8, 1), nb=(8, 512, 1024, 8192))  # the kernel asserts nb10 == 4
+    cpy = T(0x21, F32, (64, 2, 8, 1), nb=(8, 512, 1024, 8192), op=OPS["CPY"], src=(0x10, 0x11), view_src=0x11,
+            data=strided.data)
+    assert reason([k, strided], cpy) == "graph_shape_invalid"

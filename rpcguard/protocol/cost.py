@@ -1,0 +1,185 @@
+"""What one graph node costs the server: its CPU planner's work buffer and its compute.
+
+How this works: ggml-cpu's ``ggml_graph_plan`` (ggml-cpu.c:2811 of the pinned sdist) walks every
+node of a graph, empty or not, and sizes one work buffer as the largest per-node need; the
+backend then allocates it with ``new uint8_t[]`` before computing anything. Several needs are
+products of dimensions of different tensors (MUL_MAT_ID's ``n_as * ids.ne0 * ids.ne1`` row
+map), or of a row length and the thread count, so a graph of a few MiB of tensors could ask for
+hundreds of GiB and abort the server with ``std::bad_alloc``. ``work_bytes`` mirrors the
+planner's arithmetic per op (``_WORK``, keyed by op name) with ``n_tasks`` = the server's thread
+count; the graph validator refuses a node whose need exceeds the policy's cap.
+
+``flops`` is the compute cost model: floating-point operations per node from its shapes
+(matrix products ``2*K*|dst|``, attention ``2*n_q*n_kv*(DK+DV)`` per head, everything else a
+few operations per element read or written). Summed over a graph and divided by the node's
+throughput (``node_gflops``, calibrated against the real server: docs/firewall.md "Compute
+budget") it estimates the server's compute time, which ``max_graph_compute_s`` bounds before
+the server sees the graph. Sans-IO, pure integer arithmetic on decoded tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Final, Mapping, Sequence
+
+from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.oprules import VEC_DOT
+from rpcguard.protocol.tensor import RpcTensor
+
+__all__ = ["work_bytes", "flops", "ELEMENT_FLOPS", "TILED_SLOT_BYTES"]
+
+Srcs = Sequence["RpcTensor | None"]
+F32, F16, I32, BF16 = 0, 1, 26, 30
+# tiled/tiled.cpp:654 ggml_tiled_wdata_size: 64 bytes of alignment plus one 512 KiB slot per
+# thread whenever the tiled matmul supports the operand types (counted always: an upper bound).
+TILED_SLOT_BYTES: Final = 512 << 10
+_CACHE_LINE: Final = 256  # ops.h: the largest CACHE_LINE_SIZE of any target (an upper bound)
+_MMID_ROW: Final = 8  # ggml-cpu.c:1478 struct mmid_row_mapping { int32_t i1, i2; }
+# Operations per element of an op the model does not price on its own (exp, division, a few
+# multiply-adds): an over-estimate for copies, an under-estimate for nothing that matters.
+ELEMENT_FLOPS: Final = 8
+
+
+def _n(t: RpcTensor | None) -> int:
+    return 0 if t is None else t.ne0 * t.ne1 * t.ne2 * t.ne3
+
+
+def _row_size(type_: int, n: int) -> int:
+    info = TYPES.get(type_)
+    return 0 if info is None else info.type_size * n // info.blck_size
+
+
+def _quantized(type_: int) -> bool:
+    info = TYPES.get(type_)
+    return info is not None and info.blck_size > 1
+
+
+# -- the planner's work buffer (ggml-cpu.c:2847-3040, one function per case) -----------------
+
+
+def _work_cpy(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a, b = s[0], s[1]
+    pair = (a.type if a else -1, b.type if b else -1)
+    if _quantized(n.type) or pair in ((F16, BF16), (BF16, F16), (F32, I32), (I32, F32)):
+        return 4 * n.ne0 * nt
+    return 0
+
+
+def _work_add(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]
+    return 4 * a.ne0 * nt if a is not None and _quantized(a.type) else 0
+
+
+def _work_acc(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a, b = s[0], s[1]
+    return 4 * b.ne0 * nt if a is not None and b is not None and _quantized(a.type) else 0
+
+
+def _vec_dot_type(t: int) -> int:
+    return VEC_DOT.get(t, t)  # (a type without one is refused by the op's rule)
+
+
+def _work_mul_mat(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return 0
+    vdt = _vec_dot_type(a.type)
+    cur = _row_size(vdt, _n(b)) if b.type != vdt else 0
+    return (cur + 63) // 64 * 64 + 64 + nt * TILED_SLOT_BYTES
+
+
+def _work_mul_mat_id(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a, b, ids = s[0], s[1], s[2]
+    if a is None or b is None or ids is None:
+        return 0
+    vdt = _vec_dot_type(a.type)
+    n_as = a.ne2
+    cur = _row_size(vdt, _n(b)) + 8 if b.type != vdt else 0
+    cur += n_as * 8 + 8  # matrix_row_counts
+    cur += n_as * ids.ne0 * ids.ne1 * _MMID_ROW + 8  # matrix_rows
+    cur += _CACHE_LINE * n_as + _CACHE_LINE  # atomic_current_chunk
+    return (cur + 63) // 64 * 64 + 64 + nt * TILED_SLOT_BYTES
+
+
+def _work_set_rows(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]
+    return 4 * a.ne0 * nt if a is not None and a.type == F16 and n.type != F16 else 0
+
+
+def _work_row(n: RpcTensor, s: Srcs, nt: int) -> int:
+    return 4 * n.ne0 * nt  # SOFT_MAX, ROPE: one F32 row per thread
+
+
+def _work_top_k(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]
+    return 4 * a.ne0 * nt if a is not None else 0
+
+
+def _work_flash_attn(n: RpcTensor, s: Srcs, nt: int) -> int:
+    q, k, v = s[0], s[1], s[2]
+    if q is None or k is None or v is None:
+        return 0
+    dk, dv, heads = k.ne0, v.ne0, q.ne2
+    tq, tkv = 64, 64  # common.h GGML_FA_TILE_Q / GGML_FA_TILE_KV upper bounds
+    prefill = 4 * (tq * dk + 2 * tq * tkv + tq * dv + tkv * dv + tkv * dk) * nt
+    decode = 4 * (heads * nt * (2 + dv) + nt * (dk + 2 * dv))
+    return max(prefill, decode)
+
+
+_WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
+    "CPY": _work_cpy, "DUP": _work_cpy,
+    "ADD": _work_add, "ADD_ID": _work_add, "ADD1": _work_add,
+    "ACC": _work_acc,
+    "MUL_MAT": _work_mul_mat, "MUL_MAT_ID": _work_mul_mat_id,
+    "SET_ROWS": _work_set_rows,
+    "SOFT_MAX": _work_row, "ROPE": _work_row, "ROPE_BACK": _work_row,
+    "TOP_K": _work_top_k,
+    "FLASH_ATTN_EXT": _work_flash_attn,
+}  # fmt: skip
+
+
+def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
+    """The work buffer ``ggml_graph_plan`` sizes for this node on a server of ``n_threads``
+    (0 for ops the planner gives none; the planner also counts empty nodes)."""
+    fn = _WORK.get(op)
+    return fn(node, srcs, n_threads) if fn is not None else 0
+
+
+# -- compute cost --------------------------------------------------------------------------
+
+
+def _flops_mul_mat(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]
+    return 2 * (a.ne0 if a is not None else 1) * _n(n)
+
+
+def _flops_flash_attn(n: RpcTensor, s: Srcs) -> int:
+    q, k, v = s[0], s[1], s[2]
+    if q is None or k is None or v is None:
+        return 0
+    # per query row (ne1) and head (ne2) of every sequence (ne3): one dot product of DK and one
+    # accumulation of DV per key
+    return 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
+
+
+def _flops_ssm_conv(n: RpcTensor, s: Srcs) -> int:
+    c = s[1]
+    return 2 * (c.ne0 if c is not None else 1) * _n(n)
+
+
+_FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
+    "MUL_MAT": _flops_mul_mat, "MUL_MAT_ID": _flops_mul_mat, "OUT_PROD": _flops_mul_mat,
+    "FLASH_ATTN_EXT": _flops_flash_attn,
+    "SSM_CONV": _flops_ssm_conv,
+}  # fmt: skip
+# Ops ggml-cpu never computes (views, NONE): no cost.
+_FREE: Final = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
+
+
+def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
+    """Estimated floating-point operations the server spends on this node."""
+    if op in _FREE or not _n(node):
+        return 0
+    fn = _FLOPS.get(op)
+    if fn is not None:
+        return fn(node, srcs)
+    return ELEMENT_FLOPS * (_n(node) + sum(_n(t) for t in srcs))

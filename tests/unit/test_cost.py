@@ -1,0 +1,163 @@
+"""protocol/cost.py and the graph rules built on it: the planner's work buffer, the compute
+budget, and the reach rules for flattened rows and elements (issue 20, classes 1-5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.cost import flops, work_bytes
+from rpcguard.protocol.encode import graph_payload
+from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.tensor import decode_tensor
+from rpcguard.protocol.encode import pack_tensor
+from tests.unit.test_oprules import BASE, OPS, SIZE, T, f, reason, run, state
+
+F32, F16, Q8_0, I32 = 0, 1, 8, 26
+
+
+def dec(spec):
+    return decode_tensor(memoryview(pack_tensor(spec)), 0)
+
+
+# -- class 1: kernels that walk rows flattened through nb1 ----------------------------------
+
+
+def clamp(src_ne, src_nb, data=BASE + 0x10000, inplace=False):
+    a = T(0x10, F32, src_ne, nb=src_nb, data=data)
+    params = (f(-1.0), f(1.0))
+    if inplace:
+        d = T(0x20, F32, src_ne, nb=src_nb, op=OPS["CLAMP"], src=(0x10,), view_src=0x10, data=data,
+              op_params=params)
+    else:
+        d = T(0x20, F32, src_ne, op=OPS["CLAMP"], src=(0x10,), op_params=params)
+    return [a], d
+
+
+def test_flat_rows_through_a_size_one_stride_are_refused():
+    # ne1 == 1: the rule does not look at nb1, the clamp kernel (ops.cpp clamp_f32) walks row i at i*nb1
+    # for i < ne1*ne2*ne3 = 8: 7 * 4 MiB past the data of a 16 MiB buffer
+    assert reason(*clamp((4, 1, 8, 1), (4, 4 << 20, 16, 128))) == "tensor_layout_invalid"
+    # the in-place variant writes there: the same
+    assert reason(*clamp((4, 1, 8, 1), (4, 4 << 20, 16, 128), inplace=True)) == "tensor_layout_invalid"
+
+
+def test_flat_rows_inside_the_buffer_pass():
+    run(*clamp((4, 1, 8, 1), (4, 16, 16, 128)))  # what ggml_new_tensor builds (nb1 == nb2)
+    run(*clamp((4, 3, 2, 1), None))
+
+
+def test_per_dimension_kernels_keep_permuted_views():
+    # q of a decode step after ggml_permute(0, 2, 1, 3): ne1 = 1 token, nb1 = the token stride;
+    # MUL_MAT indexes every dimension with its own stride, so its flattened rows do not matter
+    hd, heads = 64, 32
+    q = T(0x11, F32, (hd, 1, heads, 1), nb=(4, hd * heads * 4, hd * 4, hd * heads * 4),
+          data=BASE + SIZE - hd * heads * 4)
+    k = T(0x10, F32, (hd, 16, heads, 1))
+    d = T(0x20, F32, (16, 1, heads, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
+    run([k, q], d)
+
+
+# -- flattened elements: packed bytes counted from the tensor's first byte -------------------
+
+
+def test_packed_elements_past_the_buffer_end_are_refused():
+    # 4x4 elements with a zero row stride: ggml_nbytes is 16, the packed size 64; the tensor sits
+    # 32 bytes before the end of its buffer
+    a = T(0x10, F32, (4, 4, 1, 1), nb=(4, 0, 64, 64), data=BASE + SIZE - 32)
+    d = T(0x20, F32, (1, 4, 1, 1), op=OPS["SUM_ROWS"], src=(0x10,))
+    assert reason([a], d) == "tensor_layout_invalid"
+
+
+# -- class 2: empty nodes are not computed, but planned -------------------------------------
+
+
+def test_empty_node_needs_its_sources():
+    a = T(0x10, F32, (64, 0, 1, 1))
+    d = T(0x20, F32, (0, 3, 1, 1), op=OPS["MUL_MAT"], src=(0x10,))  # src[1] NULL: the planner reads it
+    assert reason([a], d) == "graph_src_missing"
+    b = T(0x11, F32, (64, 3, 1, 1))
+    run([a, b], T(0x20, F32, (0, 3, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11)))
+
+
+def test_empty_node_work_is_bounded():
+    # an empty MUL_MAT_ID whose planner row map is n_as * ids.ne0 * ids.ne1 * 8 bytes
+    a = T(0x10, F32, (1, 1, 1 << 20, 1))  # 4 MiB: a million "experts"
+    b = T(0x11, F32, (1, 1, 1024, 1))
+    ids = T(0x12, I32, (1024, 1024, 1, 1))  # 4 MiB
+    d = T(0x20, F32, (0, 1024, 1024, 1), op=OPS["MUL_MAT_ID"], src=(0x10, 0x11, 0x12))
+    assert reason([a, b, ids], d) == "graph_work_too_large"
+
+
+# -- class 3: work sizes that multiply dimensions of different tensors ------------------------
+
+
+def test_mul_mat_id_row_map_is_bounded():
+    a = T(0x10, F32, (1, 1, 1 << 20, 1))
+    b = T(0x11, F32, (1, 1, 1024, 1))
+    ids = T(0x12, I32, (1024, 1024, 1, 1))
+    d = T(0x20, F32, (1, 1024, 1024, 1), op=OPS["MUL_MAT_ID"], src=(0x10, 0x11, 0x12))
+    assert reason([a, b, ids], d) == "graph_work_too_large"
+
+
+def test_real_moe_work_fits():
+    # 8 of 128 experts for 512 tokens: well under the cap
+    a = dec(T(0x10, Q8_0, (256, 64, 128, 1)))
+    b = dec(T(0x11, F32, (256, 1, 512, 1)))
+    ids = dec(T(0x12, I32, (8, 512, 1, 1)))
+    d = dec(T(0x20, F32, (64, 8, 512, 1)))
+    need = work_bytes("MUL_MAT_ID", d, [a, b, ids], 64)
+    assert 128 * 8 * 512 * 8 < need < 64 << 20
+
+
+@pytest.mark.parametrize("threads, ok", [(8, True), (1 << 16, False)])
+def test_per_thread_scratch_counts_the_server_threads(threads, ok):
+    a = T(0x10, F32, (1 << 20, 1, 1, 1))  # one 4 MiB row
+    d = T(0x20, F32, (1 << 20, 1, 1, 1), op=OPS["SOFT_MAX"], src=(0x10,), op_params=(f(1.0), 0))
+    v = GraphValidator(max_nodes=8, max_tensors=8, server_threads=threads)
+    payload = memoryview(graph_payload([d.id], [a, d]))
+    if ok:
+        v.check(payload, state())
+    else:
+        with pytest.raises(FirewallRefusal) as exc:
+            v.check(payload, state())
+        assert exc.value.reason == "graph_work_too_large"
+
+
+# -- class 5: the compute budget --------------------------------------------------------------
+
+
+def big_mul_mat():
+    a = T(0x10, F32, (1024, 1024, 1, 1), data=BASE)
+    b = T(0x11, F32, (1024, 1024, 1, 1), data=BASE + (4 << 20))
+    d = T(0x20, F32, (1024, 1024, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11), data=BASE + (8 << 20))
+    return [a, b], d
+
+
+def test_matrix_product_flops():
+    (a, b), d = big_mul_mat()
+    assert flops("MUL_MAT", dec(d), [dec(a), dec(b)]) == 2 * 1024**3
+    assert flops("VIEW", dec(d), [dec(a)]) == 0
+
+
+def test_graph_over_the_compute_budget_is_refused():
+    tensors, d = big_mul_mat()
+    payload = memoryview(graph_payload([d.id], tensors + [d]))
+    st = state()
+    GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=1.0, node_gflops=10).check(payload, st)
+    assert st.compute_flops == 2 * 1024**3 and st.graph_flops[0] == 2 * 1024**3
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=0.1, node_gflops=10).check(payload, state())
+    assert exc.value.reason == "graph_too_costly" and "max_graph_compute_s" in exc.value.detail
+    # 0 turns it off
+    GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=0, node_gflops=1e-9).check(payload, state())
+
+
+def test_cached_nodes_still_count():
+    tensors, d = big_mul_mat()
+    payload = memoryview(graph_payload([d.id], tensors + [d]))
+    st = state()
+    v = GraphValidator(max_nodes=8, max_tensors=8)
+    v.check(payload, st)
+    v.check(payload, st)  # the node verdict comes from the cache the second time
+    assert st.compute_flops == 2 * 2 * 1024**3
