@@ -157,11 +157,17 @@ def _rt(t: Tensor, handle: int, data: int) -> RpcTensor:
     return decode_tensor(_pack(t, handle, data))
 
 
+class Unencodable(Exception):
+    """A drawn shape or stride does not fit the wire's u32 fields."""
+
+
 def _i32(x: int) -> int:
     return (x + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def _pack(t: Tensor, handle: int, data: int) -> bytes:
+    if max(*t.ne, *t.nb) >= 1 << 32 or min(*t.ne, *t.nb) < 0:
+        raise Unencodable(f"ne {t.ne} nb {t.nb}")
     return TENSOR_STRUCT.pack(t.id, t.type, handle, *t.ne, *t.nb, t.op, *map(_i32, t.params), t.flags, *t.src,
                               t.view_src, t.view_offs, data, b"t", 0)
 
@@ -471,6 +477,10 @@ def p_mul_mat_id(d: Draw) -> Proto:
     # every dimension the planner multiplies (n_as x ids.ne0 x ids.ne1, ggml_graph_plan) may be large
     M, n_as = d.dim(True), d.dim(True)
     n_used, T = d.dim(True), d.dim(True)
+    if d.p(0.15):  # small tensors whose dimensions the planner multiplies into a work size
+        d.tag("planner-product")
+        K, M = blocked(at, 1), 1
+        n_as, n_used, T = d.pick((1 << 12, 1 << 14, 1 << 16)), d.pick((1, 1 << 8, 1 << 12)), d.pick((16, 256, 1024))
     b1 = d.pick((1, n_used))
     bt = F32 if d.p(0.8) else d.ftype((F32, F16, 8, 15))
     prm = [d.pick((0, 10, 0, 20)), 0, 0, d.pick((0, 0, 10))]
@@ -838,6 +848,14 @@ def candidate(op: str, seed: int, index: int, attempt: int) -> tuple[Case | None
     rule = RULES.rows[TABLE.ids[op]]
     proto = PROTOS[op](d)
     b = Builder(d)
+    try:
+        return _candidate(op, seed, index, d, rule, proto, b)
+    except Unencodable:
+        return None, "not_encodable"
+
+
+def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Proto,
+               b: Builder) -> tuple[Case | None, str]:
     srcs: list[Tensor | None] = [b.source(s) if s is not None else None for s in proto.srcs]
     empty = d.p(0.08)
     want_view = d.p(0.5)

@@ -120,3 +120,13 @@ def test_classify_names_the_issue_classes(cases):
     arange = cases["ARANGE"][0]
     assert classify(arange, Outcome("ggml_abort", "ops.cpp: GGML_ASSERT(ggml_nelements(dst) == steps)")).startswith("4")
     assert classify(cases["SQR"][0], Outcome("timeout")).startswith("5")
+
+
+def test_overlap_of_a_layout():
+    from tests.fuzz.accept_run import _overlaps
+
+    assert not _overlaps((4, 3, 1, 1), (4, 16, 48, 48), 4)  # packed
+    assert not _overlaps((4, 1, 3, 1), (4, 999, 16, 48), 4)  # a size-1 dim's stride never counts
+    assert _overlaps((4, 3, 1, 1), (4, 8, 24, 24), 4)  # rows overlap
+    assert _overlaps((4, 2, 1, 1), (4, 0, 0, 0), 4)  # broadcast: one element written twice
+    assert not _overlaps((3, 4, 1, 1), (16, 4, 64, 64), 4)  # transposed, still disjoint
