@@ -396,7 +396,7 @@ def p_transpose(d: Draw) -> Proto:
 
 
 def p_cpy(d: Draw) -> Proto:
-    a = S(d.ftype(), d.shape())
+    a = S(d.ftype((F32, F16, BF16, F32, Q8_0, 2, 12, 20)), d.shape())  # block sources: dequantizing copies
     if d.p(0.35):
         return Proto([a, None], node_type=d.ftype((F32, F16, BF16, Q8_0, 2, I32)), cast=True)
     n = a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3]
