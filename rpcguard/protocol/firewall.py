@@ -84,6 +84,7 @@ class Firewall:
             node_gflops=policy.node_gflops,
             max_work_bytes=policy.max_work_bytes,
             server_threads=policy.server_threads,
+            contained=policy.contained,
         )
         # The check per command id, from the command table (like h11's READERS). Imported here:
         # commands.py uses this module's keys.

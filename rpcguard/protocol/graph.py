@@ -37,7 +37,7 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.cost import flops, work_bytes
 from rpcguard.protocol.opcheck import check_flat_rows, check_layout, check_node, check_sources
-from rpcguard.protocol.oprules import OpRule, rule_for
+from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
     STRICT,
@@ -135,6 +135,8 @@ class OpRules:
     # ops the CPU backend never computes (ggml-cpu.c ggml_graph_compute_thread skips NONE and the
     # view ops): their data is only touched through the compute nodes that read them
     no_compute: frozenset[int]
+    # content-indexed ops with no check on the index (oprules.needs_containment)
+    contained_only: frozenset[int] = frozenset()
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -161,6 +163,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             rows=rows,
             none=ids["NONE"],
             no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
+            contained_only=frozenset(ids[n] for n in ids if needs_containment(n)),
         )
     _RULES[key] = rules
     return rules
@@ -195,6 +198,7 @@ class GraphValidator:
         node_gflops: float = NODE_GFLOPS,
         max_work_bytes: int = MAX_WORK_BYTES,
         server_threads: int = SERVER_THREADS,
+        contained: bool = False,
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -214,6 +218,9 @@ class GraphValidator:
         self.node_flops = node_gflops * 1e9
         self.max_work_bytes = max_work_bytes
         self.server_threads = server_threads
+        # the upstream is a fresh sandboxed process per session (containment): content-indexed
+        # ops without a check on their indexes may reach it (counted as unverified uses)
+        self.contained = contained
         self._deadline = 0.0
 
     # -- entry point -------------------------------------------------------------------------
@@ -467,9 +474,16 @@ class GraphValidator:
                 continue  # a PARAM leaf listed as a node: never computed
             rule = rows.get(op)
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
-            if rule is None:
+            if rule is None or (not self.contained and op in rules.contained_only):
                 name = rules.name(op)
-                if name in self.allow_unverified or "*" in self.allow_unverified:
+                if op in rules.contained_only and not self.contained and self.ops and not (
+                        name in self.allow_unverified or "*" in self.allow_unverified):
+                    raise _refuse("op_needs_containment",
+                                  f"node id={ids[p]:#x} op {name} indexes state with tensor contents, which no shape "
+                                  "rule can bound: forwarded only to a contained server (upstream.isolation: session) "
+                                  "or when named in policy.allow_unverified_ops")
+                if name in self.allow_unverified or "*" in self.allow_unverified or (
+                        self.contained and op in rules.contained_only):
                     state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
                     node = decode_tensor(region, p * step)
                     total += flops(name, node, [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]])

@@ -32,7 +32,10 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import TYPES, Version
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["OpRule", "New", "View", "RULES", "rule_for", "contiguous_nb", "is_contiguous", "refuse"]
+__all__ = [
+    "OpRule", "New", "View", "RULES", "rule_for", "contiguous_nb", "is_contiguous", "refuse", "CONTENT_INDEXED",
+    "RESIDUAL_RISK", "needs_containment", "op_status",
+]
 
 F32, F16, I8, I16, I32, I64, BF16 = 0, 1, 24, 25, 26, 27, 30
 FLOAT = frozenset({F32, F16, BF16})
@@ -898,12 +901,72 @@ RULES: Mapping[str, tuple[OpRule, ...]] = {
 }
 
 
+# Ops whose CPU kernels index rows, experts or state with tensor *contents*, which no shape rule
+# can bound (the index tensor is written by SET_TENSOR or computed in the same graph). The second
+# field says what an out-of-range value does on the 0.3.36 CPU backend:
+#   "abort":   a GGML_ASSERT stops the server (this session's server: a denial of service, which
+#              containment's per-session process confines to the tenant that sent it);
+#   "memory":  nothing checks it (or only a plain assert, compiled out in release builds): reads or
+#              writes outside the tensor. Forwarded only to a contained server (a fresh sandboxed
+#              process per session), or where refusing would break every model of a family
+#              (MUL_MAT_ID: every mixture-of-experts model), with that residual risk stated.
+CONTENT_INDEXED: Mapping[str, tuple[str, str]] = {
+    "GET_ROWS": ("row indices (src[1])", "abort"),  # ops.cpp:5240 GGML_ASSERT(i01 >= 0 && i01 < ne01)
+    "SET_ROWS": ("row indices (src[1])", "abort"),  # ops.cpp:5488 GGML_ASSERT(i1 >= 0 && i1 < ne1)
+    "ADD_ID": ("row ids (src[2])", "abort"),  # ops.cpp:746 GGML_ASSERT(i11 >= 0 && i11 < ne11)
+    "MUL_MAT_ID": ("expert ids (src[2])", "memory"),  # ggml-cpu.c:1655 assert(), not GGML_ASSERT
+    "SSM_SCAN": ("state slot ids (src[6])", "memory"),  # ops.cpp:10049 src0 + ids[i3]*nb3 (#25765)
+    "GATED_DELTA_NET": ("state indices", "memory"),  # #25704
+    "GET_ROWS_BACK": ("row indices (src[1])", "memory"),
+}
+#: content-indexed ops forwarded even to a server that is not contained, and why
+RESIDUAL_RISK: Mapping[str, str] = {
+    "MUL_MAT_ID": "refusing it would refuse every mixture-of-experts model; an out-of-range expert id "
+                  "writes outside the planner's work buffer: run MoE tenants on a contained node",
+}
+
+
+def needs_containment(op: str) -> bool:
+    """Whether ``op`` is forwarded only to a contained server (content-indexed, unchecked)."""
+    entry = CONTENT_INDEXED.get(op)
+    return entry is not None and entry[1] == "memory" and op not in RESIDUAL_RISK
+
+
+def op_status(op: str, version: Version) -> str:
+    """What holds for ``op`` at ``version`` (docs/firewall.md, ``rpcguard ops``): ``verified``
+    (a rule; nothing the kernel reads depends on contents), ``verified, contents abort`` (a rule;
+    an out-of-range index aborts the server), ``verified, residual risk`` (a rule; an out-of-range
+    index reaches memory: RESIDUAL_RISK says why it is forwarded), ``contained only``, or
+    ``refused`` (no rule)."""
+    if needs_containment(op):
+        return "contained only"
+    if rule_for(op, version) is None:
+        return "refused"
+    entry = CONTENT_INDEXED.get(op)
+    if entry is None:
+        return "verified"
+    return "verified, contents abort" if entry[1] == "abort" else "verified, residual risk"
+
+
 def rule_for(op: str, version: Version) -> OpRule | None:
     """The verified rule of ``op`` for ``version``, or None (the op is refused by default)."""
     for rule in RULES.get(op, ()):
         if rule.since <= version < rule.until:
             return rule
     return None
+
+
+def status_markdown(version: Version, op_names: Sequence[str]) -> str:
+    """Per op of ``version``'s table, what holds (op_status) and what its kernel indexes with
+    contents: docs/firewall.md "What holds, per op" (tests/unit/test_oprules.py keeps them equal)."""
+    lines = ["| op | status | indexed by contents |", "|---|---|---|"]
+    for op in op_names:
+        if op == "NONE":
+            continue
+        what, effect = CONTENT_INDEXED.get(op, ("", ""))
+        note = f"{what}: out of range {'aborts' if effect == 'abort' else 'reaches memory'}" if what else ""
+        lines.append(f"| {op} | {op_status(op, version)} | {note} |")
+    return "\n".join(lines) + "\n"
 
 
 def table_markdown() -> str:

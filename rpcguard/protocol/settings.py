@@ -56,6 +56,10 @@ class FirewallPolicy:
     # with per-thread scratch counted for server_threads threads.
     max_work_bytes: int = MAX_WORK_BYTES
     server_threads: int = SERVER_THREADS
+    # Set by serve when its upstream is a fresh sandboxed process per session (rpcguard/upstream),
+    # never by the config: content-indexed ops without a check (oprules.needs_containment) may
+    # then reach it.
+    contained: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)

@@ -364,3 +364,13 @@ def test_quantized_kv_cache_dequantizes_into_f32():
     cpy = T(0x21, F32, (64, 2, 8, 1), nb=(8, 512, 1024, 8192), op=OPS["CPY"], src=(0x10, 0x11), view_src=0x11,
             data=strided.data)
     assert reason([k, strided], cpy) == "graph_shape_invalid"
+
+
+def test_docs_show_what_holds_per_op():
+    from pathlib import Path
+
+    from rpcguard.protocol.oprules import status_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
+    begin = doc.index("\n", doc.index("<!-- op-status:begin")) + 1
+    assert doc[begin : doc.index("<!-- op-status:end -->")] == status_markdown(V7, op_table(V7).names)  # type: ignore[union-attr]
