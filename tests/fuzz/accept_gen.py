@@ -712,6 +712,7 @@ class Builder:
     def __init__(self, d: Draw) -> None:
         self.d = d
         self.buffers: list[int] = []
+        self.shareable: list[bool] = []  # buffers whose tensors may be overlapped by another's data
         self.tensors: list[Tensor] = []
         self.next_id = 0x100
 
@@ -738,12 +739,13 @@ class Builder:
         # sometimes share the previous tensor's buffer (only random-filled sources: an index tensor
         # overlapped by another tensor's data would hold out-of-range indices, a known data-only
         # hole; a node's pre-fill would overwrite a source)
-        if t.fill == "rand" and self.d.p(0.15) and self.buffers:
+        if t.fill == "rand" and self.d.p(0.15) and self.buffers and self.shareable[-1]:
             i = len(self.buffers) - 1
             if self.buffers[i] >= max(n, *t.nb[1:]):
                 t.buf, t.offs = i, self.d.r.randint(0, self.buffers[i] - n) // align * align
                 return
         self.buffers.append(size)
+        self.shareable.append(t.fill == "rand")
         t.buf, t.offs = len(self.buffers) - 1, offs
 
     def source(self, s: Src) -> Tensor:
