@@ -632,9 +632,14 @@ class Campaign:
         self._last_report = 0.0
 
     def run_op(self, op: str, seed: int, count: int, deadline: float | None = None) -> OpStats:
+        return self.run_some(op, gen.generate(op, seed, count), count, deadline)[0]
+
+    def run_some(self, op: str, cases, n: int, deadline: float | None = None) -> tuple[OpStats, bool]:
+        """Up to ``n`` cases from the iterator ``cases``; (stats, whether the iterator ran dry)."""
         st = self.stats[op]
         t0 = time.monotonic()
-        for case, refused in gen.generate(op, seed, count):
+        done = 0
+        for case, refused in cases:
             st.refused.update(refused)
             if deadline and time.monotonic() > deadline:
                 break
@@ -657,8 +662,12 @@ class Campaign:
                     break
             elif out.kind == "gate_refused":
                 self.log(f"[accept] gate refused a case the generator accepted: {op}#{case.index}: {out.summary}")
+            done += 1
+            if done >= n:
+                st.seconds += time.monotonic() - t0
+                return st, False
         st.seconds += time.monotonic() - t0
-        return st
+        return st, True
 
     def record(self, case: gen.Case, out: Outcome) -> None:
         loc = location(case, out)
@@ -757,11 +766,20 @@ def main(argv: list[str] | None = None) -> int:
             camp = Campaign(runner, findings_dir=Path(a.findings) if a.findings else None,
                             report=Path(a.report) if a.report else None)
             deadline = time.monotonic() + 60 * a.minutes if a.minutes else None
-            for op in (a.ops.split(",") if a.ops else gen.ops()):
-                st = camp.run_op(op, a.seed, a.count, deadline)
-                print(f"[accept] {op}: {st.ran} run, {st.clean} clean, {dict(st.outcomes)} in {st.seconds:.1f} s",
-                      flush=True)
-                camp.write_report()
+            names = a.ops.split(",") if a.ops else gen.ops()
+            # round robin, a few cases per op at a time: a deadline leaves every op with cases
+            iters = {op: gen.generate(op, a.seed, a.count) for op in names}
+            rounds = 0
+            while iters and not (deadline and time.monotonic() > deadline):
+                rounds += 1
+                for op in list(iters):
+                    st, dry = camp.run_some(op, iters[op], 5, deadline)
+                    if dry:
+                        del iters[op]
+                        print(f"[accept] {op}: {st.ran} run, {st.clean} clean, {dict(st.outcomes)} in "
+                              f"{st.seconds:.1f} s", flush=True)
+                    camp.write_report()
+                print(f"[accept] round {rounds}: {sum(s.ran for s in camp.stats.values())} cases run", flush=True)
             camp.write_report(force=True)
             if a.json:
                 Path(a.json).write_text(json.dumps({
