@@ -281,9 +281,22 @@ class Outcome:
         return self.kind not in NOT_FINDINGS
 
 
+# Locations read in the kernels (0.3.36) whose hole is known, most specific first.
+KNOWN_LOCATIONS = (
+    ("dup_bytes", "new (dup_bytes copies ne00*type_size bytes per row of a block type, ops.cpp:375)"),
+    ("ggml-cpu.c:1903", "new (a NULL kernel pointer: SET_ROWS into a type without from_float)"),
+    ("diag_mask", "1 (planes flattened through the nb2 of a size-1 dimension)"),
+    ("allocator is out of memory", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
+    ("ggml_backend_cpu_graph_compute", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
+)
+
+
 def classify(case: gen.Case, out: Outcome) -> str:
     """The issue's hole class a finding most likely belongs to (a heuristic, stated as such)."""
     s = out.summary
+    for where, hole in KNOWN_LOCATIONS:
+        if where in s:
+            return hole
     if "empty" in case.variant:
         return "2 (empty node: planner reads its sources)"
     if out.kind == "timeout":

@@ -18,12 +18,14 @@ row is removed.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.fuzz import accept_gen as gen
-from tests.fuzz.accept_run import Campaign, Runner
+from tests.fuzz.accept_run import FINDINGS_DIR, Campaign, Runner
 from tests.fuzz.sanserver import MissingSanitizerBuild, asan_binary
 
 SEED = 20  # issue 20
@@ -33,6 +35,9 @@ BUDGET_S = 20.0  # per graph, generous for a loaded CI machine (clean cases take
 # Findings on main not fixed by a rule yet, per op (seed 20, COUNT cases): remove a row when fixed.
 OPEN: dict[str, str] = {
 }
+# The long run's reproducers (tests/fuzz/findings/accept-*.json), replayed case by case: strict xfail
+# while a file says "status": "open" (set it to "fixed" once a rule refuses the case or it runs clean).
+REPRODUCERS = sorted(FINDINGS_DIR.glob("accept-*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +65,16 @@ def test_accepted_cases_run_clean(runner, op, request):
         pytest.fail(f"{op}: graphs rpcguard forwards broke the sanitizer server:\n{findings}", pytrace=False)
     assert st.ran >= COUNT * 3 // 4, dict(st.outcomes)
     assert st.clean >= st.ran - st.outcomes["server_closed"], dict(st.outcomes)
+
+
+@pytest.mark.parametrize("path", REPRODUCERS, ids=lambda p: p.stem)
+def test_reproducer(runner, path: Path, request):
+    obj = json.loads(path.read_text())
+    if obj.get("status") == "open":
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=f"open finding: {obj['note'][:300]}"))
+    case = gen.Case.from_json(obj["case"])
+    refused = gen.accepts(case)
+    if refused is not None:
+        return  # a rule refuses it now: fixed
+    out = runner.run(case, fresh=True)
+    assert not out.finding, f"{path.name}: {out.kind} {out.summary}\n{case.describe()}"
