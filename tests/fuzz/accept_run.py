@@ -286,6 +286,8 @@ KNOWN_LOCATIONS = (
     ("dup_bytes", "new (dup_bytes copies ne00*type_size bytes per row of a block type, ops.cpp:375)"),
     ("ggml-cpu.c:1903", "new (a NULL kernel pointer: SET_ROWS into a type without from_float)"),
     ("diag_mask", "1 (planes flattened through the nb2 of a size-1 dimension)"),
+    ("pad_f32<true>", "new (circular PAD with a pad larger than the dimension: ggml_wrap_around < 0)"),
+    ("ggml-quants.c", "new (quantizing copy of rows that are not a whole number of blocks)"),
     ("allocator is out of memory", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
     ("ggml_backend_cpu_graph_compute", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
 )
