@@ -37,7 +37,8 @@ OPEN: dict[str, str] = {
 }
 # The long run's reproducers (tests/fuzz/findings/accept-*.json), replayed case by case: strict xfail
 # while a file says "status": "open" (set it to "fixed" once a rule refuses the case or it runs clean).
-REPRODUCERS = sorted(FINDINGS_DIR.glob("accept-*.json"))
+# Compute-time findings (accept-timeout-*) depend on the machine's load: documented, not replayed.
+REPRODUCERS = sorted(p for p in FINDINGS_DIR.glob("accept-*.json") if not p.name.startswith("accept-timeout-"))
 
 
 @pytest.fixture(scope="module")
