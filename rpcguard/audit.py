@@ -38,7 +38,14 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """Human-readable lines; a session end line also gets the audit fields its message lacks
     (upstream, protocol version, duration, model bytes, and ``request_checks=node`` when connect
-    left the request firewall to its node), before the free-text ``detail=``."""
+    left the request firewall to its node), before the free-text ``detail=``. Times are local
+    with their UTC offset (``2026-12-01 22:10:03.123 +0000``): a line read on another host, or
+    next to a JSON log (UTC), says which time it is."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
+        local = time.localtime(record.created)
+        return (time.strftime("%Y-%m-%d %H:%M:%S", local) + f".{int(record.msecs):03d} "
+                + time.strftime("%z", local))
 
     def format(self, record: logging.LogRecord) -> str:
         audit = getattr(record, "audit", None)

@@ -115,13 +115,18 @@ def init_ca(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
         .sign(key, hashes.SHA256())
     )
+    make_dir(d)
+    _write_private(files.key, _key_pem(key))
+    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def make_dir(d: Path) -> None:
+    """Create ``d`` (and its parents) if missing, as ``init-ca``, ``issue`` and ``csr`` write into it."""
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CertError(f"{d}: cannot create the directory: {exc.strerror or exc}") from exc
-    _write_private(files.key, _key_pem(key))
-    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    return files
 
 
 def issue(
@@ -154,6 +159,7 @@ def issue(
     cert = _sign(ca, key.public_key(), profile, days, files.cert, not_before, not_after)
     # Key first: a reloading listener that sees the new key with the old cert fails the pair check
     # and keeps its old context until the next poll.
+    make_dir(files.key.parent)
     _write_private(files.key, _key_pem(key))
     _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
@@ -168,25 +174,36 @@ class _Profile:
     eku: x509.ObjectIdentifier
 
 
-def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, force: bool) -> LeafFiles:
+# A certificate name is a file name (NAME.pem, NAME.key) and the default common name, whose
+# X.509 upper bound is 64 characters (RFC 5280 ub-common-name).
+MAX_NAME_CHARS = 64
+
+
+def _check_name(name: str) -> None:
     if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
         raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    if len(name) > MAX_NAME_CHARS:
+        raise CertError(f"certificate name of {len(name)} characters: at most {MAX_NAME_CHARS} (it is the file name "
+                        "and the common name)")
+
+
+def _leaf_files(directory: str | os.PathLike[str], name: str, cert_suffix: str, force: bool) -> LeafFiles:
+    _check_name(name)
     d = Path(directory)
     files = LeafFiles(d / f"{name}{cert_suffix}", d / f"{name}.key")
     if not force:
         for p in (files.cert, files.key):
             if p.exists():
                 raise CertError(f"{p}: already exists (--force renews it)")
-    if not d.is_dir():
-        raise CertError(f"{d}: no such directory")
-    return files
+    if d.exists() and not d.is_dir():
+        raise CertError(f"{d}: not a directory")
+    return files  # a missing directory is created when the files are written
 
 
 def _profile(name: str, server: bool, dns: Iterable[str], ips: Iterable[str], uris: Iterable[str],
              common_name: str | None) -> _Profile:
     """The one set of naming rules of ``issue``, ``make_csr`` and ``sign_csr``."""
-    if not _NAME_RE.match(name) or name.lower() in ("ca", CA_CERT_NAME, CA_KEY_NAME):
-        raise CertError(f"invalid certificate name {name!r}: use [A-Za-z0-9._-], not starting with '.', not 'ca'")
+    _check_name(name)
     cn = _check_common_name(common_name if common_name is not None else name)
     sans: list[x509.GeneralName] = [x509.DNSName(_check_dns(v)) for v in dns]
     sans += [x509.IPAddress(_check_ip(str(v))) for v in ips]
@@ -308,6 +325,11 @@ def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
 
 
 def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
+    from rpcguard.keyfiles import key_file_problem
+
+    problem = key_file_problem(path)  # the rule of every private key rpcguard reads
+    if problem:
+        raise CertError(problem.replace("private key", "CA key", 1))
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except OSError as exc:

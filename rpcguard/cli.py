@@ -12,8 +12,7 @@ import json
 import logging
 import os
 import sys
-import time
-import urllib.request
+from dataclasses import replace
 from typing import Any, Callable, Coroutine, Sequence
 
 from rpcguard import __version__
@@ -41,7 +40,8 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
     p.add_argument("--tls-reload-interval-s", type=float, metavar="SECONDS",
                    help="also reload when the certificate files change, polled this often (default 0: SIGHUP only)")
-    p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off)")
+    p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off; default 127.0.0.1:9450 "
+                                     "for serve, 127.0.0.1:9451 for connect)")
     p.add_argument("--metrics-unsafe-public", action="store_true",
                    help="allow a non-loopback --metrics address (metrics name peers and listeners)")
     p.add_argument("--web-config", metavar="FILE",
@@ -51,20 +51,96 @@ def _common_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unverified-op", action="append", metavar="OP",
                    help="forward graph nodes of this ggml op although it has no verified rule "
                         "(default deny; repeatable; * = every op; counted per use)")
-    p.add_argument("--log-format", choices=["text", "json"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["text", "json"], help="default text")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each flag's default when it has one of its own (config-given defaults are
+    written in the flag's help text: a flag left out keeps the config file's value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "%(default)" not in text \
+                and not action.required and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+_REQUIRED = {
+    "serve": "required, as flags or in --config: --listen and --upstream (or listeners:), --cert, --key and --ca "
+             "(or tls:), and an allow-list (--allow-cn/-dns/-uri/-ip, or --allow-all)",
+    "connect": "required, as flags or in --config: --listen and --server (or tunnels:), --cert, --key and --ca "
+               "(or tls:)",
+    "check": "required: --server, or --config with tunnels; --cert, --key and --ca (or tls: in --config)",
+}
+
+
+class _Version(argparse.Action):
+    """``--version``: the release, the core, the protocol versions, OpenSSL, Python and the commit
+    (read when asked, not at every start)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """What ``rpcguard --version`` prints."""
+    import platform
+    import ssl
+
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    return "\n".join((
+        f"rpcguard {__version__} ({core_description()})",
+        "protocol versions: " + ", ".join(format_version(v) for v in KNOWN_VERSIONS),
+        f"{ssl.OPENSSL_VERSION}; Python {platform.python_version()}",
+        f"commit {_commit()}",
+    ))
+
+
+def _commit() -> str:
+    """The git commit of the source tree rpcguard runs from (an editable install), or why not known."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return "unknown (not run from a git checkout)"
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rpcguard", description="Mutual-TLS tunnel and frame firewall for ggml-rpc.")
-    ap.add_argument("--version", action="version", version=f"rpcguard {__version__} ({core_description()})")
+    ap = argparse.ArgumentParser(prog="rpcguard", description="Mutual-TLS tunnel and frame firewall for ggml-rpc.",
+                                 formatter_class=_Help)
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="command", required=True)
+    _sub = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        import textwrap
+
+        epilog = textwrap.fill(_REQUIRED[name], 100) if name in _REQUIRED else None
+        return _sub(name, formatter_class=_Help, epilog=epilog, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("serve", help="on a GPU node: mTLS in front of a loopback ggml-rpc-server")
     _common_tls(s)
     s.add_argument("--listen", help="HOST:PORT to accept mTLS on")
     s.add_argument("--upstream", help="HOST:PORT of the ggml-rpc-server (loopback)")
     s.add_argument("--unsafe-upstream", action="store_true", help="allow a non-loopback upstream")
+    s.add_argument("upstream_exec", nargs="*", metavar="-- COMMAND", help="run the server: rpcguard serve [options] -- "
+                   "ggml-rpc-server [ARGS] (rpcguard adds -H 127.0.0.1 -p PORT; docs/containment.md)")
     for kind in ("cn", "dns", "uri", "ip"):
         s.add_argument(f"--allow-{kind}", action="append", default=[], metavar="X",
                        help=f"allow clients whose certificate has this {kind.upper()} (repeatable)")
@@ -79,26 +155,41 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--unsafe-listen", action="store_true", help="allow a non-loopback listen address")
     c.add_argument("--no-check", action="store_true", help="skip the start-up TLS + HELLO check of each node")
 
-    k = sub.add_parser("check", help="TLS + HELLO to each node of a connect config; one line per node")
-    _common_tls(k)
-    k.add_argument("--server")
-    k.add_argument("--server-name")
+    k = sub.add_parser("check", help="TLS + HELLO to each node of a connect config; one line per node",
+                       description="Probe each node as connect would, without queueing for it: a node whose "
+                                   "server another session holds reads 'OK ... server busy'. Exit 0 when every "
+                                   "node answers, 1 when one refuses or cannot be reached, 2 on bad input.")
+    k.add_argument("--config", help="connect config file: checks each of its tunnels (flags override it)")
+    k.add_argument("--server", metavar="HOST:PORT", help="the node's rpcguard serve (instead of --config's tunnels)")
+    k.add_argument("--server-name", help="name expected in the node's certificate (default: the host)")
+    k.add_argument("--cert", help="this side's client certificate (PEM)")
+    k.add_argument("--key", help="this side's private key (PEM, mode 0600)")
+    k.add_argument("--ca", help="the private CA that signs the node's certificate")
+    k.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
+    k.add_argument("--json", action="store_true", help="one JSON object per node on stdout (for scripts)")
+    k.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    ops = sub.add_parser("ops", help="the graph ops of a protocol version and what the firewall does with each")
+    ops.add_argument("--protocol", metavar="X.Y.Z", default="7.0.0", help="protocol version (default 7.0.0)")
+    ops.add_argument("--json", action="store_true", help="one JSON object per op")
 
     cc = sub.add_parser("check-config", help="validate a config file without starting")
     cc.add_argument("file")
 
     ce = sub.add_parser("certs", help="a private CA and leaf certificates")
     csub = ce.add_subparsers(dest="certs_command", required=True)
+    _csub = csub.add_parser
+    csub.add_parser = lambda name, **kw: _csub(name, formatter_class=_Help, **kw)  # type: ignore[method-assign]
     ca = csub.add_parser("init-ca", help="create DIR/ca.pem and DIR/ca.key")
     ca.add_argument("dir")
-    ca.add_argument("--days", type=int, default=365 * 5)
-    ca.add_argument("--force", action="store_true")
+    ca.add_argument("--days", type=int, default=365 * 5, help="validity of the CA certificate in days")
+    ca.add_argument("--force", action="store_true", help="replace an existing CA (every certificate it signed stops working)")
     iss = csub.add_parser("issue", help="issue DIR/NAME.pem and DIR/NAME.key (key made here: prefer csr + sign)")
     iss.add_argument("dir")
     iss.add_argument("name")
     _leaf_args(iss)
     iss.add_argument("--ca-dir", help="where ca.pem and ca.key are (default: DIR)")
-    iss.add_argument("--days", type=int, default=30)
+    iss.add_argument("--days", type=int, default=30, help="validity in days (short-lived: renew with --force)")
     iss.add_argument("--force", action="store_true", help="replace an existing NAME.pem/NAME.key (renewal)")
     csr = csub.add_parser("csr", help="on the node: DIR/NAME.key (0600, stays here) and DIR/NAME.csr for the CA")
     csr.add_argument("dir")
@@ -112,12 +203,25 @@ def _parser() -> argparse.ArgumentParser:
     usage = sg.add_mutually_exclusive_group()
     usage.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
     usage.add_argument("--client", action="store_true")
-    sg.add_argument("--days", type=int, default=30)
+    sg.add_argument("--days", type=int, default=30, help="validity in days")
     sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
 
-    st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint")
+    st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",
+                        description="Read each instance's /metrics, /refusals and /readyz. HTTPS endpoints (a "
+                                    "web config) need --ca, and --cert/--key or --user when the web config asks; "
+                                    "the password comes from $RPCGUARD_METRICS_PASSWORD or --password-file.")
     st.add_argument("--metrics", action="append", metavar="HOST:PORT|URL",
-                    help="metrics endpoint(s) (repeatable; default: serve's 127.0.0.1:9450 and connect's :9451)")
+                    help="metrics endpoint(s), http(s):// (repeatable; default: serve's 127.0.0.1:9450 and "
+                         "connect's :9451)")
+    st.add_argument("--config", action="append", metavar="FILE",
+                    help="a serve/connect config: its metrics address, and https with its tls.ca when its web "
+                         "config has TLS (repeatable)")
+    st.add_argument("--ca", help="CA that signed the metrics endpoint's certificate (https)")
+    st.add_argument("--cert", help="client certificate for a web config that requires one (PEM)")
+    st.add_argument("--key", help="its private key")
+    st.add_argument("--server-name", help="name in the endpoint's certificate when it is not the host given")
+    st.add_argument("--user", help="basic auth user (password: $RPCGUARD_METRICS_PASSWORD or --password-file)")
+    st.add_argument("--password-file", metavar="FILE", help="file whose first line is the basic auth password")
     return ap
 
 
@@ -132,7 +236,7 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(a: argparse.Namespace) -> dict:
     keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
-            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream",
+            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream", "upstream_exec",
             "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "allow_all", "server",
             "server_name", "unsafe_listen")
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
@@ -177,22 +281,78 @@ def _fail(message: str, code: int, json_log: bool = False) -> int:
     return code
 
 
+class _StdoutFailed(Exception):
+    """Our stdout cannot be written (closed, a full disk): said in one line, not an internal error."""
+
+
+class _Stdout:
+    """sys.stdout for the length of a command: a write error becomes ``_StdoutFailed``; a reader
+    that went away stays ``BrokenPipeError`` (quiet, exit 0)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._inner is None:
+            raise _StdoutFailed("stdout is closed")
+        try:
+            return getattr(self._inner, name)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _StdoutFailed(exc.strerror or str(exc)) from None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        if self._inner is not None:
+            self._call("flush")
+
+    def fileno(self) -> int:
+        return self._call("fileno")
+
+    def isatty(self) -> bool:
+        return self._inner is not None and self._inner.isatty()
+
+
+def _quiet_stdout() -> None:
+    """Our reader went away: later writes (and the interpreter's final flush) go to /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    try:
+        a = _parser().parse_args(argv)  # --help and --version print here
+    except BrokenPipeError:  # `rpcguard --version | head -1`
+        _quiet_stdout()
+        return EXIT_OK
+    saved = sys.stdout
+    sys.stdout = _Stdout(saved)  # only write/flush/fileno are used
     try:
         code = _main(a)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
-        # The reader of our stdout went away (`rpcguard status | head`): not worth a word.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # The reader of our stdout went away (`rpcguard check-config F | head -1`): it read what it
+        # wanted, so not worth a word, nor a failure; later writes must not raise again.
+        sys.stdout = saved
+        _quiet_stdout()
+        return EXIT_OK
+    except _StdoutFailed as exc:
+        print(f"rpcguard: cannot write the output: {exc}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line for the user, the details for the report
         return _fail(f"internal error ({type(exc).__name__}: {exc}); please report it with the command line",
                      EXIT_FAIL, _LOGGING[0] and getattr(a, "log_format", None) == "json")
+    finally:
+        sys.stdout = saved
 
 
 def _main(a: argparse.Namespace) -> int:
@@ -205,8 +365,10 @@ def _main(a: argparse.Namespace) -> int:
             return _check_config(a.file)
         if a.command == "certs":
             return _certs(a)
+        if a.command == "ops":
+            return _ops(a)
         if a.command == "status":
-            return _status(a.metrics)
+            return _status(a)
         from rpcguard.config import build_config
 
         role = "connect" if a.command == "check" else a.command
@@ -216,7 +378,12 @@ def _main(a: argparse.Namespace) -> int:
         elif a.command == "check" and not a.config:
             raise ConfigError("--server", "required (HOST:PORT of the node), or --config with tunnels")
         with held:
-            cfg = build_config(role, file=a.config, overrides=overrides)
+            try:
+                cfg = build_config(role, file=a.config, overrides=overrides)
+            except ConfigError as exc:
+                if a.command == "check" and exc.path == "--listen":  # set above, never given: say --server
+                    raise ConfigError("--server", exc.message.replace("this flag", "--server")) from None
+                raise
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
     except (CertError, RpcGuardError) as exc:
@@ -226,7 +393,7 @@ def _main(a: argparse.Namespace) -> int:
     held.replay()
     json_log = cfg.log.format == "json"
     if a.command == "check":
-        return _run(_check_nodes(cfg, json_log))
+        return _run(_check_nodes(cfg, json_log, as_json=a.json))
     return _run(_serve(cfg, a.config, check=(a.command == "connect" and not a.no_check), overrides=_overrides(a),
                        json_log=json_log))
 
@@ -258,6 +425,8 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
         await rt.start()
     except OSError as exc:
         return _fail(f"cannot listen: {exc}", EXIT_FAIL, json_log)
+    except RpcGuardError as exc:  # upstream.exec: a required sandbox not available here
+        return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
     rt.install_signals()
     # Every listener is bound and the material loaded (the "listening" lines came from start()).
     status = f"{cfg.role}: {len(rt.listeners)} listener(s) ready" + "".join(
@@ -266,7 +435,7 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
     log.info("%s %s", READY_MESSAGE, status)
     notifier.ready(status)
     if check:
-        results = await _probe_all(cfg, rt.tls.context)
+        results = await _probe_all(cfg, rt.tls.probe_context)
         for line, ok in results:
             log.log(logging.INFO if ok else logging.WARNING, "check: %s", line)
         bad = sum(not ok for _, ok in results)
@@ -280,6 +449,10 @@ async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict |
 
 
 async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
+    return [(r.line(), r.ok) for r in await _probe_results(cfg, ctx)]
+
+
+async def _probe_results(cfg, ctx) -> list:
     from rpcguard.preflight import certificate_warnings
     from rpcguard.probe import probe_node
 
@@ -291,20 +464,20 @@ async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
                    hello_timeout=cfg.limits.hello_timeout_s + cfg.limits.queue_timeout_s)
         for t in cfg.tunnels
     ))
-    return [(r.line(), r.ok) for r in results]
+    return list(results)
 
 
-async def _check_nodes(cfg, json_log: bool) -> int:
+async def _check_nodes(cfg, json_log: bool, *, as_json: bool = False) -> int:
     from rpcguard.server import TlsMaterial
 
     try:
         tls = TlsMaterial(cfg)  # the same context checks as connect's start
     except RpcGuardError as exc:
         return _fail(str(exc), EXIT_CONFIG, json_log)
-    results = await _probe_all(cfg, tls.context)
-    for line, _ok in results:
-        print(line)
-    return EXIT_OK if all(ok for _, ok in results) else EXIT_FAIL
+    results = await _probe_results(cfg, tls.probe_context)  # the node never queues a probe
+    for r in results:
+        print(json.dumps(r.as_dict(), sort_keys=True) if as_json else r.line())
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAIL
 
 
 def _check_config(path: str) -> int:
@@ -318,9 +491,48 @@ def _check_config(path: str) -> int:
     print(f"OK {path}: {cfg.role}")
     for line in config_summary(cfg):
         print("  " + line)
+    for line in _versions_summary(cfg):
+        print("  " + line)
     for record in held.records:
         if record.levelno >= logging.WARNING:
             print(f"  WARNING {record.getMessage()}")
+    return EXIT_OK
+
+
+def _versions_summary(cfg) -> list[str]:
+    """One line per listener / tunnel (and profile): the protocol versions its sessions may speak."""
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    def text(versions) -> str:
+        shown = ", ".join(format_version(v) for v in sorted(versions))
+        return f"{shown} (every version rpcguard knows)" if set(versions) == set(KNOWN_VERSIONS) else shown
+
+    out = []
+    for item in cfg.listeners or cfg.tunnels:
+        out.append(f"{item.name}: accepted protocol versions {text(item.policy.accepted_versions)}")
+        for p in getattr(item, "profiles", {}).values():
+            if p.policy.accepted_versions != item.policy.accepted_versions:
+                out.append(f"{item.name} profile {p.name}: accepted protocol versions {text(p.policy.accepted_versions)}")
+    return out
+
+
+def _ops(a: argparse.Namespace) -> int:
+    from rpcguard.opslist import op_rows
+    from rpcguard.protocol.versions import parse_version
+
+    try:
+        rows = op_rows(parse_version(a.protocol))
+    except ValueError as exc:
+        raise ConfigError("--protocol", str(exc)) from None
+    if a.json:
+        for r in rows:
+            print(json.dumps({"id": r.id, "op": r.op, "status": r.status, "constructor": r.ctor or None}))
+        return EXIT_OK
+    for r in rows:
+        print(f"{r.id:4d}  {r.op:<24} {r.status}" + (f"  ({r.ctor})" if r.ctor else ""))
+    counts = {s: sum(r.status == s for r in rows) for s in ("verified", "not verified", "denied", "leaf")}
+    print(f"protocol {a.protocol}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + "; not verified ops are refused (op_not_verified) unless policy.allow_unverified_ops names them")
     return EXIT_OK
 
 
@@ -349,100 +561,40 @@ def _certs(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-RECENT_SHOWN = 10  # recent refusals printed by `rpcguard status`
-
-
 DEFAULT_STATUS = ("127.0.0.1:9450", "127.0.0.1:9451")  # serve's and connect's default metrics
 
 
-def _metrics_url(text: str) -> str:
-    """``HOST:PORT``, ``http(s)://HOST:PORT`` with or without a path -> the /metrics URL."""
-    from urllib.parse import urlsplit
+def _status(a: argparse.Namespace) -> int:
+    """Summarise each instance; with no --metrics/--config, whichever of the default endpoints answer."""
+    from rpcguard import status
 
-    if "://" not in text:
-        text = "http://" + text
-    try:
-        u = urlsplit(text)
-        port = u.port
-    except ValueError as exc:
-        raise ConfigError("--metrics", f"{text!r}: {exc}") from None
-    if u.scheme not in ("http", "https") or not u.hostname or port is None and "://" not in text:
-        raise ConfigError("--metrics", f"{text!r}: expected HOST:PORT or http://HOST:PORT[/metrics]")
-    path = u.path.rstrip("/")
-    if not path.endswith("/metrics"):
-        path += "/metrics"
-    return f"{u.scheme}://{u.netloc}{path}"
-
-
-def _recent_refusals(metrics_url: str) -> list[dict]:
-    """The instance's last refusals (GET /refusals next to /metrics); [] if it has none."""
-    try:
-        with urllib.request.urlopen(metrics_url.rsplit("/metrics", 1)[0] + "/refusals", timeout=5) as rsp:
-            return json.loads(rsp.read().decode())
-    except (OSError, ValueError):
-        return []
-
-
-def _status(addresses: list[str] | None) -> int:
-    """Summarise each instance; with no --metrics, whichever of the default endpoints answer."""
-    urls = [_metrics_url(x) for x in (addresses or DEFAULT_STATUS)]
+    access = status.Access(ca=a.ca, cert=a.cert, key=a.key, server_name=a.server_name, user=a.user,
+                           password=status.password_from(a.password_file) if a.user else None)
+    if a.key and not a.cert:
+        raise ConfigError("--key", "needs --cert")
+    targets = [(status.metrics_url(x), access) for x in a.metrics or ()]
+    for path in a.config or ():
+        url, from_file = status.from_config(path)
+        targets.append((url, replace(from_file, **{k: v for k, v in vars(access).items() if v is not None})))
+    given = bool(targets)
+    if not given:
+        targets = [(status.metrics_url(x), access) for x in DEFAULT_STATUS]
     failed: list[str] = []
     shown = 0
-    for url in urls:
+    for url, how in targets:
         try:
-            with urllib.request.urlopen(url, timeout=5) as rsp:
-                fam = _families(rsp.read().decode("utf-8", "replace"))
-        except (OSError, ValueError) as exc:  # URLError/HTTPError are OSErrors; a page that is not metrics
-            failed.append(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}")
+            inst = status.read(url, how)
+        except status.StatusError as exc:
+            # a default address nobody listens on is no news; one that answers otherwise is
+            if given or "Connection refused" not in str(exc):
+                failed.append(str(exc))
             continue
-        _status_one(url, fam)  # a BrokenPipeError of our stdout goes up to main()
+        for line in status.summary(inst):  # a BrokenPipeError of our stdout goes up to main()
+            print(line)
         shown += 1
-    if addresses:
-        for line in failed:
-            print(f"rpcguard status: {line}", file=sys.stderr)
-    elif not shown:
-        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(urls)} "
-              "(serve, connect); pass --metrics HOST:PORT", file=sys.stderr)
-    return EXIT_FAIL if (failed and addresses) or not shown else EXIT_OK
-
-
-def _families(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        fam = {f.name: f for f in text_string_to_metric_families(text)}
-    except ValueError as exc:
-        raise ValueError(f"not an rpcguard metrics page ({exc})") from None
-    if not any(name.startswith("rpcguard_") for name in fam):
-        raise ValueError("not an rpcguard metrics page")
-    return fam
-
-
-def _status_one(url: str, fam: dict) -> None:
-    def samples(name: str):
-        return fam[name].samples if name in fam else []
-
-    print(f"rpcguard instance at {url}")
-    for s in samples("rpcguard_sessions_active"):
-        done = {x.labels["result"]: int(x.value) for x in samples("rpcguard_sessions")
-                if x.name == "rpcguard_sessions_total" and x.labels.get("listener") == s.labels["listener"]}
-        print(f"  {s.labels['role']} {s.labels['listener']}: {int(s.value)} active, "
-              + ", ".join(f"{k} {v}" for k, v in sorted(done.items())))
-    for s in samples("rpcguard_upstream_protocol_info"):
-        print(f"  upstream {s.labels['upstream']} speaks protocol {s.labels['version']}")
-    refusals = [s for s in samples("rpcguard_refusals") if s.name == "rpcguard_refusals_total" and s.value]
-    print("  refusals since start: " + (", ".join(f"{s.labels['reason']}={int(s.value)} ({s.labels['listener']})"
-                                                  for s in refusals) or "none"))
-    for r in _recent_refusals(url)[-RECENT_SHOWN:]:
-        ago = time.time() - r.get("time", 0)
-        print(f"    {ago:7.0f} s ago  {r.get('role')} {r.get('listener')}  {r.get('reason')}"
-              f"  peer={r.get('peer')} identity={r.get('identity') or '-'}"
-              + (f" command={r['command']}" if r.get("command") else "") + f"  {r.get('detail') or ''}")
-    now = time.time()
-    for s in samples("rpcguard_certificate_expiry_timestamp_seconds"):
-        days = (s.value - now) / 86400
-        warn = "  <-- renew soon" if days < 7 else ""
-        print(f"  certificate {s.labels['certificate']} expires in {days:.1f} days{warn}")
-    for s in samples("rpcguard_certificate_warning"):
-        if s.value:
-            print(f"  certificate warning: {s.labels['kind']} (see the instance's log)")
+    for line in failed:
+        print(f"rpcguard status: {line}", file=sys.stderr)
+    if not given and not shown and not failed:
+        print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(DEFAULT_STATUS)} "
+              "(serve, connect); pass --metrics HOST:PORT or --config FILE", file=sys.stderr)
+    return EXIT_FAIL if failed or not shown else EXIT_OK

@@ -38,6 +38,7 @@ from .configsettings import (
     _parse_profiles, expand_commands,
 )
 from .errors import ConfigError
+from .upstream.config import UpstreamSettings, parse_upstream
 
 if TYPE_CHECKING:
     from .identity import AllowList
@@ -90,6 +91,7 @@ class ListenerConfig:
     default: Profile = Profile()
     profiles: Mapping[str, Profile] = field(default_factory=lambda: MappingProxyType({}))
     unsafe_upstream: bool = False
+    managed: UpstreamSettings | None = None  # upstream: {exec: ...}: serve runs the server (rpcguard/upstream/)
 
     @property
     def policy(self) -> SessionPolicy:
@@ -223,7 +225,11 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
                         ", ".join(sorted(policy.firewall.allow_unverified_ops)))
         default = Profile(DEFAULT_PROFILE, policy, top.limits)
         if role == "serve":
-            upstream, unsafe = s.get("upstream", _connect), s.get("unsafe_upstream", _bool, False)
+            raw = s.data.get("upstream")
+            managed = parse_upstream(raw, s.path + ".upstream") if isinstance(raw, (dict, _Flag)) and (
+                isinstance(raw, dict) or isinstance(raw.value, list)) else None
+            upstream = Address("127.0.0.1", 0) if managed else s.get("upstream", _connect)
+            unsafe = s.get("unsafe_upstream", _bool, False)
             if not upstream.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("upstream")[1], upstream, "unsafe_upstream", "listener")
             own = s.data.get("allow") is not None  # else the top-level allow-list applies
@@ -232,7 +238,7 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
             if any(e.allow_any for e in allow.entries):
                 log.warning("%s (%s): allow.all, any certificate signed by tls.ca is admitted", s.path, name)
             out.append(ListenerConfig(name, listen, upstream, allow, default, _item_profiles(top, allow, default),
-                                      unsafe))
+                                      unsafe, managed))
         else:
             server, unsafe = s.get("server", _connect), s.get("unsafe_listen", _bool, False)
             if not listen.is_loopback() and not unsafe:
@@ -279,6 +285,11 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     if role not in ROLES:
         raise ConfigError("role", f"must be serve or connect, got {_show(role)}")
     other = "connect" if role == "serve" else "serve"
+    own, others = ("listeners", "tunnels") if role == "serve" else ("tunnels", "listeners")
+    if others in data and own not in data:  # the file of the other role, given to this command
+        readers = "rpcguard serve reads" if role == "serve" else "rpcguard connect and check read"
+        raise ConfigError(source, f"this is a {other} config (it defines {others}); {readers} a {role} config "
+                                  f"(with {own})")
     for k in data:
         if k in _ROLE_TOP_KEYS[other]:
             raise ConfigError(str(k), f"only valid for rpcguard {other} (this is a {role} config)")
@@ -362,7 +373,7 @@ _GLOBAL_FLAGS = {
 }
 # flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)
 _ITEM_FLAGS = {
-    "serve": ("listen", "upstream", "name", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip",
+    "serve": ("listen", "upstream", "upstream_exec", "name", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip",
               "allow_all"),
     "connect": ("listen", "server", "server_name", "name", "unsafe_listen"),
 }
@@ -414,7 +425,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
     item_flags = [k for k in _ITEM_FLAGS[role] if k in given]
     if item_flags and (items is None or items == []):
         for k in ("listen", "upstream" if role == "serve" else "server"):
-            if k not in given:
+            if k not in given and not (k == "upstream" and "upstream_exec" in given):
                 raise ConfigError(flag(k), f"required (no {word} in a config file)")
         items = [{}]
     if item_flags and isinstance(items, list) and len(items) > 1:
@@ -433,6 +444,12 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
                     v = given[k]
                     item["allow"][k[6:]] = _Flag(v if k == "allow_all" else [v] if isinstance(v, str) else list(v),
                                                  flag(k))
+            elif k == "upstream_exec":  # serve [options] -- COMMAND: the file's upstream mapping, this exec
+                if "upstream" in given:
+                    raise ConfigError("--upstream", "and a server command after -- exclude each other")
+                up = item.get("upstream")
+                item["upstream"] = {**up, "exec": given[k]} if isinstance(up, dict) else _Flag(list(given[k]),
+                                                                                             "serve -- COMMAND")
             else:
                 item[k] = _Flag(given[k], flag(k))
         data[items_key] = [item]
@@ -463,7 +480,12 @@ def config_summary(cfg: Config) -> list[str]:
                        + (f" max_session_alloc_bytes={p.policy.firewall.max_session_alloc_bytes}"
                           if p.policy.firewall.max_session_alloc_bytes else "") + ";"
                        for p in x.profiles.values()).rstrip(";")
-    return ([f"serve {x.name} {x.listen} -> {x.upstream} mode={x.policy.mode} acl={_acl_text(x.allow)}"
+
+    def up(x: ListenerConfig) -> str:
+        m = x.managed
+        return str(x.upstream) if m is None else f"exec {m.exec[0]} (isolation={m.isolation} sandbox={m.sandbox.mode})"
+
+    return ([f"serve {x.name} {x.listen} -> {up(x)} mode={x.policy.mode} acl={_acl_text(x.allow)}"
              + extra(x.policy, "unsafe_upstream" if x.unsafe_upstream else None)
              + (f" |{profiles(x)}" if x.profiles else "") for x in cfg.listeners]
             + [f"connect {x.name} {x.listen} -> {x.server} server_name={x.server_name} mode={x.policy.mode}"

@@ -28,7 +28,7 @@ RESTART_KEYS: Mapping[str, str] = {
     "log.format": "the log stream is set up once at start",
 }
 # Changing one of these rebuilds the listener (tunnel): a new route, the old one lets its sessions finish.
-_ADDRESS_KEYS = {"serve": ("listen", "upstream", "unsafe_upstream"),
+_ADDRESS_KEYS = {"serve": ("listen", "upstream", "unsafe_upstream", "managed"),
                  "connect": ("listen", "server", "server_name", "unsafe_listen")}
 
 

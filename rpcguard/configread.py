@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from rpcguard.protocol.ggml import OP_TABLES
 from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
-from rpcguard.protocol.versions import COMMAND_NAMES
+from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, format_version
 
 from .errors import ConfigError
 
@@ -175,8 +175,13 @@ def _ip(v: Any, path: str) -> str:
 _str = _reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 _bool = _reader(lambda v: isinstance(v, bool), "true or false")
 _count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
+_count_or_off = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62,
+                        "an integer >= 0 (0 = off)")
 _name = _reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
-_version = _reader(_re(r"\d+\.\d+\.\d+"), "a version like '7.0.0'")
+# Only versions rpcguard has a command table for: any other would refuse every session at HELLO.
+_KNOWN_TEXT = tuple(format_version(v) for v in KNOWN_VERSIONS)
+_version = _reader(lambda v: isinstance(v, str) and v.strip() in _KNOWN_TEXT,
+                   "a protocol version rpcguard knows (" + ", ".join(_KNOWN_TEXT) + ")", str.strip)
 _uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")
 _server_name = _reader(_host_ok, "a host name or IP address")
 _command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),

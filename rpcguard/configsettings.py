@@ -20,8 +20,8 @@ from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Ses
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
 
 from .configread import (
-    CATEGORIES, Reader, _bool, _choice, _command, _count, _duration, _ip, _list, _name, _op, _op_or_all,
-    _Section, _show, _str, _then, _uri, _version, _via, parse_size,
+    CATEGORIES, Reader, _bool, _choice, _command, _count, _count_or_off, _duration, _ip, _list, _name, _op,
+    _op_or_all, _Section, _show, _str, _then, _uri, _version, _via, parse_size,
 )
 from .errors import ConfigError
 
@@ -73,13 +73,21 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
     "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
     "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
+    "max_graph_s": _duration(zero_is_off=True),
     "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
+    "min_data_rate_bps": _count_or_off, "idle_while_waiting_s": _duration(zero_is_off=True),
+    "max_sessions_per_identity": _count_or_off, "max_sessions_per_source": _count_or_off,
+    "max_pending_per_identity": _count_or_off, "max_pending_per_source": _count_or_off,
+    "max_handshakes_per_source": _count_or_off,
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
 #: limits a profile cannot set: they apply before the identity is known, or to the whole process
 PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "handshake_timeout_s": "applies before the identity (and so its profile) is known",
     "drain_timeout_s": "applies to the whole process",
+    "max_sessions_per_source": "counts every identity that connects from one address",
+    "max_pending_per_source": "counts every identity that connects from one address",
+    "max_handshakes_per_source": "applies before the identity (and so its profile) is known",
 })
 
 

@@ -28,6 +28,7 @@ from .certs import (
     _key_pem,
     _leaf_files,
     _load_ca,
+    make_dir,
     _new_key,
     _profile,
     _sign,
@@ -63,6 +64,7 @@ def make_csr(
     if profile.sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(profile.sans), critical=False)
     csr = builder.sign(key, hashes.SHA256())
+    make_dir(files.key.parent)
     _write_private(files.key, _key_pem(key))
     _write_public(files.cert, csr.public_bytes(serialization.Encoding.PEM))
     return files

@@ -29,8 +29,11 @@ if TYPE_CHECKING:
     from rpcguard.relay import Link
 
 __all__ = ["Endpoint", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
-           "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES"]
+           "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES", "FAIR_READ_BYTES"]
 
+# A side that floods small frames reads this much at a time, one read per loop turn (relay.py,
+# loop fairness): ~450 GET_ALIGNMENTs, well under a millisecond of work.
+FAIR_READ_BYTES = 4 * 1024
 # One read lands in this buffer. 256 KiB: large enough that a multi-MB SET_TENSOR costs a few
 # Python calls per MB, small enough that many sessions stay cheap.
 READ_BUFFER_BYTES = 256 * 1024
@@ -51,6 +54,12 @@ Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable
 async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits: Limits) -> None:
     """The real dialer: TCP to serve's loopback server, TLS to connect's node."""
     loop = asyncio.get_running_loop()
+    if route.provider is not None:  # serve runs the server: the session's own process (upstream/pool.py)
+        protocol = factory()
+        link = protocol.link  # type: ignore[attr-defined]  # an Endpoint
+        sock = await route.provider.connect(link.id, link.lc.identity, limits.connect_timeout_s or 10.0)
+        await loop.create_connection(lambda: protocol, sock=sock)
+        return
     kwargs: dict[str, Any] = {}
     if route.role == "connect":
         assert route.ssl_context is not None
@@ -89,7 +98,7 @@ def write(transport: asyncio.Transport, out: list) -> None:
 class Endpoint(asyncio.BufferedProtocol):
     """One side of a link: reads into a reusable buffer and reports to the link."""
 
-    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed")
+    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed", "held", "narrowed")
 
     def __init__(self, link: Link, is_client: bool) -> None:
         self.link = link
@@ -100,6 +109,8 @@ class Endpoint(asyncio.BufferedProtocol):
         self.buf: bytearray | None = None
         self.view: memoryview | None = None
         self.closed = False
+        self.held = False  # reading paused by flow control (the other side's write buffer is full)
+        self.narrowed = False  # flooding small frames: small reads, one per loop turn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -121,6 +132,25 @@ class Endpoint(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.link.data(self, self.view[:nbytes])  # type: ignore[index]
+        if self.narrowed and not self.closed and not self.held and self.transport is not None:
+            # One read per loop turn: others run before the next (libuv stops its read loop).
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._next_read)
+
+    def _next_read(self) -> None:
+        if not self.closed and not self.held and self.transport is not None:
+            self.transport.resume_reading()
+
+    def narrow(self) -> None:
+        """Read ``FAIR_READ_BYTES`` at a time, one read per loop turn (relay.py, loop fairness)."""
+        self.narrowed = True
+        if self.view is not None:
+            self.view = self.view[:FAIR_READ_BYTES]
+
+    def widen(self) -> None:
+        self.narrowed = False
+        if self.buf is not None:
+            self.view = memoryview(self.buf)
 
     def eof_received(self) -> bool:
         self.link.eof(self)
@@ -144,3 +174,5 @@ class Endpoint(asyncio.BufferedProtocol):
         """The transport may still reference the old buffer: read into a new one."""
         self.buf = bytearray(READ_BUFFER_BYTES)
         self.view = memoryview(self.buf)
+        if self.narrowed:
+            self.view = self.view[:FAIR_READ_BYTES]

@@ -37,7 +37,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from rpcguard import __version__
-from rpcguard.metrics_http import MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
+from rpcguard.downgrades import NOT_ENFORCING, SWITCHED_OFF
+from rpcguard.protocol import compiled
+from rpcguard.metrics_http import HTTP_REASONS, MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
 from rpcguard.reasons import FIREWALL_REASONS, REFUSAL_REASONS, TLS_REASONS
 from rpcguard.webconfig import AUTH_REASONS
 from rpcguard.protocol.stats import (
@@ -65,14 +67,17 @@ __all__ = [
 ]
 
 ROLES = ("serve", "connect")
-SESSION_RESULTS = ("ok", "refused", "error")
+# "probe": a connection that said it is a probe (rpcguard check, connect's /readyz: tls.ALPN_PROBES);
+# "no_hello": a client that left before its first frame (a port check). Neither is a session.
+SESSION_RESULTS = ("ok", "refused", "error", "probe", "no_hello")
 RELOAD_RESULTS = ("ok", "error")
 CERTIFICATES = ("cert", "ca")
 FIREWALL_MODES = ("enforce", "monitor")
 CHECKED_BY = ("proxy", "node")  # who validates a session's requests (request_checks_sessions_total)
 # Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
-WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS))
+WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS + HTTP_REASONS))
 
+_CORE = "compiled" if compiled() else "pure"  # label of rpcguard_build_info
 _LE = tuple(floatToGoString(b) for b in LATENCY_BUCKETS_S) + ("+Inf",)
 _NS_PER_S = 1_000_000_000
 
@@ -170,7 +175,7 @@ _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
     "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C, "checks": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
-    "reload_time": _G, "queue": _G, "reload_kept": _G,
+    "reload_time": _G, "queue": _G, "reload_kept": _G, "enforcing": _G, "switched_off": _G, "unprotected": _G, "certfile": _G,
     "duration": _H,
 })
 
@@ -195,9 +200,19 @@ def _families() -> _Families:
                       labels=rl + ["upstream", "version"]),
         "up": g("rpcguard_upstream_up", "1 if the upstream (serve: ggml-rpc-server; connect: the node) "
                 "answered the last connection or probe, 0 if not.", labels=rl),
-        "build": g("rpcguard_build_info", "rpcguard build.", labels=["role", "version", "python"]),
+        "build": g("rpcguard_build_info", "rpcguard build; core: the protocol core that runs ('compiled' "
+                   "mypyc extension modules or 'pure' Python).", labels=["role", "version", "python", "core"]),
+        "enforcing": g("rpcguard_listener_enforcing", "1 when every session of the listener (tunnel), whatever "
+                       "its profile, runs every firewall check in enforce mode; 0 when something is switched off "
+                       "(rpcguard_listener_switched_off says what).", labels=rl),
+        "switched_off": g("rpcguard_listener_switched_off", "1 while a profile of the listener (tunnel) "
+                          "switches this off: monitor_mode, check_<name>, unverified_ops.", labels=rl + ["what"]),
+        "unprotected": g("rpcguard_metrics_unprotected", "1 when the metrics endpoint is served beyond loopback "
+                         "without TLS and authentication (metrics.unsafe_public).", labels=["role"]),
         "cert": g("rpcguard_certificate_expiry_timestamp_seconds",
                   "notAfter of the loaded certificates, Unix time.", labels=["role", "certificate"]),
+        "certfile": g("rpcguard_certificate_file_info", "The file each loaded certificate was read from.",
+                      labels=["role", "certificate", "file"]),
         "certwarn": g("rpcguard_certificate_warning", "1 while the loaded certificate has this problem.",
                       labels=["role", "kind"]),
         "reload": c("rpcguard_reload", "Configuration / certificate reloads.", labels=["role", "result"]),
@@ -247,9 +262,16 @@ class _Collector:
         f = _families()
         for lt in tuple(m._listeners.values()):
             self._listener(f, lt)
-        f["build"].add_metric([m.role, __version__, platform.python_version()], 1)
+        f["build"].add_metric([m.role, __version__, platform.python_version(), _CORE], 1)
+        for (role, listener), off in m.enforcement.items():
+            f["enforcing"].add_metric([role, listener], 0 if off & NOT_ENFORCING else 1)
+            for what in SWITCHED_OFF:
+                f["switched_off"].add_metric([role, listener, what], 1 if what in off else 0)
+        f["unprotected"].add_metric([m.role], 1 if m.metrics_unprotected else 0)
         for (role, cert), epoch_s in m._cert_expiry.items():
             f["cert"].add_metric([role, cert], epoch_s)
+        for (role, cert), file in m._cert_files.items():
+            f["certfile"].add_metric([role, cert, file], 1)
         for (role, kind), on in m.cert_warnings.items():
             f["certwarn"].add_metric([role, kind], on)
         for result, n in m._reloads.items():
@@ -316,6 +338,7 @@ class Metrics:
         self.role = role  # label of the process-level series; the Runtime sets it
         self._listeners: dict[tuple[str, str], ListenerTraffic] = {}
         self._cert_expiry: dict[tuple[str, str], float] = {}
+        self._cert_files: dict[tuple[str, str], str] = {}
         self._reloads: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
         self.cert_warnings: dict[tuple[str, str], float] = {}  # (role, kind) -> 0/1, set by server.Runtime
         # The configuration was loaded once before this object exists: that counts as a success.
@@ -323,6 +346,9 @@ class Metrics:
         self.reload_last_success_s = time.time()
         self.reload_kept_keys = 0  # keys the last successful reload kept at their old value
         self.web_refusals: dict[str, int] = dict.fromkeys(WEB_REFUSAL_REASONS, 0)
+        # (role, listener) -> what its profiles switch off (downgrades.report, at start and reload)
+        self.enforcement: dict[tuple[str, str], frozenset[str]] = {}
+        self.metrics_unprotected = False
         # The last refusals with their peer, for a person at a terminal (GET /refusals,
         # `rpcguard status`); bounded, and never a metric label (peers are unbounded).
         self.recent_refusals: deque[dict] = deque(maxlen=RECENT_REFUSALS)
@@ -356,11 +382,13 @@ class Metrics:
                 lt.command_names = command_names
         return lt
 
-    def set_certificate_expiry(self, role: str, certificate: str, epoch_s: float) -> None:
-        """Record the notAfter (Unix seconds) of the loaded ``cert`` or ``ca``."""
+    def set_certificate_expiry(self, role: str, certificate: str, epoch_s: float, file: str | None = None) -> None:
+        """Record the notAfter (Unix seconds) of the loaded ``cert`` or ``ca`` (and the file it came from)."""
         if role not in ROLES or certificate not in CERTIFICATES:
             raise ValueError(f"bad role/certificate {role!r}/{certificate!r}")
         self._cert_expiry[(role, certificate)] = float(epoch_s)
+        if file is not None:
+            self._cert_files[(role, certificate)] = file
 
     def reload(self, result: str) -> None:
         """Count a reload attempt; ``result`` is ``ok`` or ``error`` (also the last-result gauges)."""

@@ -16,14 +16,28 @@ The HELLO form follows the tunnel's accepted versions: the >= 4.0.0 form (what l
 today) unless every accepted version is older. A second connection with the other form would
 double every refusal in the node's log, so there is none.
 
+Both probes use the probe context (tls.py ``ALPN_PROBES``): the node's ``serve`` then knows the
+connection is a probe, records it as ``result=probe`` (not a session, not a refusal), and
+answers a probe's HELLO at once with "busy" (0.0.6) when another session holds its upstream,
+instead of queueing it for ``queue_timeout_s``: a live node, whose server llama.cpp holds for
+hours, reads "OK: TLS and identity accepted, server busy". On an idle node the probe's HELLO
+takes the upstream for one round trip, as a llama.cpp would. The handshake also says whether
+the node enforces every request check (``node_mode``). A node that negotiates no probe form (an
+older serve) is probed as before, and its "busy" can take its queue timeout.
+
 ``tls_probe`` is the cheap variant for connect's ``/readyz``: TCP connect and TLS handshake,
 then a short wait for the node's verdict on the certificate, and close. It sends no HELLO, so
 the node's ``serve`` never takes its single upstream slot for it (it takes it at HELLO).
+
+A port that accepts TCP and then closes or resets it during the TLS handshake, or answers it
+with something that is not TLS, is ``tls_failed`` with cause ``tls_not_tls``: a plain
+ggml-rpc-server or an HTTP port, not an unreachable node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Iterable
@@ -33,7 +47,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.versions import format_version
 from rpcguard.identity import check_usage
-from rpcguard.tls import classify_handshake_error, peer_identity
+from rpcguard.tls import classify_handshake_error, is_probe, node_mode, peer_identity
 
 __all__ = ["ProbeResult", "probe_node", "tls_probe", "VERDICT_WAIT_S"]
 
@@ -60,14 +74,34 @@ class ProbeResult:
     reason: str | None = None
     detail: str = ""
     cause: str | None = None  # tls_failed: the handshake reason (tls_cert_expired, tls_unknown_ca...)
+    busy: bool = False  # ok: TLS and identity accepted, the node's server serves another session
+    node_mode: str | None = None  # what the node said in the handshake: "enforce", "monitor", None
 
     def line(self) -> str:
+        where = f"{self.name} {self.address}"
         if self.ok:
+            mode = _MODE_TEXT[self.node_mode]
+            if self.busy:
+                return f"OK      {where}: TLS and identity accepted, server busy (another session holds it); {mode}"
             if self.version is None:
-                return f"OK      {self.name} {self.address}: TLS accepted"
-            return f"OK      {self.name} {self.address}: protocol {self.version}, {self.devices} device(s)"
+                return f"OK      {where}: TLS accepted; {mode}"
+            return f"OK      {where}: protocol {self.version}, {self.devices} device(s); {mode}"
+        if self.cause == "tls_not_tls":
+            return f"REFUSED {where}: not TLS ({self.reason}: {self.cause}) - {self.detail}"
         cause = f" ({self.cause})" if self.cause else ""
-        return f"REFUSED {self.name} {self.address}: {self.reason}{cause} - {self.detail}"
+        return f"REFUSED {where}: {self.reason}{cause} - {self.detail}"
+
+    def as_dict(self) -> dict[str, object]:
+        """The result for scripts (``rpcguard check --json``): every field, and the line."""
+        return {"name": self.name, "address": self.address, "ok": self.ok, "busy": self.busy,
+                "version": self.version, "devices": self.devices, "reason": self.reason, "cause": self.cause,
+                "detail": self.detail, "node_mode": self.node_mode, "line": self.line()}
+
+
+_MODE_TEXT = {"enforce": "node enforces every request check",
+              "monitor": "node NOT enforcing (monitor mode or checks off): connect runs its own request checks",
+              None: "node did not say it enforces (not rpcguard serve, or an older one): connect runs its own "
+                    "request checks"}
 
 
 class _Failed(Exception):
@@ -81,6 +115,9 @@ def _tls_failure(exc: BaseException, when: str) -> _Failed:
     cause = classify_handshake_error(exc)
     if cause == "node_name_mismatch":
         return _Failed(cause, f"the node's certificate does not name it: {exc}")
+    if cause == "tls_not_tls":
+        return _Failed("tls_failed", f"{when}: the port does not speak TLS (a plain ggml-rpc-server or an "
+                                     f"HTTP port?): {exc}", cause)
     return _Failed("tls_failed", f"{when}: {exc}", cause)
 
 
@@ -96,10 +133,15 @@ async def _open(host: str, port: int, ctx: ssl.SSLContext, server_name: str, tim
         if isinstance(inner, ssl.SSLError):
             raise _tls_failure(inner, "TLS handshake with the node failed") from None
         if isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError):
-            # TCP was accepted, then closed during the handshake (the data path says the same)
-            raise _Failed("node_unreachable", "the node closed the connection during the TLS handshake "
-                                              f"({type(exc).__name__}: {exc or 'no detail'})") from None
+            # TCP was accepted, then closed under our ClientHello: something answers there, not TLS
+            raise _Failed("tls_failed", "the port accepted TCP and closed it during the TLS handshake "
+                                        f"({type(exc).__name__}): it does not speak TLS (a plain ggml-rpc-server "
+                                        "or an HTTP port?); give the node's rpcguard serve address",
+                          "tls_not_tls") from None
         what = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+        if isinstance(exc, socket.gaierror):  # the first mistake of a quick start: a name without DNS
+            what += (f" ({host!r} does not resolve here: give --server IP:PORT --server-name {server_name} "
+                     "(server / server_name in a config), the name in the node's certificate)")
         raise _Failed("node_unreachable", f"cannot reach the node: {what}") from None
 
 
@@ -184,24 +226,30 @@ async def probe_node(
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     policy = policy or SessionPolicy()
     session = Session(policy)
+    mode: str | None = None
+    probed = False  # the node knows this is a probe: it answers "busy" at once, never queues it
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
-            check_usage(peer_identity(writer.get_extra_info("ssl_object")), "server")  # serverAuth EKU
+            ssl_object = writer.get_extra_info("ssl_object")
+            mode, probed = node_mode(ssl_object), is_probe(ssl_object)
+            check_usage(peer_identity(ssl_object), "server")  # serverAuth EKU
             await _hello(reader, writer, session, _hello_frame(policy), hello_timeout or timeout,
                          frozenset(own_warnings))
         finally:
             await _close(writer)
     except _Failed as f:
-        return ProbeResult(name, address, False, reason=f.reason, detail=f.detail, cause=f.cause)
+        return ProbeResult(name, address, False, reason=f.reason, detail=f.detail, cause=f.cause, node_mode=mode)
     except Refusal as exc:  # our own session policy (version not accepted, bad reply)
-        return ProbeResult(name, address, False, reason=exc.reason, detail=exc.detail)
+        return ProbeResult(name, address, False, reason=exc.reason, detail=exc.detail, node_mode=mode)
+    if session.node_refusal == "upstream_busy" and probed:
+        return ProbeResult(name, address, True, busy=True, node_mode=mode)
     if session.node_refusal is not None:
         return ProbeResult(name, address, False, reason=session.node_refusal,
-                           detail="refused by the node's rpcguard (its log says why)")
+                           detail="refused by the node's rpcguard (its log says why)", node_mode=mode)
     count = session.state.upstream.device_count
     return ProbeResult(name, address, True, version=format_version(session.version) if session.version else None,
-                       devices=count or 1)
+                       devices=count or 1, node_mode=mode)
 
 
 async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server_name: str, *,
@@ -209,9 +257,11 @@ async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server
                     own_warnings: Iterable[str] = ()) -> ProbeResult:
     """TCP + TLS handshake + the node's verdict on our certificate; no HELLO, no upstream slot."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    mode: str | None = None
     try:
         reader, writer = await _open(host, port, ctx, server_name, timeout)
         try:
+            mode = node_mode(writer.get_extra_info("ssl_object"))
             check_usage(peer_identity(writer.get_extra_info("ssl_object")), "server")  # serverAuth EKU
             data = await _read(reader, verdict_wait_s)
             if not data:
@@ -224,4 +274,4 @@ async def tls_probe(name: str, host: str, port: int, ctx: ssl.SSLContext, server
         return ProbeResult(name, address, False, reason=f.reason, detail=f.detail, cause=f.cause)
     except Refusal as exc:  # the node's certificate lacks serverAuth
         return ProbeResult(name, address, False, reason=exc.reason, detail=exc.detail)
-    return ProbeResult(name, address, True)
+    return ProbeResult(name, address, True, node_mode=mode)

@@ -34,7 +34,9 @@ SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "first_frame_not_hello", "hello_repeated", "hello_bad_size", "data_before_hello_reply",
     "version_not_accepted", "command_unknown", "command_not_allowed", "frame_size_invalid",
     "request_too_large", "response_unexpected", "response_size_invalid", "hello_timeout",
-    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused",
+    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused", "idle_while_waiting",
+    "too_many_sessions_per_identity", "too_many_sessions_per_source", "too_many_pending_per_identity",
+    "too_many_pending_per_source", "too_many_handshakes_per_source",
     *(r for r in REFUSAL_CODES if r not in IDENTITY_REASONS),
 )))
 # protocol/firewall.py, tensor.py, graph.py, oprules.py, opcheck.py: the rule names of FirewallRefusal.
@@ -53,7 +55,9 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "op_needs_containment",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
-SESSION_ERROR_REASONS: tuple[str, ...] = ("client_closed_mid_frame", "upstream_closed", "internal_error")
+# upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py).
+SESSION_ERROR_REASONS: tuple[str, ...] = ("client_closed_mid_frame", "upstream_closed", "internal_error",
+                                          "upstream_crashed", "upstream_hung")
 # Every value refusals_total{reason} can take.
 REFUSAL_REASONS: tuple[str, ...] = tuple(dict.fromkeys(
     TLS_REASONS + IDENTITY_REASONS + SESSION_REASONS + FIREWALL_REASONS))

@@ -39,16 +39,20 @@ import ssl
 import time
 from typing import Awaitable, Callable
 
-from rpcguard.endpoint import Dialer, Endpoint, check_node, dial, write
+from rpcguard.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
-from rpcguard.protocol.lifecycle import CLOSED, Lifecycle
+from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
 from rpcguard.route import Route
 from rpcguard.tls import classify_handshake_error, negotiated_rpcguard
 
-__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S"]
+__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS"]
+
+# The session-end line's level by result: a probe (rpcguard check, connect's /readyz every few
+# seconds) is no news; a refusal or an error is.
+_END_LEVEL = {"ok": logging.INFO, "no_hello": logging.INFO, "probe": logging.DEBUG}
 
 log = logging.getLogger("rpcguard.relay")
 
@@ -60,6 +64,17 @@ HOLD_MAX_BYTES = BATCH_MAX_BYTES
 
 _ids = itertools.count(1)
 TICK_S = 1.0  # how often the lifecycle's deadlines are checked
+
+# Loop fairness: a read that produced more than FAIR_CHUNKS frames (chunks, each way) and took
+# longer than FAIR_READ_NS makes its side read FAIR_READ_BYTES (endpoint.py) at a time, one
+# read per loop turn, so that other sessions, handshakes and /healthz run between its reads
+# (one 256 KiB read of GET_ALIGNMENTs is ~29,000 frames, tens of ms). llama.cpp's reads carry a
+# few frames each (a decode step is ~8), so it never gets here and pays one len() per read;
+# a read of FAIR_WIDEN_CHUNKS or fewer frames gives the side its full buffer back.
+FAIR_CHUNKS = 64
+FAIR_READ_NS = 1_000_000
+FAIR_WIDEN_CHUNKS = 4
+assert FAIR_READ_BYTES >= 1024
 
 
 _APPLY: dict[str, str] = {
@@ -110,6 +125,7 @@ class Link:
         try:
             peer = sock.getpeername()
             self.lc.peer = f"{peer[0]}:{peer[1]}"
+            self.lc.source = str(peer[0])
         except OSError:
             pass
         route.links.add(self)
@@ -118,13 +134,11 @@ class Link:
         try:
             if route.role == "serve":
                 assert route.ssl_context is not None
-                try:
-                    await loop.connect_accepted_socket(
-                        lambda: self.client, sock, ssl=route.ssl_context(),
-                        ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
-                    )
-                except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
-                    self.lc.handshake_failed("refused", classify_handshake_error(exc), f"TLS handshake failed: {exc}")
+                too_many = route.handshake_refusal(self.lc.source)
+                if too_many is not None:
+                    self.lc.rejected(too_many)  # closed at once (finally), no TLS spent on it
+                else:
+                    await self._handshake(loop, sock)
             else:
                 await loop.connect_accepted_socket(lambda: self.client, sock)
         except asyncio.CancelledError:
@@ -136,6 +150,24 @@ class Link:
             if self.client.transport is None:
                 sock.close()
         self._apply()
+
+    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """serve: the TLS handshake, counted among its source's (``max_handshakes_per_source``)."""
+        route, source = self.route, self.lc.source
+        route.handshaking[source] = route.handshaking.get(source, 0) + 1
+        try:
+            await loop.connect_accepted_socket(
+                lambda: self.client, sock, ssl=route.ssl_context(),  # type: ignore[misc]
+                ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
+            )
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            self.lc.handshake_failed("refused", classify_handshake_error(exc), f"TLS handshake failed: {exc}")
+        finally:
+            left = route.handshaking[source] - 1
+            if left:
+                route.handshaking[source] = left
+            else:
+                del route.handshaking[source]
 
     def made(self, endpoint: Endpoint) -> None:
         """A transport is up: the client's (admission) or the upstream's (the dial worked)."""
@@ -156,6 +188,8 @@ class Link:
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
+        if route.provider is not None and self.lc.session is not None:  # post-mortem of a crash
+            self.lc.session.record_recent()
         try:
             self.check_upstream(route, endpoint.transport)  # type: ignore[arg-type]
         except Refusal as refusal:
@@ -178,8 +212,13 @@ class Link:
         lc = self.lc
         # lc.client_data / server_data: in ACTIVE the session's own methods (see Lifecycle:
         # a refusal and the events are handed back to the lifecycle, as client_bytes does).
+        t_ns = self._clock_ns()
         try:
-            out = (lc.client_data if endpoint.is_client else lc.server_data)(view, self._clock_ns())
+            if endpoint.is_client:
+                lc.rx_bytes += len(view)  # the frame deadline's progress (Lifecycle.tick)
+                out = lc.client_data(view, t_ns)
+            else:
+                out = lc.server_data(view, t_ns)
         except Refusal as refusal:
             lc.refused(refusal)
             self._apply()
@@ -193,6 +232,14 @@ class Link:
         if out.events:
             lc.session_events(out)
         to_server = out.to_server
+        many = len(to_server) + len(out.to_client)
+        if many > FAIR_CHUNKS:
+            # Many small frames in one read (a pipelined flood): past FAIR_READ_NS of work, this
+            # side reads FAIR_READ_BYTES at a time, one read per loop turn (Endpoint.narrow).
+            if self._clock_ns() - t_ns > FAIR_READ_NS:
+                endpoint.narrow()
+        elif endpoint.narrowed and many <= FAIR_WIDEN_CHUNKS:
+            endpoint.widen()
         if to_server:
             if endpoint.is_client and not out.urgent:
                 held = self._held
@@ -235,6 +282,8 @@ class Link:
             self.flush_held()
             self.lc.client_closed()
         elif endpoint is self.upstream:
+            if self._upstream_gone():
+                return
             self.lc.upstream_closed()
         self._apply()
 
@@ -242,22 +291,50 @@ class Link:
         if endpoint.is_client:
             self.lc.client_closed(str(exc) if exc else "")
         elif endpoint is self.upstream:
+            if self._upstream_gone(str(exc) if exc else ""):
+                return
             tls_reason = classify_handshake_error(exc) if isinstance(exc, ssl.SSLError) else None
             self.lc.upstream_closed(str(exc) if exc else "", tls_reason)
+        self._apply()
+
+    def _upstream_gone(self, error: str = "") -> bool:
+        """serve runs the server: an active session's upstream closed. Ask the pool whether the
+        process died under it (``upstream_crashed``) before the lifecycle hears of the close."""
+        provider = self.route.provider
+        if provider is None or self.lc.state != ACTIVE:
+            return False
+        if not getattr(self, "_gone", False):
+            self._gone = True
+            self._spawn(self._crash_check(provider, error))
+        return True
+
+    async def _crash_check(self, provider, error: str) -> None:
+        cause = await provider.crash_cause(self.id)
+        if cause is not None and self.lc.session is not None:
+            self.lc.upstream_exit = cause
+            self.lc.command = self.lc.session.command_name  # the command it was running (audit record)
+            self.lc.post_mortem = self.lc.session.post_mortem()
+        self.lc.upstream_closed(error)
         self._apply()
 
     def pause_other(self, endpoint: Endpoint) -> None:
         if endpoint.is_client:
             self.lc.client_blocked(True)  # the client is not reading its responses
+        else:
+            self.lc.client_held_back = True  # its frames wait for the upstream: not the client's delay
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
+            other.held = True
             other.transport.pause_reading()
 
     def resume_other(self, endpoint: Endpoint) -> None:
         if endpoint.is_client:
             self.lc.client_blocked(False)
+        else:
+            self.lc.client_held_back = False
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
+            other.held = False
             other.transport.resume_reading()
 
     # ----------------------------------------------------------------------------- timers
@@ -267,7 +344,8 @@ class Link:
     def _tick(self) -> None:
         self._timer = None
         self.flush_held()
-        self.lc.tick(self._clock())
+        slot = self.route.slot
+        self.lc.tick(self._clock(), slot.waiting if slot is not None else 0)
         self._apply()
         if self.lc.state != CLOSED:
             self._schedule_tick()
@@ -379,8 +457,10 @@ class Link:
         lc = self.lc
         route = self.route
         route.session_over(self, lc)
+        if route.provider is not None:
+            route.provider.ended(self.id, record)
         result, reason, detail = lc.result, lc.reason, lc.detail
-        level = logging.INFO if result == "ok" else logging.WARNING
+        level = _END_LEVEL.get(result, logging.WARNING)
         log.log(
             level,
             "session end id=%d role=%s listener=%s profile=%s peer=%s identity=%s result=%s reason=%s party=%s "

@@ -27,12 +27,12 @@ from typing import Any, Callable, Mapping, NamedTuple
 from rpcguard.errors import Refusal
 from rpcguard.identity import AllowList, PeerIdentity, check_usage
 from rpcguard.metrics import ListenerTraffic
-from rpcguard.protocol.endings import UPSTREAM_DRAIN_S
-from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, peer_cap_refusal
+from rpcguard.protocol.lifecycle import AWAIT_HELLO, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
-from rpcguard.tls import peer_identity
+from rpcguard.tls import is_probe, peer_identity
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "UPSTREAM_DRAIN_S"]
 
@@ -84,6 +84,7 @@ class Admission(NamedTuple):
     identity: str = ""
     refusal: Refusal | None = None
     identity_refused: bool = False  # the refusal is about who the client is (answered at HELLO)
+    probe: bool = False  # serve: the client said in the handshake it is a probe (tls.ALPN_PROBES)
 
 
 @dataclass
@@ -108,8 +109,19 @@ class Route:
     server_name: str | None = None  # connect: expected name in the node's certificate
     slot: UpstreamSlot | None = None  # serve: the single upstream client slot
     links: set = field(default_factory=set)
+    handshaking: dict = field(default_factory=dict)  # serve: source address -> TLS handshakes running
     on_session_end: Callable[[dict], None] | None = None  # audit sink
+    # serve with upstream.exec: the upstream/pool.UpstreamPool that runs the server processes and
+    # gives each session its connection (endpoint.dial, relay.Link, admit's quarantine check)
+    provider: Any = None
     draining: bool = False
+
+    def handshake_refusal(self, source: str) -> Refusal | None:
+        """serve: ``max_handshakes_per_source`` handshakes from ``source`` run already."""
+        cap = self.default.limits.max_handshakes_per_source
+        if cap and self.handshaking.get(source, 0) >= cap:
+            return Refusal("too_many_handshakes_per_source", f"more than {cap} TLS handshakes from this address")
+        return None
 
     def profile_for(self, identity: PeerIdentity) -> Profile:
         """The profile of an identity the allow-list admitted: the one its first matching entry
@@ -139,14 +151,41 @@ class Route:
                 profile = self.profile_for(ident)
             except Refusal as exc:
                 refusal, identity_refused = exc, True
-        held = [other.lc.profile for other in self.links if other is not link and other.lc.admitted]
+            if refusal is None and self.provider is not None:
+                refusal = self.provider.quarantined(identity)
+                identity_refused = refusal is not None
+        # Links refused already (waiting to answer their HELLO) hold no session: a flood of them
+        # must not lock others out.
+        held = [other.lc.profile for other in self.links
+                if other is not link and other.lc.admitted and other.lc.refusal is None]
         held.append(profile)
         too_many = admission_refusal(self.default, profile, held)
+        if too_many is None and refusal is None and self.role == "serve":
+            too_many = peer_cap_refusal(self.default.limits, profile.limits, self.peer_counts(link, identity))
+            identity_refused = too_many is not None  # about who (where) it is: counted if it leaves
         if too_many is not None:
             refusal = too_many
         elif self.draining:
             refusal = Refusal("shutdown", "rpcguard is shutting down")
-        return Admission(profile, identity, refusal, identity_refused)
+        return Admission(profile, identity, refusal, identity_refused, self.role == "serve" and is_probe(ssl_object))
+
+    def peer_counts(self, link: Any, identity: str) -> tuple[int, int, int, int]:
+        """serve: admitted sessions that are not refused (``link``, new, included) of ``identity``
+        and of ``link``'s source address, then among them those without a HELLO yet."""
+        source = link.lc.source
+        ident = src = ident_pending = src_pending = 1
+        for other in self.links:
+            lc = other.lc
+            if other is link or not lc.admitted or lc.refusal is not None:
+                continue
+            pending = lc.state == AWAIT_HELLO
+            if lc.identity == identity:
+                ident += 1
+                ident_pending += pending
+            if lc.source == source:
+                src += 1
+                src_pending += pending
+        return ident, src, ident_pending, src_pending
 
     async def take_slot(self, limits: Limits, link_id: int) -> Refusal | None:
         """serve: wait for the single upstream slot; the refusal when ``upstream_busy`` says no."""

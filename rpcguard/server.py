@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
 from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
+from rpcguard.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError
 from rpcguard.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.metrics_http import HttpServer
@@ -38,6 +39,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.relay import Link
 from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.tlsmaterial import TlsMaterial
+from rpcguard.upstream.runtime import Upstreams, contain, contain_all
 from rpcguard.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
@@ -79,8 +81,8 @@ class _Listener:
         assert self.sock is not None
         route = self.route
         self.task = asyncio.get_running_loop().create_task(_accept_loop(route, self.sock))
-        log.info("%s %s listening on %s:%d -> %s:%d", route.role, route.name, self.host, self.port,
-                 route.upstream_host, route.upstream_port)
+        log.info("%s %s listening on %s:%d -> %s", route.role, route.name, self.host, self.port,
+                 route.traffic.upstream or f"{route.upstream_host}:{route.upstream_port}")
 
     def close(self) -> None:
         if self.task is not None:
@@ -96,6 +98,8 @@ def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) ->
     if isinstance(item, ListenerConfig):
         route.profiles = item.profiles
         route.allow = item.allow
+        if route.provider is not None and route.provider.contained:  # content-indexed ops may reach it
+            route.default, route.profiles = contain(route.default), contain_all(route.profiles)
         for name in (route.default.name, *item.profiles):  # every profile's series exists from the start
             route.traffic.profile_sessions.setdefault(name, 0)
 
@@ -123,9 +127,11 @@ class Runtime:
         self._facts: dict[tuple[str, int], UpstreamFacts] = {}
         self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.upstreams = Upstreams(self.metrics)  # serve's own server processes (upstream.exec)
         self._watcher: asyncio.Task | None = None
         self.stopping = asyncio.Event()
         self._record_expiry()
+        report_downgrades(cfg, self.metrics, self.web.config)  # a WARNING each, and the gauges
         self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
         self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
         for lst in self.listeners:
@@ -134,13 +140,15 @@ class Runtime:
     def _listener(self, item: ListenerConfig | TunnelConfig) -> _Listener:
         """A route (not yet accepting, not yet in the metrics) for one listener (serve) or tunnel (connect)."""
         if isinstance(item, ListenerConfig):
-            key = (item.upstream.host, item.upstream.port)
-            where = f"{key[0]}:{key[1]}"
+            key = (item.upstream.host, item.upstream.port) if item.managed is None else (f"exec:{item.name}", 0)
+            where = f"{key[0]}:{key[1]}" if item.managed is None else f"exec {item.managed.exec[0]}"
             route = Route(
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
                 facts=self._facts.setdefault(key, UpstreamFacts(where)),
-                ssl_context=lambda: self.tls.context, slot=self._slots.setdefault(key, UpstreamSlot()),
+                # the listener says in ALPN whether it enforces everything (downgrades.enforces, tls.py)
+                ssl_context=lambda: self.tls.context_for(enforces(route.default, route.profiles)),
+                slot=self._slots.setdefault(key, UpstreamSlot()),
             )
         else:
             where = f"{item.server.host}:{item.server.port}"
@@ -158,6 +166,8 @@ class Runtime:
         """Give a new route its counters (kept across a reload that keeps the name) and settings."""
         route = lst.route
         route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
+        if isinstance(lst.item, ListenerConfig) and lst.item.managed is not None:  # serve runs the server
+            route.provider = self.upstreams.pool(route.name, lst.item.managed)
         _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
@@ -176,7 +186,7 @@ class Runtime:
 
     def _record_expiry(self) -> None:
         for certificate, when in self.tls.loaded_expiry.items():
-            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when)
+            self.metrics.set_certificate_expiry(self.cfg.role, certificate, when, getattr(self.tls.tls, certificate))
         # Warnings about the material just loaded (the same checks as `rpcguard check-config`).
         self.cert_warnings = certificate_warnings(self.tls.tls.cert, self.tls.tls.ca)
         kinds = {w.kind for w in self.cert_warnings}
@@ -189,6 +199,7 @@ class Runtime:
     async def start(self) -> None:
         """Bind every listener (and the metrics endpoint); raises OSError on a busy port."""
         try:
+            await self.upstreams.start()
             for lst in self.listeners:
                 lst.bind()
                 lst.accept()
@@ -296,7 +307,9 @@ class Runtime:
         await asyncio.sleep(0)  # the retired accept loops let go of their sockets (one handed over) first
         for lst in fresh:
             lst.accept()
+        await self.upstreams.start_new()  # a pool that cannot start logs why; its sessions are refused
         self._record_expiry()
+        report_downgrades(self.cfg, self.metrics, self.web.config)  # again: a reload that keeps them says so
         self._watch()
         self.metrics.reload("ok")
         self.metrics.reload_kept_keys = len(diff.kept)
@@ -311,6 +324,8 @@ class Runtime:
     def _retire(self, old: _Listener) -> None:
         """Stop accepting on ``old``; its running sessions finish on its route (drain() still waits)."""
         old.close()
+        if old.route.provider is not None:  # its server processes end with its last session
+            self.upstreams.retire(old.route.provider)
         log.info("%s %s stopped accepting on %s:%d (%d running sessions finish as they are)",
                  old.route.role, old.route.name, old.host, old.port, len(old.route.links))
         self.retired = [lst for lst in self.retired if lst.route.links] + [old]
@@ -365,6 +380,13 @@ class Runtime:
             route = lst.route
             if route.role != "serve":
                 continue
+            if route.provider is not None:  # serve runs the server: its pool knows
+                ok, why = route.provider.ready()
+                route.traffic.upstream_up = ok
+                if not ok:
+                    return False, f"{route.name}: upstream {why}"
+                lines.append(f"{route.name}: upstream {why}")
+                continue
             if route.slot is not None and route.slot.busy:
                 lines.append(f"{route.name}: upstream in use by a session")
                 continue
@@ -388,7 +410,7 @@ class Runtime:
         async with lock:
             seen = self._node_seen.get(route.name)
             if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
-                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.context,
+                result = await tls_probe(route.name, route.upstream_host, route.upstream_port, self.tls.probe_context,
                                          route.server_name or route.upstream_host,
                                          timeout=min(NODE_PROBE_TIMEOUT_S, self.cfg.limits.connect_timeout_s
                                                      + self.cfg.limits.handshake_timeout_s),
@@ -403,7 +425,8 @@ class Runtime:
         if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
             return
         self._upstreams_probed_at = now
-        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining]
+        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining
+                  and lst.route.provider is None]
         oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
         for route, ok in zip(routes, oks):
             route.traffic.upstream_up = ok
@@ -440,6 +463,7 @@ class Runtime:
             lst.close()
         if self._http is not None:
             self._http.close()
+        await self.upstreams.close()
         await asyncio.sleep(0)
 
 

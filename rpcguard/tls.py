@@ -13,10 +13,17 @@ suites, in order TLS_AES_256_GCM_SHA384, TLS_CHACHA20_POLY1305_SHA256, TLS_AES_1
 config file (``Ciphersuites =`` in a ``system_default`` section, via ``OPENSSL_CONF``). With
 ``min_version="1.2"`` the TLS 1.2 list below is ECDHE + AEAD only, AES-GCM before ChaCha20.
 
-ALPN. Both sides offer ``ALPN_RPCGUARD``: a ``connect`` that negotiated it knows its node is an
-rpcguard ``serve``, which validates every request itself, so by default it leaves the request
-firewall to the node (``SessionPolicy.validate_requests``, docs/firewall.md). A node that is not
-rpcguard (stunnel, HAProxy, an old serve) negotiates nothing and connect validates as before.
+ALPN says what the node enforces. A ``serve`` listener offers exactly one of ``ALPN_ENFORCING``
+(every session of the listener, whatever its profile, runs every firewall check in enforce mode)
+or ``ALPN_MONITORING`` (some of it runs in monitor mode or with a check switched off,
+``downgrades.py``), and the probe form of the same (``+probe``). ``connect`` offers the first two: only a node that
+negotiated ``ALPN_ENFORCING`` gets the request firewall left to it (``node_enforces``,
+``SessionPolicy.validate_requests``, docs/firewall.md); a monitoring node, one that is not rpcguard
+(stunnel, HAProxy) and an older serve (which offers only ``rpcguard/1``) negotiate something else
+or nothing, and connect validates every request itself. ``rpcguard check`` and connect's
+``/readyz`` offer the two probe forms alone: the node then knows the connection is a probe, never
+queues it for the upstream and records it as ``result=probe`` (probe.py), and the probe still
+learns whether the node enforces.
 
 The transport's ``SSLObject`` is ``DirectSSLObject``: its ``read`` / ``write`` / ``pending`` are
 the C object's own methods, so uvloop's TLS loop, which calls them once per record, skips a
@@ -34,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-import stat
 from pathlib import Path
 from typing import Literal
 
@@ -44,6 +50,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from .errors import PolicyRefusal, RpcGuardError
 from .identity import PeerIdentity
+from .keyfiles import key_file_problem
 
 __all__ = [
     "TlsConfigError",
@@ -54,13 +61,26 @@ __all__ = [
     "peer_identity",
     "HANDSHAKE_ERROR_REASONS",
     "TLS12_CIPHERS",
-    "ALPN_RPCGUARD",
+    "ALPN_ENFORCING",
+    "ALPN_MONITORING",
+    "ALPN_PROBES",
     "DirectSSLObject",
     "negotiated_rpcguard",
+    "node_enforces",
+    "node_mode",
+    "is_probe",
+    "probe_context",
 ]
 
-# Offered by serve and connect; negotiated only when both ends are rpcguard (see the module doc).
-ALPN_RPCGUARD = "rpcguard/1"
+# What a serve listener says in the handshake (see the module doc). Never "rpcguard/1": that is
+# what serve offered before it said whether it enforces, and an older connect that negotiated it
+# left its request checks to any node, monitoring or not.
+ALPN_ENFORCING = "rpcguard/1+enforce"
+ALPN_MONITORING = "rpcguard/1+monitor"
+# The probe forms: offered alone by ``rpcguard check`` and connect's /readyz.
+ALPN_PROBES = {ALPN_ENFORCING: "rpcguard/1+enforce+probe", ALPN_MONITORING: "rpcguard/1+monitor+probe"}
+_NODE_MODES = {ALPN_ENFORCING: "enforce", ALPN_MONITORING: "monitor",
+               ALPN_PROBES[ALPN_ENFORCING]: "enforce", ALPN_PROBES[ALPN_MONITORING]: "monitor"}
 
 TlsVersion = Literal["1.3", "1.2"]
 _VERSIONS = {"1.3": ssl.TLSVersion.TLSv1_3, "1.2": ssl.TLSVersion.TLSv1_2}
@@ -118,10 +138,15 @@ def server_context(
     *,
     min_version: TlsVersion = "1.3",
     allow_insecure_key_perms: bool = False,
+    enforcing: bool = True,
 ) -> ssl.SSLContext:
-    """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``."""
+    """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``.
+
+    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``)."""
     ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, ExtendedKeyUsageOID.SERVER_AUTH,
-                   min_version, allow_insecure_key_perms)
+                   min_version, allow_insecure_key_perms,
+                   [ALPN_ENFORCING, ALPN_PROBES[ALPN_ENFORCING]] if enforcing
+                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]])
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return ctx
@@ -135,15 +160,18 @@ def client_context(
     server_name: str,
     min_version: TlsVersion = "1.3",
     allow_insecure_key_perms: bool = False,
+    probe: bool = False,
 ) -> ssl.SSLContext:
     """Client side: present ``cert``/``key``; verify the server against ``ca`` and ``server_name``.
 
     The caller must wrap with ``server_hostname=server_name`` (a DNS name or an IP literal).
+    ``probe``: offer the probe forms only (``rpcguard check``, connect's ``/readyz``).
     """
     if not server_name or any(c.isspace() for c in server_name):
         raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
     ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, ExtendedKeyUsageOID.CLIENT_AUTH,
-                   min_version, allow_insecure_key_perms)
+                   min_version, allow_insecure_key_perms,
+                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING])
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
@@ -186,6 +214,7 @@ def _context(
     purpose: x509.ObjectIdentifier,
     min_version: str,
     allow_insecure_key_perms: bool,
+    alpn: list[str],
 ) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise TlsConfigError(f"min_version {min_version!r}: expected '1.3' or '1.2'")
@@ -196,7 +225,7 @@ def _context(
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
     ctx.verify_flags |= ssl.VERIFY_X509_STRICT
     ctx.set_ciphers(TLS12_CIPHERS)  # TLS <= 1.2 only; see the module comment for TLS 1.3
-    ctx.set_alpn_protocols([ALPN_RPCGUARD])
+    ctx.set_alpn_protocols(alpn)
     if hasattr(ssl.SSLObject, "_create"):  # CPython >= 3.7; else the plain wrappers
         ctx.sslobject_class = DirectSSLObject
     try:
@@ -222,9 +251,33 @@ class DirectSSLObject(ssl.SSLObject):
         return obj
 
 
-def negotiated_rpcguard(ssl_object: ssl.SSLObject | None) -> bool:
-    """True when the TLS peer is rpcguard (both ends offered ``ALPN_RPCGUARD``)."""
-    return ssl_object is not None and ssl_object.selected_alpn_protocol() == ALPN_RPCGUARD
+def node_mode(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
+    """What the node said in the handshake: ``"enforce"``, ``"monitor"``, or None (not told)."""
+    return _NODE_MODES.get(ssl_object.selected_alpn_protocol() or "") if ssl_object is not None else None
+
+
+def node_enforces(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
+    """True when the node said in the handshake that it enforces every request check."""
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() == ALPN_ENFORCING
+
+
+_PROBE_FORMS = frozenset(ALPN_PROBES.values())
+
+# The name relay.py calls: a connect leaves its request checks to a node only when this is True.
+negotiated_rpcguard = node_enforces
+
+
+def is_probe(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
+    """The client said in the handshake that this connection is a probe (``ALPN_PROBES``)."""
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() in _PROBE_FORMS
+
+
+def probe_context(
+    cert: str | os.PathLike[str], key: str | os.PathLike[str], ca: str | os.PathLike[str], *,
+    min_version: TlsVersion = "1.3",
+) -> ssl.SSLContext:
+    """The client context of ``rpcguard check`` and connect's ``/readyz`` (``ALPN_PROBES``)."""
+    return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True)
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -274,16 +327,7 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier,
 
 
 def _check_key_perms(path: Path, allow_insecure: bool) -> None:
-    """Refuse a key others can read. Like PostgreSQL: 0600 or stricter, or 0640 when owned by root."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise TlsConfigError(f"{path}: cannot read private key: {exc.strerror or exc}") from exc
-    if allow_insecure or os.name != "posix":
-        return
-    too_open = stat.S_IMODE(st.st_mode) & (0o037 if st.st_uid == 0 else 0o077)
-    if too_open:
-        raise TlsConfigError(
-            f"{path}: private key is accessible by others (mode {stat.S_IMODE(st.st_mode):04o});"
-            " chmod 600 it (or chown root and chmod 640)"
-        )
+    """The one rule for private key files (keyfiles.py): readable, a key, not readable by others."""
+    problem = key_file_problem(path, allow_insecure=allow_insecure)
+    if problem:
+        raise TlsConfigError(problem)

@@ -5,6 +5,10 @@ built, expiry read, a digest of each file taken) without changing anything; ``us
 material in use. A reload prepares first and commits only when the whole new configuration is
 good, so bad material leaves the running contexts untouched. Routes reach the context through a
 getter: running sessions keep the context they were accepted with.
+
+serve holds two server contexts of the same files, one per thing a listener can say in ALPN
+(``context_for(enforcing)``, tls.py); connect holds the tunnels' client context and the probe's
+(``probe_context``: ``rpcguard check``, ``/readyz``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 from rpcguard.certs import cert_not_after
 from rpcguard.config import Config, TlsConfig
-from rpcguard.tls import client_context, server_context
+from rpcguard.tls import client_context, probe_context, server_context
 
 __all__ = ["TlsMaterial"]
 
@@ -25,7 +29,8 @@ __all__ = ["TlsMaterial"]
 class _TlsLoad:
     """TLS material read and checked, not yet in use."""
     tls: TlsConfig
-    context: ssl.SSLContext
+    context: ssl.SSLContext  # serve: the enforcing listeners'; connect: the tunnels'
+    other: ssl.SSLContext  # serve: the monitoring listeners'; connect: the probe's
     expiry: dict[str, float]
     stamp: tuple
     digest: dict[str, str]  # "cert"/"key"/"ca" -> sha256 of the file's bytes
@@ -46,18 +51,31 @@ class TlsMaterial:
         for name in ("cert", "key", "ca"):
             with open(getattr(tls_cfg, name), "rb") as f:
                 digest[name] = hashlib.sha256(f.read()).hexdigest()
-        return _TlsLoad(tls_cfg, self._build(tls_cfg), self._read_expiry(tls_cfg), stamp, digest)
+        main, other = self._build(tls_cfg)
+        return _TlsLoad(tls_cfg, main, other, self._read_expiry(tls_cfg), stamp, digest)
 
     def use(self, loaded: _TlsLoad) -> None:
         """Put prepared material in use (new sessions get it)."""
         self.tls, self.context, self.loaded_expiry = loaded.tls, loaded.context, loaded.expiry
+        self._other = loaded.other
         self.stamp, self.digest = loaded.stamp, loaded.digest
 
-    def _build(self, t: TlsConfig) -> ssl.SSLContext:
+    def context_for(self, enforcing: bool) -> ssl.SSLContext:
+        """serve: the context of a listener that enforces everything (or not): its ALPN says which."""
+        return self.context if enforcing or self.role != "serve" else self._other
+
+    @property
+    def probe_context(self) -> ssl.SSLContext:
+        """connect: the context of a probe (ALPN_PROBES), which the node never queues."""
+        return self._other if self.role == "connect" else self.context
+
+    def _build(self, t: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
         if self.role == "serve":
-            return server_context(t.cert, t.key, t.ca, min_version=t.min_version)
+            return (server_context(t.cert, t.key, t.ca, min_version=t.min_version),
+                    server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False))
         # One client context serves every tunnel: the expected node name is given per connection.
-        return client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version)
+        return (client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version),
+                probe_context(t.cert, t.key, t.ca, min_version=t.min_version))
 
     @staticmethod
     def _read_expiry(t: TlsConfig) -> dict[str, float]:

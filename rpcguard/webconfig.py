@@ -49,6 +49,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import ConfigError
+from .keyfiles import key_file_problem
 
 __all__ = ["WebConfig", "WebGuard", "BasicAuth", "load_web_config", "CLIENT_AUTH_TYPES", "TLS_VERSIONS",
            "GO_CIPHER_SUITES", "ALLOWED_HEADERS", "AUTH_REASONS", "MAX_CONCURRENT_BCRYPT", "AUTH_CACHE_ENTRIES"]
@@ -93,6 +94,7 @@ ALLOWED_HEADERS: Mapping[str, tuple[str, ...] | None] = {
 # Stable reasons of a refused request after TLS (metric label of rpcguard_web_refusals_total).
 AUTH_REASONS = ("auth_required", "auth_failed", "client_san_not_allowed")
 
+BCRYPT_MAX_PASSWORD_BYTES = 72  # what bcrypt hashes; a longer password never matches a stored hash
 MAX_CONCURRENT_BCRYPT = 2  # bcrypt checks running at once (each one is a core for ~70 ms)
 AUTH_CACHE_ENTRIES = 64  # successful (user, password) pairs remembered
 _BCRYPT_PREFIXES = (b"$2a$", b"$2b$", b"$2y$")
@@ -201,6 +203,9 @@ def _parse_tls(t: dict, path: str) -> dict[str, Any]:
         if t.get(k) is None:
             raise _err(path, p + k, "required when tls_server_config is set")
         out[k] = _file(t[k], path, p + k)
+    problem = key_file_problem(out["key_file"])  # the rule of every private key rpcguard reads (keyfiles.py)
+    if problem:
+        raise _err(path, p + "key_file", problem)
     if t.get("client_ca_file") is not None and t.get("client_ca") is not None:
         raise _err(path, p + "client_ca", "give client_ca or client_ca_file, not both")
     if t.get("client_ca_file") is not None:
@@ -353,6 +358,10 @@ class BasicAuth:
             return "auth_failed"
         if not sep:
             return "auth_failed"
+        if len(password.encode()) > BCRYPT_MAX_PASSWORD_BYTES:
+            # bcrypt uses 72 bytes at most (bcrypt >= 5 raises past them, older releases cut
+            # them off): no stored password is longer, so this one is wrong, whoever the user is.
+            return "auth_failed"
         hashed = self._users.get(user)
         digest = hmac.new(self._key, b"\0".join((user.encode(), hashed or b"", password.encode())),
                           hashlib.sha256).digest()
@@ -361,8 +370,11 @@ class BasicAuth:
             return None
         async with self._sem:
             self.bcrypt_checks += 1
-            ok = await asyncio.get_running_loop().run_in_executor(
-                None, self._bcrypt.checkpw, password.encode(), hashed or self._dummy)
+            try:
+                ok = await asyncio.get_running_loop().run_in_executor(
+                    None, self._bcrypt.checkpw, password.encode(), hashed or self._dummy)
+            except ValueError:  # a password bcrypt will not take (its own checks): a wrong one
+                ok = False
         if not ok or hashed is None:
             return "auth_failed"
         self._ok[digest] = None

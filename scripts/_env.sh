@@ -12,6 +12,9 @@ command -v g++ >/dev/null || need_apt+=(g++)
 python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
   2>/dev/null || need_apt+=(python3-dev)
 command -v stdbuf >/dev/null || need_apt+=(coreutils)
+# serve's sandbox for the server it runs (docs/containment.md): bubblewrap, util-linux's setpriv
+command -v bwrap >/dev/null || need_apt+=(bubblewrap)
+command -v setpriv >/dev/null || need_apt+=(util-linux)
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing ${need_apt[*]} from Debian"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null

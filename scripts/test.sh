@@ -13,5 +13,9 @@ if [ -f "$ROOT/tests/realpeer/sanitizer.sh" ]; then
   say "ASan+UBSan ggml-rpc-server for the sanitizer oracle (~3 min the first time on 2 idle cores, cached after)"
   PYTHON="$PY" bash "$ROOT/tests/realpeer/sanitizer.sh" >&2
 fi
+if [ -f "$ROOT/tests/realpeer/tools.sh" ]; then
+  say "real llama.cpp tools: llama-server, llama-cli, llama-bench, ggml-rpc-server, test-backend-ops (15 min of CPU, 40 min on 2 busy cores the first time, cached after)"
+  PYTHON="$PY" bash "$ROOT/tests/realpeer/tools.sh" >&2
+fi
 say "running the tests"
 exec "$PY" -m pytest "$@"

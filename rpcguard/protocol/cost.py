@@ -19,13 +19,14 @@ the server sees the graph. Sans-IO, pure integer arithmetic on decoded tensors.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Final, Mapping, Sequence
 
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["work_bytes", "flops", "ELEMENT_FLOPS", "TILED_SLOT_BYTES"]
+__all__ = ["work_bytes", "flops", "moved_bytes", "ELEMENT_FLOPS", "BYTE_FLOPS", "TILED_SLOT_BYTES"]
 
 Srcs = Sequence["RpcTensor | None"]
 F32, F16, I32, BF16 = 0, 1, 26, 30
@@ -145,41 +146,112 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 
 
 # -- compute cost --------------------------------------------------------------------------
+#
+# Calibrated against the real ggml-rpc-server (bench/compute_cost.py, docs/firewall.md "Compute
+# budget"): every node pays BYTE_FLOPS per byte it reads and writes on top of its arithmetic (at
+# the default rate a byte costs what the memory-bound one-token matrix products measure); the
+# arithmetic is 2*K*|dst| for matrix products, a formula for ops whose work is not proportional
+# to their elements, and a number of operations per element for the rest. Each factor was rounded
+# up from what the measurements needed, with at least 1.4x margin.
 
-
-def _flops_mul_mat(n: RpcTensor, s: Srcs) -> int:
-    a = s[0]
-    return 2 * (a.ne0 if a is not None else 1) * _n(n)
-
-
-def _flops_flash_attn(n: RpcTensor, s: Srcs) -> int:
-    q, k, v = s[0], s[1], s[2]
-    if q is None or k is None or v is None:
-        return 0
-    # per query row (ne1) and head (ne2) of every sequence (ne3): one dot product of DK and one
-    # accumulation of DV per key
-    return 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
-
-
-def _flops_ssm_conv(n: RpcTensor, s: Srcs) -> int:
-    c = s[1]
-    return 2 * (c.ne0 if c is not None else 1) * _n(n)
-
-
-_FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
-    "MUL_MAT": _flops_mul_mat, "MUL_MAT_ID": _flops_mul_mat, "OUT_PROD": _flops_mul_mat,
-    "FLASH_ATTN_EXT": _flops_flash_attn,
-    "SSM_CONV": _flops_ssm_conv,
-}  # fmt: skip
+BYTE_FLOPS: Final = 4
+FA_FACTOR: Final = {False: 3, True: 5}  # FLASH_ATTN_EXT with F16/F32 K/V, with quantized K/V
+OUT_PROD_FACTOR: Final = 6  # vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
+CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is not F32
+SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
+POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
+CONV_FACTOR: Final = 2  # CONV_2D (direct): multiplies 2*|dst|*KW*KH*Cin
+ELEMENT_FLOPS_OP: Final = {"SOFT_MAX": 48, "RMS_NORM": 24, "NORM": 24, "L2_NORM": 24, "GROUP_NORM": 24,
+                           "ROPE": 16}
+_CONVERTING: Final = frozenset({"CPY", "DUP", "CONT"})
 # Ops ggml-cpu never computes (views, NONE): no cost.
 _FREE: Final = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
+def _bytes(t: RpcTensor | None) -> int:
+    """Logical bytes (elements x type size): a view with a zero stride is still read element by
+    element."""
+    return 0 if t is None else _row_size(t.type, _n(t))
+
+
+def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
+    """Bytes a node reads and writes; GET_ROWS / SET_ROWS count the rows they touch of the table
+    or cache, not all of it; views move nothing."""
+    if op in _FREE:
+        return 0
+    if op == "GET_ROWS" and srcs[0] is not None:
+        return _bytes(node) + _bytes(srcs[1]) + node.ne1 * node.ne2 * node.ne3 * _row_size(srcs[0].type, srcs[0].ne0)
+    if op == "SET_ROWS" and srcs[1] is not None:
+        b = srcs[1]
+        return _bytes(b) + _bytes(srcs[2]) + b.ne1 * b.ne2 * b.ne3 * _row_size(node.type, node.ne0)
+    return _bytes(node) + sum(_bytes(t) for t in srcs)
+
+
+def _matmul(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]
+    return 2 * (a.ne0 if a is not None else 1) * _n(n)
+
+
+def _out_prod(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]  # ops.cpp out_prod loops over src0's ne1
+    return OUT_PROD_FACTOR * 2 * (a.ne1 if a is not None else 1) * _n(n)
+
+
+def _flash_attn(n: RpcTensor, s: Srcs) -> int:
+    q, k, v = s[0], s[1], s[2]
+    if q is None or k is None or v is None:
+        return 0
+    # per query row (ne1), head (ne2) and sequence (ne3): a dot product of DK and an accumulation
+    # of DV per key
+    return FA_FACTOR[_quantized(k.type)] * 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
+
+
+def _ssm_conv(n: RpcTensor, s: Srcs) -> int:
+    c = s[1]
+    return 2 * (c.ne0 if c is not None else 1) * _n(n)
+
+
+def _sort(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]
+    if a is None:
+        return 0
+    return SORT_FLOPS * _n(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
+
+
+def _pool_1d(n: RpcTensor, s: Srcs) -> int:
+    return POOL_FLOPS * _n(n) * max(1, n.param1)
+
+
+def _pool_2d(n: RpcTensor, s: Srcs) -> int:
+    return POOL_FLOPS * _n(n) * max(1, n.param1) * max(1, n.param2)
+
+
+def _conv_2d(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]
+    return CONV_FACTOR * 2 * _n(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
+
+
+_FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
+    "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
+    "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
+    "CONV_2D": _conv_2d,
+}  # fmt: skip
+
+
 def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
-    """Estimated floating-point operations the server spends on this node."""
+    """Estimated floating-point operations the server spends on this node (its arithmetic plus
+    BYTE_FLOPS per byte moved)."""
     if op in _FREE or not _n(node):
         return 0
+    moved = BYTE_FLOPS * moved_bytes(op, node, srcs)
     fn = _FLOPS.get(op)
     if fn is not None:
-        return fn(node, srcs)
-    return ELEMENT_FLOPS * (_n(node) + sum(_n(t) for t in srcs))
+        return fn(node, srcs) + moved
+    if op in ("GET_ROWS", "SET_ROWS"):
+        data = srcs[0] if op == "GET_ROWS" else srcs[1]
+        per = 8 if node.type == F32 and (data is None or data.type == F32) else CONVERT_FLOPS
+        return per * moved_bytes(op, node, srcs) // 4 + moved
+    per = ELEMENT_FLOPS_OP.get(op, ELEMENT_FLOPS)
+    if op in _CONVERTING and not all(t is None or t.type == F32 for t in (node, *srcs)):
+        per = CONVERT_FLOPS
+    return per * (_n(node) + sum(_n(t) for t in srcs)) + moved

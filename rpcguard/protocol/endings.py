@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Iterable
 
 from rpcguard.errors import Refusal
 from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
-from rpcguard.protocol.settings import Profile
+from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version, spec_for
 
 if TYPE_CHECKING:
     from rpcguard.protocol.lifecycle import Lifecycle
 
-__all__ = ["UPSTREAM_DRAIN_S", "admission_refusal", "hello_closed_refusal", "overdue", "audit_record"]
+__all__ = ["UPSTREAM_DRAIN_S", "admission_refusal", "peer_cap_refusal", "hello_closed_refusal", "overdue", "audit_record"]
 
 # serve: a finished session's upstream is half-closed and read until the server hangs up
 # (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection); past this
@@ -41,6 +41,32 @@ def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Pro
     if same > profile.limits.max_sessions:
         return Refusal("too_many_sessions", f"more than {profile.limits.max_sessions} sessions of profile "
                                             f"{profile.name}")
+    return None
+
+
+def peer_cap_refusal(listener: Limits, profile: Limits, counts: tuple[int, int, int, int]) -> Refusal | None:
+    """serve: a new session would take one certificate or one host past its share of the
+    listener. ``counts``: admitted sessions (the new one included) of the same identity, of the
+    same source address, and among those the ones without a HELLO yet (the new one has none).
+    The identity's caps are its profile's; the source's, the listener's."""
+    ident, source, ident_pending, source_pending = counts
+    checks = (
+        (ident, profile.max_sessions_per_identity,
+         Refusal("too_many_sessions_per_identity", f"more than {profile.max_sessions_per_identity} sessions of "
+                                                   "this identity")),
+        (source, listener.max_sessions_per_source,
+         Refusal("too_many_sessions_per_source", f"more than {listener.max_sessions_per_source} sessions from "
+                                                 "this address")),
+        (ident_pending, profile.max_pending_per_identity,
+         Refusal("too_many_pending_per_identity", f"more than {profile.max_pending_per_identity} connections of "
+                                                  "this identity waiting for their HELLO")),
+        (source_pending, listener.max_pending_per_source,
+         Refusal("too_many_pending_per_source", f"more than {listener.max_pending_per_source} connections from "
+                                                "this address waiting for their HELLO")),
+    )
+    for count, cap, refusal in checks:
+        if cap and count > cap:
+            return refusal
     return None
 
 
@@ -64,6 +90,10 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
         if session.hello_request_len is None:
             # The clock starts at admission; the TLS handshake has its own timeout.
             if lc.t_admitted is not None and now - lc.t_admitted > hello_s:
+                early = lc.refusal
+                if early is not None and lc.refused_on_leave:  # refused for who it is: say that
+                    return Refusal(early.reason, f"{early.detail}; no HELLO within {hello_s:g} s",
+                                   party=early.party), False
                 return Refusal("hello_timeout", f"no HELLO within {hello_s:g} s"), False
         elif lc.upstream_open and now - lc.t_upstream > hello_s + (
             limits.queue_timeout_s if lc.role == "connect" else 0
@@ -76,8 +106,22 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
         idle = session.idle
         if limits.idle_timeout_s and idle and quiet > limits.idle_timeout_s:
             return Refusal("idle_timeout", f"idle for {quiet:.0f} s"), False
-        if limits.frame_timeout_s and not idle and quiet > limits.frame_timeout_s and session.mid_frame:
-            return Refusal("frame_timeout", f"a request frame stalled for {quiet:.0f} s"), False
+        base = limits.frame_timeout_s
+        if base and lc.frame_t:
+            # By age, from the tick that first saw the frame in progress: frame_timeout_s, plus
+            # one second per min_data_rate_bps bytes received since (a trickle buys nothing).
+            age, got, rate = now - lc.frame_t, lc.rx_bytes - lc.frame_rx, limits.min_data_rate_bps
+            if age > base + (got / rate if rate else 0):
+                pace = f" ({got} bytes; the minimum is {rate} B/s after {base:g} s)" if rate else ""
+                return Refusal("frame_timeout", f"a request frame stalled for {age:.0f} s{pace}"), False
+        wait_s = limits.idle_while_waiting_s
+        if wait_s and lc.others_waiting and lc.slot_held and now - lc.working_t > wait_s:
+            return Refusal("idle_while_waiting", f"idle for {now - lc.working_t:.0f} s while {lc.others_waiting} "
+                                                 f"session(s) waited for the upstream"), False
+    owed = session.owed_since_ns if session is not None and session.phase == SESSION_ACTIVE else 0
+    if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
+        return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "
+                                        f"(limits.max_graph_s {limits.max_graph_s:g})"), False
     blocked = lc.client_blocked_since
     if limits.frame_timeout_s and blocked and now - blocked > limits.frame_timeout_s:
         # A client that stops reading its responses would hold the single upstream slot forever.
@@ -123,4 +167,5 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         # the compute budget's estimate of what this session's graphs cost the server (cost.py)
         "compute_s_estimated": _compute_s(lc),
         "commands": s.per_command(),
+        **({"post_mortem": lc.post_mortem} if lc.post_mortem is not None else {}),
     }

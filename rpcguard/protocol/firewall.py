@@ -302,7 +302,9 @@ class Firewall:
             )
         if device not in state.graph_devices:
             raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
-        state.compute_flops += state.graph_flops.get(device, 0)  # the stored graph runs again
+        # the stored graph runs again: counted, and bounded with what is still queued on the
+        # server (GRAPH_RECOMPUTE has no answer: a client could pipeline thousands of them)
+        self._graph.charge_recompute(state.graph_flops.get(device, 0), state)
 
 
 def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:

@@ -75,13 +75,16 @@ NODE_CACHE_MAX: Final = 1 << 16
 # it): a real 16-layer decode graph (581 nodes) takes ~10 ms cold, the largest real graphs a few
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
 MAX_GRAPH_CPU_S: Final = 0.5
-# The compute budget (cost.py). A graph's estimated compute time on the node: far above any real
-# graph (a 512-token batch through 35e9 parameters on one CPU node estimates ~360 s at the default
-# rate), far below what a crafted graph of huge matrix products can ask for (hours).
+# The compute budget (cost.py). A graph's estimated compute time on the node: above any real graph
+# (900 s at 40 GFLOP/s is a 512-token batch through ~35e9 parameters on one CPU node), far below
+# what a crafted graph of huge matrix products can ask for (hours). Also the bound on what one
+# session may have queued without waiting for an answer (GRAPH_RECOMPUTE re-runs the stored graph).
 MAX_GRAPH_COMPUTE_S: Final = 900.0
-# Throughput the estimate assumes: measured with the real server's MUL_MAT on this project's
-# 2-core CI machine (docs/firewall.md "Compute budget"); a GPU node sets its own (policy).
-NODE_GFLOPS: Final = 100.0
+# Throughput the estimate assumes: the real server's slowest matrix product (Q4_0) on one
+# thread of this project's 2-core CI machine runs at 49-56 GFLOP/s, F32/F16/Q8_0 at 87-105
+# (bench/compute_cost.py, docs/firewall.md "Compute budget"): at 40 every real-sized case
+# measured is over-estimated 1.4-16x. A GPU node, or one with many cores, sets its own (policy).
+NODE_GFLOPS: Final = 40.0
 # The CPU planner's work buffer for one node (cost.work_bytes): real graphs need a few hundred
 # MiB at most (a 256-expert MoE batch of 4096 tokens: ~70 MiB of row map).
 MAX_WORK_BYTES: Final = 4 << 30
@@ -137,6 +140,8 @@ class OpRules:
     no_compute: frozenset[int]
     # content-indexed ops with no check on the index (oprules.needs_containment)
     contained_only: frozenset[int] = frozenset()
+    # ops whose kernels skip an empty source (OpRule.empty_sources)
+    empty_sources_ok: frozenset[int] = frozenset()
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -164,6 +169,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             none=ids["NONE"],
             no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
             contained_only=frozenset(ids[n] for n in ids if needs_containment(n)),
+            empty_sources_ok=frozenset(op for op, r in rows.items() if r.empty_sources),
         )
     _RULES[key] = rules
     return rules
@@ -219,7 +225,7 @@ class GraphValidator:
         self.max_work_bytes = max_work_bytes
         self.server_threads = server_threads
         # the upstream is a fresh sandboxed process per session (containment): content-indexed
-        # ops without a check on their indexes may reach it (counted as unverified uses)
+        # ops with a shape rule but no check on their indexes (oprules.needs_containment) may reach it
         self.contained = contained
         self._deadline = 0.0
 
@@ -290,11 +296,25 @@ class GraphValidator:
             self._charge(cost, device, state)
         return device
 
+    def charge_recompute(self, cost: int, state: SessionState) -> None:
+        """GRAPH_RECOMPUTE of a stored graph of estimated ``cost``: refused ``graph_too_costly``
+        when, with what was forwarded since the server last answered, the queue would exceed the
+        budget (a real client waits for GET_TENSOR after each one)."""
+        queued = state.inflight_flops + cost
+        if self.max_compute_s and queued / self.node_flops > self.max_compute_s:
+            raise _refuse(
+                "graph_too_costly",
+                f"GRAPH_RECOMPUTE would queue an estimated {queued / self.node_flops:.0f} s of compute without an "
+                f"answer in between (max_graph_compute_s {self.max_compute_s:g})",
+            )
+        state.compute_flops += cost
+        state.inflight_flops = queued
+
     def _charge(self, cost: int, device: int, state: SessionState) -> None:
         """The compute budget: a graph whose estimated compute time on the node exceeds
         ``max_compute_s`` is refused before the server sees it; the estimate is remembered for
         GRAPH_RECOMPUTE (which runs the stored graph again) and summed per session."""
-        seconds = cost / self.node_flops
+        seconds = (state.inflight_flops + cost) / self.node_flops
         if self.max_compute_s and seconds > self.max_compute_s:
             raise _refuse(
                 "graph_too_costly",
@@ -303,6 +323,7 @@ class GraphValidator:
             )
         state.graph_flops[device] = cost
         state.compute_flops += cost
+        state.inflight_flops += cost
 
     def _budget(self) -> None:
         """The proxy's own cost per graph is bounded: a graph whose validation takes more CPU
@@ -391,6 +412,14 @@ class GraphValidator:
         for column in srcs[:GGML_MAX_SRC]:
             touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
         touched.discard(pos.get(0))
+        if rules is not None and rules.empty_sources_ok:
+            # an empty source of a node whose kernel never reads one (CONCAT: RWKV's token shift
+            # concatenates an empty view for one-token batches) is no tensor a kernel touches;
+            # the same tensor read by another node stays in the set
+            ops_ = _u32(region)[_I_OP::_I]
+            keep = {q for p in npos if ops_[p] not in rules.empty_sources_ok
+                    for q in (getp(c[p]) for c in srcs[:GGML_MAX_SRC]) if q is not None}
+            touched = {q for q in touched if not _empty(ne, q) or q in keep or q in npos}
         cache = state.layout_cache.setdefault(device, set())
         for i, q in enumerate(touched):
             if not i & _BUDGET_STRIDE:
@@ -474,16 +503,19 @@ class GraphValidator:
                 continue  # a PARAM leaf listed as a node: never computed
             rule = rows.get(op)
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
-            if rule is None or (not self.contained and op in rules.contained_only):
+            if rule is not None and op in rules.contained_only and not self.contained:
                 name = rules.name(op)
-                if op in rules.contained_only and not self.contained and self.ops and not (
-                        name in self.allow_unverified or "*" in self.allow_unverified):
+                if name in self.allow_unverified or "*" in self.allow_unverified:
+                    # the site forwards it uncontained: its shape rule still runs, the use counts
+                    state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
+                elif self.ops:
                     raise _refuse("op_needs_containment",
                                   f"node id={ids[p]:#x} op {name} indexes state with tensor contents, which no shape "
                                   "rule can bound: forwarded only to a contained server (upstream.isolation: session) "
                                   "or when named in policy.allow_unverified_ops")
-                if name in self.allow_unverified or "*" in self.allow_unverified or (
-                        self.contained and op in rules.contained_only):
+            if rule is None:
+                name = rules.name(op)
+                if name in self.allow_unverified or "*" in self.allow_unverified:
                     state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
                     node = decode_tensor(region, p * step)
                     total += flops(name, node, [tensor(q) if q is not None else None for q in src_pos[:GGML_MAX_SRC]])

@@ -32,6 +32,7 @@ carried out.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
@@ -70,6 +71,7 @@ class Lifecycle:
         self.clock = clock
         self.uses_slot = uses_slot  # serve: the single-client upstream is taken at HELLO
         self.peer = "-"
+        self.source = ""  # the peer's address without the port (serve's per-source caps)
         self.identity = ""
         self.stats = SessionStats()
         self.session: Session | None = None  # built at admission, from the profile's policy
@@ -77,6 +79,9 @@ class Lifecycle:
         self.actions: list[Action] = []
         self.refusal: Refusal | None = None  # refused before ACTIVE: answered at HELLO
         self.refused_on_leave = False  # identity refused: a client leaving before HELLO is a refusal
+        # serve: the client said in the handshake that it is a probe (rpcguard check, connect's
+        # /readyz): never queued for the upstream, and its end is result "probe", not a session.
+        self.probe = False
         self.result = self.reason = self.detail = self.party = ""
         self.command = "-"  # command of the frame that was refused
         self.t0 = clock()
@@ -84,8 +89,20 @@ class Lifecycle:
         self.t_upstream = 0.0
         self._t0_ns = int(self.t0 * 1e9)
         self.client_blocked_since = 0.0  # the client's write buffer is full (flow control)
+        # Deadlines by age, sampled at the tick (no clock read per frame): client bytes read
+        # (counted per read by the caller), the tick that first saw the request frame in progress
+        # and the byte count then, the last tick that saw the session working.
+        self.rx_bytes = 0
+        self.client_held_back = False  # the relay paused the client's reads (a slow upstream)
+        self.frame_t = 0.0
+        self.frame_rx = 0
+        self._tick_rx = 0
+        self._tick_t = self.working_t = self.t0
+        self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
         self.slot_held = False
         self.upstream_open = False
+        self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
+        self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
         self.t_drain = 0.0
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
@@ -122,13 +139,18 @@ class Lifecycle:
 
     # ----------------------------------------------------------------------------- events in
     def admit(self, profile: Profile, identity: str = "", refusal: Refusal | None = None,
-              identity_refused: bool = False) -> None:
+              identity_refused: bool = False, probe: bool = False) -> None:
         """Accepted (connect) or TLS done (serve) with ``identity``; ``refusal`` if the identity or
-        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on."""
-        self._on("admit", profile, identity, refusal, identity_refused)
+        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on;
+        ``probe``: the client said it is a probe."""
+        self._on("admit", profile, identity, refusal, identity_refused, probe)
 
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
         self._on("handshake_failed", result, reason, detail)
+
+    def rejected(self, refusal: Refusal) -> None:
+        """Refused at accept, before any TLS (serve's cap on handshakes per source): closed."""
+        self._on("rejected", refusal)
 
     def slot_granted(self) -> None:
         self._on("slot_granted")
@@ -150,8 +172,10 @@ class Lifecycle:
         classified TLS alert when it was one)."""
         self._on("upstream_closed", error, tls_reason)
 
-    def tick(self, now: float) -> None:
-        """Enforce the deadlines of the current state (the relay calls this every second)."""
+    def tick(self, now: float, others_waiting: int = 0) -> None:
+        """Enforce the deadlines of the current state (the relay calls this every second);
+        ``others_waiting``: sessions queued for the upstream slot this one may hold."""
+        self.others_waiting = others_waiting
         self._on("tick", now)
 
     def shutdown(self) -> None:
@@ -166,7 +190,9 @@ class Lifecycle:
         self.client_blocked_since = self.clock() if blocked else 0.0
 
     # ----------------------------------------------------------------------------- set-up
-    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool) -> None:
+    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool,
+               probe: bool = False) -> None:
+        self.probe = probe
         self.profile = profile
         self.identity = identity
         self.t_admitted = self.clock()
@@ -183,6 +209,9 @@ class Lifecycle:
         else:
             self._goto(CONNECTING)
             self.actions.append((OPEN_UPSTREAM, self.limits))
+
+    def _rejected(self, refusal: Refusal) -> None:
+        self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
         if result == "refused":
@@ -227,6 +256,9 @@ class Lifecycle:
         assert refusal is not None and self.session is not None
         self.out.clear()
         self.actions.append((WRITE_CLIENT, self.session.refusal_answer(refusal.reason)))
+        if self.probe and refusal.reason == "upstream_busy":  # the probe's answer, not a refusal
+            self._finish("probe", "", "probe: identity accepted, upstream busy with another session")
+            return
         self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
     # ----------------------------------------------------------------------------- data
@@ -244,7 +276,9 @@ class Lifecycle:
         return out
 
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
-        """``client_data`` with the whole contract: a refusal reported, the events handled."""
+        """``client_data`` with the whole contract: a refusal reported, the events handled, the
+        bytes counted (``rx_bytes``)."""
+        self.rx_bytes += len(data)
         return self._fed(self.client_data, data, now_ns)
 
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
@@ -276,7 +310,9 @@ class Lifecycle:
     def _ev_hello(self, length: int) -> bool:
         if self.state == AWAIT_HELLO:
             self._goto(QUEUED)
-            self.actions.append((TAKE_SLOT, self.limits))
+            # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
+            self.actions.append((TAKE_SLOT, replace(self.limits, upstream_busy="refuse") if self.probe
+                                 else self.limits))
         elif self.state == REFUSING:
             self._answer_refusal()
             return True
@@ -316,8 +352,11 @@ class Lifecycle:
             return
         s = self.session
         clean = s is None or s.idle or (s.phase == SESSION_ACTIVE and not s.mid_frame)
-        self._finish("ok" if clean else "error", "" if clean else "client_closed_mid_frame",
-                     "client closed" + (f": {error}" if error else ""))
+        said_hello = s is not None and s.hello_request_len is not None
+        result = "error" if not clean else "probe" if self.probe else "ok" if said_hello else "no_hello"
+        self._finish(result, "" if clean else "client_closed_mid_frame",
+                     "client closed" + (f": {error}" if error else "") + ("" if said_hello or not clean else
+                                                                          " before its HELLO"))
 
     def _upstream_closed_early(self, error: str, tls_reason: str | None) -> None:
         """The upstream hung up before the session was active: the client still gets its 0.0.N."""
@@ -338,6 +377,9 @@ class Lifecycle:
 
     def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
         self.upstream_open = False
+        if self.upstream_exit is not None:  # serve runs the server and saw it die under this session
+            self._finish("error", self.upstream_exit.reason, self.upstream_exit.detail, self.upstream_exit.party)
+            return
         self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
 
     def _drained(self, error: str, tls_reason: str | None) -> None:
@@ -357,7 +399,30 @@ class Lifecycle:
             self.actions.append((CLOSE_UPSTREAM, None))
 
     # ----------------------------------------------------------------------------- timers
+    def _sample(self, now: float) -> None:
+        """What the deadlines by age need from this tick: whether the request frame in progress
+        is the one the last tick saw (its age then counts from that tick), and whether the
+        session worked since the last tick (the server owed an answer, or the client sent at
+        ``min_data_rate_bps``)."""
+        session = self.session
+        if session is None or session.phase != SESSION_ACTIVE:
+            self._tick_t, self._tick_rx, self.working_t = now, self.rx_bytes, now
+            return
+        rx = self.rx_bytes
+        if session.mid_frame and not self.client_held_back:
+            if not self.frame_t:
+                self.frame_t, self.frame_rx = now, rx
+        else:
+            self.frame_t = 0.0
+        owed = not session.idle and not session.mid_frame  # a response owed or streaming
+        rate = self.limits.min_data_rate_bps
+        if (owed and not self.client_blocked_since) or self.client_held_back or (
+                rx - self._tick_rx >= rate * (now - self._tick_t) > 0) or (not rate and rx != self._tick_rx):
+            self.working_t = now
+        self._tick_t, self._tick_rx = now, rx
+
     def _tick(self, now: float) -> None:
+        self._sample(now)
         missed = overdue(self, now)
         if missed is None:
             return
@@ -365,8 +430,11 @@ class Lifecycle:
         if answer:
             self.refusal = refusal
             self._answer_refusal()
-        else:
-            self._finish("refused", refusal.reason, refusal.detail, refusal.party)
+        else:  # a hung server is the session's error, not a refusal (reasons.SESSION_ERROR_REASONS)
+            if refusal.reason == "upstream_hung" and self.session is not None:
+                self.post_mortem = self.session.post_mortem()
+            self._finish("error" if refusal.reason == "upstream_hung" else "refused", refusal.reason, refusal.detail,
+                         refusal.party)
 
     def _tick_drain(self, now: float) -> None:
         if now - self.t_drain > UPSTREAM_DRAIN_S:

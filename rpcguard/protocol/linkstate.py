@@ -39,7 +39,7 @@ STATES: tuple[str, ...] = (HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING,
 EVENTS: tuple[str, ...] = (
     "admit", "handshake_failed", "client_data", "server_data", "slot_granted", "slot_refused",
     "upstream_connected", "upstream_failed", "client_closed", "upstream_closed", "tick", "shutdown",
-    "internal_error",
+    "internal_error", "rejected",
 )  # fmt: skip
 
 # ---------------------------------------------------------------------------------- actions
@@ -77,9 +77,9 @@ _COMMON = {"admit": "_ignore", "handshake_failed": "_ignore", "client_data": "_d
            "slot_granted": "_free_granted_slot", "slot_refused": "_ignore",
            "upstream_connected": "_close_new_upstream", "upstream_failed": "_ignore",
            "client_closed": "_client_closed", "upstream_closed": "_ignore", "tick": "_tick",
-           "shutdown": "_shutdown", "internal_error": "_internal_error"}  # fmt: skip
+           "shutdown": "_shutdown", "internal_error": "_internal_error", "rejected": "_ignore"}  # fmt: skip
 TABLE: Mapping[str, Mapping[str, str]] = {
-    HANDSHAKE: {**_COMMON, "admit": "_admit", "handshake_failed": "_handshake_failed"},
+    HANDSHAKE: {**_COMMON, "admit": "_admit", "handshake_failed": "_handshake_failed", "rejected": "_rejected"},
     AWAIT_HELLO: {**_COMMON, "client_data": "_client_early"},
     REFUSING: {**_COMMON, "client_data": "_client_early"},
     QUEUED: {**_COMMON, "client_data": "_client_early", "slot_granted": "_slot_granted",

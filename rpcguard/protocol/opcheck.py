@@ -21,7 +21,9 @@ from rpcguard.protocol.oprules import New, OpRule, Result, View, contiguous_nb, 
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC"]
+__all__ = [
+    "check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC",
+]
 
 GGML_MAX_SRC: Final = 10
 _SRC0: Final = 29  # index of src0 in RpcTensor
@@ -47,11 +49,11 @@ def check_sources(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None]) -
 def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:
     """Refuse ``node`` unless it is what ``rule``'s constructor builds from ``srcs``."""
     op = rule.op
-    for t in (node, *srcs):
+    for i, t in enumerate((node, *srcs)):
         if t is not None:
             if t.type not in TYPES:
                 raise refuse(node, op, f"tensor id={t.id:#x} has type {t.type}", "tensor_type_invalid")
-            if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
+            if not (t.ne0 and t.ne1 and t.ne2 and t.ne3) and not (i and rule.empty_sources):
                 raise refuse(node, op, f"tensor id={t.id:#x} is empty {t.ne}", "tensor_layout_invalid")
     check_sources(rule, node, srcs)
     params = node[_PARAM0 + rule.params : _PARAM0 + 16]
@@ -164,3 +166,4 @@ def check_flat_rows(t: RpcTensor, state: SessionState) -> None:
             f"tensor id={t.id:#x}: {nrows} rows of stride nb1={t.nb1} reach byte {end} of its {buf.size}-byte "
             "buffer (the kernel walks rows flattened)",
         )
+

@@ -105,6 +105,9 @@ class OpRule:
     # of that walk is checked for the node and its sources (opcheck.check_flat_rows). True unless
     # every kernel of the op was read to index each dimension with its own stride.
     flat_rows: bool = True
+    # A source may be empty (a 0 in ne): the kernel's loops then copy nothing from it (CONCAT).
+    # Else an empty source is refused: broadcasting kernels take an index modulo its ne (SIGFPE).
+    empty_sources: bool = False
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -306,12 +309,16 @@ def _set_rows(n: RpcTensor, s: Srcs) -> Result:
           and b.ne2 % c.ne1 == 0 and b.ne3 % c.ne2 == 0 and c.ne3 == 1 and b.type in F32_F16
           and c.type in (I64, I32) and rows_contiguous(a) and rows_contiguous(b))
     _need(bool(ok), n, "SET_ROWS", f"shapes a {a.ne} b {b.ne} c {c.ne}")
-    _need(a.type not in _NO_FROM_FLOAT, n, "SET_ROWS", "destination type has no from_float")
+    # set_rows (ops.cpp:5477) converts with type_traits_cpu[dst].from_float: NULL for the types
+    # ggml-cpu.c:215ff does not list (I8, I16, I64, F64) and the iq types without a quantizer
+    _need(a.type in _FROM_FLOAT, n, "SET_ROWS", "destination type has no from_float")
     return View(2, a.ne, a.nb, 0)
 
 
 # ggml-cpu.cpp:434-442: CPY/SET_ROWS into these types abort (no from_float).
 _NO_FROM_FLOAT = frozenset({16, 17, 18, 19, 21, 22, 29})  # iq2_xxs iq2_xs iq3_xxs iq1_s iq3_s iq2_s iq1_m
+# types with a CPU from_float (ggml-cpu.c type_traits_cpu): the float types, I32 and the block types
+_FROM_FLOAT = (frozenset({F32, F16, BF16, I32}) | QUANTIZED) - _NO_FROM_FLOAT
 
 
 def _set_rows_f32(n: RpcTensor, s: Srcs) -> Result:
@@ -338,6 +345,8 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     _check_dup_types(n, "CPY", a.type, b.type)
     if b.type in QUANTIZED and a.type != b.type:  # ops.cpp:292-293, else "not implemented" (:321)
         _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing copy layout")
+    if a.type == b.type:
+        _need(_dup_bytes_ok(a, b.ne, b.nb), n, "CPY", "block-type copy into a contiguous tensor of another layout")
     if a.type in _DEQUANTIZE and b.type == F32:
         # ggml_compute_forward_dup_from_q (ops.cpp:475): one block of qk values per step, read at
         # (i00/qk)*nb00 + i01*nb01 ... of a, written at i10*nb10 + ... of b: a's rows hold whole
@@ -368,6 +377,36 @@ def _check_dup_types(n: RpcTensor, op: str, src: int, dst: int) -> None:
     raise refuse(n, op, f"copy {TYPES[src].name} -> {TYPES[dst].name} not handled", "graph_type_invalid")
 
 
+def _dup_bytes_ok(a: RpcTensor, ne: tuple[int, int, int, int], nb: tuple[int, int, int, int]) -> bool:
+    """Whether ggml_compute_forward_dup_bytes (ops.cpp:326) copies a block-type ``a`` into a
+    destination of shape ``ne``/strides ``nb`` within both: its branch for a contiguous
+    destination copies rows of ``ne00 * type_size`` bytes, the size of a row of blocks times the
+    block size, so a block type may take it only when the destination is not contiguous, or
+    through the branches before it (both contiguous; same shape with unit nb0)."""
+    info = TYPES[a.type]
+    if info.blck_size == 1:
+        return True
+    size = info.type_size
+    dst_contiguous = tuple(nb) == contiguous_nb(a.type, ne) or _contiguous_ne_nb(a.type, ne, nb)
+    if not dst_contiguous:
+        return True
+    return is_contiguous(a) or (a.ne == ne and a.nb0 == size and nb[0] == size)
+
+
+def _contiguous_ne_nb(type_: int, ne: Sequence[int], nb: Sequence[int]) -> bool:
+    """ggml_is_contiguous of a tensor given by its shape and strides."""
+    info = TYPES[type_]
+    nxt = info.type_size
+    if ne[0] != info.blck_size and nb[0] != nxt:
+        return False
+    nxt *= ne[0] // info.blck_size
+    for i in range(1, MAX_DIMS):
+        if ne[i] != 1 and nb[i] != nxt:
+            return False
+        nxt *= ne[i]
+    return True
+
+
 def _dup(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
@@ -381,6 +420,8 @@ def _cont(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     _need(nelements(a) == nelements(n), n, "CONT", f"{n.ne} has another element count than {a.ne}")
     _need(TYPES[a.type].blck_size == 1 or n.ne0 % TYPES[a.type].blck_size == 0, n, "CONT", "blocks")
+    _need(_dup_bytes_ok(a, n.ne, contiguous_nb(a.type, n.ne)), n, "CONT",
+          "block-type source neither contiguous nor of the result's shape (dup_bytes' row size)")
     return New(a.type, n.ne)
 
 
@@ -471,12 +512,15 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return _dup_or_inplace(a)
 
 
+_SCALE_TYPES = frozenset({F32, BF16})
+
+
 def _scale(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     """ggml_scale_impl ggml.c:3455: a padded 1d; params {s, b}. The kernel asserts more than the
     constructor: a contiguous F32 source (ops.cpp:4886 ggml_compute_forward_scale_f32)."""
     a = s[0]
     assert a is not None
-    _types(n, "SCALE", ONLY_F32, a)
+    _types(n, "SCALE", _SCALE_TYPES, a)  # ops.cpp scale_f32 / scale_bf16
     # the constructor's padded-1d check has no size-1 exception: the kernel walks flat rows at
     # i1*nb01 (ops.cpp:4886ff); it also asserts a contiguous source
     _need(is_padded_1d(a) and is_contiguous(a), n, "SCALE", "src is not padded 1d and contiguous")
@@ -497,8 +541,8 @@ def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
         _need(ok, n, "SOFT_MAX", f"mask {mask.ne} for {a.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "SOFT_MAX", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
-        _need(mask is not None and sinks.type == F32 and sinks.ne0 == a.ne2, n, "SOFT_MAX", "sinks")
+    if sinks is not None:  # one F32 per head; the kernel reads it with or without a mask
+        _need(sinks.type == F32 and sinks.ne0 == a.ne2 and sinks.nb0 == 4, n, "SOFT_MAX", "sinks")
     return _dup_or_inplace(a)
 
 
@@ -558,8 +602,8 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
         _need(ok, n, "FLASH_ATTN_EXT", f"mask {mask.ne}")
     elif f32(n.param1) > 0:
         raise refuse(n, "FLASH_ATTN_EXT", "max_bias without a mask", "graph_op_params_invalid")
-    if sinks is not None:  # llama.cpp always passes its KQ mask with sinks; stricter than ggml
-        _need(mask is not None and sinks.type == F32 and sinks.ne0 == q.ne2, n, "FLASH_ATTN_EXT", "sinks")
+    if sinks is not None:  # one F32 per head; the kernel reads it with or without a mask
+        _need(sinks.type == F32 and sinks.ne0 == q.ne2 and sinks.nb0 == 4, n, "FLASH_ATTN_EXT", "sinks")
     # precision; n_kv_max (ggml_flash_attn_ext_set_n_kv_max) selects K/V by the mask's finite entries
     if n.param3 not in PRECS or n.param4 < 0 or (n.param4 and mask is None):
         raise refuse(n, "FLASH_ATTN_EXT", f"prec {n.param3} n_kv_max {n.param4}", "graph_op_params_invalid")
@@ -579,7 +623,14 @@ def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
     """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35; SWIGLU_CLAMP came with 7.0.0)."""
     if n.param0 >= GLU_OP_COUNT - 1:
         raise refuse(n, "GLU", f"glu op {n.param0} unknown before 7.0.0", "graph_op_params_invalid")
+    a = s[0]
+    assert a is not None
+    _types(n, "GLU", F32_F16, a)  # BF16 kernels were read for 7.0.0 only
     return _glu(n, s)
+
+
+# glu op -> the types its CPU kernel dispatches (ops.cpp:3456ff): F32/F16/BF16 but these
+_GLU_TYPES: Mapping[int, frozenset[int]] = {GLU_OP_SWIGLU_OAI: ONLY_F32, 6: F32_F16}  # 6: SWIGLU_CLAMP
 
 
 def _glu(n: RpcTensor, s: Srcs) -> Result:
@@ -589,12 +640,13 @@ def _glu(n: RpcTensor, s: Srcs) -> Result:
     assert a is not None
     if not 0 <= n.param0 < GLU_OP_COUNT or n.param1 not in (0, 1):
         raise refuse(n, "GLU", f"glu op {n.param0} swapped {n.param1}", "graph_op_params_invalid")
-    _types(n, "GLU", ONLY_F32 if n.param0 == GLU_OP_SWIGLU_OAI else F32_F16, a)  # ops.cpp:3564
+    _types(n, "GLU", _GLU_TYPES.get(n.param0, FLOAT), a)  # ops.cpp: the dispatch of each glu op
     _need(is_contiguous(a, 1), n, "GLU", "src0 not contiguous_1")
     if b is not None:
         _need(is_contiguous(b, 1) and b.ne == a.ne and b.type == a.type, n, "GLU", "src1")
         return New(a.type, a.ne)
-    _need(a.ne0 % 2 == 0, n, "GLU", "odd ne0 without a split source")
+    # an odd ne0 gives ne0 // 2 (the constructor and the kernel's nc = ne00 / 2: both halves
+    # inside the row)
     return New(a.type, (a.ne0 // 2, a.ne1, a.ne2, a.ne3))
 
 
@@ -618,6 +670,10 @@ def _unary(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return _dup_or_inplace(a)
 
 
+# the concat kernels that copy element by element (ops.cpp concat_f32/_f16/_i8), any strides
+_CONCAT_ELEMENTWISE = frozenset({F32, F16, BF16, I32, I16, I8})
+
+
 def _concat(n: RpcTensor, s: Srcs) -> Result:
     """ggml_concat ggml.c:2631."""
     a, b = s[0], s[1]
@@ -626,7 +682,11 @@ def _concat(n: RpcTensor, s: Srcs) -> Result:
     if not 0 <= dim < MAX_DIMS:
         raise refuse(n, "CONCAT", f"dim {dim}", "graph_op_params_invalid")
     _need(a.type == b.type and all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), n, "CONCAT", "shapes")
-    _types(n, "CONCAT", frozenset({F32, F16, BF16, I32, I16, I8}), a)
+    if a.type not in _CONCAT_ELEMENTWISE:
+        # ops.cpp ggml_compute_forward_concat_any: other types (I64, block types) are copied a row
+        # of bytes at a time; it asserts contiguous rows of both sources (blocks whole per row:
+        # the tensor rule's ne0 % block size)
+        _need(rows_contiguous(a) and rows_contiguous(b), n, "CONCAT", "rows not contiguous")
     ne = list(a.ne)
     ne[dim] += b.ne[dim]
     return New(a.type, tuple(ne))  # type: ignore[arg-type]
@@ -704,6 +764,10 @@ def _pad(n: RpcTensor, s: Srcs) -> Result:
     pads = n.op_params[:8]
     if min(pads) < 0 or n.param8 not in (0, 1):
         raise refuse(n, "PAD", f"pads {pads}", "graph_op_params_invalid")
+    if n.param8 and any(pads[2 * i] > a.ne[i] for i in range(4)):
+        # circular: ops.cpp ggml_wrap_around((i - lp) + ne) % ne is negative for a left pad past
+        # the size, a read before the source (ggml_pad_ext_circular asserts nothing)
+        raise refuse(n, "PAD", f"circular left pads {pads[::2]} past {a.ne}", "graph_op_params_invalid")
     _types(n, "PAD", ONLY_F32, a)
     ne = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
     return New(a.type, ne)  # type: ignore[arg-type]
@@ -751,7 +815,19 @@ def _arange(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (steps, 1, 1, 1))
 
 
-def _acc_set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+def _acc(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    return _acc_set(n, s, ONLY_F32)  # ops.cpp ggml_compute_forward_acc: F32 only
+
+
+def _set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
+    return _acc_set(n, s, _SET_TYPES)
+
+
+# ops.cpp ggml_compute_forward_set: set_f32 and set_i32 (4-byte elements; the rest abort)
+_SET_TYPES = frozenset({F32, I32})
+
+
+def _acc_set(n: RpcTensor, s: Srcs, types: frozenset[int]) -> tuple[Result, ...]:
     """ACC / SET (ggml_acc_impl ggml.c:2190, ggml_set_impl ggml.c:3510): params {nb1, nb2, nb3,
     offset, inplace}; result = dup or view of a. The kernel writes b's shape at dst.data + offset
     with those strides and checks only the far corner in size_t arithmetic, so negative values
@@ -762,7 +838,8 @@ def _acc_set(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     s1, s2, s3, offset, inplace = n.param0, n.param1, n.param2, n.param3, n.param4
     if min(s1, s2, s3, offset) < 0 or inplace not in (0, 1):
         raise refuse(n, "ACC/SET", f"negative stride/offset {(s1, s2, s3, offset)}", "graph_op_params_invalid")
-    _types(n, "ACC/SET", ONLY_F32, a, b)
+    _types(n, "ACC/SET", types, a, b)
+    _need(a.type == b.type, n, "ACC/SET", "src0 and src1 types differ")
     _need(nelements(b) <= nelements(a), n, "ACC/SET", "src1 has more elements than src0")
     _need(is_contiguous(a) and a.nb0 == 4 and b.nb0 == 4, n, "ACC/SET", "src0 not contiguous")
     end = offset + (b.ne0 - 1) * 4 + (b.ne1 - 1) * s1 + (b.ne2 - 1) * s2 + (b.ne3 - 1) * s3 + 4
@@ -800,6 +877,158 @@ def _ssm_conv(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (c.ne1, n_t, sx.ne2, 1))
 
 
+WKV7_HEAD_MULTIPLE = 64  # the widest GGML_F32_STEP of the CPU backends (AVX-512: 16 floats x 4)
+
+
+def _linear_attn(state_src: int, n_inputs: int, op: str) -> Derive:
+    """RWKV_WKV6 (ggml.c ggml_rwkv_wkv6: k v r tf td state), RWKV_WKV7 (r w k v a b state) and
+    GATED_LINEAR_ATTN (k v q g state, param scale): S = head size, H = heads, T = tokens taken
+    from the [S, H, T] inputs, all contiguous F32 (the kernels, ops.cpp:10642/11651/10854,
+    dispatch on F32 and read every source as a flat float array); the state holds S*S*H floats
+    per sequence, n_seqs = state.ne1. Result F32 (S*H, T + S*n_seqs): the output rows, then the
+    new state. Beyond the constructor: the kernels take sequence ``t / (T / n_seqs)`` of the state
+    for token t, so T must be a multiple of n_seqs (else T / n_seqs is 0, a division by zero, or
+    the last tokens index a state past the end: a read and write out of bounds); WKV6 reads
+    C = S*H values of tf (time_faaaa), which the constructor does not check."""
+    def derive(n: RpcTensor, s: Srcs) -> Result:
+        srcs = [s[i] for i in range(state_src + 1)]
+        assert all(t is not None for t in srcs)
+        ts = [t for t in srcs if t is not None]
+        state = ts[state_src]
+        _types(n, op, ONLY_F32, *ts)
+        _need(all(is_contiguous(t) for t in ts), n, op, "sources not contiguous (the constructor asserts it)")
+        shaped = [t for i, t in enumerate(ts[:n_inputs]) if not (op == "RWKV_WKV6" and i == 3)]  # tf: its own shape
+        head = shaped[0]
+        S, H, T = head.ne0, head.ne1, head.ne2
+        _need(all(t.ne0 == S and t.ne1 == H and t.ne2 == T and t.ne3 == 1 for t in shaped), n, op,
+              f"inputs are not all [S, H, T] = {head.ne[:3]}")
+        n_seqs = state.ne1
+        _need(nelements(state) == S * S * H * n_seqs, n, op, f"state {state.ne} for S={S} H={H}")
+        _need(T % n_seqs == 0, n, op, f"{T} tokens are not a multiple of {n_seqs} sequences")
+        if op == "RWKV_WKV6":
+            _need(nelements(ts[3]) >= S * H, n, op, f"time_faaaa {ts[3].ne} holds fewer than {S * H} values")
+        if op == "RWKV_WKV7":
+            # ops.cpp:11747 loads GGML_F32_STEP floats at a time with no remainder loop (32 with
+            # AVX2, 64 with AVX-512): a head size that is not a multiple reads and writes past
+            # the rows (RWKV-7 models use 64)
+            _need(S % WKV7_HEAD_MULTIPLE == 0, n, op, f"head size {S} is not a multiple of {WKV7_HEAD_MULTIPLE}")
+        return New(F32, (S * H, T + S * n_seqs, 1, 1))
+
+    return derive
+
+
+def _ssm_scan(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_ssm_scan ggml.c:5696 (srcs s x dt A B C ids, param K) with the kernel's asserts
+    (ops.cpp ggml_compute_forward_ssm_scan_f32): F32 with unit nb0 everywhere, I32 ids, heads a
+    multiple of groups. The kernel writes sequence i3's new state at dst + i3*s.nb3 + |x|: the
+    state's nb3 must be its packed size even where ne3 == 1 (ggml_is_contiguous ignores it). The
+    state it reads is ``s + ids[i3]*nb3``: contents (CONTENT_INDEXED), so contained only."""
+    st, x, dt, A, B, C, ids = (s[i] for i in range(7))
+    assert st is not None and x is not None and dt is not None and A is not None
+    assert B is not None and C is not None and ids is not None
+    K = n.param0
+    _types(n, "SSM_SCAN", ONLY_F32, st, x, dt, A, B, C)
+    _types(n, "SSM_SCAN", frozenset({I32}), ids)
+    d_state, head_dim, n_head, n_tok, n_seqs = st.ne0, x.ne0, x.ne1, x.ne2, x.ne3
+    ok = (1 <= K <= INT32_MAX and is_contiguous(st) and is_contiguous(dt) and is_contiguous(A)
+          and all(t.nb0 == 4 for t in (st, x, dt, A, B, C, ids))
+          and x.nb1 == x.ne0 * 4 and B.nb1 == B.ne0 * 4 and C.nb1 == C.ne0 * 4 and B.ne == C.ne
+          and dt.ne == (n_head, n_tok, n_seqs, 1) and st.ne1 == head_dim and st.ne2 == n_head
+          and B.ne0 == d_state and B.ne2 == n_tok and B.ne3 == n_seqs
+          and ids.ne == (n_seqs, 1, 1, 1) and A.ne1 == n_head and A.ne2 == 1 and A.ne3 == 1
+          and (A.ne0 == 1 or (A.ne0 == d_state and K == 1)) and n_head % B.ne1 == 0
+          and st.nb3 == d_state * head_dim * n_head * 4)
+    _need(ok, n, "SSM_SCAN", f"s {st.ne} x {x.ne} dt {dt.ne} A {A.ne} B {B.ne} ids {ids.ne} K {K}")
+    return New(F32, (nelements(x) + K * d_state * head_dim * n_head * ids.ne0, 1, 1, 1))
+
+
+def _c_div(a: int, b: int) -> int:
+    """C's integer division (truncation toward zero), which ggml's shape arithmetic uses."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+def _conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
+    """ggml.c:4548 ggml_calc_conv_output_size, in C arithmetic (the caller refuses s == 0)."""
+    return _c_div(ins + 2 * p - d * (ks - 1) - 1, s) + 1
+
+
+def _im2col(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_im2col ggml.c:4556: params {s0, s1, p0, p1, d0, d1, is_2D}; a (the kernel) gives only
+    its shape. The kernels (ops.cpp ggml_compute_forward_im2col_f32/_f16) write F32 or F16 from
+    an F32 (or, into F16, F16) b with unit nb0; they read a channel's pixels as
+    ``src[iih*IW + iiw]`` from ``b + in*ofs0 + iic*ofs1`` with the two offsets held in an ``int``:
+    a 2D b has packed rows, and those strides fit in 31 bits. A zero stride divides by zero in
+    the shape arithmetic (the client's constructor would have crashed first)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    s0, s1, p0, p1, d0, d1, is_2d = n.op_params[:7]
+    if is_2d not in (0, 1) or s0 == 0 or (is_2d and s1 == 0):
+        raise refuse(n, "IM2COL", f"params {n.op_params[:7]}", "graph_op_params_invalid")
+    if is_2d:
+        _need(a.ne2 == b.ne2, n, "IM2COL", f"channels of {a.ne} and {b.ne}")
+    else:
+        _need(b.ne1 == a.ne1 and b.ne3 == 1, n, "IM2COL", f"channels of {a.ne} and {b.ne}")
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1) if is_2d else 0
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    _need((not is_2d or oh > 0) and ow > 0, n, "IM2COL", f"b {b.ne} too small for a {a.ne}")
+    if n.type == F32:
+        _types(n, "IM2COL", ONLY_F32, b)
+    else:
+        _types(n, "IM2COL", F32_F16, b)
+        _need(n.type == F16, n, "IM2COL", "result neither F32 nor F16")
+    esize = TYPES[b.type].type_size
+    ofs = (b.nb3, b.nb2) if is_2d else (b.nb2, b.nb1)
+    _need(b.nb0 == esize and max(ofs) <= INT32_MAX and (not is_2d or b.nb1 == b.ne0 * esize), n, "IM2COL",
+          f"strides {b.nb} of b")
+    ne = (a.ne2 * a.ne1 * a.ne0 if is_2d else a.ne1 * a.ne0, ow, oh if is_2d else b.ne2, b.ne3 if is_2d else 1)
+    return New(n.type if n.type in (F32, F16) else F32, ne)
+
+
+POOL_OPS = (0, 1)  # ggml.h enum ggml_op_pool: AVG, MAX (COUNT aborts in the kernels)
+
+
+def _pool_out(ins: int, k: int, st: int, p: int) -> int:
+    """ggml.c:5074 ggml_calc_pool_output_size: (ins + 2*p - k) / s + 1 with a float p, so in
+    single precision, each operation rounded, then truncated to int64."""
+    x = _round_f32(_round_f32(_round_f32(float(ins)) + _round_f32(2.0 * p)) - k)
+    return int(_round_f32(_round_f32(x / st) + 1.0))
+
+
+def _pool(two_d: bool) -> Derive:
+    """POOL_1D (ggml.c:5080, params {op, k0, s0, p0}) and POOL_2D (ggml.c:5108, params {op, k0,
+    k1, s0, s1, p0, p1}): an F32 result of the pooled shape. The kernels (ops.cpp
+    ggml_compute_forward_pool_1d_ksp / _pool_2d) read F32 or F16 elements ``row[j]`` (unit nb0);
+    POOL_1D walks ggml_nrows rows at ``ir*nb1`` (the flat-row rule), POOL_2D walks planes from
+    data to data + nbytes in steps of nb2, so its source is packed exactly as ggml_new_tensor
+    lays it out (a size-1 dimension's stride included: nb2 = 0 would never end). Window
+    positions are ``int``: kernel, stride and output size keep them inside 31 bits."""
+    def derive(n: RpcTensor, s: Srcs) -> Result:
+        a = s[0]
+        assert a is not None
+        op = "POOL_2D" if two_d else "POOL_1D"
+        if two_d:
+            pool, k0, k1, s0, s1, p0, p1 = n.op_params[:7]
+        else:
+            pool, k0, s0, p0 = n.op_params[:4]
+            k1, s1, p1 = 1, 1, 0
+        if pool not in POOL_OPS or min(k0, k1, s0, s1) <= 0:
+            raise refuse(n, op, f"params {n.op_params[:7]}", "graph_op_params_invalid")
+        _types(n, op, F32_F16, a)
+        _need(a.nb0 == TYPES[a.type].type_size, n, op, "nb0 is not the element size")
+        if two_d:
+            _need(a.nb == contiguous_nb(a.type, a.ne), n, op, "source not packed")
+        ow = _pool_out(a.ne0, k0, s0, p0)
+        oh = _pool_out(a.ne1, k1, s1, p1) if two_d else a.ne1
+        _need(ow > 0 and oh > 0, n, op, f"window larger than {a.ne}")
+        reach = max(ow * s0, oh * s1) + max(k0, k1) + abs(p0) + abs(p1)
+        if reach > INT32_MAX:
+            raise refuse(n, op, f"window positions past 2^31 ({reach})", "graph_op_params_invalid")
+        return New(F32, (ow, oh, a.ne2, a.ne3))
+
+    return derive
+
+
 def _roll(n: RpcTensor, s: Srcs) -> Result:
     """ggml_roll ggml.c:5330: unit nb0, |shift_i| < ne_i (params 0..3); result a fresh copy. The
     kernel (ops.cpp:8557) is F32 only and copies whole rows of ne0."""
@@ -817,8 +1046,8 @@ def _roll(n: RpcTensor, s: Srcs) -> Result:
 
 _ROWS: tuple[OpRule, ...] = (
     OpRule("DUP", "ggml.c:2053 ggml_dup", 1, _dup),
-    OpRule("ACC", "ggml.c:2212 ggml_acc", 2, _acc_set, params=5),
-    OpRule("SET", "ggml.c:3533 ggml_set", 2, _acc_set, params=5),
+    OpRule("ACC", "ggml.c:2212 ggml_acc", 2, _acc, params=5),
+    OpRule("SET", "ggml.c:3533 ggml_set", 2, _set, params=5),
     OpRule("PAD_REFLECT_1D", "ggml.c:5299 ggml_pad_reflect_1d", 1, _pad_reflect_1d, params=2),
     OpRule("ADD", "ggml.c:2083 ggml_add", 2, _binary),
     OpRule("SUB", "ggml.c:2252 ggml_sub", 2, _binary),
@@ -836,7 +1065,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("MEAN", "ggml.c:2532 ggml_mean", 1, _reduce_rows(F32)),
     OpRule("ARGMAX", "ggml.c:2546 ggml_argmax", 1, _argmax),
     OpRule("REPEAT", "ggml.c:2579 ggml_repeat", 1, _repeat),
-    OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1),
+    OpRule("CONCAT", "ggml.c:2631 ggml_concat", 2, _concat, params=1, empty_sources=True),
     OpRule("NORM", "ggml.c:3160 ggml_norm", 1, _norm, params=1),
     OpRule("RMS_NORM", "ggml.c:3191 ggml_rms_norm", 1, _rms_norm, params=1),
     OpRule("GROUP_NORM", "ggml.c:3242 ggml_group_norm", 1, _group_norm, params=2),
@@ -874,6 +1103,13 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
     OpRule("LEAKY_RELU", "ggml.c:2760 ggml_leaky_relu", 1, _unary_like(F32_F16), params=1),
+    OpRule("IM2COL", "ggml.c:4556 ggml_im2col", 2, _im2col, params=7),
+    OpRule("POOL_1D", "ggml.c:5080 ggml_pool_1d", 1, _pool(False), params=4),
+    OpRule("POOL_2D", "ggml.c:5108 ggml_pool_2d", 1, _pool(True), params=7),
+    OpRule("SSM_SCAN", "ggml.c:5696 ggml_ssm_scan", 7, _ssm_scan, params=1),
+    OpRule("RWKV_WKV6", "ggml.c:5882 ggml_rwkv_wkv6", 6, _linear_attn(5, 5, "RWKV_WKV6")),
+    OpRule("RWKV_WKV7", "ggml.c:5968 ggml_rwkv_wkv7", 7, _linear_attn(6, 6, "RWKV_WKV7")),
+    OpRule("GATED_LINEAR_ATTN", "ggml.c:5925 ggml_gated_linear_attn", 5, _linear_attn(4, 4, "GATED_LINEAR_ATTN"), params=1),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
@@ -891,7 +1127,7 @@ _ROWS: tuple[OpRule, ...] = (
 PER_DIMENSION_OPS = frozenset({
     "DUP", "CPY", "CONT", "ACC", "SET", "ADD", "SUB", "MUL", "DIV", "ADD_ID", "SUM", "SUM_ROWS", "CUMSUM", "MEAN",
     "REPEAT", "CONCAT", "NORM", "RMS_NORM", "L2_NORM", "MUL_MAT", "MUL_MAT_ID", "GET_ROWS", "SET_ROWS",
-    "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE", "PAD", "ROLL", "FILL", "FLASH_ATTN_EXT",
+    "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE", "PAD", "ROLL", "FILL", "FLASH_ATTN_EXT", "IM2COL",
     "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE",
 })  # fmt: skip
 
@@ -916,7 +1152,6 @@ CONTENT_INDEXED: Mapping[str, tuple[str, str]] = {
     "ADD_ID": ("row ids (src[2])", "abort"),  # ops.cpp:746 GGML_ASSERT(i11 >= 0 && i11 < ne11)
     "MUL_MAT_ID": ("expert ids (src[2])", "memory"),  # ggml-cpu.c:1655 assert(), not GGML_ASSERT
     "SSM_SCAN": ("state slot ids (src[6])", "memory"),  # ops.cpp:10049 src0 + ids[i3]*nb3 (#25765)
-    "GATED_DELTA_NET": ("state indices", "memory"),  # #25704
     "GET_ROWS_BACK": ("row indices (src[1])", "memory"),
 }
 #: content-indexed ops forwarded even to a server that is not contained, and why
@@ -938,10 +1173,10 @@ def op_status(op: str, version: Version) -> str:
     an out-of-range index aborts the server), ``verified, residual risk`` (a rule; an out-of-range
     index reaches memory: RESIDUAL_RISK says why it is forwarded), ``contained only``, or
     ``refused`` (no rule)."""
-    if needs_containment(op):
-        return "contained only"
     if rule_for(op, version) is None:
         return "refused"
+    if needs_containment(op):
+        return "contained only"
     entry = CONTENT_INDEXED.get(op)
     if entry is None:
         return "verified"

@@ -26,6 +26,7 @@ HELLO reply the client-facing side sends when a session is refused before it is 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Final
@@ -56,6 +57,11 @@ from rpcguard.protocol.versions import (
     format_version,
     spec_for,
 )
+
+# Post-mortem (serve runs the server, docs/containment.md; off unless ``record_recent()``): the
+# last request heads kept (command, payload length: no tensor data) and the last graph's digest.
+RECENT_REQUESTS: Final = 16
+_GRAPH_COMPUTE: Final = COMMAND_IDS["GRAPH_COMPUTE"]
 
 __all__ = [
     "SessionPolicy", "Session", "Output", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation",
@@ -163,6 +169,9 @@ class Session:
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
         self.command: int | None = None  # command of the frame being handled (named in refusals)
         self.requests_checked_by = "proxy"  # or "node" (leave_requests_to_node)
+        self._record = False  # record_recent(): the post-mortem ring and graph digest
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
+        self.last_graph: tuple[int, int] | None = None  # (payload bytes, CRC-32) of the last GRAPH_COMPUTE
         self._check_requests = True
         self.out = Output()
         self.to_server = self.out.to_server
@@ -194,6 +203,22 @@ class Session:
     def idle(self) -> bool:
         """True between frames in both directions with no response outstanding."""
         return not self._expect and self._req.at_boundary and self._rsp.at_boundary
+
+    def record_recent(self) -> None:
+        """Keep the last request heads and the last graph's digest (``post_mortem``): a few
+        instructions per frame and a CRC-32 of each graph (serve runs the server)."""
+        self._record = True
+
+    def post_mortem(self) -> dict[str, object]:
+        """What the audit record of a session that crashed its server carries."""
+        return {"last_requests": [[_name(cmd), n] for cmd, n in self.recent],
+                "last_graph": None if self.last_graph is None else
+                {"bytes": self.last_graph[0], "crc32": f"{self.last_graph[1]:08x}"}}
+
+    @property
+    def owed_since_ns(self) -> int:
+        """When the oldest response the server still owes was asked for (0: none owed)."""
+        return self._expect[0].t_ns if self._expect else 0
 
     @property
     def last_feed_ns(self) -> int:
@@ -247,6 +272,8 @@ class Session:
         stats = self.stats
         stats.req_frames[cmd] += 1
         stats.req_bytes[cmd] += 9 + length
+        if self._record:
+            self.recent.append((cmd, length))
         if rule.layout == FIXED:
             if length != rule.request:
                 raise ProtocolRefusal(
@@ -276,6 +303,8 @@ class Session:
                 self.firewall.check_request(rule, head, body_len)
             except FirewallRefusal as refusal:
                 self.violated(refusal, rule.name)
+        if self._record and cmd == _GRAPH_COMPUTE:
+            self.last_graph = (len(head), zlib.crc32(head))
         # The request's effect on the session state (the command table's effect column); it
         # returns what the response's learner needs.
         effect = EFFECTS[cmd]
@@ -330,6 +359,7 @@ class Session:
     def _on_response(self, header: tuple[int], head: memoryview, raw: memoryview) -> None:
         out = self.to_client
         exp = self._expect.popleft()
+        self.state.inflight_flops = 0  # the server answered: everything before it has run
         if exp.cmd == HELLO:
             raw = self._on_hello_reply(head, raw)
         else:

@@ -97,13 +97,35 @@ class Limits:
     handshake_timeout_s: float = 10.0
     hello_timeout_s: float = 10.0
     idle_timeout_s: float = 0.0  # llama-server keeps its model connection idle for hours
-    frame_timeout_s: float = 60.0  # a frame started but not finished (slowloris)
+    # A request frame in progress must keep up with min_data_rate_bps after frame_timeout_s: a
+    # frame of N bytes arrives within frame_timeout_s + N / min_data_rate_bps of its first byte
+    # (Apache's mod_reqtimeout MinRate), however its bytes are spread (slowloris, trickle).
+    frame_timeout_s: float = 60.0
+    # 16 KiB/s (128 kbit/s): a 100 MB model load at this pace takes 1.7 h, so a link too slow
+    # for it is too slow to load a model at all; time the proxy holds the client back (flow
+    # control toward a slow upstream) never counts (docs/resilience.md).
+    min_data_rate_bps: int = 16384
     max_session_s: float = 0.0
     max_sessions: int = 64
+    # serve: one certificate or one host cannot take the listener, before HELLO or after
+    # (admitted sessions, refused ones excluded; 0 = off).
+    max_sessions_per_identity: int = 16
+    max_sessions_per_source: int = 32
+    max_pending_per_identity: int = 4  # admitted, no HELLO yet: llama.cpp says HELLO at once
+    max_pending_per_source: int = 8
+    # serve: TLS handshakes in progress from one source address (each holds a socket and ~60 KiB
+    # for up to handshake_timeout_s): one host cannot take the process's file descriptors.
+    max_handshakes_per_source: int = 64
+    # serve: a session holding the upstream with no request running for this long is ended when
+    # another session waits for the upstream (alone it idles as long as it likes); 0 = off.
+    idle_while_waiting_s: float = 20.0
     upstream_busy: str = "queue"  # or "refuse"
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0  # process-wide: how long SIGTERM waits for running sessions
+    # The watchdog: a response the server has owed this long (a GET_TENSOR behind a GRAPH_COMPUTE
+    # that does not finish) ends the session upstream_hung; a server serve runs is killed.
+    max_graph_s: float = 0.0
 
 
 @dataclass(frozen=True)

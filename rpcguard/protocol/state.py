@@ -75,6 +75,7 @@ class SessionState:
     node_cache: dict[bytes, int] = field(default_factory=dict)
     graph_flops: dict[int, int] = field(default_factory=dict)  # device -> estimate of its stored graph
     compute_flops: int = 0  # estimated flop of every graph computed in this session, recomputes too
+    inflight_flops: int = 0  # estimated flop forwarded since the server last answered (session.py)
     unverified_uses: dict[str, int] = field(default_factory=dict)  # allowed ops without a rule, per use
     # Validated request heads, keyed by (command id, head bytes, body_len): see Firewall.check_request.
     head_cache: set[tuple[int, bytes, int]] = field(default_factory=set)

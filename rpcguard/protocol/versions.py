@@ -91,6 +91,13 @@ REFUSAL_CODES: Mapping[str, int] = {
     "shutdown": 8,
     "tls_failed": 9,
     "certificate_usage_invalid": 10,
+    "node_name_mismatch": 11,
+    "identity_quarantined": 12,
+    # one certificate or one host past its share of the listener (issue 21; 11-20 left to others)
+    "too_many_sessions_per_identity": 21,
+    "too_many_sessions_per_source": 22,
+    "too_many_pending_per_identity": 23,
+    "too_many_pending_per_source": 24,
 }
 REFUSAL_REASONS: Mapping[int, str] = {v: k for k, v in REFUSAL_CODES.items()}
 

@@ -39,7 +39,8 @@ class Case:
     op: str  # the GGML_OP name of the last call's result
     recipe: dict
     params: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # arg -> (word, values)
-    nullable: dict[int, int] = field(default_factory=dict)  # src slot -> arg index
+    # src slot -> arg index of the last call, or (call, arg) of an earlier one
+    nullable: dict[int, int | tuple[int, int]] = field(default_factory=dict)
     # For ops whose dst shape/strides are arguments: the call that would give a dst of (ne, nb),
     # as the last op's new args or a whole {"fn", "args"} (another constructor of the same op).
     dst_args: Callable[[tuple, tuple], list[Any] | dict] | None = None

@@ -160,7 +160,8 @@ def _gla(rng: random.Random) -> Case:
 @gen("rwkv_wkv7", "RWKV_WKV7")
 def _wkv7(rng: random.Random) -> Case:
     r = R(rng)
-    s, h, t = rng.choice((1, 4)), rng.randint(1, 2), rng.randint(1, 4)
+    # 64: RWKV-7's head size; the kernel needs a multiple of its SIMD step (oprules WKV7_HEAD_MULTIPLE)
+    s, h, t = rng.choice((1, 4, 64)), rng.randint(1, 2), rng.randint(1, 4)
     xs = [r.leaf("f32", [s, h, t]) for _ in range(6)]
     r.op("rwkv_wkv7", *xs, r.leaf("f32", [s * s * h, 1]))
     return Case("RWKV_WKV7", r.recipe())

@@ -392,7 +392,7 @@ def _fa_modified(rng: random.Random) -> Case:
     which = rng.randrange(3)
     if which == 0:
         r.op("flash_attn_ext_add_sinks", fa, sinks)
-        return Case("FLASH_ATTN_EXT", r.recipe(), nullable={4: 1})
+        return Case("FLASH_ATTN_EXT", r.recipe(), nullable={4: 1, 3: (0, 3)})  # sinks with or without a mask
     if which == 1:
         r.op("flash_attn_ext_set_n_kv_max", fa, rng.randint(0, n_kv))
         return Case("FLASH_ATTN_EXT", r.recipe(), params={1: (4, [0, n_kv, n_kv + 1, 1 << 20])})
@@ -407,4 +407,5 @@ def _soft_max_sinks(rng: random.Random) -> Case:
     n_kv, n_q, h = rng.choice((8, 32)), rng.randint(1, 4), rng.randint(1, 4)
     sm = r.op("soft_max_ext", r.leaf("f32", [n_kv, n_q, h]), r.leaf("f16", [n_kv, n_q]), 0.125, 0.0)
     r.op("soft_max_add_sinks", sm, r.leaf("f32", [h]))
-    return Case("SOFT_MAX", r.recipe(), nullable={2: 1})
+    # sinks without a mask: ggml_soft_max_ext(a, NULL, ...) then add_sinks (test-backend-ops does)
+    return Case("SOFT_MAX", r.recipe(), nullable={2: 1, 1: (0, 1)})

@@ -117,7 +117,16 @@ def _with_args(recipe: dict, args: list[Any] | dict) -> dict:
     return r
 
 
-def _with_arg(recipe: dict, i: int, v: Any) -> dict:
+def _with_arg(recipe: dict, i: int | tuple[int, int], v: Any) -> dict:
+    """``recipe`` with argument ``i`` of its last call (or ``(call, argument)`` of an earlier
+    one, e.g. the mask of a soft_max_ext that a soft_max_add_sinks call then modifies) set to ``v``."""
+    if isinstance(i, tuple):
+        r = {"leaves": recipe["leaves"], "ops": [dict(o) for o in recipe["ops"]]}
+        call, arg = i
+        args = list(r["ops"][call]["args"])
+        args[arg] = v
+        r["ops"][call]["args"] = args
+        return r
     args = list(recipe["ops"][-1]["args"])
     args[i] = v
     return _with_args(recipe, args)

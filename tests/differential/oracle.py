@@ -64,7 +64,9 @@ def refusal(payload: bytes, handle: int, base: int, size: int) -> tuple[str, str
     st.add_buffer(handle, 0, size)
     st.buffers[handle].base = base
     try:
-        GraphValidator(max_nodes=4096, max_tensors=16384).check(memoryview(payload), st)
+        # contained: the shape rules of content-indexed ops (oprules.needs_containment) are what
+        # this oracle checks; that they need containment is tests/unit/test_oprules.py's business
+        GraphValidator(max_nodes=4096, max_tensors=16384, contained=True).check(memoryview(payload), st)
     except FirewallRefusal as exc:
         return exc.reason, exc.detail
     except Exception as exc:  # noqa: BLE001  a validator bug: reported, never counted as a refusal

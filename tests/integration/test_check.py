@@ -13,7 +13,9 @@ import datetime as dt
 import socket
 import ssl
 import subprocess
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,8 @@ from rpcguard.preflight import certificate_warnings
 from rpcguard.probe import probe_node, tls_probe
 from rpcguard.tls import client_context
 from tests.support import realpeer
-from tests.support.guard import Pki, start_guard
+from tests.support.guard import Pki, start_guard, wait_for_line
+from tests.support.waiting import wait_until
 from tests.support.realpeer import PYTHON
 
 
@@ -68,7 +71,10 @@ def test_ok_one_connection(node, pki):
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("OK") and "protocol 7.0.0, 1 device(s)" in p.stdout, p.stdout
     assert wait_connections(g, 1) == 1
-    assert g.value("rpcguard_sessions_total", result="ok") == 1
+    # the check said in the handshake it is a probe: the node records no session that worked
+    assert g.value("rpcguard_sessions_total", result="probe") == 1
+    assert g.value("rpcguard_sessions_total", result="ok") == 0
+    assert "node enforces every request check" in p.stdout, p.stdout
 
 
 def test_closed_port_is_node_unreachable(pki):
@@ -103,7 +109,9 @@ def test_one_connection_to_a_silent_closer():
     r = asyncio.run(run())
     srv.close()
     assert len(accepted) == 1, accepted
-    assert not r.ok and r.reason == "node_unreachable" and "during the TLS handshake" in r.detail, r
+    # something answered TCP and hung up on the ClientHello: not an unreachable node, not TLS
+    assert not r.ok and r.reason == "tls_failed" and r.cause == "tls_not_tls" and "during the TLS handshake" in r.detail, r
+    assert r.line().startswith("REFUSED n 127.0.0.1:") and ": not TLS (" in r.line(), r.line()
 
 
 @pytest.mark.parametrize("case,reason,cause", [
@@ -161,8 +169,8 @@ tunnels:
     assert "Traceback" not in p.stderr
 
 
-def test_upstream_busy(pki, workdir, rpc_server):
-    """A session holds the node's single upstream; with upstream_busy: refuse the check says so."""
+def test_upstream_busy_in_refuse_mode_is_ok_busy(pki, workdir, rpc_server):
+    """A session holds the node's single upstream; with upstream_busy: refuse the check says busy, exit 0."""
     from rpcguard.protocol import encode
 
     cfg = workdir / "busy.yaml"
@@ -181,7 +189,8 @@ listeners:
                 holder.sendall(encode.hello_request((7, 0, 0)))
                 assert len(holder.recv(64)) >= 8  # the node's HELLO reply: this session holds the upstream
                 p = check(g.endpoint, pki)
-        assert p.returncode == 1 and ": upstream_busy - " in p.stdout, p.stdout
+        assert p.returncode == 0 and "TLS and identity accepted, server busy" in p.stdout, p.stdout
+        assert g.value("rpcguard_refusals_total", reason="upstream_busy") == 0
     finally:
         g.stop()
 
@@ -226,3 +235,50 @@ def test_tls_probe_accepts_a_working_node_and_sends_no_hello(node, pki):
     assert not r.ok and r.reason == "tls_failed" and r.cause == "tls_cert_expired", r
     assert wait_connections(g, 3) == 3  # three probes, two connections, no HELLO: no session refused
     assert g.value("rpcguard_refusals_total", reason="upstream_busy") == 0
+
+
+LONGCLIENT = Path(__file__).resolve().parent.parent / "support" / "longclient.py"
+
+
+def test_check_of_a_live_node_held_by_llama_cpp_is_ok_busy_at_once(pair, pki, workdir, models):
+    """The node's real server is held by a real llama.cpp client (as llama-server holds it for hours),
+    and the node queues (upstream_busy: queue, 30 s): check answers at once, exit 0, and the node
+    counts neither a refusal nor a session; the llama.cpp session is untouched."""
+    connect, serve = pair()
+    go = workdir / "go-1"
+    cmd = [realpeer.realpeer_python(), str(LONGCLIENT), connect.endpoint, "-m", str(models["tiny"]), "-n", "4",
+           "--wait", str(go)]
+    client = realpeer.start(cmd, workdir / "longclient.log", "longclient")
+    try:
+        wait_for_line(client, "WAITING 1", 60)
+        t0 = time.monotonic()
+        p = check(serve.endpoint, pki)
+        took = time.monotonic() - t0
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.startswith("OK") and "TLS and identity accepted, server busy" in p.stdout, p.stdout
+        assert took < 10, took  # not the node's 30 s queue timeout
+        js = check(serve.endpoint, pki, "--json")
+        (rec,) = [json.loads(line) for line in js.stdout.splitlines()]
+        assert js.returncode == 0 and rec["ok"] is True and rec["busy"] is True and rec["node_mode"] == "enforce", rec
+        wait_until(lambda: serve.value("rpcguard_sessions_total", result="probe") == 2, what="two probes ended")
+        assert serve.value("rpcguard_refusals_total", reason="upstream_busy") == 0
+        assert serve.value("rpcguard_refusals_total") == 0
+        go.touch()  # the held session goes on
+        assert client.popen.wait(60) == 0, client.output()
+        assert "LONGCLIENT_OK" in client.output()
+    finally:
+        client.stop()
+
+
+def test_a_plain_port_is_not_tls(pki, node, rpc_server):
+    """check against the real ggml-rpc-server's own port and against a metrics (HTTP) port."""
+    g = node()
+    for port in (rpc_server, g.metrics_port):
+        p = check(f"127.0.0.1:{port}", pki)
+        assert p.returncode == 1 and ": not TLS (tls_failed: tls_not_tls) - " in p.stdout, (port, p.stdout)
+
+
+def test_a_node_name_that_does_not_resolve_gets_the_hint(pki):
+    p = check("nosuchnode.invalid:50100", pki, name="node1")  # .invalid never resolves (RFC 6761)
+    assert p.returncode == 1 and ": node_unreachable - cannot reach the node: " in p.stdout, p.stdout
+    assert "'nosuchnode.invalid' does not resolve here: give --server IP:PORT --server-name node1" in p.stdout, p.stdout

@@ -46,8 +46,34 @@ def test_connect_readyz_follows_its_node(pki, workdir, rpc_server):
         # the probe sent no HELLO: nothing refused, no upstream version learned from it
         assert serve.value("rpcguard_refusals_total") == 0
         assert serve.samples("rpcguard_upstream_protocol_info") == []
+        # ... and said it is a probe: the node records a probe, not a session that worked
+        assert serve.value("rpcguard_sessions_total", result="probe") == 1
+        assert serve.value("rpcguard_sessions_total", result="ok") == 0
+        assert "result=probe" not in serve.output()  # probes every few seconds are DEBUG, not INFO
     finally:
         for g in (up, down, serve):
+            g.stop()
+
+
+def test_a_port_check_on_a_tunnel_is_no_hello_not_a_session(pki, workdir, rpc_server):
+    """A bare TCP connect (a port check, a kubelet tcpSocket probe) to connect's listener: no HELLO
+    ever comes. Both ends record result=no_hello, not ok."""
+    import socket
+
+    serve = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args(),
+                                           "--allow-cn", pki.client])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
+    try:
+        socket.create_connection(("127.0.0.1", connect.port), timeout=10).close()
+        assert connect.wait_value("rpcguard_sessions_total", 1, result="no_hello") == 1
+        assert serve.wait_value("rpcguard_sessions_total", 1, result="no_hello") == 1
+        for g in (connect, serve):
+            assert g.value("rpcguard_sessions_total", result="ok") == 0
+            assert g.value("rpcguard_refusals_total") == 0
+        assert "result=no_hello" in connect.output()
+    finally:
+        for g in (connect, serve):
             g.stop()
 
 

@@ -328,8 +328,13 @@ def test_sign_refuses_a_tampered_csr_and_bad_files(tmp_path):
         csr.sign_csr(tmp_path, tmp_path / "missing.csr", tmp_path / "t.pem")
     with pytest.raises(CertError, match="not a PEM certificate signing request"):
         csr.sign_csr(tmp_path, tmp_path / "ca.pem", tmp_path / "t.pem")
-    with pytest.raises(CertError, match="no such directory"):
-        csr.make_csr(tmp_path / "nodir", "t2", server=True)
+    # the quick start's `certs issue certs/ ...` and `certs csr certs/ ...` create certs/
+    files = csr.make_csr(tmp_path / "nodir" / "deeper", "t2", server=True)
+    assert files.key.is_file() and (files.key.stat().st_mode & 0o777) == 0o600 and files.cert.is_file()
+    leaf = certs.issue(tmp_path / "certs", "t3", server=False, ca_dir=tmp_path)
+    assert leaf.cert.is_file() and (leaf.key.stat().st_mode & 0o777) == 0o600
+    with pytest.raises(CertError, match="not a directory"):
+        certs.issue(tmp_path / "ca.pem", "t4", server=False, ca_dir=tmp_path)
 
 
 def test_write_errors_are_cert_errors(tmp_path):

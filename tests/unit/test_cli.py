@@ -135,7 +135,9 @@ CASES = [
     ("init-ca-days", lambda p, t: ["certs", "init-ca", str(t / "ca2"), "--days", "0"], 2, "days"),
     ("init-ca-days-text", lambda p, t: ["certs", "init-ca", str(t / "ca3"), "--days", "ten"], 2, "invalid int"),
     ("issue-no-ca", lambda p, t: ["certs", "issue", str(t), "n1", "--server"], 2, "ca.pem"),
-    ("issue-no-dir", lambda p, t: ["certs", "issue", str(t / "nodir"), "n1", "--server"], 2, "no such directory"),
+    ("issue-no-dir-no-ca", lambda p, t: ["certs", "issue", str(t / "nodir"), "n1", "--server"], 2, "ca.pem"),
+    ("issue-dir-is-a-file", lambda p, t: ["certs", "issue", str(p.dir / "garbage.pem"), "n1", "--server",
+                                          "--ca-dir", str(p.dir)], 2, "not a directory"),
     ("issue-bad-name", lambda p, t: ["certs", "issue", str(p.dir), "../x", "--client"], 2, "invalid certificate name"),
     ("issue-bad-ip", lambda p, t: ["certs", "issue", str(p.dir), "n2", "--server", "--ip", "1.2.3"], 2, "invalid IP"),
     ("issue-bad-dns", lambda p, t: ["certs", "issue", str(p.dir), "n3", "--server", "--dns", "a..b"], 2, "invalid DNS"),
@@ -145,7 +147,8 @@ CASES = [
     ("issue-exists", lambda p, t: ["certs", "issue", str(p.dir), p.node, "--server"], 2, "already exists"),
     ("issue-ca-dir-missing", lambda p, t: ["certs", "issue", str(t), "n7", "--client", "--ca-dir", str(t / "x")], 2,
      "ca.pem"),
-    ("csr-no-dir", lambda p, t: ["certs", "csr", str(t / "nodir"), "n8", "--client"], 2, "no such directory"),
+    ("csr-dir-under-a-file", lambda p, t: ["certs", "csr", str(p.dir / "garbage.pem" / "d"), "n8", "--client"], 2,
+     "cannot create the directory"),
     ("csr-bad-name", lambda p, t: ["certs", "csr", str(t), "ca", "--client"], 2, "invalid certificate name"),
     ("sign-missing-csr", lambda p, t: ["certs", "sign", str(t / "x.csr"), "--ca-dir", str(p.dir), "--out",
                                        str(t / "x.pem")], 2, "cannot read CSR"),
@@ -161,6 +164,8 @@ CASES = [
                                       p.path(p.node)], 2, "already exists"),
     ("sign-out-bad-dir", lambda p, t: ["certs", "sign", str(p.dir / "req.csr"), "--ca-dir", str(p.dir), "--out",
                                        "/proc/nodir/x.pem"], 2, "cannot write"),
+    ("ops-unknown-protocol", lambda p, t: ["ops", "--protocol", "9.9.9"], 2, "no op table for protocol 9.9.9"),
+    ("ops-bad-protocol", lambda p, t: ["ops", "--protocol", "seven"], 2, "--protocol: not a version"),
     ("status-closed", lambda p, t: ["status", "--metrics", f"127.0.0.1:{free_port()}"], 1, "cannot read"),
     ("status-bad-url", lambda p, t: ["status", "--metrics", "ftp://x/metrics"], 2, "--metrics"),
     ("status-no-host", lambda p, t: ["status", "--metrics", "http://"], 2, "--metrics"),
@@ -254,7 +259,7 @@ def test_status_defaults_url_forms_and_broken_pipe(pages):
                  f"http://127.0.0.1:{pages}/metrics"):
         p = rg("status", "--metrics", form)
         assert p.returncode == 0 and f"rpcguard instance at http://127.0.0.1:{pages}/metrics" in p.stdout, p.stderr
-    # stdout closed by its reader (`rpcguard status | head -0`): no traceback, exit 1
+    # stdout closed by its reader (`rpcguard status | head -0`): it read what it wanted: quiet, exit 0
     r, w = os.pipe()
     os.close(r)
     try:
@@ -263,7 +268,7 @@ def test_status_defaults_url_forms_and_broken_pipe(pages):
     finally:
         os.close(w)
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
-    assert p.returncode == 1 and p.stderr == ""
+    assert p.returncode == 0 and p.stderr == ""
 
 
 def test_check_config_broken_pipe(pki, tmp_path):
@@ -275,7 +280,30 @@ def test_check_config_broken_pipe(pki, tmp_path):
                            text=True, timeout=60)
     finally:
         os.close(w)
-    assert "Traceback" not in p.stderr and p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr and p.returncode == 0 and p.stderr == "", p.stderr  # `| head -1`
+
+
+def test_stdout_closed_or_full_is_one_line_not_an_internal_error(pages):
+    for how, kw, why in (("closed", {"stdout": None, "pass_fds": ()}, "stdout is closed"),
+                         ("full", {}, "No space left on device")):
+        cmd = [PYTHON, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{pages}"]
+        if how == "closed":
+            p = subprocess.run(["sh", "-c", '"$@" >&-', "sh", *cmd], stderr=subprocess.PIPE, text=True, timeout=60)
+        else:
+            with open("/dev/full", "w") as full:
+                p = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+        assert p.returncode == 1 and p.stderr == f"rpcguard: cannot write the output: {why}\n", (how, p.stderr)
+
+
+def test_a_very_long_certificate_name_is_one_line(tmp_path):
+    p = rg("certs", "init-ca", str(tmp_path / "ca"))
+    assert p.returncode == 0, p.stderr
+    for kind in ("issue", "csr"):
+        args = ["certs", kind, str(tmp_path), "a" * 300, "--server"] + (["--ca-dir", str(tmp_path / "ca")]
+                                                                        if kind == "issue" else [])
+        p = rg(*args)
+        assert p.returncode == 2 and p.stderr == ("rpcguard: certificate name of 300 characters: at most 64 (it is the "
+                                                  "file name and the common name)\n"), p.stderr
 
 
 def test_check_config_runs_the_start_up_checks_and_warns(pki, tmp_path):
@@ -288,6 +316,40 @@ def test_check_config_runs_the_start_up_checks_and_warns(pki, tmp_path):
     other = Pki(tmp_path / "other")
     p = rg("check-config", t.config(cert=other.path(other.node), key=other.path(other.node, "key")))
     assert "WARNING certificate untrusted" in p.stdout, p.stdout
+
+
+def test_check_config_and_serve_say_loudly_that_a_listener_does_not_enforce(pki, tmp_path):
+    t = _Ctx(tmp_path, pki, 0, 0)
+    p = rg("check-config", t.config())
+    assert "NOT ENFORCING" not in p.stdout, p.stdout
+    path = Path(t.config())
+    data = json.loads(path.read_text())
+    data["policy"] = {"mode": "monitor"}
+    path.write_text(json.dumps(data))
+    p = rg("check-config", str(path))
+    assert p.returncode == 0, p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if "NOT ENFORCING" in x]
+    assert line.startswith("  WARNING serve listener listener0: NOT ENFORCING: profile default: firewall in "
+                           "monitor mode"), line
+
+
+def test_check_config_names_the_accepted_versions_and_refuses_unknown_ones(pki, tmp_path):
+    t = _Ctx(tmp_path, pki, 0, 0)
+    p = rg("check-config", t.config())
+    assert "  listener0: accepted protocol versions 2.0.0, " in p.stdout and "7.0.0 (every version rpcguard knows)" \
+        in p.stdout, p.stdout
+    path = Path(t.config())
+    data = json.loads(path.read_text())
+    for versions, code in ((["7.0.0", "5.0.0"], 0), (["9.9.9"], 2)):
+        data["policy"] = {"accepted_versions": versions}
+        path.write_text(json.dumps(data))
+        p = rg("check-config", str(path))
+        assert p.returncode == code, p.stdout + p.stderr
+    assert p.stderr.startswith("rpcguard: config error: policy.accepted_versions[0]: must be a protocol version "
+                               "rpcguard knows (2.0.0, "), p.stderr
+    data["policy"] = {"accepted_versions": ["7.0.0", "5.0.0"]}
+    path.write_text(json.dumps(data))
+    assert "  listener0: accepted protocol versions 5.0.0, 7.0.0\n" in rg("check-config", str(path)).stdout
 
 
 def test_status_without_metrics_tries_serve_then_connect_defaults():
@@ -378,3 +440,42 @@ def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(certs, "init_ca", boom)
     p = main_in_process(["certs", "init-ca", str(tmp_path)], capsys)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "internal error (RuntimeError: injected)" in p.stderr
+
+
+def test_version_says_core_protocols_openssl_and_commit():
+    import ssl
+
+    from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version
+
+    p = rg("--version")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("rpcguard ") and "protocol core: " in lines[0], lines
+    assert lines[1] == "protocol versions: " + ", ".join(format_version(v) for v in KNOWN_VERSIONS)
+    assert lines[2].startswith(ssl.OPENSSL_VERSION + "; Python ")
+    assert lines[3].startswith("commit ") and lines[3] != "commit ", lines
+
+
+@pytest.mark.parametrize("command,needle", [
+    (["serve"], "required, as flags or in --config: --listen and --upstream"),
+    (["connect"], "required, as flags or in --config: --listen and --server"),
+    (["check"], "required: --server, or --config with tunnels"),
+    (["certs", "init-ca"], "(default: 1825)"),
+    (["certs", "issue"], "(default: 30)"),
+])
+def test_help_shows_defaults_and_what_is_required(command, needle):
+    p = rg(*command, "--help")
+    assert p.returncode == 0 and needle in " ".join(p.stdout.split()), p.stdout
+    if command[0] in ("serve", "connect"):
+        assert "default 127.0.0.1:9450" in " ".join(p.stdout.split()) and "(default: None)" not in p.stdout
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"]])
+def test_help_and_version_into_a_closed_pipe_are_quiet(args):
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([PYTHON, "-m", "rpcguard", *args], stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import os
 import shutil
@@ -150,7 +152,12 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
-     "policy.accepted_versions[0]: must be a version like '7.0.0', got '7.0'"),
+     "policy.accepted_versions[0]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
+     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '7.0'"),
+    # well-formed but unknown: it would pass and then refuse every session at HELLO
+    ("version-unknown", serve_data, top("policy", accepted_versions=["7.0.0", "9.9.9"]),
+     "policy.accepted_versions[1]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
+     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '9.9.9'"),
     ("versions-not-list", serve_data, top("policy", accepted_versions="7.0.0"), "policy.accepted_versions: must be a list, got '7.0.0'"),
     ("command", serve_data, L(0, policy={"allow_commands": ["HELLO", "FOO"]}),
      f"listeners[0].policy.allow_commands[1]: must be {CMDS}, got 'FOO'"),
@@ -208,7 +215,8 @@ def test_bad_role_and_top_level(base: Path) -> None:
     assert error_of(parse_config, serve_data(), "proxy") == "role: must be serve or connect, got 'proxy'"
     assert error_of(parse_config, [1], source="x.yaml") == "x.yaml: top level must be a mapping, got a list"
     assert error_of(parse_config, serve_data(), "connect", base_dir=str(base)) == \
-        "allow: only valid for rpcguard serve (this is a connect config)"
+        "<config>: this is a serve config (it defines listeners); rpcguard connect and check read a connect config " \
+        "(with tunnels)"
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
@@ -611,7 +619,20 @@ def test_flag_file_errors(base: Path, monkeypatch) -> None:
     assert error_of(build_config, "serve", file=two, overrides={"listen": "0.0.0.0:1", "upstream": "127.0.0.1:1"}) == \
         "--listen: the config file defines 2 listeners; this flag can only configure a single listener"
     assert error_of(build_config, "proxy", overrides={}) == "role: must be serve or connect, got 'proxy'"
-    assert error_of(build_config, "connect", file=two) == "allow: only valid for rpcguard serve (this is a connect config)"
+    assert error_of(build_config, "connect", file=two) == (
+        f"{two}: this is a serve config (it defines listeners); rpcguard connect and check read a connect config "
+        "(with tunnels)")
+
+
+@pytest.mark.parametrize("role,data", [("connect", serve_data), ("serve", connect_data)])
+def test_a_config_of_the_other_role_is_named_the_right_way_round(base, role, data):
+    path = base / "other.yaml"
+    path.write_text(json.dumps(data()))
+    text = error_of(build_config, role, file=str(path))
+    other = "serve" if role == "connect" else "connect"
+    assert text.startswith(f"{path}: this is a {other} config (it defines {'listeners' if other == 'serve' else 'tunnels'}); "
+                           f"rpcguard {role}"), text
+    assert text.endswith(f"a {role} config (with {'tunnels' if role == 'connect' else 'listeners'})"), text
     (base / "list.yaml").write_text("- 1\n")
     assert error_of(build_config, "serve", file=str(base / "list.yaml")) == f"{base}/list.yaml: top level must be a mapping, got a list"
 
@@ -651,7 +672,7 @@ def test_serve_example(examples: Path) -> None:
 
 def test_connect_example(examples: Path) -> None:
     cfg = load_config(str(examples / "connect.example.yaml"))
-    assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50052", "127.0.0.1:50053"]
+    assert cfg.role == "connect" and [str(t.listen) for t in cfg.tunnels] == ["127.0.0.1:50152", "127.0.0.1:50153"]
     assert all(t.policy == SessionPolicy(clear_new_buffers=False, validate_requests="auto") for t in cfg.tunnels)
     assert cfg.limits == Limits()
     assert len(config_summary(cfg)) == 2

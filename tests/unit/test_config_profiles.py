@@ -99,6 +99,9 @@ def test_first_matching_entry_decides_the_profile(base: Path) -> None:
     (lambda d: d["profiles"]["monitor"]["limits"].update(drain_timeout_s=3),
      "profiles.monitor.limits.drain_timeout_s: cannot be set in a profile: it applies to the whole process; "
      "set it in the top-level limits"),
+    (lambda d: d["profiles"]["monitor"]["limits"].update(max_pending_per_source=3),
+     "profiles.monitor.limits.max_pending_per_source: cannot be set in a profile: it counts every identity that "
+     "connects from one address; set it in the top-level limits"),
     (lambda d: d["profiles"]["tenant"]["policy"].update(max_graph=1),
      "profiles.tenant.policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, "
      "allow_unverified_ops, checks, clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, "

@@ -247,3 +247,57 @@ def test_reloads_run_one_at_a_time(pki: Path, tmp_path: Path, caplog) -> None:
             await rt.close()
 
     asyncio.run(body())
+
+
+def test_a_downgrade_is_loud_at_start_and_at_every_reload_that_keeps_it(pki: Path, tmp_path: Path, caplog) -> None:
+    """monitor mode on one listener: a WARNING at start and after each reload that keeps it, the
+    gauges, and what the listener says in the TLS handshake (its context's ALPN), per listener."""
+    import ssl
+
+    from rpcguard import tls
+
+    a, b = listener("a", 1, policy={"mode": "monitor"}), listener("b", 2)
+    path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))
+
+    def says(rt: Runtime, name: str) -> str | None:
+        """The ALPN protocol a connect negotiates with listener ``name`` (memory-BIO handshake)."""
+        route = next(lst.route for lst in rt.listeners if lst.route.name == name)
+        s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+        server = route.ssl_context().wrap_bio(s_in, s_out, server_side=True)
+        client_ctx = tls.client_context(pki / "client1.pem", pki / "client1.key", pki / "ca.pem", server_name="node1")
+        client = client_ctx.wrap_bio(c_in, c_out, server_hostname="node1")
+        for _ in range(10):
+            for side in (client, server):
+                try:
+                    side.do_handshake()
+                except ssl.SSLWantReadError:
+                    pass
+                s_in.write(c_out.read())
+                c_in.write(s_out.read())
+        return client.selected_alpn_protocol()
+
+    async def body() -> None:
+        with caplog.at_level(logging.WARNING, logger="rpcguard"):
+            rt = runtime(path)
+        try:
+            warned = [r.getMessage() for r in caplog.records if "NOT ENFORCING" in r.getMessage()]
+            assert len(warned) == 1 and warned[0].startswith("serve listener a: NOT ENFORCING"), warned
+            assert sample(rt, "rpcguard_listener_enforcing", listener="a") == 0
+            assert sample(rt, "rpcguard_listener_enforcing", listener="b") == 1
+            assert (says(rt, "a"), says(rt, "b")) == ("rpcguard/1+monitor", "rpcguard/1+enforce")
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rpcguard"):
+                assert await rt.reload("test") is True  # nothing changed: still said
+            assert [r.getMessage() for r in caplog.records if "NOT ENFORCING" in r.getMessage()] == warned
+            write(tmp_path / "s.yaml", serve_cfg(pki, [{**a, "policy": {"mode": "enforce"}}, b]))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rpcguard"):
+                assert await rt.reload("test") is True
+            assert not [r for r in caplog.records if "NOT ENFORCING" in r.getMessage()]
+            assert sample(rt, "rpcguard_listener_enforcing", listener="a") == 1
+            assert says(rt, "a") == "rpcguard/1+enforce"
+        finally:
+            await rt.close()
+
+    asyncio.run(body())
+

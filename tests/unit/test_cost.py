@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.cost import flops, work_bytes
+from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes, work_bytes
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.tensor import decode_tensor
@@ -136,16 +136,25 @@ def big_mul_mat():
 
 def test_matrix_product_flops():
     (a, b), d = big_mul_mat()
-    assert flops("MUL_MAT", dec(d), [dec(a), dec(b)]) == 2 * 1024**3
+    moved = BYTE_FLOPS * 3 * 4 * 1024**2  # two sources and the result, 4 MiB each
+    assert flops("MUL_MAT", dec(d), [dec(a), dec(b)]) == 2 * 1024**3 + moved
     assert flops("VIEW", dec(d), [dec(a)]) == 0
+
+
+def test_get_rows_pays_for_the_rows_it_reads():
+    table = dec(T(0x10, Q8_0, (4096, 32000, 1, 1)))
+    idx = dec(T(0x11, I32, (2, 1, 1, 1)))
+    out = dec(T(0x20, F32, (4096, 2, 1, 1)))
+    assert moved_bytes("GET_ROWS", out, [table, idx]) == 4096 * 2 * 4 + 8 + 2 * 4352  # two q8_0 rows of 4352 bytes
 
 
 def test_graph_over_the_compute_budget_is_refused():
     tensors, d = big_mul_mat()
     payload = memoryview(graph_payload([d.id], tensors + [d]))
     st = state()
+    cost = flops("MUL_MAT", dec(d), [dec(t) for t in tensors])
     GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=1.0, node_gflops=10).check(payload, st)
-    assert st.compute_flops == 2 * 1024**3 and st.graph_flops[0] == 2 * 1024**3
+    assert st.compute_flops == cost and st.graph_flops[0] == cost and st.inflight_flops == cost
     with pytest.raises(FirewallRefusal) as exc:
         GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=0.1, node_gflops=10).check(payload, state())
     assert exc.value.reason == "graph_too_costly" and "max_graph_compute_s" in exc.value.detail
@@ -160,4 +169,21 @@ def test_cached_nodes_still_count():
     v = GraphValidator(max_nodes=8, max_tensors=8)
     v.check(payload, st)
     v.check(payload, st)  # the node verdict comes from the cache the second time
-    assert st.compute_flops == 2 * 2 * 1024**3
+    assert st.compute_flops == 2 * flops("MUL_MAT", dec(d), [dec(t) for t in tensors])
+
+
+def test_recomputes_queued_without_an_answer_are_bounded():
+    # GRAPH_RECOMPUTE (4 bytes, no answer) runs the stored graph again: what is queued on the
+    # server since its last answer stays within the budget; an answer empties the queue
+    tensors, d = big_mul_mat()
+    st = state()
+    v = GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=1.0, node_gflops=10)
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
+    cost = st.graph_flops[0]
+    for _ in range(int(10e9 / cost) - 1):
+        v.charge_recompute(cost, st)
+    with pytest.raises(FirewallRefusal) as exc:
+        v.charge_recompute(cost, st)
+    assert exc.value.reason == "graph_too_costly" and "GRAPH_RECOMPUTE" in exc.value.detail
+    st.inflight_flops = 0  # what Session does when the server answers
+    v.charge_recompute(cost, st)

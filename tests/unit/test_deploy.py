@@ -199,6 +199,19 @@ def test_dashboard_has_the_required_views():
         assert f"rpcguard_{metric}" in flat, metric
 
 
+def test_dashboard_sessions_are_sessions_and_refusals_only_the_reasons_that_moved():
+    exprs = {where: re.sub(r"\s+", " ", e) for where, e in dashboard_exprs(load_dashboard())}
+    sessions = [e for e in exprs.values() if "rpcguard_sessions_total" in e]
+    assert sessions and all('result!~"probe|no_hello"' in e for e in sessions), sessions
+    refusals = [e for e in exprs.values() if "rate(rpcguard_refusals_total" in e]
+    # 144 reasons are exported at 0 per listener: the panel draws the ones that moved
+    assert refusals and all(e.rstrip().endswith("> 0") for e in refusals), refusals
+    # whether each listener enforces, what is switched off, and which core each instance runs
+    flat = " ".join(exprs.values())
+    assert "rpcguard_listener_enforcing" in flat and "rpcguard_listener_switched_off" in flat
+    assert "count by (instance, role, version, core) (rpcguard_build_info" in flat
+
+
 def test_dashboard_has_a_process_and_readiness_row():
     dash = load_dashboard()
     rows = [p for p in dash["panels"] if p["type"] == "row"]

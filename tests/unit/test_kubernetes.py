@@ -237,12 +237,66 @@ def test_probe_script_needs_a_metrics_client_certificate(pod_roots):
     assert wrong.returncode == 1 and wrong.stdout.startswith("probe /healthz: ") and wrong.stderr == ""
 
 
+def test_liveness_is_about_the_process_answering_not_its_certificates(pod_roots, tmp_path):
+    """An expired metrics certificate (or a probe certificate the server refuses) fails readiness,
+    not liveness: a restart would cut the sessions and fix nothing. Silence fails liveness."""
+    import datetime as dt
+    import socket
+
+    from rpcguard import certs
+
+    root = pod_roots["gpu-node"]
+    mtls, script = root / "etc/rpcguard/metrics-tls", root / "etc/rpcguard/common/probe.py"
+    certs.init_ca(tmp_path / "ca")
+    now = dt.datetime.now(dt.timezone.utc)
+    expired = certs.issue(tmp_path, "expired", server=True, ips=["127.0.0.1"], ca_dir=tmp_path / "ca",
+                          not_before=now - dt.timedelta(days=3), not_after=now - dt.timedelta(days=1))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(expired.cert, expired.key)
+    ctx.load_verify_locations(mtls / "ca.crt")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (kernel backlog), never answers: a hung loop
+
+    def probe(port, *extra):
+        cmd = [sys.executable, str(script), str(port), "/healthz", "--ca", str(mtls / "ca.crt"),
+               "--cert", str(root / "etc/rpcguard/probe-tls/tls.crt"),
+               "--key", str(root / "etc/rpcguard/probe-tls/tls.key"), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    try:
+        ready, alive = probe(srv.server_address[1]), probe(srv.server_address[1], "--alive")
+        hung = probe(silent.getsockname()[1], "--alive")
+    finally:
+        srv.shutdown()
+        silent.close()
+    assert ready.returncode == 1, ready.stdout  # the expired certificate: not ready
+    assert alive.returncode == 0 and alive.stdout.startswith("probe /healthz: alive ("), alive.stdout
+    assert hung.returncode == 1 and "not answering" in hung.stdout, hung.stdout
+    closed = probe(realpeer_free_port(), "--alive")
+    assert closed.returncode == 1 and "ConnectionRefusedError" in closed.stdout, closed.stdout
+
+
+def realpeer_free_port() -> int:
+    from tests.support.realpeer import free_port
+
+    return free_port()
+
+
+def test_gpu_pods_have_a_disruption_budget():
+    (pdb,) = of_kind("PodDisruptionBudget")
+    sts = named("StatefulSet", "gpu-node")
+    assert pdb["spec"]["selector"] == sts["spec"]["selector"] and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["metadata"]["namespace"] == sts["metadata"]["namespace"]
+
+
 def test_probes_hit_the_metrics_port(pod_roots):
     for workload, _, c in rpcguard_containers():
         _, cfg = config_of(workload)
         port = cfg["metrics"]["listen"].rsplit(":", 1)[1]
         probe = ["python3", "/etc/rpcguard/common/probe.py", port]
-        assert c["livenessProbe"]["exec"]["command"] == probe + ["/healthz"]
+        assert c["livenessProbe"]["exec"]["command"] == probe + ["/healthz", "--alive"]
         assert c["readinessProbe"]["exec"]["command"] == probe + ["/readyz"]
         assert {"metrics": int(port)} == {p["name"]: p["containerPort"] for p in c["ports"] if p["name"] == "metrics"}
 

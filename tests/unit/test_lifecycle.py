@@ -312,7 +312,7 @@ def test_other_early_refusal_client_leaving_before_hello_is_a_clean_close():
     lc = make()
     lc.admit(DEFAULT, refusal=Refusal("too_many_sessions", "more than 64 sessions"))
     lc.client_closed()
-    assert end(take(lc))["result"] == "ok"
+    assert end(take(lc))["result"] == "no_hello"  # not a session that worked
 
 
 def test_a_refused_link_that_never_says_hello_times_out():
@@ -337,6 +337,46 @@ def test_upstream_busy_is_answered_at_hello(detail):
     assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]  # no slot held: none freed
     assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
     assert end(acts)["detail"] == detail
+
+
+def test_a_probe_is_never_queued_and_its_busy_answer_is_no_refusal():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", probe=True)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    (kind, limits), = take(lc)
+    # the slot is asked for in refuse mode: a probe is answered "busy" at once, never queued
+    assert kind == L.TAKE_SLOT and limits.upstream_busy == "refuse" and limits.queue_timeout_s == LIMITS.queue_timeout_s
+    lc.slot_refused(Refusal("upstream_busy", "the upstream serves another session"))
+    acts = take(lc)
+    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
+    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
+    rec = end(acts)
+    assert rec["result"] == "probe" and rec["reason"] is None  # not counted in refusals_total
+
+
+def test_a_probe_that_got_through_or_said_nothing_is_a_probe_and_an_identity_refusal_still_counts():
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", probe=True)
+    lc.client_closed()  # connect's /readyz: TLS only, no HELLO
+    assert end(take(lc))["result"] == "probe"
+    lc = make(clock=clock)
+    lc.admit(DEFAULT, "CN=client1", refusal=Refusal("identity_not_allowed", "not on the list"),
+             identity_refused=True, probe=True)
+    feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
+    rec = end(take(lc))
+    assert rec["result"] == "refused" and rec["reason"] == "identity_not_allowed"
+
+
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_a_client_that_leaves_before_its_hello_is_no_hello_not_ok(role):
+    lc = make(role)
+    lc.admit(DEFAULT, "CN=client1")
+    take(lc)
+    lc.client_closed()
+    rec = end(take(lc))
+    assert rec["result"] == "no_hello" and rec["reason"] is None and "before its HELLO" in rec["detail"]
 
 
 def test_slot_granted_after_the_client_left_goes_straight_back():
@@ -529,6 +569,22 @@ def test_hello_timeout_counts_from_admission(role):
     assert rec["reason"] == "hello_timeout" and rec["detail"] == "no HELLO within 10 s"
 
 
+@pytest.mark.parametrize("role", ["serve", "connect"])
+def test_a_hello_trickled_a_byte_a_second_is_cut_by_its_age(role):
+    clock = Clock()
+    lc = make(role, clock=clock)
+    lc.admit(DEFAULT)
+    take(lc)
+    acts: list = []
+    for i in range(20):
+        if i < len(V.HELLO_REQ_V4) - 1:
+            feed(lc.client_bytes, V.HELLO_REQ_V4[i : i + 1], clock)
+        acts = tick_at(lc, clock, 1)
+        if acts:
+            break
+    assert end(acts)["reason"] == "hello_timeout" and i == 10  # hello_timeout_s after admission
+
+
 def test_hello_timeout_uses_the_profile_limits():
     clock = Clock()
     lc = make(clock=clock)
@@ -590,9 +646,155 @@ def test_frame_timeout_for_a_stalled_request_frame():
     clock = Clock()
     lc = active(clock=clock)
     feed(lc.client_bytes, V.GET_ALIGNMENT_REQ[:5], clock)
+    assert tick_at(lc, clock, 1) == []  # the first tick that sees the frame: its age counts from here
     assert tick_at(lc, clock, 59) == []
     rec = end(tick_at(lc, clock, 2))
-    assert rec["reason"] == "frame_timeout" and "a request frame stalled for 61 s" == rec["detail"]
+    assert rec["reason"] == "frame_timeout"
+    assert rec["detail"] == "a request frame stalled for 61 s (0 bytes; the minimum is 16384 B/s after 60 s)"
+
+
+def with_buffer(clock: Clock, limits: Limits = LIMITS) -> tuple[Lifecycle, bytes]:
+    """An ACTIVE serve link with one 1 MiB buffer allocated; returns it and a 1 MiB tensor in it."""
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), limits))
+    for request, answer in [(V.ALLOC_REQ_1MIB, V.ALLOC_RSP), (V.GET_BASE_REQ, V.GET_BASE_RSP)]:
+        feed(lc.client_bytes, request, clock)
+        feed(lc.server_bytes, answer, clock)
+        lc.out.clear()
+    t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(1 << 18, 1, 1, 1)))
+    return lc, t
+
+
+def set_tensor_head(t: bytes, size: int) -> bytes:
+    """The header and head of a SET_TENSOR of ``size`` bytes (the body is fed by the test)."""
+    return struct.pack("<BQ", 6, len(t) + 8 + size) + t + struct.pack("<Q", 0)
+
+
+def test_a_trickled_frame_is_cut_by_its_age_not_by_the_gap_since_its_last_byte():
+    # issue 21: one byte every 20 s kept a 1 MiB SET_TENSOR (and the upstream) forever.
+    clock = Clock()
+    lc, t = with_buffer(clock)
+    feed(lc.client_bytes, set_tensor_head(t, 1 << 20), clock)
+    ends = []
+    for second in range(1, 200):
+        if second % 20 == 0:
+            feed(lc.client_bytes, b"\0", clock)
+            lc.out.clear()
+        ends += [a for k, a in tick_at(lc, clock, 1) if k == L.END]
+        if ends:
+            break
+    assert ends and ends[0]["reason"] == "frame_timeout", ends  # type: ignore[index]
+    assert 60 < second <= 62 and lc.state == L.DRAINING
+
+
+@pytest.mark.parametrize("rate_bps, cut", [(16384, False), (8192, True)])
+def test_a_frame_arriving_at_the_minimum_rate_is_never_cut(rate_bps, cut):
+    # 1 MiB at 16 KiB/s takes 64 s, past frame_timeout_s: the size buys the time; at half the
+    # rate it falls behind once frame_timeout_s is spent.
+    clock = Clock()
+    lc, t = with_buffer(clock)
+    feed(lc.client_bytes, set_tensor_head(t, 1 << 20), clock)
+    left, ended = 1 << 20, []
+    while left and not ended:
+        n = min(rate_bps, left)
+        feed(lc.client_bytes, bytes(n), clock)
+        lc.out.clear()
+        left -= n
+        ended = [a for k, a in tick_at(lc, clock, 1) if k == L.END]
+    assert bool(ended) == cut and (cut or lc.state == L.ACTIVE)
+    if cut:
+        assert ended[0]["reason"] == "frame_timeout" and "the minimum is 16384 B/s" in ended[0]["detail"]
+
+
+def test_time_the_proxy_holds_the_client_back_does_not_count():
+    clock = Clock()
+    lc, t = with_buffer(clock)
+    feed(lc.client_bytes, set_tensor_head(t, 1 << 20), clock)
+    lc.client_held_back = True  # the upstream's write buffer is full: the relay paused the client
+    for _ in range(300):
+        assert tick_at(lc, clock, 1) == []
+    lc.client_held_back = False
+    assert tick_at(lc, clock, 1) == [] and tick_at(lc, clock, 59) == []
+    assert end(tick_at(lc, clock, 2))["reason"] == "frame_timeout"
+
+
+def test_the_frame_deadline_is_off_with_frame_timeout_zero():
+    clock = Clock()
+    lc, t = with_buffer(clock, Limits(frame_timeout_s=0))
+    feed(lc.client_bytes, set_tensor_head(t, 1 << 20), clock)
+    for _ in range(5):
+        assert tick_at(lc, clock, 600) == []
+
+
+# ----------------------------------------------------------------------------- the fair slot
+def tick_waiting(lc: Lifecycle, clock: Clock, dt: float, waiting: int) -> list[tuple[str, object]]:
+    clock.now += dt
+    lc.tick(clock.now, waiting)
+    return take(lc)
+
+
+def test_an_idle_session_alone_is_never_ended():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits()))
+    for _ in range(24 * 60):
+        assert tick_waiting(lc, clock, 60, 0) == []  # a day of llama-server idling between requests
+
+
+def test_an_idle_session_is_ended_when_another_waits_for_the_upstream():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits(idle_while_waiting_s=20)))
+    for _ in range(600):
+        assert tick_waiting(lc, clock, 1, 0) == []
+    assert tick_waiting(lc, clock, 1, 1) != []  # idle for 10 minutes already: ended at the first tick
+    rec = end(lc.actions or [(L.END, lc.audit_record())])
+    assert rec["reason"] == "idle_while_waiting" and "1 session(s) waited" in rec["detail"]
+    assert rec["party"] == "client"
+
+
+def test_work_restarts_the_fair_slot_clock_and_a_trickle_is_no_work():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits(idle_while_waiting_s=20)))
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # the server owes an answer: it works
+    for _ in range(60):
+        assert tick_waiting(lc, clock, 1, 1) == []
+    feed(lc.server_bytes, DC_RSP_1, clock)
+    lc.out.clear()
+    for _ in range(19):
+        assert tick_waiting(lc, clock, 1, 1) == []
+    # A request a second (13 bytes: far below min_data_rate_bps) answered at once is no work.
+    acts: list = []
+    for _ in range(3):
+        feed(lc.client_bytes, V.GET_ALIGNMENT_REQ, clock)
+        feed(lc.server_bytes, V.GET_ALIGNMENT_RSP_32, clock)
+        lc.out.clear()
+        acts += tick_waiting(lc, clock, 1, 1)
+    assert end(acts)["reason"] == "idle_while_waiting"
+
+
+def test_a_client_that_does_not_read_the_answer_it_is_owed_is_not_working():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits(idle_while_waiting_s=20)))
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # owed, but the client stopped reading
+    lc.client_blocked(True)
+    acts: list = []
+    for _ in range(22):
+        acts += tick_waiting(lc, clock, 1, 1)
+    assert end(acts)["reason"] == "idle_while_waiting"
+
+
+def test_a_session_sending_at_the_minimum_rate_works():
+    clock = Clock()
+    lc, t = with_buffer(clock, Limits(idle_while_waiting_s=20))
+    for _ in range(100):
+        feed(lc.client_bytes, set_tensor_head(t, 16384) + bytes(16384), clock)
+        lc.out.clear()
+        assert tick_waiting(lc, clock, 1, 1) == []
+
+
+def test_the_fair_slot_is_off_with_zero():
+    clock = Clock()
+    lc = active(clock=clock, profile=Profile("default", SessionPolicy(), Limits(idle_while_waiting_s=0)))
+    for _ in range(100):
+        assert tick_waiting(lc, clock, 60, 3) == []
 
 
 def test_frame_timeout_for_a_client_that_does_not_read():

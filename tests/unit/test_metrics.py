@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import rpcguard
+import rpcguard.protocol
 from rpcguard import metrics as metrics_mod
 from rpcguard import metrics_http as http_mod
 from rpcguard import reasons
@@ -61,15 +62,16 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     lt.queue_depth = 3
     lt.upstream_version = "3.0.0"
     lt.profile_admitted("monitor")
-    m.set_certificate_expiry("serve", "cert", 1_900_000_000)
+    m.set_certificate_expiry("serve", "cert", 1_900_000_000, "/etc/rpcguard/node1.pem")
     m.reload("ok")
     m.cert_warnings[("serve", "expiring_soon")] = 1.0
+    m.enforcement[("serve", "gpu0")] = frozenset({"monitor_mode"})  # downgrades.report sets it
     return m, lt
 
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 25, "design.md metrics table not found or changed shape"
+    assert len(table) == 29, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name, (typ, labels) in table.items():
@@ -110,9 +112,18 @@ def test_sample_values() -> None:
     assert g("rpcguard_upload_bytes_total", {**rl, "kind": "hash_hit"}) == 64
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "request"}) == 1
     assert g("rpcguard_rdma_caps_zeroed_total", {**rl, "direction": "response"}) == 2
-    build = {"role": "serve", "version": rpcguard.__version__, "python": platform.python_version()}
+    core = "compiled" if rpcguard.protocol.compiled() else "pure"
+    build = {"role": "serve", "version": rpcguard.__version__, "python": platform.python_version(), "core": core}
     assert g("rpcguard_build_info", build) == 1
+    assert g("rpcguard_build_info", {**build, "core": "pure" if core == "compiled" else "compiled"}) is None
+    # a listener in monitor mode does not enforce, and says what is switched off (each known value at 0)
+    assert g("rpcguard_listener_enforcing", rl) == 0
+    assert g("rpcguard_listener_switched_off", {**rl, "what": "monitor_mode"}) == 1
+    assert g("rpcguard_listener_switched_off", {**rl, "what": "check_tensor"}) == 0
+    assert g("rpcguard_metrics_unprotected", {"role": "serve"}) == 0
     assert g("rpcguard_certificate_expiry_timestamp_seconds", {"role": "serve", "certificate": "cert"}) == 1.9e9
+    assert g("rpcguard_certificate_file_info", {"role": "serve", "certificate": "cert",
+                                                "file": "/etc/rpcguard/node1.pem"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "ok"}) == 1
     assert g("rpcguard_reload_total", {"role": "serve", "result": "error"}) == 0
     assert g("rpcguard_reload_last_successful", {"role": "serve"}) == 1
@@ -206,7 +217,8 @@ def test_empty_metrics_still_export_process_level() -> None:
     g = m.registry.get_sample_value
     assert g("rpcguard_reload_total", {"role": "connect", "result": "error"}) == 0
     assert g("rpcguard_build_info", {"role": "connect", "version": rpcguard.__version__,
-                                     "python": platform.python_version()}) == 1
+                                     "python": platform.python_version(),
+                                     "core": "compiled" if rpcguard.protocol.compiled() else "pure"}) == 1
     # prometheus_client's process collector, on the same registry (Linux /proc)
     assert g("process_resident_memory_bytes") > 1e6
     assert g("process_open_fds") >= 3
@@ -230,7 +242,7 @@ def test_every_known_label_value_starts_at_zero() -> None:
     assert "identity_not_allowed" not in reasons.TLS_REASONS
     for mode in ("enforce", "monitor"):
         assert values("rpcguard_firewall_violations_total", "reason", mode=mode) == set(reasons.FIREWALL_REASONS)
-    assert values("rpcguard_sessions_total", "result") == {"ok", "refused", "error"}
+    assert values("rpcguard_sessions_total", "result") == {"ok", "refused", "error", "probe", "no_hello"}
     for direction in ("request", "response"):
         assert values("rpcguard_frames_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())
         assert values("rpcguard_bytes_total", "command", direction=direction) == set(DEFAULT_COMMAND_NAMES.values())
@@ -304,7 +316,7 @@ def test_http_metrics_health_and_errors(run) -> None:  # type: ignore[no-untyped
         assert (await _request(port, _get("/readyz")))[::2] == (200, b"ready\n")
         assert (await _request(port, _get("/nope")))[0] == 404
         status, headers, _ = await _request(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
-        assert status == 405 and headers["allow"] == "GET"
+        assert status == 405 and headers["allow"] == "GET, HEAD"
         assert (await _request(port, b"garbage\r\n\r\n"))[0] == 400
         big = _get("/metrics", "X-Pad: " + "a" * (http_mod.MAX_HEADER_BYTES + 100) + "\r\n")
         assert (await _request(port, big))[0] == 431
@@ -351,9 +363,9 @@ def test_http_never_blocks_the_loop(run) -> None:  # type: ignore[no-untyped-def
         for _ in range(5):
             assert (await _request(port, _get("/healthz")))[0] == 200
         assert time.monotonic() - t0 < 1.0
-        # the read timeout closes both without an answer
-        assert await asyncio.wait_for(silent_r.read(), 2) == b""
-        assert await asyncio.wait_for(slow_r.read(), 2) == b""
+        # the read timeout answers both 408 (counted) and closes them
+        assert (await asyncio.wait_for(silent_r.read(), 2)).startswith(b"HTTP/1.1 408 ")
+        assert (await asyncio.wait_for(slow_r.read(), 2)).startswith(b"HTTP/1.1 408 ")
         assert time.monotonic() - t0 >= 0.25
         assert ticks >= 10
         tick_task.cancel()
@@ -363,23 +375,108 @@ def test_http_never_blocks_the_loop(run) -> None:  # type: ignore[no-untyped-def
     run(_with_server(body, read_timeout_s=0.3))
 
 
-def test_http_connection_cap(run, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(http_mod, "MAX_HTTP_CONNECTIONS", 2)
+def test_http_connection_cap_per_source(run, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(http_mod, "MAX_HTTP_PER_SOURCE", 2)
+    m, _ = _populated()
 
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            # over the source's cap: answered 503 at once, before any request is read
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 503 ")
+            writer.close()
+            assert m.web_refusals["too_many_connections_per_source"] == 1
+            # another address is served meanwhile
+            assert (await _request(port, _get("/healthz")))[0] == 200
+            for _, w in held:
+                w.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(body())
+
+
+async def _silent(port: int, n: int, sources: int) -> list:
+    return [await asyncio.open_connection("127.0.0.1", port, local_addr=(f"127.0.0.{2 + i % sources}", 0))
+            for i in range(n)]
+
+
+def test_a_silent_flood_cannot_keep_the_health_probes_out(run) -> None:  # type: ignore[no-untyped-def]
+    # issue 21: 64 silent TCP connections took every slot; /healthz and /readyz were reset.
+    m, _ = _populated()
+
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            # one host: its share only; many hosts: the oldest silent connection makes room
+            flood = await _silent(port, 64, 1) + await _silent(port, 2 * http_mod.MAX_HTTP_CONNECTIONS, 24)
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            for path in ("/healthz", "/readyz", "/healthz"):
+                status, _, _ = await _request(port, _get(path))
+                assert status == 200
+            assert time.monotonic() - t0 < 1.0
+            assert m.web_refusals["too_many_connections_per_source"] >= 64 - http_mod.MAX_HTTP_PER_SOURCE
+            assert m.web_refusals["evicted"] >= 1
+            for _, w in flood:
+                w.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(body())
+
+
+def test_http_head_on_every_path(run) -> None:  # type: ignore[no-untyped-def]
     async def body(port: int) -> None:
-        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        await asyncio.sleep(0.1)
-        # over the cap: answered 503 at once, before any request is read (a client that
-        # already sent its request may see a reset instead: unread data on close)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 503 ")
-        writer.close()
-        for _, w in held:
-            w.close()
-        await asyncio.sleep(0.1)
-        assert (await _request(port, _get("/healthz")))[0] == 200
+        for path, status in (("/healthz", 200), ("/readyz", 200), ("/metrics", 200), ("/nope", 404)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            head, _, rest = data.partition(b"\r\n\r\n")
+            assert head.startswith(f"HTTP/1.1 {status} ".encode()) and rest == b"", (path, data[:200])
+            length = int(dict(ln.split(": ", 1) for ln in head.decode().split("\r\n")[1:])["Content-Length"])
+            assert length > 0  # what GET would send
 
     run(_with_server(body))
+
+
+def test_every_http_error_is_counted(run) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _populated()
+    before = sum(m.web_refusals.values())
+
+    async def body() -> None:
+        server = await start_http(m, "127.0.0.1", 0, read_timeout_s=0.3)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            assert (await _request(port, b"garbage\r\n\r\n"))[0] == 400
+            assert (await _request(port, b"DELETE / HTTP/1.1\r\n\r\n"))[0] == 405
+            assert (await _request(port, _get("/x")))[0] == 404
+            big = _get("/metrics", "X-Pad: " + "a" * (http_mod.MAX_HEADER_BYTES + 100) + "\r\n")
+            assert (await _request(port, big))[0] == 431
+            assert (await _request(port, b"GET /metrics HTTP/1.1\r\nHo"))[0] == 408
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /")
+            w.close()  # closed half-way: nothing to answer, still counted
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            w2.close()  # a bare connect and close (a TCP probe) is no error
+            await asyncio.sleep(0.2)
+        finally:
+            server.close()
+            await server.wait_closed()
+        for reason in ("bad_request", "method_not_allowed", "not_found", "header_too_large", "request_timeout",
+                       "request_incomplete"):
+            assert m.web_refusals[reason] == 1, (reason, m.web_refusals)
+        assert sum(m.web_refusals.values()) == before + 6
+
+    run(body())
 
 
 def test_recent_refusals_are_bounded_and_served_as_json(run) -> None:  # type: ignore[no-untyped-def]

@@ -374,3 +374,98 @@ def test_docs_show_what_holds_per_op():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- op-status:begin")) + 1
     assert doc[begin : doc.index("<!-- op-status:end -->")] == status_markdown(V7, op_table(V7).names)  # type: ignore[union-attr]
+
+
+def ssm_scan(n_seqs=2, state_nb3=None):
+    ds, hd, nh, t = 16, 3, 2, 2
+    st = T(0x10, F32, (ds, hd, nh, n_seqs), nb=None if state_nb3 is None else (4, 64, 192, state_nb3))
+    x = T(0x11, F32, (hd, nh, t, n_seqs))
+    dt = T(0x12, F32, (nh, t, n_seqs, 1))
+    a = T(0x13, F32, (1, nh, 1, 1))
+    b = T(0x14, F32, (ds, 1, t, n_seqs))
+    c = T(0x15, F32, (ds, 1, t, n_seqs))
+    ids = T(0x16, I32, (n_seqs, 1, 1, 1))
+    n = hd * nh * t * n_seqs + ds * hd * nh * n_seqs
+    d = T(0x20, F32, (n, 1, 1, 1), op=OPS["SSM_SCAN"], src=tuple(range(0x10, 0x17)), op_params=(1,))
+    return [st, x, dt, a, b, c, ids], d
+
+
+def test_ssm_scan_needs_containment():
+    tensors, d = ssm_scan()
+    assert reason(tensors, d) == "op_needs_containment"
+    v = GraphValidator(max_nodes=64, max_tensors=64, contained=True)
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+    # one sequence whose state stride (ne3 == 1: not looked at by ggml_is_contiguous) is not the
+    # packed size: the kernel writes the new state at dst + i3*nb3
+    tensors, d = ssm_scan(n_seqs=1, state_nb3=1 << 20)
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+    assert exc.value.reason == "graph_shape_invalid"
+
+
+def wkv(op, S=64, H=2, T_=4, n_seqs=2, tf_ne=None):
+    n_in = {"RWKV_WKV6": 5, "RWKV_WKV7": 6, "GATED_LINEAR_ATTN": 4}[op]
+    ins = [T(0x10 + i, F32, (S, H, T_, 1)) for i in range(n_in)]
+    if tf_ne is not None:
+        ins[3] = T(0x13, F32, tf_ne)
+    st = T(0x10 + n_in, F32, (S * S * H, n_seqs, 1, 1))
+    params = (f(0.5),) if op == "GATED_LINEAR_ATTN" else ()
+    d = T(0x20, F32, (S * H, T_ + S * n_seqs, 1, 1), op=OPS[op], src=tuple(range(0x10, 0x11 + n_in)),
+          op_params=params)
+    return ins + [st], d
+
+
+@pytest.mark.parametrize("op", ["RWKV_WKV6", "RWKV_WKV7", "GATED_LINEAR_ATTN"])
+def test_linear_attention_rules(op):
+    run(*wkv(op))
+    # 5 tokens over 2 sequences: the kernel takes state t / (5 // 2) for token t, past the end
+    assert reason(*wkv(op, T_=5)) == "graph_shape_invalid"
+
+
+def test_wkv6_reads_head_size_times_heads_of_time_first():
+    assert reason(*wkv("RWKV_WKV6", tf_ne=(4, 1, 1, 1))) == "graph_shape_invalid"
+
+
+def test_wkv7_head_size_is_a_multiple_of_the_simd_step():
+    assert reason(*wkv("RWKV_WKV7", S=4)) == "graph_shape_invalid"
+    run(*wkv("RWKV_WKV6", S=4))  # WKV6 has a remainder loop
+
+
+def test_block_type_cont_of_a_strided_view_into_another_shape_is_refused():
+    # ops.cpp dup_bytes copies rows of ne00 * type_size bytes into a contiguous result: for q8_0
+    # that is 32 rows' worth (the acceptance fuzz's SIGSEGV)
+    a = T(0x10, Q8_0, (64, 4, 2, 1), nb=(34, 68 * 2, 68 * 8, 68 * 16))  # every other row of a parent
+    assert reason([a], T(0x20, Q8_0, (512, 1, 1, 1), op=OPS["CONT"], src=(0x10,))) == "graph_shape_invalid"
+    run([a], T(0x20, Q8_0, (64, 4, 2, 1), op=OPS["CONT"], src=(0x10,)))  # same shape: copied by rows
+
+
+def test_set_rows_needs_a_destination_type_with_from_float():
+    rows = T(0x10, F32, (4, 1, 1, 1))
+    idx = T(0x11, 27, (1, 1, 1, 1))  # I64
+    for dst_type, ok in ((F32, True), (27, False)):  # I64 has no from_float: a NULL call
+        dst = T(0x12, dst_type, (4, 3, 1, 1))
+        d = T(0x20, dst_type, (4, 3, 1, 1), op=OPS["SET_ROWS"], src=(0x10, 0x11, 0x12), view_src=0x12,
+              data=dst.data)
+        if ok:
+            run([rows, idx, dst], d)
+        else:
+            assert reason([rows, idx, dst], d) == "graph_shape_invalid"
+
+
+def test_circular_pad_past_the_source_is_refused():
+    a = T(0x10, F32, (1, 2, 7, 1))
+    params = (0, 0, 7, 1, 0, 0, 0, 0, 1)  # circular, 7 left pads on a dimension of 2
+    d = T(0x20, F32, (1, 10, 7, 1), op=OPS["PAD"], src=(0x10,), op_params=params)
+    assert reason([a], d) == "graph_op_params_invalid"
+    params = (0, 0, 2, 1, 0, 0, 0, 0, 1)
+    run([a], T(0x20, F32, (1, 5, 7, 1), op=OPS["PAD"], src=(0x10,), op_params=params))
+
+
+def test_concat_takes_an_empty_source():
+    # RWKV's token shift for a one-token batch: concat(view of ne1 = n_tokens - 1 = 0, state)
+    empty = T(0x10, F32, (128, 0, 1, 1))
+    state_ = T(0x11, F32, (128, 1, 1, 1))
+    run([empty, state_], T(0x20, F32, (128, 1, 1, 1), op=OPS["CONCAT"], src=(0x10, 0x11), op_params=(1,)))
+    # ... but a broadcasting kernel that reads it is still refused (its index modulo 0)
+    b = T(0x12, F32, (128, 2, 1, 1))
+    assert reason([b, empty], T(0x21, F32, (128, 2, 1, 1), op=OPS["ADD"], src=(0x12, 0x10))) == "tensor_layout_invalid"

@@ -377,3 +377,80 @@ def test_a_refusal_still_forwards_the_frames_accepted_before_it():
         assert await reader.read(100) == b""
 
     run(main())
+
+
+class Ticking(Clock):
+    """A clock that moves 2 ms per reading: every read with many frames looks slow."""
+
+    def __call__(self) -> int:
+        self.ns += 2_000_000
+        return self.ns
+
+
+def test_a_flood_of_small_frames_is_read_a_little_at_a_time_one_read_per_loop_turn(monkeypatch):
+    # issue 21: 2.1 million pipelined GET_ALIGNMENTs delayed another tenant's handshake 100-fold.
+    from rpcguard.endpoint import FAIR_READ_BYTES, Endpoint
+
+    reads: list[tuple[int, int]] = []  # (bytes, loop turn) of each client read
+    turn = 0
+    original = Endpoint.buffer_updated
+
+    def spy(self, nbytes: int) -> None:
+        if self.is_client:
+            reads.append((nbytes, turn))
+        original(self, nbytes)
+
+    monkeypatch.setattr(Endpoint, "buffer_updated", spy)
+
+    async def main() -> None:
+        nonlocal turn
+        link, up, reader, writer, t = await active_connect_link([], Ticking())
+
+        async def ticker() -> None:
+            nonlocal turn
+            while True:
+                await asyncio.sleep(0)
+                turn += 1
+
+        ticks = asyncio.ensure_future(ticker())
+        before = len(up.written)
+        reads.clear()
+        flood = V.GET_ALIGNMENT_REQ * 20_000  # 260 KB of frames the server answers one by one
+        writer.write(flood)
+        await writer.drain()
+        await until(lambda: len(up.written) - before == len(flood), "the flood forwarded")
+        assert link.client.narrowed
+        first = next(i for i, (n, _) in enumerate(reads) if n <= FAIR_READ_BYTES)
+        small = reads[first:]
+        assert first <= 2 and len(small) >= (len(flood) - sum(n for n, _ in reads[:first])) // FAIR_READ_BYTES, reads[:5]
+        assert all(n <= FAIR_READ_BYTES for n, _ in small)
+        per_turn: dict[int, int] = {}
+        for _, at in small:
+            per_turn[at] = per_turn.get(at, 0) + 1
+        assert max(per_turn.values()) == 1, per_turn  # others ran between any two reads
+        # a read of a few frames (llama.cpp's) gives the side its whole buffer back
+        writer.write(V.GET_ALIGNMENT_REQ)
+        await until(lambda: not link.client.narrowed, "the buffer widened")
+        ticks.cancel()
+        writer.close()
+
+    run(main())
+
+
+def test_serve_closes_a_socket_at_accept_past_the_handshakes_of_its_source():
+    async def main() -> None:
+        records: list = []
+        route = Route(role="serve", name="t", upstream_host="127.0.0.1", upstream_port=9,
+                      traffic=Metrics().listener("serve", "t", upstream="127.0.0.1:9"),
+                      default=Profile("default", SessionPolicy(), Limits(max_handshakes_per_source=3)),
+                      ssl_context=lambda: (_ for _ in ()).throw(AssertionError("no TLS for a refused socket")))
+        route.on_session_end = records.append
+        route.handshaking["127.0.0.1"] = 3  # three handshakes from this address run already
+        link, reader, writer = await start(route, fake_dialer()[0], Clock())
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        assert records[0]["reason"] == "too_many_handshakes_per_source" and records[0]["party"] == "client"
+        assert route.traffic.refusals["too_many_handshakes_per_source"] == 1 and not route.links
+        assert route.handshaking == {"127.0.0.1": 3}
+        writer.close()
+
+    run(main())

@@ -36,16 +36,22 @@ class Peer:
     def getpeercert(self, binary_form: bool = False) -> bytes | None:
         return self.der
 
+    def selected_alpn_protocol(self) -> str | None:
+        return None
+
 
 class FakeLink:
-    """What admission reads of the other links: their lifecycle's profile and admission."""
+    """What admission reads of the other links: their lifecycle's profile, admission, identity,
+    source address, state and early refusal."""
 
-    def __init__(self, profile: Profile, admitted: bool) -> None:
-        self.lc = SimpleNamespace(profile=profile, admitted=admitted)
+    def __init__(self, profile: Profile, admitted: bool, identity: str = "", source: str = "10.0.0.1",
+                 state: str = "active", refusal: Refusal | None = None) -> None:
+        self.lc = SimpleNamespace(profile=profile, admitted=admitted, identity=identity, source=source,
+                                  state=state, refusal=refusal)
 
 
-def link(profile: Profile, admitted: bool = True) -> FakeLink:
-    return FakeLink(profile, admitted)
+def link(profile: Profile, admitted: bool = True, **kw) -> FakeLink:
+    return FakeLink(profile, admitted, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +124,60 @@ def test_a_violation_and_a_finished_session_are_folded_into_the_listener():
     r.session_over(me, lc)
     assert me not in r.links and not r.traffic.live
     assert r.traffic.refusals["identity_not_allowed"] == 1 and r.traffic.sessions_total["refused"] == 1
+
+
+CLIENT1 = "CN=client1"
+
+
+@pytest.mark.parametrize("others, reason", [
+    # (identity, source, state) of the admitted links already there; limits below
+    ([(CLIENT1, "10.0.0.9", "active")] * 3, "too_many_sessions_per_identity"),
+    ([("CN=other", "10.0.0.1", "active")] * 4, "too_many_sessions_per_source"),
+    ([(CLIENT1, "10.0.0.9", "await_hello")] * 2, "too_many_pending_per_identity"),
+    ([("CN=other", "10.0.0.1", "await_hello")] * 2, "too_many_pending_per_source"),
+])
+def test_one_identity_or_one_host_cannot_take_the_listener(pki, others, reason):
+    # issue 21: 70 silent mTLS connections of one certificate took every max_sessions slot.
+    caps = Limits(max_sessions_per_identity=3, max_sessions_per_source=4, max_pending_per_identity=2,
+                  max_pending_per_source=2)
+    r = route(default=Profile("default", SessionPolicy(), caps), allow=AllowList((Acl(cns=("client1",)),)))
+    me = link(r.default, source="10.0.0.1", state="handshake")
+    r.links.update({me, *(link(r.default, identity=i, source=s, state=st) for i, s, st in others)})
+    got = r.admit(me, Peer(Path(pki.path(pki.client))))  # type: ignore[arg-type]
+    assert got.refusal is not None and got.refusal.reason == reason and got.identity_refused
+    # one fewer, and the same client is admitted; a link refused already holds nothing
+    r.links.remove(next(x for x in r.links if x is not me))
+    r.links.add(link(r.default, identity=CLIENT1, source="10.0.0.1", refusal=Refusal("too_many_sessions", "x")))
+    assert r.admit(me, Peer(Path(pki.path(pki.client)))).refusal is None  # type: ignore[arg-type]
+
+
+def test_links_refused_already_do_not_count_against_max_sessions():
+    one = Profile("default", SessionPolicy(), Limits(max_sessions=1))
+    r = route("connect", default=one)
+    me = link(one)
+    r.links.update({me, link(one, refusal=Refusal("too_many_sessions", "x"))})
+    assert r.admit(me, None).refusal is None
+
+
+def test_the_peer_caps_are_off_with_zero_and_do_not_apply_to_connect(pki):
+    off = Limits(max_sessions_per_identity=0, max_sessions_per_source=0, max_pending_per_identity=0,
+                 max_pending_per_source=0)
+    r = route(default=Profile("default", SessionPolicy(), off), allow=AllowList((Acl(cns=("client1",)),)))
+    me = link(r.default, source="10.0.0.1", state="handshake")
+    r.links.update({me, *(link(r.default, identity=CLIENT1, source="10.0.0.1", state="await_hello")
+                          for _ in range(60))})
+    assert r.admit(me, Peer(Path(pki.path(pki.client)))).refusal is None  # type: ignore[arg-type]
+    c = route("connect")
+    mine = link(c.default, source="127.0.0.1")
+    c.links.update({mine, *(link(c.default, source="127.0.0.1", state="await_hello") for _ in range(20))})
+    assert c.admit(mine, None).refusal is None
+
+
+def test_the_identity_caps_are_the_profile_s(pki):
+    tenant = Profile("tenant", SessionPolicy(), Limits(max_pending_per_identity=1))
+    r = route(allow=AllowList((Acl(cns=("client1",), profile="tenant"),)), profiles=MappingProxyType({"tenant": tenant}))
+    me = link(r.default, state="handshake")
+    r.links.update({me, link(tenant, identity=CLIENT1, source="10.0.0.7", state="await_hello")})
+    got = r.admit(me, Peer(Path(pki.path(pki.client))))  # type: ignore[arg-type]
+    assert got.refusal is not None and got.refusal.reason == "too_many_pending_per_identity"
+    assert got.refusal.detail == "more than 1 connections of this identity waiting for their HELLO"

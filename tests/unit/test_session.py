@@ -545,3 +545,30 @@ def test_requests_left_to_the_node_skip_the_firewall_but_not_framing_or_the_allo
     with pytest.raises(PolicyRefusal) as refused:
         s.client_data(memoryview(bytearray(V.DEVICE_COUNT_REQ)))
     assert refused.value.reason == "command_not_allowed"
+
+
+def test_the_post_mortem_ring_keeps_the_last_request_heads_only_when_asked():
+    quiet, s = active(), active()
+    s.record_recent()
+    frame = encode.request("GET_ALIGNMENT", struct.pack("<I", 0))
+    for sess in (quiet, s):
+        for _ in range(20):
+            sess.client_data(memoryview(frame))
+            out(sess.to_server)
+    assert not quiet.recent and quiet.post_mortem() == {"last_requests": [], "last_graph": None}
+    pm = s.post_mortem()
+    assert pm["last_requests"] == [["GET_ALIGNMENT", 4]] * 16 and pm["last_graph"] is None
+
+
+def test_the_post_mortem_has_the_last_graphs_digest():
+    import zlib
+
+    from rpcguard.protocol.settings import SessionPolicy
+    s = active(policy=SessionPolicy(mode="monitor"))
+    s.record_recent()
+    graph = struct.pack("<III", 0, 0, 0)  # device 0, no nodes, no tensors
+    s.client_data(memoryview(encode.request("GRAPH_COMPUTE", graph)))
+    out(s.to_server)
+    pm = s.post_mortem()
+    assert pm["last_requests"] == [["GRAPH_COMPUTE", 12]]
+    assert pm["last_graph"] == {"bytes": 12, "crc32": f"{zlib.crc32(graph):08x}"}

@@ -544,6 +544,32 @@ def test_two_rpcguard_ends_negotiate_alpn_and_others_do_not(pki):
     assert not tls.negotiated_rpcguard(None)
 
 
+@pytest.mark.parametrize("enforcing", [True, False])
+def test_the_node_says_in_the_handshake_whether_it_enforces(pki, enforcing):
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=enforcing), pki.client_ctx())
+    # connect leaves its request checks only to a node that said it enforces them all
+    assert tls.node_enforces(client) is enforcing and tls.negotiated_rpcguard(client) is enforcing
+    assert tls.node_mode(client) == ("enforce" if enforcing else "monitor")
+    assert not tls.is_probe(server)
+    # a probe (rpcguard check, connect's /readyz) says so, and still learns the node's mode
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=enforcing), pki.client_ctx(probe=True))
+    assert tls.is_probe(server) and tls.is_probe(client)
+    assert tls.node_mode(client) == ("enforce" if enforcing else "monitor") and not tls.node_enforces(client)
+
+
+def test_an_older_serve_that_says_only_rpcguard_1_is_not_trusted_to_enforce(pki):
+    # serve before the mode was said offered "rpcguard/1" whatever its mode: connect now checks itself
+    old = pki.server_ctx()
+    old.set_alpn_protocols(["rpcguard/1"])
+    server, client, _ = bio_handshake(old, pki.client_ctx())
+    assert client.selected_alpn_protocol() is None and not tls.node_enforces(client) and tls.node_mode(client) is None
+    # ... and an older connect (offering only "rpcguard/1") negotiates nothing with a node today
+    older = pki.client_ctx()
+    older.set_alpn_protocols(["rpcguard/1"])
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=False), older)
+    assert client.selected_alpn_protocol() is None
+
+
 def test_transport_sslobject_calls_the_c_methods_and_moves_the_same_bytes(pki):
     server, client, pump = bio_handshake(pki.server_ctx(), pki.client_ctx())
     assert isinstance(client, tls.DirectSSLObject) and client.read == client._sslobj.read

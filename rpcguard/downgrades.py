@@ -1,0 +1,112 @@
+"""Security downgrades a configuration switches on, said loudly: log, metric, handshake.
+
+How this works: ``switched_off(policy)`` names what one policy turns off (``monitor_mode``: the
+firewall forwards what it would refuse; ``check_<name>``: a firewall check disabled with
+``policy.checks.<name>: false``; ``unverified_ops``: graph ops forwarded without a verified rule).
+A listener (serve) or tunnel (connect) *enforces* when none of its profiles turns off anything but
+named unverified ops (those are an opt-in per op, counted per use): ``enforces``. That one answer
+is what a serve listener says in the TLS handshake (tls.py ``ALPN_ENFORCING``), so a connect leaves
+its request checks only to a node that runs them all.
+
+``report(cfg, metrics, web)`` runs at start and after every reload (server.Runtime): one WARNING
+per listener that does not enforce and for a metrics endpoint served beyond loopback without
+TLS and authentication, and the gauges ``rpcguard_listener_enforcing{role,listener}``,
+``rpcguard_listener_switched_off{role,listener,what}`` and ``rpcguard_metrics_unprotected{role}``
+(alerts in deploy/prometheus/rpcguard-rules.yml, runbook entries in docs/runbook.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+from rpcguard.protocol.settings import CHECK_NAMES, Profile, SessionPolicy
+
+if TYPE_CHECKING:
+    from rpcguard.config import Config, ListenerConfig, TunnelConfig
+    from rpcguard.metrics import Metrics
+    from rpcguard.webconfig import WebConfig
+
+__all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "switched_off", "item_switched_off", "enforces", "report"]
+
+log = logging.getLogger("rpcguard.downgrades")
+
+# Every value of rpcguard_listener_switched_off{what} (exported at 0 too), with what it means.
+_MEANING: Mapping[str, str] = {
+    "monitor_mode": "firewall in monitor mode (violations are logged and forwarded, not refused)",
+    **{f"check_{name}": f"firewall check {name} switched off (policy.checks.{name}: false)"
+       for name in CHECK_NAMES},
+    "unverified_ops": "graph ops forwarded without a verified rule (policy.allow_unverified_ops)",
+}
+SWITCHED_OFF: tuple[str, ...] = tuple(_MEANING)
+# What makes a listener not enforcing (the unverified ops are allowed by name and counted per use).
+NOT_ENFORCING: frozenset[str] = frozenset(SWITCHED_OFF) - {"unverified_ops"}
+
+
+def switched_off(policy: SessionPolicy) -> tuple[str, ...]:
+    """What ``policy`` turns off, in ``SWITCHED_OFF`` order."""
+    on = {"monitor_mode": policy.mode == "monitor",
+          "unverified_ops": bool(policy.firewall.allow_unverified_ops)}
+    on.update({f"check_{name}": name in policy.firewall.disabled_checks for name in CHECK_NAMES})
+    return tuple(what for what in SWITCHED_OFF if on[what])
+
+
+def _profiles(default: Profile, profiles: Mapping[str, Profile]) -> Iterable[Profile]:
+    return (default, *profiles.values())
+
+
+def item_switched_off(default: Profile, profiles: Mapping[str, Profile] | None = None) -> dict[str, tuple[str, ...]]:
+    """Profile name -> what it turns off, for the profiles that turn something off."""
+    out = {}
+    for profile in _profiles(default, profiles or {}):
+        off = switched_off(profile.policy)
+        if off:
+            out[profile.name] = off
+    return out
+
+
+def enforces(default: Profile, profiles: Mapping[str, Profile] | None = None) -> bool:
+    """True when every session of the listener runs every firewall check in enforce mode."""
+    return not any(NOT_ENFORCING.intersection(switched_off(p.policy)) for p in _profiles(default, profiles or {}))
+
+
+def _item_profiles(item: ListenerConfig | TunnelConfig) -> Mapping[str, Profile]:
+    return getattr(item, "profiles", {})
+
+
+def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[str]:
+    """Log a WARNING per downgrade of ``cfg`` and set the gauges; returns the warning lines."""
+    lines: list[str] = []
+    enforcement: dict[tuple[str, str], frozenset[str]] = {}
+    for item in cfg.listeners if cfg.role == "serve" else cfg.tunnels:
+        profiles = _item_profiles(item)
+        off = item_switched_off(item.default, profiles)
+        enforcement[(cfg.role, item.name)] = frozenset(w for whats in off.values() for w in whats)
+        breaking = {name: [w for w in whats if w in NOT_ENFORCING] for name, whats in off.items()}
+        breaking = {name: whats for name, whats in breaking.items() if whats}
+        if not breaking:
+            continue
+        where = "listener" if cfg.role == "serve" else "tunnel"
+        said = ("; it says so in the TLS handshake and connect runs its own request checks"
+                if cfg.role == "serve" else "")
+        lines.append(f"{cfg.role} {where} {item.name}: NOT ENFORCING: " + "; ".join(
+            f"profile {name}: " + ", ".join(_MEANING[w] for w in whats) for name, whats in breaking.items()) + said)
+    unprotected = _metrics_unprotected(cfg, web)
+    if unprotected:
+        lines.append(f"{cfg.role}: metrics endpoint {unprotected}")
+    for line in lines:
+        log.warning("%s", line)
+    metrics.enforcement = enforcement
+    metrics.metrics_unprotected = bool(unprotected)
+    return lines
+
+
+def _metrics_unprotected(cfg: Config, web: WebConfig | None) -> str:
+    """Why the metrics endpoint is open beyond this host ('' when it is not)."""
+    listen = cfg.metrics.listen
+    if listen is None or listen.is_loopback():
+        return ""
+    if web is not None and web.tls and web.authenticates:
+        return ""
+    return (f"{listen.host}:{listen.port} is served beyond loopback without TLS and client certificates or "
+            "basic auth (metrics.unsafe_public): anyone who reaches it reads peers, identities and refusals")

