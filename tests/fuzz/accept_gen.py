@@ -1,0 +1,952 @@
+"""Acceptance-region generator: graphs each op rule ACCEPTS, sampled adversarially at its edges.
+
+How this works: for every op with a rule for protocol 7.0.0 (``oprules.RULES`` through
+``graph.op_rules``), a per-op *proto* draws the sources (type, shape), the op_params and, for
+the few ops whose rule reads the node itself (TOP_K's k, REPEAT/CONT/RESHAPE/VIEW shapes, a
+CPY cast's type), the node's own fields. The layout adversary then gives every source strides
+and a place: contiguous, any stride on a size-1 dimension (0, 1, odd, the whole buffer: the
+rules never look at them), zero strides (broadcast), padded rows, strided elements, permuted
+strides, huge strides, sometimes a view of a bigger parent; the tensor sits flush against the
+end (or the start) of its own buffer, so the sanitizer's redzone is the next byte. The node is
+what the rule's own ``derive`` returns for those sources (the fresh result or the in-place view,
+both when the rule allows both), so the node always matches; one variant instead gives the node
+an empty dimension (the rules skip empty nodes, the CPU planner still reads their sources).
+Params are drawn at the edges of their ranges and of float precision (0, -0, denormals, 2^24+1,
+FLT_MAX, inf, NaN, k/n ratios that round differently in float and double).
+
+A candidate is kept only when rpcguard's own firewall accepts it: the GRAPH_COMPUTE payload
+goes through ``Firewall.check_request`` (what ``serve`` calls for every frame) against a session
+state holding the case's buffers, so every case kept is one serve forwards. The runner
+(accept_run.py) re-checks every frame through a real ``Session`` on the live connection.
+
+Everything is seeded: case ``i`` of op ``X`` under seed ``s`` is the same on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.encode import TENSOR_STRUCT
+from rpcguard.protocol.firewall import Firewall
+from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.graph import op_rules
+from rpcguard.protocol.oprules import OpRule, New, View, contiguous_nb
+from rpcguard.protocol.settings import FirewallPolicy
+from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes
+from rpcguard.protocol.versions import COMMAND_IDS, spec_for
+
+__all__ = ["VERSION", "Case", "Tensor", "ops", "generate", "accepts", "materialize", "payload_of", "span",
+           "PROTOS", "FLOAT_EDGES"]
+
+VERSION = (7, 0, 0)
+SPEC = spec_for(VERSION)
+assert SPEC is not None
+TABLE = op_table(VERSION)
+assert TABLE is not None
+RULES = op_rules(VERSION)
+assert RULES is not None
+GRAPH_RULE = SPEC.commands[COMMAND_IDS["GRAPH_COMPUTE"]]
+F32, F16, Q8_0, I8, I16, I32, I64, BF16 = 0, 1, 8, 24, 25, 26, 27, 30
+FLAG_COMPUTE = 16  # ggml.h GGML_TENSOR_FLAG_COMPUTE, set by ggml_build_forward_expand
+ALL_TYPES = tuple(sorted(TYPES))
+FLOATS = (F32, F16, BF16)
+MAX_SLACK = 64
+MIN_BUFFER = 64
+FAKE_BASE = 0x7F0000000000  # acceptance is judged against fake bases; the runner re-judges live
+FAKE_STEP = 1 << 32
+
+_F = struct.Struct("<f")
+_I = struct.Struct("<i")
+
+
+def fbits(x: float) -> int:
+    """The int32 slot ggml_set_op_params stores for the float ``x`` (rounded to float)."""
+    try:
+        packed = _F.pack(x)
+    except OverflowError:
+        packed = _F.pack(math.copysign(math.inf, x))
+    return _I.unpack(packed)[0]
+
+
+FLT_MAX = 3.4028234663852886e38
+# float edges: signed zeros, denormals, the float/int boundary, overflow, non-finite, ratios
+FLOAT_EDGES = (0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-45, -1e-45, 1.1754943508222875e-38, 1e-6, 1e-5,
+               16777216.0, 16777218.0, 2147483648.0, FLT_MAX, -FLT_MAX, math.inf, -math.inf, math.nan,
+               1 / 3, 0.1, 10000.0, 1e30, -1e30)
+INT_EDGES = (0, 1, -1, 2, 3, -2, 0x7FFFFFFF, -0x80000000, 0x7FFFFFFE, 0x10000, 0xFFFF)
+
+
+# -- cases -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tensor:
+    """One rpc_tensor of a case; ``buf`` indexes ``Case.buffers`` (-1: no buffer, data NULL)."""
+
+    id: int
+    type: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    buf: int = -1
+    offs: int = 0  # byte offset of data inside its buffer
+    op: int = 0
+    params: list[int] = field(default_factory=lambda: [0] * 16)
+    src: list[int] = field(default_factory=lambda: [0] * 10)
+    view_src: int = 0
+    view_offs: int = 0
+    flags: int = 0  # GGML_TENSOR_FLAG_*: nodes carry COMPUTE (ggml-cpu skips a node without it)
+    fill: str = "rand"  # rand / zero / none: what SET_TENSOR writes into a leaf
+
+
+@dataclass
+class Case:
+    op: str
+    seed: int
+    index: int
+    variant: str  # what the adversary did (layouts, inplace, empty, limits, ...)
+    buffers: list[int]
+    tensors: list[Tensor]  # in list order: every src/view_src before its users
+    nodes: list[int]  # ids of the computed nodes, in order
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Case":
+        ts = [Tensor(**{**t, "ne": tuple(t["ne"]), "nb": tuple(t["nb"])}) for t in obj["tensors"]]
+        return cls(**{**obj, "tensors": ts})
+
+    def by_id(self, i: int) -> Tensor:
+        return next(t for t in self.tensors if t.id == i)
+
+    def leaves(self) -> list[Tensor]:
+        node_ids = set(self.nodes)
+        return [t for t in self.tensors if t.id not in node_ids and t.buf >= 0]
+
+    def describe(self) -> str:
+        parts = []
+        for t in self.tensors:
+            role = "node" if t.id in self.nodes else "src"
+            extra = f" params={t.params[:_used(t.params)]}" if any(t.params) and role == "node" else ""
+            view = f" view_of={t.view_src:#x}+{t.view_offs}" if t.view_src else ""
+            parts.append(f"{role} {t.id:#x} {TABLE.names[t.op]} {TYPES[t.type].name} ne={list(t.ne)} "
+                         f"nb={list(t.nb)} buf{t.buf}+{t.offs}{view}{extra}")
+        return f"{self.op}[{self.variant}] buffers={self.buffers}: " + "; ".join(parts)
+
+
+def _used(params: list[int]) -> int:
+    n = len(params)
+    while n and not params[n - 1]:
+        n -= 1
+    return n
+
+
+def span(t: Tensor) -> int:
+    """ggml_nbytes of ``t`` (the bytes the server and the firewall agree it covers)."""
+    return nbytes(_rt(t, 0, 0), TYPES[t.type])
+
+
+def _rt(t: Tensor, handle: int, data: int) -> RpcTensor:
+    return decode_tensor(_pack(t, handle, data))
+
+
+class Unencodable(Exception):
+    """A drawn shape or stride does not fit the wire's u32 fields."""
+
+
+def _i32(x: int) -> int:
+    return (x + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def _pack(t: Tensor, handle: int, data: int) -> bytes:
+    if max(*t.ne, *t.nb) >= 1 << 32 or min(*t.ne, *t.nb) < 0:
+        raise Unencodable(f"ne {t.ne} nb {t.nb}")
+    return TENSOR_STRUCT.pack(t.id, t.type, handle, *t.ne, *t.nb, t.op, *map(_i32, t.params), t.flags, *t.src,
+                              t.view_src, t.view_offs, data, b"t", 0)
+
+
+def handles_fake(case: Case) -> list[tuple[int, int]]:
+    return [(0x1000 + 0x100 * i, FAKE_BASE + FAKE_STEP * i) for i in range(len(case.buffers))]
+
+
+def materialize(case: Case, live: list[tuple[int, int]]) -> list[bytes]:
+    """296 bytes per tensor, with ``live[i]`` = (handle, base) of the case's buffer i."""
+    out = []
+    for t in case.tensors:
+        if t.buf < 0:
+            out.append(_pack(t, 0, 0))
+        else:
+            h, b = live[t.buf]
+            out.append(_pack(t, h, b + t.offs))
+    return out
+
+
+def payload_of(case: Case, live: list[tuple[int, int]]) -> bytes:
+    """The GRAPH_COMPUTE payload (7.0.0: u32 device, u32 n_nodes, ids, u32 n_tensors, tensors)."""
+    ts = materialize(case, live)
+    return (struct.pack("<II", 0, len(case.nodes)) + struct.pack(f"<{len(case.nodes)}Q", *case.nodes)
+            + struct.pack("<I", len(ts)) + b"".join(ts))
+
+
+def fake_state(case: Case) -> SessionState:
+    st = SessionState(UpstreamFacts(version=VERSION, device_count=1))
+    st.spec = SPEC
+    for (h, b), size in zip(handles_fake(case), case.buffers):
+        st.add_buffer(h, 0, size)
+        st.set_base(h, b)
+    return st
+
+
+def accepts(case: Case) -> str | None:
+    """None when rpcguard's firewall (default policy) forwards the case's GRAPH_COMPUTE, else the
+    refusal reason."""
+    state = fake_state(case)
+    fw = Firewall(state, FirewallPolicy())
+    try:
+        fw.check_request(GRAPH_RULE, memoryview(payload_of(case, handles_fake(case))), 0)
+    except FirewallRefusal as e:
+        return e.reason
+    return None
+
+
+# -- drawing -----------------------------------------------------------------------------------
+
+
+class Draw:
+    """The seeded choices of one candidate."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.r = rng
+        self.tags: list[str] = []
+        # element counts at the limits: "big" dimensions may be drawn in the thousands
+        self.limits = rng.random() < 0.1
+
+    def p(self, x: float) -> bool:
+        return self.r.random() < x
+
+    def pick(self, seq):  # type: ignore[no-untyped-def]
+        return seq[self.r.randrange(len(seq))]
+
+    def dim(self, big: bool = False) -> int:
+        x = self.r.random()
+        if x < 0.35:
+            return 1
+        if x < 0.7:
+            return self.r.randint(2, 8)
+        if big and self.limits and self.r.random() < 0.6:
+            return self.r.choice((1 << 12, 1 << 14, 1 << 16, (1 << 16) + 1, self.r.randint(4097, 1 << 17)))
+        if x < 0.92 or not big:
+            return self.r.randint(9, 70)
+        return self.r.randint(71, 600)
+
+    def shape(self, n: int = 4) -> tuple[int, int, int, int]:
+        ne = [self.dim(big=i == 0) for i in range(4)]
+        for i in range(n, 4):
+            ne[i] = 1
+        return tuple(ne)  # type: ignore[return-value]
+
+    def ftype(self, pref: tuple[int, ...] = FLOATS) -> int:
+        return self.pick(ALL_TYPES) if self.p(0.2) else self.pick(pref)
+
+    def f(self, lo: float = -4.0, hi: float = 4.0) -> int:
+        if self.p(0.45):
+            return fbits(self.pick(FLOAT_EDGES))
+        if self.p(0.15):  # a random float across the exponent range
+            return fbits(self.r.choice((1, -1)) * 2.0 ** self.r.uniform(-149, 127))
+        return fbits(self.r.uniform(lo, hi))
+
+    def i(self, lo: int, hi: int) -> int:
+        if self.p(0.25):
+            return self.pick(INT_EDGES)
+        if self.p(0.3):
+            return self.pick((lo, hi, lo - 1, hi + 1))
+        return self.r.randint(lo, hi)
+
+    def tag(self, s: str) -> None:
+        self.tags.append(s)
+
+
+def blocked(t: int, ne0: int) -> int:
+    """``ne0`` rounded up to a whole number of blocks of type ``t``."""
+    b = TYPES[t].blck_size
+    return max(b, (ne0 + b - 1) // b * b)
+
+
+@dataclass
+class Src:
+    type: int
+    ne: tuple[int, int, int, int]
+    fill: str = "rand"
+    layout: str | None = None  # force a layout mode
+
+
+@dataclass
+class Proto:
+    srcs: list[Src | None]
+    params: list[int] = field(default_factory=list)
+    node_ne: tuple[int, int, int, int] | None = None
+    node_nb: tuple[int, int, int, int] | None = None
+    node_type: int | None = None
+    cast: bool = False  # CPY as ggml_cast: src[1] is the node itself
+    consumer: str | None = None  # view ops: a node that reads the view
+
+
+def S(t: int, ne: tuple[int, ...], fill: str = "rand", layout: str | None = None) -> Src:
+    ne4 = tuple(ne) + (1,) * (4 - len(ne))
+    return Src(t, (blocked(t, ne4[0]),) + ne4[1:], fill, layout)  # type: ignore[arg-type]
+
+
+def params(*xs: int) -> list[int]:
+    return list(xs)
+
+
+# -- per-op protos ------------------------------------------------------------------------------
+
+
+def _one(pref: tuple[int, ...] = FLOATS, *ps: Callable[[Draw], int]) -> Callable[[Draw], Proto]:
+    def proto(d: Draw) -> Proto:
+        return Proto([S(d.ftype(pref), d.shape())], [p(d) for p in ps])
+    return proto
+
+
+def _p_float(lo: float = -4, hi: float = 4) -> Callable[[Draw], int]:
+    return lambda d: d.f(lo, hi)
+
+
+def _p_int(lo: int, hi: int) -> Callable[[Draw], int]:
+    return lambda d: d.i(lo, hi)
+
+
+def p_top_k(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    k = d.pick((1, a.ne[0], max(1, a.ne[0] - 1), d.r.randint(1, a.ne[0]), a.ne[0] + 1))
+    return Proto([a], node_ne=(k, *a.ne[1:]))  # type: ignore[arg-type]
+
+
+def p_repeat(d: Draw) -> Proto:
+    a = S(d.ftype((F32, F16, I32)), d.shape())
+    mult = [d.pick((1, 1, 2, 3, 7)) for _ in range(4)]
+    return Proto([a], node_ne=tuple(x * m for x, m in zip(a.ne, mult)))  # type: ignore[arg-type]
+
+
+def _factor4(d: Draw, n: int, t: int) -> tuple[int, int, int, int]:
+    """A 4-d shape with ``n`` elements (ne0 a block multiple of ``t`` where possible)."""
+    ne = [1, 1, 1, 1]
+    rest = n
+    for i in (3, 2, 1):
+        divs = [k for k in range(1, min(rest, 64) + 1) if rest % k == 0]
+        ne[i] = d.pick(divs)
+        rest //= ne[i]
+    ne[0] = rest
+    if ne[0] % TYPES[t].blck_size:
+        return (n, 1, 1, 1)
+    return tuple(ne)  # type: ignore[return-value]
+
+
+def p_cont(d: Draw) -> Proto:
+    a = S(d.ftype(), d.shape())
+    n = a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3]
+    return Proto([a], node_ne=_factor4(d, n, a.type))
+
+
+def p_reshape(d: Draw) -> Proto:
+    a = S(d.ftype(), d.shape(), layout="contig" if d.p(0.7) else None)
+    n = a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3]
+    return Proto([a], node_ne=_factor4(d, n, a.type), consumer=d.pick(("CONT", "SQR", "ADD")))
+
+
+def p_view(d: Draw) -> Proto:
+    a = S(d.ftype(), d.shape())
+    info = TYPES[a.type]
+    ne = tuple(max(1, d.r.randint(1, x)) for x in a.ne)
+    ne = (blocked(a.type, ne[0]) if ne[0] >= info.blck_size else info.blck_size,) + ne[1:]
+    row = ne[0] // info.blck_size * info.type_size
+    # the caller's strides: those of the source, packed ones, or anything (the rule checks only
+    # the packed size plus the offset against the source)
+    choice = d.r.random()
+    if choice < 0.4:
+        nb = None  # the source's, filled in later
+    elif choice < 0.7:
+        nb = contiguous_nb(a.type, ne)
+    else:
+        nb = (info.type_size, d.pick((0, 1, row, row + 1, 4096)), d.pick((0, 3, row * 2)), d.pick((0, 1 << 16)))
+    offs = d.pick((0, 0, info.type_size, 1, d.r.randint(0, 256)))
+    return Proto([a], params=[offs & 0xFFFFFFFF, 0], node_ne=ne, node_nb=nb,  # type: ignore[arg-type]
+                 consumer=d.pick(("CONT", "SQR", "ADD", "RMS_NORM", "ARGSORT", "CLAMP")))
+
+
+def p_permute(d: Draw) -> Proto:
+    a = S(d.ftype(), d.shape())
+    axes = [0, 1, 2, 3]
+    d.r.shuffle(axes)
+    if d.p(0.1):
+        axes[d.r.randrange(4)] = d.pick((4, -1, 0))
+    return Proto([a], params=axes, consumer=d.pick(("CONT", "SQR", "ADD", "SOFT_MAX", "CPY")))
+
+
+def p_transpose(d: Draw) -> Proto:
+    return Proto([S(d.ftype(), d.shape())], consumer=d.pick(("CONT", "SQR", "ADD", "CPY", "MUL_MAT")))
+
+
+def p_cpy(d: Draw) -> Proto:
+    a = S(d.ftype((F32, F16, BF16, F32, Q8_0, 2, 12, 20)), d.shape())  # block sources: dequantizing copies
+    if d.p(0.35):
+        return Proto([a, None], node_type=d.ftype((F32, F16, BF16, Q8_0, 2, I32)), cast=True)
+    n = a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3]
+    bt = d.ftype((F32, F16, BF16, Q8_0, 2, 20, I32))
+    bne = _factor4(d, n, bt) if d.p(0.5) else a.ne
+    return Proto([a, S(bt, bne, fill="zero")])
+
+
+def p_binary(d: Draw) -> Proto:
+    a = S(d.ftype(), d.shape())
+    t = a.type if d.p(0.7) else d.ftype((F32, F16, BF16))
+    bne = tuple(x if d.p(0.6) else d.pick([k for k in range(1, x + 1) if x % k == 0]) for x in a.ne)
+    return Proto([a, S(t, bne)])
+
+
+def p_acc_set(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    bne = tuple(d.r.randint(1, x) for x in a.ne)
+    b = S(d.ftype((F32,)), bne)
+    cnb = contiguous_nb(F32, a.ne)
+    n_a = cnb[3] * a.ne[3]
+    s1 = d.pick((cnb[1], cnb[1], 0, 4, cnb[1] + 4, d.i(0, n_a)))
+    s2 = d.pick((cnb[2], cnb[2], 0, s1 * bne[1], d.i(0, n_a)))
+    s3 = d.pick((cnb[3], cnb[3], 0, s2 * bne[2], d.i(0, n_a)))
+    end = (bne[0] - 1) * 4 + (bne[1] - 1) * s1 + (bne[2] - 1) * s2 + (bne[3] - 1) * s3 + 4
+    offset = d.pick((0, max(0, n_a - end), max(0, n_a - end) + 1, max(0, n_a - end) // 4 * 4, d.i(0, n_a)))
+    return Proto([a, b], params=[s1, s2, s3, offset, d.pick((0, 1))])
+
+
+def p_concat(d: Draw) -> Proto:
+    a = S(d.ftype((F32, F16, I32, I8)), d.shape())
+    dim = d.pick((0, 1, 2, 3, 0, d.i(0, 3)))
+    bne = list(a.ne)
+    if 0 <= dim < 4:
+        bne[dim] = d.dim()
+    return Proto([a, S(a.type, tuple(bne))], params=[dim])
+
+
+def p_add_id(d: Draw) -> Proto:
+    ne0, n_as, n_used, T = d.dim(True), d.dim(), d.dim(), d.dim()
+    return Proto([S(d.ftype((F32,)), (ne0, n_used, T)), S(d.ftype((F32,)), (ne0, n_as)),
+                  S(I32, (n_used, T), fill="zero")])
+
+
+def p_get_rows(d: Draw) -> Proto:
+    a = S(d.ftype((F32, F16, Q8_0, I32, 2, 12)), d.shape())
+    b = S(d.ftype((I32,)), (d.dim(), a.ne[2], a.ne[3]), fill="zero")
+    return Proto([a, b])
+
+
+def p_set_rows(d: Draw) -> Proto:
+    dst = S(d.ftype((F32, F16, Q8_0, BF16)), d.shape())
+    n = d.dim()
+    c1 = d.pick([k for k in range(1, dst.ne[2] + 1) if dst.ne[2] % k == 0])
+    c2 = d.pick([k for k in range(1, dst.ne[3] + 1) if dst.ne[3] % k == 0])
+    b = S(d.ftype((F32, F16)), (dst.ne[0], n, dst.ne[2], dst.ne[3]))
+    c = S(d.ftype((I64, I32)), (n, c1, c2), fill="zero")
+    return Proto([b, c, dst])
+
+
+def p_mul_mat(d: Draw) -> Proto:
+    at = d.ftype((F32, F16, Q8_0, 2, 12, BF16, 20))
+    K = blocked(at, d.dim(True))
+    M, N = d.dim(True), d.dim(True)
+    A2, A3 = d.dim(), d.pick((1, 1, 2, 3))
+    r2, r3 = d.pick((1, 1, 2, 3)), d.pick((1, 1, 2))
+    bt = F32 if d.p(0.7) else d.ftype((F32, F16, 8, 15, BF16))
+    prm = [d.pick((0, 10, 0, 15, 20, 30, 40, 5)), d.pick((0, 0, 0, 1, 2)), 0, d.pick((0, 0, 10, 20, 7))]
+    if prm[1] == 1:  # the Hadamard hint: a square power-of-two F32 src0
+        n = d.pick((1, 2, 16, 64, 256, 3))
+        return Proto([S(F32, (n, n)), S(d.pick((F32, F16)), (n, N, A2 * r2, A3 * r3))], params=prm)
+    return Proto([S(at, (K, M, A2, A3)), S(bt, (K, N, A2 * r2, A3 * r3))], params=prm)
+
+
+def p_mul_mat_id(d: Draw) -> Proto:
+    at = d.ftype((F32, F16, Q8_0, 2, 12))
+    K = blocked(at, d.dim(True))
+    # every dimension the planner multiplies (n_as x ids.ne0 x ids.ne1, ggml_graph_plan) may be large
+    M, n_as = d.dim(True), d.dim(True)
+    n_used, T = d.dim(True), d.dim(True)
+    if d.p(0.15):  # small tensors whose dimensions the planner multiplies into a work size
+        d.tag("planner-product")
+        K, M = blocked(at, 1), 1
+        n_as, n_used, T = d.pick((1 << 12, 1 << 14, 1 << 16)), d.pick((1, 1 << 8, 1 << 12)), d.pick((16, 256, 1024))
+    b1 = d.pick((1, n_used))
+    bt = F32 if d.p(0.8) else d.ftype((F32, F16, 8, 15))
+    prm = [d.pick((0, 10, 0, 20)), 0, 0, d.pick((0, 0, 10))]
+    return Proto([S(at, (K, M, n_as)), S(bt, (K, b1, T)), S(I32, (n_used, T), fill="zero")], params=prm)
+
+
+def p_soft_max(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    mask = sinks = None
+    if d.p(0.6):
+        m1 = a.ne[1] + d.pick((0, 0, 1, 7))
+        m2 = d.pick([k for k in range(1, a.ne[2] + 1) if a.ne[2] % k == 0])
+        m3 = d.pick([k for k in range(1, a.ne[3] + 1) if a.ne[3] % k == 0])
+        mask = S(d.ftype((F32, F16)), (a.ne[0], m1, m2, m3))
+        if d.p(0.3):
+            sinks = S(F32, (a.ne[2],))
+    return Proto([a, mask, sinks], params=[d.f(), d.f(0, 8) if d.p(0.5) else 0])
+
+
+def p_rope(d: Draw) -> Proto:
+    mode = d.pick((0, 2, 8, 24, 40, 0, 2, 1))
+    ne0 = d.pick((2, 4, 8, 16, 32, 64, 128, 6, 10))
+    a = S(d.ftype((F32, F16)), (ne0, d.dim(), d.dim(), d.pick((1, 1, 2))))
+    per = 4 if mode & 8 else 1
+    b = S(I32, (a.ne[2] * per,), fill="zero")
+    n_dims = ne0 // 2 if mode == 24 else d.pick((ne0, ne0, ne0 // 2, 2, max(2, ne0 - 2)))
+    n_offs = 0 if mode == 24 else d.pick((0, 0, 0, 2, ne0 - n_dims))
+    c = S(F32, (max(ne0 // 2, n_dims // 2) + d.pick((0, 0, 1)),)) if d.p(0.3) else None
+    secs = [0, 0, 0, 0]
+    if mode & 8:
+        secs = [d.r.randint(0, ne0 // 2) for _ in range(4)]
+        if not any(secs):
+            secs[0] = 1
+    prm = [0, n_dims, mode, 0, d.pick((0, 4096, 1)), d.f(1, 1e6), d.f(0, 2), d.f(-1, 1), d.f(0, 2), d.f(0, 64),
+           d.f(0, 4), *secs, n_offs]
+    return Proto([a, b, c], params=prm)
+
+
+def p_flash(d: Draw) -> Proto:
+    D = d.pick((4, 8, 16, 32, 64, 40))
+    Dv = D if d.p(0.7) else d.pick((4, 8, 16, 32))
+    nq, nkv = d.dim(), d.dim(True)
+    H = d.pick((1, 2, 4, 8))
+    Hkv = d.pick([k for k in (1, 2, 4, 8) if H % k == 0])
+    kt = d.ftype((F16, F32, Q8_0, BF16))
+    vt = kt if d.p(0.7) else d.ftype((F16, F32, Q8_0))
+    q = S(F32, (D, nq, H))
+    k = S(kt, (D, nkv, Hkv))
+    v = S(vt, (Dv, nkv, Hkv))
+    mask = sinks = None
+    if d.p(0.7):
+        mask = S(F16, (nkv + d.pick((0, 0, 3)), nq + d.pick((0, 0, 1)), d.pick((1, H)) if H > 1 else 1))
+        if d.p(0.3):
+            sinks = S(F32, (H,))
+    prm = [d.f(0, 1), d.f(0, 8) if mask is not None and d.p(0.3) else 0, d.f(0, 50) if d.p(0.3) else 0,
+           d.pick((0, 10, 0)), d.pick((0, 0, 1, nkv, nkv + 1)) if mask is not None else 0]
+    return Proto([q, k, v, mask, sinks], params=prm)
+
+
+def p_ssm_conv(d: Draw) -> Proto:
+    d_conv, d_inner, n_t, n_s = d.pick((1, 2, 4)), d.dim(True), d.dim(), d.dim()
+    return Proto([S(d.ftype((F32,)), (d_conv - 1 + n_t, d_inner, n_s)), S(d.ftype((F32,)), (d_conv, d_inner))])
+
+
+def p_glu(d: Draw) -> Proto:
+    t = d.ftype((F32, F16))
+    ne = d.shape()
+    ne = (ne[0] * 2,) + ne[1:]
+    b = S(t, ne) if d.p(0.4) else None
+    op = d.pick((0, 1, 2, 3, 4, 5, 6, d.i(0, 6)))
+    return Proto([S(t, ne), b], params=[op, d.pick((0, 1)), d.f(0, 4), d.f(0, 16)])
+
+
+def p_unary(d: Draw) -> Proto:
+    op = d.r.randint(0, 21) if d.p(0.9) else d.i(0, 21)
+    extra = [d.f() for _ in range(4)] if op == 17 else [0, 0, 0, 0]
+    return Proto([S(d.ftype(), d.shape())], params=[op, *extra])
+
+
+def p_arange(d: Draw) -> Proto:
+    # float precision: (stop - start) / step rounded in float by the kernel
+    big = d.pick((1.0, 100.0, 16777216.0, 1e7, 3e7, 1e5))
+    start = d.pick((0.0, -big, big, d.r.uniform(-big, big), 0.1, 1 / 3))
+    n = d.pick((1, 2, 3, 7, 100, 1000, 4097, d.r.randint(1, 5000)))
+    step = d.pick((1.0, 0.1, 1 / 3, 0.7, 1e-3, d.r.uniform(1e-3, 10)))
+    stop = start + n * step * d.pick((1.0, 1.0000001, 0.9999999, 1.0))
+    if d.p(0.5):  # magnitudes apart: stop - start rounds in float (the kernel) but not in double
+        start = d.pick((-1, 1)) * 10 ** d.r.uniform(-3, 7.5)
+        step = 10 ** d.r.uniform(-3, 1)
+        stop = start + d.r.randint(1, 3000) * step * d.pick((1.0, 1 + 1e-7, 1 - 1e-7))
+    return Proto([], params=[fbits(start), fbits(stop), fbits(step)])
+
+
+def p_timestep(d: Draw) -> Proto:
+    return Proto([S(d.ftype((F32,)), (d.dim(True),))], params=[d.pick((1, 2, 3, 64, 320, 1001, d.i(1, 2048))),
+                                                              d.i(1, 10000)])
+
+
+def p_pad(d: Draw) -> Proto:
+    pads = [d.pick((0, 0, 1, 2, 7, d.i(0, 16))) for _ in range(8)]
+    return Proto([S(d.ftype((F32,)), d.shape())], params=[*pads, d.pick((0, 0, 1))])
+
+
+def p_pad_reflect(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    return Proto([a], params=[d.pick((0, 1, a.ne[0] - 1, a.ne[0])), d.pick((0, 1, a.ne[0] - 1, a.ne[0]))])
+
+
+def p_roll(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    return Proto([a], params=[d.pick((0, 1, -1, x - 1, 1 - x, x)) for x in a.ne])
+
+
+def p_group_norm(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    return Proto([a], params=[d.pick((1, 2, a.ne[2], a.ne[2] + 1, d.i(1, 64))), d.f(0, 1e-3)])
+
+
+def p_diag_mask(d: Draw) -> Proto:
+    a = S(d.ftype((F32,)), d.shape())
+    return Proto([a], params=[d.pick((0, 1, a.ne[0], a.ne[0] + 1, d.i(0, 1000)))])
+
+
+PROTOS: dict[str, Callable[[Draw], Proto]] = {
+    "DUP": _one(),
+    "ACC": p_acc_set, "SET": p_acc_set,
+    "PAD_REFLECT_1D": p_pad_reflect,
+    "ADD": p_binary, "SUB": p_binary, "MUL": p_binary, "DIV": p_binary,
+    "ADD_ID": p_add_id,
+    "SQR": _one(), "SQRT": _one(), "LOG": _one(), "SIN": _one(), "COS": _one(),
+    "SUM": _one(), "SUM_ROWS": _one((F32,)), "CUMSUM": _one((F32,)), "MEAN": _one((F32,)),
+    "ARGMAX": _one((F32,)),
+    "REPEAT": p_repeat,
+    "CONCAT": p_concat,
+    "NORM": _one((F32,), _p_float(0, 1e-3)), "RMS_NORM": _one((F32,), _p_float(0, 1e-3)),
+    "L2_NORM": _one((F32,), _p_float(0, 1e-3)),
+    "GROUP_NORM": p_group_norm,
+    "MUL_MAT": p_mul_mat, "MUL_MAT_ID": p_mul_mat_id,
+    "SCALE": _one((F32,), _p_float(), _p_float()),
+    "CPY": p_cpy, "CONT": p_cont,
+    "RESHAPE": p_reshape, "VIEW": p_view, "PERMUTE": p_permute, "TRANSPOSE": p_transpose,
+    "GET_ROWS": p_get_rows, "SET_ROWS": p_set_rows,
+    "DIAG_MASK_INF": p_diag_mask, "DIAG_MASK_ZERO": p_diag_mask,
+    "SOFT_MAX": p_soft_max, "ROPE": p_rope,
+    "CLAMP": _one((F32, F16), _p_float(), _p_float()),
+    "PAD": p_pad, "TIMESTEP_EMBEDDING": p_timestep,
+    "FILL": _one((F32, F16), _p_float()),
+    "ARGSORT": _one((F32,), _p_int(0, 1)), "TOP_K": p_top_k,
+    "ARANGE": p_arange, "ROLL": p_roll, "SSM_CONV": p_ssm_conv,
+    "LEAKY_RELU": _one((F32, F16), _p_float(-2, 2)),
+    "FLASH_ATTN_EXT": p_flash, "UNARY": p_unary, "GLU": p_glu,
+}
+VIEW_OPS = frozenset({"RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"})
+# Ops whose rules came after the generator's protos (main 01050c8): not sampled yet.
+UNSAMPLED = frozenset({"GATED_LINEAR_ATTN", "IM2COL", "POOL_1D", "POOL_2D", "RWKV_WKV6", "RWKV_WKV7", "SSM_SCAN"})
+
+
+def ops() -> list[str]:
+    """Every op with a rule for 7.0.0 and a proto, in op-id order."""
+    return [RULES.names[i] for i in sorted(RULES.rows) if RULES.names[i] in PROTOS]
+
+
+# -- the layout adversary ----------------------------------------------------------------------
+
+LAYOUTS = ("contig", "contig", "size1", "size1", "size1", "bcast", "padded", "elem", "perm", "huge", "parent")
+
+
+def _strides(d: Draw, t: int, ne: tuple[int, int, int, int], mode: str, cap: int) -> tuple[int, int, int, int]:
+    info = TYPES[t]
+    ts, quant = info.type_size, info.blck_size > 1
+    nb = list(contiguous_nb(t, ne))
+
+    def any_stride() -> int:
+        return d.pick((0, 1, 3, ts, cap, cap - 1, cap // 2 + 1, d.r.randint(0, cap), 1 << 20, nb[1] + 1))
+
+    if mode == "size1":
+        past = []  # size-1 dims whose stride lands right past the tensor's own bytes
+        for i in range(1, 4):
+            if ne[i] == 1:
+                if d.p(0.4):
+                    past.append(i)
+                    nb[i] = 0
+                else:
+                    nb[i] = min(any_stride(), cap)
+        if ne[0] == 1 and not quant and d.p(0.3):
+            nb[0] = min(d.pick((ts + 1, ts * 2, 4096)), cap)
+        if past:
+            # the tensor sits flush against the end of its buffer (Builder.place), so a kernel that
+            # walks rows through this stride reads or writes the sanitizer's redzone right after it
+            n = nbytes(_rt(Tensor(0, t, ne, tuple(nb)), 0, 0), info)  # type: ignore[arg-type]
+            for i in past:
+                nb[i] = n + d.pick((0, 0, ts, 1, 32))
+    elif mode == "bcast":
+        dims = [i for i in range(1, 4) if ne[i] > 1]
+        if not quant and ne[0] > 1 and d.p(0.3):
+            dims.append(0)
+        for i in dims:
+            if d.p(0.6):
+                nb[i] = 0
+        if nb[0] == 0:
+            nb[0] = ts  # nb0 >= the type size (layout rule)
+    elif mode == "padded":
+        pad = d.pick((ts, 1, 3, 64, 4096))
+        nb[1] = nb[1] + pad
+        nb[2] = nb[1] * ne[1] + d.pick((0, pad))
+        nb[3] = nb[2] * ne[2] + d.pick((0, pad))
+    elif mode == "elem" and not quant:
+        nb[0] = ts * d.pick((2, 3)) if d.p(0.7) else ts + 1
+        nb[1] = nb[0] * ne[0] + d.pick((0, 0, 1))
+        nb[2] = nb[1] * ne[1]
+        nb[3] = nb[2] * ne[2]
+    elif mode == "perm":
+        p = [0, 1, 2, 3]
+        if not quant:
+            d.r.shuffle(p)
+        else:
+            rest = [1, 2, 3]
+            d.r.shuffle(rest)
+            p = [0, *rest]
+        pne = [ne[p[i]] for i in range(4)]
+        pnb = contiguous_nb(t, pne)
+        for i in range(4):
+            nb[p[i]] = pnb[i]
+    elif mode == "huge":
+        i = d.r.randint(1, 3)
+        nb[i] = cap // max(1, ne[i]) if d.p(0.5) else cap
+    return tuple(min(x, (1 << 32) - 1) for x in nb)  # type: ignore[return-value]
+
+
+class Builder:
+    def __init__(self, d: Draw) -> None:
+        self.d = d
+        self.buffers: list[int] = []
+        self.shareable: list[bool] = []  # buffers whose tensors may be overlapped by another's data
+        self.tensors: list[Tensor] = []
+        self.next_id = 0x100
+
+    def new_id(self) -> int:
+        self.next_id += 0x10
+        return self.next_id
+
+    def place(self, t: Tensor, cap: int) -> None:
+        """``t`` in a buffer of its own, flush against the end (or the start)."""
+        n = max(span(t), 1)
+        size = max(cap, n, MIN_BUFFER, max(t.nb[1:]))
+        align = TYPES[t.type].type_size
+        where = self.d.pick(("end", "end", "end", "start", "mid"))
+        if where == "end":
+            offs = (size - n) // align * align
+            if offs + n < size:
+                size = offs + n  # flush: the redzone is the next byte
+                size = max(size, max(t.nb[1:]))
+                offs = (size - n) // align * align
+        elif where == "start":
+            offs = 0
+        else:
+            offs = self.d.r.randint(0, size - n) // align * align
+        # sometimes share the previous tensor's buffer (only random-filled sources: an index tensor
+        # overlapped by another tensor's data would hold out-of-range indices, a known data-only
+        # hole; a node's pre-fill would overwrite a source)
+        if t.fill == "rand" and self.d.p(0.15) and self.buffers and self.shareable[-1]:
+            i = len(self.buffers) - 1
+            if self.buffers[i] >= max(n, *t.nb[1:]):
+                t.buf, t.offs = i, self.d.r.randint(0, self.buffers[i] - n) // align * align
+                return
+        self.buffers.append(size)
+        self.shareable.append(t.fill == "rand")
+        t.buf, t.offs = len(self.buffers) - 1, offs
+
+    def source(self, s: Src) -> Tensor:
+        d = self.d
+        mode = s.layout or d.pick(LAYOUTS)
+        cap = d.pick((4096, 65536, 1 << 20)) if mode in ("size1", "huge") else 0
+        if mode == "parent":  # a view into a bigger parent (in-place results keep its root)
+            pne = tuple(x + d.pick((0, 0, 1, 3)) for x in s.ne)
+            pne = (blocked(s.type, pne[0]),) + pne[1:]
+            parent = Tensor(self.new_id(), s.type, pne, contiguous_nb(s.type, pne), fill=s.fill)  # type: ignore[arg-type]
+            self.place(parent, 0)
+            self.tensors.append(parent)
+            nb = parent.nb
+            offs = d.pick((0, nb[0], nb[1], span(parent) - span(Tensor(0, s.type, s.ne, nb))))
+            offs = max(0, offs)
+            # its own bytes are filled too: a view may reach past its parent (ggml_view_impl checks only
+            # the packed size), and what it covers is what a kernel may legitimately read
+            t = Tensor(self.new_id(), s.type, s.ne, nb, parent.buf, parent.offs + offs, view_src=parent.id,
+                       view_offs=offs, fill=s.fill, op=TABLE.ids["VIEW"] if d.p(0.5) else 0)
+            if t.op:
+                t.params[0] = offs
+            d.tag("parent")
+            self.tensors.append(t)
+            return t
+        nb = _strides(d, s.type, s.ne, mode, max(cap, 64))
+        t = Tensor(self.new_id(), s.type, s.ne, nb, fill=s.fill)
+        d.tag(mode)
+        self.place(t, cap)
+        self.tensors.append(t)
+        return t
+
+
+def _rpc(t: Tensor) -> RpcTensor:
+    return _rt(t, 1, 0)
+
+
+def _node_from(rule: OpRule, op: str, proto: Proto, srcs: list[Tensor | None], b: Builder,
+               want_view: bool) -> Tensor | str:
+    """The node the rule derives from ``srcs`` (a Tensor), or why the rule refused (a str)."""
+    d = b.d
+    a = srcs[0] if srcs else None
+    nid = b.new_id()
+    ne = proto.node_ne or (a.ne if a is not None else (1, 1, 1, 1))
+    ntype = proto.node_type if proto.node_type is not None else (a.type if a is not None else F32)
+    if proto.node_nb is not None:
+        nb = proto.node_nb
+    elif op == "VIEW" and a is not None:
+        nb = a.nb  # ggml_view_4d with the source's own strides
+    else:
+        nb = contiguous_nb(ntype, ne) if ntype in TYPES else (4, 4, 4, 4)
+    src_ids = [s.id if s is not None else 0 for s in srcs] + [0] * (10 - len(srcs))
+    if proto.cast:
+        src_ids[1] = nid
+    prm = (list(proto.params) + [0] * 16)[:16]
+    probe = Tensor(nid, ntype, ne, nb, op=TABLE.ids[op], params=prm, src=src_ids)
+    rs = [_rpc(s) if s is not None else None for s in srcs] + [None] * (10 - len(srcs))
+    if proto.cast:
+        rs[1] = _rpc(probe)
+    try:
+        derived = rule.derive(_rpc(probe), rs)
+    except FirewallRefusal as e:
+        return e.reason
+    except (ArithmeticError, LookupError, ValueError, TypeError, AssertionError):
+        return "derive_failed"
+    results = derived if isinstance(derived, tuple) else (derived,)
+    views = [r for r in results if isinstance(r, View)]
+    news = [r for r in results if isinstance(r, New)]
+    r = (views[0] if views and (want_view or not news) else news[0]) if (views or news) else None
+    if isinstance(r, New):
+        if r.type not in TYPES:
+            return "result_type"
+        if max(r.ne) >= 1 << 32 or min(r.ne) < 0 or max(contiguous_nb(r.type, r.ne)) >= 1 << 32:
+            return "result_not_encodable"
+        # pre-filled, so that bytes the kernel leaves alone are the same in both runs
+        node = Tensor(nid, r.type, r.ne, contiguous_nb(r.type, r.ne), op=TABLE.ids[op], params=prm, src=src_ids,
+                      fill="prefill")
+        b.place(node, 0)
+        return node
+    assert isinstance(r, View)
+    src = srcs[r.src]
+    assert src is not None
+    root_id = src.view_src or src.id
+    offs = (src.view_offs if src.view_src else 0) + r.offs
+    root = next(t for t in b.tensors if t.id == root_id)
+    d.tag("inplace")
+    # an in-place result covers its source's bytes (already filled); a view op's result may reach
+    # past its source, and its consumer may read all of it: filled as a source
+    return Tensor(nid, src.type, r.ne, r.nb, root.buf, root.offs + offs, op=TABLE.ids[op], params=prm,
+                  src=src_ids, view_src=root_id, view_offs=offs, fill="rand" if op in VIEW_OPS else "none")
+
+
+CONSUMER_PROTO = {"CONT": lambda a: Proto([a], node_ne=a.ne), "SQR": lambda a: Proto([a]),
+                  "ADD": lambda a: Proto([a, a]), "RMS_NORM": lambda a: Proto([a], params=[fbits(1e-6)]),
+                  "ARGSORT": lambda a: Proto([a]), "CLAMP": lambda a: Proto([a], params=[fbits(-1), fbits(1)]),
+                  "SOFT_MAX": lambda a: Proto([a], params=[fbits(1.0)]), "CPY": None, "MUL_MAT": None}
+
+
+def candidate(op: str, seed: int, index: int, attempt: int) -> tuple[Case | None, str]:
+    """One candidate of ``op`` (None and why when it could not even be built)."""
+    rng = random.Random(f"{seed}:{op}:{index}:{attempt}")
+    d = Draw(rng)
+    rule = RULES.rows[TABLE.ids[op]]
+    proto = PROTOS[op](d)
+    b = Builder(d)
+    try:
+        return _candidate(op, seed, index, d, rule, proto, b)
+    except Unencodable:
+        return None, "not_encodable"
+
+
+def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Proto,
+               b: Builder) -> tuple[Case | None, str]:
+    srcs: list[Tensor | None] = [b.source(s) if s is not None else None for s in proto.srcs]
+    empty = d.p(0.08)
+    want_view = d.p(0.5)
+    if empty:
+        d.tag("empty")
+        node = _empty_node(op, proto, srcs, b)
+    else:
+        got = _node_from(rule, op, proto, srcs, b, want_view)
+        if isinstance(got, str):
+            return None, got
+        node = got
+    b.tensors.append(node)
+    nodes = [node.id]
+    if op in VIEW_OPS and proto.consumer and not empty:
+        # the view op is never computed: a consumer reads the view as its source
+        cons = _consumer(proto.consumer, node, b)
+        if isinstance(cons, str):
+            return None, "consumer:" + cons
+        b.tensors.append(cons)
+        nodes.append(cons.id)
+        d.tag("consumer=" + proto.consumer)
+    if d.limits:
+        d.tag("limits")
+    for t in b.tensors:
+        if t.id in nodes:
+            t.flags = FLAG_COMPUTE
+    if d.p(0.04):  # planned but not computed: the planner alone reads the node
+        node.flags = 0
+        d.tag("no-compute-flag")
+    case = Case(op, seed, index, "+".join(dict.fromkeys(d.tags)) or "plain", b.buffers, b.tensors, nodes)
+    return case, ""
+
+
+def _consumer(name: str, view: Tensor, b: Builder) -> Tensor | str:
+    op = name
+    if name == "CPY":
+        t = Tensor(b.new_id(), F32, view.ne, contiguous_nb(F32, view.ne), fill="zero")
+        b.place(t, 0)
+        b.tensors.append(t)
+        proto = Proto([view, t])  # type: ignore[list-item]
+        srcs: list[Tensor | None] = [view, t]
+    elif name == "MUL_MAT":
+        t = Tensor(b.new_id(), F32, (view.ne[0], 3, view.ne[2], view.ne[3]),
+                   contiguous_nb(F32, (view.ne[0], 3, view.ne[2], view.ne[3])))
+        b.place(t, 0)
+        b.tensors.append(t)
+        proto, srcs = Proto([], params=[0, 0, 0, 0]), [view, t]
+    else:
+        proto = CONSUMER_PROTO[name](view)  # type: ignore[misc]
+        srcs = [view, view] if name == "ADD" else [view]
+        proto.srcs = []
+    rule = RULES.rows[TABLE.ids[op]]
+    return _node_from(rule, op, proto, srcs, b, b.d.p(0.3))
+
+
+def _empty_node(op: str, proto: Proto, srcs: list[Tensor | None], b: Builder) -> Tensor:
+    """A node with a zero in ne: no node rule runs on it; the planner still reads its sources."""
+    d = b.d
+    a = srcs[0] if srcs else None
+    ne = list(proto.node_ne or (a.ne if a is not None else (4, 1, 1, 1)))
+    ne[d.r.randrange(4)] = 0
+    t = proto.node_type if proto.node_type is not None else (a.type if a is not None else F32)
+    src_ids = [s.id if s is not None else 0 for s in srcs] + [0] * (10 - len(srcs))
+    if d.p(0.4):  # drop a source the constructor always sets
+        live = [i for i, s in enumerate(src_ids) if s]
+        if live:
+            src_ids[d.pick(live)] = 0
+            d.tag("src-dropped")
+    prm = (list(proto.params) + [0] * 16)[:16]
+    node = Tensor(b.new_id(), t, tuple(ne), contiguous_nb(t, ne), op=TABLE.ids[op], params=prm,  # type: ignore[arg-type]
+                  src=src_ids, fill="none")
+    b.place(node, 0)
+    return node
+
+
+def generate(op: str, seed: int, count: int, max_attempts: int = 60) -> Iterator[tuple[Case | None, dict]]:
+    """Up to ``count`` accepted cases of ``op``; each yield carries the refusal counts of the
+    candidates drawn for it (what the rule refused on the way)."""
+    for index in range(count):
+        refused: dict[str, int] = {}
+        for attempt in range(max_attempts):
+            case, why = candidate(op, seed, index, attempt)
+            if case is not None:
+                why = accepts(case) or ""
+            if not why:
+                yield case, refused
+                break
+            refused[why] = refused.get(why, 0) + 1
+        else:
+            yield None, refused
