@@ -446,8 +446,8 @@ class Runtime:
             for link in list(lst.route.links):
                 link.close_for_shutdown()
                 cut += 1
-        # An ended session keeps its upstream slot until the server has hung up (relay's
-        # _drain_upstream: ggml-rpc-server dies of SIGPIPE on a connection closed under it).
+        # An ended session keeps its upstream slot until the server has hung up (the lifecycle's
+        # DRAINING state: ggml-rpc-server dies of SIGPIPE on a connection closed under it).
         deadline = time.monotonic() + UPSTREAM_DRAIN_S
         while any(lst.route.slot is not None and lst.route.slot.busy for lst in every) and (
             time.monotonic() < deadline

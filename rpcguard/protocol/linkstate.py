@@ -1,10 +1,10 @@
 """The link lifecycle's vocabulary and tables: states, events, actions, transitions, handlers.
 
-How this works (h11's ``_state.py`` is the model): a link is in one of ``STATES``; ``_EDGES``
+How this works (h11's ``_state.py`` is the model): a link is in one of ``STATES``; ``EDGES``
 lists the transitions allowed from each (``Lifecycle._goto`` refuses any other: a bug, not a
-peer's doing); ``_TABLE`` names the ``Lifecycle`` method that handles every event in every
+peer's doing); ``TABLE`` names the ``Lifecycle`` method that handles every event in every
 state (an event a state does not expect goes to ``_ignore``, ``_drop`` or a clean-up such as
-``_free_granted_slot``); ``_SESSION_EVENTS`` names the handler of each event the ``Session``
+``_free_granted_slot``); ``SESSION_EVENTS`` names the handler of each event the ``Session``
 reports. Actions are ``(kind, argument)`` tuples the relay carries out in order. See
 protocol/lifecycle.py for the machine and docs/design.md for the state diagram.
 """

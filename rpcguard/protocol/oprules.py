@@ -344,7 +344,10 @@ def _cpy(n: RpcTensor, s: Srcs) -> Result:
     _need(nelements(a) == nelements(b), n, "CPY", f"{a.ne} and {b.ne} differ in element count")
     _check_dup_types(n, "CPY", a.type, b.type)
     if b.type in QUANTIZED and a.type != b.type:  # ops.cpp:292-293, else "not implemented" (:321)
-        _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size, n, "CPY", "quantizing copy layout")
+        # dup_to_q quantizes each source row on its own: whole blocks per row (ggml-quants.c asserts
+        # k % block size, e.g. :5072 for IQ4_NL)
+        _need(is_contiguous(b) and a.nb0 == TYPES[a.type].type_size and a.ne0 % TYPES[b.type].blck_size == 0, n,
+              "CPY", "quantizing copy layout")
     if a.type == b.type:
         _need(_dup_bytes_ok(a, b.ne, b.nb), n, "CPY", "block-type copy into a contiguous tensor of another layout")
     if a.type in _DEQUANTIZE and b.type == F32:
@@ -507,7 +510,9 @@ def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "GROUP_NORM", ONLY_F32, a)
-    _need(n.param0 > 0, n, "GROUP_NORM", f"n_groups {n.param0}")  # the kernel clamps the group size
+    # ops.cpp:4413 computes (n_channels + n_groups - 1) / n_groups in int: n_groups past the
+    # channel count overflows it (UBSan) and loops for seconds; a group holds a channel at least
+    _need(0 < n.param0 <= a.ne2, n, "GROUP_NORM", f"n_groups {n.param0} for {a.ne2} channels")
     _need(a.nb0 == 4, n, "GROUP_NORM", "nb0")
     return _dup_or_inplace(a)
 
@@ -752,6 +757,9 @@ def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     assert a is not None
     _types(n, "DIAG_MASK", ONLY_F32, a)
     _need(is_contiguous(a) and n.param0 >= 0, n, "DIAG_MASK", "src not contiguous or n_past < 0")
+    # ops.cpp:5768 walks its ne2*ne3 planes at k*nb[2]: nb2 is the plane size even where ne2 == 1
+    # (ggml_is_contiguous does not look at it; the acceptance fuzz read and wrote past the buffer)
+    _need(a.nb2 == a.nb1 * a.ne1, n, "DIAG_MASK", "planes not packed")
     # ops.cpp:5761 asserts nb0 == sizeof(float) of dst and src (ggml_is_contiguous skips ne0 == 1)
     _need(a.nb0 == 4, n, "DIAG_MASK", "nb0 is not the element size")
     return _dup_or_inplace(a)

@@ -403,7 +403,7 @@ def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], model
 def _wait_ended(guards: list[Guard], offsets: dict[int, int], ended0: dict[int, float],
                 timeout: float = 15.0) -> None:
     """Until every session of the run is over and has its session-end line (metrics first, then the
-    line: relay._end), so that the refusal of the last one is not missed."""
+    line the relay writes when a session ends), so that the refusal of the last one is not missed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(g.value("rpcguard_sessions_active") == 0 and
