@@ -506,13 +506,20 @@ def _norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return _dup_or_inplace(a)
 
 
+GROUP_NORM_EXTRA = 1 << 16  # groups the kernel may loop over beyond the channels (microseconds)
+
+
 def _group_norm(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     a = s[0]
     assert a is not None
     _types(n, "GROUP_NORM", ONLY_F32, a)
-    # ops.cpp:4413 computes (n_channels + n_groups - 1) / n_groups in int: n_groups past the
-    # channel count overflows it (UBSan) and loops for seconds; a group holds a channel at least
-    _need(0 < n.param0 <= a.ne2, n, "GROUP_NORM", f"n_groups {n.param0} for {a.ne2} channels")
+    # ops.cpp:4413 computes (n_channels + n_groups - 1) / n_groups in int (UBSan: overflow near
+    # 2^31) and loops over every group, empty ones too (2^31 of them: seconds). More groups than
+    # channels leaves the extra ones empty, which the constructor allows: up to GROUP_NORM_EXTRA of
+    # those, and the sum inside an int
+    g = n.param0
+    _need(0 < g <= max(a.ne2, GROUP_NORM_EXTRA) and a.ne2 + g - 1 <= INT32_MAX, n, "GROUP_NORM",
+          f"n_groups {g} for {a.ne2} channels")
     _need(a.nb0 == 4, n, "GROUP_NORM", "nb0")
     return _dup_or_inplace(a)
 
