@@ -346,7 +346,9 @@ def server_processes(serve_pid: int) -> list[int]:
 
 def test_a_reload_that_changes_the_command_replaces_the_processes(pki, workdir):
     cfg = write_config(workdir, "reload.yaml", f"      exec: [{server_binary()}]\n      isolation: shared\n")
-    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
+    # a fixed port: the reload replaces the listener, which binds its listen address again (port 0
+    # would give the new listener another port)
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg], port=realpeer.reserve_port())
     try:
         c = RawClient.session(mtls_socket(pki, serve.port))
         assert c.alloc(SMALL).buffer
