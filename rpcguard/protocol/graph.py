@@ -413,20 +413,23 @@ class GraphValidator:
         for column in srcs[:GGML_MAX_SRC]:
             touched.update(q for q in map(getp, map(column.__getitem__, npos)) if q is not None)
         touched.discard(pos.get(0))
-        if rules is not None and rules.empty_sources_ok:
-            # an empty source of a node whose kernel never reads one (CONCAT: RWKV's token shift
-            # concatenates an empty view for one-token batches) is no tensor a kernel touches;
-            # the same tensor read by another node stays in the set
-            ops_ = _u32(region)[_I_OP::_I]
-            keep = {q for p in npos if ops_[p] not in rules.empty_sources_ok
-                    for q in (getp(c[p]) for c in srcs[:GGML_MAX_SRC]) if q is not None}
-            touched = {q for q in touched if not _empty(ne, q) or q in keep or q in npos}
         cache = state.layout_cache.setdefault(device, set())
+        read_by_others: set[int] | None = None
         for i, q in enumerate(touched):
             if not i & _BUDGET_STRIDE:
                 self._budget()
             key = chunks[q]
-            if key not in cache:
+            if key not in cache:  # (an empty tensor never is: the layout rule refuses it)
+                if rules is not None and rules.empty_sources_ok and _empty(ne, q):
+                    # an empty source of a node whose kernel never reads one (CONCAT: RWKV's token
+                    # shift concatenates an empty view for one-token batches) is no tensor a kernel
+                    # touches, unless another node reads it too; worked out only when one occurs
+                    if read_by_others is None:
+                        ops_ = _u32(region)[_I_OP::_I]
+                        read_by_others = {r for p in npos if ops_[p] not in rules.empty_sources_ok
+                                          for r in (getp(c[p]) for c in srcs[:GGML_MAX_SRC]) if r is not None}
+                    if q not in read_by_others:
+                        continue
                 check_layout(decode_tensor(key), state, device)
                 if len(cache) >= TENSOR_CACHE_MAX:
                     cache.clear()

@@ -62,7 +62,7 @@ from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
 from rpcguard.protocol.versions import COMMAND_IDS  # noqa: E402
 from tests.fuzz import accept_gen as gen  # noqa: E402
 from tests.fuzz.sanserver import SanServer, Verdict, classify_log  # noqa: E402
-from tests.fuzz.wire import Frame  # noqa: E402
+from tests.fuzz.wire import Frame, encode_frames  # noqa: E402
 
 __all__ = ["Runner", "Outcome", "main", "classify", "FINDINGS_DIR", "write_report"]
 
@@ -570,19 +570,8 @@ def shrink(runner: Runner, case: gen.Case, out: Outcome) -> tuple[Outcome, bool]
     return best, reproduced
 
 
-ANSWERS_USED = (CMD["ALLOC_BUFFER"], CMD["BUFFER_GET_BASE"])
 
 
-def encode_frames(frames: list[Frame], buffers: dict[int, tuple[int, int]]) -> dict:
-    """sanitizer_fuzz.encode_frames' format (hex, trailing zeros counted, the answers the replay
-    learns live handles from), without importing its serve/TLS dependencies."""
-    out = []
-    for f in frames:
-        body = f.payload.rstrip(b"\x00")
-        out.append({"cmd": f.cmd, "name": f.name, "hex": body.hex(), "zeros": len(f.payload) - len(body),
-                    "answer": f.answer.hex() if f.answer is not None and f.cmd in ANSWERS_USED else None,
-                    "length": f.length})
-    return {"frames": out, "buffers": {str(h): list(v) for h, v in buffers.items()}}
 
 
 def write_finding(f: Finding, directory: Path) -> Path:

@@ -41,7 +41,7 @@ from tests.fuzz.mutate import Mutation, Mutator, _get, apply  # noqa: E402
 from tests.fuzz.replay import Ending, Replayer, record  # noqa: E402
 from tests.fuzz.sanserver import SanServer, Verdict  # noqa: E402
 from tests.fuzz.shrink import shrink  # noqa: E402
-from tests.fuzz.wire import CMD, VERSION, Frame, Session, tensor_slots  # noqa: E402
+from tests.fuzz.wire import CMD, VERSION, Frame, Session, encode_frames, tensor_slots  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Guard, Pki, start_guard  # noqa: E402
 
@@ -50,7 +50,6 @@ __all__ = ["Fuzzer", "Finding", "load_session", "main", "FINDINGS_DIR", "decode_
 FINDINGS_DIR = Path(__file__).resolve().parent / "findings"
 OPS = op_table(VERSION)
 MAX_KEEP_BYTES = 100_000  # a reproducer bigger than this after shrinking is kept as a note only
-ANSWERS_USED = (CMD["ALLOC_BUFFER"], CMD["BUFFER_GET_BASE"])  # the replay learns live handles from these
 
 
 def load_session(workdir: Path, server_port: int, model_name: str = "tiny", n_tokens: int = 3) -> Session:
@@ -225,15 +224,6 @@ class Fuzzer:
         return path
 
 
-def encode_frames(frames: list[Frame], buffers) -> dict:
-    """Frames as hex with trailing zeros run-length coded (zeroed tensor data stays small)."""
-    out = []
-    for f in frames:
-        body = f.payload.rstrip(b"\x00")
-        out.append({"cmd": f.cmd, "name": f.name, "hex": body.hex(), "zeros": len(f.payload) - len(body),
-                    "answer": f.answer.hex() if f.answer is not None and f.cmd in ANSWERS_USED else None,
-                    "length": f.length})
-    return {"frames": out, "buffers": {str(h): list(v) for h, v in buffers.items()}}
 
 
 def decode_frames(obj: dict) -> tuple[list[Frame], dict[int, tuple[int, int]]]:

@@ -6,7 +6,7 @@ into the sanitizer server) and the first that still gives the same kind of repor
 
 1. ``session_cuts``: only the set-up frames (HELLO, ALLOC_BUFFER, BUFFER_GET_BASE, queries) before
    the mutated frame, then the mutated frame and what followed it; then the same with the data of
-   every SET_TENSOR zeroed (``sanitizer_fuzz.encode_frames`` stores trailing zeros as a count).
+   every SET_TENSOR zeroed (``wire.encode_frames`` stores trailing zeros as a count).
 2. ``graph_cuts`` (a mutated GRAPH_COMPUTE tensor): one node (the mutated tensor or one of its
    direct users) whose srcs are made plain leaves (op NONE, same data, shape and strides); then
    the graph cut down to one node, the mutated

@@ -194,3 +194,18 @@ class Remap:
                 data = self.pointer(data)
             struct.pack_into("<Q", p, at + DATA_AT, data)
         return bytes(p)
+
+
+ANSWERS_USED = (CMD["ALLOC_BUFFER"], CMD["BUFFER_GET_BASE"])  # the replay learns live handles from these
+
+
+def encode_frames(frames: list[Frame], buffers: dict) -> dict:
+    """Frames as hex with trailing zeros run-length coded (zeroed tensor data stays small), the
+    answers the replay learns live handles from, and the session's buffers (reproducer format)."""
+    out = []
+    for f in frames:
+        body = f.payload.rstrip(b"\x00")
+        out.append({"cmd": f.cmd, "name": f.name, "hex": body.hex(), "zeros": len(f.payload) - len(body),
+                    "answer": f.answer.hex() if f.answer is not None and f.cmd in ANSWERS_USED else None,
+                    "length": f.length})
+    return {"frames": out, "buffers": {str(h): list(v) for h, v in buffers.items()}}
