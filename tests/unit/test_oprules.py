@@ -4,7 +4,9 @@ The differential proof against the real libggml constructors is tests/differenti
 
 from __future__ import annotations
 
+import gc
 import struct
+import time
 
 import pytest
 
@@ -231,6 +233,36 @@ def test_cost_per_graph_is_bounded():
     with pytest.raises(FirewallRefusal) as exc:
         GraphValidator(max_nodes=1 << 16, max_tensors=1 << 16, max_cpu_s=0.001).check(payload, state())
     assert exc.value.reason == "graph_too_costly"
+
+
+def test_a_garbage_collection_during_validation_is_not_charged_to_the_graph():
+    # CI once refused a 1-node sigmoid graph "validation took more than 500 ms of CPU": a full
+    # collection of the test process's heap ran inside the check. The collector's time is the
+    # process's, not the graph's: a collection that burns 0.3 s inside a 0.2 s budget is excluded.
+    leaves = [T(0x10 + i, F32, (4, 1, 1, 1)) for i in range(4)]
+    nodes = [T(0x100000 + j, F32, (4, 1, 1, 1), op=OPS["ADD"], src=(0x10 + j % 4, 0x10 + (j + 1) % 4),
+               data=BASE + 0x100 * (j % 4096)) for j in range(600)]
+    payload = memoryview(graph_payload([t.id for t in nodes], leaves + nodes))
+    starts = []
+
+    def slow_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            starts.append(1)
+            if len(starts) == 2000:  # well inside check(), which starts ~6000 collections here
+                end = time.thread_time() + 0.3
+                while time.thread_time() < end:
+                    pass
+
+    validator = GraphValidator(max_nodes=1 << 16, max_tensors=1 << 16, max_cpu_s=0.2)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(slow_collection)
+    gc.set_threshold(1)  # the first allocation inside check() starts a collection
+    try:
+        validator.check(payload, state())
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(slow_collection)
+    assert len(starts) > 4000  # the slow collection ran inside check(), not at its edges
 
 
 def test_uncomputed_nodes_need_no_allocation():
