@@ -410,7 +410,7 @@ class Link:
 
     def _half_close_upstream(self, slot_held: bool) -> None:
         """Half-close the upstream and drop what it still sends until it hangs up; the slot is
-        kept until then (``UPSTREAM_DRAIN_S`` at most).
+        kept until then (``UPSTREAM_DRAIN_S`` without progress, ``UPSTREAM_DRAIN_MAX_S`` in all).
 
         ggml-rpc-server does not ignore SIGPIPE: a response written to a connection closed under
         it (a client gone while a command runs, a refusal, a drain) kills the server. After our

@@ -21,12 +21,16 @@ from rpcguard.protocol.versions import format_version, spec_for
 if TYPE_CHECKING:
     from rpcguard.protocol.lifecycle import Lifecycle
 
-__all__ = ["UPSTREAM_DRAIN_S", "admission_refusal", "peer_cap_refusal", "hello_closed_refusal", "overdue", "audit_record"]
+__all__ = ["UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "peer_cap_refusal", "hello_closed_refusal", "overdue", "audit_record"]
 
 # serve: a finished session's upstream is half-closed and read until the server hangs up
-# (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection); past this
-# long it is aborted. The server hangs up once it has answered the command it is running.
+# (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection). The server
+# hangs up once it has answered what it was asked before the EOF. The drain is aborted when the
+# server sends nothing for UPSTREAM_DRAIN_S (it hangs), or after UPSTREAM_DRAIN_MAX_S in all (a
+# client that queued many large responses before leaving keeps the slot no longer than this).
+# Progress, not age: a busy machine drains 1 GiB of queued responses in well over 5 s.
 UPSTREAM_DRAIN_S = 5.0
+UPSTREAM_DRAIN_MAX_S = 60.0
 
 
 def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Profile]) -> Refusal | None:

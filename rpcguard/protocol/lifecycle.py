@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Callable
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
-from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
     ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
     COUNT_VIOLATION, DRAINING, EDGES, END, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
@@ -103,7 +103,8 @@ class Lifecycle:
         self.upstream_open = False
         self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
         self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
-        self.t_drain = 0.0
+        self.t_drain = 0.0  # when the drain began
+        self.t_drained = 0.0  # when the server last sent something during it
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
         self._feed_s: Callable[[memoryview, int], Output] = self._drop
@@ -436,8 +437,14 @@ class Lifecycle:
             self._finish("error" if refusal.reason == "upstream_hung" else "refused", refusal.reason, refusal.detail,
                          refusal.party)
 
+    def _drain_data(self, data: memoryview, now_ns: int) -> Output:
+        """What the server still sends after the session ended is dropped; it is progress."""
+        self.t_drained = self.clock()
+        self.out.clear()
+        return self.out
+
     def _tick_drain(self, now: float) -> None:
-        if now - self.t_drain > UPSTREAM_DRAIN_S:
+        if now - self.t_drained > UPSTREAM_DRAIN_S or now - self.t_drain > UPSTREAM_DRAIN_MAX_S:
             self.upstream_open = False
             self.actions.append((ABORT_UPSTREAM, None))
             self._end_drain()
@@ -467,7 +474,7 @@ class Lifecycle:
         drain = self.upstream_open and self.role == "serve"
         if drain:
             actions.append((HALF_CLOSE_UPSTREAM, self.slot_held))
-            self.t_drain = self.clock()
+            self.t_drain = self.t_drained = self.clock()
             self._goto(DRAINING)
         else:
             if self.upstream_open:

@@ -219,6 +219,27 @@ def test_drain_that_never_ends_is_aborted_and_frees_the_slot():
     assert take(lc) == [(L.ABORT_UPSTREAM, None), (L.FREE_SLOT, None)] and lc.state == L.CLOSED
 
 
+def test_a_drain_that_makes_progress_is_not_cut():
+    # A busy machine drains 1 GiB of queued responses in more than UPSTREAM_DRAIN_S: the deadline
+    # is UPSTREAM_DRAIN_S without a byte from the server (cutting it kills ggml-rpc-server by
+    # SIGPIPE), and UPSTREAM_DRAIN_MAX_S in all.
+    clock = Clock()
+    lc = active(clock=clock)
+    lc.client_closed()
+    take(lc)
+    t0 = clock.now
+    while clock.now - t0 < L.UPSTREAM_DRAIN_MAX_S - 1:
+        clock.now += L.UPSTREAM_DRAIN_S - 1
+        out = feed(lc.server_bytes, b"x" * 4096, clock)
+        assert not out.to_client
+        lc.tick(clock.now)
+        assert take(lc) == [] and lc.state == L.DRAINING
+    clock.now = t0 + L.UPSTREAM_DRAIN_MAX_S + 0.5
+    feed(lc.server_bytes, b"x", clock)
+    lc.tick(clock.now)
+    assert take(lc) == [(L.ABORT_UPSTREAM, None), (L.FREE_SLOT, None)] and lc.state == L.CLOSED
+
+
 # ----------------------------------------------------------------------------- the connect path
 @pytest.mark.parametrize("hello_first", [True, False])
 def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
