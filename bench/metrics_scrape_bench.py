@@ -5,7 +5,7 @@ Usage (from the repository root):
 
     .venv/bin/python bench/metrics_scrape_bench.py [--scrapes 200] [--listeners 4] [--bcrypt-cost 10]
 
-How this works: one process runs the real endpoint (``rpcguard.metrics_http.start_http``) on
+How this works: one process runs the real endpoint (``rpcguard.observe.http.start_http``) on
 loopback with a ``Metrics`` holding ``--listeners`` serve listeners (every reason, command and
 mode exported at 0, as in production), and scrapes it ``--scrapes`` times with a real client:
 once over plain HTTP, once over TLS with a client certificate and basic auth (exporter-toolkit
@@ -34,9 +34,9 @@ import bcrypt  # noqa: E402
 import yaml  # noqa: E402
 
 from rpcguard import certs  # noqa: E402
-from rpcguard.metrics import Metrics  # noqa: E402
-from rpcguard.metrics_http import start_http  # noqa: E402
-from rpcguard.webconfig import WebGuard  # noqa: E402
+from rpcguard.observe.metrics import Metrics  # noqa: E402
+from rpcguard.observe.http import start_http  # noqa: E402
+from rpcguard.observe.webconfig import WebGuard  # noqa: E402
 
 PASSWORD = "bench-password"
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, Callable, Coroutine, Sequence
 
 from rpcguard import __version__
-from rpcguard.audit import setup_logging
+from rpcguard.observe.logs import setup_logging
 from rpcguard.errors import ConfigError, RpcGuardError
 from rpcguard.protocol import core_description
 
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
-    from rpcguard.certs import CertError
+    from rpcguard.pki.certs import CertError
 
     json_log = getattr(a, "log_format", None) == "json"
     held = _Held()
@@ -369,7 +369,7 @@ def _main(a: argparse.Namespace) -> int:
             return _ops(a)
         if a.command == "status":
             return _status(a)
-        from rpcguard.config import build_config
+        from rpcguard.config.model import build_config
 
         role = "connect" if a.command == "check" else a.command
         overrides = _overrides(a)
@@ -413,8 +413,8 @@ def _run(coro) -> int:
 
 async def _serve(cfg, config_path: str | None, *, check: bool, overrides: dict | None = None,
                  json_log: bool = False) -> int:
-    from rpcguard.sdnotify import Notifier
-    from rpcguard.server import Runtime
+    from rpcguard.observe.sdnotify import Notifier
+    from rpcguard.proxy.server import Runtime
 
     notifier = Notifier.from_env()
     try:
@@ -453,8 +453,8 @@ async def _probe_all(cfg, ctx) -> list[tuple[str, bool]]:
 
 
 async def _probe_results(cfg, ctx) -> list:
-    from rpcguard.preflight import certificate_warnings
-    from rpcguard.probe import probe_node
+    from rpcguard.pki.preflight import certificate_warnings
+    from rpcguard.admin.check import probe_node
 
     own = [w.kind for w in certificate_warnings(cfg.tls.cert, cfg.tls.ca)]
     results = await asyncio.gather(*(
@@ -468,7 +468,7 @@ async def _probe_results(cfg, ctx) -> list:
 
 
 async def _check_nodes(cfg, json_log: bool, *, as_json: bool = False) -> int:
-    from rpcguard.server import TlsMaterial
+    from rpcguard.proxy.server import TlsMaterial
 
     try:
         tls = TlsMaterial(cfg)  # the same context checks as connect's start
@@ -482,8 +482,8 @@ async def _check_nodes(cfg, json_log: bool, *, as_json: bool = False) -> int:
 
 def _check_config(path: str) -> int:
     """Everything serve/connect check at start, on the same files, without binding a port."""
-    from rpcguard.config import config_summary, load_config
-    from rpcguard.server import Runtime
+    from rpcguard.config.model import config_summary, load_config
+    from rpcguard.proxy.server import Runtime
 
     with _Held() as held:  # warnings are printed below, not logged
         cfg = load_config(path)
@@ -517,7 +517,7 @@ def _versions_summary(cfg) -> list[str]:
 
 
 def _ops(a: argparse.Namespace) -> int:
-    from rpcguard.opslist import op_rows
+    from rpcguard.admin.opslist import op_rows
     from rpcguard.protocol.versions import parse_version
 
     try:
@@ -537,7 +537,7 @@ def _ops(a: argparse.Namespace) -> int:
 
 
 def _certs(a: argparse.Namespace) -> int:
-    from rpcguard import certs
+    from rpcguard.pki import certs
 
     if a.certs_command == "init-ca":
         ca = certs.init_ca(a.dir, days=a.days, force=a.force)
@@ -547,13 +547,13 @@ def _certs(a: argparse.Namespace) -> int:
                             force=a.force, ca_dir=a.ca_dir)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
     elif a.certs_command == "csr":
-        from rpcguard.csr import make_csr
+        from rpcguard.pki.csr import make_csr
 
         files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
         print(f"wrote {files.key} (0600, keep it here) and {files.cert}: sign it on the CA machine with "
               f"rpcguard certs sign --ca-dir CADIR {files.cert.name} --out {a.name}.pem")
     else:
-        from rpcguard.csr import sign_csr
+        from rpcguard.pki.csr import sign_csr
 
         server = True if a.server else False if a.client else None
         out = sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force)
@@ -566,7 +566,7 @@ DEFAULT_STATUS = ("127.0.0.1:9450", "127.0.0.1:9451")  # serve's and connect's d
 
 def _status(a: argparse.Namespace) -> int:
     """Summarise each instance; with no --metrics/--config, whichever of the default endpoints answer."""
-    from rpcguard import status
+    from rpcguard.admin import status
 
     access = status.Access(ca=a.ca, cert=a.cert, key=a.key, server_name=a.server_name, user=a.user,
                            password=status.password_from(a.password_file) if a.user else None)

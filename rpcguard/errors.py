@@ -57,16 +57,16 @@ PARTY_OF_REASON: Mapping[str, str] = {
     "response_unexpected": _U, "response_size_invalid": _U,
     # the version the upstream announced (or the client's HELLO era against it) is not accepted
     "version_not_accepted": _U,
-    # timers (relay.py): a client that does not speak, or stops mid-frame / stops reading
+    # timers (proxy/link.py): a client that does not speak, or stops mid-frame / stops reading
     "hello_timeout": _C, "idle_timeout": _C, "frame_timeout": _C, "idle_while_waiting": _C,
-    # one certificate or one host past its share of a listener (route.py, issue 21)
+    # one certificate or one host past its share of a listener (proxy/route.py, issue 21)
     "too_many_sessions_per_identity": _C, "too_many_sessions_per_source": _C,
     "too_many_pending_per_identity": _C, "too_many_pending_per_source": _C, "too_many_handshakes_per_source": _C,
-    # the upstream side (relay.py, route.py)
+    # the upstream side (proxy/link.py, proxy/route.py)
     "node_refused": _U, "node_unreachable": _U, "upstream_unavailable": _U, "upstream_busy": _U,
     "tls_failed": _U, "node_name_mismatch": _U, "upstream_closed": _U,
     "upstream_crashed": _U, "upstream_hung": _U,
-    # TLS handshake / certificate of the accepted peer (tls.py, identity.py; outgoing side: upstream)
+    # TLS handshake / certificate of the accepted peer (pki/tls.py, pki/identity.py; outgoing side: upstream)
     "tls_handshake_timeout": _C, "tls_no_client_cert": _C, "tls_cert_expired": _C, "tls_unknown_ca": _C,
     "tls_protocol_version": _C, "tls_not_tls": _C, "tls_bad_certificate": _C, "tls_handshake_failed": _C,
     "identity_not_allowed": _C, "certificate_usage_invalid": _C,

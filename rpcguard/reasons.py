@@ -13,7 +13,7 @@ docs/design.md's list differs, so this table cannot drift from the code.
 from __future__ import annotations
 
 from rpcguard.protocol.versions import REFUSAL_CODES
-from rpcguard.tls import HANDSHAKE_ERROR_REASONS
+from rpcguard.pki.tls import HANDSHAKE_ERROR_REASONS
 
 __all__ = [
     "TLS_REASONS",
@@ -29,7 +29,7 @@ TLS_REASONS: tuple[str, ...] = tuple(dict.fromkeys(
     [r for _, r in HANDSHAKE_ERROR_REASONS] + ["tls_handshake_failed"]))
 # After a completed handshake: the certificate is valid but not on the allow-list.
 IDENTITY_REASONS: tuple[str, ...] = ("identity_not_allowed",)
-# protocol/session.py, relay.py, route.py; the HELLO-answer codes come from REFUSAL_CODES.
+# protocol/session.py, proxy/link.py, proxy/route.py; the HELLO-answer codes come from REFUSAL_CODES.
 SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "first_frame_not_hello", "hello_repeated", "hello_bad_size", "data_before_hello_reply",
     "version_not_accepted", "command_unknown", "command_not_allowed", "frame_size_invalid",

@@ -49,7 +49,7 @@ class CommandRow(NamedTuple):
     effect: Effect | None
     learn: Learn | None
     # The server answers nothing and starts no work: the frame may wait in the proxy and go out
-    # with the next one that needs the server's attention (Output.urgent, relay.py).
+    # with the next one that needs the server's attention (Output.urgent, proxy/link.py).
     batch: bool = False
 
 

@@ -25,7 +25,7 @@ during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the sessio
 Hot path: ``_goto`` binds ``client_data`` / ``server_data`` to the state's handlers once per
 transition; in GREETING and ACTIVE they are the ``Session``'s own methods, so a read costs no
 call of the lifecycle. The caller's contract (``client_bytes`` / ``server_bytes`` implement it,
-``relay.Link.data`` inlines it): a ``Refusal`` raised goes to ``refused()``, a non-empty
+``link.Link.data`` inlines it): a ``Refusal`` raised goes to ``refused()``, a non-empty
 ``out.events`` to ``session_events()``; then the frames in ``out`` are sent and ``actions``
 carried out.
 """

@@ -113,7 +113,7 @@ class Output:
     The caller may then hold those bytes and send them with the next urgent ones: the client
     cannot observe the difference, since it learns nothing until a request that needs an answer,
     and that request is urgent. A decode step of llama.cpp is ~6 SET_TENSORs and one GRAPH_COMPUTE
-    or GET_TENSOR: one TLS record and one wake-up of the node instead of ~9 (relay.py).
+    or GET_TENSOR: one TLS record and one wake-up of the node instead of ~9 (proxy/link.py).
     """
 
     __slots__ = ("to_server", "to_client", "events", "urgent")

@@ -5,7 +5,7 @@ How this works: these frozen dataclasses are what the hot path and the link life
 (versions, commands, frame caps, mode); ``Limits`` holds the timeouts and session caps of a
 listener or tunnel; a ``Profile`` bundles a policy and limits under a name (the listener's
 default, or the profile an allow-list entry names). Sans-IO: nothing here reads files or
-sockets. Each default is written once, here: ``rpcguard.config`` parses YAML straight into these
+sockets. Each default is written once, here: ``rpcguard.config.model`` parses YAML straight into these
 types by replacing fields of a default instance (``dataclasses.replace``), never by repeating a
 default. ``default_policy(role)`` is the one place a role changes a default.
 """
@@ -69,7 +69,7 @@ class FirewallPolicy:
 
 @dataclass(frozen=True)
 class SessionPolicy:
-    """What a session enforces; built from the config by ``rpcguard.config``."""
+    """What a session enforces; built from the config by ``rpcguard.config.model``."""
 
     accepted_versions: frozenset[Version] = frozenset(KNOWN_VERSIONS)
     allowed_commands: frozenset[str] = frozenset(COMMAND_NAMES)
@@ -83,7 +83,7 @@ class SessionPolicy:
     # Tenant isolation: zero every new buffer (BUFFER_CLEAR injected after ALLOC_BUFFER) so that a
     # session never reads what an earlier session left in freed device memory.
     clear_new_buffers: bool = True
-    # connect: "auto" leaves the request firewall to a node that is rpcguard (ALPN, tls.py), which
+    # connect: "auto" leaves the request firewall to a node that is rpcguard (ALPN, pki/tls.py), which
     # validates every request itself; framing, sizes, the allow-list, the response checks and the
     # counters still run here; in monitor mode connect validates anyway, to report what it would
     # refuse. "always": validate here as well. serve always validates.

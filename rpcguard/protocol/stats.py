@@ -5,7 +5,7 @@ the hot path needs no locks. A session owns one :class:`SessionStats`; counting 
 two list-element increments indexed by the command id
 (``stats.req_frames[cmd] += 1; stats.req_bytes[cmd] += n``), done directly by the protocol
 session. Latency is kept as per-command, *non-cumulative* bucket counts; the exporter in
-``rpcguard.metrics`` makes them cumulative at scrape time. When a session ends its counters
+``rpcguard.observe.metrics`` makes them cumulative at scrape time. When a session ends its counters
 are folded into a per-listener totals object with :meth:`SessionStats.add_into`.
 
 Sans-IO: no asyncio, socket, ssl or prometheus imports here.

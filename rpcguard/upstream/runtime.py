@@ -17,7 +17,7 @@ from typing import Mapping
 
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import Profile
-from rpcguard.metrics import Metrics
+from rpcguard.observe.metrics import Metrics
 from rpcguard.upstream import sandbox
 from rpcguard.upstream.pool import PoolCollector, SandboxUnavailable, UpstreamPool, UpstreamSettings
 

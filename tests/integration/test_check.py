@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rpcguard.preflight import certificate_warnings
-from rpcguard.probe import probe_node, tls_probe
-from rpcguard.tls import client_context
+from rpcguard.pki.preflight import certificate_warnings
+from rpcguard.admin.check import probe_node, tls_probe
+from rpcguard.pki.tls import client_context
 from tests.support import realpeer
 from tests.support.guard import Pki, start_guard, wait_for_line
 from tests.support.waiting import wait_until

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rpcguard.server import NODE_CHECK_INTERVAL_S
+from rpcguard.proxy.server import NODE_CHECK_INTERVAL_S
 from tests.support import realpeer
 from tests.support.guard import start_guard
 
@@ -112,8 +112,8 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
     """A session's outcome is fresher than any probe: it decides /readyz without a connection."""
     import asyncio
 
-    from rpcguard.config import build_config
-    from rpcguard.server import Runtime
+    from rpcguard.config.model import build_config
+    from rpcguard.proxy.server import Runtime
 
     dead = realpeer.reserve_port()  # nothing listens: only the session records can make it ready
     cfg = build_config("connect", overrides={"listen": "127.0.0.1:0", "server": f"127.0.0.1:{dead}",

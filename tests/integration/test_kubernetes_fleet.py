@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpcguard import certs
+from rpcguard.pki import certs
 from tests.support import realpeer
 from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import bound_metrics_port, bound_ports, wait_for_line

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from rpcguard import certs
+from rpcguard.pki import certs
 from rpcguard.protocol import encode
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import realpeer

@@ -13,7 +13,7 @@ import ssl
 
 import pytest
 
-from rpcguard import certs
+from rpcguard.pki import certs
 from rpcguard.protocol import encode
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import realpeer

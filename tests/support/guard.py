@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rpcguard import certs
+from rpcguard.pki import certs
 from rpcguard.cli import READY_MESSAGE
 from tests.support.realpeer import PYTHON, Proc, start, wait_port
 
@@ -86,7 +86,7 @@ class Guard:
         return self.proc.stop(**kw)
 
 
-# What rpcguard logs once it has bound a port (server.py): "<role> <name> listening on
+# What rpcguard logs once it has bound a port (proxy/server.py): "<role> <name> listening on
 # <host>:<port> -> <upstream>" per listener or tunnel, "metrics on http(s)://<host>:<port>/metrics".
 LISTENING = re.compile(r"(\S+) listening on (\S+):(\d+) -> ")
 METRICS_ON = re.compile(r"metrics on https?://\S+:(\d+)/metrics")

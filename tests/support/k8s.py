@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpcguard import certs
+from rpcguard.pki import certs
 
 __all__ = [
     "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",

@@ -1,4 +1,4 @@
-"""rpcguard.certs: CA and leaf issuance, file modes, extensions, validation."""
+"""rpcguard.pki.certs: CA and leaf issuance, file modes, extensions, validation."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rpcguard import certs, csr
-from rpcguard.certs import CertError
+from rpcguard.pki import certs, csr
+from rpcguard.pki.certs import CertError
 from rpcguard.errors import RpcGuardError
 
 
@@ -260,7 +260,7 @@ def test_csr_then_sign_gives_what_issue_gives(tmp_path):
     key = serialization.load_pem_private_key(req.key.read_bytes(), None)
     spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     assert key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
-    from rpcguard.tls import server_context
+    from rpcguard.pki.tls import server_context
 
     server_context(out, req.key, tmp_path / "ca" / "ca.pem")  # rpcguard serve takes it
 
@@ -349,7 +349,7 @@ def test_write_errors_are_cert_errors(tmp_path):
 
 
 def test_certificate_warnings(tmp_path):
-    from rpcguard.preflight import certificate_warnings
+    from rpcguard.pki.preflight import certificate_warnings
 
     certs.init_ca(tmp_path)
     now = dt.datetime.now(dt.timezone.utc)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rpcguard.metrics import Metrics
+from rpcguard.observe.metrics import Metrics
 from tests.support.guard import Pki
 from tests.support.realpeer import PYTHON, reserve_port
 
@@ -369,7 +369,7 @@ def test_status_without_metrics_tries_serve_then_connect_defaults():
 
 def test_flags_reach_the_config(pki, tmp_path):
     from rpcguard.cli import _overrides, _parser
-    from rpcguard.config import build_config
+    from rpcguard.config.model import build_config
 
     a = _parser().parse_args(serve(pki, "--tls-reload-interval-s", "2.5", "--metrics", "0.0.0.0:0",
                                    "--metrics-unsafe-public"))
@@ -413,7 +413,7 @@ def test_records_logged_while_reading_the_config_come_out_in_the_chosen_format()
     import io
     import logging
 
-    from rpcguard.audit import setup_logging
+    from rpcguard.observe.logs import setup_logging
     from rpcguard.cli import _Held
 
     root = logging.getLogger()
@@ -432,7 +432,7 @@ def test_records_logged_while_reading_the_config_come_out_in_the_chosen_format()
 
 def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys, tmp_path):
     """A bug (here: a failure injected into certs.init_ca) still ends in one line and exit 1."""
-    from rpcguard import certs
+    from rpcguard.pki import certs
 
     def boom(*a, **k):
         raise RuntimeError("injected")

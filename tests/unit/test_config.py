@@ -1,4 +1,4 @@
-"""Unit tests for rpcguard.config: every bad config gives one exact error line naming the key."""
+"""Unit tests for rpcguard.config.model: every bad config gives one exact error line naming the key."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcguard.config import (
+from rpcguard.config.model import (
     CATEGORIES, CHECK_NAMES, COMMAND_NAMES, GIB, KIB, MIB, LIMIT_KEYS, POLICY_FIELDS, Address,
     LogConfig, build_config, config_summary, expand_commands, load_config,
     parse_address, parse_config, parse_size,
 )
 from rpcguard.errors import ConfigError
-from rpcguard.identity import Acl, AllowList
+from rpcguard.pki.identity import Acl, AllowList
 from rpcguard.protocol.settings import FirewallPolicy, Limits, SessionPolicy
 from rpcguard.protocol.versions import parse_version
 
@@ -220,7 +220,7 @@ def test_bad_role_and_top_level(base: Path) -> None:
 
 
 def test_key_readability_checked(base: Path, monkeypatch) -> None:
-    import rpcguard.configread as config_module  # where the file reader lives
+    import rpcguard.config.read as config_module  # where the file reader lives
 
     def deny(path, *args, **kw):  # chmod 0 does not stop root, so refuse the open itself
         raise PermissionError(13, "Permission denied", path)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpcguard.config import build_config, config_summary, parse_config
-from rpcguard.configdiff import ConfigDiff, diff_configs, keep_restart_keys
+from rpcguard.config.model import build_config, config_summary, parse_config
+from rpcguard.config.diff import ConfigDiff, diff_configs, keep_restart_keys
 from rpcguard.errors import ConfigError
-from rpcguard.identity import PeerIdentity
-from rpcguard.metrics import ListenerTraffic
+from rpcguard.pki.identity import PeerIdentity
+from rpcguard.observe.metrics import ListenerTraffic
 from rpcguard.protocol.settings import Limits, Profile
-from rpcguard.route import Route
+from rpcguard.proxy.route import Route
 
 
 @pytest.fixture

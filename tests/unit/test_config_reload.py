@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpcguard import certs
-from rpcguard.config import load_config
-from rpcguard.metrics import Metrics
-from rpcguard.server import Runtime
+from rpcguard.pki import certs
+from rpcguard.config.model import load_config
+from rpcguard.observe.metrics import Metrics
+from rpcguard.proxy.server import Runtime
 from prometheus_client import CollectorRegistry
 from tests.support.realpeer import reserve_port
 
@@ -250,7 +250,7 @@ def test_a_downgrade_is_loud_at_start_and_at_every_reload_that_keeps_it(pki: Pat
     gauges, and what the listener says in the TLS handshake (its context's ALPN), per listener."""
     import ssl
 
-    from rpcguard import tls
+    from rpcguard.pki import tls
 
     a, b = listener("a", 1, policy={"mode": "monitor"}), listener("b", 2)
     path = write(tmp_path / "s.yaml", serve_cfg(pki, [a, b]))

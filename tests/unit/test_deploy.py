@@ -340,7 +340,7 @@ def test_promtool_test_rules():
 
 def test_promtool_check_config(tmp_path):
     # promtool checks that the scrape job's TLS files exist: point them at real ones
-    from rpcguard import certs
+    from rpcguard.pki import certs
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "prometheus", server=False)
@@ -359,8 +359,8 @@ def test_web_config_example_is_valid(tmp_path):
     """deploy/prometheus/rpcguard-web.example.yml loads with rpcguard's own parser."""
     import bcrypt
 
-    from rpcguard import certs
-    from rpcguard.webconfig import WebGuard, load_web_config
+    from rpcguard.pki import certs
+    from rpcguard.observe.webconfig import WebGuard, load_web_config
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "metrics", server=True, dns=["localhost"])

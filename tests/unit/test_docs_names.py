@@ -40,8 +40,8 @@ SELF = "tests/unit/test_docs_names.py"  # its docstring shows the forms with mad
 FILE_SUFFIXES = {"py", "sh", "md", "json", "yaml", "yml", "cmake", "txt", "c", "cpp", "h", "toml", "gguf", "so", "log"}
 # Names of other projects that look like ours (a module of the same name here).
 EXTERNAL = {
-    "tls.CipherSuites": "Go's crypto/tls, the source of webconfig.py's cipher names",
-    "_created": "prometheus_client's sample suffix, left out by metrics.py",
+    "tls.CipherSuites": "Go's crypto/tls, the source of observe/webconfig.py's cipher names",
+    "_created": "prometheus_client's sample suffix, left out by observe/metrics.py",
 }
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rpcguard import downgrades
-from rpcguard.config import parse_config
-from rpcguard.metrics import Metrics
+from rpcguard.observe import downgrades
+from rpcguard.config.model import parse_config
+from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy, Profile, SessionPolicy
-from rpcguard.webconfig import load_web_config
+from rpcguard.observe.webconfig import load_web_config
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""endpoint.py: the write helper, the dialer's refusals and the node check (real loopback sockets;
-the data path itself is driven by tests/unit/test_relay.py)."""
+"""proxy/endpoint.py: the write helper, the dialer's refusals and the node check (real loopback sockets;
+the data path itself is driven by tests/unit/test_link.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import ssl
 
 import pytest
 
-from rpcguard.endpoint import JOIN_MAX_BYTES, check_node, dial, write
+from rpcguard.proxy.endpoint import JOIN_MAX_BYTES, check_node, dial, write
 from rpcguard.errors import Refusal
-from rpcguard.metrics import Metrics
+from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.settings import Limits
-from rpcguard.route import Route
+from rpcguard.proxy.route import Route
 from tests.support.realpeer import reserve_port
 
 

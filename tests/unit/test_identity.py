@@ -1,4 +1,4 @@
-"""rpcguard.identity: PeerIdentity parsing and the ACL matching table."""
+"""rpcguard.pki.identity: PeerIdentity parsing and the ACL matching table."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from rpcguard import certs
+from rpcguard.pki import certs
 from rpcguard.errors import PolicyRefusal
-from rpcguard.identity import CLIENT_AUTH, SERVER_AUTH, Acl, PeerIdentity, check_usage
+from rpcguard.pki.identity import CLIENT_AUTH, SERVER_AUTH, Acl, PeerIdentity, check_usage
 
 
 def der_of(path) -> bytes:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rpcguard import certs, tls
-from rpcguard.csr import make_csr, sign_csr
+from rpcguard.pki import certs, tls
+from rpcguard.pki.csr import make_csr, sign_csr
 from rpcguard.errors import ConfigError
-from rpcguard.keyfiles import key_file_problem
-from rpcguard.webconfig import load_web_config
+from rpcguard.pki.keyfiles import key_file_problem
+from rpcguard.observe.webconfig import load_web_config
 
 OPEN = "private key is accessible by others (mode 0644); chmod 600 it (or chown root and chmod 640)"
 AS_KEY = "is a certificate, not a private key (were the certificate and key files swapped?)"

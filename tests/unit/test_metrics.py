@@ -1,4 +1,4 @@
-"""Unit tests of rpcguard.metrics: the collector against the design table, and the HTTP endpoint."""
+"""Unit tests of rpcguard.observe.metrics: the collector against the design table, and the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rpcguard
 import rpcguard.protocol
-from rpcguard import metrics as metrics_mod
-from rpcguard import metrics_http as http_mod
+from rpcguard.observe import metrics as metrics_mod
+from rpcguard.observe import http as http_mod
 from rpcguard import reasons
-from rpcguard.metrics import ListenerTraffic, Metrics, start_http
+from rpcguard.observe.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.protocol.stats import DEFAULT_COMMAND_NAMES, LATENCY_BUCKETS_S, SessionStats
 from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
@@ -532,8 +532,10 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
     """serve's rpcguard_upstream_up: a TCP probe before a scrape, and what sessions tell."""
     import socket
 
-    from rpcguard import certs, server
-    from rpcguard.config import build_config
+    from rpcguard.pki import certs
+
+    from rpcguard.proxy import server
+    from rpcguard.config.model import build_config
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rpcguard.opslist import op_rows, versions_with_ops
+from rpcguard.admin.opslist import op_rows, versions_with_ops
 from rpcguard.protocol.ggml import DENIED_OPS, op_table
 from rpcguard.protocol.oprules import op_status, rule_for
 from tests.support.realpeer import PYTHON

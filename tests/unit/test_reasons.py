@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from rpcguard import reasons
-from rpcguard.tls import HANDSHAKE_ERROR_REASONS
+from rpcguard.pki.tls import HANDSHAKE_ERROR_REASONS
 
 PKG = Path(__file__).resolve().parents[2] / "rpcguard"
 DESIGN = PKG.parent / "docs" / "design.md"

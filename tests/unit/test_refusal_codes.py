@@ -13,7 +13,7 @@ from rpcguard.protocol.versions import REFUSAL_CODES, REFUSAL_REASONS
 ROOT = Path(__file__).resolve().parents[2]
 # Where sessions are refused before they are active: admission (identity, usage, caps), the dial
 # to the node or upstream, and the upstream slot. Every reason they raise is answered at HELLO.
-BEFORE_HELLO = ("rpcguard/endpoint.py", "rpcguard/route.py", "rpcguard/identity.py")
+BEFORE_HELLO = ("rpcguard/proxy/endpoint.py", "rpcguard/proxy/route.py", "rpcguard/pki/identity.py")
 
 
 def readme_rows() -> dict[int, str]:
@@ -48,7 +48,7 @@ def test_every_code_is_a_catalogued_reason():
 def test_every_reason_refused_before_hello_has_its_own_code():
     found = set().union(*(raised_reasons(p) for p in BEFORE_HELLO))
     assert {"node_name_mismatch", "identity_not_allowed", "upstream_busy"} <= found  # the parse sees them
-    # closed at accept, before any TLS (route.py handshake cap): there is no HELLO to answer
+    # closed at accept, before any TLS (proxy/route.py handshake cap): there is no HELLO to answer
     before_tls = {"too_many_handshakes_per_source"}
     missing = sorted(found - set(REFUSAL_CODES) - {"refused"} - before_tls)
     assert not missing, f"refused before HELLO without a 0.0.N code (llama.cpp sees 0.0.1): {missing}"

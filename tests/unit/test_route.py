@@ -1,4 +1,4 @@
-"""route.py: admission of a new session, the wait for the upstream slot, what a violation and a
+"""proxy/route.py: admission of a new session, the wait for the upstream slot, what a violation and a
 finished session add to the listener (real certificates for serve's identities)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from rpcguard.errors import Refusal
-from rpcguard.identity import Acl, AllowList
-from rpcguard.metrics import Metrics
+from rpcguard.pki.identity import Acl, AllowList
+from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.lifecycle import Lifecycle
 from rpcguard.protocol.session import Violation
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
-from rpcguard.route import Route, UpstreamSlot
+from rpcguard.proxy.route import Route, UpstreamSlot
 from tests.support.guard import Pki
 
 

@@ -1,4 +1,4 @@
-"""rpcguard.sdnotify, and a real ``rpcguard serve`` process talking to a fake systemd.
+"""rpcguard.observe.sdnotify, and a real ``rpcguard serve`` process talking to a fake systemd.
 
 The fake systemd is a unix datagram socket made by the test (a path, and the abstract
 namespace); the process gets it as NOTIFY_SOCKET exactly as systemd passes it.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rpcguard.sdnotify import Notifier, monotonic_usec
+from rpcguard.observe.sdnotify import Notifier, monotonic_usec
 from tests.support.guard import Pki
 from tests.support.realpeer import PYTHON, reserve_port
 

@@ -1,4 +1,4 @@
-"""rpcguard.tls: context settings, file checks, and error classification on real loopback handshakes.
+"""rpcguard.pki.tls: context settings, file checks, and error classification on real loopback handshakes.
 
 Each handshake test runs a blocking server in a thread and a client in the test thread, both with
 socket timeouts. The client reads once after its handshake: with TLS 1.3 a client learns that the
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from rpcguard import certs, tls
+from rpcguard.pki import certs, tls
 from rpcguard.errors import PolicyRefusal
-from rpcguard.tls import TlsConfigError, classify_handshake_error
+from rpcguard.pki.tls import TlsConfigError, classify_handshake_error
 
 pytestmark = pytest.mark.timeout(30)
 IO_TIMEOUT_S = 5.0  # bounds every blocking call; a healthy loopback handshake takes milliseconds

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from rpcguard.cli import main
-from rpcguard.config import build_config
+from rpcguard.config.model import build_config
 from rpcguard.errors import ConfigError
 from rpcguard.upstream import sandbox
-from rpcguard.upstream.config import parse_upstream
+from rpcguard.config.upstream import parse_upstream
 from rpcguard.upstream.pool import PROBE_COMMANDS, UpstreamPool, UpstreamSettings
 from rpcguard.upstream.process import ServerProcess, exit_cause, listening
 
@@ -224,7 +224,7 @@ def test_contained_means_a_process_per_session_in_the_full_sandbox():
 
 
 def test_check_config_describes_the_command_it_runs(tmp_path, capsys):
-    from rpcguard.config import config_summary as describe
+    from rpcguard.config.model import config_summary as describe
     cfg = build_config("serve", overrides=dict(cert=__file__, key=__file__, ca=__file__, listen="127.0.0.1:0",
                                                 upstream_exec=["true"], allow_all=True))
     line = describe(cfg)[0]

@@ -1,4 +1,4 @@
-"""Unit tests of rpcguard.webconfig and the metrics endpoint behind it: the exporter-toolkit
+"""Unit tests of rpcguard.observe.webconfig and the metrics endpoint behind it: the exporter-toolkit
 file format (every refused key named), mTLS + basic auth on a loopback server with real
 certificates (asyncio and uvloop), the bcrypt cache, SAN allow-lists, the config rules for a
 non-loopback metrics address, and reload through the Runtime."""
@@ -16,13 +16,13 @@ import bcrypt
 import pytest
 import yaml
 
-from rpcguard import certs
-from rpcguard.config import build_config
+from rpcguard.pki import certs
+from rpcguard.config.model import build_config
 from rpcguard.errors import ConfigError
-from rpcguard.metrics import Metrics
-from rpcguard.metrics_http import start_http
-from rpcguard.server import Runtime
-from rpcguard.webconfig import GO_CIPHER_SUITES, WebGuard, load_web_config
+from rpcguard.observe.metrics import Metrics
+from rpcguard.observe.http import start_http
+from rpcguard.proxy.server import Runtime
+from rpcguard.observe.webconfig import GO_CIPHER_SUITES, WebGuard, load_web_config
 from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
 PASSWORD = "s3cret-scraper"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .errors import PolicyRefusal
+from rpcguard.errors import PolicyRefusal
 
 __all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "CLIENT_AUTH", "SERVER_AUTH"]
 

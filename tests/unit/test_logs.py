@@ -7,7 +7,7 @@ import json
 import logging
 import re
 
-from rpcguard.audit import setup_logging
+from rpcguard.observe.logs import setup_logging
 
 
 def _line(fmt: str) -> str:

@@ -1,4 +1,4 @@
-"""relay.Link as glue: the lifecycle's actions carried out on transports, with an injected
+"""link.Link as glue: the lifecycle's actions carried out on transports, with an injected
 dialer (a fake upstream transport) and an injected clock. The client is a loopback socket; the
 real-peer behaviour is proven by tests/integration."""
 
@@ -11,14 +11,14 @@ import struct
 import pytest
 
 from rpcguard.errors import Refusal
-from rpcguard.metrics import Metrics
+from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol import encode
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import REFUSAL_CODES
-from rpcguard.endpoint import Dialer
-from rpcguard.relay import Link
-from rpcguard.route import Route
+from rpcguard.proxy.endpoint import Dialer
+from rpcguard.proxy.link import Link
+from rpcguard.proxy.route import Route
 from tests.support import vectors as V
 
 GIB = 1 << 30
@@ -254,7 +254,7 @@ class FakeClient(FakeUpstream):
 def test_serve_drains_the_upstream_after_the_client_left_and_keeps_the_slot_until_then():
     """ggml-rpc-server dies of SIGPIPE on a response written to a closed connection: the link
     half-closes the upstream, drops what it still sends and frees the slot only once it hung up."""
-    from rpcguard.route import UpstreamSlot
+    from rpcguard.proxy.route import UpstreamSlot
 
     async def main() -> None:
         records: list = []
@@ -346,7 +346,7 @@ def test_held_frames_go_out_at_the_tick_and_before_the_half_close():
 
 
 def test_frames_larger_than_the_hold_limit_are_not_held():
-    from rpcguard.relay import HOLD_MAX_BYTES
+    from rpcguard.proxy.link import HOLD_MAX_BYTES
 
     async def main() -> None:
         link, up, reader, writer, t = await active_connect_link([], Clock())
@@ -389,7 +389,7 @@ class Ticking(Clock):
 
 def test_a_flood_of_small_frames_is_read_a_little_at_a_time_one_read_per_loop_turn(monkeypatch):
     # issue 21: 2.1 million pipelined GET_ALIGNMENTs delayed another tenant's handshake 100-fold.
-    from rpcguard.endpoint import FAIR_READ_BYTES, Endpoint
+    from rpcguard.proxy.endpoint import FAIR_READ_BYTES, Endpoint
 
     reads: list[tuple[int, int]] = []  # (bytes, loop turn) of each client read
     turn = 0

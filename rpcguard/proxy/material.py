@@ -7,7 +7,7 @@ good, so bad material leaves the running contexts untouched. Routes reach the co
 getter: running sessions keep the context they were accepted with.
 
 serve holds two server contexts of the same files, one per thing a listener can say in ALPN
-(``context_for(enforcing)``, tls.py); connect holds the tunnels' client context and the probe's
+(``context_for(enforcing)``, pki/tls.py); connect holds the tunnels' client context and the probe's
 (``probe_context``: ``rpcguard check``, ``/readyz``).
 """
 
@@ -18,9 +18,9 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from rpcguard.certs import cert_not_after
-from rpcguard.config import Config, TlsConfig
-from rpcguard.tls import client_context, probe_context, server_context
+from rpcguard.pki.certs import cert_not_after
+from rpcguard.config.model import Config, TlsConfig
+from rpcguard.pki.tls import client_context, probe_context, server_context
 
 __all__ = ["TlsMaterial"]
 

@@ -1,6 +1,6 @@
 """Runtime wiring: listeners, TLS material and its reload, readiness, graceful drain.
 
-How this works: ``Runtime`` turns a ``Config`` into one ``relay.Route`` per listener (serve)
+How this works: ``Runtime`` turns a ``Config`` into one ``route.Route`` per listener (serve)
 or tunnel (connect) and one accept loop per route. TLS contexts live in ``TlsMaterial``;
 routes reach them through a callable. A route holds its settings as immutable objects (the
 ``default`` Profile, the named ``profiles``, the ``allow`` list) and a link takes the Profile it
@@ -10,7 +10,7 @@ applies to *new* sessions only by swapping those objects. A reload is prepared i
 committed, so one that fails (bad file, key not matching, busy port) changes nothing. It
 applies TLS, allow-lists, policy, limits, profiles and listeners: a new listener starts, a
 removed one stops accepting and lets its sessions finish, one whose address or upstream changed
-is replaced (remove + add). ``configdiff.RESTART_KEYS`` cannot change live: logged, old value
+is replaced (remove + add). ``diff.RESTART_KEYS`` cannot change live: logged, old value
 kept, counted in ``rpcguard_reload_kept_keys``. One log line names what changed. ``drain()``
 stops accepting, waits for running sessions up to the drain timeout, then closes the rest.
 Nothing here prints or exits: the CLI does.
@@ -27,27 +27,27 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from rpcguard.config import Config, ListenerConfig, TunnelConfig, build_config
-from rpcguard.configdiff import RESTART_KEYS, diff_configs, keep_restart_keys
-from rpcguard.downgrades import enforces, report as report_downgrades
+from rpcguard.config.model import Config, ListenerConfig, TunnelConfig, build_config
+from rpcguard.config.diff import RESTART_KEYS, diff_configs, keep_restart_keys
+from rpcguard.observe.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError
-from rpcguard.metrics import ListenerTraffic, Metrics, start_http
-from rpcguard.metrics_http import HttpServer
-from rpcguard.preflight import WARNING_KINDS, certificate_warnings
-from rpcguard.sdnotify import Notifier
+from rpcguard.observe.metrics import ListenerTraffic, Metrics, start_http
+from rpcguard.observe.http import HttpServer
+from rpcguard.pki.preflight import WARNING_KINDS, certificate_warnings
+from rpcguard.observe.sdnotify import Notifier
 from rpcguard.protocol.state import UpstreamFacts
-from rpcguard.relay import Link
-from rpcguard.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
-from rpcguard.tlsmaterial import TlsMaterial
+from rpcguard.proxy.link import Link
+from rpcguard.proxy.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
+from rpcguard.proxy.material import TlsMaterial
 from rpcguard.upstream.runtime import Upstreams, contain, contain_all
-from rpcguard.webconfig import WebGuard
+from rpcguard.observe.webconfig import WebGuard
 
 __all__ = ["TlsMaterial", "Runtime", "NODE_CHECK_INTERVAL_S"]
 
 log = logging.getLogger("rpcguard.server")
 
 # connect's /readyz: how long what is known about a node (a probe's or a session's outcome) is
-# trusted before the next /readyz probes it again (TLS handshake only, see probe.tls_probe).
+# trusted before the next /readyz probes it again (TLS handshake only, see check.tls_probe).
 NODE_CHECK_INTERVAL_S = 15.0
 # ...and how long that probe may take: /readyz answers within metrics.READ_TIMEOUT_S (5 s), and a
 # node that drops packets must read as "node_unreachable", not as a timed-out readiness check.
@@ -146,7 +146,7 @@ class Runtime:
                 role="serve", name=item.name, upstream_host=key[0], upstream_port=key[1],
                 traffic=ListenerTraffic("serve", item.name, upstream=where),  # placeholder until _register
                 facts=self._facts.setdefault(key, UpstreamFacts(where)),
-                # the listener says in ALPN whether it enforces everything (downgrades.enforces, tls.py)
+                # the listener says in ALPN whether it enforces everything (downgrades.enforces, pki/tls.py)
                 ssl_context=lambda: self.tls.context_for(enforces(route.default, route.profiles)),
                 slot=self._slots.setdefault(key, UpstreamSlot()),
             )
@@ -404,7 +404,7 @@ class Runtime:
         it never sends HELLO and never takes the node's single upstream slot (serve takes it at
         HELLO). It runs at most once per NODE_CHECK_INTERVAL_S per tunnel, and only when asked.
         """
-        from rpcguard.probe import tls_probe
+        from rpcguard.admin.check import tls_probe
 
         lock = self._node_lock.setdefault(route.name, asyncio.Lock())
         async with lock:

@@ -1,7 +1,7 @@
 """What the links of one listener (serve) or tunnel (connect) share: limits, the upstream slot.
 
 How this works: ``Route`` is built once per listener by ``server.Runtime`` and handed to every
-``relay.Link`` it accepts. It carries the resolved policy and limits, the per-upstream facts
+``link.Link`` it accepts. It carries the resolved policy and limits, the per-upstream facts
 cache, the TLS context getter, the settings (``default`` profile, the named ``profiles`` and the
 ``allow`` list: replaced whole by a reload, so new sessions see the new ones while a running
 link keeps the ``Profile`` object it took), and, for ``serve``, the
@@ -25,14 +25,14 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple
 
 from rpcguard.errors import Refusal
-from rpcguard.identity import AllowList, PeerIdentity, check_usage
-from rpcguard.metrics import ListenerTraffic
+from rpcguard.pki.identity import AllowList, PeerIdentity, check_usage
+from rpcguard.observe.metrics import ListenerTraffic
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, peer_cap_refusal
 from rpcguard.protocol.lifecycle import AWAIT_HELLO, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
-from rpcguard.tls import is_probe, peer_identity
+from rpcguard.pki.tls import is_probe, peer_identity
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "UPSTREAM_DRAIN_S"]
 
@@ -112,7 +112,7 @@ class Route:
     handshaking: dict = field(default_factory=dict)  # serve: source address -> TLS handshakes running
     on_session_end: Callable[[dict], None] | None = None  # audit sink
     # serve with upstream.exec: the upstream/pool.UpstreamPool that runs the server processes and
-    # gives each session its connection (endpoint.dial, relay.Link, admit's quarantine check)
+    # gives each session its connection (endpoint.dial, link.Link, admit's quarantine check)
     provider: Any = None
     draining: bool = False
 

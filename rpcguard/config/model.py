@@ -29,19 +29,19 @@ import yaml
 from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy
 from rpcguard.protocol.versions import COMMAND_NAMES
 
-from .configread import (
+from rpcguard.config.read import (
     CATEGORIES, GIB, KIB, MIB, Address, Reader, _bool, _choice, _connect, _duration, _file, _Flag, _is_ip, _listen, _name,
     _Section, _server_name, _show, parse_address, parse_size,
 )
-from .configsettings import (
+from rpcguard.config.sections import (
     LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
     _parse_profiles, expand_commands,
 )
-from .errors import ConfigError
-from .upstream.config import UpstreamSettings, parse_upstream
+from rpcguard.errors import ConfigError
+from rpcguard.config.upstream import UpstreamSettings, parse_upstream
 
 if TYPE_CHECKING:
-    from .identity import AllowList
+    from rpcguard.pki.identity import AllowList
 
 __all__ = [
     "COMMAND_NAMES", "CATEGORIES", "CHECK_NAMES", "ROLES", "DEFAULT_METRICS", "KIB", "MIB", "GIB",
@@ -141,7 +141,7 @@ _LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
-    from .webconfig import load_web_config
+    from rpcguard.observe.webconfig import load_web_config
 
     s = _Section(data, "metrics", {"listen", "unsafe_public", "web_config"})
     unsafe = s.get("unsafe_public", _bool, False)

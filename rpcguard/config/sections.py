@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, SessionPolicy, default_policy
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
 
-from .configread import (
+from rpcguard.config.read import (
     CATEGORIES, Reader, _bool, _choice, _command, _count, _count_or_off, _duration, _ip, _list, _name, _op,
     _op_or_all, _Section, _show, _str, _then, _uri, _version, _via, parse_size,
 )
-from .errors import ConfigError
+from rpcguard.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .identity import AllowList
+    from rpcguard.pki.identity import AllowList
 
 __all__ = ["POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS", "expand_commands"]
 
@@ -120,7 +120,7 @@ def _parse_limits(data: Any, path: str, base: Limits, refused: Mapping[str, str]
 def _acl_entry(kind: str, check: Reader) -> Reader:
     """An allow-list entry, also checked by the matcher's own rules (``identity.Acl``)."""
     def read(v: Any, path: str) -> str:
-        from .identity import Acl  # lazy: pulls in cryptography
+        from rpcguard.pki.identity import Acl  # lazy: pulls in cryptography
 
         v = check(v, path)
         try:
@@ -148,7 +148,7 @@ def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: boo
     The first entry that matches a peer decides its profile. An empty allow-list is refused: like
     ghostunnel, admitting every certificate the CA signed must be asked for (``all: true``).
     """
-    from .identity import Acl, AllowList  # lazy: pulls in cryptography
+    from rpcguard.pki.identity import Acl, AllowList  # lazy: pulls in cryptography
 
     if isinstance(data, list) and not data and require:
         raise ConfigError(path, _EMPTY_ACL)

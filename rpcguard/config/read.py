@@ -6,7 +6,7 @@ key (``listeners[1].upstream: must be HOST:PORT ([IPv6]:PORT), got 'foo'``). ``_
 mapping: it refuses unknown keys, knows its path, and unwraps values that came from a CLI flag
 (``_Flag``) so their errors name the flag. The public value parsers (``parse_address``,
 ``parse_size``) raise ``ValueError`` and are used by the CLI too. The ``_``-names are internal to
-``config.py`` and ``configsettings.py``.
+``config.py`` and ``rpcguard/config/sections.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rpcguard.protocol.ggml import OP_TABLES
 from rpcguard.protocol.versions import CATEGORIES as _CATEGORIES
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, format_version
 
-from .errors import ConfigError
+from rpcguard.errors import ConfigError
 
 __all__ = ["CATEGORIES", "KIB", "MIB", "GIB", "Address", "Reader", "parse_address", "parse_size"]
 

@@ -48,8 +48,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import ConfigError
-from .keyfiles import key_file_problem
+from rpcguard.errors import ConfigError
+from rpcguard.pki.keyfiles import key_file_problem
 
 __all__ = ["WebConfig", "WebGuard", "BasicAuth", "load_web_config", "CLIENT_AUTH_TYPES", "TLS_VERSIONS",
            "GO_CIPHER_SUITES", "ALLOWED_HEADERS", "AUTH_REASONS", "MAX_CONCURRENT_BCRYPT", "AUTH_CACHE_ENTRIES"]
@@ -203,7 +203,7 @@ def _parse_tls(t: dict, path: str) -> dict[str, Any]:
         if t.get(k) is None:
             raise _err(path, p + k, "required when tls_server_config is set")
         out[k] = _file(t[k], path, p + k)
-    problem = key_file_problem(out["key_file"])  # the rule of every private key rpcguard reads (keyfiles.py)
+    problem = key_file_problem(out["key_file"])  # the rule of every private key rpcguard reads (pki/keyfiles.py)
     if problem:
         raise _err(path, p + "key_file", problem)
     if t.get("client_ca_file") is not None and t.get("client_ca") is not None:

@@ -99,8 +99,8 @@ def metrics_url(text: str) -> str:
 
 def from_config(path: str) -> tuple[str, Access]:
     """The metrics URL of a serve/connect config and how to read it (its web config's TLS, its CA)."""
-    from rpcguard.config import load_config
-    from rpcguard.webconfig import load_web_config
+    from rpcguard.config.model import load_config
+    from rpcguard.observe.webconfig import load_web_config
 
     cfg = load_config(path)
     listen = cfg.metrics.listen

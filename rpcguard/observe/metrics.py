@@ -15,7 +15,7 @@ RSS, fds, start time), read from /proc at scrape time only.
 The exposition is written by ``_render`` (byte-identical to ``generate_latest`` for the
 families used here, with the label text cached) because the zero-initialised series made
 ``generate_latest`` cost ~10x more per scrape on the event-loop thread. The HTTP endpoint
-(TLS, basic auth, /refusals, health) is ``rpcguard.metrics_http``; ``start_http`` is
+(TLS, basic auth, /refusals, health) is ``rpcguard.observe.http``; ``start_http`` is
 re-exported here. The config default is loopback (``127.0.0.1:9450`` for serve,
 ``127.0.0.1:9451`` for connect) because the metrics name peers and listeners.
 
@@ -37,11 +37,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from rpcguard import __version__
-from rpcguard.downgrades import NOT_ENFORCING, SWITCHED_OFF
+from rpcguard.observe.downgrades import NOT_ENFORCING, SWITCHED_OFF
 from rpcguard.protocol import compiled
-from rpcguard.metrics_http import HTTP_REASONS, MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
+from rpcguard.observe.http import HTTP_REASONS, MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
 from rpcguard.reasons import FIREWALL_REASONS, REFUSAL_REASONS, TLS_REASONS
-from rpcguard.webconfig import AUTH_REASONS
+from rpcguard.observe.webconfig import AUTH_REASONS
 from rpcguard.protocol.stats import (
     DEFAULT_COMMAND_NAMES,
     LATENCY_BUCKETS_S,

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from rpcguard.config import POLICY_FIELDS, Config, ListenerConfig, TunnelConfig
+from rpcguard.config.model import POLICY_FIELDS, Config, ListenerConfig, TunnelConfig
 
 __all__ = ["RESTART_KEYS", "ConfigDiff", "diff_configs", "keep_restart_keys", "policy_changes"]
 

@@ -1,12 +1,12 @@
 """One ``Link`` per proxied connection: the glue between two endpoints and the lifecycle.
 
-How this works: a listener's accept loop (server.py) hands each accepted socket to a new
-``Link``, which owns two ``Endpoint`` protocols (endpoint.py: the client side and the upstream
+How this works: a listener's accept loop (proxy/server.py) hands each accepted socket to a new
+``Link``, which owns two ``Endpoint`` protocols (proxy/endpoint.py: the client side and the upstream
 side) and one sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, refusals at
 HELLO, close classification, the audit record) which owns the ``Session``. The link is glue: it
 turns transport callbacks into lifecycle events and carries out the actions the lifecycle
 answers (write, dial, take or free the upstream slot, half-close, close, count, log). The clock
-and the dialer are injectable. The ``Route`` (route.py) holds what the links of a listener
+and the dialer are injectable. The ``Route`` (proxy/route.py) holds what the links of a listener
 share and decides admission.
 
 * ``serve``: the socket is wrapped with ``loop.connect_accepted_socket(ssl=...)`` (client
@@ -20,7 +20,7 @@ share and decides admission.
   (``SessionPolicy.validate_requests``).
 
 Bytes read on one side go through ``Session.client_data`` / ``server_data``; what the session
-queued is written to the other side as memoryviews into the read buffer (endpoint.py). Small
+queued is written to the other side as memoryviews into the read buffer (proxy/endpoint.py). Small
 client frames the server does not answer (``Output.urgent`` False) are copied aside and go out
 with the next frame that needs the server, in one write (``HOLD_MAX_BYTES``).
 
@@ -39,14 +39,14 @@ import ssl
 import time
 from typing import Awaitable, Callable
 
-from rpcguard.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
+from rpcguard.proxy.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
-from rpcguard.route import Route
-from rpcguard.tls import classify_handshake_error, negotiated_rpcguard
+from rpcguard.proxy.route import Route
+from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
 
 __all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS"]
 
@@ -66,7 +66,7 @@ _ids = itertools.count(1)
 TICK_S = 1.0  # how often the lifecycle's deadlines are checked
 
 # Loop fairness: a read that produced more than FAIR_CHUNKS frames (chunks, each way) and took
-# longer than FAIR_READ_NS makes its side read FAIR_READ_BYTES (endpoint.py) at a time, one
+# longer than FAIR_READ_NS makes its side read FAIR_READ_BYTES (proxy/endpoint.py) at a time, one
 # read per loop turn, so that other sessions, handshakes and /healthz run between its reads
 # (one 256 KiB read of GET_ALIGNMENTs is ~29,000 frames, tens of ms). llama.cpp's reads carry a
 # few frames each (a decode step is ~8), so it never gets here and pays one len() per read;

@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Any
 
-from rpcguard.configread import _Flag, _Section, _bool, _choice, _duration, _list, _reader, _show
+from rpcguard.config.read import _Flag, _Section, _bool, _choice, _duration, _list, _reader, _show
 from rpcguard.errors import ConfigError
 from rpcguard.upstream.pool import HOST_OPTIONS, ISOLATIONS, UpstreamSettings
 from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings

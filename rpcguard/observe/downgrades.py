@@ -5,7 +5,7 @@ firewall forwards what it would refuse; ``check_<name>``: a firewall check disab
 ``policy.checks.<name>: false``; ``unverified_ops``: graph ops forwarded without a verified rule).
 A listener (serve) or tunnel (connect) *enforces* when none of its profiles turns off anything but
 named unverified ops (those are an opt-in per op, counted per use): ``enforces``. That one answer
-is what a serve listener says in the TLS handshake (tls.py ``ALPN_ENFORCING``), so a connect leaves
+is what a serve listener says in the TLS handshake (pki/tls.py ``ALPN_ENFORCING``), so a connect leaves
 its request checks only to a node that runs them all.
 
 ``report(cfg, metrics, web)`` runs at start and after every reload (server.Runtime): one WARNING
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 from rpcguard.protocol.settings import CHECK_NAMES, Profile, SessionPolicy
 
 if TYPE_CHECKING:
-    from rpcguard.config import Config, ListenerConfig, TunnelConfig
-    from rpcguard.metrics import Metrics
-    from rpcguard.webconfig import WebConfig
+    from rpcguard.config.model import Config, ListenerConfig, TunnelConfig
+    from rpcguard.observe.metrics import Metrics
+    from rpcguard.observe.webconfig import WebConfig
 
 __all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "switched_off", "item_switched_off", "enforces", "report"]
 

@@ -1,7 +1,7 @@
 """Logging set-up: human-readable lines by default, JSON lines with ``--log-format json``.
 
 How this works: every module logs through the standard ``logging`` package. The session end
-line of ``relay.Link`` carries the full audit record (identity, peer, listener, upstream,
+line of ``link.Link`` carries the full audit record (identity, peer, listener, upstream,
 protocol version, duration, frames and bytes per command, result and refusal reason) in
 ``extra={"audit": ...}``; the JSON formatter emits that record as the line's fields, the text
 formatter keeps the one-line summary. Only the CLI calls ``setup_logging``.

@@ -7,7 +7,7 @@ connection count. Nobody can starve the probes: a source address holds at most
 has not sent its request yet (in its handshake, silent, or trickling its head) makes room for the
 new one; the handshake and the request head must arrive within ``READ_TIMEOUT_S`` of the accept,
 by age. Every error is answered (when the client can still read an answer) and counted in
-``rpcguard_web_refusals_total{reason}`` (``HTTP_REASONS``, the TLS and auth reasons). With a web config (``rpcguard.webconfig``) each accepted socket does its TLS
+``rpcguard_web_refusals_total{reason}`` (``HTTP_REASONS``, the TLS and auth reasons). With a web config (``rpcguard.observe.webconfig``) each accepted socket does its TLS
 handshake in ``loop.connect_accepted_socket``, so a failed handshake is
 classified (``tls.classify_handshake_error``), counted in ``rpcguard_web_refusals_total`` and
 logged with the peer, like a refused proxy session. The guard is fetched per connection through
@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import exposition
 
-from rpcguard.tls import classify_handshake_error
-from rpcguard.webconfig import WebGuard
+from rpcguard.pki.tls import classify_handshake_error
+from rpcguard.observe.webconfig import WebGuard
 
 __all__ = ["start_http", "HttpServer", "MAX_HEADER_BYTES", "READ_TIMEOUT_S", "MAX_HTTP_CONNECTIONS",
            "MAX_HTTP_PER_SOURCE", "PROTECTED_PATHS", "HEALTH_PATHS", "HTTP_REASONS"]
@@ -87,7 +87,7 @@ def _gzip_accepted(headers: dict[str, str]) -> bool:
 
 
 class _Endpoint:
-    """Routes requests of one server; ``metrics`` is a ``rpcguard.metrics.Metrics``."""
+    """Routes requests of one server; ``metrics`` is a ``rpcguard.observe.metrics.Metrics``."""
 
     def __init__(self, metrics, ready: ReadyCheck | None, web: Callable[[], WebGuard | None] | None,
                  before_scrape: Callable[[], Awaitable[None]] | None, timeout_s: float) -> None:
@@ -185,7 +185,7 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
     """Serve GET /metrics, /refusals, /healthz and /readyz on ``host:port`` from the running loop.
 
     ``ready`` returns ``(ok, text)`` for /readyz (200 or 503); without it /readyz is always 200.
-    ``web`` returns the current :class:`~rpcguard.webconfig.WebGuard` (TLS, basic auth,
+    ``web`` returns the current :class:`~rpcguard.observe.webconfig.WebGuard` (TLS, basic auth,
     headers), read once per connection; None or a guard without context = plain HTTP.
     ``before_scrape`` refreshes gauges before /metrics is rendered. Port 0 picks a free port
     (see ``server.sockets``). Close the returned server to stop.

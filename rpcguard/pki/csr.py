@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .certs import (
+from rpcguard.pki.certs import (
     RSA_KEY_BITS,
     CertError,
     KeyType,

@@ -9,7 +9,7 @@ rather than revoke (no CRL/OCSP). Private keys are created with ``os.open(..., 0
 temporary name and renamed into place, so they are never readable by others, even briefly, and a
 reader never sees a half-written file.
 
-So that node keys never travel, ``rpcguard.csr`` writes the key and a certificate signing
+So that node keys never travel, ``rpcguard.pki.csr`` writes the key and a certificate signing
 request on the node and signs that request on the CA machine, through this module's
 ``_profile`` (name, SAN and usage rules) and ``_sign`` (the extensions): the same as ``issue``.
 """
@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .errors import RpcGuardError
+from rpcguard.errors import RpcGuardError
 
 __all__ = [
     "CertError",
@@ -325,7 +325,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
 
 
 def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:
-    from rpcguard.keyfiles import key_file_problem
+    from rpcguard.pki.keyfiles import key_file_problem
 
     problem = key_file_problem(path)  # the rule of every private key rpcguard reads
     if problem:

@@ -1,6 +1,6 @@
 """One side of a proxied link: the asyncio protocol that reads and writes, and the dialer.
 
-How this works: an ``Endpoint`` is the ``BufferedProtocol`` of one transport of a ``relay.Link``
+How this works: an ``Endpoint`` is the ``BufferedProtocol`` of one transport of a ``link.Link``
 (the client's, or the upstream's once dialled). It reads into a preallocated buffer (TLS
 decrypts straight into it) and hands each read to the link as a memoryview, so a payload byte is
 never copied by Python code; a transport may keep a memoryview queued (uvloop does not copy), so
@@ -20,18 +20,18 @@ import ssl
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from rpcguard.errors import Refusal
-from rpcguard.identity import check_usage
+from rpcguard.pki.identity import check_usage
 from rpcguard.protocol.settings import Limits
-from rpcguard.route import Route
-from rpcguard.tls import classify_handshake_error, peer_identity
+from rpcguard.proxy.route import Route
+from rpcguard.pki.tls import classify_handshake_error, peer_identity
 
 if TYPE_CHECKING:
-    from rpcguard.relay import Link
+    from rpcguard.proxy.link import Link
 
 __all__ = ["Endpoint", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
            "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES", "FAIR_READ_BYTES"]
 
-# A side that floods small frames reads this much at a time, one read per loop turn (relay.py,
+# A side that floods small frames reads this much at a time, one read per loop turn (proxy/link.py,
 # loop fairness): ~450 GET_ALIGNMENTs, well under a millisecond of work.
 FAIR_READ_BYTES = 4 * 1024
 # One read lands in this buffer. 256 KiB: large enough that a multi-MB SET_TENSOR costs a few
@@ -142,7 +142,7 @@ class Endpoint(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def narrow(self) -> None:
-        """Read ``FAIR_READ_BYTES`` at a time, one read per loop turn (relay.py, loop fairness)."""
+        """Read ``FAIR_READ_BYTES`` at a time, one read per loop turn (proxy/link.py, loop fairness)."""
         self.narrowed = True
         if self.view is not None:
             self.view = self.view[:FAIR_READ_BYTES]

@@ -16,7 +16,7 @@ config file (``Ciphersuites =`` in a ``system_default`` section, via ``OPENSSL_C
 ALPN says what the node enforces. A ``serve`` listener offers exactly one of ``ALPN_ENFORCING``
 (every session of the listener, whatever its profile, runs every firewall check in enforce mode)
 or ``ALPN_MONITORING`` (some of it runs in monitor mode or with a check switched off,
-``downgrades.py``), and the probe form of the same (``+probe``). ``connect`` offers the first two: only a node that
+``observe/downgrades.py``), and the probe form of the same (``+probe``). ``connect`` offers the first two: only a node that
 negotiated ``ALPN_ENFORCING`` gets the request firewall left to it (``node_enforces``,
 ``SessionPolicy.validate_requests``, docs/firewall.md); a monitoring node, one that is not rpcguard
 (stunnel, HAProxy) and an older serve (which offers only ``rpcguard/1``) negotiate something else
@@ -48,9 +48,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from .errors import PolicyRefusal, RpcGuardError
-from .identity import PeerIdentity
-from .keyfiles import key_file_problem
+from rpcguard.errors import PolicyRefusal, RpcGuardError
+from rpcguard.pki.identity import PeerIdentity
+from rpcguard.pki.keyfiles import key_file_problem
 
 __all__ = [
     "TlsConfigError",
@@ -263,7 +263,7 @@ def node_enforces(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
 
 _PROBE_FORMS = frozenset(ALPN_PROBES.values())
 
-# The name relay.py calls: a connect leaves its request checks to a node only when this is True.
+# The name proxy/link.py calls: a connect leaves its request checks to a node only when this is True.
 negotiated_rpcguard = node_enforces
 
 
@@ -327,7 +327,7 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier,
 
 
 def _check_key_perms(path: Path, allow_insecure: bool) -> None:
-    """The one rule for private key files (keyfiles.py): readable, a key, not readable by others."""
+    """The one rule for private key files (pki/keyfiles.py): readable, a key, not readable by others."""
     problem = key_file_problem(path, allow_insecure=allow_insecure)
     if problem:
         raise TlsConfigError(problem)

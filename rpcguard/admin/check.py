@@ -4,7 +4,7 @@ How this works: ``probe_node`` opens ONE mutual-TLS connection, exactly as ``con
 llama.cpp, and plays a minimal llama.cpp on it: one HELLO, then DEVICE_COUNT when the version
 has it (the ``Session`` injects it). Its requests and the node's replies go through a
 ``Session``, so the version policy and the node's refusal answers (0.0.N) are read exactly as
-for a real client. Failures are classified like the data path (``relay.Link``): the connect
+for a real client. Failures are classified like the data path (``link.Link``): the connect
 itself -> ``node_unreachable``; the handshake, or the node's verdict on our certificate that
 TLS 1.3 delivers on the first read -> ``tls_failed`` with its cause (``tls_cert_expired``,
 ``tls_unknown_ca``, ``tls_bad_certificate`` ...) or ``node_name_mismatch``; a bare close before
@@ -16,7 +16,7 @@ The HELLO form follows the tunnel's accepted versions: the >= 4.0.0 form (what l
 today) unless every accepted version is older. A second connection with the other form would
 double every refusal in the node's log, so there is none.
 
-Both probes use the probe context (tls.py ``ALPN_PROBES``): the node's ``serve`` then knows the
+Both probes use the probe context (pki/tls.py ``ALPN_PROBES``): the node's ``serve`` then knows the
 connection is a probe, records it as ``result=probe`` (not a session, not a refusal), and
 answers a probe's HELLO at once with "busy" (0.0.6) when another session holds its upstream,
 instead of queueing it for ``queue_timeout_s``: a live node, whose server llama.cpp holds for
@@ -46,8 +46,8 @@ from rpcguard.errors import Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.versions import format_version
-from rpcguard.identity import check_usage
-from rpcguard.tls import classify_handshake_error, is_probe, node_mode, peer_identity
+from rpcguard.pki.identity import check_usage
+from rpcguard.pki.tls import classify_handshake_error, is_probe, node_mode, peer_identity
 
 __all__ = ["ProbeResult", "probe_node", "tls_probe", "VERDICT_WAIT_S"]
 

@@ -4,8 +4,8 @@ How this works: ``key_file_problem(path)`` returns the one line that says what i
 private key file, or None. A file that holds a certificate and no private key is named as such
 (the most common slip: ``--cert`` and ``--key`` swapped), before its mode is looked at. The mode
 rule is PostgreSQL's: 0600 or stricter, or 0640 when owned by root (a group such as ``rpcguard``
-may read a root-owned key). Callers raise their own error type with the message (tls.py
-``TlsConfigError``, certs.py ``CertError``, webconfig.py ``ConfigError``).
+may read a root-owned key). Callers raise their own error type with the message (pki/tls.py
+``TlsConfigError``, pki/certs.py ``CertError``, observe/webconfig.py ``ConfigError``).
 """
 
 from __future__ import annotations
