@@ -32,27 +32,23 @@ READY_MESSAGE = "ready:"
 _LOGGING = [False]  # set once setup_logging() ran in this process
 
 
-def _common_tls(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (flags override it)")
-    p.add_argument("--cert", help="this side's certificate (PEM)")
-    p.add_argument("--key", help="this side's private key (PEM, mode 0600)")
-    p.add_argument("--ca", help="the private CA that signs the peers' certificates")
-    p.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
-    p.add_argument("--tls-reload-interval-s", type=float, metavar="SECONDS",
-                   help="also reload when the certificate files change, polled this often (default 0: SIGHUP only)")
-    p.add_argument("--metrics", help="HOST:PORT of /metrics, /healthz, /readyz ('' = off; default 127.0.0.1:9450 "
-                                     "for serve, 127.0.0.1:9451 for connect)")
-    p.add_argument("--metrics-unsafe-public", action="store_true",
-                   help="allow a non-loopback --metrics address (metrics name peers and listeners)")
-    p.add_argument("--web-config", metavar="FILE",
-                   help="TLS, client certificates and basic auth of the metrics endpoint "
-                        "(Prometheus exporter-toolkit web config format)")
-    p.add_argument("--mode", choices=["enforce", "monitor"], help="firewall mode (default enforce)")
-    p.add_argument("--allow-unverified-op", action="append", metavar="OP",
-                   help="forward graph nodes of this ggml op although it has no verified rule "
-                        "(default deny; repeatable; * = every op; counted per use)")
-    p.add_argument("--log-format", choices=["text", "json"], help="default text")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+def _config_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """The flags of ``role`` from the one table of flags (config/flags.py)."""
+    from rpcguard.config.flags import flags_for, help_text
+
+    for f in flags_for(role):
+        text = help_text(f, role)
+        if f.kind == "switch":
+            p.add_argument(f"--{f.name}", action="store_true", help=text)
+        elif f.kind == "append":
+            p.add_argument(f"--{f.name}", action="append", default=[], metavar=f.metavar, help=text)
+        elif f.kind == "float":
+            p.add_argument(f"--{f.name}", type=float, metavar=f.metavar, help=text)
+        else:
+            p.add_argument(f"--{f.name}", choices=f.choices, metavar=f.metavar, help=text)
+    if role == "serve":
+        p.add_argument("upstream_exec", nargs="*", metavar="-- COMMAND", help="run the server: rpcguard serve "
+                       "[options] -- ggml-rpc-server [ARGS] (rpcguard adds -H 127.0.0.1 -p PORT; docs/containment.md)")
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -135,39 +131,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("serve", help="on a GPU node: mTLS in front of a loopback ggml-rpc-server")
-    _common_tls(s)
-    s.add_argument("--listen", help="HOST:PORT to accept mTLS on")
-    s.add_argument("--upstream", help="HOST:PORT of the ggml-rpc-server (loopback)")
-    s.add_argument("--unsafe-upstream", action="store_true", help="allow a non-loopback upstream")
-    s.add_argument("upstream_exec", nargs="*", metavar="-- COMMAND", help="run the server: rpcguard serve [options] -- "
-                   "ggml-rpc-server [ARGS] (rpcguard adds -H 127.0.0.1 -p PORT; docs/containment.md)")
-    for kind in ("cn", "dns", "uri", "ip"):
-        s.add_argument(f"--allow-{kind}", action="append", default=[], metavar="X",
-                       help=f"allow clients whose certificate has this {kind.upper()} (repeatable)")
-    s.add_argument("--allow-all", action="store_true",
-                   help="allow any client certificate signed by --ca (required when no --allow-* is given)")
-
+    _config_flags(s, "serve")
     c = sub.add_parser("connect", help="next to llama.cpp: a loopback port tunnelled to a node")
-    _common_tls(c)
-    c.add_argument("--listen", help="loopback HOST:PORT for llama.cpp's --rpc")
-    c.add_argument("--server", help="HOST:PORT of the node's rpcguard serve")
-    c.add_argument("--server-name", help="name expected in the node's certificate (default: the host)")
-    c.add_argument("--unsafe-listen", action="store_true", help="allow a non-loopback listen address")
-    c.add_argument("--no-check", action="store_true", help="skip the start-up TLS + HELLO check of each node")
+    _config_flags(c, "connect")
 
     k = sub.add_parser("check", help="TLS + HELLO to each node of a connect config; one line per node",
                        description="Probe each node as connect would, without queueing for it: a node whose "
                                    "server another session holds reads 'OK ... server busy'. Exit 0 when every "
                                    "node answers, 1 when one refuses or cannot be reached, 2 on bad input.")
-    k.add_argument("--config", help="connect config file: checks each of its tunnels (flags override it)")
-    k.add_argument("--server", metavar="HOST:PORT", help="the node's rpcguard serve (instead of --config's tunnels)")
-    k.add_argument("--server-name", help="name expected in the node's certificate (default: the host)")
-    k.add_argument("--cert", help="this side's client certificate (PEM)")
-    k.add_argument("--key", help="this side's private key (PEM, mode 0600)")
-    k.add_argument("--ca", help="the private CA that signs the node's certificate")
-    k.add_argument("--tls-min-version", choices=["1.2", "1.3"], help="default 1.3")
+    _config_flags(k, "check")
     k.add_argument("--json", action="store_true", help="one JSON object per node on stdout (for scripts)")
-    k.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
     ops = sub.add_parser("ops", help="the graph ops of a protocol version and what the firewall does with each")
     ops.add_argument("--protocol", metavar="X.Y.Z", default="7.0.0", help="protocol version (default 7.0.0)")
@@ -235,11 +208,13 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    keys = ("cert", "key", "ca", "tls_min_version", "tls_reload_interval_s", "metrics", "metrics_unsafe_public",
-            "web_config", "mode", "allow_unverified_op", "log_format", "log_level", "listen", "upstream", "upstream_exec",
-            "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip", "allow_all", "server",
-            "server_name", "unsafe_listen")
-    return {k: getattr(a, k) for k in keys if hasattr(a, k)}
+    from rpcguard.config.flags import given
+
+    role = "connect" if a.command == "check" else a.command
+    out = given(role, a)
+    if role == "serve":
+        out["upstream_exec"] = a.upstream_exec
+    return out
 
 
 class _Held(logging.Handler):
@@ -369,7 +344,7 @@ def _main(a: argparse.Namespace) -> int:
             return _ops(a)
         if a.command == "status":
             return _status(a)
-        from rpcguard.config.model import build_config
+        from rpcguard.config.flags import build_config
 
         role = "connect" if a.command == "check" else a.command
         overrides = _overrides(a)

@@ -6,7 +6,7 @@ path of what it reads (``listeners[1].upstream``) and raises ``ConfigError(path,
 first problem, so an error is always one line naming the key. Unknown keys are errors. Safe defaults
 are enforced here, ghostunnel style (loopback upstream / tunnel listen / metrics, TLS 1.3); the
 ``unsafe_*`` keys are the explicit opt-outs. ``build_config`` lays CLI flags over the file: a value
-that came from a flag is wrapped in ``_Flag`` so its errors name the flag (``--upstream``).
+that came from a flag is wrapped in ``FromFlag`` so its errors name the flag (``--upstream``).
 
 ``policy`` and ``limits`` are parsed straight into the runtime types of ``protocol/settings.py``
 (``SessionPolicy`` with its ``FirewallPolicy``, ``Limits``, ``Profile``): each YAML key is one row
@@ -30,8 +30,8 @@ from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Pro
 from rpcguard.protocol.versions import COMMAND_NAMES
 
 from rpcguard.config.read import (
-    CATEGORIES, GIB, KIB, MIB, Address, Reader, _bool, _choice, _connect, _duration, _file, _Flag, _is_ip, _listen, _name,
-    _Section, _server_name, _show, parse_address, parse_size,
+    CATEGORIES, GIB, KIB, MIB, Address, Reader, boolean, choice, connect_address, duration, file_path, FromFlag, is_ip, listen_address, name_text,
+    Section, server_name_text, show, parse_address, parse_size,
 )
 from rpcguard.config.sections import (
     LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
@@ -48,7 +48,7 @@ __all__ = [
     "Address", "TlsConfig", "MetricsConfig", "LogConfig", "ListenerConfig", "TunnelConfig", "Config",
     "POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS",
     "parse_address", "parse_size", "expand_commands",
-    "load_config", "parse_config", "build_config", "check_config", "config_summary",
+    "load_config", "parse_config", "config_summary",
 ]
 
 log = logging.getLogger("rpcguard.config")
@@ -130,25 +130,25 @@ DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connec
 def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
     if data is None:
         raise ConfigError("tls", "required (cert, key and ca)")
-    s = _Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s"})
-    files = [s.get(k, _file(base_dir)) for k in ("cert", "key", "ca")]
-    return TlsConfig(*files, **s.read_all({"min_version": _choice("1.3", "1.2"),
-                                           "reload_interval_s": _duration(zero_is_off=True)}))
+    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s"})
+    files = [s.get(k, file_path(base_dir)) for k in ("cert", "key", "ca")]
+    return TlsConfig(*files, **s.read_all({"min_version": choice("1.3", "1.2"),
+                                           "reload_interval_s": duration(zero_is_off=True)}))
 
 
-_LOG_READERS: dict[str, Reader] = {"format": _choice("text", "json"),
-                                   "level": _choice("debug", "info", "warning", "error")}
+_LOG_READERS: dict[str, Reader] = {"format": choice("text", "json"),
+                                   "level": choice("debug", "info", "warning", "error")}
 
 
 def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
     from rpcguard.observe.webconfig import load_web_config
 
-    s = _Section(data, "metrics", {"listen", "unsafe_public", "web_config"})
-    unsafe = s.get("unsafe_public", _bool, False)
-    web_path = s.get("web_config", _file(base_dir), None)
+    s = Section(data, "metrics", {"listen", "unsafe_public", "web_config"})
+    unsafe = s.get("unsafe_public", boolean, False)
+    web_path = s.get("web_config", file_path(base_dir), None)
     web = load_web_config(web_path) if web_path else None
     raw, path = s.raw("listen")
-    listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else _listen(raw, path)
+    listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else listen_address(raw, path)
     # Beyond loopback the endpoint must authenticate (TLS plus a verified client certificate
     # or a password), or the operator says unsafe_public: /refusals names peers and identities.
     if listen is not None and not listen.is_loopback() and not unsafe and not (web and web.tls and web.authenticates):
@@ -162,7 +162,7 @@ def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsC
 
 def _clash(a: Address, b: Address) -> bool:
     """Would binding both fail? Same port and host, or a wildcard of the same family (V6ONLY)."""
-    fam = [(":" in h) if _is_ip(h) else None for h in (a.host, b.host)]
+    fam = [(":" in h) if is_ip(h) else None for h in (a.host, b.host)]
     wild = a.host in ("0.0.0.0", "::") or b.host in ("0.0.0.0", "::")
     return a.port == b.port != 0 and (a.host.lower() == b.host.lower()
                                       or (fam[0] is not None and fam[0] == fam[1] and wild))
@@ -201,15 +201,15 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
     """The listeners (serve) or tunnels (connect), and [(listen address, path)] for clash checks."""
     key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     if items is not None and not isinstance(items, list):
-        raise ConfigError(key, f"must be a list of {key}, got {_show(items)}")
+        raise ConfigError(key, f"must be a list of {key}, got {show(items)}")
     if not items:
         raise ConfigError(key, f"at least one {word} is required")
     out: list = []
     names: dict[str, str] = {}
     listens: list[tuple[Address, str]] = []
     for i, item in enumerate(items):
-        s = _Section(item, f"{key}[{i}]", _ITEM_KEYS[role])
-        name, listen = s.get("name", _name, f"{word}{i}"), s.get("listen", _listen)
+        s = Section(item, f"{key}[{i}]", _ITEM_KEYS[role])
+        name, listen = s.get("name", name_text, f"{word}{i}"), s.get("listen", listen_address)
         if name in names:
             raise ConfigError(s.raw("name")[1], f"duplicate name {name!r} (also {names[name]})")
         for other, where in listens:
@@ -226,10 +226,10 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
         default = Profile(DEFAULT_PROFILE, policy, top.limits)
         if role == "serve":
             raw = s.data.get("upstream")
-            managed = parse_upstream(raw, s.path + ".upstream") if isinstance(raw, (dict, _Flag)) and (
+            managed = parse_upstream(raw, s.path + ".upstream") if isinstance(raw, (dict, FromFlag)) and (
                 isinstance(raw, dict) or isinstance(raw.value, list)) else None
-            upstream = Address("127.0.0.1", 0) if managed else s.get("upstream", _connect)
-            unsafe = s.get("unsafe_upstream", _bool, False)
+            upstream = Address("127.0.0.1", 0) if managed else s.get("upstream", connect_address)
+            unsafe = s.get("unsafe_upstream", boolean, False)
             if not upstream.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("upstream")[1], upstream, "unsafe_upstream", "listener")
             own = s.data.get("allow") is not None  # else the top-level allow-list applies
@@ -240,10 +240,10 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
             out.append(ListenerConfig(name, listen, upstream, allow, default, _item_profiles(top, allow, default),
                                       unsafe, managed))
         else:
-            server, unsafe = s.get("server", _connect), s.get("unsafe_listen", _bool, False)
+            server, unsafe = s.get("server", connect_address), s.get("unsafe_listen", boolean, False)
             if not listen.is_loopback() and not unsafe:
                 raise _not_loopback(s.raw("listen")[1], listen, "unsafe_listen", "tunnel")
-            server_name = s.get("server_name", _server_name, server.host)
+            server_name = s.get("server_name", server_name_text, server.host)
             out.append(TunnelConfig(name, listen, server, server_name, default, unsafe))
     return tuple(out), listens
 
@@ -275,7 +275,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     """
     if not isinstance(data, dict):
         raise ConfigError(source, "top level must be a mapping, got "
-                                  + ("an empty file" if data is None else _show(data)))
+                                  + ("an empty file" if data is None else show(data)))
     if role is None:
         if "listeners" in data and "tunnels" in data:
             raise ConfigError("tunnels", "cannot be combined with listeners (one role per config)")
@@ -283,7 +283,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
             raise ConfigError(source, "no listeners (serve) or tunnels (connect) defined")
         role = "serve" if "listeners" in data else "connect"
     if role not in ROLES:
-        raise ConfigError("role", f"must be serve or connect, got {_show(role)}")
+        raise ConfigError("role", f"must be serve or connect, got {show(role)}")
     other = "connect" if role == "serve" else "serve"
     own, others = ("listeners", "tunnels") if role == "serve" else ("tunnels", "listeners")
     if others in data and own not in data:  # the file of the other role, given to this command
@@ -293,7 +293,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     for k in data:
         if k in _ROLE_TOP_KEYS[other]:
             raise ConfigError(str(k), f"only valid for rpcguard {other} (this is a {role} config)")
-    _Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
+    Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
     tls = _parse_tls(data.get("tls"), base_dir)
     metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
     _parse_policy([(data.get("policy"), "policy")], default_policy(role))  # report top-level errors even if overridden
@@ -307,7 +307,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
     _warn_profiles(items if role == "serve" else (), profiles)
-    log = LogConfig(**_Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
+    log = LogConfig(**Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
                   items if role == "serve" else (), items if role == "connect" else (), tuple(profiles))
 
@@ -355,105 +355,6 @@ def _read_yaml(path: str) -> Any:
 def load_config(path: str, role: str | None = None) -> Config:
     """Read and validate a YAML config file; relative TLS paths are relative to its directory."""
     return parse_config(_read_yaml(path), role, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
-
-
-def check_config(path: str) -> Config:
-    """``rpcguard check-config``: the same as ``load_config(path)``."""
-    return load_config(path)
-
-
-# flag -> (section, key) for flags that apply to the whole config
-_GLOBAL_FLAGS = {
-    "cert": ("tls", "cert"), "key": ("tls", "key"), "ca": ("tls", "ca"),
-    "tls_min_version": ("tls", "min_version"), "tls_reload_interval_s": ("tls", "reload_interval_s"),
-    "metrics": ("metrics", "listen"), "metrics_unsafe_public": ("metrics", "unsafe_public"),
-    "web_config": ("metrics", "web_config"),
-    "log_format": ("log", "format"), "log_level": ("log", "level"), "mode": ("policy", "mode"),
-    "allow_unverified_op": ("policy", "allow_unverified_ops"),
-}
-# flags that configure the single listener / tunnel (keys of that item; allow_* go to its `allow`)
-_ITEM_FLAGS = {
-    "serve": ("listen", "upstream", "upstream_exec", "name", "unsafe_upstream", "allow_cn", "allow_dns", "allow_uri", "allow_ip",
-              "allow_all"),
-    "connect": ("listen", "server", "server_name", "name", "unsafe_listen"),
-}
-
-
-def _copy(d: Any) -> Any:
-    return {} if d is None else dict(d) if isinstance(d, dict) else d
-
-
-def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Config for ``rpcguard serve|connect``: the optional ``file`` with CLI ``overrides`` on top.
-
-    Override values of None, False or an empty list mean "flag not given". TLS/metrics/log flags
-    and ``mode`` apply to everything; listener flags (``listen``, ``upstream``, ``server``,
-    ``allow_cn``...; ``allow_*`` replace that kind only) need at most one listener/tunnel in the
-    file. Errors about a flag's value name the flag (``--upstream: ...``); relative paths given by
-    flags are relative to the cwd.
-    """
-    if role not in ROLES:
-        raise ConfigError("role", f"must be serve or connect, got {_show(role)}")
-    data, source = (_read_yaml(file), file) if file is not None else ({}, "<flags>")
-    if not isinstance(data, dict):
-        return parse_config(data, role, source=source)  # raises the top-level error
-    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
-    given = {k: v for k, v in (overrides or {}).items() if v is not None and v is not False and v not in ([], ())}
-    other = "connect" if role == "serve" else "serve"
-    for k in given:
-        if k not in _GLOBAL_FLAGS and k not in _ITEM_FLAGS[role]:
-            raise ConfigError(flag(k), f"only valid for rpcguard {other}" if k in _ITEM_FLAGS[other] else "unknown option")
-    data = {**data, **{sec: _copy(data.get(sec)) for sec in ("tls", "metrics", "log", "policy")}}
-    for k, (sec, key) in _GLOBAL_FLAGS.items():
-        if k in given and isinstance(data[sec], dict):
-            data[sec][key] = _Flag(given[k], flag(k))
-    for k in ("cert", "key", "ca"):
-        if isinstance(data["tls"], dict) and data["tls"].get(k) is None:
-            raise ConfigError(flag(k), f"required (or tls.{k} in the config file)")
-    items_key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
-    items = data.get(items_key)
-    if "mode" in given and isinstance(data["policy"], dict):  # beat items' (and profiles') own mode
-        mode = data["policy"]["mode"]
-        if isinstance(items, list):
-            items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": mode}}
-                                       if isinstance(it, dict) and isinstance(it.get("policy"), dict)
-                                       and "mode" in it["policy"] else it for it in items]
-        if isinstance(data.get("profiles"), dict):
-            data["profiles"] = {k: {**p, "policy": {**p["policy"], "mode": mode}}
-                                if isinstance(p, dict) and isinstance(p.get("policy"), dict)
-                                and "mode" in p["policy"] else p for k, p in data["profiles"].items()}
-    item_flags = [k for k in _ITEM_FLAGS[role] if k in given]
-    if item_flags and (items is None or items == []):
-        for k in ("listen", "upstream" if role == "serve" else "server"):
-            if k not in given and not (k == "upstream" and "upstream_exec" in given):
-                raise ConfigError(flag(k), f"required (no {word} in a config file)")
-        items = [{}]
-    if item_flags and isinstance(items, list) and len(items) > 1:
-        raise ConfigError(flag(item_flags[0]), f"the config file defines {len(items)} {items_key}; "
-                                               f"this flag can only configure a single {word}")
-    if item_flags and isinstance(items, list) and isinstance(items[0], dict):
-        item = dict(items[0])
-        if any(k.startswith("allow_") for k in item_flags):  # the item's ACL, else the top-level one
-            item["allow"] = _copy(data.get("allow") if item.get("allow") is None else item["allow"])
-        for k in item_flags:
-            if k.startswith("allow_") and isinstance(item["allow"], list):
-                raise ConfigError(flag(k), "the config file's allow-list is a list of entries (profiles); "
-                                           "put this identity in the file instead")
-            if k.startswith("allow_"):
-                if isinstance(item["allow"], dict):
-                    v = given[k]
-                    item["allow"][k[6:]] = _Flag(v if k == "allow_all" else [v] if isinstance(v, str) else list(v),
-                                                 flag(k))
-            elif k == "upstream_exec":  # serve [options] -- COMMAND: the file's upstream mapping, this exec
-                if "upstream" in given:
-                    raise ConfigError("--upstream", "and a server command after -- exclude each other")
-                up = item.get("upstream")
-                item["upstream"] = {**up, "exec": given[k]} if isinstance(up, dict) else _Flag(list(given[k]),
-                                                                                             "serve -- COMMAND")
-            else:
-                item[k] = _Flag(given[k], flag(k))
-        data[items_key] = [item]
-    return parse_config(data, role, source=source, base_dir=os.path.dirname(os.path.abspath(file)) if file else None)
 
 
 def _acl_text(allow: AllowList) -> str:

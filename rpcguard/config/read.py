@@ -2,9 +2,9 @@
 
 How this works: a reader is ``(value, key path) -> value``; it returns the checked (and
 converted) value or raises ``ConfigError(path, message)``, so every error is one line naming the
-key (``listeners[1].upstream: must be HOST:PORT ([IPv6]:PORT), got 'foo'``). ``_Section`` walks one
+key (``listeners[1].upstream: must be HOST:PORT ([IPv6]:PORT), got 'foo'``). ``Section`` walks one
 mapping: it refuses unknown keys, knows its path, and unwraps values that came from a CLI flag
-(``_Flag``) so their errors name the flag. The public value parsers (``parse_address``,
+(``FromFlag``) so their errors name the flag. The public value parsers (``parse_address``,
 ``parse_size``) raise ``ValueError`` and are used by the CLI too. The ``_``-names are internal to
 ``config.py`` and ``rpcguard/config/sections.py``.
 """
@@ -45,7 +45,7 @@ class Address:
         """True for ``localhost``, 127.0.0.0/8 and ::1 (also as ::ffff:127.x.y.z)."""
         if self.host.lower() == "localhost":
             return True
-        ip = ipaddress.ip_address(self.host) if _is_ip(self.host) else None
+        ip = ipaddress.ip_address(self.host) if is_ip(self.host) else None
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         return ip is not None and ip.is_loopback
@@ -63,7 +63,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": KIB, "mib": MIB, "gib": GIB, "tib": 1 << 40}
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -73,7 +73,7 @@ def _is_ip(host: str) -> bool:
 
 def _host_ok(host: Any) -> bool:
     """An IP address, or a host name (a numeric-looking name must be a real IPv4 address)."""
-    return isinstance(host, str) and (_is_ip(host) or (
+    return isinstance(host, str) and (is_ip(host) or (
         not re.fullmatch(r"[\d.]+", host) and _HOST_RE.fullmatch(host) is not None))
 
 
@@ -81,9 +81,9 @@ def parse_address(text: object, *, allow_port_zero: bool = False) -> Address:
     """Parse ``HOST:PORT`` or ``[IPv6]:PORT``; raises ``ValueError`` with a one-line message."""
     m = _ADDR_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
-        raise ValueError(f"must be HOST:PORT ([IPv6]:PORT), got {_show(text)}")
+        raise ValueError(f"must be HOST:PORT ([IPv6]:PORT), got {show(text)}")
     v6, host, port = m.group(1) is not None, m.group(1) or m.group(3), int(m.group(2) or m.group(4))
-    if not (":" in host and _is_ip(host) if v6 else _host_ok(host)):
+    if not (":" in host and is_ip(host) if v6 else _host_ok(host)):
         raise ValueError(f"bad {'IPv6 address' if v6 else 'host'} in {text!r}")
     if not (0 if allow_port_zero else 1) <= port <= 65535:
         raise ValueError(f"port must be {0 if allow_port_zero else 1}..65535, got {text!r}")
@@ -101,7 +101,7 @@ def parse_size(value: object, *, allow_zero: bool = True) -> int:
             raise ValueError(f"must be a whole number of bytes, got {value!r}")
         n = int(exact)
     else:
-        raise ValueError(f"must be a size in bytes (integer, or like '64MiB'), got {_show(value)}")
+        raise ValueError(f"must be a size in bytes (integer, or like '64MiB'), got {show(value)}")
     if n < 0 or (n == 0 and not allow_zero):
         raise ValueError(f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return n
@@ -112,7 +112,7 @@ def parse_size(value: object, *, allow_zero: bool = True) -> int:
 Reader = Callable[[Any, str], Any]
 
 
-def _show(v: object) -> str:
+def show(v: object) -> str:
     """A short one-line rendering of a bad value for an error message."""
     try:
         s = "a mapping" if isinstance(v, dict) else "a list" if isinstance(v, list) else repr(v)
@@ -121,16 +121,16 @@ def _show(v: object) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def _reader(ok: Callable[[Any], Any], want: str, conv: Callable[[Any], Any] = lambda v: v) -> Reader:
+def reader(ok: Callable[[Any], Any], want: str, conv: Callable[[Any], Any] = lambda v: v) -> Reader:
     """A reader accepting values where ``ok(v)``; otherwise ``"<path>: must be <want>, got <v>"``."""
     def read(v: Any, path: str) -> Any:
         if not ok(v):
-            raise ConfigError(path, f"must be {want}, got {_show(v)}")
+            raise ConfigError(path, f"must be {want}, got {show(v)}")
         return conv(v)
     return read
 
 
-def _via(parse: Callable[..., Any], **kw: Any) -> Reader:
+def via(parse: Callable[..., Any], **kw: Any) -> Reader:
     """A reader from a public parser that raises ``ValueError``."""
     def read(v: Any, path: str) -> Any:
         try:
@@ -140,10 +140,10 @@ def _via(parse: Callable[..., Any], **kw: Any) -> Reader:
     return read
 
 
-def _list(item: Reader) -> Reader:
+def list_of(item: Reader) -> Reader:
     def read(v: Any, path: str) -> tuple:
         if not isinstance(v, list):
-            raise ConfigError(path, f"must be a list, got {_show(v)}")
+            raise ConfigError(path, f"must be a list, got {show(v)}")
         return tuple(item(x, f"{path}[{i}]") for i, x in enumerate(v))
     return read
 
@@ -152,51 +152,51 @@ def _re(pattern: str) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None
 
 
-def _choice(*choices: str) -> Reader:  # a float is read as text: YAML makes `min_version: 1.3` a float
+def choice(*choices: str) -> Reader:  # a float is read as text: YAML makes `min_version: 1.3` a float
     text = lambda v: str(v) if isinstance(v, float) else v  # noqa: E731
-    return _reader(lambda v: text(v) in choices, "one of " + ", ".join(choices), text)
+    return reader(lambda v: text(v) in choices, "one of " + ", ".join(choices), text)
 
 
-def _duration(zero_is_off: bool = False) -> Reader:
+def duration(zero_is_off: bool = False) -> Reader:
     def ok(v: Any) -> bool:  # abs(v) < 1e15 also refuses nan and inf
         return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e15 and (
             v > 0 or (zero_is_off and v == 0))
-    return _reader(ok,
+    return reader(ok,
                    "a number of seconds " + (">= 0 (0 = off)" if zero_is_off else "> 0"), float)
 
 
-def _ip(v: Any, path: str) -> str:
+def ip_text(v: Any, path: str) -> str:
     try:
         return str(ipaddress.ip_network(v if isinstance(v, str) else ""))
     except ValueError:
-        raise ConfigError(path, f"must be an IP address or network, got {_show(v)}") from None
+        raise ConfigError(path, f"must be an IP address or network, got {show(v)}") from None
 
 
-_str = _reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
-_bool = _reader(lambda v: isinstance(v, bool), "true or false")
-_count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
-_count_or_off = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62,
+text = reader(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+boolean = reader(lambda v: isinstance(v, bool), "true or false")
+count = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0")
+count_or_off = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62,
                         "an integer >= 0 (0 = off)")
-_name = _reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
+name_text = reader(_re(r"[A-Za-z0-9_.-]+"), "a name of letters, digits, '_', '.', '-'")
 # Only versions rpcguard has a command table for: any other would refuse every session at HELLO.
 _KNOWN_TEXT = tuple(format_version(v) for v in KNOWN_VERSIONS)
-_version = _reader(lambda v: isinstance(v, str) and v.strip() in _KNOWN_TEXT,
+version_text = reader(lambda v: isinstance(v, str) and v.strip() in _KNOWN_TEXT,
                    "a protocol version rpcguard knows (" + ", ".join(_KNOWN_TEXT) + ")", str.strip)
-_uri = _reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")
-_server_name = _reader(_host_ok, "a host name or IP address")
-_command = _reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),
+uri_text = reader(_re(r"[A-Za-z][A-Za-z0-9+.-]*:\S+"), "a URI like 'spiffe://domain/workload'")
+server_name_text = reader(_host_ok, "a host name or IP address")
+command_name = reader(lambda v: isinstance(v, str) and (v in COMMAND_NAMES or v in CATEGORIES),
                    f"a command name like SET_TENSOR or a category ({', '.join(CATEGORIES)})")
-_op = _reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
+op_name = reader(lambda v: isinstance(v, str) and v in _OP_NAMES,
               "a ggml op name like SSM_SCAN or GATED_DELTA_NET (see rpcguard/protocol/ggml.py)")
-_op_or_all = _reader(lambda v: isinstance(v, str) and (v in _OP_NAMES or v == "*"),
+op_name_or_all = reader(lambda v: isinstance(v, str) and (v in _OP_NAMES or v == "*"),
                      "a ggml op name like IM2COL, or * for every op")
-_listen, _connect = _via(parse_address, allow_port_zero=True), _via(parse_address)  # listen :0 = any port
+listen_address, connect_address = via(parse_address, allow_port_zero=True), via(parse_address)  # listen :0 = any port
 
 
-def _file(base_dir: str | None) -> Reader:
+def file_path(base_dir: str | None) -> Reader:
     """A readable regular file; relative to ``base_dir`` (the config's dir), or the cwd for flags."""
     def read(v: Any, path: str) -> str:
-        p = os.path.expanduser(_str(v, path))
+        p = os.path.expanduser(text(v, path))
         p = os.path.normpath(os.path.join(os.getcwd() if path.startswith("--") or base_dir is None
                                           else base_dir, p))
         if not os.path.isfile(p):
@@ -213,7 +213,7 @@ def _file(base_dir: str | None) -> Reader:
 
 
 @dataclass(frozen=True, slots=True)
-class _Flag:
+class FromFlag:
     """A value set by a CLI flag: errors about it name the flag instead of the key path."""
     value: Any
     flag: str
@@ -222,13 +222,13 @@ class _Flag:
 _MISSING = object()
 
 
-class _Section:
+class Section:
     """One mapping being read: knows its path, rejects unknown keys, reads keys by reader."""
 
     def __init__(self, data: Any, path: str, keys: set[str] | frozenset[str]) -> None:
         data = {} if data is None else data
         if not isinstance(data, dict):
-            raise ConfigError(path, f"must be a mapping, got {_show(data)}")
+            raise ConfigError(path, f"must be a mapping, got {show(data)}")
         for k in data:
             if k not in keys:
                 k = k if isinstance(k, str) and k.isprintable() else repr(k)
@@ -237,9 +237,9 @@ class _Section:
         self.data, self.path = data, path
 
     def raw(self, key: str) -> tuple[Any, str]:
-        """(value, path-or-flag) with a ``_Flag`` unwrapped; value None when absent."""
+        """(value, path-or-flag) with a ``FromFlag`` unwrapped; value None when absent."""
         v = self.data.get(key)
-        return (v.value, v.flag) if isinstance(v, _Flag) else (v, f"{self.path}.{key}" if self.path else key)
+        return (v.value, v.flag) if isinstance(v, FromFlag) else (v, f"{self.path}.{key}" if self.path else key)
 
     def get(self, key: str, read: Reader, default: Any = _MISSING) -> Any:
         """Read ``key`` (absent or null -> ``default``; no default -> "required")."""
@@ -253,5 +253,5 @@ class _Section:
         return {k: self.get(k, r) for k, r in readers.items() if self.raw(k)[0] is not None}
 
 
-def _then(read: Reader, conv: Callable[[Any], Any]) -> Reader:
+def then(read: Reader, conv: Callable[[Any], Any]) -> Reader:
     return lambda v, path: conv(read(v, path))

@@ -20,8 +20,8 @@ from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Ses
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
 
 from rpcguard.config.read import (
-    CATEGORIES, Reader, _bool, _choice, _command, _count, _count_or_off, _duration, _ip, _list, _name, _op,
-    _op_or_all, _Section, _show, _str, _then, _uri, _version, _via, parse_size,
+    CATEGORIES, Reader, boolean, choice, command_name, count, count_or_off, duration, ip_text, list_of, name_text, op_name,
+    op_name_or_all, Section, show, text, then, uri_text, version_text, via, parse_size,
 )
 from rpcguard.errors import ConfigError
 
@@ -43,42 +43,42 @@ def _versions(vs: tuple[str, ...]) -> frozenset:
     return frozenset(parse_version(v) for v in vs) if vs else frozenset(KNOWN_VERSIONS)
 
 
-_SIZE, _SIZE_POS = _via(parse_size), _via(parse_size, allow_zero=False)
+_SIZE, _SIZE_POS = via(parse_size), via(parse_size, allow_zero=False)
 # YAML key under `policy:` -> (reader giving the runtime value, field path in SessionPolicy)
 _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
-    "mode": (_choice("enforce", "monitor"), "mode"),
-    "accepted_versions": (_then(_list(_version), _versions), "accepted_versions"),
-    "allow_commands": (_then(_list(_command), expand_commands), "allowed_commands"),
+    "mode": (choice("enforce", "monitor"), "mode"),
+    "accepted_versions": (then(list_of(version_text), _versions), "accepted_versions"),
+    "allow_commands": (then(list_of(command_name), expand_commands), "allowed_commands"),
     "max_request_bytes": (_SIZE_POS, "max_request_bytes"),
     "max_graph_bytes": (_SIZE_POS, "max_graph_bytes"),
-    "clear_new_buffers": (_bool, "clear_new_buffers"),
-    "validate_requests": (_choice("auto", "always"), "validate_requests"),
-    "max_graph_nodes": (_count, "firewall.max_graph_nodes"),
-    "max_graph_tensors": (_count, "firewall.max_graph_tensors"),
+    "clear_new_buffers": (boolean, "clear_new_buffers"),
+    "validate_requests": (choice("auto", "always"), "validate_requests"),
+    "max_graph_nodes": (count, "firewall.max_graph_nodes"),
+    "max_graph_tensors": (count, "firewall.max_graph_tensors"),
     "max_alloc_bytes": (_SIZE, "firewall.max_alloc_bytes"),
     "max_session_alloc_bytes": (_SIZE, "firewall.max_session_alloc_bytes"),
-    "denied_ops": (_then(_list(_op), frozenset), "firewall.denied_ops"),
-    "allow_unverified_ops": (_then(_list(_op_or_all), frozenset), "firewall.allow_unverified_ops"),
-    "max_graph_cpu_ms": (_then(_count, lambda ms: ms / 1000), "firewall.max_graph_cpu_s"),
-    "max_graph_compute_s": (_duration(zero_is_off=True), "firewall.max_graph_compute_s"),
-    "node_gflops": (_duration(), "firewall.node_gflops"),  # (a positive number, read as a duration is)
+    "denied_ops": (then(list_of(op_name), frozenset), "firewall.denied_ops"),
+    "allow_unverified_ops": (then(list_of(op_name_or_all), frozenset), "firewall.allow_unverified_ops"),
+    "max_graph_cpu_ms": (then(count, lambda ms: ms / 1000), "firewall.max_graph_cpu_s"),
+    "max_graph_compute_s": (duration(zero_is_off=True), "firewall.max_graph_compute_s"),
+    "node_gflops": (duration(), "firewall.node_gflops"),  # (a positive number, read as a duration is)
     "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
-    "server_threads": (_count, "firewall.server_threads"),
+    "server_threads": (count, "firewall.server_threads"),
 }
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
     {f: k for k, (_, f) in _POLICY_KEYS.items()} | {"firewall.disabled_checks": "checks"})
 # YAML key under `limits:` -> reader (the Limits field has the same name)
 _LIMIT_KEYS: dict[str, Reader] = {
-    "handshake_timeout_s": _duration(), "hello_timeout_s": _duration(), "idle_timeout_s": _duration(zero_is_off=True),
-    "frame_timeout_s": _duration(zero_is_off=True), "max_session_s": _duration(zero_is_off=True), "max_sessions": _count,
-    "upstream_busy": _choice("queue", "refuse"), "queue_timeout_s": _duration(),
-    "max_graph_s": _duration(zero_is_off=True),
-    "drain_timeout_s": _duration(), "connect_timeout_s": _duration(),
-    "min_data_rate_bps": _count_or_off, "idle_while_waiting_s": _duration(zero_is_off=True),
-    "max_sessions_per_identity": _count_or_off, "max_sessions_per_source": _count_or_off,
-    "max_pending_per_identity": _count_or_off, "max_pending_per_source": _count_or_off,
-    "max_handshakes_per_source": _count_or_off,
+    "handshake_timeout_s": duration(), "hello_timeout_s": duration(), "idle_timeout_s": duration(zero_is_off=True),
+    "frame_timeout_s": duration(zero_is_off=True), "max_session_s": duration(zero_is_off=True), "max_sessions": count,
+    "upstream_busy": choice("queue", "refuse"), "queue_timeout_s": duration(),
+    "max_graph_s": duration(zero_is_off=True),
+    "drain_timeout_s": duration(), "connect_timeout_s": duration(),
+    "min_data_rate_bps": count_or_off, "idle_while_waiting_s": duration(zero_is_off=True),
+    "max_sessions_per_identity": count_or_off, "max_sessions_per_source": count_or_off,
+    "max_pending_per_identity": count_or_off, "max_pending_per_source": count_or_off,
+    "max_handshakes_per_source": count_or_off,
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
 #: limits a profile cannot set: they apply before the identity is known, or to the whole process
@@ -97,20 +97,20 @@ def _parse_policy(layers: list[tuple[Any, str]], base: SessionPolicy) -> Session
     fw: dict[str, Any] = {}
     disabled = set(base.firewall.disabled_checks)
     for data, path in layers:
-        s = _Section(data, path, set(_POLICY_KEYS) | {"checks"})
+        s = Section(data, path, set(_POLICY_KEYS) | {"checks"})
         for key, (read, target) in _POLICY_KEYS.items():
             v, where = s.raw(key)
             if v is not None:
                 sub, _, name = target.rpartition(".")
                 (fw if sub else top)[name] = read(v, where)
-        c = _Section(s.data.get("checks"), s.raw("checks")[1], frozenset(CHECK_NAMES))
-        for name, on in c.read_all(dict.fromkeys(CHECK_NAMES, _bool)).items():
+        c = Section(s.data.get("checks"), s.raw("checks")[1], frozenset(CHECK_NAMES))
+        for name, on in c.read_all(dict.fromkeys(CHECK_NAMES, boolean)).items():
             (disabled.discard if on else disabled.add)(name)
     return replace(base, **top, firewall=replace(base.firewall, **fw, disabled_checks=frozenset(disabled)))
 
 
 def _parse_limits(data: Any, path: str, base: Limits, refused: Mapping[str, str] = MappingProxyType({})) -> Limits:
-    s = _Section(data, path, set(_LIMIT_KEYS))
+    s = Section(data, path, set(_LIMIT_KEYS))
     for key, why in refused.items():
         if s.raw(key)[0] is not None:
             raise ConfigError(s.raw(key)[1], f"cannot be set in a profile: it {why}; set it in the top-level limits")
@@ -134,9 +134,9 @@ def _acl_entry(kind: str, check: Reader) -> Reader:
 
 # allow-list key -> (reader, identity.Acl field)
 _ACL_KEYS: dict[str, tuple[Reader, str]] = {
-    "cn": (_list(_str), "cns"), "dns": (_list(_acl_entry("dns", _str)), "dns"),
-    "uri": (_list(_acl_entry("uris", _uri)), "uris"), "ip": (_list(_acl_entry("ips", _ip)), "ips"),
-    "all": (_bool, "allow_any"),
+    "cn": (list_of(text), "cns"), "dns": (list_of(_acl_entry("dns", text)), "dns"),
+    "uri": (list_of(_acl_entry("uris", uri_text)), "uris"), "ip": (list_of(_acl_entry("ips", ip_text)), "ips"),
+    "all": (boolean, "allow_any"),
 }
 _EMPTY_ACL = ("empty allow-list: give cn/dns/uri/ip entries (--allow-cn/-dns/-uri/-ip), "
               "or all: true (--allow-all) to admit any certificate signed by tls.ca")
@@ -155,7 +155,7 @@ def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: boo
     items = [(x, f"{path}[{i}]") for i, x in enumerate(data)] if isinstance(data, list) else [(data, path)]
     entries = []
     for item, where in items:
-        s = _Section(item, where, set(_ACL_KEYS) | {"profile"})
+        s = Section(item, where, set(_ACL_KEYS) | {"profile"})
         values: dict[str, Any] = {attr: s.get(key, read) for key, (read, attr) in _ACL_KEYS.items()
                                   if s.raw(key)[0] is not None}
         named = any(values.get(k) for k in ("cns", "dns", "uris", "ips"))
@@ -164,7 +164,7 @@ def _parse_allow(data: Any, path: str, profiles: Mapping[str, Any], require: boo
         if not named and not values.get("allow_any") and (require or where != path):
             raise ConfigError(where, _EMPTY_ACL if where == path else
                               "empty entry: give cn/dns/uri/ip entries or all: true")
-        profile = s.get("profile", _name, None)
+        profile = s.get("profile", name_text, None)
         if profile is not None and profile not in profiles:
             known = ", ".join(sorted(profiles)) or "none"
             raise ConfigError(s.raw("profile")[1], f"unknown profile {profile!r} (defined in profiles: {known})")
@@ -177,14 +177,14 @@ def _parse_profiles(data: Any, role: str, top_policy: Any, top_limits: Limits) -
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("profiles", f"must be a mapping of name -> {{policy, limits}}, got {_show(data)}")
+        raise ConfigError("profiles", f"must be a mapping of name -> {{policy, limits}}, got {show(data)}")
     out = {}
     for name, body in data.items():
         path = f"profiles.{name}"
-        _name(name, path)
+        name_text(name, path)
         if name == DEFAULT_PROFILE:
             raise ConfigError(path, f"{DEFAULT_PROFILE!r} is reserved: it names the listener's own policy and limits")
-        s = _Section(body, path, {"policy", "limits"})
+        s = Section(body, path, {"policy", "limits"})
         _parse_policy([(top_policy, "policy"), (s.data.get("policy"), path + ".policy")], default_policy(role))
         _parse_limits(s.data.get("limits"), path + ".limits", top_limits, PROFILE_ONLY_TOP_LIMITS)
         out[name] = (s.data.get("policy"), s.data.get("limits"))

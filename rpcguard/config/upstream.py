@@ -3,7 +3,7 @@
 How this works: ``parse_upstream(data, path)`` reads the mapping form of a listener's
 ``upstream`` (the string form ``HOST:PORT`` is a server someone else runs, read by config.py)
 into ``UpstreamSettings``; errors are ``ConfigError`` naming the key path (or the flag: the
-``serve -- COMMAND`` form arrives as a ``_Flag``). rpcguard adds ``-H 127.0.0.1 -p PORT``
+``serve -- COMMAND`` form arrives as a ``FromFlag``). rpcguard adds ``-H 127.0.0.1 -p PORT``
 itself, so a command that sets a host or a port is an error.
 """
 
@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Any
 
-from rpcguard.config.read import _Flag, _Section, _bool, _choice, _duration, _list, _reader, _show
+from rpcguard.config.read import FromFlag, Section, boolean, choice, duration, list_of, reader, show
 from rpcguard.errors import ConfigError
 from rpcguard.upstream.pool import HOST_OPTIONS, ISOLATIONS, UpstreamSettings
 from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings
@@ -24,20 +24,20 @@ _KEYS = {"exec", "isolation", "spare", "start_timeout_s", "sandbox", "quarantine
 _SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths"}
 _QUARANTINE_KEYS = {"crashes", "window_s", "duration_s"}
 
-_text = _reader(lambda v: isinstance(v, str) and v != "" and "\0" not in v, "a non-empty string")
-_count = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "an integer >= 0")
-_uid = _reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 1000 <= v < 2**31 - 2**20,
+_text = reader(lambda v: isinstance(v, str) and v != "" and "\0" not in v, "a non-empty string")
+_count = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "an integer >= 0")
+_uid = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 1000 <= v < 2**31 - 2**20,
                "a uid >= 1000")
-_path = _reader(lambda v: isinstance(v, str) and os.path.isabs(v), "an absolute path")
+_path = reader(lambda v: isinstance(v, str) and os.path.isabs(v), "an absolute path")
 
 
 def _mode(v: Any, path: str) -> str:
     # YAML 1.1 reads a bare `off` as false
-    return "off" if v is False else _choice(*SANDBOX_MODES)(v, path)
+    return "off" if v is False else choice(*SANDBOX_MODES)(v, path)
 
 
 def _command(v: Any, path: str) -> tuple[str, ...]:
-    argv = _list(_text)(v, path)
+    argv = list_of(_text)(v, path)
     if not argv:
         raise ConfigError(path, "must name the server's command (ggml-rpc-server [ARGS])")
     for arg in argv[1:]:
@@ -52,24 +52,24 @@ def _command(v: Any, path: str) -> tuple[str, ...]:
 
 def parse_upstream(data: Any, path: str) -> UpstreamSettings:
     """The mapping form of ``upstream`` (see the module docstring)."""
-    if isinstance(data, _Flag):
-        data = {"exec": data}  # errors about it name the flag (_Section.raw unwraps it)
+    if isinstance(data, FromFlag):
+        data = {"exec": data}  # errors about it name the flag (Section.raw unwraps it)
     if not isinstance(data, dict):
-        raise ConfigError(path, f"must be HOST:PORT or a mapping with exec, got {_show(data)}")
-    s = _Section(data, path, _KEYS)
+        raise ConfigError(path, f"must be HOST:PORT or a mapping with exec, got {show(data)}")
+    s = Section(data, path, _KEYS)
     argv = s.get("exec", _command)
     kw: dict[str, Any] = {}
     if s.raw("isolation")[0] is not None:
-        kw["isolation"] = s.get("isolation", _choice(*ISOLATIONS))
+        kw["isolation"] = s.get("isolation", choice(*ISOLATIONS))
     if s.raw("spare")[0] is not None:
-        kw["spare"] = s.get("spare", _bool)
+        kw["spare"] = s.get("spare", boolean)
     if s.raw("start_timeout_s")[0] is not None:
-        kw["start_timeout_s"] = s.get("start_timeout_s", _duration())
-    sb = _Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
+        kw["start_timeout_s"] = s.get("start_timeout_s", duration())
+    sb = Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
     sbkw = sb.read_all({"mode": _mode, "uid_base": _uid, "uid_count": _count,
-                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": _list(_path)})
-    q = _Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
-    qkw = q.read_all({"crashes": _count, "window_s": _duration(), "duration_s": _duration(zero_is_off=True)})
+                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": list_of(_path)})
+    q = Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
+    qkw = q.read_all({"crashes": _count, "window_s": duration(), "duration_s": duration(zero_is_off=True)})
     for key, attr in (("crashes", "quarantine_crashes"), ("window_s", "quarantine_window_s"),
                       ("duration_s", "quarantine_s")):
         if key in qkw:

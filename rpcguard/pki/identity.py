@@ -189,14 +189,6 @@ class Acl:
         if not self.allows(identity):
             raise PolicyRefusal("identity_not_allowed", f"{identity.label()} is not in the allow-list")
 
-    def describe(self) -> str:
-        """One line for logs."""
-        if self.allow_any:
-            return "any certificate from the CA (allow_any)"
-        if self.is_empty:
-            return "nobody (empty allow-list)"
-        kinds = (("CN", self.cns), ("DNS", self.dns), ("URI", self.uris), ("IP", tuple(map(str, self._nets))))
-        return " ".join(f"{kind}=[{','.join(values)}]" for kind, values in kinds if values)
 
 
 @dataclass(frozen=True)
@@ -228,11 +220,6 @@ class AllowList:
         """The profile named by the first entry admitting ``identity`` (None: default or not admitted)."""
         entry = self.match(identity)
         return entry.profile if entry is not None else None
-
-    def describe(self) -> str:
-        """One line for logs."""
-        return "; ".join(e.describe() + (f" -> profile {e.profile}" if e.profile else "")
-                         for e in self.entries) or "nobody (empty allow-list)"
 
 
 def _check_dns_entry(entry: str) -> str:

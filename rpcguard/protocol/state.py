@@ -10,9 +10,9 @@ SET_TENSOR_HASH requests missed (the only ones a SET_TENSOR may follow with cach
 which devices hold a stored graph that GRAPH_RECOMPUTE may rerun. Both are plain data: the
 session fills them, the firewall reads them.
 
-The verdict caches (``head_cache``, ``tensor_cache``) hold verdicts that depend on the buffer map:
-every change to it (a buffer added, freed, or its base learned) goes through ``add_buffer``,
-``free_buffer`` or ``set_base``, which empty both caches.
+The verdict caches (``tensor_cache``, ``layout_cache``, ``node_cache``, ``head_cache``) hold
+verdicts that depend on the buffer map: every change to it (a buffer added, freed, or its base
+learned) goes through ``add_buffer``, ``free_buffer`` or ``set_base``, which empty all four.
 """
 
 from __future__ import annotations

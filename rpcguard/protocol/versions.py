@@ -1,8 +1,8 @@
 """The ggml-rpc command table, one per protocol version.
 
 How this works: every rule about a command that depends on the protocol version lives in
-``_ROWS`` below, one row per command with the first version it exists in and its layout in
-each era. ``spec_for(version)`` folds the rows into an immutable ``ProtocolSpec`` for one
+``_rows(version)`` below, one row per command with the first version it exists in and its
+layout in each era. ``spec_for(version)`` folds the rows into an immutable ``ProtocolSpec`` for one
 version: the request payload size (exact, or the size of the part that must be validated
 before anything is forwarded), the response kind, and the HELLO layout. The decoders and the
 firewall only ever consult a ``ProtocolSpec``; nothing else branches on version numbers.

@@ -471,7 +471,3 @@ class Link:
         )
         if route.on_session_end is not None:
             route.on_session_end(record)
-
-    def audit_record(self) -> dict:
-        """The per-session audit record (one per session, logged at its end)."""
-        return self.lc.audit_record()

@@ -89,17 +89,6 @@ class TlsMaterial:
     def _stamp(self) -> tuple:
         return _stamp_of(self.tls)
 
-    def changed(self) -> bool:
-        return self._stamp() != self.stamp
-
-    def reload(self, tls_cfg: TlsConfig | None = None) -> None:
-        """Build new contexts; on any error the old ones stay and the error propagates."""
-        self.use(self.prepare(tls_cfg if tls_cfg is not None else self.tls))
-
-    def expiry(self) -> dict[str, float]:
-        """notAfter of the files on disk now (raises if one became unreadable)."""
-        return {"cert": cert_not_after(self.tls.cert), "ca": cert_not_after(self.tls.ca)}
-
 
 def _stamp_of(tls: TlsConfig) -> tuple:
     out: list[tuple[int, int, int] | None] = []

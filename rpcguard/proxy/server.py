@@ -27,7 +27,8 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from rpcguard.config.model import Config, ListenerConfig, TunnelConfig, build_config
+from rpcguard.config.model import Config, ListenerConfig, TunnelConfig
+from rpcguard.config.flags import build_config
 from rpcguard.config.diff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.observe.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError

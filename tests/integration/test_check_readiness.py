@@ -112,7 +112,7 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
     """A session's outcome is fresher than any probe: it decides /readyz without a connection."""
     import asyncio
 
-    from rpcguard.config.model import build_config
+    from rpcguard.config.flags import build_config
     from rpcguard.proxy.server import Runtime
 
     dead = realpeer.reserve_port()  # nothing listens: only the session records can make it ready

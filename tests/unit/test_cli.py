@@ -369,7 +369,7 @@ def test_status_without_metrics_tries_serve_then_connect_defaults():
 
 def test_flags_reach_the_config(pki, tmp_path):
     from rpcguard.cli import _overrides, _parser
-    from rpcguard.config.model import build_config
+    from rpcguard.config.flags import build_config
 
     a = _parser().parse_args(serve(pki, "--tls-reload-interval-s", "2.5", "--metrics", "0.0.0.0:0",
                                    "--metrics-unsafe-public"))
@@ -466,8 +466,24 @@ def test_version_says_core_protocols_openssl_and_commit():
 def test_help_shows_defaults_and_what_is_required(command, needle):
     p = rg(*command, "--help")
     assert p.returncode == 0 and needle in " ".join(p.stdout.split()), p.stdout
-    if command[0] in ("serve", "connect"):
-        assert "default 127.0.0.1:9450" in " ".join(p.stdout.split()) and "(default: None)" not in p.stdout
+    if command[0] in ("serve", "connect"):  # each role's own metrics default (config/flags.py)
+        port = {"serve": 9450, "connect": 9451}[command[0]]
+        assert f"default 127.0.0.1:{port}" in " ".join(p.stdout.split()) and "(default: None)" not in p.stdout
+
+
+def test_help_defaults_come_from_the_config_defaults():
+    # a default is written once (the config dataclass); the help texts are made from it
+    from rpcguard.config.flags import FLAGS, help_text
+    from rpcguard.config.model import LogConfig, TlsConfig
+
+    by_name = {f.name: f for f in FLAGS}
+    assert help_text(by_name["tls-min-version"], "serve").endswith(f"(default {TlsConfig.__dataclass_fields__['min_version'].default})")
+    assert help_text(by_name["log-level"], "connect") == f"default {LogConfig().level}"
+    for f in FLAGS:
+        for role in f.roles:
+            assert "{" not in help_text(f, role), (f.name, role)
+    text = " ".join(rg("serve", "--help").stdout.split())
+    assert "(default 1.3)" in text and "default enforce" in text and "default info" in text
 
 
 @pytest.mark.parametrize("args", [["--version"], ["--help"], ["serve", "--help"]])

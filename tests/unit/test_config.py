@@ -14,11 +14,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcguard.config.model import (
-    CATEGORIES, CHECK_NAMES, COMMAND_NAMES, GIB, KIB, MIB, LIMIT_KEYS, POLICY_FIELDS, Address,
-    LogConfig, build_config, config_summary, expand_commands, load_config,
-    parse_address, parse_config, parse_size,
-)
+from rpcguard.config.model import CATEGORIES, CHECK_NAMES, COMMAND_NAMES, GIB, KIB, MIB, LIMIT_KEYS, POLICY_FIELDS, Address, LogConfig, config_summary, expand_commands, load_config, parse_address, parse_config, parse_size
+from rpcguard.config.flags import build_config
 from rpcguard.errors import ConfigError
 from rpcguard.pki.identity import Acl, AllowList
 from rpcguard.protocol.settings import FirewallPolicy, Limits, SessionPolicy

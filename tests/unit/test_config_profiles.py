@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpcguard.config.model import build_config, config_summary, parse_config
+from rpcguard.config.model import config_summary, parse_config
+from rpcguard.config.flags import build_config
 from rpcguard.config.diff import ConfigDiff, diff_configs, keep_restart_keys
 from rpcguard.errors import ConfigError
 from rpcguard.pki.identity import PeerIdentity

@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from rpcguard.cli import _overrides, _parser
-from rpcguard.config.model import build_config
+from rpcguard.config.flags import build_config
 from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
     K8S, ROOT, RPC_SERVER, config_of, containers, docs, hours, issuers, kustomization, pod_roots,
     named, of_kind, pod_specs, reroot, rpc_server_port, rpcguard_containers, secret_certificate,

@@ -535,7 +535,7 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
     from rpcguard.pki import certs
 
     from rpcguard.proxy import server
-    from rpcguard.config.model import build_config
+    from rpcguard.config.flags import build_config
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])

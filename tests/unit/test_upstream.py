@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rpcguard.cli import main
-from rpcguard.config.model import build_config
+from rpcguard.config.flags import build_config
 from rpcguard.errors import ConfigError
 from rpcguard.upstream import sandbox
 from rpcguard.config.upstream import parse_upstream

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from rpcguard.pki import certs
-from rpcguard.config.model import build_config
+from rpcguard.config.flags import build_config
 from rpcguard.errors import ConfigError
 from rpcguard.observe.metrics import Metrics
 from rpcguard.observe.http import start_http
