@@ -69,11 +69,29 @@ def _populated() -> tuple[Metrics, ListenerTraffic]:
     return m, lt
 
 
+def _pool_exposition() -> bytes:
+    """What serve's PoolCollector exports for one listener whose server processes did everything once."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from rpcguard.upstream.pool import PoolCollector
+
+    pool = SimpleNamespace(starts=3, start_failures=1, exits={"killed": 2, "signal SIGSEGV": 1}, start_seconds_sum=0.6,
+                           last_start_s=0.2, sessions_by_start={"spare": 2, "cold": 1}, crashes=1, quarantines=1,
+                           quarantine={"CN=client9": float("inf")}, missing=frozenset({"seccomp"}),
+                           settings=SimpleNamespace(sandbox=SimpleNamespace(mode="required")))
+    reg = CollectorRegistry()
+    reg.register(PoolCollector({"gpu0": pool}))  # type: ignore[dict-item]
+    return generate_latest(reg)
+
+
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 29, "design.md metrics table not found or changed shape"
+    assert len(table) == 39, "design.md metrics table not found or changed shape"
     m, _ = _populated()
-    families = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
+    text = m.exposition().decode() + _pool_exposition().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (typ, labels) in table.items():
         base = name.removesuffix("_total") if typ == "counter" else name
         assert base in families, name
