@@ -16,7 +16,7 @@ import struct
 from typing import TYPE_CHECKING, Callable, Final, Mapping, NamedTuple
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.firewall import alloc_size_key, hash_miss_key
+from rpcguard.protocol.state import alloc_size_key, hash_miss_key
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
 from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES
 

@@ -26,7 +26,8 @@ from typing import Callable, Final
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
-from rpcguard.protocol.state import Buffer, SessionState
+from rpcguard.protocol.commands import CHECKS
+from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
     CHECK_TENSOR,
@@ -37,7 +38,7 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
-__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "hash_miss_key", "alloc_size_key"]
+__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES"]
 
 
 _U32: Final = struct.Struct("<I")
@@ -86,10 +87,7 @@ class Firewall:
             server_threads=policy.server_threads,
             contained=policy.contained,
         )
-        # The check per command id, from the command table (like h11's READERS). Imported here:
-        # commands.py uses this module's keys.
-        from rpcguard.protocol.commands import CHECKS
-
+        # The check per command id, from the command table (like h11's READERS).
         self._table: tuple[Callable[[CommandRule, memoryview, int], None] | None, ...] = tuple(
             getattr(self, method) if method is not None else None for method in CHECKS
         )
@@ -305,15 +303,3 @@ class Firewall:
         # the stored graph runs again: counted, and bounded with what is still queued on the
         # server (GRAPH_RECOMPUTE has no answer: a client could pipeline thousands of them)
         self._graph.charge_recompute(state.graph_flops.get(device, 0), state)
-
-
-def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:
-    """What a server's allocation size depends on (the client's own cache key, ggml-rpc.cpp:869-887)."""
-    return (device, t.type, *t[3:11], t.op)
-
-
-def hash_miss_key(set_tensor_head: memoryview | bytes) -> bytes:
-    """What ties a 7.0.0 SET_TENSOR head to the SET_TENSOR_HASH that missed before it: the
-    rpc_tensor and the offset (SET_TENSOR_HASH: rpc_tensor, offset, hash; SET_TENSOR: rpc_tensor,
-    cache_flag, offset)."""
-    return bytes(set_tensor_head[:TENSOR_BYTES]) + bytes(set_tensor_head[TENSOR_BYTES + 1 : TENSOR_BYTES + 9])

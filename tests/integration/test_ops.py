@@ -39,7 +39,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import realpeer
 from tests.support.guard import PYTHON, Guard, start_guard, wait_for_line
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_for, wait_until
 
 LONGCLIENT = Path(__file__).resolve().parent.parent / "support" / "longclient.py"
 
@@ -165,10 +165,16 @@ def closed_after(s: socket.socket, timeout: float = 15.0) -> float:
     return time.monotonic() - t0
 
 
-def session_end_line(guard: Guard, reason: str) -> str:
-    lines = [l for l in guard.output().splitlines() if "session end" in l and f"reason={reason}" in l]
-    assert lines, guard.output()[-3000:]
-    return lines[-1]
+def session_end_line(guard: Guard, reason: str, timeout: float = 15.0) -> str:
+    """The last session-end line of ``guard`` with ``reason``, waited for: the client may hear
+    the refusal before the line is written (the answer goes out first)."""
+    def lines() -> list[str]:
+        return [l for l in guard.output().splitlines() if "session end" in l and f"reason={reason}" in l]
+
+    wait_for(lambda: bool(lines()), timeout)
+    found = lines()
+    assert found, guard.output()[-3000:]
+    return found[-1]
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
@@ -797,7 +803,8 @@ def test_audit_record_counts_hash_cache_hits(pki, pair, workdir, bigtensor):
 def test_text_log_is_the_default(pair, models):
     connect, serve = pair()
     still_serves(connect, models)
-    line = next(l for l in serve.output().splitlines() if "session end" in l and "result=ok" in l)
+    line = wait_until(lambda: next((l for l in serve.output().splitlines() if "session end" in l and "result=ok" in l),
+                                   None), what="serve's session end line")
     assert not line.startswith("{") and "identity=CN=client1" in line and "rpcguard.relay" in line
     load = max((l for l in serve.output().splitlines() if "session end" in l and "upload_bytes=" in l),
                key=lambda l: int(re.search(r"upload_bytes=(\d+)", l).group(1)))

@@ -427,7 +427,7 @@ def test_set_tensor_with_cache_flag_is_never_answered_from_the_cache():
     st.add_buffer(HANDLE, 0, 1 << 26)
     st.set_base(HANDLE, BASE)
     head = memoryview(T(ne=(big // 4, 1, 1, 1)) + b"\x01" + struct.pack("<Q", 0))
-    from rpcguard.protocol.firewall import hash_miss_key
+    from rpcguard.protocol.state import hash_miss_key
 
     st.hash_misses.add(hash_miss_key(head))
     fw.check_request(rule, head, big)
