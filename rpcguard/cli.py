@@ -344,7 +344,7 @@ def _main(a: argparse.Namespace) -> int:
             return _ops(a)
         if a.command == "status":
             return _status(a)
-        from rpcguard.config.flags import build_config
+        from rpcguard.config.flags import build_config, log_warnings
 
         role = "connect" if a.command == "check" else a.command
         overrides = _overrides(a)
@@ -366,6 +366,7 @@ def _main(a: argparse.Namespace) -> int:
     setup_logging(cfg.log.format, cfg.log.level)
     _LOGGING[0] = True
     held.replay()
+    log_warnings(cfg)
     json_log = cfg.log.format == "json"
     if a.command == "check":
         return _run(_check_nodes(cfg, json_log, as_json=a.json))
@@ -468,6 +469,8 @@ def _check_config(path: str) -> int:
         print("  " + line)
     for line in _versions_summary(cfg):
         print("  " + line)
+    for text in cfg.warnings:
+        print(f"  WARNING {text}")
     for record in held.records:
         if record.levelno >= logging.WARNING:
             print(f"  WARNING {record.getMessage()}")

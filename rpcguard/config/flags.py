@@ -12,16 +12,17 @@ layer lays flags over the file (``build_config``, through ``GLOBAL`` and ``ITEM`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
-from rpcguard.config.model import DEFAULT_METRICS, ROLES, Config, LogConfig, TlsConfig, _read_yaml, parse_config
+from rpcguard.config.model import DEFAULT_METRICS, LOGGER, ROLES, Config, LogConfig, TlsConfig, read_yaml, parse_config
 from rpcguard.config.read import FromFlag, show
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import SessionPolicy
 
-__all__ = ["Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "given", "help_text", "build_config"]
+__all__ = ["Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "given", "help_text", "build_config", "log_warnings"]
 
 Kind = Literal["value", "switch", "append", "float"]
 
@@ -153,7 +154,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
         raise ConfigError("role", f"must be serve or connect, got {show(role)}")
     # the table's item flags, serve's command after --, and a listener's name (callers that build one)
     item_keys = {"serve": ITEM["serve"] + ("upstream_exec", "name"), "connect": ITEM["connect"] + ("name",)}
-    data, source = (_read_yaml(file), file) if file is not None else ({}, "<flags>")
+    data, source = (read_yaml(file), file) if file is not None else ({}, "<flags>")
     if not isinstance(data, dict):
         return parse_config(data, role, source=source)  # raises the top-level error
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
@@ -213,3 +214,10 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
                 item[k] = FromFlag(given[k], flag(k))
         data[items_key] = [item]
     return parse_config(data, role, source=source, base_dir=os.path.dirname(os.path.abspath(file)) if file else None)
+
+
+def log_warnings(cfg: Config) -> None:
+    """Log what ``cfg`` warns about (serve/connect at start and at each reload)."""
+    log = logging.getLogger(LOGGER)
+    for text in cfg.warnings:
+        log.warning("%s", text)

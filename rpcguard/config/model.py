@@ -18,7 +18,6 @@ that names one puts the identities it admits under it (``identity.AllowList``: f
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -51,7 +50,7 @@ __all__ = [
     "load_config", "parse_config", "config_summary",
 ]
 
-log = logging.getLogger("rpcguard.config")
+LOGGER = "rpcguard.config"  # the logger callers log ``Config.warnings`` to
 
 ROLES = ("serve", "connect")
 
@@ -123,6 +122,9 @@ class Config:
     listeners: tuple[ListenerConfig, ...] = ()
     tunnels: tuple[TunnelConfig, ...] = ()
     profiles: tuple[str, ...] = ()  # serve: names of the profiles defined (used or not)
+    # what the file does that deserves a warning (allow.all, unused profiles...): data, logged or
+    # printed by the caller (serve/connect at start and reload, check-config); not part of equality
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
 DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
@@ -197,7 +199,7 @@ def _item_profiles(top: _Top, allow: AllowList, default: Profile) -> Mapping[str
     return MappingProxyType(out)
 
 
-def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
+def _parse_items(role: str, items: Any, top: _Top, warnings: list[str]) -> tuple[tuple, list]:
     """The listeners (serve) or tunnels (connect), and [(listen address, path)] for clash checks."""
     key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
     if items is not None and not isinstance(items, list):
@@ -220,9 +222,9 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
         policy = _parse_policy([(top.policy, "policy"), (s.data.get("policy"), s.path + ".policy")],
                                default_policy(role))
         if policy.firewall.allow_unverified_ops:
-            log.warning("%s (%s): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): %s; "
-                        "each use is counted in rpcguard_unverified_op_nodes_total", s.path, name,
-                        ", ".join(sorted(policy.firewall.allow_unverified_ops)))
+            warnings.append(f"{s.path} ({name}): graph ops forwarded WITHOUT a verified rule (allow_unverified_ops): "
+                            f"{', '.join(sorted(policy.firewall.allow_unverified_ops))}; each use is counted in "
+                            "rpcguard_unverified_op_nodes_total")
         default = Profile(DEFAULT_PROFILE, policy, top.limits)
         if role == "serve":
             raw = s.data.get("upstream")
@@ -236,7 +238,7 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
             allow = _parse_allow(s.data["allow"] if own else top.allow, s.path + ".allow" if own else "allow",
                                  top.profiles)
             if any(e.allow_any for e in allow.entries):
-                log.warning("%s (%s): allow.all, any certificate signed by tls.ca is admitted", s.path, name)
+                warnings.append(f"{s.path} ({name}): allow.all, any certificate signed by tls.ca is admitted")
             out.append(ListenerConfig(name, listen, upstream, allow, default, _item_profiles(top, allow, default),
                                       unsafe, managed))
         else:
@@ -248,18 +250,18 @@ def _parse_items(role: str, items: Any, top: _Top) -> tuple[tuple, list]:
     return tuple(out), listens
 
 
-def _warn_profiles(listeners: tuple, profiles: Mapping[str, Any]) -> None:
-    """Log (``check-config`` prints) a profile no entry names, and entries behind an ``all: true`` one."""
+def _warn_profiles(listeners: tuple, profiles: Mapping[str, Any], warnings: list[str]) -> None:
+    """A profile no entry names, and entries behind an ``all: true`` one."""
     used = {e.profile for li in listeners for e in li.allow.entries}
     for name in profiles:
         if name not in used:
-            log.warning("profiles.%s: no allow-list entry names it (unused)", name)
+            warnings.append(f"profiles.{name}: no allow-list entry names it (unused)")
     for li in listeners:
         catch_all = next((i for i, e in enumerate(li.allow.entries) if e.allow_any), None)
         for e in li.allow.entries[catch_all + 1:] if catch_all is not None else ():
             if e.profile is not None:
-                log.warning("%s: the entry naming profile %s never decides a profile: an earlier entry "
-                            "(all: true) matches every certificate first", li.name, e.profile)
+                warnings.append(f"{li.name}: the entry naming profile {e.profile} never decides a profile: an earlier "
+                                "entry (all: true) matches every certificate first")
 
 
 _TOP_KEYS = {"log", "metrics", "tls", "policy", "limits"}
@@ -302,14 +304,16 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     if role == "serve" and data.get("allow") is not None:
         _parse_allow(data.get("allow"), "allow", profiles, require=False)  # (required where used)
     top = _Top(data.get("policy"), data.get("allow"), profiles, limits)
-    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"), top)
+    warnings: list[str] = []
+    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"), top, warnings)
     for addr, where in listens:
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
-    _warn_profiles(items if role == "serve" else (), profiles)
+    _warn_profiles(items if role == "serve" else (), profiles, warnings)
     log = LogConfig(**Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
-                  items if role == "serve" else (), items if role == "connect" else (), tuple(profiles))
+                  items if role == "serve" else (), items if role == "connect" else (), tuple(profiles),
+                  tuple(warnings))
 
 
 # ---------------------------------------------------------------- files and flags
@@ -334,7 +338,7 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_yaml(path: str) -> Any:
+def read_yaml(path: str) -> Any:
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -354,7 +358,7 @@ def _read_yaml(path: str) -> Any:
 
 def load_config(path: str, role: str | None = None) -> Config:
     """Read and validate a YAML config file; relative TLS paths are relative to its directory."""
-    return parse_config(_read_yaml(path), role, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+    return parse_config(read_yaml(path), role, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def _acl_text(allow: AllowList) -> str:

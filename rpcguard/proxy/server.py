@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from rpcguard.config.model import Config, ListenerConfig, TunnelConfig
-from rpcguard.config.flags import build_config
+from rpcguard.config.flags import build_config, log_warnings
 from rpcguard.config.diff import RESTART_KEYS, diff_configs, keep_restart_keys
 from rpcguard.observe.downgrades import enforces, report as report_downgrades
 from rpcguard.errors import RpcGuardError
@@ -251,6 +251,8 @@ class Runtime:
                 raise RpcGuardError("shutting down")
             new_cfg = (build_config(self.cfg.role, file=self.config_path, overrides=self.overrides)
                        if self.config_path or self.overrides else self.cfg)
+            if new_cfg is not self.cfg:
+                log_warnings(new_cfg)
             web = WebGuard.load(new_cfg.metrics.web_config)
             tls = self.tls.prepare(new_cfg.tls)
             diff = diff_configs(self.cfg, new_cfg)
