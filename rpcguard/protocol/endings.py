@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from rpcguard.errors import Refusal
-from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
 from rpcguard.protocol.settings import Limits, Profile
+from rpcguard.protocol.session import GREETED
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version, spec_for
 
@@ -90,7 +90,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
     limits = lc.limits
     session = lc.session
     hello_s = limits.hello_timeout_s
-    if session is not None and session.phase != SESSION_ACTIVE and hello_s:
+    if session is not None and session.phase != GREETED and hello_s:
         if session.hello_request_len is None:
             # The clock starts at admission; the TLS handshake has its own timeout.
             if lc.t_admitted is not None and now - lc.t_admitted > hello_s:
@@ -105,7 +105,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
             # A server that takes the connection but never answers HELLO. connect's upstream
             # is the node's serve, which may queue the HELLO for its own queue_timeout_s.
             return Refusal("upstream_unavailable", "the upstream did not answer HELLO"), True
-    if session is not None and session.phase == SESSION_ACTIVE:
+    if session is not None and session.phase == GREETED:
         quiet = now - lc.last_activity_ns / 1e9
         idle = session.idle
         if limits.idle_timeout_s and idle and quiet > limits.idle_timeout_s:
@@ -122,7 +122,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
         if wait_s and lc.others_waiting and lc.slot_held and now - lc.working_t > wait_s:
             return Refusal("idle_while_waiting", f"idle for {now - lc.working_t:.0f} s while {lc.others_waiting} "
                                                  f"session(s) waited for the upstream"), False
-    owed = session.owed_since_ns if session is not None and session.phase == SESSION_ACTIVE else 0
+    owed = session.owed_since_ns if session is not None and session.phase == GREETED else 0
     if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
         return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "
                                         f"(limits.max_graph_s {limits.max_graph_s:g})"), False

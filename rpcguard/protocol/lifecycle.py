@@ -42,8 +42,7 @@ from rpcguard.protocol.linkstate import (
     COUNT_VIOLATION, DRAINING, EDGES, END, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
     OPEN_UPSTREAM, QUEUED, REFUSING, SESSION_EVENTS, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action,
 )
-from rpcguard.protocol.session import ACTIVE as SESSION_ACTIVE
-from rpcguard.protocol.session import AWAIT_HELLO_REPLY, Output, Session, Violation
+from rpcguard.protocol.session import GREETED, HELLO_FORWARDED, Output, Session, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
@@ -243,7 +242,7 @@ class Lifecycle:
         """Refused before ACTIVE: answer now if the HELLO is waiting, else when it comes."""
         self.refusal = refusal
         session = self.session
-        if session is not None and session.phase == AWAIT_HELLO_REPLY:
+        if session is not None and session.phase == HELLO_FORWARDED:
             self._answer_refusal()
             return
         self._release_upstream()
@@ -339,7 +338,7 @@ class Lifecycle:
         self.out.clear()
         if isinstance(refusal, FirewallRefusal):
             self.actions.append((COUNT_VIOLATION, (refusal.reason, "enforce", None, self.command)))
-        if session.phase != SESSION_ACTIVE and session.hello_request_len is not None:
+        if session.phase != GREETED and session.hello_request_len is not None:
             if self.refusal is None:  # else: a refusal already waited for this HELLO, say that one
                 self.refusal = refusal
             self._answer_refusal()
@@ -352,7 +351,7 @@ class Lifecycle:
             self._finish("refused", self.refusal.reason, self.refusal.detail, self.refusal.party)  # left before its HELLO
             return
         s = self.session
-        clean = s is None or s.idle or (s.phase == SESSION_ACTIVE and not s.mid_frame)
+        clean = s is None or s.idle or (s.phase == GREETED and not s.mid_frame)
         said_hello = s is not None and s.hello_request_len is not None
         result = "error" if not clean else "probe" if self.probe else "ok" if said_hello else "no_hello"
         self._finish(result, "" if clean else "client_closed_mid_frame",
@@ -406,7 +405,7 @@ class Lifecycle:
         session worked since the last tick (the server owed an answer, or the client sent at
         ``min_data_rate_bps``)."""
         session = self.session
-        if session is None or session.phase != SESSION_ACTIVE:
+        if session is None or session.phase != GREETED:
             self._tick_t, self._tick_rx, self.working_t = now, self.rx_bytes, now
             return
         rx = self.rx_bytes

@@ -19,8 +19,9 @@ command id: each response-bearing request pushes an ``Expect`` entry on a FIFO a
 response header is matched against it (size checked exactly), which is also where latency is
 measured and where the session learns buffer handles, bases and device facts for the firewall.
 
-Session phases: AWAIT_HELLO -> AWAIT_HELLO_REPLY -> ACTIVE. ``refusal_answer()`` builds the
-HELLO reply the client-facing side sends when a session is refused before it is ACTIVE.
+Session phases (``Session.phase``; the link's states are another machine, protocol/linkstate.py):
+BEFORE_HELLO -> HELLO_FORWARDED -> GREETED. ``refusal_answer()`` builds the HELLO reply the
+client-facing side sends when a session is refused before it is GREETED.
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ RECENT_REQUESTS: Final = 16
 _GRAPH_COMPUTE: Final = COMMAND_IDS["GRAPH_COMPUTE"]
 
 __all__ = [
-    "SessionPolicy", "Session", "Output", "AWAIT_HELLO", "AWAIT_HELLO_REPLY", "ACTIVE", "Violation",
+    "SessionPolicy", "Session", "Output", "BEFORE_HELLO", "HELLO_FORWARDED", "GREETED", "Violation",
     "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION",
 ]  # fmt: skip
 
-AWAIT_HELLO: Final = "await_hello"
-AWAIT_HELLO_REPLY: Final = "await_hello_reply"
-ACTIVE: Final = "active"
+BEFORE_HELLO: Final = "before_hello"  # no HELLO from the client yet
+HELLO_FORWARDED: Final = "hello_forwarded"  # the HELLO went to the server, its reply is awaited
+GREETED: Final = "greeted"  # the HELLO exchange is done: frames flow
 
 # What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
 # appends nothing, so the caller tests one list per read instead of polling attributes).
@@ -163,7 +164,7 @@ class Session:
         self.state = SessionState(upstream if upstream is not None else UpstreamFacts())
         self.stats = stats if stats is not None else SessionStats()
         self.firewall = Firewall(self.state, self.policy.firewall)
-        self.phase = AWAIT_HELLO
+        self.phase = BEFORE_HELLO
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
@@ -251,8 +252,8 @@ class Session:
         self.command = cmd
         if cmd >= len(BATCH) or not BATCH[cmd] or length > BATCH_MAX_BYTES:
             self.out.urgent = True
-        if self.phase != ACTIVE:
-            if self.phase == AWAIT_HELLO_REPLY:
+        if self.phase != GREETED:
+            if self.phase == HELLO_FORWARDED:
                 raise ProtocolRefusal("data_before_hello_reply", "client sent data before the HELLO reply")
             if cmd != HELLO:
                 raise ProtocolRefusal("first_frame_not_hello", f"first command is {_name(cmd)}, not HELLO")
@@ -328,7 +329,7 @@ class Session:
             self.stats.rdma_caps_zeroed_req += 1
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
         self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
-        self.phase = AWAIT_HELLO_REPLY
+        self.phase = HELLO_FORWARDED
         self._events.append((EV_HELLO, len(head)))
         out.append(raw)
 
@@ -388,7 +389,7 @@ class Session:
         self.state.spec = spec
         self._rules = spec.commands
         self.state.upstream.learn_version(version)
-        self.phase = ACTIVE
+        self.phase = GREETED
         self._events.append((EV_ACTIVE, version))
         if len(head) == 28 and head[4:] != _ZERO_CAPS:
             self.stats.rdma_caps_zeroed_rsp += 1

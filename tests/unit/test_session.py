@@ -9,7 +9,7 @@ import pytest
 from rpcguard.errors import PolicyRefusal, ProtocolRefusal, Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import (
-    ACTIVE, AWAIT_HELLO_REPLY, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION, Session, SessionPolicy,
+    GREETED, HELLO_FORWARDED, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION, Session, SessionPolicy,
 )
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
@@ -38,7 +38,7 @@ def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * 
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
     out(s.to_server), out(s.to_client)
-    assert s.phase == ACTIVE and [kind for kind, _ in s.out.events] == [EV_HELLO, EV_ACTIVE]
+    assert s.phase == GREETED and [kind for kind, _ in s.out.events] == [EV_HELLO, EV_ACTIVE]
     s.out.events.clear()
     return s
 
@@ -47,10 +47,10 @@ def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * 
 def test_hello_exchange_forwards_unchanged(how):
     s = Session(upstream=UpstreamFacts(device_count=1))
     feed(s.client_data, V.HELLO_REQ_V4, how)
-    assert out(s.to_server) == V.HELLO_REQ_V4 and s.phase == AWAIT_HELLO_REPLY
+    assert out(s.to_server) == V.HELLO_REQ_V4 and s.phase == HELLO_FORWARDED
     feed(s.server_data, V.HELLO_RSP_700, how)
     assert out(s.to_client) == V.HELLO_RSP_700
-    assert s.phase == ACTIVE and s.version == (7, 0, 0)
+    assert s.phase == GREETED and s.version == (7, 0, 0)
 
 
 def test_rdma_caps_zeroed_both_directions():
@@ -102,7 +102,7 @@ def test_version_policy(version, accepted, expect):
     s.client_data(memoryview(V.HELLO_REQ_V4))
     if expect is None:
         s.server_data(memoryview(encode.hello_response(version)))
-        assert s.phase == ACTIVE
+        assert s.phase == GREETED
     else:
         with pytest.raises(PolicyRefusal) as e:
             s.server_data(memoryview(encode.hello_response(version)))
