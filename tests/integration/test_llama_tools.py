@@ -106,7 +106,7 @@ def test_scenario(tool_env, sc):
     if sc.survey:  # serve forwarded every graph llama-server sent into connect
         assert o.sent_graphs == o.graphs, o.describe()
     if sc.mmproj is not None:  # and the projector's encoder graphs were among them
-        missing = [op for op in lt.VISION_OPS if op not in o.ops]
+        missing = [op for op in lt.VISION_OPS[lt.projector(sc)] if op not in o.ops]
         assert not missing, (o.describe(), missing, o.ops)
 
 

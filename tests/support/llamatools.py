@@ -562,14 +562,22 @@ def _spec(kind: str) -> Scenario:
                     w_spec(48, PROMPT, must_draft=kind != "ngram-cache"))
 
 
-# Ops of the projector's graph that the tiny llama text model never sends (RMS_NORM, SWIGLU, no
-# conv): the patch embedding's conv (IM2COL), the ViT's LayerNorm (NORM) and GELU-quick, the
-# class embedding's CONCAT. The vision scenarios must find each in what llama-server sent.
-VISION_OPS = ("IM2COL", "NORM", "UNARY/GELU_QUICK", "CONCAT")
+# Ops of each projector's graph that the tiny llama text model never sends (it has RMS_NORM,
+# SWIGLU, no conv): the patch embedding's conv (IM2COL), the ViT's LayerNorm (NORM) and activation;
+# mlp: the class embedding's CONCAT; gemma3: the average pool of the patch grid (POOL_2D). A vision
+# scenario must find each in what llama-server sent.
+VISION_OPS = {"mlp": ("IM2COL", "NORM", "UNARY/GELU_QUICK", "CONCAT"),
+              "gemma3": ("IM2COL", "NORM", "UNARY/GELU", "POOL_2D")}
+
+
+def projector(sc: Scenario) -> str:
+    """The projector type of a vision scenario (make_tiny_mmproj.py --projector, default mlp)."""
+    args = list(sc.mmproj or ())
+    return args[args.index("--projector") + 1] if "--projector" in args else "mlp"
 
 
 def _vision(name: str, args: tuple[str, ...] = SERVER, mmproj: tuple[str, ...] = ()) -> Scenario:
-    """tiny (n_embd 64) + make_tiny_mmproj.py's LLaVA-style projector (output width 64), the
+    """tiny (n_embd 64) + a make_tiny_mmproj.py projector (output width 64, 16 image tokens), the
     guarded run's graphs recorded."""
     return Scenario(name, "tiny", args, w_vision(), mmproj=mmproj, survey=True)
 
@@ -598,6 +606,7 @@ CI: list[Scenario] = [
     *[Scenario(f"arch-{m}-allowed", m, SERVER, w_greedy(12), allow=ops) for m, ops in ALLOWED.items()],
     # a vision projector (--mmproj): its encoder graph runs on the RPC device
     _vision("vision-mlp"),
+    _vision("vision-gemma3", mmproj=("--projector", "gemma3")),
 ]
 
 LONG: list[Scenario] = [
@@ -624,6 +633,7 @@ LONG: list[Scenario] = [
       for m in ("gemma2", "gptoss", "qwen2moe", "qwen3next")],
     # clip without flash attention (-fa off reaches mtmd): SOFT_MAX and the permuted-V CONT
     _vision("vision-mlp-faoff", (*SERVER, "-fa", "off")),
+    _vision("vision-gemma3-faoff", (*SERVER, "-fa", "off"), mmproj=("--projector", "gemma3")),
     # f32 projector matrices: IM2COL and the ViT's MUL_MATs in f32
     _vision("vision-mlp-f32", mmproj=("--dtype", "f32")),
     # the text model on the client's CPU, the projector still on the RPC device (mmproj offload
@@ -676,7 +686,8 @@ def markdown(results: list[tuple[Scenario, Outcome]]) -> str:
         if sc.allow:
             flags += f" (serve --allow-unverified-op {','.join(sc.allow)})"
         if sc.mmproj is not None:
-            flags += f" --mmproj mlp{' ' + ' '.join(sc.mmproj) if sc.mmproj else ''}"
+            extra = [a for a in sc.mmproj if a not in ("--projector", projector(sc))]
+            flags += f" --mmproj {projector(sc)}{' ' + ' '.join(extra) if extra else ''}"
         detail = o.detail.replace("|", "\\|")[:240]
         lines.append(f"| {sc.name} | {sc.model}{' ' + ' '.join(sc.model_args) if sc.model_args else ''} | "
                      f"`{sc.tool} {flags}` | **{o.kind}** | {o.reason.replace('|', '/')[:160]} | {detail} | "
