@@ -634,7 +634,8 @@ LONG: list[Scenario] = [
     # clip without flash attention (-fa off reaches mtmd): SOFT_MAX and the permuted-V CONT
     _vision("vision-mlp-faoff", (*SERVER, "-fa", "off")),
     _vision("vision-gemma3-faoff", (*SERVER, "-fa", "off"), mmproj=("--projector", "gemma3")),
-    # f32 projector matrices: IM2COL and the ViT's MUL_MATs in f32
+    # f32 projector matrices: the ViT's MUL_MATs f32 x f32, IM2COL of an f32 kernel (its output
+    # stays f16: ggml.c ggml_conv_2d asks ggml_im2col for F16 unless the kernel is BF16)
     _vision("vision-mlp-f32", mmproj=("--dtype", "f32")),
     # the text model on the client's CPU, the projector still on the RPC device (mmproj offload
     # does not follow -ngl): the encoder's graphs are the only ones sent
