@@ -640,6 +640,13 @@ LONG: list[Scenario] = [
     # the text model on the client's CPU, the projector still on the RPC device (mmproj offload
     # does not follow -ngl): the encoder's graphs are the only ones sent
     _vision("vision-mlp-ngl0", ("-ngl", "0", "-c", "512", "-np", "1")),
+    # LLaVA-1.5's geometry at a small width: 224x224 in 14x14 patches (the 32x32 PNG resized by
+    # mtmd), 256 image tokens + the class embedding, IM2COL rows of 588
+    Scenario("vision-mlp-224", "tiny", SERVER, w_vision(n_image_tokens=256), survey=True,
+             mmproj=("--image-size", "224", "--patch-size", "14", "--n-embd", "128", "--n-ff", "256")),
+    # two nodes: clip takes the first RPC device (node 0) for the whole encoder, the text layers split
+    Scenario("vision-mlp-two-nodes", "tiny", SERVER, w_vision(), nodes=2, model_args=("--n-layer", "4"),
+             mmproj=(), survey=True),
 ]
 SETS = {"ci": CI, "long": CI + [s for s in LONG if s.name not in {c.name for c in CI}]}
 
