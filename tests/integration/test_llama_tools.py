@@ -8,8 +8,11 @@ through ``rpcguard connect`` -> ``rpcguard serve`` with default settings. The gr
 refused. Scenarios: ``-np 4`` with concurrent requests, ``--context-shift`` and ``--cache-reuse``
 with quantized and float KV caches and flash attention on and off, speculative decoding (ngram and
 a draft model), embeddings with mean / CLS pooling, two nodes, a hybrid split, llama-bench,
-llama-cli, and models whose architectures bring their own ops (mamba2, rwkv6, rwkv7, qwen3next, gemma2,
-gpt-oss, qwen2moe).
+llama-cli, models whose architectures bring their own ops (mamba2, rwkv6, rwkv7, qwen3next, gemma2,
+gpt-oss, qwen2moe), and a vision projector (``--mmproj``, LLaVA-style, images in the requests): clip
+puts its encoder graph on the RPC device, and the test checks, in what llama-server sent (a
+recording relay in front of connect), that the encoder's ops went out and that serve forwarded
+every graph sent.
 
 Outcomes per scenario are in two tables below: REFUSED_BY_DESIGN (asserted: refused with that
 reason; their ``-allowed`` twins, on a pair that names the op, must be identical) and
@@ -100,6 +103,11 @@ def test_scenario(tool_env, sc):
     assert o.kind == "identical", (o.describe(), str(o.direct)[:400], str(o.guarded)[:400], o.log)
     assert o.direct, o.describe()  # something was produced, so equality means something
     assert o.graphs > 0, o.describe()  # and the guarded run really computed through serve
+    if sc.survey:  # serve forwarded every graph llama-server sent into connect
+        assert o.sent_graphs == o.graphs, o.describe()
+    if sc.mmproj is not None:  # and the projector's encoder graphs were among them
+        missing = [op for op in lt.VISION_OPS[lt.projector(sc)] if op not in o.ops]
+        assert not missing, (o.describe(), missing, o.ops)
 
 
 def test_refusal_table_names_real_scenarios():

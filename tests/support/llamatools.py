@@ -13,6 +13,11 @@ classifies the guarded run:
                session-end log line); llama.cpp then aborts ("Remote RPC server crashed")
     crashed    the tool died, or a request failed, and nothing was refused
 
+A vision scenario adds ``--mmproj`` (tests/realpeer/make_tiny_mmproj.py) and images in its requests;
+with ``Scenario.survey`` a recording relay between llama-server and connect decodes every graph the
+tool sent in the guarded run (``Outcome.ops``, ``Outcome.sent_graphs``), to show which ops went
+through serve.
+
 ``python -m tests.support.llamatools --set ci|long --report FILE`` runs a whole set outside pytest
 and writes the per-scenario markdown table (docs/llama-tools.md).
 """
@@ -32,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.support import realpeer
+from rpcguard.protocol.versions import COMMAND_IDS
+from tests.support import opsurvey, realpeer
+from tests.support.capture import C2S, CaptureRelay
 from tests.support.guard import Guard, Pki, start_pair
 
 __all__ = ["Tools", "tools", "Scenario", "Outcome", "Node", "Fleet", "Refused", "run_scenario", "start_nodes", "SETS"]
@@ -175,7 +182,7 @@ class LlamaServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             raise ToolFailed(f"POST {path}: {exc}; alive={self.proc.alive()}") from exc
 
-    def complete_full(self, prompt: str, n: int, **extra: Any) -> dict:
+    def complete_full(self, prompt: str | dict, n: int, **extra: Any) -> dict:
         """Greedy completion (temperature 0, fixed seed): the whole response."""
         body = {"prompt": prompt, "n_predict": n, "temperature": 0, "seed": SEED, "return_tokens": True,
                 "cache_prompt": True, **extra}
@@ -197,11 +204,11 @@ class LlamaServer:
 
 
 def start_llama_server(t: Tools, workdir: Path, model: Path, endpoints: list[str], args: list[str],
-                       tag: str, timeout: float = 180) -> LlamaServer:
+                       tag: str, timeout: float = 180, env: dict | None = None) -> LlamaServer:
     port = realpeer.free_port()
     cmd = [str(t.server), "-m", str(model), "--rpc", ",".join(endpoints), "--host", "127.0.0.1",
            "--port", str(port), "--no-webui", "-t", "1", "--fit", "off", "--seed", str(SEED), *args]
-    proc = realpeer.start(cmd, workdir / f"llama-server-{tag}-{port}.log", f"llama-server {tag}")
+    proc = realpeer.start(cmd, workdir / f"llama-server-{tag}-{port}.log", f"llama-server {tag}", env=env)
     srv = LlamaServer(proc, port)
     deadline = time.monotonic() + timeout
     while True:
@@ -282,6 +289,49 @@ def w_spec(n: int, prompt: str, must_draft: bool = True) -> Callable[[LlamaServe
     return run
 
 
+# The media marker of this tree is random per llama-server start ("<__media_XXXX__>",
+# tools/server/server-common.cpp get_media_marker) unless LLAMA_MEDIA_MARKER pins it: the vision
+# scenarios pin it, so /completion's {"prompt_string", "multimodal_data"} can place the image.
+MEDIA_MARKER = "<__media__>"
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG (8-bit RGB, random pixels of ``seed``): the standard library only."""
+    import random
+    import struct
+    import zlib
+
+    rng = random.Random(seed)
+    raw = b"".join(b"\x00" + rng.randbytes(3 * width) for _ in range(height))  # filter 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def w_vision(n: int = 8, size: int = 32, n_image_tokens: int = 16) -> Callable[[LlamaServer], Any]:
+    """Two greedy requests, each a prompt with one image (different pixels) in its middle:
+    llama-server decodes the PNG, mtmd encodes it with the mmproj's graph (on the RPC device,
+    clip.cpp picks the first GPU-type device), and the text model decodes the image embeddings
+    between the text tokens. The images must change the tokens (else the embeddings were not
+    used) and each prompt must count the image's tokens (no prompt cache: all of it evaluated)."""
+    import base64
+
+    def run(s: LlamaServer) -> Any:
+        out = []
+        for seed in (7, 8):
+            img = base64.b64encode(png(size, size, seed)).decode()
+            rsp = s.complete_full({"prompt_string": f"hello {MEDIA_MARKER} world the", "multimodal_data": [img]},
+                                  n, cache_prompt=False)
+            out.append([rsp["tokens"], rsp["timings"]["prompt_n"]])
+        if any(pn < n_image_tokens + 2 for _, pn in out) or out[0][0] == out[1][0]:
+            raise ToolFailed(f"images not used: prompt_n {[pn for _, pn in out]}, tokens {[t for t, _ in out]}")
+        return out
+    return run
+
+
 def w_embed(texts: tuple[str, ...] = (PROMPT, "the a world")) -> Callable[[LlamaServer], Any]:
     return lambda s: [s.embedding(x) for x in texts]
 
@@ -301,6 +351,8 @@ class Scenario:
     model_args: tuple[str, ...] = ()         # extra make_tiny_model.py flags
     draft: str | None = None                 # preset of the -md draft model
     allow: tuple[str, ...] = ()              # serve --allow-unverified-op OP... (a pair of its own)
+    mmproj: tuple[str, ...] | None = None    # make_tiny_mmproj.py flags: --mmproj of that projector
+    survey: bool = False                     # record the guarded run's GRAPH_COMPUTEs (Outcome.ops)
 
     @property
     def model_key(self) -> str:
@@ -317,9 +369,14 @@ class Outcome:
     guarded: Any = None
     log: str = ""
     graphs: float = 0.0                      # GRAPH_(RE)COMPUTE requests serve forwarded (guarded run)
+    # Scenario.survey: the nodes per op (opsurvey keys, e.g. IM2COL, UNARY/GELU_QUICK) of the
+    # GRAPH_COMPUTEs llama-server sent into connect in the guarded run, and its GRAPH_(RE)COMPUTEs
+    ops: dict[str, int] = field(default_factory=dict)
+    sent_graphs: int = 0
 
     def describe(self) -> str:
-        s = f"{self.kind} ({self.seconds:.1f} s, {self.graphs:.0f} graphs via serve)"
+        s = f"{self.kind} ({self.seconds:.1f} s, {self.graphs:.0f} graphs via serve"
+        s += f", {self.sent_graphs} sent)" if self.ops else ")"
         if self.reason:
             s += f": {self.reason}"
         if self.detail:
@@ -340,13 +397,17 @@ def _refusals(guards: list[Guard], offsets: dict[int, int]) -> list[tuple[str, s
 
 
 def _run_tool(sc: Scenario, t: Tools, workdir: Path, model: Path, draft: Path | None, endpoints: list[str],
-              tag: str) -> Any:
+              tag: str, mmproj: Path | None = None) -> Any:
     args = list(sc.args)
+    env = None
     if draft is not None:
         args += ["-md", str(draft), "-ngld", "99"]
+    if mmproj is not None:
+        args += ["--mmproj", str(mmproj)]
+        env = {"LLAMA_MEDIA_MARKER": MEDIA_MARKER}
     if sc.tool == "server":
         assert sc.work is not None
-        srv = start_llama_server(t, workdir, model, endpoints, args, tag)
+        srv = start_llama_server(t, workdir, model, endpoints, args, tag, env=env)
         try:
             result = sc.work(srv)
             if not srv.proc.alive():
@@ -373,15 +434,19 @@ def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], model
                  ) -> Outcome:
     model = models(sc.model, sc.model_args)
     draft = models(sc.draft, ()) if sc.draft else None
+    mmproj = make_mmproj(Path(workdir), sc.mmproj) if sc.mmproj is not None else None
     used = nodes[:sc.nodes]
     t0 = time.monotonic()
-    direct = _run_tool(sc, t, workdir, model, draft, [n.direct for n in used], f"{sc.name}-direct")
+    direct = _run_tool(sc, t, workdir, model, draft, [n.direct for n in used], f"{sc.name}-direct", mmproj)
     guards = [g for n in used for g in (n.connect, n.serve)]
     offsets = {id(g): len(g.output()) for g in guards}
     graphs0 = _graphs(used)
     ended0 = {id(g): g.value("rpcguard_sessions_total") for g in guards}
+    # Scenario.survey: a recording relay (client->server bytes) between llama-server and each connect
+    relays = [CaptureRelay(n.connect.port, directions=(C2S,)) for n in used] if sc.survey else []
+    endpoints = [r.endpoint for r in relays] or [n.connect.endpoint for n in used]
     try:
-        guarded = _run_tool(sc, t, workdir, model, draft, [n.connect.endpoint for n in used], f"{sc.name}-guarded")
+        guarded = _run_tool(sc, t, workdir, model, draft, endpoints, f"{sc.name}-guarded", mmproj)
         failure = ""
     except ToolFailed as exc:
         guarded, failure = None, str(exc)
@@ -389,15 +454,23 @@ def run_scenario(sc: Scenario, t: Tools, workdir: Path, nodes: list[Node], model
     refused = _refusals(guards, offsets)
     dt = time.monotonic() - t0
     graphs = _graphs(used) - graphs0
+    survey = opsurvey.Survey()
+    for r in relays:
+        r.close()
+        for conn in r.conns:
+            opsurvey.survey_stream(conn.stream(C2S), out=survey)
+    ops = {k: st.count for k, st in sorted(survey.ops.items())}
     logs = "".join(f"\n--- {g.role} {g.port}:\n{g.output()[offsets[id(g)]:][-1500:]}" for g in guards)
+    sent = sum(survey.commands[COMMAND_IDS[c]] for c in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"))
+    o = Outcome("identical", dt, "", "", direct, guarded, logs, graphs, ops, sent)
     if refused:  # the refusal itself (serve's, usually) before the other side's "upstream closed"
         role, reason, detail = min(refused, key=lambda r: (not r[1].startswith("refused/"), r[0] != "serve"))
-        return Outcome("refused", dt, f"{role}: {reason}", detail, direct, guarded, logs, graphs)
-    if failure:
-        return Outcome("crashed", dt, failure, "", direct, None, logs, graphs)
-    if guarded != direct:
-        return Outcome("differs", dt, "", "", direct, guarded, logs, graphs)
-    return Outcome("identical", dt, "", "", direct, guarded, logs, graphs)
+        o.kind, o.reason, o.detail = "refused", f"{role}: {reason}", detail
+    elif failure:
+        o.kind, o.reason, o.guarded = "crashed", failure, None
+    elif guarded != direct:
+        o.kind = "differs"
+    return o
 
 
 def _wait_ended(guards: list[Guard], offsets: dict[int, int], ended0: dict[int, float],
@@ -489,6 +562,26 @@ def _spec(kind: str) -> Scenario:
                     w_spec(48, PROMPT, must_draft=kind != "ngram-cache"))
 
 
+# Ops of each projector's graph that the tiny llama text model never sends (it has RMS_NORM,
+# SWIGLU, no conv): the patch embedding's conv (IM2COL), the ViT's LayerNorm (NORM) and activation;
+# mlp: the class embedding's CONCAT; gemma3: the average pool of the patch grid (POOL_2D). A vision
+# scenario must find each in what llama-server sent.
+VISION_OPS = {"mlp": ("IM2COL", "NORM", "UNARY/GELU_QUICK", "CONCAT"),
+              "gemma3": ("IM2COL", "NORM", "UNARY/GELU", "POOL_2D")}
+
+
+def projector(sc: Scenario) -> str:
+    """The projector type of a vision scenario (make_tiny_mmproj.py --projector, default mlp)."""
+    args = list(sc.mmproj or ())
+    return args[args.index("--projector") + 1] if "--projector" in args else "mlp"
+
+
+def _vision(name: str, args: tuple[str, ...] = SERVER, mmproj: tuple[str, ...] = ()) -> Scenario:
+    """tiny (n_embd 64) + a make_tiny_mmproj.py projector (output width 64, 16 image tokens), the
+    guarded run's graphs recorded."""
+    return Scenario(name, "tiny", args, w_vision(), mmproj=mmproj, survey=True)
+
+
 BENCH = ("-p", "32", "-n", "8", "-r", "1", "-o", "json", "-ngl", "99")
 CI: list[Scenario] = [
     Scenario("greedy-tiny", "tiny", SERVER, w_greedy()),
@@ -511,6 +604,9 @@ CI: list[Scenario] = [
     *[Scenario(f"arch-{m}", m, SERVER, w_greedy(12)) for m in ARCH_MODELS],
     # the ops that index state with tensor contents, forwarded by a pair that names them
     *[Scenario(f"arch-{m}-allowed", m, SERVER, w_greedy(12), allow=ops) for m, ops in ALLOWED.items()],
+    # a vision projector (--mmproj): its encoder graph runs on the RPC device
+    _vision("vision-mlp"),
+    _vision("vision-gemma3", mmproj=("--projector", "gemma3")),
 ]
 
 LONG: list[Scenario] = [
@@ -535,12 +631,41 @@ LONG: list[Scenario] = [
     *[Scenario(f"arch-{m}-np4", m, ("-ngl", "99", "-c", "1024", "-np", "4"), w_parallel()) for m in ARCH_MODELS],
     *[Scenario(f"arch-{m}-fa-q8", m, (*SERVER, *_kv_args("q8_0", "q8_0", "on")), w_greedy(12))
       for m in ("gemma2", "gptoss", "qwen2moe", "qwen3next")],
+    # clip without flash attention (-fa off reaches mtmd): SOFT_MAX and the permuted-V CONT
+    _vision("vision-mlp-faoff", (*SERVER, "-fa", "off")),
+    _vision("vision-gemma3-faoff", (*SERVER, "-fa", "off"), mmproj=("--projector", "gemma3")),
+    # f32 projector matrices: the ViT's MUL_MATs f32 x f32, IM2COL of an f32 kernel (its output
+    # stays f16: ggml.c ggml_conv_2d asks ggml_im2col for F16 unless the kernel is BF16)
+    _vision("vision-mlp-f32", mmproj=("--dtype", "f32")),
+    # the text model on the client's CPU, the projector still on the RPC device (mmproj offload
+    # does not follow -ngl): the encoder's graphs are the only ones sent
+    _vision("vision-mlp-ngl0", ("-ngl", "0", "-c", "512", "-np", "1")),
+    # LLaVA-1.5's geometry at a small width: 224x224 in 14x14 patches (the 32x32 PNG resized by
+    # mtmd), 256 image tokens + the class embedding, IM2COL rows of 588
+    Scenario("vision-mlp-224", "tiny", SERVER, w_vision(n_image_tokens=256), survey=True,
+             mmproj=("--image-size", "224", "--patch-size", "14", "--n-embd", "128", "--n-ff", "256")),
+    # two nodes: clip takes the first RPC device (node 0) for the whole encoder, the text layers split
+    Scenario("vision-mlp-two-nodes", "tiny", SERVER, w_vision(), nodes=2, model_args=("--n-layer", "4"),
+             mmproj=(), survey=True),
 ]
 SETS = {"ci": CI, "long": CI + [s for s in LONG if s.name not in {c.name for c in CI}]}
 
 
 # ---------------------------------------------------------------------------------------------
 # standalone runner: python -m tests.support.llamatools --set long --report FILE
+
+
+_MMPROJ_LOCK = threading.Lock()
+
+
+def make_mmproj(workdir: Path, args: tuple[str, ...]) -> Path:
+    """The mmproj GGUF of ``make_tiny_mmproj.py ARGS`` (made once per workdir and flags)."""
+    path = workdir / f"mmproj{''.join(args).replace('-', '_')}.gguf"
+    with _MMPROJ_LOCK:
+        if not path.exists():
+            subprocess.run([realpeer.realpeer_python(), str(realpeer.REALPEER_DIR / "make_tiny_mmproj.py"), str(path),
+                            *args], check=True, capture_output=True)
+    return path
 
 
 @dataclass
@@ -568,6 +693,9 @@ def markdown(results: list[tuple[Scenario, Outcome]]) -> str:
             flags += f" (--rpc {sc.nodes} nodes)"
         if sc.allow:
             flags += f" (serve --allow-unverified-op {','.join(sc.allow)})"
+        if sc.mmproj is not None:
+            extra = [a for a in sc.mmproj if a not in ("--projector", projector(sc))]
+            flags += f" --mmproj {projector(sc)}{' ' + ' '.join(extra) if extra else ''}"
         detail = o.detail.replace("|", "\\|")[:240]
         lines.append(f"| {sc.name} | {sc.model}{' ' + ' '.join(sc.model_args) if sc.model_args else ''} | "
                      f"`{sc.tool} {flags}` | **{o.kind}** | {o.reason.replace('|', '/')[:160]} | {detail} | "
