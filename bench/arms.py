@@ -1,4 +1,12 @@
-"""The four benchmark arms: how to put each one between a client and a real ggml-rpc-server.
+"""The arm registry: every path the benchmarks put between the real client and a real
+ggml-rpc-server, and how to start each one.
+
+An **arm** is one such path, and only that: ``direct`` (no proxy), a pair of mTLS proxies
+(``stunnel``, ``haproxy``, ``rpcguard``, ``rpcguard@REV``) or a pass-through pair that parses
+nothing (``aio``, ``bio``, ``thread``, ``sock``: bench/passthrough.py's I/O designs). ``ARM_TABLE``
+lists them with what sits on the path; bench/run.py, bench/paired.py and bench/floor.py take
+their ``--arms`` from it. A configuration of one arm that a study compares (clear_new_buffers
+on or off, an isolation mode) is a *variant*, not an arm.
 
 How this works: ``start_arm(name, ...)`` starts a fresh real ``ggml-rpc-server`` (the binary) on
 a free loopback port, then the arm's proxy pair in front of it, and returns an ``ArmStack``
@@ -15,7 +23,12 @@ rpcguard's own ``certs`` module (``tests.support.guard.Pki``):
 * ``rpcguard``: ``rpcguard connect`` -> ``rpcguard serve`` with validation in enforce mode.
 * ``rpcguard@REV``: the same pair run from another source tree (``--baseline``, bench/baseline.py):
   each rpcguard process starts with ``cwd`` and ``PYTHONPATH`` at its tree and its tree's Python.
+* ``aio``, ``bio``, ``thread``, ``sock``: two bench/passthrough.py processes of that I/O design
+  (same TLS settings, no ggml-rpc work): the I/O floor under rpcguard's relay.
 
+Each proxy process has a label (``client-side``/``server-side`` for stunnel and HAProxy,
+``connect``/``serve`` for rpcguard and the pass-through pairs); ``SIDE`` maps it to the side of
+the pair it is on, so a process is compared with HAProxy's process on the same side.
 ``ArmStack.sample()`` reads each proxy process's peak RSS (``VmHWM``) and CPU time from /proc.
 With ``profile_dir`` set, each rpcguard process runs under cProfile, or gets ``py-spy record``
 or ``perf record`` attached (bench/profile_summary.py reads all three).
@@ -37,10 +50,38 @@ from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import Pki, wait_for_line
 from tests.support.realpeer import PYTHON, Proc, free_port, start, start_rpc_server, wait_port
 
-__all__ = ["ARMS", "ArmStack", "start_arm", "proc_sample", "cpu_sample", "check_mtls", "tool_versions",
-           "is_rpcguard"]
+import passthrough
 
-ARMS = ("direct", "stunnel", "haproxy", "rpcguard")
+__all__ = ["Arm", "ARM_TABLE", "ARMS", "RUN_ARMS", "PROXIED", "SIDE", "SIDES", "ArmStack", "start_arm",
+           "arm_list", "proc_sample", "cpu_sample", "check_mtls", "tool_versions", "is_rpcguard"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One path between the real client and the real server."""
+
+    name: str
+    kind: str  # "direct", "tool" (stunnel, HAProxy), "rpcguard" or "passthrough" (bench/passthrough.py)
+    path: str  # what the client's bytes go through
+
+
+ARM_TABLE = {a.name: a for a in (
+    Arm("direct", "direct", "client -> server"),
+    Arm("stunnel", "tool", "client -> stunnel (client mode) =mTLS=> stunnel (server mode) -> server"),
+    Arm("haproxy", "tool", "client -> HAProxy =mTLS=> HAProxy -> server (mode tcp)"),
+    Arm("rpcguard", "rpcguard", "client -> rpcguard connect =mTLS=> rpcguard serve (enforce) -> server"),
+    Arm("aio", "passthrough", "pass-through pair: uvloop, BufferedProtocol, uvloop's TLS transport (rpcguard's layer)"),
+    Arm("bio", "passthrough", "pass-through pair: uvloop plain transports, TLS by hand over two MemoryBIOs"),
+    Arm("thread", "passthrough", "pass-through pair: a thread per connection, blocking socket, poll()"),
+    Arm("sock", "passthrough", "pass-through pair: uvloop, non-blocking SSLSocket on add_reader/add_writer"),
+)}
+assert {a.name for a in ARM_TABLE.values() if a.kind == "passthrough"} == set(passthrough.DESIGNS)
+ARMS = tuple(ARM_TABLE)  # every arm; rpcguard@REV is added by --baseline (bench/baseline.py)
+RUN_ARMS = ("direct", "stunnel", "haproxy", "rpcguard")  # bench/run.py's default
+PROXIED = tuple(a for a in ARMS if a != "direct")
+# proxy process label -> the side of the pair it is on
+SIDE = {"client-side": "client", "connect": "client", "server-side": "server", "serve": "server"}
+SIDES = ("client", "server")
 NODE = "node1"  # the node (server) certificate name; also the expected name on the client side
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _CPUCLOCK_SCHED = 2  # linux/include/linux/posix-timers.h: the process clock of sum_exec_runtime
@@ -119,6 +160,16 @@ class ArmStack:
 def is_rpcguard(arm: str) -> bool:
     """``rpcguard`` or a baseline ``rpcguard@REV`` arm."""
     return arm == "rpcguard" or arm.startswith("rpcguard@")
+
+
+def arm_list(text: str, allowed: tuple[str, ...] = ARMS, at_least: int = 1) -> list[str]:
+    """The arms of an ``--arms`` value (comma-separated); ValueError for an unknown one or too few."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in allowed]
+    if unknown or len(arms) < at_least:
+        raise ValueError(f"--arms: give at least {at_least} of {','.join(allowed)} "
+                         f"(unknown: {','.join(unknown) or '-'})")
+    return arms
 
 
 def _arm_tag(arm: str) -> str:
@@ -296,6 +347,33 @@ def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | N
     return f"127.0.0.1:{cport}", sport, {"connect": connect, "serve": serve}
 
 
+def _passthrough(workdir: Path, design: str, role: str, cert: str, key: str, ca: str, upstream: int
+                 ) -> tuple[Proc, int]:
+    port = free_port()
+    cmd = [PYTHON, str(Path(__file__).resolve().parent / "passthrough.py"), design, role, "--listen", str(port),
+           "--upstream", str(upstream), "--cert", cert, "--key", key, "--ca", ca, "--server-name", NODE]
+    proc = start(cmd, workdir / f"passthrough-{design}-{role}-{port}.log", f"passthrough {design} {role}")
+    try:
+        wait_port(port, proc=proc.popen)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, port
+
+
+def _passthrough_pair(design: str, workdir: Path, pki: Pki, server_port: int) -> tuple[str, int, dict[str, Proc]]:
+    """Two bench/passthrough.py processes of ``design``: ``serve`` (TLS in), then ``connect``."""
+    serve, mid = _passthrough(workdir, design, "serve", pki.path(NODE), pki.path(NODE, "key"), pki.path("ca"),
+                              server_port)
+    try:
+        connect, front = _passthrough(workdir, design, "connect", pki.path(pki.client), pki.path(pki.client, "key"),
+                                      pki.path("ca"), mid)
+    except BaseException:
+        serve.stop()
+        raise
+    return f"127.0.0.1:{front}", mid, {"connect": connect, "serve": serve}
+
+
 _PAIRS = {"stunnel": _stunnel_pair, "haproxy": _haproxy_pair, "rpcguard": _rpcguard_pair}
 
 
@@ -326,6 +404,8 @@ def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = N
                 profile_dir.mkdir(parents=True, exist_ok=True)
                 cprofile = profile_dir / (profile_tag + _arm_tag(arm))
             endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, cprofile, tree)
+        elif arm in passthrough.DESIGNS:
+            endpoint, tls_port, proxies = _passthrough_pair(arm, workdir, pki, server_port)
         else:
             endpoint, tls_port, proxies = _PAIRS[arm](workdir, pki, server_port)
     except BaseException:

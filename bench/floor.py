@@ -7,17 +7,18 @@ Usage (from the repository root; see bench/README.md, "The I/O floor"):
     .venv/bin/python bench/floor.py [--arms haproxy,rpcguard,aio,bio,thread] [--workload ping|burst]
         [--reps 3] [--count 5000] [--json FILE]
 
-How this works: every repetition gives every arm a fresh real ``ggml-rpc-server`` and a fresh
-proxy pair in front of it: ``haproxy`` and ``rpcguard`` from bench/arms.py, ``aio``, ``bio`` and
-``thread`` as two bench/passthrough.py processes of that design. The arms take turns in the
-order given, reversed on every other repetition (ABBA, as bench/run.py). Against each pair, one
+How this works: the alternating runner (bench/runner.py) gives every arm (bench/arms.py:
+``haproxy``, ``rpcguard``, and the pass-through pairs ``aio``, ``bio``, ``thread``, ``sock``, two
+bench/passthrough.py processes of that design) a fresh real ``ggml-rpc-server`` and a fresh
+proxy pair before every repetition; the arms take turns in the order given, reversed on every
+other repetition (ABBA, as bench/run.py). Against each pair, one
 synthetic client session (bench/protoclient.py) of 100 round trips warms the pair up; then the
 exact CPU time of each proxy process (bench/cpuacct.py) is read before and after one measured
 session of ``--count`` operations: ``ping`` is a GET_ALIGNMENT round trip, ``burst`` a decode
 step (five small SET_TENSORs sent piecewise and a GET_TENSOR round trip). The measured session
 includes its TLS handshake, HELLO, buffer allocation and 50 (ping) or 20 (burst) warm-up
-operations, all charged to ``--count`` (~1-2% at the default count). In the first repetition,
-before the warm-up, ``arms.check_mtls`` proves each server-side proxy speaks TLS 1.3 only and
+operations, all charged to ``--count`` (~1-2% at the default count). On each arm's first
+instance, before any warm-up, ``arms.check_mtls`` proves each server-side proxy speaks TLS 1.3 only and
 refuses a client without a certificate. The table gives per arm the
 median over repetitions of the session's median operation latency and of each process's CPU
 microseconds per operation, with the best (lowest) repetition next to it: on a shared machine
@@ -46,20 +47,18 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 import arms as armlib  # noqa: E402
-import cpuacct  # noqa: E402
 import machine  # noqa: E402
 import passthrough  # noqa: E402
 import protoclient  # noqa: E402
+import runner  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 
-__all__ = ["ARMS", "WORKLOADS", "SIDE", "SIDES", "Run", "arm_list", "start_stack", "measure", "summarize", "main"]
+__all__ = ["ARMS", "WORKLOADS", "Run", "arm_list", "start_stack", "measure", "summarize", "main"]
 
-ARMS = ("haproxy", "rpcguard", *passthrough.DESIGNS)
+ARMS = ("haproxy", "rpcguard", *passthrough.DESIGNS)  # the default --arms (any of arms.PROXIED)
 WORKLOADS = {"ping": protoclient.ping, "burst": protoclient.burst}
-# proxy process label (bench/arms.py, start_passthrough) -> the side of the pair it is on
-SIDE = {"client-side": "client", "connect": "client", "server-side": "server", "serve": "server"}
-SIDES = ("client", "server")
+SIDE, SIDES = armlib.SIDE, armlib.SIDES
 WARMUP_PINGS = 100
 REFERENCE = "haproxy"
 
@@ -70,74 +69,31 @@ class Run:
     rep: int
     latency_us: float | None = None
     cpu_us: dict[str, float] = field(default_factory=dict)  # side -> CPU us per operation
-    mtls: dict[str, bool] = field(default_factory=dict)  # arms.check_mtls, first repetition only
+    mtls: dict[str, bool] = field(default_factory=dict)  # arms.check_mtls of the first instance, rep 0 only
     error: str = ""
 
 
-# --------------------------------------------------------------------------------- stacks
-def _passthrough(workdir: Path, design: str, role: str, cert: str, key: str, ca: str, upstream: int
-                 ) -> tuple[realpeer.Proc, int]:
-    port = realpeer.free_port()
-    cmd = [realpeer.PYTHON, str(BENCH / "passthrough.py"), design, role, "--listen", str(port),
-           "--upstream", str(upstream), "--cert", cert, "--key", key, "--ca", ca, "--server-name", armlib.NODE]
-    proc = realpeer.start(cmd, workdir / f"passthrough-{design}-{role}-{port}.log", f"passthrough {design} {role}")
-    try:
-        realpeer.wait_port(port, proc=proc.popen)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, port
-
-
-def start_passthrough(design: str, workdir: Path, pki: Pki) -> armlib.ArmStack:
-    """A fresh real server and a bench/passthrough.py pair of ``design`` in front of it."""
-    server, server_port = realpeer.start_rpc_server(workdir, binary=True)
-    proxies: dict[str, realpeer.Proc] = {}
-    try:
-        serve, mid = _passthrough(workdir, design, "serve", pki.path(armlib.NODE), pki.path(armlib.NODE, "key"),
-                                  pki.path("ca"), server_port)
-        proxies["serve"] = serve
-        connect, front = _passthrough(workdir, design, "connect", pki.path(pki.client),
-                                      pki.path(pki.client, "key"), pki.path("ca"), mid)
-        proxies["connect"] = connect
-    except BaseException:
-        for p in proxies.values():
-            p.stop()
-        server.stop()
-        raise
-    return armlib.ArmStack(design, f"127.0.0.1:{front}", server, mid, {"connect": connect, "serve": serve})
-
-
+# ------------------------------------------------------------------------------ measuring
 def start_stack(arm: str, workdir: Path, pki: Pki) -> armlib.ArmStack:
-    if arm in passthrough.DESIGNS:
-        return start_passthrough(arm, workdir, pki)
+    """``arms.start_arm``: kept under this name for callers of the I/O floor."""
     return armlib.start_arm(arm, workdir, pki)
 
 
-# ------------------------------------------------------------------------------ measuring
-def measure(arm: str, rep: int, workload: str, count: int, workdir: Path, pki: Pki) -> Run:
-    """One repetition of one arm: fresh stack, warm-up session, measured session, stop."""
+def measure(stack: armlib.ArmStack | None, arm: str, rep: int, workload: str, count: int) -> Run:
+    """One repetition of one arm on its fresh stack: warm-up session, measured session."""
     run = Run(arm, rep)
-    try:
-        stack = start_stack(arm, workdir, pki)
-    except (OSError, RuntimeError, subprocess.SubprocessError, realpeer.MissingPeer) as exc:
-        run.error = f"start: {_short(exc)}"
+    if stack is None:
+        run.error = "start failed"
         return run
     try:
-        if rep == 0:
-            run.mtls = armlib.check_mtls(pki, stack.tls_port)
         protoclient.ping(stack.endpoint, count=WARMUP_PINGS)
-        before = cpuacct.snapshot(stack.proxies)
-        result = WORKLOADS[workload](stack.endpoint, count=count)
-        spent = cpuacct.delta(before, cpuacct.snapshot(stack.proxies))
+        result, spent = runner.bracket(stack.proxies, lambda: WORKLOADS[workload](stack.endpoint, count=count))
         run.latency_us = round(result["median_us"], 1)
         run.cpu_us = {SIDE[label]: round(d["run_s"] / count * 1e6, 1) for label, d in spent.items()}
         if result.get("intact") is False:
             run.error = "data corrupted on the way"
     except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
         run.error = f"{type(exc).__name__}: {_short(exc)}"
-    finally:
-        stack.stop()
     return run
 
 
@@ -151,21 +107,38 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
-def orders(arms: list[str], reps: int) -> list[list[str]]:
-    """The order of the arms in each repetition: as given, reversed every other one (ABBA)."""
-    return [list(arms) if rep % 2 == 0 else list(reversed(arms)) for rep in range(reps)]
-
-
 def run_all(arms: list[str], workload: str, reps: int, count: int) -> list[Run]:
-    runs = []
+    """Every arm, a fresh stack each repetition (bench/runner.py); the mTLS check on each arm's
+    first instance, recorded in its first repetition."""
+    runs: list[Run] = []
+    mtls: dict[str, dict[str, bool]] = {}
+    start_errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="rpcguard-floor-") as tmp:
         work = Path(tmp)
         pki = Pki(work / "pki")
-        for rep, order in enumerate(orders(arms, reps)):
-            for arm in order:
-                run = measure(arm, rep, workload, count, work, pki)
-                print(f"  rep {rep} {arm:9} {_progress(run)}", file=sys.stderr, flush=True)
-                runs.append(run)
+
+        def start(arm: str) -> armlib.ArmStack | None:
+            try:
+                start_errors.pop(arm, None)
+                return start_stack(arm, work, pki)
+            except (OSError, RuntimeError, subprocess.SubprocessError, realpeer.MissingPeer) as exc:
+                start_errors[arm] = f"start: {_short(exc)}"
+                return None
+
+        def on_fresh(arm: str, stack: armlib.ArmStack | None) -> None:
+            if stack is not None and arm not in mtls:
+                mtls[arm] = armlib.check_mtls(pki, stack.tls_port)
+
+        def one(rep: int, arm: str, stack: armlib.ArmStack | None) -> None:
+            run = measure(stack, arm, rep, workload, count)
+            if arm in start_errors:
+                run.error = start_errors[arm]
+            if rep == 0:
+                run.mtls = mtls.get(arm, {})
+            print(f"  rep {rep} {arm:9} {_progress(run)}", file=sys.stderr, flush=True)
+            runs.append(run)
+
+        runner.Alternation(arms, reps, start, on_fresh=on_fresh).run(one)
     return runs
 
 
@@ -188,7 +161,7 @@ def summarize(runs: list[Run], arms: list[str]) -> dict[str, dict]:
         good = [r for r in runs if r.arm == arm and not r.error]
         per_side = {side: [r.cpu_us[side] for r in good if side in r.cpu_us] for side in SIDES}
         out[arm] = {"runs": len(good), "errors": sum(1 for r in runs if r.arm == arm and r.error),
-                    "latency_us": _median([r.latency_us for r in good]),
+                    "latency_us": _median([r.latency_us for r in good if r.latency_us is not None]),
                     "cpu_us": {side: _median(v) for side, v in per_side.items()},
                     "best_cpu_us": {side: min(v) if v else None for side, v in per_side.items()}}
     ref = out.get(REFERENCE)
@@ -249,17 +222,17 @@ def _mtls_line(runs: list[Run]) -> str:
 
 # ------------------------------------------------------------------------------------ CLI
 def arm_list(ap: argparse.ArgumentParser, text: str, at_least: int = 1) -> list[str]:
-    """The arms of ``--arms`` (comma-separated, known ones only); ``ap.error`` otherwise."""
-    arms = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or len(arms) < at_least:
-        ap.error(f"--arms: give at least {at_least} of {','.join(ARMS)} (unknown: {','.join(unknown) or '-'})")
-    return arms
+    """The arms of ``--arms`` (``arms.arm_list``, proxied arms only); ``ap.error`` otherwise."""
+    try:
+        return armlib.arm_list(text, armlib.PROXIED, at_least)
+    except ValueError as exc:
+        ap.error(str(exc))
+        raise  # not reached: ap.error exits
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(armlib.PROXIED)}")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="ping")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per arm (a fresh stack each)")
     ap.add_argument("--count", type=int, default=5000, help="measured operations per repetition")

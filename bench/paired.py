@@ -7,9 +7,10 @@ Usage (from the repository root; see bench/README.md, "Paired runs"):
     .venv/bin/python bench/paired.py [--arms haproxy,aio,rpcguard] [--model tiny|bench]
         [--reps 12] [--restart-every 3] [--tokens N] [--json FILE]
 
-How this works: every arm (``haproxy``, ``stunnel``, ``rpcguard`` from bench/arms.py, or a
-bench/passthrough.py design such as ``aio`` or ``sock``) gets one real ``ggml-rpc-server`` and
-one proxy pair, kept running for ``--restart-every`` repetitions and then started afresh (two
+How this works: the alternating runner (bench/runner.py) gives every arm (bench/arms.py:
+``haproxy``, ``stunnel``, ``rpcguard``, or a pass-through pair such as ``aio`` or ``sock``) one real
+``ggml-rpc-server`` and one proxy pair, kept running for ``--restart-every`` repetitions and then
+started afresh (two
 instances of the same code can differ by up to 1.6x for their whole life, so a result needs
 several instances). A short client run warms each instance up. Then each
 repetition runs the real llama.cpp client (greedy, ``--tokens``) once through every arm, in the
@@ -38,9 +39,9 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import cpuacct  # noqa: E402
-import floor  # noqa: E402
+import arms as armlib  # noqa: E402
 import machine  # noqa: E402
+import runner  # noqa: E402
 import workloads  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
@@ -58,14 +59,13 @@ def _model(name: str, work: Path) -> Path:
 
 def one_run(stack, model: Path, tokens: int) -> dict:
     """One client run through ``stack``: tok/s and CPU ms per generated token per side."""
-    marks: dict[str, dict] = {}
-    run = cpuacct.run_client_phased(stack.endpoint, model, n=tokens, timeout=TIMEOUT_S,
-                                    on_mark=lambda m: marks.__setitem__(m, cpuacct.snapshot(stack.proxies)))
-    if not run.ok or "loaded" not in marks or "generated" not in marks:
-        return {"error": run.output.strip().splitlines()[-1][:300] if run.output.strip() else f"rc {run.rc}"}
-    spent = cpuacct.delta(marks["loaded"], marks["generated"])
-    return {"tok_s": run.gen_tps, "tokens": run.tokens,
-            "cpu_ms": {floor.SIDE[label]: round(d["run_s"] * 1e3 / tokens, 4) for label, d in spent.items()}}
+    try:
+        ph = runner.client_phases(stack, model, n=tokens, timeout=TIMEOUT_S)
+    except RuntimeError as exc:
+        lines = str(exc).strip().splitlines()
+        return {"error": lines[-1][:300] if lines else "client failed"}
+    return {"tok_s": ph.run.gen_tps, "tokens": ph.run.tokens,
+            "cpu_ms": {armlib.SIDE[label]: round(d["run_s"] * 1e3 / tokens, 4) for label, d in ph.gen.items()}}
 
 
 def summarize(runs: dict[str, list[dict]], arms: list[str]) -> dict[str, dict]:
@@ -77,11 +77,11 @@ def summarize(runs: dict[str, list[dict]], arms: list[str]) -> dict[str, dict]:
         row: dict = {"runs": len(good), "failed": len(runs[arm]) - len(good)}
         if good:
             row["tok_s"] = round(statistics.median(r["tok_s"] for r in good), 1)
-            row["cpu_ms"] = {s: round(statistics.median(r["cpu_ms"][s] for r in good), 4) for s in floor.SIDES}
+            row["cpu_ms"] = {s: round(statistics.median(r["cpu_ms"][s] for r in good), 4) for s in armlib.SIDES}
         if pairs:
             row["speed_vs_first"] = round(statistics.median(r["tok_s"] / b["tok_s"] for b, r in pairs), 3)
             row["cpu_vs_first"] = {s: round(statistics.median(r["cpu_ms"][s] / b["cpu_ms"][s] for b, r in pairs), 3)
-                                   for s in floor.SIDES}
+                                   for s in armlib.SIDES}
         out[arm] = row
     return out
 
@@ -100,14 +100,17 @@ def table(summary: dict[str, dict], arms: list[str]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default="haproxy,aio,rpcguard", help=f"comma-separated, from {','.join(floor.ARMS)}")
+    ap.add_argument("--arms", default="haproxy,aio,rpcguard", help=f"comma-separated, from {','.join(armlib.PROXIED)}")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--restart-every", type=int, default=3, help="fresh servers and pairs every N repetitions")
     ap.add_argument("--tokens", type=int, help="tokens per run (default: 100 tiny, 64 bench)")
     ap.add_argument("--json", type=Path, help="also write the runs and the summary to this file")
     args = ap.parse_args(argv)
-    args.arm_list = floor.arm_list(ap, args.arms, at_least=2)
+    try:
+        args.arm_list = armlib.arm_list(args.arms, armlib.PROXIED, at_least=2)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.reps < 1 or args.restart_every < 1:
         ap.error("--reps and --restart-every must be at least 1")
     return args
@@ -124,24 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         pki = Pki(work / "pki")
         model = _model(args.model, work)
-        stacks: dict = {}
-        try:
-            for rep, order in enumerate(floor.orders(args.arm_list, args.reps)):
-                if rep % args.restart_every == 0:
-                    for stack in stacks.values():
-                        stack.stop()
-                    stacks = {}
-                    for arm in args.arm_list:
-                        stacks[arm] = floor.start_stack(arm, work, pki)
-                        realpeer.run_client(stacks[arm].endpoint, model, n=WARMUP_TOKENS, timeout=TIMEOUT_S)
-                for arm in order:
-                    result = one_run(stacks[arm], model, tokens)
-                    runs[arm].append(result)
-                    shown = result.get("error") or f"{result['tok_s']} tok/s, CPU ms/token {result['cpu_ms']}"
-                    print(f"  rep {rep} {arm:9} {shown}", file=sys.stderr, flush=True)
-        finally:
-            for stack in stacks.values():
-                stack.stop()
+
+        def warm_up(arm: str, stack: armlib.ArmStack | None) -> None:
+            assert stack is not None
+            realpeer.run_client(stack.endpoint, model, n=WARMUP_TOKENS, timeout=TIMEOUT_S)
+
+        def one(rep: int, arm: str, stack: armlib.ArmStack | None) -> None:
+            assert stack is not None
+            result = one_run(stack, model, tokens)
+            runs[arm].append(result)
+            shown = result.get("error") or f"{result['tok_s']} tok/s, CPU ms/token {result['cpu_ms']}"
+            print(f"  rep {rep} {arm:9} {shown}", file=sys.stderr, flush=True)
+
+        runner.Alternation(args.arm_list, args.reps, lambda arm: armlib.start_arm(arm, work, pki),
+                           fresh_every=args.restart_every, on_fresh=warm_up).run(one)
     summary = summarize(runs, args.arm_list)
     tokens_differ = len({tuple(r["tokens"] or ()) for rs in runs.values() for r in rs if "error" not in r}) > 1
     print(f"paired runs {started} UTC, {mach['cpus']} CPUs ({mach['cpu_model']}), kernel {mach['kernel']}; model "

@@ -6,12 +6,13 @@ Usage (from the repository root; see bench/README.md):
 
     bash bench/install.sh && .venv/bin/python bench/run.py [--quick] [--arms A,B] [--workloads W,X]
 
-How this works: for each workload, every arm gets a fresh real ``ggml-rpc-server`` and its
-proxy pair (bench/arms.py); then the repetitions go round-robin over the arms (direct,
-stunnel, haproxy, rpcguard, direct, ...) so machine drift hits all arms alike. A repetition is
-one real client process (``tests/realpeer/rpc_client_smoke.py``) or one synthetic protocol
-client session (bench/protoclient.py). After the last repetition each proxy process's peak
-RSS (``VmHWM``) and CPU time are read from /proc, then the stacks are stopped. The report
+How this works: for each workload the arms (bench/arms.py) are measured by the alternating
+runner (bench/runner.py): before each repetition (``--fresh-every 1``, the default) every arm
+gets a fresh real ``ggml-rpc-server`` and its proxy pair, then the arms take turns (direct,
+stunnel, haproxy, rpcguard, then the reverse) so machine drift hits all arms alike. A repetition
+is one real client process (``tests/realpeer/rpc_client_smoke.py``) or one synthetic protocol
+client session (bench/protoclient.py). Before each instance stops, each proxy process's peak
+RSS (``VmHWM``) and CPU time are read from /proc. The report
 gives, per workload and arm, the median, min-max, ratio to direct (same run), whether the
 generated tokens equal direct's, and per-process peak RSS; raw numbers go to
 ``bench/results/<UTC timestamp>.json``. This file is never collected by pytest (testpaths =
@@ -51,6 +52,7 @@ import baseline as baselib  # noqa: E402
 import cpuacct  # noqa: E402
 import machine  # noqa: E402
 import protoclient  # noqa: E402
+import runner  # noqa: E402
 from report import fmt, report  # noqa: E402
 from workloads import CACHE, DEFAULT_WORKLOADS, WORKLOADS, Workload, model_path, offloaded_bytes  # noqa: E402
 from tests.support import realpeer  # noqa: E402
@@ -86,36 +88,32 @@ def start_arm_retry(arm: str, work: Path, pki: Pki, args, tag: str) -> armlib.Ar
 def measure(wl: Workload, stack: armlib.ArmStack, model: Path | None, model_bytes: int
             ) -> tuple[float, dict, dict[str, tuple[dict, float]]]:
     """One repetition on one arm: (value, details, phase -> (CPU delta per proxy process, units of
-    work)), or raises RuntimeError. CPU is read right before the work and at its phase marks."""
+    work)), or raises RuntimeError. CPU is read right before the work and at its phase marks
+    (bench/runner.py)."""
     endpoint = stack.endpoint
-    marks = {"start": cpuacct.snapshot(stack.proxies)}
     if wl.kind == "client":
         assert model is not None
-        r = cpuacct.run_client_phased(endpoint, model, n=wl.n_tokens, timeout=CLIENT_TIMEOUT_S,
-                                      on_mark=lambda m: marks.__setitem__(m, cpuacct.snapshot(stack.proxies)))
-        if not r.ok or r.load_s is None:
-            tail = "\n".join(r.output.strip().splitlines()[-5:])
-            raise RuntimeError(f"client rc={r.rc}: {tail}")
-        if "loaded" not in marks or "generated" not in marks:
-            raise RuntimeError(f"client printed no phase marks: {sorted(marks)}")
+        ph = runner.client_phases(stack, model, n=wl.n_tokens, timeout=CLIENT_TIMEOUT_S)
+        r = ph.run
+        assert r.load_s is not None
         extra = {"load_s": r.load_s, "gen_tps": r.gen_tps, "tokens": r.tokens}
-        cpu = {"load": (cpuacct.delta(marks["start"], marks["loaded"]), model_bytes / 1e6),
-               "gen": (cpuacct.delta(marks["loaded"], marks["generated"]), len(r.tokens or []))}
+        cpu = {"load": (ph.load, model_bytes / 1e6), "gen": (ph.gen, len(r.tokens or []))}
         if wl.name in ("load", "rss"):
             return model_bytes / r.load_s / 1e6, extra, cpu
         if r.gen_tps is None:
             raise RuntimeError("client printed no tok/s")
         return r.gen_tps, extra, cpu
     if wl.kind == "bulk":
-        out = protoclient.bulk(endpoint)
-        units, value = out["bytes"] / 1e6, out["mb_s"]
+        out, spent = runner.bracket(stack.proxies, lambda: protoclient.bulk(endpoint))
     elif wl.kind == "burst":
-        out = protoclient.burst(endpoint)
-        units, value = out["count"], out["median_us"]
+        out, spent = runner.bracket(stack.proxies, lambda: protoclient.burst(endpoint))
     else:
-        out = protoclient.ping(endpoint)
+        out, spent = runner.bracket(stack.proxies, lambda: protoclient.ping(endpoint))
+    if wl.kind == "bulk":
+        units, value = out["bytes"] / 1e6, out["mb_s"]
+    else:
         units, value = out["count"], out["median_us"]
-    cpu = {"all": (cpuacct.delta(marks["start"], cpuacct.snapshot(stack.proxies)), units)}
+    cpu = {"all": (spent, units)}
     if wl.kind in ("bulk", "burst") and not out["intact"]:
         raise RuntimeError("GET_TENSOR read back different bytes than uploaded")
     return value, out, cpu
@@ -140,52 +138,43 @@ def run_workload(wl: Workload, arm_names: list[str], reps: int, work: Path, pki:
     model = model_path(wl.model) if wl.model else None
     model_bytes = offloaded_bytes(model) if model else 0
     print(f"\n== {wl.name}: {wl.title}; {reps} repetition(s) x {len(arm_names)} arm(s)", flush=True)
-    stacks: dict[str, armlib.ArmStack] = {}
     runs: list[Run] = []
     samples: dict[str, dict] = {}
     tally = cpuacct.Tally()
 
-    def retire(arm: str) -> None:
-        samples[arm] = merge_samples(samples.get(arm), stacks[arm].sample())
-        stacks.pop(arm).stop()
+    def retire(arm: str, stack: armlib.ArmStack) -> None:
+        samples[arm] = merge_samples(samples.get(arm), stack.sample())
 
-    try:
-        for rep in range(reps):
-            if time.monotonic() > deadline:
-                print(f"   time budget reached: stopping {wl.name} after {rep} repetition(s)", flush=True)
-                break
-            order = arm_names if rep % 2 == 0 else arm_names[::-1]  # ABBA order
-            if rep == 0 or (args.fresh_every and rep % args.fresh_every == 0):
-                for arm in order:  # every arm is (re)started before any of them is measured
-                    if arm in stacks:
-                        retire(arm)
-                    stacks[arm] = start_arm_retry(arm, work, pki, args, f"{wl.name}-")
-                    if arm != "direct" and arm not in mtls_checked:
-                        mtls_checked[arm] = armlib.check_mtls(pki, stacks[arm].tls_port)
-                        stacks[arm].rebaseline()
-            for arm in order:
-                stack = stacks[arm]
-                la = os.getloadavg()[0]
-                if not stack.alive():
-                    runs.append(Run(arm, rep, None, la, error="a process of this arm exited"))
-                    continue
-                try:
-                    value, extra, cpu = measure(wl, stack, model, model_bytes)
-                    extra["cpu"] = {phase: d for phase, (d, _) in cpu.items()}
-                    runs.append(Run(arm, rep, value, la, extra))
-                    if stack.proxies:
-                        for phase, (d, units) in cpu.items():
-                            tally.add(arm, phase, d, units)
-                    print(f"   rep {rep + 1} {arm:9s} {fmt(value, wl.unit):>8s} {wl.unit}  (load avg {la:.2f})",
-                          flush=True)
-                except Exception as exc:  # record and go on: one failed run must not lose the others
-                    runs.append(Run(arm, rep, None, la, error=str(exc)))
-                    print(f"   rep {rep + 1} {arm:9s} FAILED: {exc}", flush=True)
-        for arm in list(stacks):
-            retire(arm)
-    finally:
-        for stack in stacks.values():
-            stack.stop()
+    def on_fresh(arm: str, stack: armlib.ArmStack | None) -> None:
+        assert stack is not None  # start_arm_retry raises rather than return None
+        if arm != "direct" and arm not in mtls_checked:
+            mtls_checked[arm] = armlib.check_mtls(pki, stack.tls_port)
+            stack.rebaseline()
+
+    def one(rep: int, arm: str, stack: armlib.ArmStack | None) -> None:
+        assert stack is not None
+        la = os.getloadavg()[0]
+        if not stack.alive():
+            runs.append(Run(arm, rep, None, la, error="a process of this arm exited"))
+            return
+        try:
+            value, extra, cpu = measure(wl, stack, model, model_bytes)
+            extra["cpu"] = {phase: d for phase, (d, _) in cpu.items()}
+            runs.append(Run(arm, rep, value, la, extra))
+            if stack.proxies:
+                for phase, (d, units) in cpu.items():
+                    tally.add(arm, phase, d, units)
+            print(f"   rep {rep + 1} {arm:9s} {fmt(value, wl.unit):>8s} {wl.unit}  (load avg {la:.2f})", flush=True)
+        except Exception as exc:  # record and go on: one failed run must not lose the others
+            runs.append(Run(arm, rep, None, la, error=str(exc)))
+            print(f"   rep {rep + 1} {arm:9s} FAILED: {exc}", flush=True)
+
+    alternation = runner.Alternation(arm_names, reps, lambda arm: start_arm_retry(arm, work, pki, args, f"{wl.name}-"),
+                                     fresh_every=args.fresh_every, deadline=deadline, on_fresh=on_fresh,
+                                     retire=retire)
+    done = alternation.run(one)
+    if done < reps:
+        print(f"   time budget reached: stopped {wl.name} after {done} repetition(s)", flush=True)
     return {"workload": asdict(wl), "model": model.name if model else None, "model_offloaded_bytes": model_bytes,
             "fresh_every": args.fresh_every, "runs": [asdict(r) for r in runs], "proxies": samples,
             "cpu": tally.sums}
@@ -250,7 +239,8 @@ def run_rss(work: Path, pki: Pki, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 repetitions per workload (3 for the tiny model)")
-    ap.add_argument("--arms", default=",".join(armlib.ARMS), help="comma list, in run order (default: all four)")
+    ap.add_argument("--arms", default=",".join(armlib.RUN_ARMS),
+                    help=f"comma list, in run order, of {', '.join(armlib.ARMS)} (default: {','.join(armlib.RUN_ARMS)})")
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                     help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
     ap.add_argument("--baseline", metavar="REV",
