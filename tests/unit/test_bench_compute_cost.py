@@ -1,6 +1,6 @@
-"""The arithmetic of bench/compute_cost.py: what it decodes from a GRAPH_COMPUTE payload, the bytes
+"""The arithmetic of bench/studies/compute_cost.py: what it decodes from a GRAPH_COMPUTE payload, the bytes
 a node moves, and how it turns measurements into a recommended rate. The measurements
-themselves need the real server and are run by hand (``bench/compute_cost.py``), never by pytest."""
+themselves need the real server and are run by hand (``bench/studies/compute_cost.py``), never by pytest."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import OpTable, op_table
 from rpcguard.protocol.tensor import decode_tensor
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "studies"
 sys.path.insert(0, str(BENCH))
 
 import compute_cost as cc  # noqa: E402

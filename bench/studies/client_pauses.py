@@ -14,7 +14,7 @@ prints, per model, the longest silences of the connection split by whose turn it
 Between two generations of one ``longclient.py`` run the pause is the test's own (a file it
 waits for), so only pauses inside a run are reported.
 
-    .venv/bin/python bench/client_pauses.py [--tokens 64] [--models tiny,bench]
+    .venv/bin/python bench/studies/client_pauses.py [--tokens 64] [--models tiny,bench]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.support import realpeer  # noqa: E402

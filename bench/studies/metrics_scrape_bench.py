@@ -3,7 +3,7 @@
 
 Usage (from the repository root):
 
-    .venv/bin/python bench/metrics_scrape_bench.py [--scrapes 200] [--listeners 4] [--bcrypt-cost 10]
+    .venv/bin/python bench/studies/metrics_scrape_bench.py [--scrapes 200] [--listeners 4] [--bcrypt-cost 10]
 
 How this works: one process runs the real endpoint (``rpcguard.observe.http.start_http``) on
 loopback with a ``Metrics`` holding ``--listeners`` serve listeners (every reason, command and
@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import bcrypt  # noqa: E402
 import yaml  # noqa: E402
 
-from rpcguard import certs  # noqa: E402
+from rpcguard.pki import certs  # noqa: E402
 from rpcguard.observe.metrics import Metrics  # noqa: E402
 from rpcguard.observe.http import start_http  # noqa: E402
 from rpcguard.observe.webconfig import WebGuard  # noqa: E402
@@ -51,7 +51,7 @@ async def get(port: int, ctx: ssl.SSLContext | None, auth: str) -> int:
     return len(data)
 
 
-async def arm(name: str, metrics: Metrics, guard: WebGuard | None, ctx: ssl.SSLContext | None, auth: str,
+async def variant(name: str, metrics: Metrics, guard: WebGuard | None, ctx: ssl.SSLContext | None, auth: str,
               scrapes: int) -> None:
     server = await start_http(metrics, "127.0.0.1", 0, web=(lambda: guard) if guard else None)
     port = server.sockets[0].getsockname()[1]
@@ -102,10 +102,10 @@ async def main() -> None:
         ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
         ctx.load_cert_chain(str(d / "prometheus.pem"), str(d / "prometheus.key"))
         auth = "Authorization: Basic " + base64.b64encode(f"prometheus:{PASSWORD}".encode()).decode() + "\r\n"
-        print(f"{a.listeners} listeners, {a.scrapes} scrapes per arm, one connection per scrape")
-        await arm("plain HTTP", metrics, None, None, "", a.scrapes)
+        print(f"{a.listeners} listeners, {a.scrapes} scrapes per variant, one connection per scrape")
+        await variant("plain HTTP", metrics, None, None, "", a.scrapes)
         guard = WebGuard.load(str(web))
-        await arm("mTLS + basic auth (cached)", metrics, guard, ctx, auth, a.scrapes)
+        await variant("mTLS + basic auth (cached)", metrics, guard, ctx, auth, a.scrapes)
         assert guard.auth is not None
         print(f"bcrypt checks done for {a.scrapes + 1} authenticated scrapes: {guard.auth.bcrypt_checks}")
 

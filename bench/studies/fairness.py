@@ -8,7 +8,7 @@ as fast as it can (and reads the answers): another client's TLS handshake with s
 /healthz on serve's metrics endpoint. Prints the medians and p90s and their ratio to the quiet
 baseline of the same run, and one JSON line (``--json``).
 
-    .venv/bin/python bench/fairness.py [--seconds 6] [--python PY]
+    .venv/bin/python bench/studies/fairness.py [--seconds 6] [--python PY]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rpcguard.protocol import encode  # noqa: E402

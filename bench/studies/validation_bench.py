@@ -3,9 +3,9 @@
 
 Usage (from the repository root, with the real peers built by tests/realpeer/setup.sh):
 
-    .venv/bin/python bench/validation_bench.py [--n-tokens 64] [--reps 7] [--e2e-reps 7] [--json FILE]
-    .venv/bin/python bench/validation_bench.py --model-args "--preset bench --n-layer 16" --e2e-reps 0
-    .venv/bin/python bench/validation_bench.py --peer-version 2.0.0 --e2e-reps 0
+    .venv/bin/python bench/studies/validation_bench.py [--n-tokens 64] [--reps 7] [--e2e-reps 7] [--json FILE]
+    .venv/bin/python bench/studies/validation_bench.py --model-args "--preset bench --n-layer 16" --e2e-reps 0
+    .venv/bin/python bench/studies/validation_bench.py --peer-version 2.0.0 --e2e-reps 0
 
 How this works:
 
@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -220,7 +220,7 @@ def main() -> int:
     ap.add_argument("--n-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7, help="direct runs for the baseline")
     ap.add_argument("--replays", type=int, default=5, help="offline replays per policy")
-    ap.add_argument("--e2e-reps", type=int, default=7, help="end-to-end runs per arm (0 = skip)")
+    ap.add_argument("--e2e-reps", type=int, default=7, help="end-to-end runs per arm or variant (0 = skip)")
     ap.add_argument("--min-s", type=float, default=0.5, help="seconds per GRAPH_COMPUTE rate measurement")
     ap.add_argument("--peer-version", help="real client and server of this protocol version (a matrix build, "
                                            "e.g. 5.0.0) instead of the default pin")
@@ -314,23 +314,26 @@ def e2e(work: Path, model: Path, n: int, reps: int, direct_ep: str, tokens: list
     off = work / "checks-off.yaml"
     off.write_text("policy:\n  checks:\n" + "".join(f"    {c}: false\n" for c in CHECK_NAMES))
     guards = []
-    arms = {}
+    variants = {}
     try:
         for name, extra in (("rpcguard", []), ("rpcguard_checks_off", ["--config", str(off)])):
             serve = start_guard("serve", work, ["--upstream", direct_ep, *pki.serve_args(), *extra])
             connect = start_guard("connect", work, ["--server", serve.endpoint, "--server-name", pki.node,
                                                     *pki.connect_args(), *extra])
             guards += [serve, connect]
-            arms[name] = (connect.endpoint, serve, connect)
-        order = [("direct", direct_ep)] + [(k, v[0]) for k, v in arms.items()]
-        got: dict[str, list[float]] = {k: [] for k, _ in order}
-        for _ in range(reps):
-            for name, ep in order:
-                r = run(ep, model, n)
+            variants[name] = (connect.endpoint, serve, connect)
+        endpoints = {"direct": direct_ep, **{k: v[0] for k, v in variants.items()}}
+        got: dict[str, list[float]] = {k: [] for k in endpoints}
+        sys.path.insert(0, str(ROOT / "bench"))
+        from runner import orders  # bench/runner.py: reversed every other repetition
+
+        for order in orders(list(endpoints), reps):
+            for name in order:
+                r = run(endpoints[name], model, n)
                 if r.tokens != tokens:
                     raise SystemExit(f"{name}: tokens differ from direct")
                 got[name].append(ms_per_token(r))
-        for name, (_, serve, connect) in arms.items():
+        for name, (_, serve, connect) in variants.items():
             for g in (serve, connect):
                 if g.value("rpcguard_refusals_total"):
                     raise SystemExit(f"{name}: {g.role} refused something:\n{g.output()[-2000:]}")
@@ -381,7 +384,8 @@ def report(r: dict) -> None:
         p("  (this client sends a GRAPH_COMPUTE for every token: the warm figure applies, see the replay above)")
     if "e2e" in r:
         e = r["e2e"]
-        p("\nend to end, real client through TLS + relay (ms per generated token, arms alternated):")
+        p("\nend to end, real client through TLS + relay (ms per generated token; direct and two variants of "
+          "the rpcguard arm, alternated):")
         for k, v in e["ms_per_token"].items():
             p(f"  {k:22s} median {v:7.3f}  best {e['best_ms_per_token'][k]:7.3f}  "
               f"({', '.join(f'{x:.2f}' for x in e['all'][k])})")

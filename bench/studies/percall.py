@@ -3,8 +3,8 @@
 
 Usage (from the repository root, real peers built by tests/realpeer/setup.sh):
 
-    .venv/bin/python bench/percall.py capture /tmp/tiny128.pkl [--tokens 128]
-    .venv/bin/python bench/percall.py compare /tmp/tiny128.pkl --trees TREE,TREE[,...] [--rounds 6] [--json F]
+    .venv/bin/python bench/studies/percall.py capture /tmp/tiny128.pkl [--tokens 128]
+    .venv/bin/python bench/studies/percall.py compare /tmp/tiny128.pkl --trees TREE,TREE[,...] [--rounds 6] [--json F]
 
 How this works: ``capture`` runs the real llama.cpp client with the tiny model (the ``gentiny``
 workload's) through a recording relay (tests/support/capture.py) to the real server and pickles
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 C2S, S2C = 0, 1  # tests/support/capture.py
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAPH_COMPUTE, GET_TENSOR = 10, 8  # command ids, checked against versions.COMMAND_IDS in _measure
 
 
@@ -235,8 +235,12 @@ def _measure(cap_path: str, reps: int) -> dict:
 def compare(cap_path: Path, trees: list[Path], rounds: int, reps: int, json_path: Path | None = None) -> None:
     rows: dict[str, list[dict]] = {str(t): [] for t in trees}
     load0 = os.getloadavg()[0]
-    for r in range(rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from runner import orders  # bench/runner.py: reversed every other round
+
+    by_name = {str(t): t for t in trees}
+    for order in orders(list(by_name), rounds):
+        for tree in (by_name[name] for name in order):
             env = dict(os.environ, PYTHONPATH=str(tree))
             p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_measure", str(cap_path),
                                 "--reps", str(reps)], cwd=tree, env=env, capture_output=True, text=True, timeout=900)

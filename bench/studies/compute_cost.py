@@ -3,10 +3,10 @@
 
 Usage (from the repository root, with the real peers built by tests/realpeer/setup.sh):
 
-    .venv/bin/python bench/compute_cost.py [--threads 1,2] [--only mul_mat,layer] [--reps 5]
+    .venv/bin/python bench/studies/compute_cost.py [--threads 1,2] [--only mul_mat,layer] [--reps 5]
         [--json FILE] [--crafted] [--quick] [--match TEXT] [--logdir DIR]
-    .venv/bin/python bench/compute_cost.py --real 10           # a real llama.cpp session, priced
-    .venv/bin/python bench/compute_cost.py --summarize a.jsonl b.jsonl
+    .venv/bin/python bench/studies/compute_cost.py --real 10           # a real llama.cpp session, priced
+    .venv/bin/python bench/studies/compute_cost.py --summarize a.jsonl b.jsonl
 
 How this works: every case is a small graph built by ggml's REAL constructors
 (tests/support/ggmlref.build_many, the same serialiser as ggml-rpc's client), so shapes, strides
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
