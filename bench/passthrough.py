@@ -14,8 +14,9 @@ certificate required and checked against ``--ca``) and relays plaintext to the l
 to ``--upstream``, checking the server certificate's name (``--server-name``) with its own
 client certificate. Bytes are copied as they come, in both directions, without being parsed.
 TCP_NODELAY is set on every socket. When one side of a connection closes or fails, both are
-closed. Three designs do the same thing with different I/O layers (bench/floor.py compares their
-CPU with HAProxy's and rpcguard's):
+closed. Four designs do the same thing with different I/O layers; a pair of each is an arm of
+bench/arms.py (``aio``, ``bio``, ``thread``, ``sock``), which bench/floor.py and bench/paired.py
+compare with HAProxy and rpcguard:
 
 * ``aio``: uvloop transports with ``asyncio.BufferedProtocol``; the TLS side is uvloop's own
   TLS transport (``ssl=`` on the connection), as rpcguard's relay uses.

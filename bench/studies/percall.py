@@ -235,7 +235,7 @@ def _measure(cap_path: str, reps: int) -> dict:
 def compare(cap_path: Path, trees: list[Path], rounds: int, reps: int, json_path: Path | None = None) -> None:
     rows: dict[str, list[dict]] = {str(t): [] for t in trees}
     load0 = os.getloadavg()[0]
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # in this process only, not in the measuring ones
     from runner import orders  # bench/runner.py: reversed every other round
 
     by_name = {str(t): t for t in trees}

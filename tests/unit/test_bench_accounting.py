@@ -1,6 +1,7 @@
-"""The arithmetic of the benchmark harness: CPU deltas and sums (bench/cpuacct.py), speed ratios
-against a baseline (bench/report.py), the paired ratios of bench/paired.py and the dependency comparison that decides whether a
-baseline revision needs a venv of its own (bench/baseline.py). The measurements themselves are
+"""The arithmetic of the benchmark harness: the alternation of arms (bench/runner.py), CPU deltas and
+sums (bench/cpuacct.py), speed ratios against a baseline (bench/report.py), the paired ratios of
+bench/paired.py and the dependency comparison that decides whether a baseline revision needs a
+venv of its own (bench/baseline.py). The measurements themselves are
 run by bench/run.py, never by pytest."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import baseline  # noqa: E402
 import cpuacct  # noqa: E402
 import paired  # noqa: E402
 import report  # noqa: E402
+import runner  # noqa: E402
 
 
 def sample(user: float, sys_: float, exact: float) -> dict:
@@ -118,3 +120,60 @@ def test_paired_summary_divides_each_run_by_the_first_arm_s_run_of_the_same_repe
     assert (got["rpcguard"]["runs"], got["rpcguard"]["failed"]) == (2, 1)
     assert got["rpcguard"]["cpu_ms"] == {"client": 0.3, "server": 0.45}  # medians of its own runs
     assert "| rpcguard | 2 | 60.0 | 0.3 | 0.45 | 0.8 | 2.0 / 3.0 |" in paired.table(got, ["haproxy", "rpcguard"])
+
+
+class FakeStack:
+    def __init__(self, arm: str, n: int, log: list) -> None:
+        self.arm, self.n, self.log, self.proxies = arm, n, log, {}
+
+    def stop(self) -> None:
+        self.log.append(("stop", self.arm, self.n))
+
+
+def test_alternation_reverses_the_order_every_other_repetition_and_restarts_every_n():
+    log: list = []
+    started: dict[str, int] = {}
+
+    def start(arm: str) -> FakeStack:
+        started[arm] = started.get(arm, 0) + 1
+        log.append(("start", arm, started[arm]))
+        return FakeStack(arm, started[arm], log)
+
+    alt = runner.Alternation(["a", "b", "c"], 4, start, fresh_every=2,
+                             on_fresh=lambda arm, s: log.append(("fresh", arm, s.n)),
+                             retire=lambda arm, s: log.append(("retire", arm, s.n)))
+    assert alt.run(lambda rep, arm, s: log.append(("measure", rep, arm, s.n))) == 4
+    measured = [(rep, arm, n) for kind, *rest in log if kind == "measure" for rep, arm, n in [rest]]
+    assert [arm for _, arm, _ in measured] == list("abc" "cba" "abc" "cba")
+    assert {n for rep, _, n in measured if rep < 2} == {1} and {n for rep, _, n in measured if rep >= 2} == {2}
+    # every arm is (re)started before any is measured, and retired before it stops
+    first = log.index(("measure", 0, "a", 1))
+    assert all(e[0] in ("start", "fresh") for e in log[:first]) and len(log[:first]) == 6
+    assert log.index(("retire", "b", 1)) + 1 == log.index(("stop", "b", 1))
+    assert sorted(e for e in log if e[0] == "stop") == sorted([("stop", arm, n) for arm in "abc" for n in (1, 2)])
+    assert sorted(e for e in log if e[0] == "retire") == sorted([("retire", arm, n) for arm in "abc" for n in (1, 2)])
+    assert runner.orders(["x", "y"], 3) == [["x", "y"], ["y", "x"], ["x", "y"]]
+
+
+def test_alternation_stops_at_the_deadline_and_stops_every_instance_on_failure():
+    log: list = []
+    alt = runner.Alternation(["a", "b"], 5, lambda arm: FakeStack(arm, 1, log), deadline=0.0)
+    assert alt.run(lambda rep, arm, s: None) == 0  # monotonic() is past 0 already
+    assert log == []
+
+    def boom(rep: int, arm: str, s) -> None:
+        if arm == "b":
+            raise RuntimeError("measure failed")
+
+    with pytest.raises(RuntimeError):
+        runner.Alternation(["a", "b"], 2, lambda arm: FakeStack(arm, 1, log)).run(boom)
+    assert sorted(log) == [("stop", "a", 1), ("stop", "b", 1)]
+
+
+def test_arm_registry_has_one_meaning_of_arm():
+    assert set(arms.RUN_ARMS) <= set(arms.ARMS) and "direct" not in arms.PROXIED
+    assert {a for a in arms.ARMS if arms.ARM_TABLE[a].kind == "passthrough"} == {"aio", "bio", "thread", "sock"}
+    assert arms.arm_list("haproxy, sock", arms.PROXIED, at_least=2) == ["haproxy", "sock"]
+    with pytest.raises(ValueError):
+        arms.arm_list("direct", arms.PROXIED)
+    assert {arms.SIDE[label] for label in ("connect", "client-side")} == {"client"}
