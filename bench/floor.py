@@ -54,7 +54,7 @@ import runner  # noqa: E402
 from tests.support import realpeer  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 
-__all__ = ["ARMS", "WORKLOADS", "Run", "arm_list", "start_stack", "measure", "summarize", "main"]
+__all__ = ["ARMS", "WORKLOADS", "Run", "arm_list", "measure", "summarize", "main"]
 
 ARMS = ("haproxy", "rpcguard", *passthrough.DESIGNS)  # the default --arms (any of arms.PROXIED)
 WORKLOADS = {"ping": protoclient.ping, "burst": protoclient.burst}
@@ -74,11 +74,6 @@ class Run:
 
 
 # ------------------------------------------------------------------------------ measuring
-def start_stack(arm: str, workdir: Path, pki: Pki) -> armlib.ArmStack:
-    """``arms.start_arm``: kept under this name for callers of the I/O floor."""
-    return armlib.start_arm(arm, workdir, pki)
-
-
 def measure(stack: armlib.ArmStack | None, arm: str, rep: int, workload: str, count: int) -> Run:
     """One repetition of one arm on its fresh stack: warm-up session, measured session."""
     run = Run(arm, rep)
@@ -120,7 +115,7 @@ def run_all(arms: list[str], workload: str, reps: int, count: int) -> list[Run]:
         def start(arm: str) -> armlib.ArmStack | None:
             try:
                 start_errors.pop(arm, None)
-                return start_stack(arm, work, pki)
+                return armlib.start_arm(arm, work, pki)
             except (OSError, RuntimeError, subprocess.SubprocessError, realpeer.MissingPeer) as exc:
                 start_errors[arm] = f"start: {_short(exc)}"
                 return None
