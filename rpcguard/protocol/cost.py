@@ -147,7 +147,7 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 
 # -- compute cost --------------------------------------------------------------------------
 #
-# Calibrated against the real ggml-rpc-server (bench/compute_cost.py, docs/firewall.md "Compute
+# Calibrated against the real ggml-rpc-server (bench/studies/compute_cost.py, docs/firewall.md "Compute
 # budget"): every node pays BYTE_FLOPS per byte it reads and writes on top of its arithmetic (at
 # the default rate a byte costs what the memory-bound one-token matrix products measure); the
 # arithmetic is 2*K*|dst| for matrix products, a formula for ops whose work is not proportional

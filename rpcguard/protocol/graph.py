@@ -103,7 +103,7 @@ def _validation_clock() -> float:
 MAX_GRAPH_COMPUTE_S: Final = 900.0
 # Throughput the estimate assumes: the real server's slowest matrix product (Q4_0) on one
 # thread of this project's 2-core CI machine runs at 49-56 GFLOP/s, F32/F16/Q8_0 at 87-105
-# (bench/compute_cost.py, docs/firewall.md "Compute budget"): at 40 every real-sized case
+# (bench/studies/compute_cost.py, docs/firewall.md "Compute budget"): at 40 every real-sized case
 # measured is over-estimated 1.4-16x. A GPU node, or one with many cores, sets its own (policy).
 NODE_GFLOPS: Final = 40.0
 # The CPU planner's work buffer for one node (cost.work_bytes): real graphs need a few hundred

@@ -273,7 +273,7 @@ class UpstreamPool:
             except StartFailed as exc:
                 raise Refusal("upstream_unavailable", f"the server did not start: {exc}") from None
             # the next spare is started when this session ends (ended): started now, it would
-            # compete with this session for the CPU (bench/session_start.py). A kept process is
+            # compete with this session for the CPU (bench/studies/session_start.py). A kept process is
             # the exception: its session is a probe, or the first one that will dirty it (a
             # client's probes, then its model load), so the spare starts now and is ready for
             # the session after it (llama-server: two sessions per start need a fresh process).

@@ -13,7 +13,7 @@ other direction is drained until it ends too, never reset: a reset killed the re
 
 Used by the op survey (tests/support/opsurvey.py, tests/integration/test_models_real.py), the
 sanitizer fuzzer's recorder (tests/fuzz/replay.py), the validation benchmark
-(bench/validation_bench.py) and, through ``record_real_session``, the replay tests that compare two
+(bench/studies/validation_bench.py) and, through ``record_real_session``, the replay tests that compare two
 decoders or two protocol cores on real traffic.
 """
 
