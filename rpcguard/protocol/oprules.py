@@ -1057,6 +1057,51 @@ def _roll(n: RpcTensor, s: Srcs) -> Result:
     return New(a.type, a.ne)
 
 
+UPSCALE_MODES = (0, 1, 2)  # ggml.h:2314 enum ggml_scale_mode: NEAREST, BILINEAR, BICUBIC
+SCALE_ALIGN_CORNERS, SCALE_ANTIALIAS = 1 << 8, 1 << 9  # ggml.h:2322 enum ggml_scale_flag
+
+
+def _upscale_last_index(ne: int, ne_src: int, align: bool) -> int:
+    """The source index ops.cpp:8243 ``i / sf`` (ggml_compute_forward_upscale_f32) forms for the
+    last output index ``ne - 1`` of a dimension, in the kernel's single precision: ``sf`` is
+    ``(float)ne / ne_src`` (ops.cpp:8220), or with GGML_SCALE_FLAG_ALIGN_CORNERS
+    ``(float)(ne - 1) / (ne_src - 1)`` when both exceed 1 (ops.cpp:8231); ``i`` is converted to
+    float, divided, truncated to int64. Division and int-to-float conversion are monotone, so the
+    last index is the largest."""
+    if align and ne > 1 and ne_src > 1:
+        sf = _round_f32(_round_f32(float(ne - 1)) / _round_f32(float(ne_src - 1)))
+    else:
+        sf = _round_f32(_round_f32(float(ne)) / _round_f32(float(ne_src)))
+    return int(_round_f32(_round_f32(float(ne - 1)) / sf))
+
+
+def _upscale(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_interpolate_impl ggml.c:5165 (ggml_upscale 5188, ggml_upscale_ext 5197,
+    ggml_interpolate 5208): an F32 source, any result shape (the caller's), op_params[0] the mode:
+    low byte a ggml_scale_mode below GGML_SCALE_MODE_COUNT, ANTIALIAS only with BILINEAR; of the
+    flag bits only ALIGN_CORNERS and ANTIALIAS are accepted (the constructor lets the unused bits
+    through, no ggml caller sets them). The kernel (ops.cpp:8207 ggml_compute_forward_upscale_f32)
+    indexes every dimension with its own stride. BILINEAR and BICUBIC clamp their dims 0-1 source
+    indices into [0, ne-1] (ops.cpp:8333, 8381), ANTIALIAS clamps its window to [0, ne)
+    (ops.cpp:8277); NEAREST's dims 0-1 and every mode's dims 2-3 take ``i / sf`` unclamped, which
+    in single precision can round up to ``ne_src`` once a dimension passes 2^24: each such index
+    is recomputed as the kernel does (_upscale_last_index) and must stay below the source's ne."""
+    a = s[0]
+    assert a is not None
+    mode = n.op_params[0] & 0xFFFFFFFF
+    base, flags = mode & 0xFF, mode & ~0xFF
+    if (base not in UPSCALE_MODES or flags & ~(SCALE_ALIGN_CORNERS | SCALE_ANTIALIAS)
+            or (flags & SCALE_ANTIALIAS and base != 1)):
+        raise refuse(n, "UPSCALE", f"mode {mode:#x}", "graph_op_params_invalid")
+    _types(n, "UPSCALE", ONLY_F32, a)
+    align = bool(flags & SCALE_ALIGN_CORNERS)
+    for d in range(MAX_DIMS):
+        if d >= 2 or base == 0:
+            last = _upscale_last_index(n.ne[d], a.ne[d], align and d < 2)
+            _need(last < a.ne[d], n, "UPSCALE", f"dim {d}: source index {last} of {a.ne} (float rounding)")
+    return New(F32, n.ne)
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -1130,6 +1175,8 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
            params=4, until=(7, 0, 0)),
     OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
+    OpRule("UPSCALE", "ggml.c:5165 ggml_interpolate_impl (ggml_upscale, _ext, ggml_interpolate)", 1, _upscale,
+           params=1, flat_rows=False),
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
 )

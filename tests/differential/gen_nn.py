@@ -279,6 +279,21 @@ def _upscale(rng: random.Random) -> Case:
     return Case("UPSCALE", r.recipe(), params={5: (0, [0, 1, 2])}, dst_args=lambda ne_, nb_: [KEEP, *ne_, KEEP])
 
 
+@gen("interpolate_modes", "UPSCALE")
+def _interpolate_modes(rng: random.Random) -> Case:
+    """Every mode and flag ggml_interpolate takes (ggml.h:2314 ggml_scale_mode, 2322 ggml_scale_flag):
+    down- and non-integer scales, align-corners, bilinear antialias, a non-contiguous source."""
+    r = R(rng)
+    ne = rand_ne(rng)
+    mode = rng.choice((0, 1, 2)) | rng.choice((0, 0x100))
+    if mode & 0xFF == 1 and rng.random() < 0.4:
+        mode |= 0x200
+    tgt = [max(1, n * rng.choice((1, 2, 3)) // rng.choice((1, 2, 3))) for n in ne]
+    r.op("interpolate", r.inp("f32", ne, noncontig=0.4), *tgt, mode)
+    return Case("UPSCALE", r.recipe(), params={5: (0, [0, 2, 3, 0x102, 0x200, 0x301, 0x400])},
+                dst_args=lambda ne_, nb_: [KEEP, *ne_, KEEP])
+
+
 
 # -- a whole transformer block, as llama.cpp builds it -----------------------------------------
 

@@ -643,6 +643,24 @@ def ops() -> list[str]:
     return [RULES.names[i] for i in sorted(RULES.rows) if RULES.names[i] in PROTOS]
 
 
+
+# -- protos of the rules of issue 20's second batch (branch rules2) ------------------------------
+
+
+def p_upscale(d: Draw) -> Proto:
+    """ggml_interpolate: any target shape (down, up, non-integer, 1), every mode and flag; unknown
+    flags and antialias without bilinear are drawn too (the rule refuses them)."""
+    a = S(d.ftype((F32,)), d.shape())
+    tgt = tuple(max(1, d.pick((x, 2 * x, 3 * x, x // 2, x // 3, x + 1, x - 1, 1, d.r.randint(1, 64)))) for x in a.ne)
+    mode = d.pick((0, 1, 2)) | d.pick((0, 0, 0x100, 0x200, 0x300))
+    if d.p(0.05):
+        mode = d.pick((3, 0xFF, 0x400, 0x202, -1))
+    return Proto([a], params=[mode], node_ne=tgt)  # type: ignore[arg-type]
+
+
+PROTOS.update({"UPSCALE": p_upscale})
+
+
 # -- the layout adversary ----------------------------------------------------------------------
 
 LAYOUTS = ("contig", "contig", "size1", "size1", "size1", "bcast", "padded", "elem", "perm", "huge", "parent")

@@ -421,22 +421,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op TRI has no verified rule',
     ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=3)'):
         'op_not_verified: op TRI has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=bilinear)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[2,5,7,11],ne_tgt=[5,7,11,13],mode=nearest)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=bilinear)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[5,7,11,13],ne_tgt=[2,5,7,11],mode=nearest)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=0)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=bilinear,transpose=1)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=0)'):
-        'op_not_verified: op UPSCALE has no verified rule',
-    ('UPSCALE', 'UPSCALE(type=f32,ne=[512,512,3,2],scale_factor=2,mode=nearest,transpose=1)'):
-        'op_not_verified: op UPSCALE has no verified rule',
 }
 
 

@@ -501,3 +501,55 @@ def test_concat_takes_an_empty_source():
     # ... but a broadcasting kernel that reads it is still refused (its index modulo 0)
     b = T(0x12, F32, (128, 2, 1, 1))
     assert reason([b, empty], T(0x21, F32, (128, 2, 1, 1), op=OPS["ADD"], src=(0x12, 0x10))) == "tensor_layout_invalid"
+
+
+# -- UPSCALE (ggml_interpolate_impl) ---------------------------------------------------------
+
+
+def upscale(src_ne=(2, 5, 7, 11), dst_ne=(5, 7, 11, 13), mode=0, **over):
+    a = T(0x10, F32, src_ne)
+    d = T(0x20, F32, dst_ne, op=OPS["UPSCALE"], src=(0x10,), op_params=(mode,))
+    for k, v in over.items():
+        setattr({"a": a, "d": d}[k[0]], k[2:], v)
+    return [a], d
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 0x100, 0x101, 0x102, 0x201, 0x301])
+def test_upscale_modes_pass(mode):
+    run(*upscale(mode=mode))
+    run(*upscale(src_ne=(5, 7, 11, 13), dst_ne=(2, 5, 7, 11), mode=mode))
+
+
+@pytest.mark.parametrize("mode", [3, 0xFF, 0x200, 0x202, 0x400, -(1 << 31)])
+def test_upscale_bad_modes_refused(mode):
+    # 3: GGML_SCALE_MODE_COUNT; 0x200/0x202: antialias without bilinear; 0x400, 1<<31: no such flag
+    assert reason(*upscale(mode=mode)) == "graph_op_params_invalid"
+
+
+def test_upscale_mutations_refused():
+    assert reason(*upscale(d_type=F16, d_type_size=2)) == "graph_shape_invalid"  # the result is F32
+    assert reason(*upscale(a_type=F16, a_type_size=2)) == "graph_type_invalid"  # only an F32 source
+    assert reason(*upscale(d_nb=(4, 20, 140, 1540 * 2))) == "graph_shape_invalid"  # a fresh tensor is packed
+    tensors, d = upscale()
+    d.src = (0x10, 0x10)
+    assert reason(tensors, d) == "graph_src_unexpected"
+
+
+def test_upscale_float_rounding_past_the_source_is_refused():
+    # ne == ne_src == 20986228 (> 2^24): sf = 1.0f, but (float)(ne - 1) rounds up to ne: NEAREST
+    # would read one element past dimension 0; BILINEAR clamps dims 0-1 but not dims 2-3.
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 34)
+    st.buffers[HANDLE].base = BASE
+    big = 20986228
+
+    def check(src_ne, dst_ne, mode):
+        a = T(0x10, F32, src_ne, data=BASE)
+        d = T(0x20, F32, dst_ne, op=OPS["UPSCALE"], src=(0x10,), op_params=(mode,), data=BASE + (1 << 33))
+        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, d])), st)
+
+    for src_ne, dst_ne, mode in (((big, 1, 1, 1), (big, 1, 1, 1), 0), ((1, 1, big, 1), (1, 1, big, 1), 1)):
+        with pytest.raises(FirewallRefusal) as exc:
+            check(src_ne, dst_ne, mode)
+        assert exc.value.reason == "graph_shape_invalid" and "float rounding" in exc.value.detail
+    check((big, 1, 1, 1), (big, 1, 1, 1), 1)  # BILINEAR clamps dim 0: accepted
