@@ -78,8 +78,9 @@ def _differs(node: RpcTensor, r: Result, srcs: list[RpcTensor | None], by_id: di
             return f"type {node.type} != {r.type}"
         if node.ne != r.ne:
             return f"ne {node.ne} != {r.ne}"
-        if node.nb != contiguous_nb(r.type, r.ne):
-            return f"nb {node.nb} not contiguous for {r.ne}"
+        want = r.nb if r.nb is not None else contiguous_nb(r.type, r.ne)
+        if node.nb != want:
+            return f"nb {node.nb} not contiguous for {r.ne}" if r.nb is None else f"nb {node.nb} != {want}"
         if node.view_src or node.view_offs:
             return "a fresh tensor with a view source"
         return ""

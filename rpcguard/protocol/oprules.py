@@ -67,10 +67,12 @@ def f32(i32: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class New:
-    """A fresh, contiguous tensor of ``type`` and shape ``ne``."""
+    """A fresh tensor of ``type`` and shape ``ne``: contiguous, or with the strides ``nb`` its
+    constructor sets after ggml_new_tensor (ggml_conv_2d_dw_direct's channels-first result)."""
 
     type: int
     ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1102,6 +1104,56 @@ def _upscale(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, n.ne)
 
 
+CONV_PARAM_MAX = (1 << 30) - 1  # ggml_calc_conv_output_size doubles an int padding: 2*p stays an int
+
+
+def is_contiguous_channels(t: RpcTensor) -> bool:
+    """ggml.c:1532 ggml_is_contiguous_channels: nb0 > nb2, nb1 > nb0, nb2 the element size."""
+    return t.nb0 > t.nb2 and t.nb1 > t.nb0 and t.nb2 == TYPES[t.type].type_size
+
+
+def _conv_2d_dw(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_conv_2d_dw_direct ggml.c:4916: a (the weights) [KW, KH, 1, C], b (the input) [W, H, C,
+    N], params {s0, s1, p0, p1, d0, d1}; result of b's type [OW, OH, C, N], packed, or when b is
+    channels-first (ggml_is_contiguous_channels) with b's permutation: nb0 = C*es, nb1 = OW*nb0,
+    nb2 = es (ggml.c:4936). The kernel (ops.cpp:7875 ggml_compute_forward_conv_2d_dw) reads b and
+    writes the result as plain float arrays (b must be F32, what every caller passes; the
+    constructor lets any type through) and a as F32 or F16 (ops.cpp:7897 asserts it), each by a
+    flat index from its data pointer, in one of two layouts: b contiguous (ops.cpp:7832
+    ggml_compute_forward_conv_2d_dw_whcn: a read at ``c*KW*KH + y*KW + x``, so packed) or
+    channels-first (ops.cpp:7749 ggml_compute_forward_conv_2d_dw_cwhn: b at
+    ``((n*H + y)*W + x)*C + c``, a at ``(y*KW + x)*C + c``, so b's strides exactly that
+    permutation and a's the same one, with nb0 >= nb2 as ops.cpp:7904 asserts); any other b
+    aborts (ops.cpp:7907). Source positions are checked against W and H before every read.
+    Strides and dilations are at least 1 and paddings in [0, 2^30): the constructor's
+    ``2 * p`` is an int, and with a positive output size every int64 position the kernel forms is
+    bounded by W + 2*p."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    s0, s1, p0, p1, d0, d1 = n.op_params[:6]
+    if min(s0, s1, d0, d1) < 1 or not (0 <= p0 <= CONV_PARAM_MAX and 0 <= p1 <= CONV_PARAM_MAX):
+        raise refuse(n, "CONV_2D_DW", f"params {n.op_params[:6]}", "graph_op_params_invalid")
+    _need(a.ne2 == 1 and a.ne3 == b.ne2, n, "CONV_2D_DW", f"weights {a.ne} for input {b.ne}")
+    _types(n, "CONV_2D_DW", F32_F16, a)
+    _types(n, "CONV_2D_DW", ONLY_F32, b)
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1)
+    _need(ow > 0 and oh > 0, n, "CONV_2D_DW", f"input {b.ne} too small for weights {a.ne}")
+    c, es, ka = b.ne2, TYPES[b.type].type_size, TYPES[a.type].type_size
+    channels = is_contiguous_channels(b)
+    if is_contiguous(b):
+        _need(is_contiguous(a), n, "CONV_2D_DW", f"weights strides {a.nb} not packed")
+    else:
+        _need(channels and b.nb == (c * es, b.ne0 * c * es, es, b.ne0 * b.ne1 * c * es), n, "CONV_2D_DW",
+              f"input strides {b.nb} neither packed nor channels-first")
+        _need(a.nb0 == c * ka and a.nb1 == a.ne0 * c * ka and a.nb3 == ka and a.nb2 <= a.nb0, n, "CONV_2D_DW",
+              f"weights strides {a.nb} not the input's channels-first permutation")
+    ne = (ow, oh, c, b.ne3)
+    if channels:
+        return New(b.type, ne, (c * es, ow * c * es, es, ow * oh * c * es))
+    return New(b.type, ne)
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -1177,6 +1229,7 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("UNARY", "ggml.c:6033 ggml_unary", 1, _unary, params=5),
     OpRule("UPSCALE", "ggml.c:5165 ggml_interpolate_impl (ggml_upscale, _ext, ggml_interpolate)", 1, _upscale,
            params=1, flat_rows=False),
+    OpRule("CONV_2D_DW", "ggml.c:4916 ggml_conv_2d_dw_direct", 2, _conv_2d_dw, params=6, flat_rows=False),
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
 )

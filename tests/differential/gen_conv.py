@@ -65,6 +65,26 @@ def _conv2d_dw(rng: random.Random) -> Case:
     return Case("CONV_2D_DW", r.recipe(), params={2: (0, [1, 2, 3]), 4: (2, [0, 2])})
 
 
+@gen("conv_2d_dw_layouts", "CONV_2D_DW")
+def _conv2d_dw_layouts(rng: random.Random) -> Case:
+    """F32 and F16 weights, strides, paddings, dilations, batches, and the channels-first (CWHN)
+    layout test-backend-ops builds (tests/test-backend-ops.cpp test_conv_2d_dw: the input and the
+    weights made channel-contiguous, then permuted back)."""
+    r = R(rng)
+    c, n = rng.choice((1, 2, 3, 4, 8, 9)), rng.randint(1, 2)
+    kw, kh = rng.randint(1, 3), rng.randint(1, 3)
+    p0, p1, d0, d1 = rng.randint(0, 2), rng.randint(0, 2), rng.randint(1, 2), rng.randint(1, 2)
+    a = r.leaf(rng.choice(("f32", "f16")), [kw, kh, 1, c])
+    # at least one output position: a smaller input gives a negative ne (no tensor at all)
+    w, h = rng.randint(max(1, d0 * (kw - 1) + 1 - 2 * p0), 11), rng.randint(max(1, d1 * (kh - 1) + 1 - 2 * p1), 11)
+    b = r.leaf("f32", [w, h, c, n])
+    if rng.random() < 0.5:
+        b = r.op("permute", r.op("cont", r.op("permute", b, 1, 2, 0, 3)), 2, 0, 1, 3)
+        a = r.op("permute", r.op("cont", r.op("permute", a, 2, 3, 1, 0)), 3, 2, 0, 1)
+    r.op("conv_2d_dw_direct", a, b, rng.randint(1, 3), rng.randint(1, 3), p0, p1, d0, d1)
+    return Case("CONV_2D_DW", r.recipe(), params={2: (0, [0, 1, 2, 3]), 4: (2, [0, 2, -1]), 6: (4, [0, 1, 2])})
+
+
 @gen("conv_3d_direct", "CONV_3D")
 def _conv3d(rng: random.Random) -> Case:
     r = R(rng)

@@ -658,7 +658,22 @@ def p_upscale(d: Draw) -> Proto:
     return Proto([a], params=[mode], node_ne=tgt)  # type: ignore[arg-type]
 
 
-PROTOS.update({"UPSCALE": p_upscale})
+def p_conv_2d_dw(d: Draw) -> Proto:
+    """ggml_conv_2d_dw_direct: packed or channels-first (both sources), F32/F16 weights, params at
+    their edges (0, negative, past 2^30: refused by the rule)."""
+    c, n = d.pick((1, 2, 3, 4, 8, 9, 16, 17, d.r.randint(1, 64))), d.pick((1, 1, 2, 3))
+    kw, kh = (d.pick((1, 2, 3, 5, d.r.randint(1, 9))) for _ in range(2))
+    w, h = (d.pick((1, 2, 3, 5, 8, 17, 34, d.r.randint(1, 70))) for _ in range(2))
+    cwhn = d.p(0.45)
+    a = S(d.ftype((F32, F16)), (kw, kh, 1, c), layout="cwhn_w" if cwhn else d.pick(("contig", None)))
+    b = S(d.ftype((F32,)), (w, h, c, n), layout="cwhn" if cwhn else d.pick(("contig", None)))
+    strides = [d.pick((1, 1, 2, 3)) if d.p(0.9) else d.i(1, 8) for _ in range(2)]
+    pads = [d.pick((0, 0, 1, 2, kw)) if d.p(0.9) else d.i(0, 9) for _ in range(2)]
+    dils = [d.pick((1, 1, 2, 3)) if d.p(0.9) else d.i(1, 4) for _ in range(2)]
+    return Proto([a, b], params=[*strides, *pads, *dils])
+
+
+PROTOS.update({"UPSCALE": p_upscale, "CONV_2D_DW": p_conv_2d_dw})
 
 
 # -- the layout adversary ----------------------------------------------------------------------
@@ -670,6 +685,13 @@ def _strides(d: Draw, t: int, ne: tuple[int, int, int, int], mode: str, cap: int
     info = TYPES[t]
     ts, quant = info.type_size, info.blck_size > 1
     nb = list(contiguous_nb(t, ne))
+    if mode in ("cwhn", "cwhn_w"):
+        # channels-first (CONV_2D_DW, test-backend-ops' cwhn): the channel dim innermost, dim 2 of
+        # an input [W, H, C, N], dim 3 of weights [KW, KH, 1, C] (their nb2 = C*es, as ggml_permute leaves it)
+        c = ne[2] if mode == "cwhn" else ne[3]
+        if mode == "cwhn":
+            return (c * ts, ne[0] * c * ts, ts, ne[0] * ne[1] * c * ts)
+        return (c * ts, ne[0] * c * ts, c * ts, ts)
 
     def any_stride() -> int:
         return d.pick((0, 1, 3, ts, cap, cap - 1, cap // 2 + 1, d.r.randint(0, cap), 1 << 20, nb[1] + 1))
@@ -840,7 +862,7 @@ def _node_from(rule: OpRule, op: str, proto: Proto, srcs: list[Tensor | None], b
         if max(r.ne) >= 1 << 32 or min(r.ne) < 0 or max(contiguous_nb(r.type, r.ne)) >= 1 << 32:
             return "result_not_encodable"
         # pre-filled, so that bytes the kernel leaves alone are the same in both runs
-        node = Tensor(nid, r.type, r.ne, contiguous_nb(r.type, r.ne), op=TABLE.ids[op], params=prm, src=src_ids,
+        node = Tensor(nid, r.type, r.ne, r.nb or contiguous_nb(r.type, r.ne), op=TABLE.ids[op], params=prm, src=src_ids,
                       fill="prefill")
         b.place(node, 0)
         return node

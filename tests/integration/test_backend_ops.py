@@ -99,22 +99,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op CONV_2D has no verified rule',
     ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
         'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=0)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f16,stride=1,padding=0,dilation=1,cwhn=1)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=0)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[17,34,9,1],ne_kernel=[3,3,1,9],type_kernel=f32,stride=1,padding=0,dilation=1,cwhn=1)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=0)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f16,stride=2,padding=1,dilation=1,cwhn=1)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=0)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
-    ('CONV_2D_DW', 'CONV_2D_DW(ne_input=[32,8,64,1],ne_kernel=[3,3,1,64],type_kernel=f32,stride=2,padding=1,dilation=1,cwhn=1)'):
-        'op_not_verified: op CONV_2D_DW has no verified rule',
     ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=1,KW=5,s0=2,s1=1,s2=1,p0=2,p1=0,p2=1,d0=1,d1=1,d2=2,type_kernel=f32,kernel_offset=0)'):
         'op_not_verified: op CONV_3D has no verified rule',
     ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):

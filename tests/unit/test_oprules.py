@@ -553,3 +553,49 @@ def test_upscale_float_rounding_past_the_source_is_refused():
             check(src_ne, dst_ne, mode)
         assert exc.value.reason == "graph_shape_invalid" and "float rounding" in exc.value.detail
     check((big, 1, 1, 1), (big, 1, 1, 1), 1)  # BILINEAR clamps dim 0: accepted
+
+
+# -- CONV_2D_DW (ggml_conv_2d_dw_direct) -----------------------------------------------------
+
+
+def conv_2d_dw(cwhn=False, kt=F32, params=(1, 1, 0, 0, 1, 1), **over):
+    """input [17, 34, 9, 1], weights [3, 3, 1, 9] (test-backend-ops' first case): packed, or both
+    made channel-contiguous and permuted back (cwhn)."""
+    W, H, C, KW, KH = 17, 34, 9, 3, 3
+    ke = TYPES[kt].type_size
+    a = T(0x10, kt, (KW, KH, 1, C))
+    b = T(0x11, F32, (W, H, C, 1))
+    ne = (15, 32, C, 1)
+    d = T(0x20, F32, ne, op=OPS["CONV_2D_DW"], src=(0x10, 0x11), op_params=params)
+    if cwhn:
+        a.nb = (C * ke, KW * C * ke, C * ke, ke)
+        b.nb = (C * 4, W * C * 4, 4, W * H * C * 4)
+        d.nb = (C * 4, 15 * C * 4, 4, 15 * 32 * C * 4)
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("cwhn", [False, True])
+@pytest.mark.parametrize("kt", [F32, F16])
+def test_conv_2d_dw_layouts_pass(cwhn, kt):
+    run(*conv_2d_dw(cwhn, kt))
+
+
+@pytest.mark.parametrize("cwhn,over,why", [
+    (False, {"d_nb": (36, 540, 4, 17280)}, "graph_shape_invalid"),  # packed input: so is the result
+    (True, {"d_nb": (4, 60, 60 * 32, 60 * 32 * 9)}, "graph_shape_invalid"),  # channels-first input: so is the result
+    (False, {"b_nb": (4, 72, 72 * 34, 72 * 34 * 9)}, "graph_shape_invalid"),  # padded rows: the kernel aborts
+    (True, {"b_nb": (36, 36 * 17, 4, 36 * 17 * 35)}, "graph_shape_invalid"),  # channels-first with a gap: read flat
+    (True, {"a_nb": (4, 12, 36, 36)}, "graph_shape_invalid"),  # packed weights for a channels-first input
+    (False, {"a_nb": (36, 108, 36, 4)}, "graph_shape_invalid"),  # channels-first weights, packed input
+    (False, {"b_type": F16, "b_type_size": 2, "d_type": F16, "d_type_size": 2}, "graph_type_invalid"),  # read as float
+    (False, {"a_type": Q8_0, "a_type_size": 34, "a_blck_size": 32, "a_ne": (32, 3, 1, 9)}, "graph_type_invalid"),  # the kernel asserts F32/F16 weights
+    (False, {"a_ne": (3, 3, 1, 8)}, "graph_shape_invalid"),  # a weight plane per channel
+    (False, {"d_op_params": (0, 1, 0, 0, 1, 1)}, "graph_op_params_invalid"),  # stride 0
+    (False, {"d_op_params": (1, 1, -1, 0, 1, 1)}, "graph_op_params_invalid"),  # negative padding
+    (False, {"d_op_params": (1, 1, 1 << 30, 0, 1, 1)}, "graph_op_params_invalid"),  # 2*p overflows an int
+    (False, {"d_op_params": (1, 1, 0, 0, 0, 1)}, "graph_op_params_invalid"),  # dilation 0
+])
+def test_conv_2d_dw_mutations_refused(cwhn, over, why):
+    assert reason(*conv_2d_dw(cwhn, **over)) == why
