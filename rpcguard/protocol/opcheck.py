@@ -44,6 +44,8 @@ def check_sources(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None]) -
         if srcs[i] is not None:
             raise refuse(node, op, f"src[{i}] is set; the constructor sets at most {rule.srcs + rule.optional}",
                          "graph_src_unexpected")
+    if rule.plan is not None:
+        rule.plan(node, srcs)
 
 
 def check_node(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], by_id: dict[int, RpcTensor]) -> None:

@@ -110,6 +110,9 @@ class OpRule:
     # A source may be empty (a 0 in ne): the kernel's loops then copy nothing from it (CONCAT).
     # Else an empty source is refused: broadcasting kernels take an index modulo its ne (SIGFPE).
     empty_sources: bool = False
+    # What ggml_graph_plan asserts of the node's sources before any kernel runs: it plans empty
+    # nodes too, which no derive sees (opcheck.check_sources calls it for every node).
+    plan: "Callable[[RpcTensor, Srcs], None] | None" = None
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
@@ -1154,6 +1157,43 @@ def _conv_2d_dw(n: RpcTensor, s: Srcs) -> Result:
     return New(b.type, ne)
 
 
+def _conv_transpose_1d_plan(n: RpcTensor, s: Srcs) -> None:
+    """What ggml_graph_plan (ggml-cpu.c:2934) asserts of a CONV_TRANSPOSE_1D node, empty or not:
+    a.ne3 == 1, b a matrix, a F16/BF16/F32 with b F32 (else GGML_ABORT); here a F16/F32 (the
+    kernel aborts on BF16) and, as the kernel holds them in ``int`` (ops.cpp:6533 ``nk``,
+    6593 ``i1n``), a's and b's element counts below 2^31, which also bounds the planner's work
+    buffer (``es*(K*Cout*Cin + L*Cin)``, ggml-cpu.c:2949)."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return  # check_sources refuses a missing source
+    _types(n, "CONV_TRANSPOSE_1D", F32_F16, a)
+    _types(n, "CONV_TRANSPOSE_1D", ONLY_F32, b)
+    _need(a.ne3 == 1 and b.ne2 == 1 and b.ne3 == 1, n, "CONV_TRANSPOSE_1D", f"kernel {a.ne}, input {b.ne}")
+    _need(a.ne0 * a.ne1 * a.ne2 <= INT32_MAX and b.ne0 * b.ne1 <= INT32_MAX, n, "CONV_TRANSPOSE_1D",
+          f"kernel {a.ne} or input {b.ne} past 2^31 elements")
+
+
+def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_conv_transpose_1d ggml.c:4727: a (the kernel) [K, Cout, Cin, 1], b (the input) a
+    matrix [L, Cin], a.ne2 == b.ne1, params {s0, p0, d0} with p0 == 0 and d0 == 1 asserted; an F32
+    result [(L-1)*s0 + K, Cout, 1, 1] (ggml.c:4723). The kernels (ops.cpp:6517 for an F16 a,
+    6605 for F32) read a and b per dimension with unit nb0 (asserted, ops.cpp:6535-6536, 6623-6624), copy them into
+    the work buffer, and accumulate ``dst[i1*nb1 + (i10*s0 + i00)*4]`` for i10 < L, i00 < K: inside
+    the row only if s0 >= 1 (the constructor takes any s0; a negative one writes before the
+    result). That index is an ``int`` (ops.cpp:6599, 6687): the result's ne0 stays below 2^31. The rest
+    is the planner's (_conv_transpose_1d_plan)."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    s0, p0, d0 = n.op_params[:3]
+    if s0 < 1 or p0 != 0 or d0 != 1:
+        raise refuse(n, "CONV_TRANSPOSE_1D", f"params {n.op_params[:3]}", "graph_op_params_invalid")
+    _need(a.ne2 == b.ne1, n, "CONV_TRANSPOSE_1D", f"channels of kernel {a.ne} and input {b.ne}")
+    _need(a.nb0 == TYPES[a.type].type_size and b.nb0 == 4, n, "CONV_TRANSPOSE_1D", "nb0 is not the element size")
+    ow = (b.ne0 - 1) * s0 + a.ne0
+    _need(ow <= INT32_MAX, n, "CONV_TRANSPOSE_1D", f"output length {ow} past 2^31")
+    return New(F32, (ow, a.ne1, b.ne2, 1))
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -1230,6 +1270,8 @@ _ROWS: tuple[OpRule, ...] = (
     OpRule("UPSCALE", "ggml.c:5165 ggml_interpolate_impl (ggml_upscale, _ext, ggml_interpolate)", 1, _upscale,
            params=1, flat_rows=False),
     OpRule("CONV_2D_DW", "ggml.c:4916 ggml_conv_2d_dw_direct", 2, _conv_2d_dw, params=6, flat_rows=False),
+    OpRule("CONV_TRANSPOSE_1D", "ggml.c:4727 ggml_conv_transpose_1d", 2, _conv_transpose_1d, params=3,
+           flat_rows=False, plan=_conv_transpose_1d_plan),
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
 )

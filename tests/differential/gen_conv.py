@@ -35,6 +35,18 @@ def _convt1d(rng: random.Random) -> Case:
     return Case("CONV_TRANSPOSE_1D", r.recipe(), params={2: (0, [1, 2, 5])})
 
 
+@gen("conv_transpose_1d_mixed", "CONV_TRANSPOSE_1D")
+def _convt1d_mixed(rng: random.Random) -> Case:
+    """F16 and F32 kernels (the two CPU kernels, ops.cpp:6517 / 6605), longer inputs and kernels,
+    strided (non-contiguous) kernels and inputs, and the asserted p0 == 0, d0 == 1 mutated."""
+    r = R(rng)
+    k, oc, ic = rng.choice((1, 2, 3, 4, 7, 16)), rng.randint(1, 6), rng.randint(1, 6)
+    a = r.inp(rng.choice(("f32", "f16")), [k, oc, ic], noncontig=0.3)
+    b = r.inp("f32", [rng.choice((1, 2, 5, 13, 40)), ic], noncontig=0.3)
+    r.op("conv_transpose_1d", a, b, rng.randint(1, 4), 0, 1)
+    return Case("CONV_TRANSPOSE_1D", r.recipe(), params={2: (0, [0, 1, 3, -1]), 3: (1, [1, -1]), 4: (2, [0, 2])})
+
+
 @gen("conv_transpose_2d", "CONV_TRANSPOSE_2D")
 def _convt2d(rng: random.Random) -> Case:
     r = R(rng)

@@ -673,7 +673,18 @@ def p_conv_2d_dw(d: Draw) -> Proto:
     return Proto([a, b], params=[*strides, *pads, *dils])
 
 
-PROTOS.update({"UPSCALE": p_upscale, "CONV_2D_DW": p_conv_2d_dw})
+def p_conv_transpose_1d(d: Draw) -> Proto:
+    """ggml_conv_transpose_1d: F32/F16 kernels [K, Cout, Cin], a matrix input [L, Cin], s0 at its
+    edges (0, negative, huge: refused), p0/d0 sometimes off their asserted 0/1."""
+    k, oc, ic = d.pick((1, 2, 3, 7, 16, d.r.randint(1, 40))), d.pick((1, 2, 5, 17, d.r.randint(1, 64))), \
+        d.pick((1, 2, 3, 8, 9, d.r.randint(1, 64)))
+    a = S(d.ftype((F32, F16)), (k, oc, ic))
+    b = S(d.ftype((F32,)), (d.pick((1, 2, 5, 13, 64, d.r.randint(1, 600))), ic))
+    s0 = d.pick((1, 1, 2, 3, 4, k, k + 1)) if d.p(0.9) else d.i(1, 16)
+    return Proto([a, b], params=[s0, 0 if d.p(0.95) else 1, 1 if d.p(0.95) else 2])
+
+
+PROTOS.update({"UPSCALE": p_upscale, "CONV_2D_DW": p_conv_2d_dw, "CONV_TRANSPOSE_1D": p_conv_transpose_1d})
 
 
 # -- the layout adversary ----------------------------------------------------------------------

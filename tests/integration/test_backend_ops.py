@@ -109,22 +109,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op CONV_3D has no verified rule',
     ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
         'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[1,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[13,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=1,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=2,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
-    ('CONV_TRANSPOSE_1D', 'CONV_TRANSPOSE_1D(ne_input=[2,1,1,1],ne_kernel=[1,1,1,1],s0=3,p0=0,d0=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_1D has no verified rule',
     ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
         'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
     ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):

@@ -599,3 +599,50 @@ def test_conv_2d_dw_layouts_pass(cwhn, kt):
 ])
 def test_conv_2d_dw_mutations_refused(cwhn, over, why):
     assert reason(*conv_2d_dw(cwhn, **over)) == why
+
+
+# -- CONV_TRANSPOSE_1D (ggml_conv_transpose_1d) ----------------------------------------------
+
+
+def conv_transpose_1d(kt=F32, s0=2, **over):
+    a = T(0x10, kt, (3, 4, 5, 1))  # K = 3, Cout = 4, Cin = 5
+    b = T(0x11, F32, (13, 5, 1, 1))  # L = 13
+    d = T(0x20, F32, (12 * s0 + 3, 4, 1, 1), op=OPS["CONV_TRANSPOSE_1D"], src=(0x10, 0x11), op_params=(s0, 0, 1))
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("kt", [F32, F16])
+@pytest.mark.parametrize("s0", [1, 2, 3])
+def test_conv_transpose_1d_passes(kt, s0):
+    run(*conv_transpose_1d(kt, s0))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"d_op_params": (0, 0, 1), "d_ne": (3, 4, 1, 1)}, "graph_op_params_invalid"),  # s0 = 0
+    ({"d_op_params": (-1, 0, 1), "d_ne": (1, 4, 1, 1)}, "graph_op_params_invalid"),  # writes before the result
+    ({"d_op_params": (2, 1, 1)}, "graph_op_params_invalid"),  # p0 != 0: the constructor asserts it
+    ({"d_op_params": (2, 0, 2)}, "graph_op_params_invalid"),  # d0 != 1
+    ({"d_ne": (28, 4, 1, 1)}, "graph_shape_invalid"),  # one past (L-1)*s0 + K
+    ({"a_ne": (3, 4, 6, 1)}, "graph_shape_invalid"),  # channels differ: the dot reads past b's row
+    ({"b_ne": (13, 5, 2, 1)}, "graph_shape_invalid"),  # b not a matrix (the planner asserts it)
+    ({"a_nb": (8, 24, 96, 480)}, "graph_shape_invalid"),  # nb00 != sizeof(float): the kernel asserts it
+    ({"a_type": 30}, "graph_type_invalid"),  # BF16: the planner takes it, the kernel aborts
+    ({"b_type": F16, "b_type_size": 2}, "graph_type_invalid"),
+])
+def test_conv_transpose_1d_mutations_refused(over, why):
+    assert reason(*conv_transpose_1d(**over)) == why
+
+
+def test_conv_transpose_1d_empty_node_keeps_the_planner_asserts():
+    # ggml_graph_plan sizes the work buffer of an empty node too and GGML_ABORTs on a kernel type it
+    # has no case for (ggml-cpu.c:2956): the node is never computed, the sources still checked
+    a = T(0x10, Q8_0, (32, 4, 5, 1))
+    b = T(0x11, F32, (13, 5, 1, 1))
+    d = T(0x20, F32, (0, 4, 1, 1), op=OPS["CONV_TRANSPOSE_1D"], src=(0x10, 0x11), op_params=(1, 0, 1))
+    assert reason([a, b], d) == "graph_type_invalid"
+    a = T(0x10, F32, (3, 4, 5, 1))
+    b = T(0x11, F32, (13, 5, 2, 1))  # the planner asserts src[1]->ne[2] == 1
+    assert reason([a, b], d) == "graph_shape_invalid"
+    run([a, T(0x11, F32, (13, 5, 1, 1))], d)  # a plannable empty node still passes
