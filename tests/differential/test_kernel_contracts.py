@@ -64,6 +64,23 @@ CASES = {
         "leaves": [{"type": "f32", "ne": [8, 4, 1, 1]}, {"type": "f32", "ne": [8, 1, 1, 1]}],
         "ops": [{"fn": "set", "args": [0, 1, 32, 128, 128, 1 << 20]}],
     },
+    # ggml_conv_transpose_1d (ggml.c:4727) takes any s0; the kernel adds into dst[i10*s0 + i00]
+    # (ops.cpp:6687): with s0 = -1, L = 2, K = 3 the result has ne0 = 2 and i10 = 1 writes dst[-1]
+    "conv_transpose_1d: negative stride writes before dst": {
+        "leaves": [{"type": "f32", "ne": [3, 2, 2, 1]}, {"type": "f32", "ne": [2, 2, 1, 1]}],
+        "ops": [{"fn": "conv_transpose_1d", "args": [0, 1, -1, 0, 1]}],
+    },
+    # ggml_conv_2d_dw_direct (ggml.c:4916) builds a result of b's type from any b; the kernel reads
+    # b and writes dst as float arrays (ops.cpp:7832): an F16 input is read and written twice over
+    "conv_2d_dw_direct: F16 input read as floats": {
+        "leaves": [{"type": "f32", "ne": [3, 3, 1, 2]}, {"type": "f16", "ne": [5, 5, 2, 1]}],
+        "ops": [{"fn": "conv_2d_dw_direct", "args": [0, 1, 1, 1, 0, 0, 1, 1]}],
+    },
+    # ... and takes a b neither contiguous nor channels-first, which the kernel aborts on (ops.cpp:7907)
+    "conv_2d_dw_direct: padded input rows (server abort)": {
+        "leaves": [{"type": "f32", "ne": [3, 3, 1, 2]}, {"type": "f32", "ne": [5, 5, 2, 1], "nb": [4, 32, 160, 320]}],
+        "ops": [{"fn": "conv_2d_dw_direct", "args": [0, 1, 1, 1, 0, 0, 1, 1]}],
+    },
 }  # fmt: skip
 
 
