@@ -1017,7 +1017,8 @@ def _pool(two_d: bool) -> Derive:
     POOL_1D walks ggml_nrows rows at ``ir*nb1`` (the flat-row rule), POOL_2D walks planes from
     data to data + nbytes in steps of nb2, so its source is packed exactly as ggml_new_tensor
     lays it out (a size-1 dimension's stride included: nb2 = 0 would never end). Window
-    positions are ``int``: kernel, stride and output size keep them inside 31 bits."""
+    positions are ``int``: kernel, stride and output size keep them inside 31 bits, and so does
+    POOL_2D's window area k0 * k1."""
     def derive(n: RpcTensor, s: Srcs) -> Result:
         a = s[0]
         assert a is not None
@@ -1037,8 +1038,10 @@ def _pool(two_d: bool) -> Derive:
         oh = _pool_out(a.ne1, k1, s1, p1) if two_d else a.ne1
         _need(ow > 0 and oh > 0, n, op, f"window larger than {a.ne}")
         reach = max(ow * s0, oh * s1) + max(k0, k1) + abs(p0) + abs(p1)
-        if reach > INT32_MAX:
-            raise refuse(n, op, f"window positions past 2^31 ({reach})", "graph_op_params_invalid")
+        # POOL_2D's average divides by ``int ka = k0 * k1`` (ops.cpp:8028): a window whose area
+        # passes 2^31 is a signed overflow (UBSan) even where each side fits
+        if reach > INT32_MAX or k0 * k1 > INT32_MAX:
+            raise refuse(n, op, f"window positions or area past 2^31 ({reach}, {k0}x{k1})", "graph_op_params_invalid")
         return New(F32, (ow, oh, a.ne2, a.ne3))
 
     return derive

@@ -501,3 +501,18 @@ def test_concat_takes_an_empty_source():
     # ... but a broadcasting kernel that reads it is still refused (its index modulo 0)
     b = T(0x12, F32, (128, 2, 1, 1))
     assert reason([b, empty], T(0x21, F32, (128, 2, 1, 1), op=OPS["ADD"], src=(0x12, 0x10))) == "tensor_layout_invalid"
+
+
+def test_pool_2d_window_area_fits_an_int():
+    # acceptance fuzz (tests/fuzz/findings/accept-ubsan-*, POOL_2D): ops.cpp:8028 ``const int ka =
+    # k0 * k1``; a 65536 x 65536 window padded to fit a small plane passed every per-side check
+    a = T(0x10, F32, (47, 1, 4, 28))
+    params = (1, 65536, 65536, 65536, 65536, 32768, 32768)
+    d = T(0x20, F32, (1, 1, 4, 28), op=OPS["POOL_2D"], src=(0x10,), op_params=params)
+    assert reason([a], d) == "graph_op_params_invalid"
+    # the widest window whose area still fits: 46340^2 < 2^31 <= 46341^2
+    params = (0, 46340, 46340, 1, 1, 23170, 23170)
+    run([T(0x11, F32, (3, 1, 1, 1))], T(0x21, F32, (4, 2, 1, 1), op=OPS["POOL_2D"], src=(0x11,), op_params=params))
+    params = (0, 46341, 46341, 1, 1, 23170, 23170)
+    d = T(0x22, F32, (3, 1, 1, 1), op=OPS["POOL_2D"], src=(0x11,), op_params=params)
+    assert reason([T(0x11, F32, (3, 1, 1, 1))], d) == "graph_op_params_invalid"
