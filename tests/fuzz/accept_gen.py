@@ -511,7 +511,7 @@ def p_soft_max(d: Draw) -> Proto:
         m2 = d.pick([k for k in range(1, a.ne[2] + 1) if a.ne[2] % k == 0])
         m3 = d.pick([k for k in range(1, a.ne[3] + 1) if a.ne[3] % k == 0])
         mask = S(d.ftype((F32, F16)), (a.ne[0], m1, m2, m3))
-    if d.p(0.35):  # one F32 per head, read with or without a mask
+    if d.p(0.3 if mask is not None else 0.5):  # one F32 per head, read with or without a mask
         sinks = S(F32, (a.ne[2],))
     return Proto([a, mask, sinks], params=[d.f(), d.f(0, 8) if d.p(0.5) else 0])
 
