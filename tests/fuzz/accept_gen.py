@@ -958,7 +958,8 @@ class Builder:
 
 
 def _rpc(t: Tensor) -> RpcTensor:
-    return _rt(t, 1, 0)
+    """What a rule's derive sees of ``t`` (a fake data pointer: NULL only for a tensor without a buffer)."""
+    return _rt(t, 1, 0) if t.buf < 0 else _rt(t, 1, FAKE_BASE + t.offs)
 
 
 def _node_from(rule: OpRule, op: str, proto: Proto, srcs: list[Tensor | None], b: Builder,
