@@ -303,3 +303,9 @@ class Firewall:
         # the stored graph runs again: counted, and bounded with what is still queued on the
         # server (GRAPH_RECOMPUTE has no answer: a client could pipeline thousands of them)
         self._graph.charge_recompute(state.graph_flops.get(device, 0), state)
+
+
+# The command table names each check by its method here: a name that is not one fails the import.
+_MISSING_CHECKS = [m for m in CHECKS if m is not None and not callable(getattr(Firewall, m, None))]
+if _MISSING_CHECKS:
+    raise ImportError(f"commands.ROWS names checks Firewall does not have: {_MISSING_CHECKS}")

@@ -33,7 +33,7 @@ carried out.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
@@ -121,7 +121,7 @@ class Lifecycle:
         self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"])
 
     def _on(self, event: str, *args: object) -> None:
-        getattr(self, TABLE[self.state][event])(*args)
+        _ON[self.state][event](self, *args)
 
     @property
     def limits(self) -> Limits:
@@ -300,7 +300,7 @@ class Lifecycle:
         events = list(out.events)
         out.events.clear()
         for kind, value in events:
-            if getattr(self, SESSION_EVENTS[kind])(value):
+            if _ON_SESSION[kind](self, value):
                 return  # the link is over: later events do not matter
 
     def _ev_violation(self, v: Violation) -> bool:
@@ -493,3 +493,16 @@ class Lifecycle:
     def audit_record(self) -> dict[str, object]:
         """The per-session audit record (one per session, logged at its end)."""
         return audit_record(self)
+
+
+# linkstate.TABLE and SESSION_EVENTS name Lifecycle methods; resolved once, here, so a name that
+# is not a method fails at import and an event costs no attribute lookup by name. The data events
+# are bound per state by _goto instead (GREETING/ACTIVE bind the session's own methods).
+_DATA_EVENTS = ("client_data", "server_data")
+_ON: Mapping[str, Mapping[str, Callable[..., None]]] = {
+    state: {event: getattr(Lifecycle, name) for event, name in row.items() if event not in _DATA_EVENTS}
+    for state, row in TABLE.items()
+}
+_ON_SESSION: Mapping[str, Callable[[Lifecycle, Any], bool]] = {
+    kind: getattr(Lifecycle, name) for kind, name in SESSION_EVENTS.items()
+}

@@ -11,9 +11,13 @@ protocol/lifecycle.py for the machine and docs/design.md for the state diagram.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Final, Literal, Mapping, Union
 
 from rpcguard.protocol.session import EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION
+
+if TYPE_CHECKING:
+    from rpcguard.protocol.session import Violation
+    from rpcguard.protocol.settings import Limits
 
 __all__ = [
     "STATES", "EVENTS", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
@@ -43,21 +47,33 @@ EVENTS: tuple[str, ...] = (
 )  # fmt: skip
 
 # ---------------------------------------------------------------------------------- actions
-# (kind, argument) tuples in ``Lifecycle.actions``, carried out in order by the relay.
-WRITE_CLIENT = "write_client"  # bytes: a refusal answer
-WRITE_UPSTREAM = "write_upstream"  # list[bytes]: client bytes kept while the upstream was dialled
-OPEN_UPSTREAM = "open_upstream"  # Limits: dial; answer with upstream_connected / upstream_failed
-TAKE_SLOT = "take_slot"  # Limits: queue for the upstream slot; answer slot_granted / slot_refused
-FREE_SLOT = "free_slot"  # None
-HALF_CLOSE_UPSTREAM = "half_close_upstream"  # bool (slot held): write EOF, keep reading
-CLOSE_CLIENT = "close_client"  # None: close after flushing what is queued
-CLOSE_UPSTREAM = "close_upstream"  # None
-ABORT_UPSTREAM = "abort_upstream"  # None
-COUNT_TLS_FAILURE = "tls_failure"  # str: reason
-COUNT_VIOLATION = "violation"  # (reason, mode, Violation | None, command): a firewall rule failed
-END = "end"  # dict: the audit record (the session is over for metrics and logs)
+# (kind, argument) tuples in ``Lifecycle.actions``, carried out in order by the relay. Each kind
+# is a Literal and ``Action`` the union of the (kind, argument type) pairs, so mypy checks every
+# action the lifecycle makes against what the relay's handler of that kind takes.
+WRITE_CLIENT: Final = "write_client"  # bytes: a refusal answer
+WRITE_UPSTREAM: Final = "write_upstream"  # list[bytes]: client bytes kept while the upstream was dialled
+OPEN_UPSTREAM: Final = "open_upstream"  # Limits: dial; answer with upstream_connected / upstream_failed
+TAKE_SLOT: Final = "take_slot"  # Limits: queue for the upstream slot; answer slot_granted / slot_refused
+FREE_SLOT: Final = "free_slot"  # None
+HALF_CLOSE_UPSTREAM: Final = "half_close_upstream"  # bool (slot held): write EOF, keep reading
+CLOSE_CLIENT: Final = "close_client"  # None: close after flushing what is queued
+CLOSE_UPSTREAM: Final = "close_upstream"  # None
+ABORT_UPSTREAM: Final = "abort_upstream"  # None
+COUNT_TLS_FAILURE: Final = "tls_failure"  # str: reason
+COUNT_VIOLATION: Final = "violation"  # (reason, mode, Violation | None, command): a firewall rule failed
+END: Final = "end"  # dict: the audit record (the session is over for metrics and logs)
 
-Action = tuple[str, object]
+ViolationCount = tuple[str, str, "Violation | None", str]  # reason, mode, the monitor's Violation, command
+Action = Union[
+    tuple[Literal["write_client"], bytes],
+    tuple[Literal["write_upstream"], "list[bytes]"],
+    tuple[Literal["open_upstream", "take_slot"], "Limits"],
+    tuple[Literal["free_slot", "close_client", "close_upstream", "abort_upstream"], None],
+    tuple[Literal["half_close_upstream"], bool],
+    tuple[Literal["tls_failure"], str],
+    tuple[Literal["violation"], ViolationCount],
+    tuple[Literal["end"], "dict[str, object]"],
+]
 
 # Allowed transitions: _goto refuses any other (a bug, not a peer's doing).
 EDGES: Mapping[str, frozenset[str]] = {

@@ -699,6 +699,9 @@ def _concat(n: RpcTensor, s: Srcs) -> Result:
     if not 0 <= dim < MAX_DIMS:
         raise refuse(n, "CONCAT", f"dim {dim}", "graph_op_params_invalid")
     _need(a.type == b.type and all(a.ne[d] == b.ne[d] for d in range(4) if d != dim), n, "CONCAT", "shapes")
+    # an empty source is copied from too when only its ne0 is 0: memcpy(dst, src->data, 0) per row
+    # (ops.cpp:1934), undefined for a NULL data (UBSan aborts); a real one is a view into a buffer
+    _need(all(t.data or nelements(t) for t in (a, b)), n, "CONCAT", "an empty source without data")
     if a.type not in _CONCAT_ELEMENTWISE:
         # ops.cpp ggml_compute_forward_concat_any: other types (I64, block types) are copied a row
         # of bytes at a time; it asserts contiguous rows of both sources (blocks whole per row:
@@ -940,8 +943,9 @@ def _linear_attn(state_src: int, n_inputs: int, op: str) -> Derive:
 def _ssm_scan(n: RpcTensor, s: Srcs) -> Result:
     """ggml_ssm_scan ggml.c:5696 (srcs s x dt A B C ids, param K) with the kernel's asserts
     (ops.cpp ggml_compute_forward_ssm_scan_f32): F32 with unit nb0 everywhere, I32 ids, heads a
-    multiple of groups. The kernel writes sequence i3's new state at dst + i3*s.nb3 + |x|: the
-    state's nb3 must be its packed size even where ne3 == 1 (ggml_is_contiguous ignores it). The
+    multiple of groups. The kernel writes sequence i3's new state at dst + i3*s.nb3 + |x|, and with
+    K > 1 copies ``s.nb2`` bytes per head into each snapshot (ops.cpp:10216): the state's nb2 and
+    nb3 must be its packed sizes even where ne2 or ne3 is 1 (ggml_is_contiguous ignores them). The
     state it reads is ``s + ids[i3]*nb3``: contents (CONTENT_INDEXED), so contained only."""
     st, x, dt, A, B, C, ids = (s[i] for i in range(7))
     assert st is not None and x is not None and dt is not None and A is not None
@@ -957,7 +961,7 @@ def _ssm_scan(n: RpcTensor, s: Srcs) -> Result:
           and B.ne0 == d_state and B.ne2 == n_tok and B.ne3 == n_seqs
           and ids.ne == (n_seqs, 1, 1, 1) and A.ne1 == n_head and A.ne2 == 1 and A.ne3 == 1
           and (A.ne0 == 1 or (A.ne0 == d_state and K == 1)) and n_head % B.ne1 == 0
-          and st.nb3 == d_state * head_dim * n_head * 4)
+          and st.nb2 == d_state * head_dim * 4 and st.nb3 == d_state * head_dim * n_head * 4)
     _need(ok, n, "SSM_SCAN", f"s {st.ne} x {x.ne} dt {dt.ne} A {A.ne} B {B.ne} ids {ids.ne} K {K}")
     return New(F32, (nelements(x) + K * d_state * head_dim * n_head * ids.ne0, 1, 1, 1))
 
@@ -1022,7 +1026,8 @@ def _pool(two_d: bool) -> Derive:
     POOL_1D walks ggml_nrows rows at ``ir*nb1`` (the flat-row rule), POOL_2D walks planes from
     data to data + nbytes in steps of nb2, so its source is packed exactly as ggml_new_tensor
     lays it out (a size-1 dimension's stride included: nb2 = 0 would never end). Window
-    positions are ``int``: kernel, stride and output size keep them inside 31 bits."""
+    positions are ``int``: kernel, stride and output size keep them inside 31 bits, and so does
+    POOL_2D's window area k0 * k1."""
     def derive(n: RpcTensor, s: Srcs) -> Result:
         a = s[0]
         assert a is not None
@@ -1042,8 +1047,10 @@ def _pool(two_d: bool) -> Derive:
         oh = _pool_out(a.ne1, k1, s1, p1) if two_d else a.ne1
         _need(ow > 0 and oh > 0, n, op, f"window larger than {a.ne}")
         reach = max(ow * s0, oh * s1) + max(k0, k1) + abs(p0) + abs(p1)
-        if reach > INT32_MAX:
-            raise refuse(n, op, f"window positions past 2^31 ({reach})", "graph_op_params_invalid")
+        # POOL_2D's average divides by ``int ka = k0 * k1`` (ops.cpp:8028): a window whose area
+        # passes 2^31 is a signed overflow (UBSan) even where each side fits
+        if reach > INT32_MAX or k0 * k1 > INT32_MAX:
+            raise refuse(n, op, f"window positions or area past 2^31 ({reach}, {k0}x{k1})", "graph_op_params_invalid")
         return New(F32, (ow, oh, a.ne2, a.ne3))
 
     return derive

@@ -37,7 +37,7 @@ import logging
 import socket
 import ssl
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from rpcguard.proxy.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
@@ -77,20 +77,6 @@ FAIR_WIDEN_CHUNKS = 4
 assert FAIR_READ_BYTES >= 1024
 
 
-_APPLY: dict[str, str] = {
-    lc_mod.WRITE_CLIENT: "_write_client",
-    lc_mod.WRITE_UPSTREAM: "_write_upstream",
-    lc_mod.OPEN_UPSTREAM: "_open_upstream",
-    lc_mod.TAKE_SLOT: "_take_slot",
-    lc_mod.FREE_SLOT: "_free_slot",
-    lc_mod.HALF_CLOSE_UPSTREAM: "_half_close_upstream",
-    lc_mod.CLOSE_CLIENT: "_close_client",
-    lc_mod.CLOSE_UPSTREAM: "_close_upstream",
-    lc_mod.ABORT_UPSTREAM: "_abort_upstream",
-    lc_mod.COUNT_TLS_FAILURE: "_count_tls_failure",
-    lc_mod.COUNT_VIOLATION: "_count_violation",
-    lc_mod.END: "_end",
-}
 
 
 class Link:
@@ -360,7 +346,7 @@ class Link:
         actions = self.lc.actions
         while actions:
             kind, arg = actions.pop(0)
-            getattr(self, _APPLY[kind])(arg)
+            _APPLY[kind](self, arg)
         if self.lc.state == CLOSED and self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -471,3 +457,20 @@ class Link:
         )
         if route.on_session_end is not None:
             route.on_session_end(record)
+
+
+# The relay's handler of each action kind (linkstate.Action types the argument of each).
+_APPLY: dict[str, Callable[[Link, Any], None]] = {
+    lc_mod.WRITE_CLIENT: Link._write_client,
+    lc_mod.WRITE_UPSTREAM: Link._write_upstream,
+    lc_mod.OPEN_UPSTREAM: Link._open_upstream,
+    lc_mod.TAKE_SLOT: Link._take_slot,
+    lc_mod.FREE_SLOT: Link._free_slot,
+    lc_mod.HALF_CLOSE_UPSTREAM: Link._half_close_upstream,
+    lc_mod.CLOSE_CLIENT: Link._close_client,
+    lc_mod.CLOSE_UPSTREAM: Link._close_upstream,
+    lc_mod.ABORT_UPSTREAM: Link._abort_upstream,
+    lc_mod.COUNT_TLS_FAILURE: Link._count_tls_failure,
+    lc_mod.COUNT_VIOLATION: Link._count_violation,
+    lc_mod.END: Link._end,
+}

@@ -35,14 +35,14 @@ from rpcguard.protocol.encode import TENSOR_STRUCT
 from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import op_rules
-from rpcguard.protocol.oprules import OpRule, New, View, contiguous_nb
+from rpcguard.protocol.oprules import GROUP_NORM_EXTRA, OpRule, New, View, contiguous_nb, needs_containment
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes
 from rpcguard.protocol.versions import COMMAND_IDS, spec_for
 
 __all__ = ["VERSION", "Case", "Tensor", "ops", "generate", "accepts", "materialize", "payload_of", "span",
-           "PROTOS", "FLOAT_EDGES"]
+           "PROTOS", "FLOAT_EDGES", "CONTAINED_OPS", "policy_for"]
 
 VERSION = (7, 0, 0)
 SPEC = spec_for(VERSION)
@@ -205,10 +205,10 @@ def fake_state(case: Case) -> SessionState:
 
 
 def accepts(case: Case) -> str | None:
-    """None when rpcguard's firewall (default policy) forwards the case's GRAPH_COMPUTE, else the
-    refusal reason."""
+    """None when rpcguard's firewall (``policy_for(case.op)``: the default policy, contained for
+    CONTAINED_OPS) forwards the case's GRAPH_COMPUTE, else the refusal reason."""
     state = fake_state(case)
-    fw = Firewall(state, FirewallPolicy())
+    fw = Firewall(state, policy_for(case.op))
     try:
         fw.check_request(GRAPH_RULE, memoryview(payload_of(case, handles_fake(case))), 0)
     except FirewallRefusal as e:
@@ -412,10 +412,10 @@ def p_binary(d: Draw) -> Proto:
     return Proto([a, S(t, bne)])
 
 
-def p_acc_set(d: Draw) -> Proto:
-    a = S(d.ftype((F32,)), d.shape())
+def p_acc_set(d: Draw, types: tuple[int, ...] = (F32,)) -> Proto:
+    a = S(d.ftype(types), d.shape())
     bne = tuple(d.r.randint(1, x) for x in a.ne)
-    b = S(d.ftype((F32,)), bne)
+    b = S(a.type if d.p(0.9) else d.ftype(types), bne)
     cnb = contiguous_nb(F32, a.ne)
     n_a = cnb[3] * a.ne[3]
     s1 = d.pick((cnb[1], cnb[1], 0, 4, cnb[1] + 4, d.i(0, n_a)))
@@ -426,13 +426,29 @@ def p_acc_set(d: Draw) -> Proto:
     return Proto([a, b], params=[s1, s2, s3, offset, d.pick((0, 1))])
 
 
+def p_set(d: Draw) -> Proto:
+    return p_acc_set(d, (F32, I32))  # set_f32 and set_i32 (ops.cpp ggml_compute_forward_set)
+
+
 def p_concat(d: Draw) -> Proto:
-    a = S(d.ftype((F32, F16, I32, I8)), d.shape())
+    # any type: the element-wise kernels (F32/F16/BF16/I32/I16/I8) and, for every other type, the
+    # row-of-bytes copy of concat_any (block types need whole blocks per row: ne0 stays blocked)
+    a = S(d.ftype((F32, F16, BF16, I32, I16, I8, I64, Q8_0, 2)), d.shape())
     dim = d.pick((0, 1, 2, 3, 0, d.i(0, 3)))
     bne = list(a.ne)
     if 0 <= dim < 4:
-        bne[dim] = d.dim()
-    return Proto([a, S(a.type, tuple(bne))], params=[dim])
+        bne[dim] = d.dim() if dim else blocked(a.type, d.dim())
+    b = S(a.type, tuple(bne))
+    srcs = [a, b]
+    if 0 <= dim < 4 and d.p(0.25):
+        # an empty source (RWKV's token shift concatenates an empty view for a one-token batch):
+        # no layout rule runs on it; sometimes it has no buffer at all
+        k = d.r.randrange(2)
+        ne = list(srcs[k].ne)
+        ne[dim] = 0
+        srcs[k] = Src(a.type, tuple(ne), "none", "nobuf" if d.p(0.3) else None)  # type: ignore[arg-type]
+        d.tag("empty-src")
+    return Proto(srcs, params=[dim])  # type: ignore[arg-type]
 
 
 def p_add_id(d: Draw) -> Proto:
@@ -495,8 +511,8 @@ def p_soft_max(d: Draw) -> Proto:
         m2 = d.pick([k for k in range(1, a.ne[2] + 1) if a.ne[2] % k == 0])
         m3 = d.pick([k for k in range(1, a.ne[3] + 1) if a.ne[3] % k == 0])
         mask = S(d.ftype((F32, F16)), (a.ne[0], m1, m2, m3))
-        if d.p(0.3):
-            sinks = S(F32, (a.ne[2],))
+    if d.p(0.3 if mask is not None else 0.5):  # one F32 per head, read with or without a mask
+        sinks = S(F32, (a.ne[2],))
     return Proto([a, mask, sinks], params=[d.f(), d.f(0, 8) if d.p(0.5) else 0])
 
 
@@ -546,10 +562,13 @@ def p_ssm_conv(d: Draw) -> Proto:
 
 
 def p_glu(d: Draw) -> Proto:
-    t = d.ftype((F32, F16))
+    t = d.ftype((F32, F16, BF16))
     ne = d.shape()
-    ne = (ne[0] * 2,) + ne[1:]
-    b = S(t, ne) if d.p(0.4) else None
+    b = None
+    if d.p(0.4):  # split: a and b of the same shape, any width
+        b = S(t, ne)
+    else:  # fused: both halves in one row; an odd width leaves the last element out
+        ne = (ne[0] * 2 + (1 if d.p(0.3) else 0),) + ne[1:]
     op = d.pick((0, 1, 2, 3, 4, 5, 6, d.i(0, 6)))
     return Proto([S(t, ne), b], params=[op, d.pick((0, 1)), d.f(0, 4), d.f(0, 16)])
 
@@ -596,7 +615,11 @@ def p_roll(d: Draw) -> Proto:
 
 def p_group_norm(d: Draw) -> Proto:
     a = S(d.ftype((F32,)), d.shape())
-    return Proto([a], params=[d.pick((1, 2, a.ne[2], a.ne[2] + 1, d.i(1, 64))), d.f(0, 1e-3)])
+    # more groups than channels leaves the extra ones empty: up to GROUP_NORM_EXTRA of those
+    many = d.pick((GROUP_NORM_EXTRA, GROUP_NORM_EXTRA - 1, GROUP_NORM_EXTRA + 1, d.r.randint(65, GROUP_NORM_EXTRA),
+                   a.ne[2] + GROUP_NORM_EXTRA))
+    g = d.pick((1, 2, a.ne[2], a.ne[2] + 1, d.i(1, 64), many, many))
+    return Proto([a], params=[g, d.f(0, 1e-3)])
 
 
 def p_diag_mask(d: Draw) -> Proto:
@@ -604,9 +627,153 @@ def p_diag_mask(d: Draw) -> Proto:
     return Proto([a], params=[d.pick((0, 1, a.ne[0], a.ne[0] + 1, d.i(0, 1000)))])
 
 
+# -- the ops whose rules came with firewall v3 ---------------------------------------------------
+
+
+def _lay(d: Draw) -> str | None:
+    """A layout for a source the rule wants contiguous: packed, any stride on its size-1
+    dimensions (what ggml_is_contiguous ignores), or the adversary's free choice (mostly refused)."""
+    return d.pick(("contig", "size1", "size1", None))
+
+
+def _conv_params(d: Draw, k: int, n: int) -> tuple[int, int, int]:
+    """(stride, padding, dilation) of one im2col axis for a kernel of ``k`` over ``n`` inputs."""
+    st = d.pick((1, 1, 2, 3, k, d.i(1, 8)))
+    pad = d.pick((0, 0, 1, k // 2, k, n, d.i(0, 16)))
+    dil = d.pick((1, 1, 2, 3, d.i(0, 4)))
+    return st, pad, dil
+
+
+def p_im2col(d: Draw) -> Proto:
+    """ggml_im2col: a (the convolution kernel: only its shape is read), b the image; params
+    {s0, s1, p0, p1, d0, d1, is_2D}; the result type is the caller's (F32 or F16)."""
+    two_d = d.p(0.6)
+    IW, IC, N = d.dim(True), d.pick((1, 1, 2, 3, d.dim())), d.pick((1, 1, 2, d.dim()))
+    KW = d.pick((1, 2, 3, 5, 7, IW, IW + 1, d.dim()))
+    bt = d.ftype((F32, F32, F16))
+    kt = d.ftype((F16, F32))
+    s0, p0, d0 = _conv_params(d, KW, IW)
+    if two_d:
+        IH = d.pick((1, 2, 3, d.dim(), d.dim(True)))
+        KH = d.pick((1, 2, 3, 5, IH, IH + 1, d.dim()))
+        s1, p1, d1 = _conv_params(d, KH, IH)
+        a, b = S(kt, (KW, KH, IC, d.pick((1, 2, 4)))), S(bt, (IW, IH, IC, N))
+    else:
+        s1, p1, d1 = d.pick((0, 0, 1)), d.pick((0, 0, 1)), d.pick((0, 0, 1))  # not read in 1D
+        a, b = S(kt, (KW, IC, d.pick((1, 2, 4)))), S(bt, (IW, IC, N))
+    if d.p(0.6):  # rows packed (2D needs them; 1D any nb1)
+        b.layout = _lay(d)
+    node_type = F32 if bt == F32 and d.p(0.6) else d.pick((F16, F16, F32, d.ftype()))
+    return Proto([a, b], params=[s0, s1, p0, p1, d0, d1, 1 if two_d else d.pick((0, 0, 0, 2))],
+                 node_type=node_type)
+
+
+def _pool_axis(d: Draw, n: int, window: int | None = None) -> tuple[int, int, int]:
+    """(kernel, stride, padding) of one pooling axis over ``n`` inputs."""
+    if window is not None:  # a window far wider than the input, padded to fit: k0 * k1 past 2^31
+        return window, d.pick((1, 2, window)), window // 2
+    k = d.pick((1, 2, 3, 5, n, n + 1, d.i(1, 16)))
+    st = d.pick((1, 1, 2, 3, k, d.i(1, 8)))
+    pad = d.pick((0, 0, 1, k // 2, k, -1, d.i(0, 8)))
+    return k, st, pad
+
+
+def p_pool_1d(d: Draw) -> Proto:
+    a = S(d.ftype((F32, F16)), d.shape())
+    window = d.pick((1 << 16, 1 << 20, 46341)) if d.p(0.1) else None
+    k, st, pad = _pool_axis(d, a.ne[0], window)
+    if max(k, pad) > 4096:
+        # few short rows: the kernel visits every tap of the window (OW * k per row, out-of-range
+        # ones too) and a padding of 2^16 makes rows of 2^16 outputs, a compute the cost model
+        # charges (minutes are within its budget) but the sanitizer's 10-s oracle would time out
+        a = S(a.type, (min(a.ne[0], 64), d.pick((1, 2)), 1, 1))
+        d.tag("wide-window")
+    return Proto([a], params=[d.pick((0, 1, 0, 1, 2)), k, st, pad])
+
+
+def p_pool_2d(d: Draw) -> Proto:
+    """ggml_pool_2d: the kernel walks planes of a packed source (the rule wants nb as ggml lays it
+    out); params {op, k0, k1, s0, s1, p0, p1}."""
+    a = S(d.ftype((F32, F16)), d.shape(), layout="contig" if d.p(0.7) else None)
+    window = d.pick((46341, 50000, 1 << 16)) if d.p(0.15) else None
+    if window is not None:
+        d.tag("wide-window")
+    k0, s0, p0 = _pool_axis(d, a.ne[0], window)
+    k1, s1, p1 = _pool_axis(d, a.ne[1], window)
+    return Proto([a], params=[d.pick((0, 1, 0, 1, 2)), k0, k1, s0, s1, p0, p1])
+
+
+def _state(d: Draw, per_seq: int, n_seqs: int) -> Src:
+    """A recurrent state of ``per_seq`` floats per sequence, ne1 = the sequences (what the
+    constructor reads as n_seqs), the rest of the elements spread over ne0, ne2, ne3."""
+    ne0, ne2 = per_seq, 1
+    if d.p(0.3):
+        ne2 = d.pick([k for k in (1, 2, 4, 8) if per_seq % k == 0])
+        ne0 = per_seq // ne2
+    return S(F32, (ne0, n_seqs, ne2), layout=_lay(d))
+
+
+def _linear_attn_shape(d: Draw, heads: tuple[int, ...]) -> tuple[int, int, int, int]:
+    S_ = d.pick(heads)
+    H = d.pick((1, 1, 2, 3, 4))
+    n_seqs = d.pick((1, 1, 2, 3))
+    T = n_seqs * d.pick((1, 1, 2, 5, d.dim(), d.dim(True) if d.limits else 3))
+    if d.p(0.08):
+        T += 1  # not a multiple of the sequences: refused (the kernel divides T by n_seqs)
+    return S_, H, T, n_seqs
+
+
+def p_rwkv_wkv6(d: Draw) -> Proto:
+    """k v r tf td state: [S, H, T] inputs, tf (time_faaaa) at least S*H floats, the state S*S*H
+    floats per sequence."""
+    S_, H, T, n = _linear_attn_shape(d, (1, 2, 4, 8, 16, 64, 3, 17))
+    ins = [S(F32, (S_, H, T), layout=_lay(d)) for _ in range(3)]
+    tf = S(F32, d.pick(((S_, H), (S_ * H,), (S_ * H + d.pick((1, 7)),), (S_, H, 2))), layout=_lay(d))
+    return Proto([*ins, tf, S(F32, (S_, H, T), layout=_lay(d)), _state(d, S_ * S_ * H, n)])
+
+
+def p_rwkv_wkv7(d: Draw) -> Proto:
+    """r w k v a b state: the head size a multiple of 64 (what the rule asks beyond ggml)."""
+    S_, H, T, n = _linear_attn_shape(d, (64, 64, 128, 32, 96))
+    return Proto([*(S(F32, (S_, H, T), layout=_lay(d)) for _ in range(6)), _state(d, S_ * S_ * H, n)])
+
+
+def p_gated_linear_attn(d: Draw) -> Proto:
+    """k v q g state, param scale (a float)."""
+    S_, H, T, n = _linear_attn_shape(d, (1, 2, 4, 8, 16, 64, 3, 17))
+    return Proto([*(S(F32, (S_, H, T), layout=_lay(d)) for _ in range(4)), _state(d, S_ * S_ * H, n)],
+                 params=[d.f(0, 2)])
+
+
+def p_ssm_scan(d: Draw) -> Proto:
+    """ggml_ssm_scan (s x dt A B C ids, param K): Mamba-2 (A {1, n_head}, any K) or Mamba-1 (A
+    {d_state, n_head}, K = 1); n_head a multiple of the groups. The state slot ids are zero, so
+    every sequence reads slot 0 (content-indexed: contained serves only)."""
+    d_state = d.pick((1, 4, 16, 64, 128, 3, 17, d.dim(True)))
+    head_dim, n_group = d.pick((1, 2, 4, 8, 16, 64, 5)), d.pick((1, 1, 2))
+    n_head = n_group * d.pick((1, 1, 2, 3, 4))
+    n_tok, n_seqs = d.pick((1, 1, 2, 7, d.dim())), d.pick((1, 1, 2, 3))
+    mamba1 = d.p(0.35)
+    K = 1 if mamba1 or d.p(0.5) else d.pick((2, 3, d.i(1, 8)))
+    slots = n_seqs + d.pick((0, 0, 1, 3))
+
+    def rows() -> str | None:  # x, B, C: only nb0 and nb1 fixed, their planes any stride
+        return d.pick(("contig", "contig", "size1", "huge", "bcast", None))
+
+    return Proto([
+        S(F32, (d_state, head_dim, n_head, slots), layout=d.pick(("contig", "contig", "size1"))),
+        S(F32, (head_dim, n_head, n_tok, n_seqs), layout=rows()),
+        S(F32, (n_head, n_tok, n_seqs), layout=_lay(d)),
+        S(F32, (d_state if mamba1 else 1, n_head), layout=_lay(d)),
+        S(F32, (d_state, n_group, n_tok, n_seqs), layout=rows()),
+        S(F32, (d_state, n_group, n_tok, n_seqs), layout=rows()),
+        S(I32, (n_seqs,), fill="zero"),
+    ], params=[K])
+
+
 PROTOS: dict[str, Callable[[Draw], Proto]] = {
     "DUP": _one(),
-    "ACC": p_acc_set, "SET": p_acc_set,
+    "ACC": p_acc_set, "SET": p_set,
     "PAD_REFLECT_1D": p_pad_reflect,
     "ADD": p_binary, "SUB": p_binary, "MUL": p_binary, "DIV": p_binary,
     "ADD_ID": p_add_id,
@@ -619,7 +786,7 @@ PROTOS: dict[str, Callable[[Draw], Proto]] = {
     "L2_NORM": _one((F32,), _p_float(0, 1e-3)),
     "GROUP_NORM": p_group_norm,
     "MUL_MAT": p_mul_mat, "MUL_MAT_ID": p_mul_mat_id,
-    "SCALE": _one((F32,), _p_float(), _p_float()),
+    "SCALE": _one((F32, F32, BF16), _p_float(), _p_float()),
     "CPY": p_cpy, "CONT": p_cont,
     "RESHAPE": p_reshape, "VIEW": p_view, "PERMUTE": p_permute, "TRANSPOSE": p_transpose,
     "GET_ROWS": p_get_rows, "SET_ROWS": p_set_rows,
@@ -632,10 +799,21 @@ PROTOS: dict[str, Callable[[Draw], Proto]] = {
     "ARANGE": p_arange, "ROLL": p_roll, "SSM_CONV": p_ssm_conv,
     "LEAKY_RELU": _one((F32, F16), _p_float(-2, 2)),
     "FLASH_ATTN_EXT": p_flash, "UNARY": p_unary, "GLU": p_glu,
+    "IM2COL": p_im2col, "POOL_1D": p_pool_1d, "POOL_2D": p_pool_2d, "SSM_SCAN": p_ssm_scan,
+    "RWKV_WKV6": p_rwkv_wkv6, "RWKV_WKV7": p_rwkv_wkv7, "GATED_LINEAR_ATTN": p_gated_linear_attn,
 }
 VIEW_OPS = frozenset({"RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"})
-# Ops whose rules came after the generator's protos (main 01050c8): not sampled yet.
-UNSAMPLED = frozenset({"GATED_LINEAR_ATTN", "IM2COL", "POOL_1D", "POOL_2D", "RWKV_WKV6", "RWKV_WKV7", "SSM_SCAN"})
+# Ops with a rule and no proto (each with the reason it cannot be sampled): none since firewall v3.
+UNSAMPLED: frozenset[str] = frozenset()
+# Ops forwarded only to a contained serve (oprules.needs_containment: content-indexed, unchecked).
+# Their cases are judged, and run through the gate, with FirewallPolicy(contained=True): in
+# production they would reach a fresh sandboxed process per session, never a shared server.
+CONTAINED_OPS = frozenset(op for op in PROTOS if needs_containment(op))
+
+
+def policy_for(op: str) -> FirewallPolicy:
+    """The firewall policy a case of ``op`` is judged by: the default, contained for CONTAINED_OPS."""
+    return FirewallPolicy(contained=True) if op in CONTAINED_OPS else FirewallPolicy()
 
 
 def ops() -> list[str]:
@@ -804,6 +982,11 @@ class Builder:
     def source(self, s: Src) -> Tensor:
         d = self.d
         mode = s.layout or d.pick(LAYOUTS)
+        if mode == "nobuf":  # no buffer, data NULL (an empty source the kernels never read)
+            t = Tensor(self.new_id(), s.type, s.ne, contiguous_nb(s.type, s.ne), fill="none")
+            d.tag("nobuf")
+            self.tensors.append(t)
+            return t
         cap = d.pick((4096, 65536, 1 << 20)) if mode in ("size1", "huge") else 0
         if mode == "parent":  # a view into a bigger parent (in-place results keep its root)
             pne = tuple(x + d.pick((0, 0, 1, 3)) for x in s.ne)
@@ -832,7 +1015,8 @@ class Builder:
 
 
 def _rpc(t: Tensor) -> RpcTensor:
-    return _rt(t, 1, 0)
+    """What a rule's derive sees of ``t`` (a fake data pointer: NULL only for a tensor without a buffer)."""
+    return _rt(t, 1, 0) if t.buf < 0 else _rt(t, 1, FAKE_BASE + t.offs)
 
 
 def _node_from(rule: OpRule, op: str, proto: Proto, srcs: list[Tensor | None], b: Builder,

@@ -6,8 +6,9 @@
 
 How this works: accept_gen.py yields, per op, cases that rpcguard's firewall accepts. Each case
 runs on the sanitizer server (tests/realpeer/sanitizer.sh, started by tests/fuzz/sanserver.py)
-through a **gate**: an in-process ``rpcguard.protocol.session.Session`` with the default policy,
-the same object ``serve`` runs per connection. Every frame goes through ``client_data`` (a
+through a **gate**: an in-process ``rpcguard.protocol.session.Session`` with the default policy
+(``FirewallPolicy(contained=True)`` for the ops only a contained serve forwards, SSM_SCAN), the
+same object ``serve`` runs per connection. Every frame goes through ``client_data`` (a
 refusal would be a finding of the generator, not of the server: counted as ``gate_refused``),
 every server answer through ``server_data``, and whatever the session injects (DEVICE_COUNT,
 GET_DEVICE_MEMORY, the BUFFER_CLEAR of every new buffer) reaches the server as it would from
@@ -58,6 +59,7 @@ from rpcguard.errors import Refusal  # noqa: E402
 from rpcguard.protocol import encode  # noqa: E402
 from rpcguard.protocol.ggml import TYPES  # noqa: E402
 from rpcguard.protocol.session import Session, SessionPolicy  # noqa: E402
+from rpcguard.protocol.settings import FirewallPolicy  # noqa: E402
 from rpcguard.protocol.state import UpstreamFacts  # noqa: E402
 from rpcguard.protocol.versions import COMMAND_IDS  # noqa: E402
 from tests.fuzz import accept_gen as gen  # noqa: E402
@@ -95,11 +97,16 @@ class Budget(Exception):
 class Gate:
     """One connection to the server through an in-process rpcguard Session (what serve runs)."""
 
-    def __init__(self, port: int, upstream: UpstreamFacts, timeout_s: float = IO_TIMEOUT_S) -> None:
+    def __init__(self, port: int, upstream: UpstreamFacts, timeout_s: float = IO_TIMEOUT_S,
+                 contained: bool = False) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.timeout_s = timeout_s
-        self.sess = Session(SessionPolicy(), upstream)
+        # contained: what serve sets when its upstream is a fresh sandboxed process per session (the
+        # only serve that forwards oprules.needs_containment ops, SSM_SCAN)
+        self.contained = contained
+        self.sess = Session(SessionPolicy(firewall=FirewallPolicy(contained=True)) if contained else SessionPolicy(),
+                            upstream)
         self.replies: deque[bytes] = deque()
         self._cbuf = bytearray()
         self.frames: list[Frame] = []  # what the client sent, with answers (for reproducers)
@@ -287,6 +294,9 @@ KNOWN_LOCATIONS = (
     ("ggml-cpu.c:1903", "new (a NULL kernel pointer: SET_ROWS into a type without from_float)"),
     ("diag_mask", "1 (planes flattened through the nb2 of a size-1 dimension)"),
     ("pad_f32<true>", "new (circular PAD with a pad larger than the dimension: ggml_wrap_around < 0)"),
+    ("ops.cpp:8028", "new (POOL_2D's window area k0*k1 in an int: overflows past 2^31)"),
+    ("ssm_scan_f32", "1 (SSM_SCAN: the K > 1 snapshot copies nb2 bytes per head, the stride of a size-1 dim 2)"),
+    ("ops.cpp:1934", "new (CONCAT: an empty source with data NULL is memcpy'd from, 0 bytes a row)"),
     ("ggml-quants.c", "new (quantizing copy of rows that are not a whole number of blocks)"),
     ("allocator is out of memory", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
     ("ggml_backend_cpu_graph_compute", "3 (planner work size: within rpcguard's cap, over the oracle's 2 GiB)"),
@@ -299,7 +309,7 @@ def classify(case: gen.Case, out: Outcome) -> str:
     for where, hole in KNOWN_LOCATIONS:
         if where in s:
             return hole
-    if "empty" in case.variant:
+    if "empty" in case.variant.split("+"):  # the node (not "empty-src": an empty source)
         return "2 (empty node: planner reads its sources)"
     if out.kind == "timeout":
         return "5 (compute time)"
@@ -338,11 +348,13 @@ class Runner:
             self.gate.close()
         self.server.stop()
 
-    def _gate(self) -> Gate:
+    def _gate(self, contained: bool = False) -> Gate:
+        if self.gate is not None and self.gate.contained != contained:
+            self._drop()  # another policy: a new session (connection) on the same server
         if self.gate is None:
             if not self.server.alive():
                 self.server.restart()
-            self.gate = Gate(self.server.port, self.upstream)
+            self.gate = Gate(self.server.port, self.upstream, contained=contained)
         return self.gate
 
     def _drop(self) -> None:
@@ -358,15 +370,16 @@ class Runner:
             self._drop()
             self.server.restart()
         self.server.mark()
+        contained = case.op in gen.CONTAINED_OPS
         try:
-            g = self._gate()
+            g = self._gate(contained)
         except (ServerGone, Budget, OSError):
             # the server went away between cases: not this case's doing; a fresh server, once
             self._drop()
             self.server.restart()
             self.server.mark()
             try:
-                g = self._gate()
+                g = self._gate(contained)
             except (ServerGone, Budget, OSError) as e:
                 v = self.server.verdict()
                 self._drop()
@@ -557,8 +570,11 @@ def shrink(runner: Runner, case: gen.Case, out: Outcome) -> tuple[Outcome, bool]
     """The smallest replay that still gives the same kind: no data, then one run; and whether it
     reproduced at all on a fresh server."""
     best, reproduced = out, False
+    # without data an index tensor holds canary bytes: out-of-range indices, the known
+    # content-indexed hole (SSM_SCAN's state slots, ...) instead of the finding's own
+    indexed = any(t.fill == "zero" for t in case.tensors)
     for data, second in ((True, True), (False, False), (True, False)):
-        if out.kind == "read_canary" and not second:
+        if out.kind == "read_canary" and not second or indexed and not data:
             continue
         o = runner.run(case, data=data, second=second, fresh=True)
         if o.kind == out.kind:
@@ -580,7 +596,9 @@ def write_finding(f: Finding, directory: Path) -> Path:
     path = directory / f"accept-{f.outcome.kind}-{h}.json"
     o = f.outcome
     note = (f"{f.case.op}: acceptance fuzz case {f.case.op}#{f.case.index} seed {f.case.seed} [{f.case.variant}] "
-            f"-> {o.summary}; rpcguard: forwarded (in-process Session, default policy); class {f.hole}")
+            f"-> {o.summary}; rpcguard: forwarded (in-process Session, "
+            f"{'contained=True: in production a fresh per-session process' if f.case.op in gen.CONTAINED_OPS else 'default policy'}); "
+            f"class {f.hole}")
     obj = {
         "note": note,
         "signature": f"{o.kind}|{f.case.op}|{o.summary[:160]}",
@@ -700,7 +718,10 @@ def write_report(path: Path, stats: dict[str, OpStats], found: dict[str, Finding
              f"Written by `python -m tests.fuzz.accept_run` (branch accept-fuzz) at "
              f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {seconds:.0f} s into the run. "
              "Every case below is a graph rpcguard's firewall (default policy, protocol 7.0.0) forwards, run on "
-             "the ASan+UBSan ggml-rpc-server; canary = bytes outside the tensors' spans written or read.", ""]
+             "the ASan+UBSan ggml-rpc-server; canary = bytes outside the tensors' spans written or read.",
+             f"Cases of {', '.join(sorted(gen.CONTAINED_OPS))} are judged and gated with FirewallPolicy(contained=True) "
+             "(the default policy refuses them op_needs_containment): in production they reach only a fresh "
+             "sandboxed ggml-rpc-server per session, here the shared sanitizer server.", ""]
     total = sum(s.ran for s in stats.values())
     nf = sum(f.count for f in found.values())
     lines += [f"**{total} cases run over {len(stats)} ops, {nf} failing cases at {len(found)} locations.**", "",

@@ -7,7 +7,8 @@ float precision, every type combination the rule passes) and keeps only those rp
 firewall forwards. tests/fuzz/accept_run.py runs each one on the real ggml-rpc-server of the
 pinned sdist built with AddressSanitizer + UndefinedBehaviorSanitizer (tests/realpeer/sanitizer.sh),
 every frame through an in-process rpcguard ``Session`` (the object serve runs per connection,
-default policy), and fails on a sanitizer report, an abort, a crash, a compute over the budget,
+default policy; ``FirewallPolicy(contained=True)`` for SSM_SCAN, which only a contained serve
+forwards: in production a fresh per-session process), and fails on a sanitizer report, an abort, a crash, a compute over the budget,
 or a byte outside the tensors' spans written (write canary) or read (read canary).
 
 One test per op, a short seeded run (``COUNT`` accepted cases each; the long run and its counts

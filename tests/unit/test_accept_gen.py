@@ -132,3 +132,76 @@ def test_overlap_of_a_layout():
     assert _overlaps((4, 3, 1, 1), (4, 8, 24, 24), 4)  # rows overlap
     assert _overlaps((4, 2, 1, 1), (4, 0, 0, 0), 4)  # broadcast: one element written twice
     assert not _overlaps((3, 4, 1, 1), (16, 4, 64, 64), 4)  # transposed, still disjoint
+
+
+# -- the widenings firewall v3 made late: each must be drawn AND kept ----------------------------
+
+BF16, I16, I32 = 30, 25, 26
+WIDENING_SEED, WIDENING_BUDGET = 3, 40  # cases per op; each edge below turns up several times in it
+
+
+def _kept_nodes(op: str) -> list[tuple[gen.Case, gen.Tensor, list[gen.Tensor | None]]]:
+    """(case, node, sources) of the non-empty cases of ``op`` the firewall keeps (an empty node
+    runs no rule: it would say nothing about what the rule accepts)."""
+    out = []
+    for c, _ in gen.generate(op, WIDENING_SEED, WIDENING_BUDGET):
+        if c is None:
+            continue
+        node = c.by_id(c.nodes[-1])
+        if 0 not in node.ne:
+            out.append((c, node, [c.by_id(i) if i else None for i in node.src[:3]]))
+    return out
+
+
+WIDENINGS = {
+    "SCALE bf16": ("SCALE", lambda n, s: s[0].type == BF16),
+    "SET i32": ("SET", lambda n, s: s[0].type == I32 and s[1].type == I32),
+    "SOFT_MAX sinks without a mask": ("SOFT_MAX", lambda n, s: s[1] is None and s[2] is not None),
+    "GLU bf16": ("GLU", lambda n, s: s[0].type == BF16),
+    "GLU fused, odd width": ("GLU", lambda n, s: s[1] is None and s[0].ne[0] % 2 == 1 and s[0].ne[0] > 1),
+    "GLU swapped": ("GLU", lambda n, s: n.params[1] == 1),
+    "CONCAT of a row-copied type (concat_any)": ("CONCAT", lambda n, s: s[0].type not in (0, 1, BF16, I32, I16, 24)),
+    "CONCAT bf16 or i16": ("CONCAT", lambda n, s: s[0].type in (BF16, I16)),
+    "CONCAT with an empty source": ("CONCAT", lambda n, s: any(0 in t.ne for t in s[:2] if t is not None)),
+    "GROUP_NORM with 2^10+ empty groups": ("GROUP_NORM", lambda n, s: n.params[0] - s[0].ne[2] >= 1 << 10),
+}
+
+
+@pytest.mark.parametrize("what", list(WIDENINGS))
+def test_each_late_widening_is_drawn_and_kept(what):
+    op, pred = WIDENINGS[what]
+    kept = _kept_nodes(op)
+    hits = [c for c, n, s in kept if pred(n, s)]
+    assert len(hits) >= 2, f"{what}: {len(hits)} of {len(kept)} kept {op} cases (seed {WIDENING_SEED})"
+    assert all(gen.accepts(c) is None for c in hits)
+
+
+def test_new_ops_are_drawn_with_their_edges(cases):
+    # the rules that came with firewall v3 have protos, and their cases reach the kernels' edges
+    assert not gen.UNSAMPLED
+    for op in ("IM2COL", "POOL_1D", "POOL_2D", "SSM_SCAN", "RWKV_WKV6", "RWKV_WKV7", "GATED_LINEAR_ATTN"):
+        assert len([c for c in cases[op] if "empty" not in c.variant]) >= COUNT // 2, op
+    node = lambda c: c.by_id(c.nodes[-1])  # noqa: E731
+    im2col = [node(c) for c in cases["IM2COL"] if "empty" not in c.variant]
+    assert {n.params[6] for n in im2col} == {0, 1} and {n.type for n in im2col} >= {0, 1}  # 1D and 2D, F32 and F16
+    # SSM_SCAN: Mamba-1 (A of d_state rows) and Mamba-2 (A of one) both kept
+    ssm = [(c, node(c)) for c in cases["SSM_SCAN"] if "empty" not in c.variant]
+    assert {c.by_id(n.src[3]).ne[0] == 1 for c, n in ssm} == {True, False}
+    # recurrent states of several sequences
+    assert any(c.by_id(node(c).src[5]).ne[1] > 1 for c in cases["RWKV_WKV6"] if "empty" not in c.variant)
+
+
+def test_ssm_scan_is_judged_as_a_contained_serve_would():
+    assert gen.CONTAINED_OPS == {"SSM_SCAN"}
+    assert gen.policy_for("SSM_SCAN").contained and not gen.policy_for("ADD").contained
+    case = next(c for c, _ in gen.generate("SSM_SCAN", 1, 5) if c is not None and "empty" not in c.variant)
+    assert gen.accepts(case) is None
+    # the default policy refuses the same graph: SSM_SCAN reads state slots by contents
+    from rpcguard.errors import FirewallRefusal
+    from rpcguard.protocol.firewall import Firewall
+    from rpcguard.protocol.settings import FirewallPolicy
+
+    fw = Firewall(gen.fake_state(case), FirewallPolicy())
+    with pytest.raises(FirewallRefusal) as exc:
+        fw.check_request(gen.GRAPH_RULE, memoryview(gen.payload_of(case, gen.handles_fake(case))), 0)
+    assert exc.value.reason == "op_needs_containment"

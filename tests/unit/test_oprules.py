@@ -21,7 +21,7 @@ from rpcguard.protocol.versions import KNOWN_VERSIONS, spec_for
 HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
 V7 = (7, 0, 0)
 OPS = op_table(V7).ids  # type: ignore[union-attr]
-F32, F16, Q8_0, I32 = 0, 1, 8, 26
+F32, F16, Q4_0, Q8_0, I32 = 0, 1, 2, 8, 26
 
 
 def f(x: float) -> int:
@@ -408,17 +408,20 @@ def test_docs_show_what_holds_per_op():
     assert doc[begin : doc.index("<!-- op-status:end -->")] == status_markdown(V7, op_table(V7).names)  # type: ignore[union-attr]
 
 
-def ssm_scan(n_seqs=2, state_nb3=None):
-    ds, hd, nh, t = 16, 3, 2, 2
-    st = T(0x10, F32, (ds, hd, nh, n_seqs), nb=None if state_nb3 is None else (4, 64, 192, state_nb3))
+def ssm_scan(n_seqs=2, state_nb3=None, nh=2, state_nb2=None, K=1):
+    ds, hd, t = 16, 3, 2
+    nb = None
+    if state_nb3 is not None or state_nb2 is not None:
+        nb = (4, 64, 192 if state_nb2 is None else state_nb2, nh * 192 if state_nb3 is None else state_nb3)
+    st = T(0x10, F32, (ds, hd, nh, n_seqs), nb=nb)
     x = T(0x11, F32, (hd, nh, t, n_seqs))
     dt = T(0x12, F32, (nh, t, n_seqs, 1))
     a = T(0x13, F32, (1, nh, 1, 1))
     b = T(0x14, F32, (ds, 1, t, n_seqs))
     c = T(0x15, F32, (ds, 1, t, n_seqs))
     ids = T(0x16, I32, (n_seqs, 1, 1, 1))
-    n = hd * nh * t * n_seqs + ds * hd * nh * n_seqs
-    d = T(0x20, F32, (n, 1, 1, 1), op=OPS["SSM_SCAN"], src=tuple(range(0x10, 0x17)), op_params=(1,))
+    n = hd * nh * t * n_seqs + K * ds * hd * nh * n_seqs
+    d = T(0x20, F32, (n, 1, 1, 1), op=OPS["SSM_SCAN"], src=tuple(range(0x10, 0x17)), op_params=(K,))
     return [st, x, dt, a, b, c, ids], d
 
 
@@ -433,6 +436,29 @@ def test_ssm_scan_needs_containment():
     with pytest.raises(FirewallRefusal) as exc:
         v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
     assert exc.value.reason == "graph_shape_invalid"
+
+
+def test_ssm_scan_state_head_stride_is_packed():
+    # acceptance fuzz (accept-asan-c850bb77a1, contained=True): one head, so ggml_is_contiguous never
+    # looks at the state's nb2, and the K > 1 snapshot copies nb2 bytes per head (ops.cpp:10216):
+    # heap-buffer-overflow past the result
+    v = GraphValidator(max_nodes=64, max_tensors=64, contained=True)
+    tensors, d = ssm_scan(nh=1, state_nb2=196, K=3)
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+    assert exc.value.reason == "graph_shape_invalid"
+    tensors, d = ssm_scan(nh=1, state_nb2=192, K=3)  # packed: forwarded
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), state())
+
+
+def test_concat_empty_source_needs_data():
+    # acceptance fuzz (accept-ubsan-ba85bf9c0a): an ne0 == 0 source with data NULL is still
+    # memcpy'd from, 0 bytes per row (ops.cpp:1934): UBSan "null pointer passed as argument 2"
+    full = T(0x11, Q4_0, (32, 1, 1, 1))
+    empty = T(0x10, Q4_0, (0, 1, 1, 1), buffer=0, data=0)
+    d = T(0x20, Q4_0, (32, 1, 1, 1), op=OPS["CONCAT"], src=(0x10, 0x11), op_params=(0,))
+    assert reason([empty, full], d) == "graph_shape_invalid"
+    run([T(0x10, Q4_0, (0, 1, 1, 1)), full], d)  # the same source as a view into a buffer
 
 
 def wkv(op, S=64, H=2, T_=4, n_seqs=2, tf_ne=None):
@@ -501,6 +527,21 @@ def test_concat_takes_an_empty_source():
     # ... but a broadcasting kernel that reads it is still refused (its index modulo 0)
     b = T(0x12, F32, (128, 2, 1, 1))
     assert reason([b, empty], T(0x21, F32, (128, 2, 1, 1), op=OPS["ADD"], src=(0x12, 0x10))) == "tensor_layout_invalid"
+
+
+def test_pool_2d_window_area_fits_an_int():
+    # acceptance fuzz (tests/fuzz/findings/accept-ubsan-*, POOL_2D): ops.cpp:8028 ``const int ka =
+    # k0 * k1``; a 65536 x 65536 window padded to fit a small plane passed every per-side check
+    a = T(0x10, F32, (47, 1, 4, 28))
+    params = (1, 65536, 65536, 65536, 65536, 32768, 32768)
+    d = T(0x20, F32, (1, 1, 4, 28), op=OPS["POOL_2D"], src=(0x10,), op_params=params)
+    assert reason([a], d) == "graph_op_params_invalid"
+    # the widest window whose area still fits: 46340^2 < 2^31 <= 46341^2
+    params = (0, 46340, 46340, 1, 1, 23170, 23170)
+    run([T(0x11, F32, (3, 1, 1, 1))], T(0x21, F32, (4, 2, 1, 1), op=OPS["POOL_2D"], src=(0x11,), op_params=params))
+    params = (0, 46341, 46341, 1, 1, 23170, 23170)
+    d = T(0x22, F32, (3, 1, 1, 1), op=OPS["POOL_2D"], src=(0x11,), op_params=params)
+    assert reason([T(0x11, F32, (3, 1, 1, 1))], d) == "graph_op_params_invalid"
 
 
 # -- UPSCALE (ggml_interpolate_impl) ---------------------------------------------------------
