@@ -64,6 +64,17 @@ CASES = {
         "leaves": [{"type": "f32", "ne": [8, 4, 1, 1]}, {"type": "f32", "ne": [8, 1, 1, 1]}],
         "ops": [{"fn": "set", "args": [0, 1, 32, 128, 128, 1 << 20]}],
     },
+    # ggml_interpolate (ggml.c:5208): NEAREST takes i0 / sf in single precision (ops.cpp:8243);
+    # (float)20986227 rounds up to 20986228 = ne00: one element past the source (SIGSEGV at the
+    # guard page when computed); every mode does the same in dims 2-3
+    "interpolate: nearest index rounds up past the source (dim 0, > 2^24)": {
+        "leaves": [{"type": "f32", "ne": [20986228, 1, 1, 1]}],
+        "ops": [{"fn": "interpolate", "args": [0, 20986228, 1, 1, 1, 0]}],
+    },
+    "interpolate: bilinear dim 2 index rounds up past the source (> 2^24)": {
+        "leaves": [{"type": "f32", "ne": [1, 1, 20986228, 1]}],
+        "ops": [{"fn": "interpolate", "args": [0, 1, 1, 20986228, 1, 1]}],
+    },
     # ggml_conv_transpose_1d (ggml.c:4727) takes any s0; the kernel adds into dst[i10*s0 + i00]
     # (ops.cpp:6687): with s0 = -1, L = 2, K = 3 the result has ne0 = 2 and i10 = 1 writes dst[-1]
     "conv_transpose_1d: negative stride writes before dst": {
