@@ -631,7 +631,8 @@ def test_conv_2d_dw_layouts_pass(cwhn, kt):
     (True, {"a_nb": (4, 12, 36, 36)}, "graph_shape_invalid"),  # packed weights for a channels-first input
     (False, {"a_nb": (36, 108, 36, 4)}, "graph_shape_invalid"),  # channels-first weights, packed input
     (False, {"b_type": F16, "b_type_size": 2, "d_type": F16, "d_type_size": 2}, "graph_type_invalid"),  # read as float
-    (False, {"a_type": Q8_0, "a_type_size": 34, "a_blck_size": 32, "a_ne": (32, 3, 1, 9)}, "graph_type_invalid"),  # the kernel asserts F32/F16 weights
+    # the kernel asserts F32/F16 weights
+    (False, {"a_type": Q8_0, "a_type_size": 34, "a_blck_size": 32, "a_ne": (32, 3, 1, 9)}, "graph_type_invalid"),
     (False, {"a_ne": (3, 3, 1, 8)}, "graph_shape_invalid"),  # a weight plane per channel
     (False, {"d_op_params": (0, 1, 0, 0, 1, 1)}, "graph_op_params_invalid"),  # stride 0
     (False, {"d_op_params": (1, 1, -1, 0, 1, 1)}, "graph_op_params_invalid"),  # negative padding
