@@ -126,6 +126,14 @@ def _work_flash_attn(n: RpcTensor, s: Srcs, nt: int) -> int:
     return max(prefill, decode)
 
 
+def _work_conv_transpose_1d(n: RpcTensor, s: Srcs, nt: int) -> int:
+    k, x = s[0], s[1]  # ggml_graph_plan: the kernel and the input, both in the kernel's type
+    if k is None or x is None:
+        return 0
+    es = 2 if k.type == F16 else 4
+    return es * (k.ne0 * k.ne1 * k.ne2 + x.ne0 * x.ne1)
+
+
 _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "CPY": _work_cpy, "DUP": _work_cpy,
     "ADD": _work_add, "ADD_ID": _work_add, "ADD1": _work_add,
@@ -135,6 +143,7 @@ _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "SOFT_MAX": _work_row, "ROPE": _work_row, "ROPE_BACK": _work_row,
     "TOP_K": _work_top_k,
     "FLASH_ATTN_EXT": _work_flash_attn,
+    "CONV_TRANSPOSE_1D": _work_conv_transpose_1d,
 }  # fmt: skip
 
 
@@ -161,6 +170,9 @@ CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is 
 SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
 POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
 CONV_FACTOR: Final = 2  # CONV_2D (direct): multiplies 2*|dst|*KW*KH*Cin
+CONV_DW_FLOPS: Final = 96  # CONV_2D_DW: per dst element per kernel tap (a scalar loop: 1.06e9 taps in 1.9 s)
+CONV_T1D_FACTOR: Final = 4  # CONV_TRANSPOSE_1D: multiplies 2*L*K*Cout*Cin (a dot over Cin per tap)
+UPSCALE_TAPS: Final = {0: 1, 1: 4, 2: 16}  # NEAREST, BILINEAR, BICUBIC: source pixels per dst element
 ELEMENT_FLOPS_OP: Final = {"SOFT_MAX": 48, "RMS_NORM": 24, "NORM": 24, "L2_NORM": 24, "GROUP_NORM": 24,
                            "ROPE": 16}
 _CONVERTING: Final = frozenset({"CPY", "DUP", "CONT"})
@@ -231,10 +243,33 @@ def _conv_2d(n: RpcTensor, s: Srcs) -> int:
     return CONV_FACTOR * 2 * _n(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
 
 
+def _conv_2d_dw(n: RpcTensor, s: Srcs) -> int:
+    k = s[0]  # [KW, KH, 1, C]: every dst element reads KW*KH taps
+    return CONV_DW_FLOPS * _n(n) * (k.ne0 * k.ne1 if k is not None else 1)
+
+
+def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> int:
+    k, x = s[0], s[1]  # kernel [K, Cout, Cin], input [L, Cin]: each input element meets K*Cout taps
+    if k is None or x is None:
+        return 0
+    return CONV_T1D_FACTOR * 2 * x.ne0 * k.ne0 * k.ne1 * k.ne2
+
+
+def _upscale(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]
+    mode = n.param0 & 0xFF
+    taps = UPSCALE_TAPS.get(mode, 16)
+    if n.param0 & (1 << 9) and a is not None:  # ANTIALIAS: a window of 2*support+1 per axis, support >= 1
+        w0 = 2 * max(1, -(-a.ne0 // max(1, n.ne0))) + 1
+        w1 = 2 * max(1, -(-a.ne1 // max(1, n.ne1))) + 1
+        taps = w0 * w1
+    return POOL_FLOPS * taps * _n(n)
+
+
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
     "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
     "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
-    "CONV_2D": _conv_2d,
+    "CONV_2D": _conv_2d, "CONV_2D_DW": _conv_2d_dw, "CONV_TRANSPOSE_1D": _conv_transpose_1d, "UPSCALE": _upscale,
 }  # fmt: skip
 
 

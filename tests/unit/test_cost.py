@@ -187,3 +187,38 @@ def test_recomputes_queued_without_an_answer_are_bounded():
     assert exc.value.reason == "graph_too_costly" and "GRAPH_RECOMPUTE" in exc.value.detail
     st.inflight_flops = 0  # what Session does when the server answers
     v.charge_recompute(cost, st)
+
+
+# -- ops whose work is per kernel tap, not per element (rules2: UPSCALE, CONV_2D_DW, CONV_TRANSPOSE_1D)
+
+
+def test_depthwise_conv_pays_per_kernel_tap():
+    # measured on the real server: a 127x127 kernel over a 256x256 plane, 1.06e9 taps in 1.9 s; at
+    # the default 40 GFLOP/s the estimate must not be below that
+    k = dec(T(0x10, F16, (127, 127, 1, 1)))
+    x = dec(T(0x11, F32, (256, 256, 1, 1)))
+    out = dec(T(0x20, F32, (256, 256, 1, 1)))
+    est = flops("CONV_2D_DW", out, [k, x])
+    assert est >= 256 * 256 * 127 * 127 * 72  # 1.9 s at 40e9 flop/s for 1.06e9 taps
+    assert est / 40e9 >= 1.9
+
+
+def test_transposed_conv_pays_per_tap_and_has_its_work_buffer():
+    k = dec(T(0x10, F16, (16, 64, 64, 1)))  # K, Cout, Cin
+    x = dec(T(0x11, F32, (1000, 64, 1, 1)))  # L, Cin
+    out = dec(T(0x20, F32, ((1000 - 1) * 2 + 16, 64, 1, 1)))
+    assert flops("CONV_TRANSPOSE_1D", out, [k, x]) >= 2 * 1000 * 16 * 64 * 64
+    assert work_bytes("CONV_TRANSPOSE_1D", out, [k, x], 8) == 2 * (16 * 64 * 64 + 1000 * 64)  # ggml-cpu.c:2934
+
+
+@pytest.mark.parametrize("mode,taps", [(0, 1), (1, 4), (2, 16)])
+def test_upscale_pays_per_source_pixel_it_reads(mode, taps):
+    a = dec(T(0x10, F32, (64, 64, 3, 1)))
+    out = dec(T(0x20, F32, (128, 128, 3, 1), op_params=(mode,)))
+    assert flops("UPSCALE", out, [a]) >= 32 * taps * 128 * 128 * 3
+
+
+def test_antialiased_downscale_pays_for_its_window():
+    a = dec(T(0x10, F32, (4096, 4096, 1, 1)))
+    out = dec(T(0x20, F32, (16, 16, 1, 1), op_params=(1 | 1 << 9,)))  # BILINEAR | ANTIALIAS: 256x support
+    assert flops("UPSCALE", out, [a]) >= 32 * (2 * 256 + 1) ** 2 * 16 * 16
