@@ -71,7 +71,7 @@ def test_a_port_check_on_a_tunnel_is_no_hello_not_a_session(pki, workdir, rpc_se
         for g in (connect, serve):
             assert g.value("rpcguard_sessions_total", result="ok") == 0
             assert g.value("rpcguard_refusals_total") == 0
-        assert "result=no_hello" in connect.output()
+        assert connect.logged("result=no_hello")
     finally:
         for g in (connect, serve):
             g.stop()
@@ -88,7 +88,7 @@ def test_connect_readyz_is_503_when_the_node_refuses_the_certificate(pki, workdi
     try:
         status, body = http_get(connect.metrics_port, "/readyz")
         assert status == 503 and "tls_failed" in body, body
-        assert "warning" in connect.output() and "untrusted" in connect.output()  # said at start too
+        assert connect.logged("warning") and connect.logged("untrusted")  # said at start too
         assert connect.value("rpcguard_certificate_warning", kind="untrusted") == 1
     finally:
         connect.stop()

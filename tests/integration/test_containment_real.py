@@ -285,7 +285,7 @@ def test_without_the_sandbox_tools_required_exits_2_and_best_effort_warns(pki, w
         c = RawClient.session(mtls_socket(pki, serve.port))
         assert c.alloc(SMALL).buffer
         c.close()
-        assert "sandbox mechanism namespaces unavailable" in serve.output()
+        assert serve.logged("sandbox mechanism namespaces unavailable")
         assert serve.value("rpcguard_upstream_sandbox_missing", mechanism="namespaces") == 1
         assert serve.value("rpcguard_upstream_sandbox_missing", mechanism="own_uid") == 1
     finally:
@@ -316,7 +316,7 @@ def test_the_watchdog_ends_a_session_whose_server_stops_answering(pki, workdir, 
         wait_until(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
                    10, "the hung server killed")
         if isolation == "shared":
-            assert "the shared server hung in session" in serve.output()
+            assert serve.logged("the shared server hung in session")
         nxt = RawClient.session(mtls_socket(pki, serve.port))
         assert nxt.alloc(SMALL).buffer
         nxt.close()
@@ -358,7 +358,7 @@ def test_a_reload_that_changes_the_command_replaces_the_processes(pki, workdir):
         Path(cfg).write_text(Path(cfg).read_text().replace("isolation: shared", "isolation: session"))
         serve.proc.popen.send_signal(signal.SIGHUP)
         wait_until(lambda: "config reloaded" in serve.output(), 15, "the reload")
-        assert "replaced listener listener0" in serve.output() or "listeners[listener0].managed" in serve.output()
+        assert serve.logged("replaced listener listener0") or serve.logged("listeners[listener0].managed")
         for _ in range(2):  # two sessions, each in a process of its own
             c = RawClient.session(mtls_socket(pki, serve.port))
             assert c.alloc(SMALL).buffer
@@ -453,7 +453,7 @@ def test_a_mamba2_model_works_contained_and_is_refused_uncontained(pki, workdir,
             else:
                 assert not run.ok
                 assert serve.value("rpcguard_refusals_total", reason="op_needs_containment") >= 1, serve.output()[-3000:]
-                assert "upstream.isolation: session" in serve.output()
+                assert serve.logged("upstream.isolation: session")
         finally:
             connect.stop()
             serve.stop()

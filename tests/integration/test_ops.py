@@ -295,7 +295,7 @@ def test_rotation_on_sighup_under_a_running_session(pki, pair, models, workdir, 
     serve.proc.popen.send_signal(signal.SIGHUP)
     assert serve.wait_value("rpcguard_reload_total", 1, result="ok") == 1, serve.output()
     assert serve.value("rpcguard_reload_total", result="error") == 0
-    assert "config reloaded (SIGHUP): new tls files (cert, key, ca)" in serve.output()
+    assert serve.logged("config reloaded (SIGHUP): new tls files (cert, key, ca)")
     new_expiry = serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="cert")
     assert new_expiry == pytest.approx(not_after(node2.cert)) and new_expiry != old_expiry
     assert serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="ca") == pytest.approx(
@@ -331,7 +331,7 @@ def test_rotation_on_sighup_under_a_running_session(pki, pair, models, workdir, 
     run = realpeer.run_client(connect.endpoint, models["tiny"], n=8)
     assert run.ok, run.output[-3000:]
     assert run.tokens == rounds[0]
-    assert "identity=CN=client2" in serve.output()
+    assert serve.logged("identity=CN=client2")
 
 
 def test_rotation_by_file_change_and_allow_list_reload(pki, guards, rpc_server, models, workdir, long_clients):
@@ -365,7 +365,7 @@ def test_rotation_by_file_change_and_allow_list_reload(pki, guards, rpc_server, 
     wait_until(lambda: serve.value("rpcguard_certificate_expiry_timestamp_seconds", certificate="cert")
                == pytest.approx(not_after(renewed.cert)), what="new expiry in the metric")
     assert serve.value("rpcguard_reload_total", result="ok") > reloads
-    assert "config reloaded (file change): new tls files (cert, key)" in serve.output()
+    assert serve.logged("config reloaded (file change): new tls files (cert, key)")
     presented = server_cert_der(serve.port, pki, ca=pki.path("ca"), cert=pki.path(pki.client),
                                 key=pki.path(pki.client, "key"))
     assert presented == der(renewed.cert)
@@ -412,7 +412,7 @@ def test_broken_new_file_is_rejected_and_old_material_stays(pki, pair, models, w
     if how == "sighup":
         serve.proc.popen.send_signal(signal.SIGHUP)
     assert serve.wait_value("rpcguard_reload_total", 2, result="error") == 2
-    assert "does not match certificate" in serve.output()
+    assert serve.logged("does not match certificate")
     still_serves(connect, models)
     # fixed: the next reload succeeds
     replace_file(pki.path(pki.node, "key"), tls["key"], 0o600)
@@ -609,7 +609,7 @@ def test_drain_on_sigterm_lets_the_session_finish(pki, pair, models, workdir, lo
     rounds = client.rounds()
     assert rounds[0] == rounds[1]
     assert serve.proc.popen.wait(10) == 0
-    assert "stopped (0 session(s) cut at the drain timeout)" in serve.output()
+    assert serve.logged("stopped (0 session(s) cut at the drain timeout)")
     assert "reason=shutdown" not in serve.output()
 
 
@@ -621,7 +621,7 @@ def test_drain_timeout_cuts_the_rest(pki, pair, models, workdir, long_clients):
     serve.proc.popen.send_signal(signal.SIGTERM)
     assert serve.proc.popen.wait(10) == 0
     assert 1.5 < time.monotonic() - t0 < 6
-    assert "stopped (1 session(s) cut at the drain timeout)" in serve.output()
+    assert serve.logged("stopped (1 session(s) cut at the drain timeout)")
     assert "drain timeout reached" in session_end_line(serve, "shutdown")
 
 

@@ -250,4 +250,4 @@ def test_prometheus_scrapes_two_instances_over_mtls_with_basic_auth(pair, pki, m
     while (ups := up()) != want_up and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ups == want_up, (ups, serve.output()[-2000:])
-    assert "config reloaded (SIGHUP): new metrics web config" in serve.output()
+    assert serve.logged("config reloaded (SIGHUP): new metrics web config")

@@ -82,6 +82,16 @@ class Guard:
     def output(self) -> str:
         return self.proc.output()
 
+    def logged(self, text: str, timeout: float = 10.0) -> bool:
+        """Whether ``text`` is in the output, waited for: a client can see a refusal or a close
+        before the line about it is written (the answer goes out first)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.proc.output():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def stop(self, **kw) -> int:
         return self.proc.stop(**kw)
 
