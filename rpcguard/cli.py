@@ -208,10 +208,10 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    from rpcguard.config.flags import given
+    from rpcguard.config.flags import flag_values
 
     role = "connect" if a.command == "check" else a.command
-    out = given(role, a)
+    out = flag_values(role, a)
     if role == "serve":
         out["upstream_exec"] = a.upstream_exec
     return out

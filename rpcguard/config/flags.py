@@ -5,7 +5,7 @@ sets (``tls.min_version`` for the whole config, or a key of the single listener/
 ``listen``), how argparse reads it and its help text. A help text's default is never written by
 hand: ``{default}`` in it is filled from the config dataclass that holds that default
 (``TlsConfig.min_version``, ``DEFAULT_METRICS``, ``SessionPolicy.mode``...). From this table
-the CLI builds its parsers (``cli.py``), collects what was given (``given``), and the config
+the CLI builds its parsers (``cli.py``), collects what was given (``flag_values``), and the config
 layer lays flags over the file (``build_config``, through ``GLOBAL`` and ``ITEM``).
 """
 
@@ -22,7 +22,7 @@ from rpcguard.config.read import FromFlag, show
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import SessionPolicy
 
-__all__ = ["Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "given", "help_text", "build_config", "log_warnings"]
+__all__ = ["Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "flag_values", "help_text", "build_config", "log_warnings"]
 
 Kind = Literal["value", "switch", "append", "float"]
 
@@ -132,7 +132,7 @@ def help_text(flag: Flag, role: str) -> str:
     return flag.help.format(default=flag.default(role)) if flag.default is not None else flag.help
 
 
-def given(role: str, values: Any) -> dict[str, Any]:
+def flag_values(role: str, values: Any) -> dict[str, Any]:
     """The config-setting flags of ``role`` found on an argparse namespace (None/False/[] = not given)."""
     return {f.dest: getattr(values, f.dest) for f in flags_for(role) if f.key is not None and hasattr(values, f.dest)}
 
