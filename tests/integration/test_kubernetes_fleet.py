@@ -25,8 +25,8 @@ from tests.support import realpeer
 from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import bound_metrics_port, bound_ports, wait_for_line
 from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
-    RPC_SERVER, containers, issuers, named, pod_roots, pod_specs, reroot, rpc_server_port,
-    rpcguard_containers, secret_certificate,
+    RPC_SERVER, containers, issuers, lay_out_pod, named, pod_names, pod_roots, pod_specs, reroot,
+    rpc_server_port, rpcguard_containers, secret_certificate,
 )
 
 pytestmark = pytest.mark.integration
@@ -73,13 +73,15 @@ def _start_rpcguard(args: list[str], config: Path, data: dict, log: Path) -> rea
 
 def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_roots, issuers, tmp_path):
     """Both pods' containers with their own arguments, configs and certificates (issued like
-    cert-manager's: SANs, usages, two CAs), only the addresses moved to free loopback ports and the
-    node names kept as TLS server names: connect's start-up check reaches every node, and the real
-    llama.cpp client generates through the first tunnel, admitted by its SPIFFE identity."""
+    cert-manager's: SANs, usages, two CAs; each GPU pod its own, as csi-driver issues them), only the
+    addresses moved to free loopback ports and the node names kept as TLS server names: connect's
+    start-up check reaches every node, one node's certificate does not pass for another's name, and
+    the real llama.cpp client generates through the first tunnel, admitted by its SPIFFE identity."""
     binary = _rpc_server_bin()
     (rpc_c,) = [c for spec in pod_specs().values() for c in containers(spec) if c["name"] == RPC_SERVER]
     replicas = named("StatefulSet", "gpu-node")["spec"]["replicas"]
-    serve_args, serve_conf = _rerooted_args("gpu-node", pod_roots["gpu-node"])
+    node_roots = [pod_roots["gpu-node"]] + [lay_out_pod(tmp_path / pod, "gpu-node", issuers, pod)
+                                            for pod in pod_names("gpu-node")[1:]]
     connect_args, connect_conf = _rerooted_args("llama-server", pod_roots["llama-server"])
     model = realpeer.make_model(tmp_path / "tiny.gguf")
     procs: list[realpeer.Proc] = []
@@ -90,6 +92,7 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
             args = [str(rpc_port) if a == str(rpc_server_port()) else a for a in rpc_c["args"]]
             procs.append(realpeer.start([binary, *args], tmp_path / f"rpc-{i}.log", f"rpc-{i}"))
             realpeer.wait_port(rpc_port, proc=procs[-1].popen)
+            serve_args, serve_conf = _rerooted_args("gpu-node", node_roots[i])
             data = yaml.safe_load(serve_conf.read_text())
             data["listeners"][0].update(listen="127.0.0.1:0", upstream=f"127.0.0.1:{rpc_port}")
             data["metrics"]["listen"] = "127.0.0.1:0"
@@ -116,6 +119,12 @@ def test_fleet_runs_on_loopback_with_the_manifest_configs_and_certificates(pod_r
                 break
             time.sleep(0.2)
         assert len(checks) == replicas and all("OK " in line and "protocol 7.0.0" in line for line in checks), checks
+        # node 1's own certificate does not answer to node 0's name
+        crossed = subprocess.run(
+            [sys.executable, "-m", "rpcguard", "check", *(f"--{k}={data['tls'][k]}" for k in ("cert", "key", "ca")),
+             "--server", f"127.0.0.1:{serve_ports[1]}", "--server-name", data["tunnels"][0]["server_name"], "--json"],
+            capture_output=True, text=True, timeout=60)
+        assert crossed.returncode == 1 and "node_name_mismatch" in crossed.stdout, (crossed.stdout, crossed.stderr)
         run = realpeer.run_client(f"127.0.0.1:{tunnel_ports[data['tunnels'][0]['name']]}", model, n=8, timeout=120)
         assert run.ok and len(run.tokens) == 8, run.output[-2000:]
         # the real metrics endpoint behind the manifests' web config

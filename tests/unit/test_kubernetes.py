@@ -37,8 +37,8 @@ from rpcguard.cli import _overrides, _parser
 from rpcguard.config.flags import build_config
 from tests.support.k8s import (  # noqa: F401,F811  (issuers, pod_roots: fixtures)
     K8S, ROOT, RPC_SERVER, config_of, containers, docs, hours, issuers, kustomization, pod_roots,
-    named, of_kind, pod_specs, reroot, rpc_server_port, rpcguard_containers, secret_certificate,
-    volume_secret,
+    CSI_DRIVER, csi_expand, mounted_certificate, named, of_kind, pod_names, pod_specs, reroot, rpc_server_port,
+    rpcguard_containers, secret_certificate, volume_certificate,
 )
 
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
@@ -185,7 +185,7 @@ def test_web_config_is_mutual_tls_with_mounted_files(pod_roots):
         for key in ("cert_file", "key_file", "client_ca_file"):
             assert Path(tls[key]).is_file(), (workload, key, tls[key])  # re-rooted: mounted
         ca_mount = str(Path(tls["client_ca_file"].replace(str(pod_roots[workload]), "")).parent)
-        client_ca = secret_certificate(volume_secret(pod_specs()[workload], ca_mount, c))["spec"]["issuerRef"]
+        client_ca = mounted_certificate(workload, ca_mount)["issuerRef"]
         assert client_ca == secret_certificate("prometheus-scrape-tls")["spec"]["issuerRef"]
 
 
@@ -359,14 +359,26 @@ def test_network_policies_admit_only_llama_server_and_prometheus():
 # ----------------------------------------------------------------------------- consistency
 
 
+def _issued() -> list[tuple[str, dict]]:
+    """(label, Certificate spec) of everything cert-manager issues: each Certificate, and each CSI
+    volume of each pod, as csi-driver would request it for that pod."""
+    out = [(c["metadata"]["name"], c["spec"]) for c in of_kind("Certificate")]
+    for workload, spec in pod_specs().items():
+        for vol in spec["volumes"]:
+            if "csi" in vol:
+                out += [(f"{pod}/{vol['name']}", volume_certificate(workload, vol, pod)) for pod in pod_names(workload)]
+    return out
+
+
 def test_certificates_are_short_lived_and_used_for_their_role():
-    for cert in of_kind("Certificate"):
-        s, name = cert["spec"], cert["metadata"]["name"]
+    for name, s in _issued():
         assert hours(s["renewBefore"]) < hours(s["duration"]), name
         if not s.get("isCA"):
             assert hours(s["duration"]) <= MAX_LEAF_HOURS, name
             assert s["privateKey"]["rotationPolicy"] == "Always", name
+            assert (s["privateKey"]["algorithm"], s["privateKey"]["size"]) == ("ECDSA", 256), name
             assert len({"server auth", "client auth"} & set(s["usages"])) == 1, name
+        assert not any("*" in n for n in s.get("dnsNames", [])), name  # no certificate stands for many
     expect = {("gpu-node", "/etc/rpcguard/tls"): ("server auth", "rpcguard-rpc-ca"),
               ("llama-server", "/etc/rpcguard/tls"): ("client auth", "rpcguard-rpc-ca"),
               ("gpu-node", "/etc/rpcguard/metrics-tls"): ("server auth", "rpcguard-metrics-ca"),
@@ -376,10 +388,59 @@ def test_certificates_are_short_lived_and_used_for_their_role():
     for workload, spec, c in rpcguard_containers():
         for m in c["volumeMounts"]:
             if (workload, m["mountPath"]) in expect:
-                s = secret_certificate(volume_secret(spec, m["mountPath"], c))["spec"]
+                s = mounted_certificate(workload, m["mountPath"])
                 usage, issuer = expect.pop((workload, m["mountPath"]))
                 assert usage in s["usages"] and s["issuerRef"]["name"] == issuer, (workload, m["mountPath"])
     assert expect == {}
+
+
+# csi-driver's volume attributes (pkg/apis/v1alpha1/types.go) and the key usages cert-manager knows
+CSI_KEYS = {"issuer-name", "issuer-kind", "issuer-group", "literal-subject", "common-name", "organizations",
+            "organizationalunits", "countries", "provinces", "localities", "streetaddresses", "postalcodes",
+            "serialnumber", "dns-names", "ip-sans", "uri-sans", "duration", "is-ca", "key-usages", "key-algorithm",
+            "key-encoding", "key-size", "ca-file", "certificate-file", "privatekey-file", "fs-group", "renew-before",
+            "reuse-private-key", "pkcs12-enable", "pkcs12-filename", "pkcs12-password"}
+CERT_MANAGER_USAGES = {"signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+                       "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+                       "server auth", "client auth", "code signing", "email protection", "s/mime", "ipsec end system",
+                       "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"}
+
+
+def test_csi_volumes_are_requests_csi_driver_accepts():
+    """What csi-driver's validation (pkg/apis/validation) would refuse at mount time, and what it
+    would silently ignore (a misspelt attribute), fails here instead."""
+    seen = 0
+    for workload, spec in pod_specs().items():
+        for vol in [v for v in spec["volumes"] if "csi" in v]:
+            seen += 1
+            csi, where = vol["csi"], f"{workload}/{vol['name']}"
+            assert csi["driver"] == CSI_DRIVER and csi["readOnly"] is True, where
+            attrs = csi["volumeAttributes"]
+            assert all(k.startswith("csi.cert-manager.io/") for k in attrs), where
+            assert {k.split("/", 1)[1] for k in attrs} <= CSI_KEYS, (where, set(attrs))
+            issuer = attrs["csi.cert-manager.io/issuer-name"]
+            assert attrs.get("csi.cert-manager.io/issuer-kind", "Issuer") == "Issuer"
+            (ns,) = {d["metadata"]["namespace"] for d in of_kind("StatefulSet") + of_kind("Deployment")
+                     if d["metadata"]["name"] == workload}
+            assert named("Issuer", issuer)["metadata"]["namespace"] == ns, where  # an Issuer is namespaced
+            for key in ("duration", "renew-before"):
+                hours(attrs["csi.cert-manager.io/" + key])  # asserts a duration
+            assert {u.strip() for u in attrs["csi.cert-manager.io/key-usages"].split(",")} <= CERT_MANAGER_USAGES, where
+            assert attrs["csi.cert-manager.io/key-encoding"] in {"PKCS1", "PKCS8"}, where
+            # the pod's files: group-readable by the pod's fsGroup, which the containers run in
+            assert int(attrs["csi.cert-manager.io/fs-group"]) == spec["securityContext"]["fsGroup"], where
+            for pod in pod_names(workload):
+                for key in ("common-name", "dns-names", "uri-sans"):
+                    csi_expand(attrs.get("csi.cert-manager.io/" + key, ""), dict.fromkeys(
+                        ("POD_NAME", "POD_NAMESPACE", "POD_UID", "SERVICE_ACCOUNT_NAME"), pod))
+    assert seen >= 2  # the GPU pods' data-path and metrics certificates
+
+
+def test_csi_expansion_is_the_drivers():
+    values = {"POD_NAME": "gpu-node-1", "POD_NAMESPACE": "rpcguard", "POD_UID": "u", "SERVICE_ACCOUNT_NAME": "sa"}
+    assert csi_expand("${POD_NAME}.gpu-node.$POD_NAMESPACE.svc", values) == "gpu-node-1.gpu-node.rpcguard.svc"
+    with pytest.raises(AssertionError, match="undefined variable 'POD_IP'"):
+        csi_expand("${POD_IP}", values)
 
 
 def _dns_match(pattern: str, host: str) -> bool:
@@ -394,16 +455,15 @@ def test_tunnels_match_the_nodes_llama_server_and_the_allow_list():
     node_port = serve["listeners"][0]["listen"].rsplit(":", 1)[1]
     assert [t["server"] for t in connect["tunnels"]] == [
         f"gpu-node-{i}.{sts['spec']['serviceName']}.{ns}.svc:{node_port}" for i in range(sts["spec"]["replicas"])]
-    node_cert = secret_certificate(volume_secret(pod_specs()["gpu-node"], "/etc/rpcguard/tls",
-                                                 [c for w, _, c in rpcguard_containers() if w == "gpu-node"][0]))
-    for t in connect["tunnels"]:
-        host = t.get("server_name") or t["server"].rsplit(":", 1)[0]
-        assert any(_dns_match(p, host) for p in node_cert["spec"]["dnsNames"]), host
+    hosts = [t.get("server_name") or t["server"].rsplit(":", 1)[0] for t in connect["tunnels"]]
+    # one certificate per GPU pod: pod i's names tunnel i's node and no other
+    for pod, host in zip(pod_names("gpu-node"), hosts, strict=True):
+        names = mounted_certificate("gpu-node", "/etc/rpcguard/tls", pod)["dnsNames"]
+        assert [h for h in hosts if any(_dns_match(p, h) for p in names)] == [host], (pod, names)
     (llama,) = [c for c in pod_specs()["llama-server"]["containers"] if c["name"] == "llama-server"]
     assert llama["args"][llama["args"].index("--rpc") + 1] == ",".join(t["listen"] for t in connect["tunnels"])
-    client_cert = secret_certificate(volume_secret(pod_specs()["llama-server"], "/etc/rpcguard/tls",
-                                                   [c for w, _, c in rpcguard_containers() if w == "llama-server"][0]))
-    assert set(client_cert["spec"]["uris"]) <= set(serve["allow"]["uri"])
+    client_cert = mounted_certificate("llama-server", "/etc/rpcguard/tls")
+    assert set(client_cert["uris"]) <= set(serve["allow"]["uri"])
     assert not (serve["allow"].keys() - {"uri"})  # nothing else admitted
 
 
@@ -412,19 +472,17 @@ def test_service_monitors_scrape_over_mtls_with_the_prometheus_identity():
         sel = sm["spec"]["selector"]["matchLabels"]
         (svc,) = [s for s in of_kind("Service") if sel.items() <= s["metadata"].get("labels", {}).items()]
         workload = svc["spec"]["selector"]["app.kubernetes.io/name"]
-        spec = pod_specs()[workload]
-        (c,) = [c for w, _, c in rpcguard_containers() if w == workload]
-        metrics_cert = secret_certificate(volume_secret(spec, "/etc/rpcguard/metrics-tls", c))["spec"]
+        metrics_certs = [mounted_certificate(workload, "/etc/rpcguard/metrics-tls", pod) for pod in pod_names(workload)]
         for ep in sm["spec"]["endpoints"]:
             assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
             assert ep["scheme"] == "https"
             tls = ep["tlsConfig"]
-            assert tls["serverName"] in metrics_cert["dnsNames"]
+            assert all(tls["serverName"] in m["dnsNames"] for m in metrics_certs), workload
             secret = tls["cert"]["secret"]["name"]
             assert tls["keySecret"]["name"] == tls["ca"]["secret"]["name"] == secret
             scrape = secret_certificate(secret)["spec"]
             assert "client auth" in scrape["usages"]
-            assert scrape["issuerRef"] == metrics_cert["issuerRef"]
+            assert all(scrape["issuerRef"] == m["issuerRef"] for m in metrics_certs), workload
             assert {"targetLabel": "job", "replacement": "rpcguard", "action": "replace"} in ep["relabelings"]
 
 
