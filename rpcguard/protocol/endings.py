@@ -100,7 +100,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
                                    party=early.party), False
                 return Refusal("hello_timeout", f"no HELLO within {hello_s:g} s"), False
         elif lc.upstream_open and now - lc.t_upstream > hello_s + (
-            limits.queue_timeout_s if lc.role == "connect" else 0
+            limits.queue_timeout_s if lc.side.upstream_is_guard else 0
         ):
             # A server that takes the connection but never answers HELLO. connect's upstream
             # is the node's serve, which may queue the HELLO for its own queue_timeout_s.

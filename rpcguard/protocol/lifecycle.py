@@ -33,15 +33,16 @@ carried out.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
     ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
-    COUNT_VIOLATION, DRAINING, EDGES, END, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
-    OPEN_UPSTREAM, QUEUED, REFUSING, SESSION_EVENTS, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action,
+    COUNT_VIOLATION, DRAINING, EDGES, END, ENDS, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
+    OPEN_UPSTREAM, QUEUED, REFUSING, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action, LinkState,
 )
+from rpcguard.protocol.side import Side
 from rpcguard.protocol.session import GREETED, HELLO_FORWARDED, Output, Session, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
@@ -59,16 +60,16 @@ __all__ = [
 class Lifecycle:
     """One link from accept to close; see the module docstring."""
 
-    def __init__(self, *, link_id: int, role: str, listener: str, upstream: str, default: Profile,
-                 facts: UpstreamFacts, clock: Callable[[], float], uses_slot: bool) -> None:
+    def __init__(self, *, link_id: int, side: Side, listener: str, upstream: str, default: Profile,
+                 facts: UpstreamFacts, clock: Callable[[], float]) -> None:
         self.id = link_id
-        self.role = role  # "serve" or "connect"
+        self.side = side  # what this end of the link does (protocol/side.py): no handler tests the role
+        self.role = side.role  # "serve" or "connect": the audit record's and the metrics' label
         self.listener = listener
         self.upstream = upstream  # "host:port", for logs
         self.profile = default  # replaced by the identity's profile once it is authorized
         self.facts = facts
         self.clock = clock
-        self.uses_slot = uses_slot  # serve: the single-client upstream is taken at HELLO
         self.peer = "-"
         self.source = ""  # the peer's address without the port (serve's per-source caps)
         self.identity = ""
@@ -107,21 +108,26 @@ class Lifecycle:
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
         self._feed_s: Callable[[memoryview, int], Output] = self._drop
-        self.state = ""
-        self._goto(HANDSHAKE)
+        self.state = HANDSHAKE
+        self._then: frozenset[LinkState] = frozenset()  # where the event being handled may lead
+        self._bind()
 
     # ----------------------------------------------------------------------------- dispatch
-    def _goto(self, state: str) -> None:
-        if self.state and state not in EDGES[self.state]:
-            raise AssertionError(f"link {self.id}: no transition {self.state} -> {state}")
+    def _goto(self, state: LinkState) -> None:
+        if state not in self._then:
+            raise AssertionError(f"link {self.id}: no transition {self.state} -> {state} here")
         self.state = state
-        row = TABLE[state]
+        self._bind()
+
+    def _bind(self) -> None:
         # The data handlers of this state, bound once per transition (the per-read path).
-        self.client_data: Callable[[memoryview, int], Output] = getattr(self, row["client_data"])
-        self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"])
+        row = TABLE[self.state]
+        self.client_data: Callable[[memoryview, int], Output] = getattr(self, row["client_data"].handler)
+        self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"].handler)
 
     def _on(self, event: str, *args: object) -> None:
-        _ON[self.state][event](self, *args)
+        handler, self._then = _ON[self.state][event]
+        handler(self, *args)
 
     @property
     def limits(self) -> Limits:
@@ -204,7 +210,7 @@ class Lifecycle:
             self.refusal = refusal
             self.refused_on_leave = identity_refused
             self._goto(REFUSING)
-        elif self.uses_slot:
+        elif self.side.takes_slot:
             self._goto(AWAIT_HELLO)
         else:
             self._goto(CONNECTING)
@@ -270,9 +276,14 @@ class Lifecycle:
         """Client bytes before the upstream is connected: checked, kept for the upstream."""
         out = self._fed(self._feed_c, data, now_ns)
         if out.to_server:
-            if self.state != REFUSING:
-                self._pending.extend(bytes(chunk) for chunk in out.to_server)
+            self._pending.extend(bytes(chunk) for chunk in out.to_server)
             out.to_server.clear()
+        return out
+
+    def _client_refusing(self, data: memoryview, now_ns: int) -> Output:
+        """Client bytes of a link refused before its HELLO: checked (the HELLO is answered), never kept."""
+        out = self._fed(self._feed_c, data, now_ns)
+        out.to_server.clear()
         return out
 
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
@@ -300,38 +311,39 @@ class Lifecycle:
         events = list(out.events)
         out.events.clear()
         for kind, value in events:
-            if _ON_SESSION[kind](self, value):
+            self._on(kind, value)
+            if self.state in ENDS:
                 return  # the link is over: later events do not matter
 
-    def _ev_violation(self, v: Violation) -> bool:
+    def _ev_violation(self, v: Violation) -> None:
         self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))
-        return False
 
-    def _ev_hello(self, length: int) -> bool:
-        if self.state == AWAIT_HELLO:
-            self._goto(QUEUED)
-            # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
-            self.actions.append((TAKE_SLOT, replace(self.limits, upstream_busy="refuse") if self.probe
-                                 else self.limits))
-        elif self.state == REFUSING:
-            self._answer_refusal()
-            return True
-        return False
+    def _ev_hello(self, length: int) -> None:
+        self._goto(QUEUED)
+        # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
+        self.actions.append((TAKE_SLOT, replace(self.limits, upstream_busy="refuse") if self.probe
+                             else self.limits))
 
-    def _ev_active(self, version: object) -> bool:
-        if self.state == GREETING:
-            self._goto(ACTIVE)
-        return False
+    def _answer_at_hello(self, length: int) -> None:
+        self._answer_refusal()
 
-    def _ev_node_refused(self, reason: str) -> bool:
+    def _ev_active(self, version: object) -> None:
+        self._goto(ACTIVE)
+
+    def _ev_ignore(self, value: object) -> None:
+        pass
+
+    def _ev_node_refused(self, reason: str) -> None:
         # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
         self.refusal = Refusal(reason, "refused by the node")
         self._finish("refused", "node_refused", f"node refused the session: {reason}")
-        return True
 
     def refused(self, refusal: Refusal) -> None:
         """The session refused a frame (either side): the caller hands over what ``client_data`` /
         ``server_data`` raised."""
+        self._on("refused", refusal)
+
+    def _refused(self, refusal: Refusal) -> None:
         session = self.session
         assert session is not None
         self.command = session.command_name
@@ -365,7 +377,7 @@ class Lifecycle:
             # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
             self.tls_failure(tls_reason)
             refusal = Refusal("tls_failed", f"the node refused the TLS session ({tls_reason}): {error}")
-        elif self.role == "connect":
+        elif self.side.upstream_is_guard:
             # A node's rpcguard answers every HELLO, refusals included: a bare close means its
             # TLS layer dropped us after the handshake (certificate refused).
             self.tls_failure("tls_handshake_failed")
@@ -470,7 +482,7 @@ class Lifecycle:
         self.party = party if party is not None else (party_of(reason) if reason else "")
         actions = self.actions
         actions.append((CLOSE_CLIENT, None))
-        drain = self.upstream_open and self.role == "serve"
+        drain = self.upstream_open and self.side.drains_upstream
         if drain:
             actions.append((HALF_CLOSE_UPSTREAM, self.slot_held))
             self.t_drain = self.t_drained = self.clock()
@@ -495,14 +507,12 @@ class Lifecycle:
         return audit_record(self)
 
 
-# linkstate.TABLE and SESSION_EVENTS name Lifecycle methods; resolved once, here, so a name that
-# is not a method fails at import and an event costs no attribute lookup by name. The data events
-# are bound per state by _goto instead (GREETING/ACTIVE bind the session's own methods).
+# linkstate.TABLE names Lifecycle methods; resolved once, here, so a name that is not a method
+# fails at import and an event costs no attribute lookup by name. The data events are bound per
+# state by _goto instead (GREETING/ACTIVE bind the session's own methods).
 _DATA_EVENTS = ("client_data", "server_data")
-_ON: Mapping[str, Mapping[str, Callable[..., None]]] = {
-    state: {event: getattr(Lifecycle, name) for event, name in row.items() if event not in _DATA_EVENTS}
-    for state, row in TABLE.items()
-}
-_ON_SESSION: Mapping[str, Callable[[Lifecycle, Any], bool]] = {
-    kind: getattr(Lifecycle, name) for kind, name in SESSION_EVENTS.items()
+_ON: Mapping[LinkState, Mapping[str, tuple[Callable[..., None], frozenset[LinkState]]]] = {
+    state: {event: (getattr(Lifecycle, row.handler), row.then) for event, row in rows.items()
+            if event not in _DATA_EVENTS}
+    for state, rows in TABLE.items()
 }

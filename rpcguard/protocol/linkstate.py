@@ -1,17 +1,20 @@
 """The link lifecycle's vocabulary and tables: states, events, actions, transitions, handlers.
 
-How this works (h11's ``_state.py`` is the model): a link is in one of ``STATES``; ``EDGES``
-lists the transitions allowed from each (``Lifecycle._goto`` refuses any other: a bug, not a
-peer's doing); ``TABLE`` names the ``Lifecycle`` method that handles every event in every
-state (an event a state does not expect goes to ``_ignore``, ``_drop`` or a clean-up such as
-``_free_granted_slot``); ``SESSION_EVENTS`` names the handler of each event the ``Session``
-reports. Actions are ``(kind, argument)`` tuples the relay carries out in order. See
-protocol/lifecycle.py for the machine and docs/design.md for the state diagram.
+How this works (h11's ``_state.py`` is the model): a link is in one of the ``LinkState``s;
+``TABLE`` holds, for every event in every state, a ``Row``: the ``Lifecycle`` method that
+handles it (an event a state does not expect goes to ``_ignore``, ``_drop`` or a clean-up such
+as ``_free_granted_slot``) and the states it may move the link to (``Lifecycle._goto`` refuses
+any other: a bug, not a peer's doing). The events are the relay's (a read, a close, the slot,
+the dial, the tick) and the ``Session``'s (its HELLO, ACTIVE, node-refusal and monitor-violation
+events, and a refusal it raised). ``EDGES`` is the union per state. Actions are ``(kind,
+argument)`` tuples the relay carries out in order. See protocol/lifecycle.py for the machine and
+docs/design.md for the state diagram.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, Literal, Mapping, Union
+from enum import Enum
+from typing import TYPE_CHECKING, Final, Literal, Mapping, NamedTuple, Union
 
 from rpcguard.protocol.session import EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION
 
@@ -23,27 +26,37 @@ __all__ = [
     "STATES", "EVENTS", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
     "DRAINING", "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "END", "Action", "EDGES", "TABLE", "SESSION_EVENTS",
+    "COUNT_VIOLATION", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------- states
-HANDSHAKE = "handshake"  # accepted; serve: TLS handshake running
-AWAIT_HELLO = "await_hello"  # admitted (serve): waiting for the client's HELLO before the slot
-REFUSING = "refusing"  # refused before the client's HELLO: waiting for it to answer 0.0.N
-QUEUED = "queued"  # HELLO received, waiting for the upstream slot
-CONNECTING = "connecting"  # the upstream is being dialled; client bytes are kept meanwhile
-GREETING = "greeting"  # upstream connected, the HELLO exchange not finished
-ACTIVE = "active"  # the session runs: bytes go straight through the Session
-DRAINING = "draining"  # over; serve's upstream half-closed and read until it hangs up
-CLOSED = "closed"
-STATES: tuple[str, ...] = (HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING, GREETING, ACTIVE,
-                           DRAINING, CLOSED)  # fmt: skip
+class LinkState(str, Enum):
+    """Where a link is (a str, so logs and comparisons with the names keep working)."""
+
+    HANDSHAKE = "handshake"  # accepted; serve: TLS handshake running
+    AWAIT_HELLO = "await_hello"  # admitted (serve): waiting for the client's HELLO before the slot
+    REFUSING = "refusing"  # refused before the client's HELLO: waiting for it to answer 0.0.N
+    QUEUED = "queued"  # HELLO received, waiting for the upstream slot
+    CONNECTING = "connecting"  # the upstream is being dialled; client bytes are kept meanwhile
+    GREETING = "greeting"  # upstream connected, the HELLO exchange not finished
+    ACTIVE = "active"  # the session runs: bytes go straight through the Session
+    DRAINING = "draining"  # over; serve's upstream half-closed and read until it hangs up
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING, GREETING, ACTIVE, DRAINING, CLOSED = LinkState
+STATES: tuple[LinkState, ...] = tuple(LinkState)
 
 # ---------------------------------------------------------------------------------- events
 EVENTS: tuple[str, ...] = (
     "admit", "handshake_failed", "client_data", "server_data", "slot_granted", "slot_refused",
     "upstream_connected", "upstream_failed", "client_closed", "upstream_closed", "tick", "shutdown",
     "internal_error", "rejected",
+    # what the Session reports (Output.events) and a refusal it raised, dispatched the same way
+    EV_HELLO, EV_ACTIVE, EV_NODE_REFUSED, EV_VIOLATION, "refused",
 )  # fmt: skip
 
 # ---------------------------------------------------------------------------------- actions
@@ -75,48 +88,62 @@ Action = Union[
     tuple[Literal["end"], "dict[str, object]"],
 ]
 
-# Allowed transitions: _goto refuses any other (a bug, not a peer's doing).
-EDGES: Mapping[str, frozenset[str]] = {
-    HANDSHAKE: frozenset({AWAIT_HELLO, REFUSING, CONNECTING, CLOSED}),
-    AWAIT_HELLO: frozenset({QUEUED, REFUSING, CLOSED}),
-    REFUSING: frozenset({CLOSED}),
-    QUEUED: frozenset({CONNECTING, REFUSING, CLOSED}),
-    CONNECTING: frozenset({GREETING, REFUSING, CLOSED}),
-    GREETING: frozenset({ACTIVE, REFUSING, DRAINING, CLOSED}),
-    ACTIVE: frozenset({DRAINING, CLOSED}),
-    DRAINING: frozenset({CLOSED}),
-    CLOSED: frozenset(),
-}
+# ---------------------------------------------------------------------------------- the table
+class Row(NamedTuple):
+    """What one event does in one state: the ``Lifecycle`` method that handles it, and the states
+    that method may move the link to (empty: it stays; ``Lifecycle._goto`` refuses any other)."""
 
-# The handler (a method name) of every event in every state.
-_COMMON = {"admit": "_ignore", "handshake_failed": "_ignore", "client_data": "_drop", "server_data": "_drop",
-           "slot_granted": "_free_granted_slot", "slot_refused": "_ignore",
-           "upstream_connected": "_close_new_upstream", "upstream_failed": "_ignore",
-           "client_closed": "_client_closed", "upstream_closed": "_ignore", "tick": "_tick",
-           "shutdown": "_shutdown", "internal_error": "_internal_error", "rejected": "_ignore"}  # fmt: skip
-TABLE: Mapping[str, Mapping[str, str]] = {
-    HANDSHAKE: {**_COMMON, "admit": "_admit", "handshake_failed": "_handshake_failed", "rejected": "_rejected"},
-    AWAIT_HELLO: {**_COMMON, "client_data": "_client_early"},
-    REFUSING: {**_COMMON, "client_data": "_client_early"},
-    QUEUED: {**_COMMON, "client_data": "_client_early", "slot_granted": "_slot_granted",
-             "slot_refused": "_refuse_early"},
-    CONNECTING: {**_COMMON, "client_data": "_client_early", "upstream_connected": "_upstream_connected",
-                 "upstream_failed": "_refuse_early"},
+    handler: str
+    then: frozenset[LinkState] = frozenset()
+
+
+STAY: Final = frozenset[LinkState]()
+# Where a session's end goes (Lifecycle._finish): DRAINING while serve's upstream is open, else CLOSED.
+ENDS: Final = frozenset({DRAINING, CLOSED})
+CLOSES: Final = frozenset({CLOSED})  # ...from a state whose upstream is not open yet
+
+# The events every state answers the same way unless its row says otherwise; ``end`` is where a
+# session's end goes from that state.
+def _common(end: frozenset[LinkState]) -> dict[str, Row]:
+    return {
+        "admit": Row("_ignore"), "handshake_failed": Row("_ignore"), "client_data": Row("_drop"),
+        "server_data": Row("_drop"), "slot_granted": Row("_free_granted_slot"), "slot_refused": Row("_ignore"),
+        "upstream_connected": Row("_close_new_upstream"), "upstream_failed": Row("_ignore"),
+        "client_closed": Row("_client_closed", end), "upstream_closed": Row("_ignore"), "tick": Row("_tick", end),
+        "shutdown": Row("_shutdown", end), "internal_error": Row("_internal_error", end), "rejected": Row("_ignore"),
+        EV_HELLO: Row("_ev_ignore"), EV_ACTIVE: Row("_ev_ignore"), EV_NODE_REFUSED: Row("_ev_node_refused", end),
+        EV_VIOLATION: Row("_ev_violation"), "refused": Row("_refused", end),
+    }  # fmt: skip
+
+
+TABLE: Mapping[LinkState, Mapping[str, Row]] = {
+    HANDSHAKE: {**_common(CLOSES), "admit": Row("_admit", frozenset({AWAIT_HELLO, REFUSING, CONNECTING})),
+                "handshake_failed": Row("_handshake_failed", CLOSES), "rejected": Row("_rejected", CLOSES)},
+    AWAIT_HELLO: {**_common(CLOSES), "client_data": Row("_client_early"),
+                  EV_HELLO: Row("_ev_hello", frozenset({QUEUED}))},
+    REFUSING: {**_common(CLOSES), "client_data": Row("_client_refusing"), EV_HELLO: Row("_answer_at_hello", CLOSES)},
+    QUEUED: {**_common(CLOSES), "client_data": Row("_client_early"),
+             "slot_granted": Row("_slot_granted", frozenset({CONNECTING})),
+             "slot_refused": Row("_refuse_early", frozenset({REFUSING, CLOSED}))},
+    CONNECTING: {**_common(CLOSES), "client_data": Row("_client_early"),
+                 "upstream_connected": Row("_upstream_connected", frozenset({GREETING})),
+                 "upstream_failed": Row("_refuse_early", frozenset({REFUSING, CLOSED}))},
     # The session's own client_data / server_data, bound directly (the hot path: no wrapper call).
-    GREETING: {**_COMMON, "client_data": "_feed_c", "server_data": "_feed_s",
-               "upstream_closed": "_upstream_closed_early"},
-    ACTIVE: {**_COMMON, "client_data": "_feed_c", "server_data": "_feed_s",
-             "upstream_closed": "_upstream_closed_active"},
-    DRAINING: {**_COMMON, "client_closed": "_ignore", "server_data": "_drain_data", "upstream_closed": "_drained",
-               "tick": "_tick_drain",
-               "shutdown": "_ignore", "internal_error": "_ignore"},
-    CLOSED: {**_COMMON, "client_closed": "_ignore", "tick": "_ignore", "shutdown": "_ignore",
-             "internal_error": "_ignore"},
+    GREETING: {**_common(ENDS), "client_data": Row("_feed_c"), "server_data": Row("_feed_s"),
+               "upstream_closed": Row("_upstream_closed_early", frozenset({REFUSING, CLOSED})),
+               EV_ACTIVE: Row("_ev_active", frozenset({ACTIVE}))},
+    ACTIVE: {**_common(ENDS), "client_data": Row("_feed_c"), "server_data": Row("_feed_s"),
+             "upstream_closed": Row("_upstream_closed_active", CLOSES)},
+    DRAINING: {**_common(CLOSES), "client_closed": Row("_ignore"), "server_data": Row("_drain_data"),
+               "upstream_closed": Row("_drained", CLOSES), "tick": Row("_tick_drain", CLOSES),
+               "shutdown": Row("_ignore"), "internal_error": Row("_ignore"), "refused": Row("_ignore"),
+               EV_NODE_REFUSED: Row("_ev_ignore"), EV_VIOLATION: Row("_ev_ignore")},
+    CLOSED: {**_common(STAY), "client_closed": Row("_ignore"), "tick": Row("_ignore"), "shutdown": Row("_ignore"),
+             "internal_error": Row("_ignore"), "refused": Row("_ignore"), EV_NODE_REFUSED: Row("_ev_ignore"),
+             EV_VIOLATION: Row("_ev_ignore")},
 }  # fmt: skip
 
-
-# What the link does with each event the session reports (the handler says if the link is over).
-SESSION_EVENTS: Mapping[str, str] = {
-    EV_VIOLATION: "_ev_violation", EV_HELLO: "_ev_hello", EV_ACTIVE: "_ev_active",
-    EV_NODE_REFUSED: "_ev_node_refused",
+# The transitions the table allows out of each state (docs/design.md's state table).
+EDGES: Mapping[LinkState, frozenset[LinkState]] = {
+    state: frozenset().union(*(r.then for r in row.values())) for state, row in TABLE.items()
 }

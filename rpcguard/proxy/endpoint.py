@@ -61,7 +61,7 @@ async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits
         await loop.create_connection(lambda: protocol, sock=sock)
         return
     kwargs: dict[str, Any] = {}
-    if route.role == "connect":
+    if route.side.upstream_is_guard:  # the node's serve: TLS with this side's client certificate
         assert route.ssl_context is not None
         kwargs = dict(ssl=route.ssl_context(), server_hostname=route.server_name,
                       ssl_handshake_timeout=limits.handshake_timeout_s or None)
@@ -75,13 +75,13 @@ async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits
         raise Refusal("tls_failed" if reason != "node_name_mismatch" else reason,
                       f"TLS to node {where} failed ({reason}): {exc}") from None
     except (OSError, asyncio.TimeoutError) as exc:
-        reason = "node_unreachable" if route.role == "connect" else "upstream_unavailable"
+        reason = route.side.unreachable_reason
         raise Refusal(reason, f"cannot reach {where}: {exc or 'timeout'}") from None
 
 
 def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
     """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
-    if route.role == "connect":
+    if route.side.upstream_is_guard:
         check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
 
 

@@ -90,9 +90,9 @@ class Link:
         self.dialer = dialer
         self.check_upstream = check_upstream
         self.lc = Lifecycle(
-            link_id=self.id, role=route.role, listener=route.name,
+            link_id=self.id, side=route.side, listener=route.name,
             upstream=f"{route.upstream_host}:{route.upstream_port}", default=route.default, facts=route.facts,
-            clock=self._clock, uses_slot=route.slot is not None,
+            clock=self._clock,
         )
         self.client = Endpoint(self, True)
         self.upstream: Endpoint | None = None
@@ -118,7 +118,7 @@ class Link:
         route.traffic.session_started(self.lc.stats)
         self._schedule_tick()
         try:
-            if route.role == "serve":
+            if route.side.client_tls:
                 assert route.ssl_context is not None
                 too_many = route.handshake_refusal(self.lc.source)
                 if too_many is not None:
@@ -169,7 +169,7 @@ class Link:
         self._apply()
 
     def _admit(self, endpoint: Endpoint) -> None:
-        ssl_object = endpoint.transport.get_extra_info("ssl_object") if self.route.role == "serve" else None  # type: ignore[union-attr]
+        ssl_object = endpoint.transport.get_extra_info("ssl_object") if self.route.side.client_tls else None  # type: ignore[union-attr]
         self.lc.admit(*self.route.admit(self, ssl_object))
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
@@ -186,7 +186,7 @@ class Link:
         session = self.lc.session
         # auto: an rpcguard node runs the request firewall; connect keeps it in monitor mode, whose
         # point is to report what it would refuse (docs/firewall.md).
-        if (route.role == "connect" and session is not None and session.policy.validate_requests == "auto"
+        if (route.side.upstream_is_guard and session is not None and session.policy.validate_requests == "auto"
                 and session.policy.mode == "enforce" and negotiated_rpcguard(endpoint.transport.get_extra_info("ssl_object"))):  # type: ignore[union-attr]
             session.leave_requests_to_node()
         if session is not None:

@@ -30,6 +30,7 @@ from rpcguard.observe.metrics import ListenerTraffic
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, peer_cap_refusal
 from rpcguard.protocol.lifecycle import AWAIT_HELLO, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits, Profile
+from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
 from rpcguard.pki.tls import is_probe, peer_identity
@@ -116,6 +117,11 @@ class Route:
     provider: Any = None
     draining: bool = False
 
+    @property
+    def side(self) -> Side:
+        """What this end of the link does (protocol/side.py)."""
+        return SIDES[self.role]
+
     def handshake_refusal(self, source: str) -> Refusal | None:
         """serve: ``max_handshakes_per_source`` handshakes from ``source`` run already."""
         cap = self.default.limits.max_handshakes_per_source
@@ -141,7 +147,7 @@ class Route:
         profile, identity = self.default, ""
         refusal: Refusal | None = None
         identity_refused = False
-        if self.role == "serve":
+        if self.side.client_tls:
             try:
                 ident = peer_identity(ssl_object)  # type: ignore[arg-type]  # serve: always TLS
                 identity = ident.label()
@@ -160,14 +166,14 @@ class Route:
                 if other is not link and other.lc.admitted and other.lc.refusal is None]
         held.append(profile)
         too_many = admission_refusal(self.default, profile, held)
-        if too_many is None and refusal is None and self.role == "serve":
+        if too_many is None and refusal is None and self.side.client_tls:
             too_many = peer_cap_refusal(self.default.limits, profile.limits, self.peer_counts(link, identity))
             identity_refused = too_many is not None  # about who (where) it is: counted if it leaves
         if too_many is not None:
             refusal = too_many
         elif self.draining:
             refusal = Refusal("shutdown", "rpcguard is shutting down")
-        return Admission(profile, identity, refusal, identity_refused, self.role == "serve" and is_probe(ssl_object))
+        return Admission(profile, identity, refusal, identity_refused, self.side.client_tls and is_probe(ssl_object))
 
     def peer_counts(self, link: Any, identity: str) -> tuple[int, int, int, int]:
         """serve: admitted sessions that are not refused (``link``, new, included) of ``identity``

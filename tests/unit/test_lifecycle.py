@@ -17,6 +17,7 @@ from rpcguard.protocol import lifecycle as L
 from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
 from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.side import SIDES
 from rpcguard.protocol.versions import REFUSAL_CODES
 from tests.support import vectors as V
 
@@ -42,9 +43,9 @@ class Clock:
 
 
 def make(role: str = "serve", facts: UpstreamFacts | None = None, clock: Clock | None = None) -> Lifecycle:
-    return Lifecycle(link_id=7, role=role, listener="gpu0", upstream="127.0.0.1:50052", default=DEFAULT,
+    return Lifecycle(link_id=7, side=SIDES[role], listener="gpu0", upstream="127.0.0.1:50052", default=DEFAULT,
                      facts=facts or UpstreamFacts(version=(7, 0, 0), device_count=1, memory={0: (GIB, GIB)}),
-                     clock=clock or Clock(), uses_slot=role == "serve")
+                     clock=clock or Clock())
 
 
 def take(lc: Lifecycle) -> list[tuple[str, object]]:
@@ -99,9 +100,9 @@ def test_every_state_handles_every_event_with_an_existing_method():
     for state in L.STATES:
         row = L.TABLE[state]
         assert set(row) == set(L.EVENTS), state
-        for handler in row.values():
+        for handler, then in row.values():
             assert callable(getattr(lc, handler)), handler  # _feed_c/_feed_s: the session's, once admitted
-        assert L.EDGES[state] <= set(L.STATES)
+            assert then <= set(L.STATES) - {state}, (state, handler)
 
 
 def test_active_reads_go_straight_to_the_session():
@@ -115,6 +116,10 @@ def test_a_transition_outside_the_table_is_a_bug():
     lc = make()
     with pytest.raises(AssertionError, match="handshake -> active"):
         lc._goto(L.ACTIVE)
+    lc = active()  # an event may lead only where its row says: ACTIVE's upstream_closed to CLOSED
+    lc._then = L.TABLE[L.ACTIVE]["upstream_closed"].then
+    with pytest.raises(AssertionError, match="active -> draining"):
+        lc._goto(L.DRAINING)
 
 
 # ----------------------------------------------------------------------------- handshake, admission

@@ -15,6 +15,7 @@ from rpcguard.errors import Refusal
 from rpcguard.pki.identity import Acl, AllowList
 from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.lifecycle import Lifecycle
+from rpcguard.protocol.side import SERVE
 from rpcguard.protocol.session import Violation
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.proxy.route import Route, UpstreamSlot
@@ -115,8 +116,8 @@ def test_a_violation_and_a_finished_session_are_folded_into_the_listener():
     r.violation(7, "CN=client1", ("range_out_of_buffer", "monitor", Violation("range_out_of_buffer", "d", "SET_TENSOR"),
                                   "SET_TENSOR"))
     assert r.traffic.firewall_violations[("range_out_of_buffer", "monitor")] == 1
-    lc = Lifecycle(link_id=7, role="serve", listener="gpu0", upstream="x", default=r.default, facts=r.facts,
-                   clock=lambda: 0.0, uses_slot=False)
+    lc = Lifecycle(link_id=7, side=SERVE, listener="gpu0", upstream="x", default=r.default, facts=r.facts,
+                   clock=lambda: 0.0)
     lc.result, lc.reason = "refused", "identity_not_allowed"
     me = link(r.default)
     r.links.add(me)
