@@ -39,7 +39,7 @@ SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "too_many_pending_per_source", "too_many_handshakes_per_source",
     *(r for r in REFUSAL_CODES if r not in IDENTITY_REASONS),
 )))
-# protocol/firewall.py, tensor.py, graph.py, oprules.py, opcheck.py: the rule names of FirewallRefusal.
+# protocol/firewall.py, tensor.py, graph.py, oprules/, opcheck.py: the rule names of FirewallRefusal.
 FIREWALL_REASONS: tuple[str, ...] = (
     "device_out_of_range", "alloc_size_invalid", "buffer_unknown", "tensor_type_invalid",
     "tensor_shape_invalid", "tensor_nbytes_overflow", "tensor_flags_invalid", "tensor_name_unterminated",
@@ -49,7 +49,7 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "graph_order_invalid", "graph_op_invalid", "graph_op_denied", "graph_op_params_invalid",
     "graph_shape_invalid", "graph_use_count_invalid", "recompute_after_free", "recompute_without_graph",
     "set_tensor_flag_invalid", "frame_size_invalid", "set_tensor_cache_flag_invalid", "alloc_quota_exceeded",
-    # the op table (protocol/oprules.py, opcheck.py): default deny, re-derived nodes, layouts, cost
+    # the op table (protocol/oprules/, opcheck.py): default deny, re-derived nodes, layouts, cost
     "op_not_verified", "graph_type_invalid", "graph_src_unexpected", "graph_tensor_unallocated",
     "graph_tensor_wrong_device", "tensor_layout_invalid", "graph_too_costly", "graph_work_too_large",
     "op_needs_containment",

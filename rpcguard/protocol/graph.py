@@ -149,7 +149,7 @@ def _refuse(reason: str, detail: str) -> FirewallRefusal:
 
 @dataclass(frozen=True, slots=True)
 class OpRules:
-    """One version's op ids and the verified rows for them (oprules.py)."""
+    """One version's op ids and the verified rows for them (oprules/)."""
 
     version: Version
     count: int  # GGML_OP_COUNT
@@ -382,7 +382,7 @@ class GraphValidator:
         idx = range(m)
         for k, column in enumerate(srcs):
             # src[1] may be the tensor itself: ggml_cast (ggml.c:3625) sets result->src[1] = result.
-            # Which op may do that is the op table's business (oprules._cpy); no other is allowed.
+            # Which op may do that is the op table's business (oprules/layout.py _cpy); no other is allowed.
             later = gt if k == _SELF_SRC else ge
             if any(map(later, map(getp, compress(column, column), repeat(m)), compress(idx, column))):
                 self._src_violation(k, column, pos, ids)

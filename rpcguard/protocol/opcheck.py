@@ -1,7 +1,7 @@
 """Applying the op table to one graph: nodes equal their re-derived result, tensors keep a layout.
 
 How this works: ``check_node`` takes one GRAPH_COMPUTE node (already decoded), its decoded
-sources and the row of its op (oprules.py). It checks the source count against the row, the
+sources and the row of its op (oprules/). It checks the source count against the row, the
 op_params slots the constructor leaves zero, runs the row's ``derive`` and compares the node with
 what the constructor would have produced (type, ne, nb, view_src, view_offs, and for views the
 data address). ``check_layout`` is the rule for every tensor of a graph, leaves included: a

@@ -44,7 +44,7 @@ class FirewallPolicy:
     # Opt-in deny list (ggml op names) on top of the custom ops, e.g. GATED_DELTA_NET and
     # SSM_SCAN whose out-of-bounds bugs depend on tensor contents (#25704 / #25765).
     denied_ops: frozenset[str] = frozenset()
-    # Default deny: a graph node whose op has no verified rule (oprules.py) is refused unless
+    # Default deny: a graph node whose op has no verified rule (oprules/) is refused unless
     # the site names the op here ("*": every op); each use is counted (SessionState.unverified_uses).
     allow_unverified_ops: frozenset[str] = frozenset()
     max_graph_cpu_s: float = MAX_GRAPH_CPU_S  # graph_too_costly past this much validation CPU

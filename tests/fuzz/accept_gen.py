@@ -35,7 +35,8 @@ from rpcguard.protocol.encode import TENSOR_STRUCT
 from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import op_rules
-from rpcguard.protocol.oprules import GROUP_NORM_EXTRA, OpRule, New, View, contiguous_nb, needs_containment
+from rpcguard.protocol.oprules import OpRule, New, View, contiguous_nb, needs_containment
+from rpcguard.protocol.oprules.elementwise import GROUP_NORM_EXTRA
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes

@@ -1,4 +1,4 @@
-"""The op table (oprules.py) and its evaluation (opcheck.py): constructor-shaped nodes pass,
+"""The op table (oprules/) and its evaluation (opcheck.py): constructor-shaped nodes pass,
 single-field mutations that change what a kernel addresses are refused with a stable reason.
 The differential proof against the real libggml constructors is tests/differential/."""
 

@@ -34,11 +34,17 @@ def reasons_in_code() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for path in sorted(PKG.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        # a module's name, or for one of protocol/'s sub-packages (the op table) the package's
+        unit = path.parent.name if path.parent.parent.name == "protocol" else path.stem
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            for k in node.keywords:  # a Side's (protocol/side.py) reason for an unreachable upstream
+                if k.arg == "unreachable_reason":
+                    for lit in _literals(k.value):
+                        found.setdefault(lit, set()).add(f"{unit}:{k.arg}")
             if name.endswith("Refusal") or name in _FIRST_ARG:
                 args = node.args[:1]
             elif name == "refuse":  # oprules.refuse(node, op, what, reason="graph_shape_invalid")
@@ -51,11 +57,11 @@ def reasons_in_code() -> dict[str, set[str]]:
                 continue
             for arg in args:
                 for lit in _literals(arg):
-                    found.setdefault(lit, set()).add(f"{path.stem}:{name}")
+                    found.setdefault(lit, set()).add(f"{unit}:{name}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "reason" for t in node.targets):
                 for lit in _literals(node.value):
-                    found.setdefault(lit, set()).add(f"{path.stem}:reason=")
+                    found.setdefault(lit, set()).add(f"{unit}:reason=")
     return found
 
 
