@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from rpcguard.config.model import POLICY_FIELDS, Config, ListenerConfig, TunnelConfig
+from rpcguard.protocol.side import SIDES
 
 __all__ = ["RESTART_KEYS", "ConfigDiff", "diff_configs", "keep_restart_keys", "policy_changes"]
 
@@ -85,7 +86,7 @@ def _item(role: str, path: str, old: ListenerConfig | TunnelConfig, new: Listene
           top_limits: set[str]) -> list[str]:
     """Live changes of one listener (tunnel) kept by name."""
     out = [f"{path}.{k}" for k in policy_changes(old.default.policy, new.default.policy)]
-    if role == "serve":
+    if SIDES[role].client_tls:  # allow-lists and profiles: who may connect
         assert isinstance(old, ListenerConfig) and isinstance(new, ListenerConfig)
         if old.allow != new.allow:
             out.append(f"{path}.allow")
@@ -112,7 +113,7 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
             (kept if path in RESTART_KEYS else changed).append(path)
     limits = _diff(old.limits, new.limits)
     changed += [f"limits.{k}" for k in limits]
-    key, role = ("listeners", "serve") if old.role == "serve" else ("tunnels", "connect")
+    key, role = old.side.items, old.role
     olds = {x.name: x for x in getattr(old, key)}
     news = {x.name: x for x in getattr(new, key)}
     replaced = []

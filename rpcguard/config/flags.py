@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from rpcguard.config.model import DEFAULT_METRICS, LOGGER, ROLES, Config, LogConfig, TlsConfig, read_yaml, parse_config
 from rpcguard.config.read import FromFlag, show
+from rpcguard.protocol.side import SIDES
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import SessionPolicy
 
@@ -159,7 +160,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
         return parse_config(data, role, source=source)  # raises the top-level error
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     given = {k: v for k, v in (overrides or {}).items() if v is not None and v is not False and v not in ([], ())}
-    other = "connect" if role == "serve" else "serve"
+    other = SIDES[role].other
     for k in given:
         if k not in GLOBAL and k not in item_keys[role]:
             raise ConfigError(flag(k), f"only valid for rpcguard {other}" if k in item_keys[other] else "unknown option")
@@ -170,7 +171,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
     for k in ("cert", "key", "ca"):
         if isinstance(data["tls"], dict) and data["tls"].get(k) is None:
             raise ConfigError(flag(k), f"required (or tls.{k} in the config file)")
-    items_key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
+    items_key, word = SIDES[role].items, SIDES[role].item
     items = data.get(items_key)
     if "mode" in given and isinstance(data["policy"], dict):  # beat items' (and profiles') own mode
         mode = data["policy"]["mode"]
@@ -184,7 +185,7 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
                                 and "mode" in p["policy"] else p for k, p in data["profiles"].items()}
     item_flags = [k for k in item_keys[role] if k in given]
     if item_flags and (items is None or items == []):
-        for k in ("listen", "upstream" if role == "serve" else "server"):
+        for k in ("listen", SIDES[role].target):
             if k not in given and not (k == "upstream" and "upstream_exec" in given):
                 raise ConfigError(flag(k), f"required (no {word} in a config file)")
         items = [{}]

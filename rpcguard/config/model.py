@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 import yaml
 
 from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, Profile, SessionPolicy, default_policy
+from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.versions import COMMAND_NAMES
 
 from rpcguard.config.read import (
@@ -126,6 +127,16 @@ class Config:
     # printed by the caller (serve/connect at start and reload, check-config); not part of equality
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
+    @property
+    def side(self) -> Side:
+        """What this role's end of a link does (protocol/side.py)."""
+        return SIDES[self.role]
+
+    @property
+    def items(self) -> tuple[ListenerConfig, ...] | tuple[TunnelConfig, ...]:
+        """The role's endpoints: the listeners (serve) or the tunnels (connect)."""
+        return self.listeners if self.side.takes_slot else self.tunnels
+
 
 DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
 
@@ -201,7 +212,7 @@ def _item_profiles(top: _Top, allow: AllowList, default: Profile) -> Mapping[str
 
 def _parse_items(role: str, items: Any, top: _Top, warnings: list[str]) -> tuple[tuple, list]:
     """The listeners (serve) or tunnels (connect), and [(listen address, path)] for clash checks."""
-    key, word = ("listeners", "listener") if role == "serve" else ("tunnels", "tunnel")
+    key, word = SIDES[role].items, SIDES[role].item
     if items is not None and not isinstance(items, list):
         raise ConfigError(key, f"must be a list of {key}, got {show(items)}")
     if not items:
@@ -226,7 +237,7 @@ def _parse_items(role: str, items: Any, top: _Top, warnings: list[str]) -> tuple
                             f"{', '.join(sorted(policy.firewall.allow_unverified_ops))}; each use is counted in "
                             "rpcguard_unverified_op_nodes_total")
         default = Profile(DEFAULT_PROFILE, policy, top.limits)
-        if role == "serve":
+        if SIDES[role].takes_slot:  # a ggml-rpc-server: given, or run by serve (upstream.exec)
             raw = s.data.get("upstream")
             managed = parse_upstream(raw, s.path + ".upstream") if isinstance(raw, (dict, FromFlag)) and (
                 isinstance(raw, dict) or isinstance(raw.value, list)) else None
@@ -283,14 +294,14 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
             raise ConfigError("tunnels", "cannot be combined with listeners (one role per config)")
         if "listeners" not in data and "tunnels" not in data:
             raise ConfigError(source, "no listeners (serve) or tunnels (connect) defined")
-        role = "serve" if "listeners" in data else "connect"
+        role = next(s.role for s in SIDES.values() if s.items in data)
     if role not in ROLES:
         raise ConfigError("role", f"must be serve or connect, got {show(role)}")
-    other = "connect" if role == "serve" else "serve"
-    own, others = ("listeners", "tunnels") if role == "serve" else ("tunnels", "listeners")
+    side = SIDES[role]
+    other = side.other
+    own, others = side.items, SIDES[other].items
     if others in data and own not in data:  # the file of the other role, given to this command
-        readers = "rpcguard serve reads" if role == "serve" else "rpcguard connect and check read"
-        raise ConfigError(source, f"this is a {other} config (it defines {others}); {readers} a {role} config "
+        raise ConfigError(source, f"this is a {other} config (it defines {others}); {side.read_by} a {role} config "
                                   f"(with {own})")
     for k in data:
         if k in _ROLE_TOP_KEYS[other]:
@@ -300,16 +311,17 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
     metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
     _parse_policy([(data.get("policy"), "policy")], default_policy(role))  # report top-level errors even if overridden
     limits = _parse_limits(data.get("limits"), "limits", Limits())
-    profiles = _parse_profiles(data.get("profiles"), role, data.get("policy"), limits) if role == "serve" else {}
-    if role == "serve" and data.get("allow") is not None:
+    # identities (allow-lists, profiles) exist where clients present certificates: serve
+    profiles = _parse_profiles(data.get("profiles"), role, data.get("policy"), limits) if side.client_tls else {}
+    if side.client_tls and data.get("allow") is not None:
         _parse_allow(data.get("allow"), "allow", profiles, require=False)  # (required where used)
     top = _Top(data.get("policy"), data.get("allow"), profiles, limits)
     warnings: list[str] = []
-    items, listens = _parse_items(role, data.get("listeners" if role == "serve" else "tunnels"), top, warnings)
+    items, listens = _parse_items(role, data.get(own), top, warnings)
     for addr, where in listens:
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
-    _warn_profiles(items if role == "serve" else (), profiles, warnings)
+    _warn_profiles(items if side.client_tls else (), profiles, warnings)
     log = LogConfig(**Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
                   items if role == "serve" else (), items if role == "connect" else (), tuple(profiles),

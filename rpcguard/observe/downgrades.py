@@ -78,7 +78,7 @@ def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[
     """Log a WARNING per downgrade of ``cfg`` and set the gauges; returns the warning lines."""
     lines: list[str] = []
     enforcement: dict[tuple[str, str], frozenset[str]] = {}
-    for item in cfg.listeners if cfg.role == "serve" else cfg.tunnels:
+    for item in cfg.items:
         profiles = _item_profiles(item)
         off = item_switched_off(item.default, profiles)
         enforcement[(cfg.role, item.name)] = frozenset(w for whats in off.values() for w in whats)
@@ -86,9 +86,9 @@ def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[
         breaking = {name: whats for name, whats in breaking.items() if whats}
         if not breaking:
             continue
-        where = "listener" if cfg.role == "serve" else "tunnel"
+        where = cfg.side.item
         said = ("; it says so in the TLS handshake and connect runs its own request checks"
-                if cfg.role == "serve" else "")
+                if cfg.side.client_tls else "")
         lines.append(f"{cfg.role} {where} {item.name}: NOT ENFORCING: " + "; ".join(
             f"profile {name}: " + ", ".join(_MEANING[w] for w in whats) for name, whats in breaking.items()) + said)
     unprotected = _metrics_unprotected(cfg, web)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, MAX_GRAPH_CPU_S, MAX_WORK_BYTES, NODE_GFLOPS, SERVER_THREADS
+from rpcguard.protocol.side import SIDES
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
 
 __all__ = ["CHECK_NAMES", "DEFAULT_PROFILE", "FirewallPolicy", "SessionPolicy", "Limits", "Profile", "default_policy"]
@@ -144,6 +145,6 @@ def default_policy(role: str) -> SessionPolicy:
     both sides would clear every buffer twice (docs/firewall.md, "Tenant isolation"). For the
     same reason it leaves request validation to a node that is rpcguard (``validate_requests``).
     """
-    if role == "connect":
+    if SIDES[role].upstream_is_guard:
         return SessionPolicy(clear_new_buffers=False, validate_requests="auto")
     return SessionPolicy()

@@ -40,12 +40,13 @@ class Side:
     client_tls: bool
     # Why a session is refused when the upstream cannot be reached.
     unreachable_reason: str
+    read_by: str  # who reads a config of this role, in messages
 
 
 SERVE: Final = Side(role="serve", other="connect", items="listeners", item="listener", target="upstream",
                     takes_slot=True, drains_upstream=True, upstream_is_guard=False, client_tls=True,
-                    unreachable_reason="upstream_unavailable")
+                    unreachable_reason="upstream_unavailable", read_by="rpcguard serve reads")
 CONNECT: Final = Side(role="connect", other="serve", items="tunnels", item="tunnel", target="server",
                       takes_slot=False, drains_upstream=False, upstream_is_guard=True, client_tls=False,
-                      unreachable_reason="node_unreachable")
+                      unreachable_reason="node_unreachable", read_by="rpcguard connect and check read")
 SIDES: Final[Mapping[str, Side]] = {s.role: s for s in (SERVE, CONNECT)}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from rpcguard.pki.certs import cert_not_after
 from rpcguard.config.model import Config, TlsConfig
 from rpcguard.pki.tls import client_context, probe_context, server_context
+from rpcguard.protocol.side import SIDES
 
 __all__ = ["TlsMaterial"]
 
@@ -62,15 +63,15 @@ class TlsMaterial:
 
     def context_for(self, enforcing: bool) -> ssl.SSLContext:
         """serve: the context of a listener that enforces everything (or not): its ALPN says which."""
-        return self.context if enforcing or self.role != "serve" else self._other
+        return self.context if enforcing or not SIDES[self.role].client_tls else self._other
 
     @property
     def probe_context(self) -> ssl.SSLContext:
         """connect: the context of a probe (ALPN_PROBES), which the node never queues."""
-        return self._other if self.role == "connect" else self.context
+        return self._other if SIDES[self.role].upstream_is_guard else self.context
 
     def _build(self, t: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-        if self.role == "serve":
+        if SIDES[self.role].client_tls:  # serve: the server side of the clients' TLS
             return (server_context(t.cert, t.key, t.ca, min_version=t.min_version),
                     server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False))
         # One client context serves every tunnel: the expected node name is given per connection.

@@ -134,7 +134,7 @@ class Runtime:
         self._record_expiry()
         report_downgrades(cfg, self.metrics, self.web.config)  # a WARNING each, and the gauges
         self._reloading = asyncio.Lock()  # one reload at a time (SIGHUP and the file poll may race)
-        self.listeners = [self._listener(item) for item in (cfg.listeners if cfg.role == "serve" else cfg.tunnels)]
+        self.listeners = [self._listener(item) for item in cfg.items]
         for lst in self.listeners:
             self._register(lst)
 
@@ -172,7 +172,7 @@ class Runtime:
         _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
-        if self.cfg.role == "connect" and record.get("listener"):
+        if self.cfg.side.upstream_is_guard and record.get("listener"):
             # A session's outcome is the freshest news about its node (connect's /readyz).
             down = record.get("result") == "refused" and record.get("reason") in _NODE_DOWN_REASONS
             if down or record.get("version"):
@@ -256,7 +256,7 @@ class Runtime:
             web = WebGuard.load(new_cfg.metrics.web_config)
             tls = self.tls.prepare(new_cfg.tls)
             diff = diff_configs(self.cfg, new_cfg)
-            items = {x.name: x for x in (new_cfg.listeners if new_cfg.role == "serve" else new_cfg.tunnels)}
+            items = {x.name: x for x in new_cfg.items}
             gone = set(diff.removed) | set(diff.replaced)
             # a new route on the address of one going away (new upstream, or renamed) takes its socket over
             sockets = {(lst.host, lst.config_port): lst for lst in self.listeners
@@ -316,7 +316,7 @@ class Runtime:
         self._watch()
         self.metrics.reload("ok")
         self.metrics.reload_kept_keys = len(diff.kept)
-        summary = diff.summary("listener" if self.cfg.role == "serve" else "tunnel")
+        summary = diff.summary(self.cfg.side.item)
         news = ([f"new tls files ({', '.join(files)})"] if files else []) + (["new metrics web config"] if web_changed else [])
         if news:
             summary = "; ".join(news) + ("" if diff.empty else f"; {summary}")
@@ -374,14 +374,14 @@ class Runtime:
             if when <= now:
                 return False, f"{name} certificate in use expired"
         lines = []
-        tunnels = [lst.route for lst in self.listeners if lst.route.role != "serve"]
+        tunnels = [lst.route for lst in self.listeners if lst.route.side.upstream_is_guard]
         for route, (ok, why) in zip(tunnels, await asyncio.gather(*(self._node_ready(r) for r in tunnels))):
             if not ok:
                 return False, f"{route.name}: node {route.upstream_host}:{route.upstream_port}: {why}"
             lines.append(f"{route.name}: node answers ({why})")
         for lst in self.listeners:
             route = lst.route
-            if route.role != "serve":
+            if route.side.upstream_is_guard:
                 continue
             if route.provider is not None:  # serve runs the server: its pool knows
                 ok, why = route.provider.ready()
@@ -428,7 +428,7 @@ class Runtime:
         if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
             return
         self._upstreams_probed_at = now
-        routes = [lst.route for lst in self.listeners if lst.route.role == "serve" and not lst.route.draining
+        routes = [lst.route for lst in self.listeners if lst.route.side.takes_slot and not lst.route.draining
                   and lst.route.provider is None]
         oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
         for route, ok in zip(routes, oks):
