@@ -41,6 +41,7 @@ from rpcguard.protocol.linkstate import (
     ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
     COUNT_VIOLATION, DRAINING, EDGES, END, ENDS, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
     OPEN_UPSTREAM, QUEUED, REFUSING, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action, LinkState,
+    table_markdown,
 )
 from rpcguard.protocol.side import Side
 from rpcguard.protocol.session import GREETED, HELLO_FORWARDED, Output, Session, Violation
@@ -51,7 +52,7 @@ from rpcguard.protocol.stats import SessionStats
 __all__ = [
     "Lifecycle", "admission_refusal", "STATES", "EVENTS", "UPSTREAM_DRAIN_S",
     "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE", "DRAINING",
-    "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
+    "CLOSED", "TABLE", "table_markdown", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
     "COUNT_VIOLATION", "END",
 ]  # fmt: skip

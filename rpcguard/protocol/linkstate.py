@@ -26,7 +26,7 @@ __all__ = [
     "STATES", "EVENTS", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
     "DRAINING", "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS",
+    "COUNT_VIOLATION", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS", "table_markdown",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------- states
@@ -147,3 +147,20 @@ TABLE: Mapping[LinkState, Mapping[str, Row]] = {
 EDGES: Mapping[LinkState, frozenset[LinkState]] = {
     state: frozenset().union(*(r.then for r in row.values())) for state, row in TABLE.items()
 }
+
+
+def table_markdown() -> str:
+    """The table as docs/design.md shows it: what every state does with an event unless its own
+    row says otherwise, then each state's own rows, with where each may lead
+    (tests/unit/test_lifecycle.py keeps the two equal)."""
+    common = _common(ENDS)
+    lines = ["| state | event | handler | may lead to |", "|---|---|---|---|"]
+    for event, row in common.items():
+        then = "the session's end: DRAINING (serve, upstream open) or CLOSED" if row.then else "(stays)"
+        lines.append(f"| any | {event} | `{row.handler}` | {then} |")
+    for state, rows in TABLE.items():
+        for event, row in rows.items():
+            if row.handler != common[event].handler:
+                then = ", ".join(s.name for s in STATES if s in row.then) or "(stays)"
+                lines.append(f"| {state.name} | {event} | `{row.handler}` | {then} |")
+    return "\n".join(lines) + "\n"

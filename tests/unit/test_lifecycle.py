@@ -105,6 +105,14 @@ def test_every_state_handles_every_event_with_an_existing_method():
             assert then <= set(L.STATES) - {state}, (state, handler)
 
 
+def test_design_md_renders_the_table():
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text(encoding="utf-8")
+    begin = doc.index("\n", doc.index("<!-- link-table:begin")) + 1
+    assert doc[begin:doc.index("<!-- link-table:end")] == L.table_markdown(), \
+        "docs/design.md's link table is stale: paste rpcguard.protocol.linkstate.table_markdown()"
+
+
 def test_active_reads_go_straight_to_the_session():
     lc = active()
     assert lc.client_data == lc.session.client_data and lc.server_data == lc.session.server_data
