@@ -121,6 +121,8 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
 
     Without ``port`` it listens on port 0: the ports it bound are read from its log once it is
     ready, so no other process can take them between choosing and binding."""
+    # serve's own options before a ``-- COMMAND`` (the server serve runs), which takes the rest
+    args, command = (args[:args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
     allow_flags = ("--allow-cn", "--allow-dns", "--allow-uri", "--allow-ip", "--allow-all")
     if role == "serve" and not any(a.split("=", 1)[0] in allow_flags for a in args):
         # serve refuses an empty allow-list; these fixtures admit any certificate of their CA
@@ -132,6 +134,7 @@ def start_guard(role: str, workdir: Path, args: list[str], *, port: int | None =
            *args]
     if role == "connect" and "--no-check" not in args:
         cmd.append("--no-check")
+    cmd += command
     proc = start(cmd, workdir / f"rpcguard-{role}-{port or time.monotonic_ns()}.log", f"rpcguard {role}", env)
     if not ready:
         return Guard(proc, port or 0, 0, role)

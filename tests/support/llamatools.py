@@ -40,7 +40,7 @@ from typing import Any, Callable
 from rpcguard.protocol.versions import COMMAND_IDS
 from tests.support import opsurvey, realpeer
 from tests.support.capture import C2S, CaptureRelay
-from tests.support.guard import Guard, Pki, start_pair
+from tests.support.guard import Guard, Pki, start_guard, start_pair
 
 __all__ = ["Tools", "tools", "Scenario", "Outcome", "Node", "Fleet", "Refused", "run_scenario", "start_nodes", "SETS"]
 
@@ -107,6 +107,23 @@ def start_rpc_server(t: Tools, workdir: Path) -> tuple[realpeer.Proc, int]:
     return proc, port
 
 
+def start_contained_node(t: Tools, workdir: Path, pki: Pki, guards: list[Guard]) -> Node:
+    """A node whose serve runs the tools' own ggml-rpc-server itself (``serve -- ggml-rpc-server``):
+    a fresh sandboxed process per session (docs/containment.md, the defaults of ``upstream.exec``),
+    and beside it a plain server of the same build for the direct run."""
+    server, port = start_rpc_server(t, workdir)
+    try:
+        serve = start_guard("serve", workdir, [*pki.serve_args(), "--", str(t.rpc_server)])
+        guards.append(serve)
+        connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                                   *pki.connect_args()])
+        guards.append(connect)
+    except BaseException:
+        server.stop()
+        raise
+    return Node(server, port, connect, serve)
+
+
 def start_nodes(t: Tools, workdir: Path, pki: Pki, guards: list[Guard], n: int = 2,
                 serve_args: tuple[str, ...] = (), connect_args: tuple[str, ...] = ()) -> list[Node]:
     out = []
@@ -131,26 +148,29 @@ class Fleet:
     workdir: Path
     pki: Pki
     guards: list[Guard] = field(default_factory=list)
-    nodes: dict[tuple[str, ...], list[Node]] = field(default_factory=dict)
+    nodes: dict[tuple[tuple[str, ...], bool], list[Node]] = field(default_factory=dict)
 
     def _args(self, allow: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(a for op in allow for a in ("--allow-unverified-op", op))
 
+    def _start(self, allow: tuple[str, ...], contained: bool, n: int) -> list[Node]:
+        if contained:
+            return [start_contained_node(self.tools, self.workdir, self.pki, self.guards) for _ in range(n)]
+        return start_nodes(self.tools, self.workdir, self.pki, self.guards, n, serve_args=self._args(allow))
+
     def for_scenario(self, sc: "Scenario") -> list[Node]:
-        allow = sc.allow
-        if allow not in self.nodes:
-            self.nodes[allow] = start_nodes(self.tools, self.workdir, self.pki, self.guards, 2 if not allow else 1,
-                                            serve_args=self._args(allow))
+        key = (sc.allow, sc.contained)
+        if key not in self.nodes:
+            self.nodes[key] = self._start(sc.allow, sc.contained, 2 if not (sc.allow or sc.contained) else 1)
         fresh = []
-        for node in self.nodes[allow]:
+        for node in self.nodes[key]:
             if not (node.server.alive() and node.serve.proc.alive() and node.connect.proc.alive()):
                 for g in (node.connect, node.serve):
                     g.stop()
                 node.server.stop()
-                node = start_nodes(self.tools, self.workdir, self.pki, self.guards, 1,
-                                   serve_args=self._args(allow))[0]
+                node = self._start(sc.allow, sc.contained, 1)[0]
             fresh.append(node)
-        self.nodes[allow] = fresh
+        self.nodes[key] = fresh
         return fresh
 
     def close(self) -> None:
@@ -353,6 +373,7 @@ class Scenario:
     allow: tuple[str, ...] = ()              # serve --allow-unverified-op OP... (a pair of its own)
     mmproj: tuple[str, ...] | None = None    # make_tiny_mmproj.py flags: --mmproj of that projector
     survey: bool = False                     # record the guarded run's GRAPH_COMPUTEs (Outcome.ops)
+    contained: bool = False                  # serve runs the server: a sandboxed process per session
 
     @property
     def model_key(self) -> str:
@@ -604,6 +625,10 @@ CI: list[Scenario] = [
     *[Scenario(f"arch-{m}", m, SERVER, w_greedy(12)) for m in ARCH_MODELS],
     # the ops that index state with tensor contents, forwarded by a pair that names them
     *[Scenario(f"arch-{m}-allowed", m, SERVER, w_greedy(12), allow=ops) for m, ops in ALLOWED.items()],
+    # a contained node (serve -- ggml-rpc-server: a fresh sandboxed process per session, llama-server's
+    # probe sessions included), and SSM_SCAN, which is forwarded only to such a node
+    Scenario("contained-greedy", "tiny", SERVER, w_greedy(), contained=True),
+    Scenario("arch-mamba2-contained", "mamba2", SERVER, w_greedy(12), contained=True),
     # a vision projector (--mmproj): its encoder graph runs on the RPC device
     _vision("vision-mlp"),
     _vision("vision-gemma3", mmproj=("--projector", "gemma3")),
