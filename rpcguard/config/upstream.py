@@ -21,7 +21,7 @@ from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings
 __all__ = ["parse_upstream"]
 
 _KEYS = {"exec", "isolation", "spare", "start_timeout_s", "sandbox", "quarantine"}
-_SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths"}
+_SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths", "cache_bytes"}
 _QUARANTINE_KEYS = {"crashes", "window_s", "duration_s"}
 
 _text = reader(lambda v: isinstance(v, str) and v != "" and "\0" not in v, "a non-empty string")
@@ -67,7 +67,8 @@ def parse_upstream(data: Any, path: str) -> UpstreamSettings:
         kw["start_timeout_s"] = s.get("start_timeout_s", duration())
     sb = Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
     sbkw = sb.read_all({"mode": _mode, "uid_base": _uid, "uid_count": _count,
-                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": list_of(_path)})
+                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": list_of(_path),
+                        "cache_bytes": _count})
     q = Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
     qkw = q.read_all({"crashes": _count, "window_s": duration(), "duration_s": duration(zero_is_off=True)})
     for key, attr in (("crashes", "quarantine_crashes"), ("window_s", "quarantine_window_s"),

@@ -132,6 +132,11 @@ class UpstreamPool:
             if self.sandboxed and "own_uid" not in self.mech.missing:
                 os.chown(cache, uid, uid)  # the uid changes per process; the directory is the identity's
                 os.chmod(cache, 0o700)
+            # the identity's quota, before its server may add to it (a walk of the directory: off the loop)
+            removed, freed = await asyncio.to_thread(sandbox.prune_cache, cache, s.sandbox.cache_bytes)
+            if removed:
+                log.info("upstream listener=%s process=%d: cache of its identity over cache_bytes=%d: %d oldest "
+                         "files removed (%d bytes)", self.listener, n, s.sandbox.cache_bytes, removed, freed)
         port = sandbox.SANDBOX_PORT if self.netns else _free_port()
         argv = sandbox.command(list(s.exec), port=port, mech=self.mech, settings=s.sandbox, cache=cache, uid=uid,
                                info_fd="{INFO_FD}")

@@ -29,6 +29,7 @@ import hashlib
 import os
 import resource
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass, field
 
@@ -57,6 +58,11 @@ class SandboxSettings:
     cache_root: str = "/var/cache/rpcguard/upstream"  # one 0700 directory per identity below it
     data_bytes: int = 0  # RLIMIT_DATA; 0: the host's memory (MemTotal)
     nofile: int = 256  # RLIMIT_NOFILE: the server needs a handful (one client, its cache files)
+    # An identity's cache directory holds at most this much (disk blocks) when its server starts:
+    # the oldest files go first (prune_cache); no file of the server may grow past it
+    # (RLIMIT_FSIZE). 0: no quota. During one session the directory grows by at most what that
+    # session uploads with the cache flag.
+    cache_bytes: int = 100 << 30
     ro_paths: tuple[str, ...] = ()  # more read-only paths the command needs (a wrapper's data)
 
 
@@ -196,4 +202,39 @@ def rlimits(settings: SandboxSettings) -> list[tuple[int, int]]:
     data = settings.data_bytes or host_memory_bytes()
     if data:
         out.append((resource.RLIMIT_DATA, data))
+    if settings.cache_bytes:  # no cache file larger than the identity's whole quota
+        out.append((resource.RLIMIT_FSIZE, settings.cache_bytes))
     return out
+
+
+def prune_cache(directory: str, limit: int) -> tuple[int, int]:
+    """Delete the oldest files (by modification time) of an identity's cache directory until it
+    uses at most ``limit`` bytes of disk; returns (files removed, bytes freed). Only regular files
+    count and go (their allocated blocks: a sparse file counts what it holds); links are neither
+    followed nor removed. ``limit`` 0: nothing is removed."""
+    if limit <= 0:
+        return 0, 0
+    files: list[tuple[float, int, str]] = []
+    used = 0
+    for root, _dirs, names in os.walk(directory, followlinks=False):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                size = st.st_blocks * 512
+                files.append((st.st_mtime, size, path))
+                used += size
+    removed = freed = 0
+    for _mtime, size, path in sorted(files):
+        if used - freed <= limit:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed += 1
+        freed += size
+    return removed, freed

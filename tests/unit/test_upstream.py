@@ -114,6 +114,79 @@ def test_rlimits_forbid_core_dumps_and_bound_files():
     assert limits[resource.RLIMIT_DATA] == 1 << 30
 
 
+def test_rlimits_bound_each_file_by_the_cache_quota():
+    assert dict(sandbox.rlimits(sandbox.SandboxSettings(cache_bytes=1 << 20)))[resource.RLIMIT_FSIZE] == 1 << 20
+    assert resource.RLIMIT_FSIZE not in dict(sandbox.rlimits(sandbox.SandboxSettings(cache_bytes=0)))
+    assert sandbox.SandboxSettings().cache_bytes == 100 << 30  # a quota unless one says 0
+
+
+def _blocks(path) -> int:
+    return os.lstat(path).st_blocks * 512
+
+
+def test_a_cache_over_its_quota_loses_its_oldest_files_first(tmp_path):
+    files = []
+    for i in range(6):  # 64 KiB each, written (so allocated), i seconds old order: 0 is the oldest
+        f = tmp_path / ("sub" if i % 2 else "") / f"t{i}"
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(os.urandom(64 << 10))
+        os.utime(f, (1000 + i, 1000 + i))
+        files.append(f)
+    total = sum(_blocks(f) for f in files)
+    keep = sum(_blocks(f) for f in files[3:])
+    removed, freed = sandbox.prune_cache(str(tmp_path), keep)
+    assert (removed, freed) == (3, total - keep)
+    assert [f.exists() for f in files] == [False, False, False, True, True, True]
+    assert sandbox.prune_cache(str(tmp_path), keep) == (0, 0)  # at the quota: nothing more goes
+    assert sandbox.prune_cache(str(tmp_path), 0) == (0, 0)  # 0: no quota
+
+
+def test_pruning_never_follows_or_removes_links(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "secret"
+    victim.write_bytes(os.urandom(64 << 10))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "link").symlink_to(victim)
+    (cache / "dirlink").symlink_to(outside, target_is_directory=True)
+    (cache / "own").write_bytes(os.urandom(64 << 10))
+    assert sandbox.prune_cache(str(cache), 1) == (1, _blocks(victim))  # only its own file counted and gone
+    assert victim.exists() and (cache / "link").is_symlink() and (cache / "dirlink").is_symlink()
+
+
+def test_a_server_starts_with_its_identitys_cache_pruned_to_the_quota(tmp_path, caplog):
+    """The pool's start of a server for an identity (a stand-in server, no sandbox) prunes that
+    identity's directory first, and only that one."""
+    code = ("import socket,sys,time;a=sys.argv;s=socket.socket();s.bind(('127.0.0.1',int(a[a.index('-p')+1])));"
+            "s.listen();time.sleep(60)")
+    box = sandbox.SandboxSettings(mode="off", cache_root=str(tmp_path), cache_bytes=128 << 10)
+    pool = UpstreamPool("l0", UpstreamSettings(exec=(sys.executable, "-c", code, "-c"), spare=False, sandbox=box),
+                        sandbox.Mechanisms(bwrap=None, setpriv=None, root=False, missing={"namespaces": "off"}))
+    mine, other = sandbox.cache_dir(box, "CN=a"), sandbox.cache_dir(box, "CN=b")
+    for d in (mine, other):
+        os.makedirs(d)
+        for i in range(4):
+            with open(os.path.join(d, f"t{i}"), "wb") as f:
+                f.write(os.urandom(64 << 10))
+            os.utime(os.path.join(d, f"t{i}"), (1000 + i, 1000 + i))
+
+    async def run() -> None:
+        proc = await pool._spawn("CN=a")
+        proc.kill()
+        await proc.exited  # type: ignore[misc]
+
+    with caplog.at_level("INFO", logger="rpcguard.upstream"):
+        asyncio.run(run())
+    assert sorted(os.listdir(mine)) == ["t2", "t3"] and len(os.listdir(other)) == 4
+    assert any("over cache_bytes=131072: 2 oldest files removed" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_bytes_is_read_from_the_sandbox_mapping():
+    s = parse_upstream({"exec": [TRUE, "-c"], "sandbox": {"cache_bytes": 1 << 30}}, "listeners[0].upstream")
+    assert s.sandbox.cache_bytes == 1 << 30
+
+
 def test_cache_directories_are_per_identity_and_name_no_path():
     s = sandbox.SandboxSettings(cache_root="/c")
     a, b = sandbox.cache_dir(s, "CN=a"), sandbox.cache_dir(s, "CN=../../etc")
