@@ -28,6 +28,9 @@ import threading
 import time
 from typing import Callable
 
+from rpcguard.upstream import seccomp
+from rpcguard.upstream.sandbox import SECCOMP_FD
+
 __all__ = ["ServerProcess", "StartFailed", "exit_cause", "listening"]
 
 log = logging.getLogger("rpcguard.upstream")
@@ -160,17 +163,24 @@ class ServerProcess:
         self.exited = loop.create_future()
         t0 = time.monotonic()
         rfd, wfd = os.pipe() if self.wrapped else (-1, -1)
+        fds = [wfd] if self.wrapped else []
         argv = [a.replace("{INFO_FD}", str(wfd)) for a in self.argv]
+        if SECCOMP_FD in argv:  # bwrap reads the syscall filter from this descriptor
+            filt = os.memfd_create("rpcguard-seccomp", 0)
+            os.write(filt, seccomp.program())
+            os.lseek(filt, 0, os.SEEK_SET)
+            fds.append(filt)
+            argv = [str(filt) if a == SECCOMP_FD else a for a in argv]
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, pass_fds=(wfd,) if self.wrapped else (),
+                stderr=asyncio.subprocess.STDOUT, pass_fds=tuple(fds),
                 preexec_fn=self._preexec, start_new_session=True, env=self.env)
         except OSError as exc:
             raise StartFailed(f"cannot run {argv[0]}: {exc}") from None
         finally:
-            if self.wrapped:
-                os.close(wfd)
+            for fd in fds:
+                os.close(fd)
         self.started_s = time.time()
         self._tasks.append(loop.create_task(self._read_output()))
         self._tasks.append(loop.create_task(self._wait()))

@@ -9,7 +9,7 @@ server's network namespace, setpriv). ``command()`` wraps the server's argv in::
           --tmpfs /tmp  --ro-bind FILE FILE (each file named on the command line: the binary,
           and the lib*.so* beside it for its $ORIGIN)  --bind CACHE /cache (per identity)
           --dev-bind-try /dev/nvidia* /dev/dri /dev/kfd (GPU nodes, when present)
-          --info-fd N   setpriv --reuid UID --regid UID --clear-groups --inh-caps=-all
+          --seccomp M (the syscall filter of seccomp.py)  --info-fd N   setpriv --reuid UID --regid UID --clear-groups --inh-caps=-all
           --bounding-set=-all --no-new-privs -- SERVER ARGS -H 127.0.0.1 -p PORT
 
 so the server sees only its binary, the system libraries, its own cache and /tmp, runs as an
@@ -33,11 +33,13 @@ import stat
 import subprocess
 from dataclasses import dataclass, field
 
+from rpcguard.upstream import seccomp
+
 __all__ = ["MECHANISMS", "Mechanisms", "SandboxSettings", "probe", "command", "rlimits", "cache_dir",
            "SANDBOX_PORT", "SANDBOX_MODES"]
 
 # What the sandbox is made of; each one is reported (metric, log) when missing.
-MECHANISMS = ("namespaces", "network_namespace", "own_uid", "rlimits")
+MECHANISMS = ("namespaces", "network_namespace", "own_uid", "rlimits", "seccomp")
 SANDBOX_MODES = ("required", "best_effort", "off")
 # The port the server listens on inside its own network namespace: every sandbox has its own
 # loopback, so all of them can use the same one.
@@ -45,6 +47,7 @@ SANDBOX_PORT = 50052
 _GPU_NODES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri", "/dev/kfd")
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
 _CACHE_IN_SANDBOX = "/cache"
+SECCOMP_FD = "{SECCOMP_FD}"  # in command(): replaced by the descriptor of the filter at each start
 _MOUNTED = ("/proc", "/dev", "/tmp")  # made by bwrap before the command's binds (which may lie below /tmp)
 
 
@@ -98,6 +101,9 @@ def probe() -> Mechanisms:
             m.missing["namespaces"] = f"bwrap failed: {exc}"
     if "namespaces" in m.missing:
         m.missing["network_namespace"] = "needs the namespaces"
+        m.missing["seccomp"] = "loaded by bwrap: needs the namespaces"
+    elif seccomp.unavailable():
+        m.missing["seccomp"] = seccomp.unavailable()
     # (not root: rpcguard cannot enter the server's network namespace itself, CAP_SYS_ADMIN in its
     # own user namespace; nshelper.py enters the sandbox's user namespace first, which it owns)
     if not m.root or m.setpriv is None:
@@ -177,6 +183,8 @@ def command(argv: list[str], *, port: int, mech: Mechanisms, settings: SandboxSe
             cmd += ["--dev-bind-try", node, node]
     if cache is not None:
         cmd += ["--bind", cache, _CACHE_IN_SANDBOX, "--setenv", "LLAMA_CACHE", _CACHE_IN_SANDBOX]
+    if "seccomp" not in mech.missing:  # the syscall filter (seccomp.py), on a file descriptor process.py fills
+        cmd += ["--seccomp", SECCOMP_FD]
     cmd += ["--info-fd", info_fd, "--"]
     if mech.root and mech.setpriv is not None:
         cmd += [mech.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",

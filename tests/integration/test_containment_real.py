@@ -40,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 PAYLOAD_SRC = HERE.parent / "support" / "escape_payload.c"
 USR_FILE = "/usr/local/rpcguard-escape-test"  # the control arm really writes it (then removed)
 EXPECTED_ESCAPES = ("connect_loopback", "connect_external", "read_serve_key", "read_serve_config",
-                    "read_other_cache", "write_outside_cache", "write_usr", "signal_outside", "ptrace_outside")
+                    "read_other_cache", "write_outside_cache", "write_usr", "signal_outside", "ptrace_outside",
+                    "unshare_userns", "io_uring", "keyring")
 
 
 def server_binary() -> str:
@@ -149,7 +150,7 @@ def test_payload_escapes_succeed_without_the_sandbox(pki, workdir, models):
     seen, run, reachable, (hits, wrote, _) = _escape_run(pki, workdir, models, "off")
     assert run.ok, run.output
     for name in ("connect_loopback", "read_serve_key", "read_serve_config", "read_other_cache",
-                 "write_outside_cache", "signal_outside"):
+                 "write_outside_cache", "signal_outside", "unshare_userns", "keyring"):
         assert seen[name] == "ALLOWED", (name, seen)
     assert reachable and hits >= 1 and wrote
 

@@ -7,6 +7,7 @@
  * "listen" attempt stays open across the exec, so the test can check from outside whether
  * it is reachable.
  */
+#define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -14,7 +15,9 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/ptrace.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -89,6 +92,16 @@ int main(int argc, char **argv) {
         long p = ptrace(PTRACE_ATTACH, OUTSIDE_PID, 0, 0);
         report("ptrace_outside", p == 0, errno, "(attached)");
         if (p == 0) ptrace(PTRACE_DETACH, OUTSIDE_PID, 0, 0);
+    }
+    {   /* the kernel's attack surface a server never needs: the syscall filter's business */
+        int rc = unshare(CLONE_NEWUSER);
+        report("unshare_userns", rc == 0, errno, "(a user namespace of its own)");
+        char params[120] = {0};  /* struct io_uring_params */
+        long ring = syscall(__NR_io_uring_setup, 1, params);
+        report("io_uring", ring >= 0, errno, "(a ring)");
+        if (ring >= 0) close((int)ring);
+        long key = syscall(__NR_add_key, "user", "rpcguard-escape", "x", 1, -3 /* KEY_SPEC_SESSION_KEYRING */);
+        report("keyring", key >= 0, errno, "(a key added)");
     }
     fflush(stderr);
     execv(argv[1], argv + 1);

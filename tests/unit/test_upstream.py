@@ -94,6 +94,20 @@ def test_the_sandbox_command_line(tmp_path):
     assert argv.index("--tmpfs") < argv.index(str(binary))
 
 
+def test_the_syscall_filter_is_built_and_handed_to_bwrap():
+    from rpcguard.upstream import seccomp
+    assert seccomp.unavailable() == "", seccomp.unavailable()  # libseccomp2: a base package of Debian
+    prog = seccomp.program()
+    assert prog and len(prog) % 8 == 0  # struct sock_filter[]: one rule per denied syscall and more
+    assert len(prog) // 8 > len(seccomp.DENIED)
+    argv = sandbox.command([TRUE], port=50052, mech=_mech(), settings=sandbox.SandboxSettings(), cache=None,
+                           uid=61000, info_fd="9")
+    assert argv[argv.index("--seccomp") + 1] == sandbox.SECCOMP_FD and argv.index("--seccomp") < argv.index("--")
+    without = sandbox.command([TRUE], port=50052, mech=_mech(missing={"seccomp": "no libseccomp"}),
+                              settings=sandbox.SandboxSettings(), cache=None, uid=61000, info_fd="9")
+    assert "--seccomp" not in without
+
+
 def test_without_namespaces_the_command_runs_bare_and_says_so():
     m = _mech(missing={"namespaces": "bwrap is not installed"})
     argv = sandbox.command([TRUE], port=4000, mech=m, settings=sandbox.SandboxSettings(), cache=None, uid=61000,
