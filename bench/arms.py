@@ -48,7 +48,7 @@ from pathlib import Path
 
 from rpcguard.cli import READY_MESSAGE
 from tests.support.guard import Pki, wait_for_line
-from tests.support.realpeer import PYTHON, Proc, free_port, start, start_rpc_server, wait_port
+from tests.support.realpeer import PYTHON, Proc, free_port, rpc_server_binary, start, start_rpc_server, wait_port
 
 import passthrough
 
@@ -70,6 +70,8 @@ ARM_TABLE = {a.name: a for a in (
     Arm("stunnel", "tool", "client -> stunnel (client mode) =mTLS=> stunnel (server mode) -> server"),
     Arm("haproxy", "tool", "client -> HAProxy =mTLS=> HAProxy -> server (mode tcp)"),
     Arm("rpcguard", "rpcguard", "client -> rpcguard connect =mTLS=> rpcguard serve (enforce) -> server"),
+    Arm("contained", "rpcguard", "client -> rpcguard connect =mTLS=> rpcguard serve (enforce) -> the session's own "
+                                 "sandboxed server (serve -- ggml-rpc-server: isolation session, spare, seccomp)"),
     Arm("aio", "passthrough", "pass-through pair: uvloop, BufferedProtocol, uvloop's TLS transport (rpcguard's layer)"),
     Arm("bio", "passthrough", "pass-through pair: uvloop plain transports, TLS by hand over two MemoryBIOs"),
     Arm("thread", "passthrough", "pass-through pair: a thread per connection, blocking socket, poll()"),
@@ -158,8 +160,8 @@ class ArmStack:
 
 
 def is_rpcguard(arm: str) -> bool:
-    """``rpcguard`` or a baseline ``rpcguard@REV`` arm."""
-    return arm == "rpcguard" or arm.startswith("rpcguard@")
+    """``rpcguard``, ``contained`` or a baseline ``rpcguard@REV`` arm."""
+    return arm in ("rpcguard", "contained") or arm.startswith("rpcguard@")
 
 
 def arm_list(text: str, allowed: tuple[str, ...] = ARMS, at_least: int = 1) -> list[str]:
@@ -336,10 +338,13 @@ def _start_rpcguard(role: str, workdir: Path, args: list[str], cprofile: Path | 
     return proc, port
 
 
-def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | None = None, tree=None
-                   ) -> tuple[str, int, dict[str, Proc]]:
+def _rpcguard_pair(workdir: Path, pki: Pki, server_port: int, cprofile: Path | None = None, tree=None,
+                   runs: str | None = None) -> tuple[str, int, dict[str, Proc]]:
+    """connect -> serve -> the server on ``server_port``, or with ``runs`` (a server binary) serve
+    running that server itself, a sandboxed process per session (the ``contained`` arm)."""
+    upstream = ["--", runs] if runs else ["--upstream", f"127.0.0.1:{server_port}"]
     serve, sport = _start_rpcguard("serve", workdir, pki.serve_args() + [
-        "--upstream", f"127.0.0.1:{server_port}", "--mode", "enforce", "--allow-cn", pki.client],
+        "--mode", "enforce", "--allow-cn", pki.client, *upstream],
         Path(f"{cprofile}serve.cprofile") if cprofile else None, tree)
     connect, cport = _start_rpcguard("connect", workdir, pki.connect_args() + [
         "--server", f"127.0.0.1:{sport}", "--server-name", NODE, "--mode", "enforce", "--no-check"],
@@ -403,7 +408,8 @@ def start_arm(arm: str, workdir: Path, pki: Pki, *, profile_dir: Path | None = N
             if profile_dir is not None and profiler == "cprofile":
                 profile_dir.mkdir(parents=True, exist_ok=True)
                 cprofile = profile_dir / (profile_tag + _arm_tag(arm))
-            endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, cprofile, tree)
+            runs = str(rpc_server_binary()) if arm == "contained" else None
+            endpoint, tls_port, proxies = _rpcguard_pair(workdir, pki, server_port, cprofile, tree, runs)
         elif arm in passthrough.DESIGNS:
             endpoint, tls_port, proxies = _passthrough_pair(arm, workdir, pki, server_port)
         else:

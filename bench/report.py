@@ -38,7 +38,7 @@ def fmt(v: float | None, unit: str = "") -> str:
 
 
 def is_rpcguard(arm: str) -> bool:
-    return arm == "rpcguard" or arm.startswith("rpcguard@")
+    return arm in ("rpcguard", "contained") or arm.startswith("rpcguard@")
 
 
 def speed_ratio(a: float | None, b: float | None, higher_better: bool) -> float | None:

