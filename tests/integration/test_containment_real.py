@@ -180,11 +180,17 @@ def test_a_sessions_marker_is_gone_in_the_next_sessions_process(pki, workdir, is
     serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", cfg])
     try:
         data = _marker_left(pki, serve)
+        # 16-byte pieces of session 2's new buffer that are pieces of session 1's marker (anywhere:
+        # the allocator need not hand the freed bytes out at the same offset)
+        leaked = sum(1 for i in range(0, SMALL, 16) if any(data[i:i + 16]) and data[i:i + 16] in PATTERN)
         if isolation == "session":
-            assert data == bytes(SMALL)
+            # a fresh process: none of session 1's bytes. (Not all zeros: the new process's
+            # allocator may hand out a chunk of its own start-up, a free-list pointer in its first
+            # bytes, as CI saw once.)
+            assert leaked == 0, data[:64]
             assert serve.value("rpcguard_upstream_exits_total", cause="killed") >= 1
         else:  # the control: one process for both sessions hands the freed bytes out
-            assert sum(1 for b in data if b) > SMALL // 2, data[:64]
+            assert leaked > SMALL // 32, data[:64]
     finally:
         serve.stop()
 
