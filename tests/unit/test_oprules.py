@@ -688,3 +688,20 @@ def test_conv_transpose_1d_empty_node_keeps_the_planner_asserts():
     b = T(0x11, F32, (13, 5, 2, 1))  # the planner asserts src[1]->ne[2] == 1
     assert reason([a, b], d) == "graph_shape_invalid"
     run([a, T(0x11, F32, (13, 5, 1, 1))], d)  # a plannable empty node still passes
+
+
+@pytest.mark.parametrize("at,bt,ok", [
+    (F32, 30, True), (F32, F16, True),  # widened into the F32 work buffer (ggml-cpu.c:1338-1341)
+    (F16, 30, False), (Q8_0, F16, False), (Q8_0, 30, False),  # vec_dot_type is not F32: the kernel asserts
+    (30, F16, False),
+])
+def test_mul_mat_widens_a_half_src1_of_an_f32_src0(at, bt, ok):
+    # ggml_conv_1d_dw with a BF16 kernel: mul_mat(im2col F32, kernel BF16) (test-backend-ops CONV_1D_DW)
+    ne0 = 32 if at == Q8_0 else 48
+    a = T(0x10, at, (ne0, 8, 1, 1))
+    b = T(0x11, bt, (ne0, 3, 1, 1))
+    d = T(0x20, F32, (8, 3, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
+    if ok:
+        run([a, b], d)
+    else:
+        assert reason([a, b], d) == "graph_shape_invalid"
