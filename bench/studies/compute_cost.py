@@ -418,6 +418,20 @@ def conv_2d_direct(w: int, cin: int, cout: int, k: int) -> Recipe:
     return r
 
 
+def conv_3d_direct(w: int, cin: int, cout: int, k: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, k, k, cin * cout]), r.leaf("f32", [w, w, w, cin])
+    r.op("conv_3d_direct", kern, x, 1, 1, 1, 0, 0, 0, 1, 1, 1, cin, 1, cout)
+    return r
+
+
+def conv_transpose_2d(w: int, cin: int, cout: int, k: int, stride: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, k, cout, cin]), r.leaf("f32", [w, w, cin])
+    r.op("conv_transpose_2d_p0", kern, x, stride)
+    return r
+
+
 def chain(n: int, ne0: int = 16) -> Recipe:
     """``n`` tiny ADD nodes, each on the previous one: the per-node cost of the server's loop
     (and, with -t > 1, of its thread barrier between nodes)."""
@@ -493,6 +507,14 @@ def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
     out.append(Case("argsort f32 32000x64", "extra", argsort(32000, 64)))
     out.append(Case("pool_2d avg 64x64x256 k=32 s=1", "extra", pool_2d(64, 256, 32), real=False))
     out.append(Case("conv_2d_direct 64x64 cin=64 cout=64 k=3", "extra", conv_2d_direct(64, 64, 64, 3)))
+    # the patch gather of the direct convolutions, and CONV_TRANSPOSE_2D's one vec_dot per tap
+    out.append(Case("conv_2d_direct 64x64 cin=64 cout=1 k=7", "extra", conv_2d_direct(64, 64, 1, 7), real=False))
+    out.append(Case("conv_3d_direct 24^3 cin=8 cout=1 k=3", "extra", conv_3d_direct(24, 8, 1, 3), real=False))
+    out.append(Case("conv_3d_direct 16^3 cin=16 cout=16 k=3", "extra", conv_3d_direct(16, 16, 16, 3), real=False))
+    out.append(Case("conv_transpose_2d 128x128 cin=1 cout=16 k=3 s=2", "extra", conv_transpose_2d(128, 1, 16, 3, 2),
+                    real=False))
+    out.append(Case("conv_transpose_2d 64x64 cin=64 cout=16 k=3 s=1", "extra", conv_transpose_2d(64, 64, 16, 3, 1),
+                    real=False))
     out.append(Case("chain of 120 tiny ADD nodes", "overhead", chain(120), real=False))
     if with_crafted:
         gib = 1 << 30
