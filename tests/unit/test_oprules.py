@@ -852,6 +852,8 @@ def test_col2im_1d_passes(t, k, oc, t_in, s0, p0):
     ({"d_op_params": (2, 0, 0)}, "graph_op_params_invalid"),  # OC = 0: the kernel divides by it
     ({"d_op_params": (2, 3, -1)}, "graph_op_params_invalid"),
     ({"d_op_params": (2, 5, 0)}, "graph_shape_invalid"),  # OC does not divide ne0 (12)
+    # ... even with the result the kernel would then write (K = 12 / 5 = 2): the constructor asserts it
+    ({"d_op_params": (2, 5, 0), "d_ne": (14, 5, 1, 1)}, "graph_shape_invalid"),
     ({"d_ne": (17, 3, 1, 1)}, "graph_shape_invalid"),
     ({"a_nb": (4, 52, 52 * 7, 52 * 7)}, "graph_shape_invalid"),  # padded rows: the kernel reads it flat
     ({"a_ne": (12, 7, 2, 1)}, "graph_shape_invalid"),  # not a matrix
