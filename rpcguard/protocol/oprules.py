@@ -1225,8 +1225,9 @@ def _conv_direct_patch(n: RpcTensor, op: str, a: RpcTensor, taps: int, c_out: in
     """ggml_compute_forward_conv_2d_impl / _conv_3d_impl (ops.cpp:7313, 7450): the kernel asserts a
     contiguous F16/F32 weight tensor (ops.cpp:7319-7321, 7456-7458; the product reads it as one
     packed [taps, c_out] matrix, ggml_call_mul_mat ops.cpp:7191) and sizes its batches of patches
-    as ``wsize / (taps*type_size + c_out*4)``, asserting at least one (ops.cpp:7355, 7498): the
-    plan's work buffer is only known to hold IM2COL_WORK_SIZE, so one patch must fit in that."""
+    as ``wsize / (taps*type_size + c_out*4)``, dividing by that count (ops.cpp:7353, 7496: SIGFPE
+    when it is 0) before asserting it (ops.cpp:7355, 7498): the plan's work buffer is only known
+    to hold IM2COL_WORK_SIZE (plus a cache line per thread), so one patch must fit in that."""
     _types(n, op, F32_F16, a)
     _need(is_contiguous(a), n, op, f"weights strides {a.nb} not contiguous (the kernel asserts it)")
     per_patch = taps * TYPES[a.type].type_size + c_out * 4
