@@ -298,8 +298,9 @@ def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
 # tap) before a matrix product over the output channels: besides CONV_FACTOR's product, each tap
 # of each output position costs CONV_IM2COL_FLOPS. CONV_TRANSPOSE_2D (ops.cpp:7591) calls one
 # vec_dot of Cin per tap of every input pixel and output channel: CONV_T2D_FACTOR per multiply-add
-# plus CONV_T2D_DOT_FLOPS per call. IM2COL_3D and COL2IM_1D are linear in their elements (the
-# default per-element price): COL2IM_1D's gather visits at most 2*(|src| + |dst|) columns.
+# plus CONV_T2D_DOT_FLOPS per call. IM2COL and IM2COL_3D write one gathered (bounds-checked,
+# converted) element per result element: IM2COL_FLOPS each. COL2IM_1D gathers, per output, the
+# at most min(T_in, K/s0 + 1) columns that overlap it, strided by a whole column: COL2IM_FLOPS each.
 
 # Measured with bench/studies/compute_cost.py (the real 7.0.0 server, -t 1, its CPU time, this
 # shared 2-core machine, 2026-12-02): the gather costs 1.5 ns per tap in 2D (conv_2d_direct
@@ -307,6 +308,12 @@ def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
 # cout=1 k=3: 2.3e6 taps in 5.0 ms), 87 operations at 40 GFLOP/s: 128 covers both at >= 1.5x.
 # CONV_TRANSPOSE_2D with Cin = 1 (128x128 cout=16 k=3 s=2) is 2.4e6 dots in 8.8 ms, 3.7 ns (149
 # operations) each: 256 per dot covers it at 1.8x; at Cin = 64 the product term dominates (3.9x).
+# IM2COL/IM2COL_3D measured the same way: 3.3-3.8 ns per F16 result element (im2col 2D 256x256
+# cin=16 k=3: 9.3e6 in 35 ms; im2col_3d 24^3 cin=8 k=3: 2.3e6 in 7.6 ms), 1.0-1.7 ns per F32 one;
+# 256 covers the F16 ones at >= 1.75x. COL2IM_1D: 2.3-3.5 ns per gathered column (k=4096 oc=1
+# t_in=4096 s=1: 1.7e7 in 59 ms), 256 per column of the bound above covers it at >= 1.8x.
+IM2COL_FLOPS: Final = 256  # IM2COL / IM2COL_3D: per result element
+COL2IM_FLOPS: Final = 256  # COL2IM_1D: per gathered column
 CONV_IM2COL_FLOPS: Final = 128  # per patch tap of CONV_2D/CONV_3D
 CONV_T2D_FACTOR: Final = 4  # CONV_TRANSPOSE_2D: multiplies 2*N*H*W*KW*KH*Cout*Cin
 CONV_T2D_DOT_FLOPS: Final = 256  # CONV_TRANSPOSE_2D: per vec_dot call (N*H*W*KW*KH*Cout of them)
@@ -348,6 +355,19 @@ def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
     return CONV_T2D_FACTOR * 2 * dots * k.ne3 + CONV_T2D_DOT_FLOPS * dots
 
 
+def _im2col(n: RpcTensor, s: Srcs) -> int:
+    return IM2COL_FLOPS * _n(n)
+
+
+def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]  # [K*OC, T_in]; params {s0, OC, p0} (the rule holds s0, OC >= 1); result [T_out, OC]
+    if a is None:
+        return 0
+    s0, oc = max(1, n.op_params[0]), max(1, n.op_params[1])
+    return COL2IM_FLOPS * _n(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
+
+
 _WORK = {**_WORK, "CONV_2D": _work_im2col, "CONV_3D": _work_im2col,
          "CONV_TRANSPOSE_2D": _work_conv_transpose_2d}
-_FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d}
+_FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d,
+          "IM2COL": _im2col, "IM2COL_3D": _im2col, "COL2IM_1D": _col2im_1d}

@@ -248,3 +248,16 @@ def test_transposed_conv_2d_pays_per_dot_and_has_its_work_buffer():
     out = dec(T(0x20, F32, (257, 257, 16, 1), op_params=(2,)))
     assert flops("CONV_TRANSPOSE_2D", out, [k, x]) / 40e9 >= 0.0088 * 1.4  # 2.4e6 dots in 8.8 ms
     assert work_bytes("CONV_TRANSPOSE_2D", out, [k, x], 8) == 2 * (3 * 3 * 16 + 128 * 128)  # ggml-cpu.c:2964
+
+
+def test_im2col_and_col2im_pay_per_gathered_element():
+    # measured (bench/studies/compute_cost.py, the real server's CPU time): im2col 2D into F16,
+    # 9.3e6 result elements in 35 ms; col2im_1d k=4096 oc=1 t_in=4096 s=1, 1.7e7 gathered columns in 59 ms
+    k = dec(T(0x10, F16, (3, 3, 16, 1)))
+    x = dec(T(0x11, F32, (256, 256, 16, 1)))
+    out = dec(T(0x20, F16, (144, 254, 254, 1)))
+    assert flops("IM2COL", out, [k, x]) / 40e9 >= 0.035 * 1.4
+    assert flops("IM2COL_3D", out, [k, x]) == flops("IM2COL", out, [k, x])
+    cols = dec(T(0x10, F32, (4096, 4096, 1, 1)))
+    sig = dec(T(0x20, F32, (8191, 1, 1, 1), op_params=(1, 1, 0)))
+    assert flops("COL2IM_1D", sig, [cols]) / 40e9 >= 0.059 * 1.4
