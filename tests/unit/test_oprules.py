@@ -958,3 +958,18 @@ def test_conv_2d_takes_an_empty_input_padded_to_an_output():
     b = T(0x11, F32, (0, 4, 2, 1))  # W = 0, padded by 1 on each side: OW = 2
     d = T(0x20, F32, (2, 4, 3, 1), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=(1, 1, 1, 0, 1, 1))
     run([a, b], d)
+
+
+@pytest.mark.parametrize("kt,dt,ok", [
+    (30, F32, True),  # ggml_conv_1d_dw with a BF16 kernel: its im2col is F32 (ggml.c:4665), the kernel's type unread
+    (30, F16, True),
+    (F16, 30, False),  # a BF16 result: ggml_compute_forward_im2col aborts (ops.cpp:6889)
+])
+def test_im2col_kernel_type_is_not_read_result_is_f32_or_f16(kt, dt, ok):
+    a = T(0x10, kt, (3, 1, 16, 1))  # [K, 1, C]: conv_1d_dw's kernel
+    b = T(0x11, F32, (64, 1, 16, 1))  # the input reshaped to [T, 1, C, 1]
+    d = T(0x20, dt, (3, 62, 16, 1), op=OPS["IM2COL"], src=(0x10, 0x11), op_params=(1, 0, 0, 0, 1, 0, 0))
+    if ok:
+        run([a, b], d)
+    else:
+        assert reason([a, b], d) == "graph_shape_invalid"
