@@ -1238,9 +1238,13 @@ def _conv_empty_sources(n: RpcTensor, op: str, a: RpcTensor, b: RpcTensor) -> No
     """An empty weight or input (a 0 in a side, test-backend-ops' KW = 0 cases: the constructor's
     output size stays positive) is never read: the gather loops run over no taps, or every source
     position is outside an empty extent, and the product has an inner dimension of 0. Its data
-    pointer still enters pointer arithmetic (``src + batch*nb3``): it must point into a buffer, as
-    CONCAT's (OpRule.empty_sources)."""
-    _need(all(t.data or nelements(t) for t in (a, b)), n, op, "an empty source without data")
+    pointer still enters pointer arithmetic (``src + batch*nb3``, ops.cpp:7376): it must point into
+    a buffer, as CONCAT's (OpRule.empty_sources), with the strides ggml_new_tensor gives an empty
+    tensor (no layout rule looks at them: a huge nb3 times the batch would wrap the pointer)."""
+    for t in (a, b):
+        if not nelements(t):
+            _need(bool(t.data) and t.nb == contiguous_nb(t.type, t.ne), n, op,
+                  f"an empty source without data or with strides {t.nb}")
 
 
 def _conv_2d(n: RpcTensor, s: Srcs) -> Result:

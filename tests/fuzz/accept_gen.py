@@ -914,7 +914,9 @@ def _conv_empty_src(d: Draw, srcs: list[Src], dims: int) -> list[Src | None]:
         k = d.r.randrange(2)
         ne = list(srcs[k].ne)
         ne[d.r.randrange(dims)] = 0
-        srcs[k] = Src(srcs[k].type, tuple(ne), "none", "nobuf" if d.p(0.3) else None)  # type: ignore[arg-type]
+        # the strides ggml_new_tensor gives it (the rule asks them), else any (refused)
+        layout = "nobuf" if d.p(0.3) else d.pick(("contig", "contig", "contig", None))
+        srcs[k] = Src(srcs[k].type, tuple(ne), "none", layout)  # type: ignore[arg-type]
         d.tag("empty-src")
     return list(srcs)
 

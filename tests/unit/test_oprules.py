@@ -973,3 +973,19 @@ def test_im2col_kernel_type_is_not_read_result_is_f32_or_f16(kt, dt, ok):
         run([a, b], d)
     else:
         assert reason([a, b], d) == "graph_shape_invalid"
+
+
+def test_conv_2d_empty_input_keeps_the_strides_of_an_empty_tensor():
+    # no layout rule runs on an empty source: the kernel still forms src + batch*nb3 (ops.cpp:7376),
+    # which a stride of 4 GiB times 2^20 batches would wrap
+    a = T(0x10, F16, (1, 1, 2, 3))
+    b = T(0x11, F32, (0, 4, 2, 1 << 20), nb=(4, 0, 0, (1 << 32) - 1))
+    d = T(0x20, F32, (2, 4, 3, 1 << 20), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=(1, 1, 1, 0, 1, 1))
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 36)
+    st.buffers[HANDLE].base = BASE
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)
+    assert exc.value.reason == "graph_shape_invalid" and "empty source" in exc.value.detail
+    b.nb = None  # ggml_new_tensor's strides: every offset past the empty dim is 0
+    GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)
