@@ -355,6 +355,23 @@ def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
     return CONV_T2D_FACTOR * 2 * dots * k.ne3 + CONV_T2D_DOT_FLOPS * dots
 
 
+# CONV_TRANSPOSE_1D/2D zero the WHOLE work buffer of the plan on every node (ops.cpp:6539, 6627,
+# 7613: memset(params->wdata, 0, params->wsize)), and that buffer is the largest need of any node
+# of the graph: a graph of many tiny transposed convolutions next to one node of a 1 GiB need
+# (graph.MAX_WORK_BYTES, the default cap) clears 1 GiB per node, which their own sizes do not
+# show. Each is charged that memset at BYTE_FLOPS per byte: 0.11 s at 40 GFLOP/s, 3x the 0.034 s
+# a 1 GiB memset takes on this machine. (A policy raising max_work_bytes raises the real cost too.)
+WORK_MEMSET_FLOPS: Final = BYTE_FLOPS * (1 << 30)
+
+
+def _conv_transpose_2d_all(n: RpcTensor, s: Srcs) -> int:
+    return _conv_transpose_2d(n, s) + WORK_MEMSET_FLOPS
+
+
+def _conv_transpose_1d_all(n: RpcTensor, s: Srcs) -> int:
+    return _conv_transpose_1d(n, s) + WORK_MEMSET_FLOPS
+
+
 def _im2col(n: RpcTensor, s: Srcs) -> int:
     return IM2COL_FLOPS * _n(n)
 
@@ -369,5 +386,6 @@ def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
 
 _WORK = {**_WORK, "CONV_2D": _work_im2col, "CONV_3D": _work_im2col,
          "CONV_TRANSPOSE_2D": _work_conv_transpose_2d}
-_FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d,
-          "IM2COL": _im2col, "IM2COL_3D": _im2col, "COL2IM_1D": _col2im_1d}
+_FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,
+          "CONV_TRANSPOSE_1D": _conv_transpose_1d_all, "IM2COL": _im2col, "IM2COL_3D": _im2col,
+          "COL2IM_1D": _col2im_1d}

@@ -261,3 +261,13 @@ def test_im2col_and_col2im_pay_per_gathered_element():
     cols = dec(T(0x10, F32, (4096, 4096, 1, 1)))
     sig = dec(T(0x20, F32, (8191, 1, 1, 1), op_params=(1, 1, 0)))
     assert flops("COL2IM_1D", sig, [cols]) / 40e9 >= 0.059 * 1.4
+
+
+@pytest.mark.parametrize("op", ["CONV_TRANSPOSE_1D", "CONV_TRANSPOSE_2D"])
+def test_transposed_convs_pay_the_memset_of_the_plans_work_buffer(op):
+    # ops.cpp:6539/6627/7613 zero params->wsize bytes on every node: the graph's largest need, up to
+    # the 1 GiB cap; a tiny node still pays that memset (0.034 s per GiB measured, charged 0.11 s)
+    k = dec(T(0x10, F32, (1, 1, 1, 1)))
+    x = dec(T(0x11, F32, (1, 1, 1, 1)))
+    out = dec(T(0x20, F32, (1, 1, 1, 1), op_params=(1, 0, 1)))
+    assert flops(op, out, [k, x]) >= BYTE_FLOPS * (1 << 30)
