@@ -418,6 +418,40 @@ def conv_2d_direct(w: int, cin: int, cout: int, k: int) -> Recipe:
     return r
 
 
+def conv_3d_direct(w: int, cin: int, cout: int, k: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, k, k, cin * cout]), r.leaf("f32", [w, w, w, cin])
+    r.op("conv_3d_direct", kern, x, 1, 1, 1, 0, 0, 0, 1, 1, 1, cin, 1, cout)
+    return r
+
+
+def conv_transpose_2d(w: int, cin: int, cout: int, k: int, stride: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, k, cout, cin]), r.leaf("f32", [w, w, cin])
+    r.op("conv_transpose_2d_p0", kern, x, stride)
+    return r
+
+
+def im2col_3d(w: int, cin: int, k: int, dst: str) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f16", [k, k, k, cin]), r.leaf("f32", [w, w, w, cin])
+    r.op("im2col_3d", kern, x, cin, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1 if dst == "f16" else 0)
+    return r
+
+
+def im2col_2d(w: int, cin: int, k: int, dst: str) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f16", [k, k, cin, 1]), r.leaf("f32", [w, w, cin])
+    r.op("im2col", kern, x, 1, 1, 0, 0, 1, 1, True, 1 if dst == "f16" else 0)
+    return r
+
+
+def col2im_1d(k: int, oc: int, t_in: int, s0: int) -> Recipe:
+    r = Recipe()
+    r.op("col2im_1d", r.leaf("f32", [k * oc, t_in]), s0, oc, 0)
+    return r
+
+
 def chain(n: int, ne0: int = 16) -> Recipe:
     """``n`` tiny ADD nodes, each on the previous one: the per-node cost of the server's loop
     (and, with -t > 1, of its thread barrier between nodes)."""
@@ -493,6 +527,21 @@ def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
     out.append(Case("argsort f32 32000x64", "extra", argsort(32000, 64)))
     out.append(Case("pool_2d avg 64x64x256 k=32 s=1", "extra", pool_2d(64, 256, 32), real=False))
     out.append(Case("conv_2d_direct 64x64 cin=64 cout=64 k=3", "extra", conv_2d_direct(64, 64, 64, 3)))
+    # the patch gather of the direct convolutions, and CONV_TRANSPOSE_2D's one vec_dot per tap
+    out.append(Case("conv_2d_direct 64x64 cin=64 cout=1 k=7", "extra", conv_2d_direct(64, 64, 1, 7), real=False))
+    out.append(Case("conv_3d_direct 24^3 cin=8 cout=1 k=3", "extra", conv_3d_direct(24, 8, 1, 3), real=False))
+    out.append(Case("conv_3d_direct 16^3 cin=16 cout=16 k=3", "extra", conv_3d_direct(16, 16, 16, 3), real=False))
+    out.append(Case("conv_transpose_2d 128x128 cin=1 cout=16 k=3 s=2", "extra", conv_transpose_2d(128, 1, 16, 3, 2),
+                    real=False))
+    out.append(Case("conv_transpose_2d 64x64 cin=64 cout=16 k=3 s=1", "extra", conv_transpose_2d(64, 64, 16, 3, 1),
+                    real=False))
+    out.append(Case("conv im2col_3d 24^3 cin=8 k=3 f16", "extra", im2col_3d(24, 8, 3, "f16"), real=False))
+    out.append(Case("conv im2col_3d 24^3 cin=8 k=3 f32", "extra", im2col_3d(24, 8, 3, "f32"), real=False))
+    out.append(Case("conv col2im_1d k=16 oc=32 t_in=4096 s=8", "extra", col2im_1d(16, 32, 4096, 8), real=False))
+    out.append(Case("conv col2im_1d k=64 oc=4 t_in=4096 s=1", "extra", col2im_1d(64, 4, 4096, 1), real=False))
+    out.append(Case("conv col2im_1d k=4096 oc=1 t_in=4096 s=1", "extra", col2im_1d(4096, 1, 4096, 1), real=False))
+    out.append(Case("conv im2col 2d 256x256 cin=16 k=3 f16", "extra", im2col_2d(256, 16, 3, "f16"), real=False))
+    out.append(Case("conv im2col 2d 256x256 cin=16 k=3 f32", "extra", im2col_2d(256, 16, 3, "f32"), real=False))
     out.append(Case("chain of 120 tiny ADD nodes", "overhead", chain(120), real=False))
     if with_crafted:
         gib = 1 << 30

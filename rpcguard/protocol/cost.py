@@ -290,3 +290,102 @@ def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
     if op in _CONVERTING and not all(t is None or t.type == F32 for t in (node, *srcs)):
         per = CONVERT_FLOPS
     return per * (_n(node) + sum(_n(t) for t in srcs)) + moved
+
+
+# -- convolutions (3D, transposed, col2im) ------------------------------------------------------
+#
+# CONV_2D/CONV_3D (ops.cpp:7313, 7450) gather every patch into the work buffer (one scalar step per
+# tap) before a matrix product over the output channels: besides CONV_FACTOR's product, each tap
+# of each output position costs CONV_IM2COL_FLOPS. CONV_TRANSPOSE_2D (ops.cpp:7591) calls one
+# vec_dot of Cin per tap of every input pixel and output channel: CONV_T2D_FACTOR per multiply-add
+# plus CONV_T2D_DOT_FLOPS per call. IM2COL and IM2COL_3D write one gathered (bounds-checked,
+# converted) element per result element: IM2COL_FLOPS each. COL2IM_1D gathers, per output, the
+# at most min(T_in, K/s0 + 1) columns that overlap it, strided by a whole column: COL2IM_FLOPS each.
+
+# Measured with bench/studies/compute_cost.py (the real 7.0.0 server, -t 1, its CPU time, this
+# shared 2-core machine, 2026-12-02): the gather costs 1.5 ns per tap in 2D (conv_2d_direct
+# 64x64 cin=64 cout=1 k=7: 10.6e6 taps in 15.8 ms) and 2.2 ns in 3D (conv_3d_direct 24^3 cin=8
+# cout=1 k=3: 2.3e6 taps in 5.0 ms), 87 operations at 40 GFLOP/s: 128 covers both at >= 1.5x.
+# CONV_TRANSPOSE_2D with Cin = 1 (128x128 cout=16 k=3 s=2) is 2.4e6 dots in 8.8 ms, 3.7 ns (149
+# operations) each: 256 per dot covers it at 1.8x; at Cin = 64 the product term dominates (3.9x).
+# IM2COL/IM2COL_3D measured the same way: 3.3-3.8 ns per F16 result element (im2col 2D 256x256
+# cin=16 k=3: 9.3e6 in 35 ms; im2col_3d 24^3 cin=8 k=3: 2.3e6 in 7.6 ms), 1.0-1.7 ns per F32 one;
+# 256 covers the F16 ones at >= 1.75x. COL2IM_1D: 2.3-3.5 ns per gathered column (k=4096 oc=1
+# t_in=4096 s=1: 1.7e7 in 59 ms), 256 per column of the bound above covers it at >= 1.8x.
+IM2COL_FLOPS: Final = 256  # IM2COL / IM2COL_3D: per result element
+COL2IM_FLOPS: Final = 256  # COL2IM_1D: per gathered column
+CONV_IM2COL_FLOPS: Final = 128  # per patch tap of CONV_2D/CONV_3D
+CONV_T2D_FACTOR: Final = 4  # CONV_TRANSPOSE_2D: multiplies 2*N*H*W*KW*KH*Cout*Cin
+CONV_T2D_DOT_FLOPS: Final = 256  # CONV_TRANSPOSE_2D: per vec_dot call (N*H*W*KW*KH*Cout of them)
+IM2COL_WORK_SIZE: Final = 16 * 1024 * 1024  # ggml-cpu/ops.h:23 GGML_IM2COL_WORK_SIZE
+
+
+def _work_im2col(n: RpcTensor, s: Srcs, nt: int) -> int:
+    return IM2COL_WORK_SIZE  # ggml-cpu.c:2959-2963: every CONV_2D / CONV_3D node, whatever its shape
+
+
+def _work_conv_transpose_2d(n: RpcTensor, s: Srcs, nt: int) -> int:
+    k, x = s[0], s[1]  # ggml-cpu.c:2964-2981: the kernel and the input, both in the kernel's type
+    if k is None or x is None:
+        return 0
+    es = 2 if k.type == F16 else 4
+    return es * (_n(k) + _n(x))
+
+
+def _conv_2d_direct(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]  # [KW, KH, IC, OC]: N*OW*OH patches of KW*KH*IC taps, times OC in the product
+    taps = a.ne0 * a.ne1 * a.ne2 if a is not None else 1
+    patches = n.ne0 * n.ne1 * n.ne3
+    return CONV_FACTOR * 2 * _n(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+
+
+def _conv_3d_direct(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]  # [KW, KH, KD, IC*OC]; params[9] = IC, [11] = OC (the rule holds them >= 1)
+    ic, oc = max(1, n.op_params[9]), max(1, n.op_params[11])
+    taps = (a.ne0 * a.ne1 * a.ne2 if a is not None else 1) * ic
+    patches = _n(n) // oc
+    return CONV_FACTOR * 2 * _n(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+
+
+def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
+    k, x = s[0], s[1]  # kernel [KW, KH, Cout, Cin], input [W, H, Cin, N]
+    if k is None or x is None:
+        return 0
+    dots = x.ne0 * x.ne1 * x.ne3 * k.ne0 * k.ne1 * k.ne2
+    return CONV_T2D_FACTOR * 2 * dots * k.ne3 + CONV_T2D_DOT_FLOPS * dots
+
+
+# CONV_TRANSPOSE_1D/2D zero the WHOLE work buffer of the plan on every node (ops.cpp:6539, 6627,
+# 7613: memset(params->wdata, 0, params->wsize)), and that buffer is the largest need of any node
+# of the graph: a graph of many tiny transposed convolutions next to one node of a 1 GiB need
+# (graph.MAX_WORK_BYTES, the default cap) clears 1 GiB per node, which their own sizes do not
+# show. Each is charged that memset at BYTE_FLOPS per byte: 0.11 s at 40 GFLOP/s, 3x the 0.034 s
+# a 1 GiB memset takes on this machine. (A policy raising max_work_bytes raises the real cost too.)
+WORK_MEMSET_FLOPS: Final = BYTE_FLOPS * (1 << 30)
+
+
+def _conv_transpose_2d_all(n: RpcTensor, s: Srcs) -> int:
+    return _conv_transpose_2d(n, s) + WORK_MEMSET_FLOPS
+
+
+def _conv_transpose_1d_all(n: RpcTensor, s: Srcs) -> int:
+    return _conv_transpose_1d(n, s) + WORK_MEMSET_FLOPS
+
+
+def _im2col(n: RpcTensor, s: Srcs) -> int:
+    return IM2COL_FLOPS * _n(n)
+
+
+def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
+    a = s[0]  # [K*OC, T_in]; params {s0, OC, p0} (the rule holds s0, OC >= 1); result [T_out, OC]
+    if a is None:
+        return 0
+    s0, oc = max(1, n.op_params[0]), max(1, n.op_params[1])
+    return COL2IM_FLOPS * _n(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
+
+
+_WORK = {**_WORK, "CONV_2D": _work_im2col, "CONV_3D": _work_im2col,
+         "CONV_TRANSPOSE_2D": _work_conv_transpose_2d}
+_FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,
+          "CONV_TRANSPOSE_1D": _conv_transpose_1d_all, "IM2COL": _im2col, "IM2COL_3D": _im2col,
+          "COL2IM_1D": _col2im_1d}

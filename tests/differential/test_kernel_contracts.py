@@ -92,6 +92,38 @@ CASES = {
         "leaves": [{"type": "f32", "ne": [3, 3, 1, 2]}, {"type": "f32", "ne": [5, 5, 2, 1], "nb": [4, 32, 160, 320]}],
         "ops": [{"fn": "conv_2d_dw_direct", "args": [0, 1, 1, 1, 0, 0, 1, 1]}],
     },
+    # -- convolutions (3D, transposed, col2im) --
+    # ggml_conv_3d_direct (ggml.c:4994) asserts only a.ne3 == IC*OC and b.ne3 == IC*N: negative counts
+    # pass; in size_t the kernel's bytes per patch wrap, its patches per batch is 0 and it divides by it
+    # (ops.cpp:7493-7496): SIGFPE on the real kernel
+    "conv_3d_direct: negative IC, N, OC whose products match (server SIGFPE)": {
+        "leaves": [{"type": "f32", "ne": [1, 1, 1, 1]}, {"type": "f32", "ne": [2, 2, 2, 1]}],
+        "ops": [{"fn": "conv_3d_direct", "args": [0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, -1, -1, -1]}],
+    },
+    # ggml_conv_2d_direct (ggml.c:4956) builds a result of b's type from any b; the kernel reads b and
+    # writes dst as floats (ops.cpp:7391, 7431): SIGSEGV
+    "conv_2d_direct: F16 input read as floats": {
+        "leaves": [{"type": "f32", "ne": [3, 3, 2, 2]}, {"type": "f16", "ne": [5, 5, 2, 1]}],
+        "ops": [{"fn": "conv_2d_direct", "args": [0, 1, 1, 1, 0, 0, 1, 1]}],
+    },
+    # one patch (4M + 32 F32 taps) past the planner's 16 MiB GGML_IM2COL_WORK_SIZE: the kernel's
+    # patches per batch is 0 and it divides by it (ops.cpp:7353) before its assert: SIGFPE
+    "conv_2d_direct: one patch past the 16 MiB work buffer (server SIGFPE)": {
+        "leaves": [{"type": "f32", "ne": [1, 1, (1 << 22) + 32, 1]}, {"type": "f32", "ne": [1, 1, (1 << 22) + 32, 1]}],
+        "ops": [{"fn": "conv_2d_direct", "args": [0, 1, 1, 1, 0, 0, 1, 1]}],
+    },
+    # ggml_conv_transpose_2d_p0 (ggml.c:5048) takes any stride; the kernel adds into
+    # dst[(i11*s + i01)*ne0 + i10*s + i00] (ops.cpp:7692): s = -1 writes before dst (SIGSEGV)
+    "conv_transpose_2d_p0: negative stride writes before dst": {
+        "leaves": [{"type": "f32", "ne": [3, 3, 1, 1]}, {"type": "f32", "ne": [2, 2, 1, 1]}],
+        "ops": [{"fn": "conv_transpose_2d_p0", "args": [0, 1, -1]}],
+    },
+    # ... and any kernel view; the kernel copies each [KW, KH] plane as KW*KH packed elements
+    # (ops.cpp:7625): rows that overlap (nb1 < KW*es) are read past the view's extent (SIGSEGV)
+    "conv_transpose_2d_p0: kernel rows overlap, planes read packed": {
+        "leaves": [{"type": "f32", "ne": [4, 4, 1, 1], "nb": [4, 4, 28, 28]}, {"type": "f32", "ne": [2, 2, 1, 1]}],
+        "ops": [{"fn": "conv_transpose_2d_p0", "args": [0, 1, 1]}],
+    },
 }  # fmt: skip
 
 

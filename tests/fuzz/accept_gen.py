@@ -866,6 +866,124 @@ def p_conv_transpose_1d(d: Draw) -> Proto:
 PROTOS.update({"UPSCALE": p_upscale, "CONV_2D_DW": p_conv_2d_dw, "CONV_TRANSPOSE_1D": p_conv_transpose_1d})
 
 
+
+# -- convolutions (3D, transposed, col2im) --------------------------------------------------------
+
+
+def _edge_param(d: Draw, usual: tuple[int, ...], lo: int, hi: int) -> int:
+    """A stride/padding/dilation: mostly ``usual``, sometimes any in [lo, hi] or an int edge."""
+    return d.pick(usual) if d.p(0.9) else d.i(lo, hi)
+
+
+def _conv_weights_layout(d: Draw) -> str | None:
+    """The kernels assert contiguous weights: packed, any stride on a size-1 dim, or free."""
+    return d.pick(("contig", "contig", "size1", None))
+
+
+def p_conv_2d(d: Draw) -> Proto:
+    """ggml_conv_2d_direct: F32/F16 weights [KW, KH, IC, OC] (contiguous, asserted), an F32 input of
+    any layout (test-backend-ops' cwhn permutes it), params at their edges; sometimes one patch
+    at the 16 MiB the planner gives (the kernel asserts a batch of at least one)."""
+    ic, oc, n = d.pick((1, 2, 3, 8, 16, d.r.randint(1, 40))), d.pick((1, 2, 4, 9, d.r.randint(1, 40))), d.pick((1, 1, 2, 3))
+    kw, kh = (d.pick((1, 2, 3, 5, d.r.randint(1, 9))) for _ in range(2))
+    w, h = (d.pick((1, 2, 3, 8, 17, 34, d.r.randint(1, 64))) for _ in range(2))
+    kt = d.ftype((F32, F16))
+    if d.p(0.05):  # a patch of ~16 MiB: 4M taps of F32 (or 8M of F16) with one output channel
+        d.tag("wide-patch")
+        kw, kh, w, h, oc, n = 1, 1, 1, 1, 1, 1
+        ic = d.pick(((1 << 22) - 1, 1 << 22)) if kt == F32 else d.pick(((1 << 23) - 2, 1 << 23))
+    strides = [_edge_param(d, (1, 1, 2, 3), 0, 8) for _ in range(2)]
+    pads = [_edge_param(d, (0, 0, 1, 2, kw), -1, 9) for _ in range(2)]
+    dils = [_edge_param(d, (1, 1, 2, 3), 0, 4) for _ in range(2)]
+    if ic > 1 << 20:  # one output position: every patch gathers all ~8M taps (seconds each)
+        strides, pads, dils = [d.pick((1, 2, 0x7FFFFFFF)), 1], [0, 0], [d.pick((1, 0x7FFFFFFF)), 1]
+    elif max(pads) > 64:
+        # a padding from the int edges makes rows of up to 2^17 output positions: few taps each,
+        # else a compute the cost model charges (minutes are within its budget) but the
+        # sanitizer's 10-s oracle would time out
+        ic, oc, n, kw, kh = 1, d.pick((1, 2)), 1, min(kw, 3), min(kh, 3)
+        d.tag("wide-pad")
+    a = S(kt, (kw, kh, ic, oc), layout=_conv_weights_layout(d))
+    b = S(d.ftype((F32,)), (w, h, ic, n), layout=d.pick(("cwhn", "contig", None, None)) if ic < 1 << 20 else "contig")
+    return Proto(_conv_empty_src(d, [a, b], 2), params=[*strides, *pads, *dils])
+
+
+def _conv_empty_src(d: Draw, srcs: list[Src], dims: int) -> list[Src | None]:
+    """10 %: a 0 in one of the first ``dims`` sides of the weights or the input (test-backend-ops'
+    KW = 0 cases of CONV_3D), no layout rule on it, sometimes without a buffer."""
+    if d.p(0.1):
+        k = d.r.randrange(2)
+        ne = list(srcs[k].ne)
+        ne[d.r.randrange(dims)] = 0
+        # the strides ggml_new_tensor gives it (the rule asks them), else any (refused)
+        layout = "nobuf" if d.p(0.3) else d.pick(("contig", "contig", "contig", None))
+        srcs[k] = Src(srcs[k].type, tuple(ne), "none", layout)  # type: ignore[arg-type]
+        d.tag("empty-src")
+    return list(srcs)
+
+
+def p_conv_3d(d: Draw) -> Proto:
+    """ggml_conv_3d_direct: weights [KW, KH, KD, IC*OC], input [W, H, D, IC*N], params {s, p, d x3,
+    IC, N, OC} (sometimes negative counts whose products match, or mismatched ones)."""
+    ic, oc, n = d.pick((1, 2, 3, d.r.randint(1, 8))), d.pick((1, 2, 3, d.r.randint(1, 8))), d.pick((1, 1, 2))
+    ks = [d.pick((1, 2, 3, d.r.randint(1, 5))) for _ in range(3)]
+    ins = [d.pick((1, 2, 5, 9, d.r.randint(1, 24))) for _ in range(3)]
+    strides = [_edge_param(d, (1, 1, 2), 0, 4) for _ in range(3)]
+    pads = [_edge_param(d, (0, 0, 1, 2), -1, 5) for _ in range(3)]
+    dils = [_edge_param(d, (1, 1, 2), 0, 3) for _ in range(3)]
+    if max(pads) > 16:  # as p_conv_2d: many output positions, few taps each (the 10-s oracle)
+        ic, oc, n, ks, ins = 1, 1, 1, [min(k, 2) for k in ks], [min(x, 2) for x in ins]
+        d.tag("wide-pad")
+    a = S(d.ftype((F32, F16)), (*ks, ic * oc), layout=_conv_weights_layout(d))
+    b = S(d.ftype((F32,)), (*ins, ic * n))
+    counts = [ic, n, oc] if d.p(0.9) else d.pick(([-ic, -n, -oc], [ic * oc, 1, 1], [0, n, oc]))
+    return Proto(_conv_empty_src(d, [a, b], 3), params=[*strides, *pads, *dils, *counts])
+
+
+def p_im2col_3d(d: Draw) -> Proto:
+    """ggml_im2col_3d: kernel [KW, KH, KD, OC*IC] (only its shape is read), input [W, H, D, N*IC]
+    of any layout (test-backend-ops' v=1 is a view), IC sometimes 0, negative or above b.ne3, the
+    result F32/F16 (BF16 and others drawn too: the kernel aborts on them)."""
+    ic, n = d.pick((1, 2, 3, d.r.randint(1, 9))), d.pick((1, 1, 2, 3))
+    ks = [d.pick((1, 2, 3, d.r.randint(1, 5))) for _ in range(3)]
+    ins = [d.pick((1, 2, 5, 10, d.r.randint(1, 24))) for _ in range(3)]
+    a = S(d.ftype((F16, F32)), (*ks, ic * d.pick((1, 2))))
+    b = S(d.ftype((F32,)), (*ins, ic * n + d.pick((0, 0, 0, 1))))
+    strides = [_edge_param(d, (1, 1, 2), 0, 4) for _ in range(3)]
+    pads = [_edge_param(d, (0, 0, 1, 2), -1, 5) for _ in range(3)]
+    dils = [_edge_param(d, (1, 1, 2), 0, 3) for _ in range(3)]
+    p_ic = ic if d.p(0.9) else d.pick((0, -ic, b.ne[3] + 1, 0x7FFFFFFF))
+    return Proto([a, b], params=[*strides, *pads, *dils, p_ic], node_type=d.pick((F32, F16, F16, d.ftype())))
+
+
+def p_col2im_1d(d: Draw) -> Proto:
+    """ggml_col2im_1d: a contiguous F32/F16/BF16 matrix [K*OC, T_in], params {s0, OC, p0} at their
+    edges (OC not dividing ne0, 0, negative; p0 cropping the whole signal)."""
+    k, oc = d.pick((1, 2, 4, 5, 8, 16, d.r.randint(1, 40))), d.pick((1, 3, 4, 32, d.r.randint(1, 64)))
+    t_in = d.pick((1, 7, 13, 197, d.r.randint(1, 400)))
+    a = S(d.ftype(FLOATS), (k * oc, t_in), layout=_lay(d))
+    s0 = _edge_param(d, (1, 2, 3, 4, 8, k), 0, 16)
+    p0 = _edge_param(d, (0, 0, 1, 2, k // 2), -1, 64)
+    p_oc = oc if d.p(0.9) else d.pick((0, -oc, oc + 1, k * oc + 1))
+    return Proto([a], params=[s0, p_oc, p0])
+
+
+def p_conv_transpose_2d(d: Draw) -> Proto:
+    """ggml_conv_transpose_2d_p0: F32/F16 kernel [KW, KH, Cout, Cin], F32 input [W, H, Cin, N] of
+    any layout, stride at its edges (0, negative: refused)."""
+    cin, cout = d.pick((1, 2, 3, 9, 35, d.r.randint(1, 48))), d.pick((1, 2, 3, 48, d.r.randint(1, 16)))
+    kw, kh = (d.pick((1, 2, 3, 5, d.r.randint(1, 7))) for _ in range(2))
+    w, h = (d.pick((1, 2, 3, 10, d.r.randint(1, 40))) for _ in range(2))
+    a = S(d.ftype((F32, F16)), (kw, kh, cout, cin))
+    b = S(d.ftype((F32,)), (w, h, cin, d.pick((1, 1, 2))))
+    st = _edge_param(d, (1, 1, 2, 3, kw), -1, 9)
+    return Proto([a, b], params=[st])
+
+
+PROTOS.update({"CONV_2D": p_conv_2d, "CONV_3D": p_conv_3d, "IM2COL_3D": p_im2col_3d, "COL2IM_1D": p_col2im_1d,
+               "CONV_TRANSPOSE_2D": p_conv_transpose_2d})
+
+
 # -- the layout adversary ----------------------------------------------------------------------
 
 LAYOUTS = ("contig", "contig", "size1", "size1", "size1", "bcast", "padded", "elem", "perm", "huge", "parent")

@@ -63,68 +63,6 @@ OPS: tuple[str, ...] = (
 # listed case that runs while others of its op are still refused fails for real (FixLanded):
 # remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
 KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=1,OC=5,T_in=13,s0=1,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=16,OC=32,T_in=197,s0=8,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=2,OC=3,T_in=9,s0=3,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=1,s0=2,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=4,OC=3,T_in=7,s0=2,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=5,OC=4,T_in=11,s0=2,p0=0)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=6,OC=4,T_in=11,s0=3,p0=1)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('COL2IM_1D', 'COL2IM_1D(type=f32,K=8,OC=4,T_in=13,s0=4,p0=2)'):
-        'op_not_verified: op COL2IM_1D has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[3,1,16,1],type_kernel=bf16,stride=1,padding=0,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_1D_DW', 'CONV_1D_DW(ne_input=[64,16,1,1],ne_kernel=[7,1,16,1],type_kernel=bf16,stride=1,padding=3,dilation=1)'):
-        'op_not_verified: op IM2COL has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[1,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f16,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=0,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_2D', 'CONV_2D(ne_input=[141,1,1,2],ne_kernel=[1,1,1,1],type_kernel=f32,stride0=1,stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1,kernel_offset=0)'):
-        'op_not_verified: op CONV_2D has no verified rule',
-    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=1,KW=5,s0=2,s1=1,s2=1,p0=2,p1=0,p2=1,d0=1,d1=1,d2=2,type_kernel=f32,kernel_offset=0)'):
-        'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
-        'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
-        'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,type_kernel=f32,kernel_offset=0)'):
-        'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_3D', 'CONV_3D(N=1,IC=1,ID=18,IH=22,IW=20,OC=1,KD=3,KH=3,KW=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=2,d1=2,d2=2,type_kernel=f32,kernel_offset=0)'):
-        'op_not_verified: op CONV_3D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f16,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,1],ne_kernel=[3,3,1,9],stride=2)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[10,10,9,2],ne_kernel=[3,3,1,9],stride=2)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[129,63,35,1],ne_kernel=[3,3,48,35],stride=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
-    ('CONV_TRANSPOSE_2D', 'CONV_TRANSPOSE_2D(kernel_type=f32,ne_input=[3,2,3,1],ne_kernel=[2,2,1,3],stride=1)'):
-        'op_not_verified: op CONV_TRANSPOSE_2D has no verified rule',
     ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,500,1,1])'):
         'op_not_verified: op COUNT_EQUAL has no verified rule',
     ('COUNT_EQUAL', 'COUNT_EQUAL(type=f32,ne=[4,5000,1,1])'):
@@ -215,22 +153,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=1)'):
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f16,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f16,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[10,10,10,9],ne_kernel=[3,3,3,1],IC=3,s0=1,s1=1,s2=1,p0=1,p1=1,p2=1,d0=1,d1=1,d2=1,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=1,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=3,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=0)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
-    ('IM2COL_3D', 'IM2COL_3D(type_input=f32,type_kernel=f32,dst_type=f32,ne_input=[20,20,10,3],ne_kernel=[3,3,3,3],IC=3,s0=1,s1=1,s2=1,p0=0,p1=0,p2=0,d0=1,d1=1,d2=1,v=1)'):
-        'op_not_verified: op IM2COL_3D has no verified rule',
     ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
         'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
     ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):

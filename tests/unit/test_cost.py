@@ -222,3 +222,52 @@ def test_antialiased_downscale_pays_for_its_window():
     a = dec(T(0x10, F32, (4096, 4096, 1, 1)))
     out = dec(T(0x20, F32, (16, 16, 1, 1), op_params=(1 | 1 << 9,)))  # BILINEAR | ANTIALIAS: 256x support
     assert flops("UPSCALE", out, [a]) >= 32 * (2 * 256 + 1) ** 2 * 16 * 16
+
+
+# -- convolutions (3D, transposed, col2im) -----------------------------------------------------
+
+
+def test_direct_convolutions_pay_per_gathered_tap_and_plan_16_mib():
+    # measured on the real server (bench/studies/compute_cost.py): a 7x7x64 kernel with one output
+    # channel over 64x64 gathers 10.6e6 taps in 15 ms of CPU; the estimate at 40 GFLOP/s covers it
+    k = dec(T(0x10, F32, (7, 7, 64, 1)))
+    x = dec(T(0x11, F32, (64, 64, 64, 1)))
+    out = dec(T(0x20, F32, (58, 58, 1, 1), op_params=(1, 1, 0, 0, 1, 1)))
+    assert flops("CONV_2D", out, [k, x]) / 40e9 >= 0.015 * 1.4
+    assert work_bytes("CONV_2D", out, [k, x], 8) == 16 << 20  # ggml-cpu.c:2962 GGML_IM2COL_WORK_SIZE
+    k3 = dec(T(0x10, F32, (3, 3, 3, 8)))
+    x3 = dec(T(0x11, F32, (24, 24, 24, 8)))
+    out3 = dec(T(0x20, F32, (22, 22, 22, 1), op_params=(1, 1, 1, 0, 0, 0, 1, 1, 1, 8, 1, 1)))
+    assert flops("CONV_3D", out3, [k3, x3]) / 40e9 >= 0.005 * 1.4  # 2.3e6 taps in 5.0 ms
+    assert work_bytes("CONV_3D", out3, [k3, x3], 8) == 16 << 20
+
+
+def test_transposed_conv_2d_pays_per_dot_and_has_its_work_buffer():
+    k = dec(T(0x10, F16, (3, 3, 16, 1)))  # KW, KH, Cout, Cin = 1: one vec_dot call per tap
+    x = dec(T(0x11, F32, (128, 128, 1, 1)))
+    out = dec(T(0x20, F32, (257, 257, 16, 1), op_params=(2,)))
+    assert flops("CONV_TRANSPOSE_2D", out, [k, x]) / 40e9 >= 0.0088 * 1.4  # 2.4e6 dots in 8.8 ms
+    assert work_bytes("CONV_TRANSPOSE_2D", out, [k, x], 8) == 2 * (3 * 3 * 16 + 128 * 128)  # ggml-cpu.c:2964
+
+
+def test_im2col_and_col2im_pay_per_gathered_element():
+    # measured (bench/studies/compute_cost.py, the real server's CPU time): im2col 2D into F16,
+    # 9.3e6 result elements in 35 ms; col2im_1d k=4096 oc=1 t_in=4096 s=1, 1.7e7 gathered columns in 59 ms
+    k = dec(T(0x10, F16, (3, 3, 16, 1)))
+    x = dec(T(0x11, F32, (256, 256, 16, 1)))
+    out = dec(T(0x20, F16, (144, 254, 254, 1)))
+    assert flops("IM2COL", out, [k, x]) / 40e9 >= 0.035 * 1.4
+    assert flops("IM2COL_3D", out, [k, x]) == flops("IM2COL", out, [k, x])
+    cols = dec(T(0x10, F32, (4096, 4096, 1, 1)))
+    sig = dec(T(0x20, F32, (8191, 1, 1, 1), op_params=(1, 1, 0)))
+    assert flops("COL2IM_1D", sig, [cols]) / 40e9 >= 0.059 * 1.4
+
+
+@pytest.mark.parametrize("op", ["CONV_TRANSPOSE_1D", "CONV_TRANSPOSE_2D"])
+def test_transposed_convs_pay_the_memset_of_the_plans_work_buffer(op):
+    # ops.cpp:6539/6627/7613 zero params->wsize bytes on every node: the graph's largest need, up to
+    # the 1 GiB cap; a tiny node still pays that memset (0.034 s per GiB measured, charged 0.11 s)
+    k = dec(T(0x10, F32, (1, 1, 1, 1)))
+    x = dec(T(0x11, F32, (1, 1, 1, 1)))
+    out = dec(T(0x20, F32, (1, 1, 1, 1), op_params=(1, 0, 1)))
+    assert flops(op, out, [k, x]) >= BYTE_FLOPS * (1 << 30)

@@ -688,3 +688,304 @@ def test_conv_transpose_1d_empty_node_keeps_the_planner_asserts():
     b = T(0x11, F32, (13, 5, 2, 1))  # the planner asserts src[1]->ne[2] == 1
     assert reason([a, b], d) == "graph_shape_invalid"
     run([a, T(0x11, F32, (13, 5, 1, 1))], d)  # a plannable empty node still passes
+
+
+# -- convolutions (3D, transposed, col2im) -----------------------------------------------------
+
+
+def conv_2d(kt=F32, params=(1, 1, 0, 0, 1, 1), **over):
+    """test-backend-ops' default: input [64, 64, 16, 1], weights [3, 3, 16, 4]."""
+    a = T(0x10, kt, (3, 3, 16, 4))
+    b = T(0x11, F32, (20, 18, 16, 2))
+    s0, s1, p0, p1, d0, d1 = params
+    ow = (20 + 2 * p0 - d0 * 2 - 1) // s0 + 1
+    oh = (18 + 2 * p1 - d1 * 2 - 1) // s1 + 1
+    d = T(0x20, F32, (ow, oh, 4, 2), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=params)
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("kt", [F32, F16])
+@pytest.mark.parametrize("params", [(1, 1, 0, 0, 1, 1), (2, 3, 1, 2, 2, 1), (1, 5, 5, 2, 2, 4)])
+def test_conv_2d_passes(kt, params):
+    run(*conv_2d(kt, params))
+
+
+def test_conv_2d_takes_a_strided_input():
+    # channels-first input permuted back (test-backend-ops' cwhn): the kernel reads b through its strides
+    run(*conv_2d(b_nb=(16 * 4, 20 * 16 * 4, 4, 20 * 18 * 16 * 4)))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"d_op_params": (0, 1, 0, 0, 1, 1)}, "graph_op_params_invalid"),  # stride 0 divides by zero
+    ({"d_op_params": (1, 1, -1, 0, 1, 1), "d_ne": (16, 16, 4, 2)}, "graph_op_params_invalid"),
+    ({"d_op_params": (1, 1, 1 << 30, 0, 1, 1)}, "graph_op_params_invalid"),  # 2*p overflows an int
+    ({"d_op_params": (1, 1, 0, 0, 0, 1), "d_ne": (20, 16, 4, 2)}, "graph_op_params_invalid"),  # dilation 0
+    ({"a_ne": (3, 3, 15, 4)}, "graph_shape_invalid"),  # channels differ
+    ({"d_ne": (19, 16, 4, 2)}, "graph_shape_invalid"),
+    ({"b_type": F16, "b_type_size": 2, "d_type": F16, "d_type_size": 2}, "graph_type_invalid"),  # read as float
+    ({"a_type": 30, "a_type_size": 2}, "graph_type_invalid"),  # BF16 weights: the kernel asserts F16/F32
+    ({"a_nb": (4, 16, 48, 48 * 16)}, "graph_shape_invalid"),  # padded weight rows: the kernel asserts contiguity
+])
+def test_conv_2d_mutations_refused(over, why):
+    assert reason(*conv_2d(**over)) == why
+
+
+def _run_big(tensors, node) -> None:
+    """run() in a 256 MiB buffer (a patch of 16 MiB needs weights and a result of that size)."""
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 28)
+    st.buffers[HANDLE].base = BASE
+    GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([node.id], tensors + [node])), st)
+
+
+@pytest.mark.parametrize("kt,taps,oc,ok", [(F16, 1, (1 << 22) - 1, True), (F16, 1, 1 << 22, False),
+                                           (F32, (1 << 22) - 1, 1, True), (F32, 1 << 22, 1, False)])
+def test_conv_2d_patch_fits_the_planner_buffer(kt, taps, oc, ok):
+    # one patch is KW*KH*IC taps of the weights' type plus OC floats of product; the kernel sizes
+    # its batches as wsize / that and asserts at least one (ops.cpp:7355): the planner only
+    # promises 16 MiB (GGML_IM2COL_WORK_SIZE)
+    a = T(0x10, kt, (1, 1, taps, oc), data=BASE)
+    b = T(0x11, F32, (1, 1, taps, 1), data=BASE + (1 << 26))
+    d = T(0x20, F32, (1, 1, oc, 1), data=BASE + (1 << 27), op=OPS["CONV_2D"], src=(0x10, 0x11),
+          op_params=(1, 1, 0, 0, 1, 1))
+    if ok:
+        _run_big([a, b], d)
+    else:
+        with pytest.raises(FirewallRefusal) as exc:
+            _run_big([a, b], d)
+        assert exc.value.reason == "graph_shape_invalid" and "work buffer" in exc.value.detail
+
+
+def conv_3d(kt=F32, c=2, bn=2, oc=3, params=(1, 1, 1, 0, 0, 0, 1, 1, 1), **over):
+    a = T(0x10, kt, (3, 3, 3, c * oc))
+    b = T(0x11, F32, (10, 9, 8, c * bn))
+    s = params
+    o = [max(1, (w + 2 * s[3 + i] - s[6 + i] * 2 - 1) // max(1, s[i]) + 1) for i, w in enumerate((10, 9, 8))]
+    d = T(0x20, F32, (*o, oc * bn), op=OPS["CONV_3D"], src=(0x10, 0x11), op_params=(*params, c, bn, oc))
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("kt", [F32, F16])
+@pytest.mark.parametrize("params", [(1, 1, 1, 0, 0, 0, 1, 1, 1), (2, 1, 3, 2, 0, 1, 1, 2, 2)])
+def test_conv_3d_passes(kt, params):
+    run(*conv_3d(kt, params=params))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"c": -1, "bn": -4, "oc": -6}, "graph_op_params_invalid"),  # negative counts whose products match
+    ({"a_ne": (3, 3, 3, 5)}, "graph_shape_invalid"),  # a.ne3 is IC*OC
+    ({"params": (1, 1, 0, 0, 0, 0, 1, 1, 1)}, "graph_op_params_invalid"),  # stride 0
+    ({"params": (1, 1, 1, 0, 0, -1, 1, 1, 1)}, "graph_op_params_invalid"),
+    ({"b_type": F16, "b_type_size": 2}, "graph_type_invalid"),  # read as float
+    ({"a_type": Q8_0, "a_type_size": 34, "a_blck_size": 32, "a_ne": (32, 3, 3, 6)}, "graph_type_invalid"),
+    ({"a_nb": (4, 12, 36, 4096)}, "graph_shape_invalid"),  # the kernel asserts contiguous weights
+    ({"d_ne": (8, 7, 6, 5)}, "graph_shape_invalid"),
+])
+def test_conv_3d_mutations_refused(over, why):
+    assert reason(*conv_3d(**over)) == why
+
+
+def im2col_3d(dt=F32, ic=3, params=(1, 1, 1, 1, 1, 1, 1, 1, 1), **over):
+    """test-backend-ops' default: input [10, 10, 10, 9], kernel [3, 3, 3, 1], IC = 3."""
+    a = T(0x10, F16, (3, 3, 3, 1))
+    b = T(0x11, F32, (10, 10, 10, 9))
+    s = params
+    o = [max(1, (10 + 2 * s[3 + i] - s[6 + i] * 2 - 1) // max(1, s[i]) + 1) for i in range(3)]
+    d = T(0x20, dt, (max(1, 27 * ic), o[0], o[1], max(1, o[2] * (9 // max(1, ic)))), op=OPS["IM2COL_3D"], src=(0x10, 0x11),
+          op_params=(*params, ic))
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("dt", [F32, F16])
+@pytest.mark.parametrize("ic", [1, 3, 9, 4])
+def test_im2col_3d_passes(dt, ic):
+    run(*im2col_3d(dt, ic))
+
+
+def test_im2col_3d_reads_a_view_through_its_strides():
+    # test-backend-ops' v=1: a [8, 8, 8, 7] view of the [10, 10, 10, 9] input
+    a = T(0x10, F16, (3, 3, 3, 1))
+    b = T(0x11, F32, (8, 8, 8, 7), nb=(4, 40, 400, 4000))
+    d = T(0x20, F32, (27 * 7, 8, 8, 8), op=OPS["IM2COL_3D"], src=(0x10, 0x11), op_params=(1, 1, 1, 1, 1, 1, 1, 1, 1, 7))
+    run([a, b], d)
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"ic": 0}, "graph_op_params_invalid"),  # the kernel divides by IC
+    ({"ic": 10, "d_ne": (270, 10, 10, 10)}, "graph_op_params_invalid"),  # N = 9 / 10 = 0: divides by N
+    ({"ic": -3}, "graph_op_params_invalid"),
+    ({"dt": 30, "d_type_size": 2}, "graph_shape_invalid"),  # BF16 result: the kernel aborts
+    ({"b_type": F16, "b_type_size": 2}, "graph_type_invalid"),  # both kernels assert F32 input
+    ({"b_nb": (8, 80, 800, 8000)}, "graph_shape_invalid"),  # nb10 != sizeof(float): asserted
+    ({"params": (0, 1, 1, 1, 1, 1, 1, 1, 1)}, "graph_op_params_invalid"),
+    ({"d_ne": (81, 10, 10, 29)}, "graph_shape_invalid"),
+])
+def test_im2col_3d_mutations_refused(over, why):
+    assert reason(*im2col_3d(**over)) == why
+
+
+def col2im_1d(t=F32, k=4, oc=3, t_in=7, s0=2, p0=0, **over):
+    ts = TYPES[t].type_size
+    a = T(0x10, t, (k * oc, t_in, 1, 1))
+    d = T(0x20, t, ((t_in - 1) * s0 + k - 2 * p0, oc, 1, 1), op=OPS["COL2IM_1D"], src=(0x10,), op_params=(s0, oc, p0))
+    assert ts
+    for key, v in over.items():
+        setattr({"a": a, "d": d}[key[0]], key[2:], v)
+    return [a], d
+
+
+@pytest.mark.parametrize("t", [F32, F16, 30])
+@pytest.mark.parametrize("k,oc,t_in,s0,p0", [(4, 3, 7, 2, 0), (1, 5, 13, 1, 0), (8, 4, 13, 4, 2), (4, 3, 1, 2, 0),
+                                             (6, 4, 11, 3, 1)])
+def test_col2im_1d_passes(t, k, oc, t_in, s0, p0):
+    run(*col2im_1d(t, k, oc, t_in, s0, p0))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"s0": 0}, "graph_op_params_invalid"),
+    ({"d_op_params": (2, 0, 0)}, "graph_op_params_invalid"),  # OC = 0: the kernel divides by it
+    ({"d_op_params": (2, 3, -1)}, "graph_op_params_invalid"),
+    ({"d_op_params": (2, 5, 0)}, "graph_shape_invalid"),  # OC does not divide ne0 (12)
+    # ... even with the result the kernel would then write (K = 12 / 5 = 2): the constructor asserts it
+    ({"d_op_params": (2, 5, 0), "d_ne": (14, 5, 1, 1)}, "graph_shape_invalid"),
+    ({"d_ne": (17, 3, 1, 1)}, "graph_shape_invalid"),
+    ({"a_nb": (4, 52, 52 * 7, 52 * 7)}, "graph_shape_invalid"),  # padded rows: the kernel reads it flat
+    ({"a_ne": (12, 7, 2, 1)}, "graph_shape_invalid"),  # not a matrix
+    ({"a_type": I32, "d_type": I32}, "graph_type_invalid"),
+    ({"d_type": F16, "d_type_size": 2}, "graph_shape_invalid"),  # the result has a's type
+])
+def test_col2im_1d_mutations_refused(over, why):
+    assert reason(*col2im_1d(**over)) == why
+
+
+def conv_transpose_2d(kt=F32, st=2, **over):
+    """test-backend-ops: input [10, 10, 9, 2], kernel [3, 3, 1, 9]."""
+    a = T(0x10, kt, (3, 3, 4, 9))
+    b = T(0x11, F32, (10, 7, 9, 2))
+    d = T(0x20, F32, (9 * st + 3, 6 * st + 3, 4, 2), op=OPS["CONV_TRANSPOSE_2D"], src=(0x10, 0x11), op_params=(st,))
+    for k, v in over.items():
+        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("kt", [F32, F16])
+@pytest.mark.parametrize("st", [1, 2, 3])
+def test_conv_transpose_2d_passes(kt, st):
+    run(*conv_transpose_2d(kt, st))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"st": 0}, "graph_op_params_invalid"),
+    ({"d_op_params": (-1,), "d_ne": (3, 3, 4, 2)}, "graph_op_params_invalid"),  # writes before the result
+    ({"a_ne": (3, 3, 4, 8)}, "graph_shape_invalid"),  # channels differ
+    ({"d_ne": (22, 15, 4, 2)}, "graph_shape_invalid"),
+    ({"a_nb": (8, 24, 72, 288)}, "graph_shape_invalid"),  # nb00 != type size: the kernel asserts it
+    ({"b_nb": (8, 80, 560, 5040)}, "graph_shape_invalid"),  # nb10 != sizeof(float)
+    # overlapping kernel rows: the kernel copies a plane as ne00*ne01 packed elements, past the
+    # rows' own extent
+    ({"a_nb": (4, 4, 36, 144)}, "graph_shape_invalid"),
+    ({"a_type": 30, "a_type_size": 2}, "graph_type_invalid"),  # BF16: the planner asserts F16/F32
+    ({"b_type": F16, "b_type_size": 2}, "graph_type_invalid"),
+])
+def test_conv_transpose_2d_mutations_refused(over, why):
+    assert reason(*conv_transpose_2d(**over)) == why
+
+
+def test_conv_transpose_2d_int_counters():
+    # 2^31 input channels: the kernel's ``int nk`` (ops.cpp:7607) and ``int i1n`` overflow; the
+    # constructor takes it (12 GiB of sources, a 1-element result)
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 36)
+    st.buffers[HANDLE].base = BASE
+    c = 1 << 31
+    a = T(0x10, F16, (1, 1, 1, c), nb=(2, 2, 2, 2), data=BASE)
+    b = T(0x11, F32, (1, 1, c, 1), nb=(4, 4, 4, 4), data=BASE + (1 << 33))
+    d = T(0x20, F32, (1, 1, 1, 1), data=BASE + (1 << 35), op=OPS["CONV_TRANSPOSE_2D"], src=(0x10, 0x11), op_params=(1,))
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)
+    assert exc.value.reason == "graph_shape_invalid" and "int counters" in exc.value.detail
+
+
+def test_conv_transpose_2d_empty_node_keeps_the_planner_asserts():
+    a = T(0x10, 30, (3, 3, 4, 9))  # BF16: ggml_graph_plan asserts F16/F32 (ggml-cpu.c:2976)
+    b = T(0x11, F32, (10, 7, 9, 2))
+    d = T(0x20, F32, (0, 15, 4, 2), op=OPS["CONV_TRANSPOSE_2D"], src=(0x10, 0x11), op_params=(2,))
+    assert reason([a, b], d) == "graph_type_invalid"
+    run([T(0x10, F16, (3, 3, 4, 9)), b], d)
+
+
+@pytest.mark.parametrize("at,bt,ok", [
+    (F32, 30, True), (F32, F16, True),  # widened into the F32 work buffer (ggml-cpu.c:1338-1341)
+    (F16, 30, False), (Q8_0, F16, False), (Q8_0, 30, False),  # vec_dot_type is not F32: the kernel asserts
+    (30, F16, False),
+])
+def test_mul_mat_widens_a_half_src1_of_an_f32_src0(at, bt, ok):
+    # ggml_conv_1d_dw with a BF16 kernel: mul_mat(im2col F32, kernel BF16) (test-backend-ops CONV_1D_DW)
+    ne0 = 32 if at == Q8_0 else 48
+    a = T(0x10, at, (ne0, 8, 1, 1))
+    b = T(0x11, bt, (ne0, 3, 1, 1))
+    d = T(0x20, F32, (8, 3, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
+    if ok:
+        run([a, b], d)
+    else:
+        assert reason([a, b], d) == "graph_shape_invalid"
+
+
+@pytest.mark.parametrize("side", [0, 1, 2])
+def test_conv_3d_takes_an_empty_kernel_side(side):
+    # test-backend-ops CONV_3D(..., KW=0 / KH=0 / KD=0): the output stays [3, 2, 2, 1] over a
+    # [2, 2, 2, 1] input, the kernel gathers no taps and multiplies over an inner dimension of 0
+    ke = [1, 1, 1]
+    ke[side] = 0
+    a = T(0x10, F32, (*ke, 1))
+    b = T(0x11, F32, (2, 2, 2, 1))
+    o = [3 if i == side else 2 for i in range(3)]
+    d = T(0x20, F32, (*o, 1), op=OPS["CONV_3D"], src=(0x10, 0x11), op_params=(1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1))
+    run([a, b], d)
+    a.data = 0  # an empty source is still pointer arithmetic: it must have data
+    a.buffer = 0
+    assert reason([a, b], d) == "graph_shape_invalid"
+
+
+def test_conv_2d_takes_an_empty_input_padded_to_an_output():
+    a = T(0x10, F16, (1, 1, 2, 3))
+    b = T(0x11, F32, (0, 4, 2, 1))  # W = 0, padded by 1 on each side: OW = 2
+    d = T(0x20, F32, (2, 4, 3, 1), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=(1, 1, 1, 0, 1, 1))
+    run([a, b], d)
+
+
+@pytest.mark.parametrize("kt,dt,ok", [
+    (30, F32, True),  # ggml_conv_1d_dw with a BF16 kernel: its im2col is F32 (ggml.c:4665), the kernel's type unread
+    (30, F16, True),
+    (F16, 30, False),  # a BF16 result: ggml_compute_forward_im2col aborts (ops.cpp:6889)
+])
+def test_im2col_kernel_type_is_not_read_result_is_f32_or_f16(kt, dt, ok):
+    a = T(0x10, kt, (3, 1, 16, 1))  # [K, 1, C]: conv_1d_dw's kernel
+    b = T(0x11, F32, (64, 1, 16, 1))  # the input reshaped to [T, 1, C, 1]
+    d = T(0x20, dt, (3, 62, 16, 1), op=OPS["IM2COL"], src=(0x10, 0x11), op_params=(1, 0, 0, 0, 1, 0, 0))
+    if ok:
+        run([a, b], d)
+    else:
+        assert reason([a, b], d) == "graph_shape_invalid"
+
+
+def test_conv_2d_empty_input_keeps_the_strides_of_an_empty_tensor():
+    # no layout rule runs on an empty source: the kernel still forms src + batch*nb3 (ops.cpp:7376),
+    # which a stride of 4 GiB times 2^20 batches would wrap
+    a = T(0x10, F16, (1, 1, 2, 3))
+    b = T(0x11, F32, (0, 4, 2, 1 << 20), nb=(4, 0, 0, (1 << 32) - 1))
+    d = T(0x20, F32, (2, 4, 3, 1 << 20), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=(1, 1, 1, 0, 1, 1))
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 36)
+    st.buffers[HANDLE].base = BASE
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)
+    assert exc.value.reason == "graph_shape_invalid" and "empty source" in exc.value.detail
+    b.nb = None  # ggml_new_tensor's strides: every offset past the empty dim is 0
+    GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)

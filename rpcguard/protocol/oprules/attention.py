@@ -1,4 +1,5 @@
-"""Rows of the attention ops: SOFT_MAX, ROPE, FLASH_ATTN_EXT, the diagonal masks.
+"""Rows of the attention ops: SOFT_MAX, ROPE, FLASH_ATTN_EXT, the diagonal masks, and DeepSeek's
+LIGHTNING_INDEXER and hyper-connection ops (DSV4_HC_*).
 
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.

@@ -1,4 +1,5 @@
-"""Rows of the convolution, pooling and resampling ops: IM2COL, POOL_1D/2D, UPSCALE, CONV_2D_DW, CONV_TRANSPOSE_1D.
+"""Rows of the convolution, pooling, resampling and image-window ops: IM2COL, the convolutions, POOL_1D/2D,
+UPSCALE, and the window and relative-position ops of SAM-style encoders.
 
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.
@@ -6,10 +7,12 @@ the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import (
-    BF16, Derive, F16, F32, F32_F16, INT32_MAX, MAX_DIMS, New, ONLY_F32, OpRule, Result, Srcs, check_types,
-    contiguous_nb, is_contiguous, need, refuse, round_f32,
+    BF16, Derive, F16, F32, F32_F16, FLOAT, INT32_MAX, MAX_DIMS, New, ONLY_F32, OpRule, Result, Srcs,
+    check_types, contiguous_nb, is_contiguous, need, nelements, refuse, round_f32,
 )
 from rpcguard.protocol.tensor import RpcTensor
 
@@ -236,6 +239,174 @@ def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (ow, a.ne1, b.ne2, 1))
 
 
+# ggml-cpu/ops.h:23 GGML_IM2COL_WORK_SIZE: the work buffer ggml_graph_plan gives a CONV_2D/CONV_3D
+# node (ggml-cpu.c:2962); the whole plan's buffer is the largest need of any node, so at least this.
+IM2COL_WORK_SIZE = 16 * 1024 * 1024
+
+
+def _conv_params(n: RpcTensor, op: str, strides: Sequence[int], pads: Sequence[int], dils: Sequence[int]) -> None:
+    """Strides and dilations at least 1, paddings in [0, 2^30): what every caller passes, and what
+    keeps ggml_calc_conv_output_size's ``2 * p`` (an int, ggml.c:4549) defined and its divisor
+    nonzero; with a positive output size every int64 source position the kernels form then lies
+    in [-p, W + p) and is checked against the source's extent before a read."""
+    if min(*strides, *dils) < 1 or not all(0 <= p <= CONV_PARAM_MAX for p in pads):
+        raise refuse(n, op, f"params {n.op_params[:len(strides) * 3]}", "graph_op_params_invalid")
+
+
+def _conv_direct_patch(n: RpcTensor, op: str, a: RpcTensor, taps: int, c_out: int) -> None:
+    """ggml_compute_forward_conv_2d_impl / _conv_3d_impl (ops.cpp:7313, 7450): the kernel asserts a
+    contiguous F16/F32 weight tensor (ops.cpp:7319-7321, 7456-7458; the product reads it as one
+    packed [taps, c_out] matrix, ggml_call_mul_mat ops.cpp:7191) and sizes its batches of patches
+    as ``wsize / (taps*type_size + c_out*4)``, dividing by that count (ops.cpp:7353, 7496: SIGFPE
+    when it is 0) before asserting it (ops.cpp:7355, 7498): the plan's work buffer is only known
+    to hold IM2COL_WORK_SIZE (plus a cache line per thread), so one patch must fit in that."""
+    check_types(n, op, F32_F16, a)
+    need(is_contiguous(a), n, op, f"weights strides {a.nb} not contiguous (the kernel asserts it)")
+    per_patch = taps * TYPES[a.type].type_size + c_out * 4
+    need(per_patch <= IM2COL_WORK_SIZE, n, op, f"one patch needs {per_patch} bytes of the {IM2COL_WORK_SIZE}-byte work buffer")
+
+
+def _conv_empty_sources(n: RpcTensor, op: str, a: RpcTensor, b: RpcTensor) -> None:
+    """An empty weight or input (a 0 in a side, test-backend-ops' KW = 0 cases: the constructor's
+    output size stays positive) is never read: the gather loops run over no taps, or every source
+    position is outside an empty extent, and the product has an inner dimension of 0. Its data
+    pointer still enters pointer arithmetic (``src + batch*nb3``, ops.cpp:7376): it must point into
+    a buffer, as CONCAT's (OpRule.empty_sources), with the strides ggml_new_tensor gives an empty
+    tensor (no layout rule looks at them: a huge nb3 times the batch would wrap the pointer)."""
+    for t in (a, b):
+        if not nelements(t):
+            need(bool(t.data) and t.nb == contiguous_nb(t.type, t.ne), n, op,
+                  f"an empty source without data or with strides {t.nb}")
+
+
+def _conv_2d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_conv_2d_direct ggml.c:4956: a (the weights) [KW, KH, IC, OC], b (the input) [W, H, IC,
+    N] with a.ne2 == b.ne2, params {s0, s1, p0, p1, d0, d1}; a result of b's type [OW, OH, OC, N].
+    The kernel (ops.cpp:7313 ggml_compute_forward_conv_2d_impl) reads b as floats through its four
+    strides (``sx*nb0 + sy*nb1 + ic*nb2 + batch*nb3``, ops.cpp:7391, positions checked against W
+    and H first) and writes floats through the result's strides (ops.cpp:7431): b is F32 (the
+    constructor takes any type), any strides; a as _conv_direct_patch says. Every index is int64."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _conv_params(n, "CONV_2D", n.op_params[0:2], n.op_params[2:4], n.op_params[4:6])
+    s0, s1, p0, p1, d0, d1 = n.op_params[:6]
+    need(a.ne2 == b.ne2, n, "CONV_2D", f"channels of weights {a.ne} and input {b.ne}")
+    _conv_empty_sources(n, "CONV_2D", a, b)
+    check_types(n, "CONV_2D", ONLY_F32, b)
+    _conv_direct_patch(n, "CONV_2D", a, a.ne0 * a.ne1 * a.ne2, a.ne3)
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1)
+    need(ow > 0 and oh > 0, n, "CONV_2D", f"input {b.ne} too small for weights {a.ne}")
+    return New(b.type, (ow, oh, a.ne3, b.ne3))
+
+
+def _conv_3d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_conv_3d_direct ggml.c:4994: a [KW, KH, KD, IC*OC], b [W, H, D, IC*N], params {s0, s1,
+    s2, p0, p1, p2, d0, d1, d2, IC, N, OC} with a.ne3 == IC*OC and b.ne3 == IC*N asserted; an F32
+    result [OW, OH, OD, OC*N]. The kernel (ops.cpp:7450 ggml_compute_forward_conv_3d_impl) takes
+    IC, N and OC from the params: negative ones whose products match pass the constructor and make
+    the kernel's batch size negative (its assert aborts), so each is at least 1. b is read as floats
+    through its strides at channel ``batch*IC + ic`` (ops.cpp:7536), the result written through its
+    own (ops.cpp:7575); a as _conv_direct_patch says."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _conv_params(n, "CONV_3D", n.op_params[0:3], n.op_params[3:6], n.op_params[6:9])
+    s0, s1, s2, p0, p1, p2, d0, d1, d2, c, bn, oc = n.op_params[:12]
+    if min(c, bn, oc) < 1:
+        raise refuse(n, "CONV_3D", f"channels {c}, batch {bn}, out channels {oc}", "graph_op_params_invalid")
+    need(a.ne3 == c * oc and b.ne3 == c * bn, n, "CONV_3D", f"weights {a.ne} / input {b.ne} for IC={c} N={bn} OC={oc}")
+    _conv_empty_sources(n, "CONV_3D", a, b)
+    check_types(n, "CONV_3D", ONLY_F32, b)
+    _conv_direct_patch(n, "CONV_3D", a, a.ne0 * a.ne1 * a.ne2 * c, oc)
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1)
+    od = _conv_out(b.ne2, a.ne2, s2, p2, d2)
+    need(ow > 0 and oh > 0 and od > 0, n, "CONV_3D", f"input {b.ne} too small for weights {a.ne}")
+    return New(F32, (ow, oh, od, oc * bn))
+
+
+def _im2col_3d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_im2col_3d ggml.c:4789: a (the kernel: only its shape is read) [KW, KH, KD, OC*IC], b
+    [W, H, D, N*IC], params {s0, s1, s2, p0, p1, p2, d0, d1, d2, IC}; N = b.ne3 / IC; result
+    [KW*KH*KD*IC, OW, OH, OD*N] of the caller's type. The kernels (ops.cpp:6994 _f16, 7084 _f32,
+    dispatched on the result type, else GGML_ABORT ops.cpp:7186) assert an F32 b with unit nb0 and
+    read it through its strides at channel ``n*IC + ic`` (ops.cpp:7054, 7145), positions checked
+    first; they divide by IC and by N (ops.cpp:7021, 7032): IC >= 1 and N >= 1. The result is
+    written flat (it is fresh). Every index is int64."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _conv_params(n, "IM2COL_3D", n.op_params[0:3], n.op_params[3:6], n.op_params[6:9])
+    s0, s1, s2, p0, p1, p2, d0, d1, d2, ic = n.op_params[:10]
+    if ic < 1 or b.ne3 < ic:
+        raise refuse(n, "IM2COL_3D", f"IC {ic} for input {b.ne}", "graph_op_params_invalid")
+    check_types(n, "IM2COL_3D", ONLY_F32, b)
+    need(n.type in F32_F16, n, "IM2COL_3D", "result neither F32 nor F16")
+    need(b.nb0 == 4, n, "IM2COL_3D", "input nb0 is not the element size")
+    ow = _conv_out(b.ne0, a.ne0, s0, p0, d0)
+    oh = _conv_out(b.ne1, a.ne1, s1, p1, d1)
+    od = _conv_out(b.ne2, a.ne2, s2, p2, d2)
+    need(ow > 0 and oh > 0 and od > 0, n, "IM2COL_3D", f"input {b.ne} too small for kernel {a.ne}")
+    return New(n.type, (a.ne0 * a.ne1 * a.ne2 * ic, ow, oh, od * (b.ne3 // ic)))
+
+
+def _col2im_1d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_col2im_1d ggml.c:4688: a contiguous F32/F16/BF16 matrix [K*OC, T_in], params {s0, OC,
+    p0} with s0 > 0, OC > 0, p0 >= 0, OC dividing a.ne0, T_out = (T_in - 1)*s0 + K - 2*p0 > 0; a
+    result of a's type [T_out, OC]. The kernel (ops.cpp:7246 ggml_compute_forward_col2im_1d_impl)
+    asserts both contiguous and reads a flat at ``oc*K + k + t_in*K*OC`` with k < K, t_in < T_in,
+    writes ``t_out + oc*T_out``: inside both. p0 stays below 2^30 (the constructor's ``2 * p0`` is an
+    int). Its gather loop visits at most min(T_in, K/s0 + 1) columns per output: linear in the
+    elements of a and the result."""
+    a = s[0]
+    assert a is not None
+    s0, oc, p0 = n.op_params[:3]
+    if s0 < 1 or oc < 1 or not 0 <= p0 <= CONV_PARAM_MAX:
+        raise refuse(n, "COL2IM_1D", f"params {n.op_params[:3]}", "graph_op_params_invalid")
+    check_types(n, "COL2IM_1D", FLOAT, a)
+    need(a.ne2 == 1 and a.ne3 == 1 and is_contiguous(a), n, "COL2IM_1D", f"source {a.ne} {a.nb} not a contiguous matrix")
+    k = a.ne0 // oc
+    t_out = (a.ne1 - 1) * s0 + k - 2 * p0
+    need(k * oc == a.ne0 and k > 0 and t_out > 0, n, "COL2IM_1D", f"source {a.ne} for OC={oc} s0={s0} p0={p0}")
+    return New(a.type, (t_out, oc, 1, 1))
+
+
+def _conv_transpose_2d_plan(n: RpcTensor, s: Srcs) -> None:
+    """What ggml_graph_plan (ggml-cpu.c:2964) asserts of a CONV_TRANSPOSE_2D node, empty or not:
+    an F16/F32 kernel and an F32 input (GGML_ASSERT); its work buffer, ``es*(|a| + |b|)``, is
+    bounded by the two sources' buffers (cost.py mirrors it)."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return  # check_sources refuses a missing source
+    check_types(n, "CONV_TRANSPOSE_2D", F32_F16, a)
+    check_types(n, "CONV_TRANSPOSE_2D", ONLY_F32, b)
+
+
+def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_conv_transpose_2d_p0 ggml.c:5048: a (the kernel) [KW, KH, Cout, Cin], b (the input) [W,
+    H, Cin, N] with a.ne3 == b.ne2, param {stride}; an F32 result [(W-1)*s + KW, (H-1)*s + KH,
+    Cout, N]. The kernel (ops.cpp:7591 ggml_compute_forward_conv_transpose_2d_impl) asserts unit
+    nb00 and nb10 (ops.cpp:7609-7610), copies a plane of a as ``src[i01*ne00 + i00]`` from
+    ``i03*nb03 + i02*nb02`` (ops.cpp:7625: inside a's extent when its rows do not overlap, nb01 >=
+    ne00*es, or it has one row) and rows of b through b's strides, then accumulates
+    ``dst[(i11*s + i01)*ne0 + i10*s + i00]`` (ops.cpp:7692): inside a plane of the result only for
+    s >= 1 (the constructor takes any; a negative one writes before the result). Its counters are
+    ``int``: ``nk = |a|`` (ops.cpp:7607), ``i1n`` < W*H*Cin (ops.cpp:7679), ``i11*s + i01`` <
+    the result's ne1 and ``i10*s + i00`` < its ne0, so all of those stay below 2^31."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    st = n.param0
+    if st < 1:
+        raise refuse(n, "CONV_TRANSPOSE_2D", f"stride {st}", "graph_op_params_invalid")
+    need(a.ne3 == b.ne2, n, "CONV_TRANSPOSE_2D", f"channels of kernel {a.ne} and input {b.ne}")
+    es = TYPES[a.type].type_size
+    need(a.nb0 == es and b.nb0 == 4, n, "CONV_TRANSPOSE_2D", "nb0 is not the element size")
+    need(a.ne1 == 1 or a.nb1 >= a.ne0 * es, n, "CONV_TRANSPOSE_2D", f"kernel rows {a.nb} overlap (read as packed planes)")
+    ow, oh = (b.ne0 - 1) * st + a.ne0, (b.ne1 - 1) * st + a.ne1
+    need(nelements(a) <= INT32_MAX and b.ne0 * b.ne1 * b.ne2 <= INT32_MAX and max(ow, oh) <= INT32_MAX, n,
+          "CONV_TRANSPOSE_2D", f"kernel {a.ne}, input {b.ne} or output ({ow}, {oh}) past the kernel's int counters")
+    return New(F32, (ow, oh, a.ne2, b.ne3))
+
+
 ROWS: tuple[OpRule, ...] = (
     OpRule("IM2COL", "ggml.c:4556 ggml_im2col", 2, _im2col, params=7),
     OpRule("POOL_1D", "ggml.c:5080 ggml_pool_1d", 1, _pool(False), params=4),
@@ -245,4 +416,11 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("CONV_2D_DW", "ggml.c:4916 ggml_conv_2d_dw_direct", 2, _conv_2d_dw, params=6, flat_rows=False),
     OpRule("CONV_TRANSPOSE_1D", "ggml.c:4727 ggml_conv_transpose_1d", 2, _conv_transpose_1d, params=3,
            flat_rows=False, plan=_conv_transpose_1d_plan),
+    OpRule("CONV_2D", "ggml.c:4956 ggml_conv_2d_direct", 2, _conv_2d, params=6, flat_rows=False, empty_sources=True),
+    OpRule("CONV_3D", "ggml.c:4994 ggml_conv_3d_direct", 2, _conv_3d, params=12, flat_rows=False,
+           empty_sources=True),
+    OpRule("IM2COL_3D", "ggml.c:4789 ggml_im2col_3d", 2, _im2col_3d, params=10, flat_rows=False),
+    OpRule("COL2IM_1D", "ggml.c:4688 ggml_col2im_1d", 1, _col2im_1d, params=3),
+    OpRule("CONV_TRANSPOSE_2D", "ggml.c:5048 ggml_conv_transpose_2d_p0", 2, _conv_transpose_2d, params=1,
+           flat_rows=False, plan=_conv_transpose_2d_plan),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from rpcguard.protocol.ggml import TYPES
-from rpcguard.protocol.oprules.base import F32, F32_F16, I32, New, OpRule, Result, Srcs, f32, need, refuse
+from rpcguard.protocol.oprules.base import BF16, F16, F32, F32_F16, I32, New, OpRule, Result, Srcs, f32, need, refuse
 from rpcguard.protocol.tensor import RpcTensor
 
 
@@ -35,7 +35,11 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> Result:
         ok = a.ne0 == a.ne1 == n10 and n10 & (n10 - 1) == 0 and b.type in F32_F16  # src0 is not read
         need(ok, n, "MUL_MAT", f"Hadamard hint on {a.ne} x {b.ne}")
         return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
-    if b.type != F32:
+    # an F16/BF16 src1 of an F32 src0 is widened row by row into the F32 work buffer
+    # (ggml-cpu.c:1338-1341; test-backend-ops' CONV_1D_DW with a BF16 kernel multiplies its F32
+    # im2col by it); the planner sizes that buffer as for any other conversion
+    widened = b.type in (F16, BF16) and _vec_dot_type(a.type) == F32
+    if b.type != F32 and not widened:
         need(b.type == _vec_dot_type(a.type), n, "MUL_MAT", "src1 is neither F32 nor src0's vec_dot type")
     return New(F32, (a.ne1, b.ne1, b.ne2, b.ne3))
 

@@ -1,4 +1,5 @@
-"""Rows of the recurrent-state ops: SSM_CONV, SSM_SCAN and the linear-attention kernels (RWKV, GLA).
+"""Rows of the recurrent-state ops: SSM_CONV, SSM_SCAN, the linear-attention kernels (RWKV, GLA,
+GATED_DELTA_NET) and the triangular ops around them (TRI, SOLVE_TRI).
 
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.
