@@ -865,6 +865,104 @@ def p_conv_transpose_1d(d: Draw) -> Proto:
 PROTOS.update({"UPSCALE": p_upscale, "CONV_2D_DW": p_conv_2d_dw, "CONV_TRANSPOSE_1D": p_conv_transpose_1d})
 
 
+# -- recurrent and newer-model ops --
+
+
+def p_gated_delta_net(d: Draw) -> Proto:
+    """ggml_gated_delta_net (q k v g beta state, param K): v [S_v, H, T, n_seqs], q/k with as
+    many or fewer heads (iq1 = iv1 % q.ne1), sequences dividing n_seqs, rows of at least S_v;
+    g scalar or per-channel (KDA), beta [1, ...], the state [S_v, S_v, H, n_seqs]; K snapshots.
+    Also drawn: q/k/g/beta outer dims the kernel would read past (the rule refuses them)."""
+    S_v = d.pick((1, 2, 3, 4, 16, 32, 64, 128, 17))
+    Hk = d.pick((1, 1, 2, 3, 4))
+    H = Hk * d.pick((1, 1, 2, 3))
+    T, n_seqs = d.pick((1, 1, 2, 5, d.dim(), 64 if d.limits else 3)), d.pick((1, 1, 2, 3, 4))
+    qs = d.pick([x for x in (1, 2, 3, 4) if n_seqs % x == 0] + [n_seqs, n_seqs])
+    if d.p(0.05):
+        qs = n_seqs + 1  # more q sequences than v's: n_seqs / q.ne3 == 0
+    K = d.pick((1, 1, 1, 2, 3, T, T + 1, d.i(1, 8)))
+    kda = d.p(0.35)
+
+    def qk() -> Src:
+        ne0 = S_v + (d.pick((1, 5)) if d.p(0.1) else 0)
+        t = T + (d.pick((1, -1)) if d.p(0.05) else 0)
+        return S(F32, (ne0, Hk, max(1, t), qs), layout=d.pick(("perm", "padded", "huge", "bcast", "parent", None)))
+
+    outer = (H + (1 if d.p(0.05) else 0), T, n_seqs)
+    return Proto([
+        qk(), qk(),
+        S(F32, (S_v, H, T, n_seqs), layout=d.pick(("perm", "padded", "huge", "bcast", "parent", None))),
+        S(F32, (S_v if kda else 1, *outer), layout=_lay(d)),
+        S(F32, (1, *outer), layout=_lay(d)),
+        S(F32, (S_v, S_v, H, n_seqs), layout=_lay(d)),
+    ], params=[K])
+
+
+def p_solve_tri(d: Draw) -> Proto:
+    """ggml_solve_tri: A [n, n, B1, B2] square, B [k, n, B1, B2], both contiguous (the rule's),
+    A's diagonal random (a zero gives inf/NaN: asserts are compiled out)."""
+    n, k = d.pick((1, 2, 3, 8, 16, 64, d.dim())), d.pick((1, 2, 5, 32, d.dim()))
+    b1, b2 = d.pick((1, 1, 2, 4)), d.pick((1, 1, 3))
+    return Proto([S(d.ftype((F32,)), (n, n, b1, b2), layout=_lay(d)),
+                  S(d.ftype((F32,)), (k, n, b1, b2), layout=_lay(d))])
+
+
+def p_tri(d: Draw) -> Proto:
+    n = d.pick((1, 2, 3, 16, 64, d.dim(), d.dim(True) if d.limits else 5))
+    a = S(d.ftype((F32,)), (n, n if d.p(0.95) else n + 1, d.pick((1, 1, 2, 5)), d.pick((1, 1, 3))), layout=_lay(d))
+    return Proto([a], params=[d.pick((0, 1, 2, 3, 0, 1, 2, 3, d.i(0, 3)))])
+
+
+def p_lightning_indexer(d: Draw) -> Proto:
+    """ggml_lightning_indexer (q k weights mask): q F32 [D, n_head, T, n_stream], k of any type
+    with a to_float [D, 1, n_kv, n_stream], weights F32 [n_head, T, 1, n_stream], mask F16
+    [n_kv, T, 1, m3] with n_stream % m3 == 0; unit nb0 everywhere, the rest any stride."""
+    kt = d.ftype((F32, F16, BF16, Q8_0, 2, 12))
+    D = blocked(kt, d.pick((1, 4, 16, 32, 64, 128, d.dim(True))))
+    n_head, T, n_kv, ns = d.pick((1, 2, 4, 8, 64)), d.dim(), d.dim(True), d.pick((1, 1, 2, 3))
+    m3 = d.pick([x for x in (1, 2, 3) if ns % x == 0])
+    if D * n_head * n_kv * T * ns > 1 << 25:
+        # a dot of D per head, key and token: within the cost model's budget, but the sanitizer's
+        # 10-s oracle would time out (the compute is priced in cost.py, not a memory question)
+        T, ns, m3 = 1, 1, 1
+        n_kv = min(n_kv, max(1, (1 << 25) // D))
+        n_head = min(n_head, max(1, (1 << 25) // (D * n_kv)))
+        d.tag("wide")
+
+    def rows() -> str | None:  # nb0 kept (the kernel asserts it), the other strides free
+        return d.pick(("contig", "size1", "padded", "perm", "huge", "bcast", "parent"))
+
+    return Proto([S(F32, (D, n_head, T, ns), layout=rows()), S(kt, (D, 1, n_kv, ns), layout=rows()),
+                  S(F32, (n_head, T, 1, ns), layout=rows()), S(F16, (n_kv, T, 1, m3), layout=rows())])
+
+
+def p_dsv4_hc_comb(d: Draw) -> Proto:
+    T = d.pick((1, 2, 17, d.dim(True)))
+    n_iter = d.pick((1, 2, 4, 20, d.r.randint(1, 64), 1000))  # 2^31 iterations: priced (cost.py), minutes
+    return Proto([S(F32, (24 if d.p(0.95) else 20, T)), S(F32, (d.pick((3, 3, 4, 8)),)), S(F32, (24,))],
+                 params=[d.f(0, 1e-3), n_iter])
+
+
+def p_dsv4_hc_pre(d: Draw) -> Proto:
+    n_embd, hc, T = d.dim(True), d.pick((1, 2, 4, d.dim())), d.dim()
+    gated = d.pick((0, 1, 0, 1, d.i(0, 1)))
+    w = (n_embd, hc, T) if gated == 1 else (hc, T)
+    return Proto([S(F32, (n_embd, hc, T)), S(F32, w)], params=[d.f(0, 2), gated])
+
+
+def p_dsv4_hc_post(d: Draw) -> Proto:
+    n_embd, hc, T = d.dim(True), d.pick((1, 2, 4, d.dim())), d.dim()
+    comb = S(F32, (hc, hc, T)) if d.p(0.6) else None
+    return Proto([S(F32, (n_embd, T)), S(F32, (n_embd, hc, T)), S(F32, (hc, T)), comb])
+
+
+PROTOS.update({
+    "GATED_DELTA_NET": p_gated_delta_net, "SOLVE_TRI": p_solve_tri, "TRI": p_tri,
+    "LIGHTNING_INDEXER": p_lightning_indexer, "DSV4_HC_COMB": p_dsv4_hc_comb, "DSV4_HC_PRE": p_dsv4_hc_pre,
+    "DSV4_HC_POST": p_dsv4_hc_post,
+})
+
+
 # -- the layout adversary ----------------------------------------------------------------------
 
 LAYOUTS = ("contig", "contig", "size1", "size1", "size1", "bcast", "padded", "elem", "perm", "huge", "parent")
