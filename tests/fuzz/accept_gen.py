@@ -939,6 +939,11 @@ def p_lightning_indexer(d: Draw) -> Proto:
 def p_dsv4_hc_comb(d: Draw) -> Proto:
     T = d.pick((1, 2, 17, d.dim(True)))
     n_iter = d.pick((1, 2, 4, 20, d.r.randint(1, 64), 1000))  # 2^31 iterations: priced (cost.py), minutes
+    if T * n_iter > 1 << 22:
+        # priced (cost.DSV4_COMB_FLOPS: 65537 tokens x 1000 iterations estimated 3.4 s, about 2 s
+        # unsanitized), but past the sanitizer's 10-s oracle: the iterations stay, the tokens go
+        T = max(1, (1 << 22) // n_iter)
+        d.tag("many-iterations")
     return Proto([S(F32, (24 if d.p(0.95) else 20, T)), S(F32, (d.pick((3, 3, 4, 8)),)), S(F32, (24,))],
                  params=[d.f(0, 1e-3), n_iter])
 
@@ -956,10 +961,46 @@ def p_dsv4_hc_post(d: Draw) -> Proto:
     return Proto([S(F32, (n_embd, T)), S(F32, (n_embd, hc, T)), S(F32, (hc, T)), comb])
 
 
+def p_win_part(d: Draw) -> Proto:
+    """ggml_win_part: a [C, W, H] F32, window w, params {npx, npy, w} as the constructor sets
+    them (sometimes off by one: refused)."""
+    C, W, H = d.dim(True), d.pick((1, 2, 5, 14, d.dim())), d.pick((1, 3, 14, d.dim()))
+    w = d.pick((1, 2, 3, 7, 14, W, W + 1, d.r.randint(1, 16)))
+    npx, npy = -(-W // w), -(-H // w)
+    if d.p(0.05):
+        npx += d.pick((1, -1))
+    return Proto([S(d.ftype((F32,)), (C, W, H), layout=_lay(d))], params=[npx, npy, w])
+
+
+def p_win_unpart(d: Draw) -> Proto:
+    """ggml_win_unpart: windows a [C, w, w, np] back into [C, w0, h0]; the node's w0, h0 the
+    caller's, covered by np windows (sometimes more than a holds: refused)."""
+    C, w = d.dim(True), d.pick((1, 2, 3, 7, 14, d.r.randint(1, 16)))
+    w0, h0 = d.pick((1, w, 2 * w, 2 * w - 1, d.r.randint(1, 40))), d.pick((1, w, 3 * w - 1, d.r.randint(1, 40)))
+    np_ = -(-w0 // w) * -(-h0 // w) + d.pick((0, 0, 0, 1, -1 if d.p(0.1) else 0))
+    a = S(d.ftype((F32,)), (C, w + d.pick((0, 0, 0, 1)), w, max(1, np_)), layout=_lay(d))
+    return Proto([a], params=[w], node_ne=(C, w0, h0, 1))
+
+
+def p_get_rel_pos(d: Draw) -> Proto:
+    q = d.pick((1, 2, 7, 14, 64, d.dim()))
+    a = S(d.ftype((F16, BF16)), (d.dim(True), 2 * q - 1 if d.p(0.95) else 2 * q, d.pick((1, 1, 2)), 1))
+    return Proto([a])
+
+
+def p_add_rel_pos(d: Draw) -> Proto:
+    """ggml_add_rel_pos(_inplace): a [w^2, h*w', np] F32 contiguous, pw/ph [w, h, w', np]."""
+    w, h, w2, np_ = d.pick((1, 2, 3, 14, d.dim())), d.pick((1, 2, 14, d.dim())), d.pick((1, 2, 14)), d.pick((1, 2, 5))
+    pw = (w, h, w2, np_)
+    return Proto([S(d.ftype((F32,)), (w * w, h * w2, np_, d.pick((1, 1, 2))), layout=_lay(d)),
+                  S(F32, pw, layout=_lay(d)), S(F32, pw, layout=_lay(d))], params=[d.pick((0, 1))])
+
+
 PROTOS.update({
     "GATED_DELTA_NET": p_gated_delta_net, "SOLVE_TRI": p_solve_tri, "TRI": p_tri,
     "LIGHTNING_INDEXER": p_lightning_indexer, "DSV4_HC_COMB": p_dsv4_hc_comb, "DSV4_HC_PRE": p_dsv4_hc_pre,
-    "DSV4_HC_POST": p_dsv4_hc_post,
+    "DSV4_HC_POST": p_dsv4_hc_post, "WIN_PART": p_win_part, "WIN_UNPART": p_win_unpart, "GET_REL_POS": p_get_rel_pos,
+    "ADD_REL_POS": p_add_rel_pos,
 })
 
 

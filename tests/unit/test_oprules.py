@@ -887,3 +887,56 @@ def test_dsv4_hc_pre_and_post():
     run([xp, res, post], T(0x20, F32, (31, 4, 5, 1), op=OPS["DSV4_HC_POST"], src=(0x10, 0x11, 0x12)))  # identity
     assert reason([xp, res, post, T(0x13, F32, (4, 3, 5, 1))], out) == "graph_shape_invalid"
     assert reason([xp, res, T(0x12, F32, (4, 4, 1, 1)), comb], out) == "graph_shape_invalid"
+
+
+# SAM-style windows and relative positions (no test-backend-ops cases: the acceptance fuzz alone)
+
+
+def test_win_part():
+    a = T(0x10, F32, (8, 5, 3, 1))  # C, W, H; w = 2: 3 x 2 windows
+    node = T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(3, 2, 2))
+    run([a], node)
+    assert reason([a], T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(2, 3, 2))) == \
+        "graph_op_params_invalid"  # npx, npy as the constructor computes them
+    assert reason([a], T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(3, 2, 0))) == \
+        "graph_op_params_invalid"  # w = 0 (the constructor divides by it)
+    # padded rows: the constructor takes them, the kernel reads a as a packed array
+    padded = T(0x10, F32, (8, 5, 3, 1), nb=(4, 64, 320, 960))
+    assert reason([padded], node) == "graph_shape_invalid"
+
+
+def test_win_unpart():
+    a = T(0x10, F32, (8, 2, 2, 6))
+    node = T(0x20, F32, (8, 5, 3, 1), op=OPS["WIN_UNPART"], src=(0x10,), op_params=(2,))
+    run([a], node)
+    # the constructor asks nothing of a: fewer windows than ceil(5/2)*ceil(3/2) = 6, or windows
+    # smaller than w x w, read past a
+    assert reason([T(0x10, F32, (8, 2, 2, 5))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (8, 1, 2, 12))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (8, 2, 2, 6), nb=(4, 36, 72, 144))], node) == "graph_shape_invalid"
+    assert reason([a], T(0x20, F32, (8, 5, 3, 1), op=OPS["WIN_UNPART"], src=(0x10,), op_params=(0,))) == \
+        "graph_op_params_invalid"  # the kernel takes ne1 % w
+
+
+@pytest.mark.parametrize("t", [F16, 30])
+def test_get_rel_pos(t):
+    a = T(0x10, t, (16, 7, 1, 1))  # 2*4 - 1 positions
+    node = T(0x20, F16, (16, 4, 4, 1), op=OPS["GET_REL_POS"], src=(0x10,))
+    run([a], node)
+    assert reason([T(0x10, t, (16, 8, 1, 1))], node) == "graph_shape_invalid"  # not 2*q - 1
+    # padded rows: the kernel reads src[pos*ne00 + i0]
+    assert reason([T(0x10, t, (16, 7, 1, 1), nb=(2, 34, 238, 238))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (16, 7, 1, 1))], node) == "graph_type_invalid"
+
+
+def test_add_rel_pos():
+    a = T(0x10, F32, (9, 6, 2, 1))  # w^2 = 9, h*w' = 6, 2 patches
+    pw, ph = T(0x11, F32, (3, 2, 3, 2)), T(0x12, F32, (3, 2, 3, 2))
+    run([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12), op_params=(0,)))
+    view = dict(view_src=0x10, data=a.data)
+    run([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12), op_params=(1,), **view))
+    # a view of a whose flag says "not in place": the kernel memcpy's a onto itself
+    assert reason([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12),
+                                 op_params=(0,), **view)) == "graph_shape_invalid"
+    assert reason([a, pw, T(0x12, F32, (3, 2, 3, 1))], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"],
+                                                        src=(0x10, 0x11, 0x12))) == "graph_shape_invalid"
