@@ -134,6 +134,25 @@ def _work_conv_transpose_1d(n: RpcTensor, s: Srcs, nt: int) -> int:
     return es * (k.ne0 * k.ne1 * k.ne2 + x.ne0 * x.ne1)
 
 
+# -- recurrent and newer-model ops (work buffer) --
+
+
+def _work_gated_delta_net(n: RpcTensor, s: Srcs, nt: int) -> int:
+    """ggml-cpu.c:3025: ``(S_v + (K > 1 ? S_v*S_v : 0))`` floats per task, S_v = v.ne0, K = op_params[0]
+    (the kernel's delta row and, for K > 1, its S_v x S_v state scratch)."""
+    v = s[2]
+    if v is None:
+        return 0
+    S_v = v.ne0
+    return 4 * (S_v + (S_v * S_v if n.param0 > 1 else 0)) * nt
+
+
+def _work_lightning_indexer(n: RpcTensor, s: Srcs, nt: int) -> int:
+    """ggml-cpu.c:3036: one F32 row of k.ne0 per task (K dequantized), whatever K's type."""
+    k = s[1]
+    return 4 * k.ne0 * nt if k is not None else 0
+
+
 _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "CPY": _work_cpy, "DUP": _work_cpy,
     "ADD": _work_add, "ADD_ID": _work_add, "ADD1": _work_add,
@@ -144,6 +163,8 @@ _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "TOP_K": _work_top_k,
     "FLASH_ATTN_EXT": _work_flash_attn,
     "CONV_TRANSPOSE_1D": _work_conv_transpose_1d,
+    # -- recurrent and newer-model ops --
+    "GATED_DELTA_NET": _work_gated_delta_net, "LIGHTNING_INDEXER": _work_lightning_indexer,
 }  # fmt: skip
 
 
@@ -266,10 +287,73 @@ def _upscale(n: RpcTensor, s: Srcs) -> int:
     return POOL_FLOPS * taps * _n(n)
 
 
+# -- recurrent and newer-model ops (compute) --
+#
+# Measured with test-backend-ops perf on the CPU backend of the pinned tree (this shared 2-core
+# machine, 2026-12-02), each factor rounded up so that the estimate at the default 40 GFLOP/s is
+# at least 1.4x the slowest time measured:
+# GATED_DELTA_NET S_v=128, H=32, T=1024: 5.4e8 head-token-S_v^2 steps in 218 ms (4.1e-10 s each;
+# H=4, T=512: 4.3e-10 s);
+# SOLVE_TRI [256,256,4,2] \ [128,256,4,2]: 6.7e7 n^2*k steps in 31 ms (4.5e-10 s each);
+# TRI [1024,1024,8,4]: 3.4e7 elements in 77 ms (a predicate through a function pointer per element);
+# LIGHTNING_INDEXER D=128, 32 heads, 256 keys, 512 tokens, q4_0 K: 5.4e8 q-element-key steps in
+# 256 ms (4.7e-10 s each; its 4.2-17 GFLOP/s over all K types).
+# The DSV4 kernels have no perf case: their loops, copied from ops.cpp and compiled with gcc -O3
+# -march=native, timed on one thread here: a Sinkhorn iteration 20-35 ns (one token is one
+# thread's); HC_POST 1.4 ns per comb term at hc = 4, 5.4 ns at hc = 256 or 1024 (residual rows
+# read across); HC_PRE 5.7-9.6 ns per x element gated, the factors taken for two threads.
+GDN_FLOPS: Final = 28  # per S_v^2 per head per token (scale/decay, two dots and a rank-1 update)
+SOLVE_TRI_FLOPS: Final = 28  # per n*n*k per batch (a forward substitution reading X by columns)
+DSV4_COMB_FLOPS: Final = 2048  # per token per Sinkhorn iteration (a row and a column pass of 4x4)
+DSV4_TERM_FLOPS: Final = 160  # HC_POST per output per comb term, HC_PRE per x element (strided scalar loops)
+DSV4_GATE_FLOPS: Final = 288  # HC_PRE gated: per x element (a sigmoid through expf)
+LIGHTNING_FLOPS: Final = 28  # per q element per key (a dot of D per head; K re-converted per token)
+TRI_FLOPS: Final = 56  # per element read or written
+
+
+def _tri(n: RpcTensor, s: Srcs) -> int:
+    return TRI_FLOPS * (_n(n) + _n(s[0]))
+
+
+def _gated_delta_net(n: RpcTensor, s: Srcs) -> int:
+    v = s[2]
+    if v is None:
+        return 0
+    S_v, H, T, n_seqs = v.ne
+    return GDN_FLOPS * S_v * S_v * H * T * n_seqs
+
+
+def _solve_tri(n: RpcTensor, s: Srcs) -> int:
+    b = s[1]
+    return SOLVE_TRI_FLOPS * b.ne1 * _n(b) if b is not None else 0
+
+
+def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> int:
+    return DSV4_COMB_FLOPS * n.ne2 * max(1, n.param1) + ELEMENT_FLOPS * 64 * n.ne2
+
+
+def _dsv4_hc_pre(n: RpcTensor, s: Srcs) -> int:
+    return (DSV4_GATE_FLOPS if n.param1 else DSV4_TERM_FLOPS) * _n(s[0])
+
+
+def _dsv4_hc_post(n: RpcTensor, s: Srcs) -> int:
+    return DSV4_TERM_FLOPS * _n(n) * (n.ne1 if s[3] is not None else 1)
+
+
+def _lightning_indexer(n: RpcTensor, s: Srcs) -> int:
+    q, k = s[0], s[1]
+    if q is None or k is None:
+        return 0
+    return LIGHTNING_FLOPS * _n(q) * k.ne2 + CONVERT_FLOPS * _n(k) * q.ne2  # K re-converted for every token
+
+
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
     "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
     "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
     "CONV_2D": _conv_2d, "CONV_2D_DW": _conv_2d_dw, "CONV_TRANSPOSE_1D": _conv_transpose_1d, "UPSCALE": _upscale,
+    # -- recurrent and newer-model ops --
+    "GATED_DELTA_NET": _gated_delta_net, "SOLVE_TRI": _solve_tri, "DSV4_HC_COMB": _dsv4_hc_comb,
+    "DSV4_HC_PRE": _dsv4_hc_pre, "DSV4_HC_POST": _dsv4_hc_post, "LIGHTNING_INDEXER": _lightning_indexer, "TRI": _tri,
 }  # fmt: skip
 
 

@@ -341,7 +341,7 @@ def _hc_comb(rng: random.Random) -> Case:
     mix = 24  # hc * (hc + 2) with hc == 4 (the only value the constructor takes)
     r.op("dsv4_hc_comb", r.leaf("f32", [mix, n]), r.leaf("f32", [rng.randint(3, 4)]), r.leaf("f32", [mix]),
          1e-6, rng.randint(1, 5))  # fmt: skip
-    return Case("DSV4_HC_COMB", r.recipe(), params={4: (0, [1, 7])})
+    return Case("DSV4_HC_COMB", r.recipe(), params={4: (1, [1, 7])})  # n_iter: op_params[1] (ggml.c:6507)
 
 
 @gen("dsv4_hc_pre", "DSV4_HC_PRE")

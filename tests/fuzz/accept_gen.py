@@ -983,6 +983,144 @@ def p_conv_transpose_2d(d: Draw) -> Proto:
 PROTOS.update({"CONV_2D": p_conv_2d, "CONV_3D": p_conv_3d, "IM2COL_3D": p_im2col_3d, "COL2IM_1D": p_col2im_1d,
                "CONV_TRANSPOSE_2D": p_conv_transpose_2d})
 
+# -- recurrent and newer-model ops --
+
+
+def p_gated_delta_net(d: Draw) -> Proto:
+    """ggml_gated_delta_net (q k v g beta state, param K): v [S_v, H, T, n_seqs], q/k with as
+    many or fewer heads (iq1 = iv1 % q.ne1), sequences dividing n_seqs, rows of at least S_v;
+    g scalar or per-channel (KDA), beta [1, ...], the state [S_v, S_v, H, n_seqs]; K snapshots.
+    Also drawn: q/k/g/beta outer dims the kernel would read past (the rule refuses them)."""
+    S_v = d.pick((1, 2, 3, 4, 16, 32, 64, 128, 17))
+    Hk = d.pick((1, 1, 2, 3, 4))
+    H = Hk * d.pick((1, 1, 2, 3))
+    T, n_seqs = d.pick((1, 1, 2, 5, d.dim(), 64 if d.limits else 3)), d.pick((1, 1, 2, 3, 4))
+    qs = d.pick([x for x in (1, 2, 3, 4) if n_seqs % x == 0] + [n_seqs, n_seqs])
+    if d.p(0.05):
+        qs = n_seqs + 1  # more q sequences than v's: n_seqs / q.ne3 == 0
+    K = d.pick((1, 1, 1, 2, 3, T, T + 1, d.i(1, 8)))
+    kda = d.p(0.35)
+
+    def qk() -> Src:
+        ne0 = S_v + (d.pick((1, 5)) if d.p(0.1) else 0)
+        t = T + (d.pick((1, -1)) if d.p(0.05) else 0)
+        return S(F32, (ne0, Hk, max(1, t), qs), layout=d.pick(("perm", "padded", "huge", "bcast", "parent", None)))
+
+    outer = (H + (1 if d.p(0.05) else 0), T, n_seqs)
+    return Proto([
+        qk(), qk(),
+        S(F32, (S_v, H, T, n_seqs), layout=d.pick(("perm", "padded", "huge", "bcast", "parent", None))),
+        S(F32, (S_v if kda else 1, *outer), layout=_lay(d)),
+        S(F32, (1, *outer), layout=_lay(d)),
+        S(F32, (S_v, S_v, H, n_seqs), layout=_lay(d)),
+    ], params=[K])
+
+
+def p_solve_tri(d: Draw) -> Proto:
+    """ggml_solve_tri: A [n, n, B1, B2] square, B [k, n, B1, B2], both contiguous (the rule's),
+    A's diagonal random (a zero gives inf/NaN: asserts are compiled out)."""
+    n, k = d.pick((1, 2, 3, 8, 16, 64, d.dim())), d.pick((1, 2, 5, 32, d.dim()))
+    b1, b2 = d.pick((1, 1, 2, 4)), d.pick((1, 1, 3))
+    return Proto([S(d.ftype((F32,)), (n, n, b1, b2), layout=_lay(d)),
+                  S(d.ftype((F32,)), (k, n, b1, b2), layout=_lay(d))])
+
+
+def p_tri(d: Draw) -> Proto:
+    n = d.pick((1, 2, 3, 16, 64, d.dim(), d.dim(True) if d.limits else 5))
+    a = S(d.ftype((F32,)), (n, n if d.p(0.95) else n + 1, d.pick((1, 1, 2, 5)), d.pick((1, 1, 3))), layout=_lay(d))
+    return Proto([a], params=[d.pick((0, 1, 2, 3, 0, 1, 2, 3, d.i(0, 3)))])
+
+
+def p_lightning_indexer(d: Draw) -> Proto:
+    """ggml_lightning_indexer (q k weights mask): q F32 [D, n_head, T, n_stream], k of any type
+    with a to_float [D, 1, n_kv, n_stream], weights F32 [n_head, T, 1, n_stream], mask F16
+    [n_kv, T, 1, m3] with n_stream % m3 == 0; unit nb0 everywhere, the rest any stride."""
+    kt = d.ftype((F32, F16, BF16, Q8_0, 2, 12))
+    D = blocked(kt, d.pick((1, 4, 16, 32, 64, 128, d.dim(True))))
+    n_head, T, n_kv, ns = d.pick((1, 2, 4, 8, 64)), d.dim(), d.dim(True), d.pick((1, 1, 2, 3))
+    m3 = d.pick([x for x in (1, 2, 3) if ns % x == 0])
+    if D * n_head * n_kv * T * ns > 1 << 25:
+        # a dot of D per head, key and token: within the cost model's budget, but the sanitizer's
+        # 10-s oracle would time out (the compute is priced in cost.py, not a memory question)
+        T, ns, m3 = 1, 1, 1
+        n_kv = min(n_kv, max(1, (1 << 25) // D))
+        n_head = min(n_head, max(1, (1 << 25) // (D * n_kv)))
+        d.tag("wide")
+
+    def rows() -> str | None:  # nb0 kept (the kernel asserts it), the other strides free
+        return d.pick(("contig", "size1", "padded", "perm", "huge", "bcast", "parent"))
+
+    return Proto([S(F32, (D, n_head, T, ns), layout=rows()), S(kt, (D, 1, n_kv, ns), layout=rows()),
+                  S(F32, (n_head, T, 1, ns), layout=rows()), S(F16, (n_kv, T, 1, m3), layout=rows())])
+
+
+def p_dsv4_hc_comb(d: Draw) -> Proto:
+    T = d.pick((1, 2, 17, d.dim(True)))
+    n_iter = d.pick((1, 2, 4, 20, d.r.randint(1, 64), 1000))  # 2^31 iterations: priced (cost.py), minutes
+    if T * n_iter > 1 << 22:
+        # priced (cost.DSV4_COMB_FLOPS: 65537 tokens x 1000 iterations estimated 3.4 s, about 2 s
+        # unsanitized), but past the sanitizer's 10-s oracle: the iterations stay, the tokens go
+        T = max(1, (1 << 22) // n_iter)
+        d.tag("many-iterations")
+    return Proto([S(F32, (24 if d.p(0.95) else 20, T)), S(F32, (d.pick((3, 3, 4, 8)),)), S(F32, (24,))],
+                 params=[d.f(0, 1e-3), n_iter])
+
+
+def p_dsv4_hc_pre(d: Draw) -> Proto:
+    n_embd, hc, T = d.dim(True), d.pick((1, 2, 4, d.dim())), d.dim()
+    gated = d.pick((0, 1, 0, 1, d.i(0, 1)))
+    w = (n_embd, hc, T) if gated == 1 else (hc, T)
+    return Proto([S(F32, (n_embd, hc, T)), S(F32, w)], params=[d.f(0, 2), gated])
+
+
+def p_dsv4_hc_post(d: Draw) -> Proto:
+    n_embd, hc, T = d.dim(True), d.pick((1, 2, 4, d.dim())), d.dim()
+    comb = S(F32, (hc, hc, T)) if d.p(0.6) else None
+    return Proto([S(F32, (n_embd, T)), S(F32, (n_embd, hc, T)), S(F32, (hc, T)), comb])
+
+
+def p_win_part(d: Draw) -> Proto:
+    """ggml_win_part: a [C, W, H] F32, window w, params {npx, npy, w} as the constructor sets
+    them (sometimes off by one: refused)."""
+    C, W, H = d.dim(True), d.pick((1, 2, 5, 14, d.dim())), d.pick((1, 3, 14, d.dim()))
+    w = d.pick((1, 2, 3, 7, 14, W, W + 1, d.r.randint(1, 16)))
+    npx, npy = -(-W // w), -(-H // w)
+    if d.p(0.05):
+        npx += d.pick((1, -1))
+    return Proto([S(d.ftype((F32,)), (C, W, H), layout=_lay(d))], params=[npx, npy, w])
+
+
+def p_win_unpart(d: Draw) -> Proto:
+    """ggml_win_unpart: windows a [C, w, w, np] back into [C, w0, h0]; the node's w0, h0 the
+    caller's, covered by np windows (sometimes more than a holds: refused)."""
+    C, w = d.dim(True), d.pick((1, 2, 3, 7, 14, d.r.randint(1, 16)))
+    w0, h0 = d.pick((1, w, 2 * w, 2 * w - 1, d.r.randint(1, 40))), d.pick((1, w, 3 * w - 1, d.r.randint(1, 40)))
+    np_ = -(-w0 // w) * -(-h0 // w) + d.pick((0, 0, 0, 1, -1 if d.p(0.1) else 0))
+    a = S(d.ftype((F32,)), (C, w + d.pick((0, 0, 0, 1)), w, max(1, np_)), layout=_lay(d))
+    return Proto([a], params=[w], node_ne=(C, w0, h0, 1))
+
+
+def p_get_rel_pos(d: Draw) -> Proto:
+    q = d.pick((1, 2, 7, 14, 64, d.dim()))
+    a = S(d.ftype((F16, BF16)), (d.dim(True), 2 * q - 1 if d.p(0.95) else 2 * q, d.pick((1, 1, 2)), 1))
+    return Proto([a])
+
+
+def p_add_rel_pos(d: Draw) -> Proto:
+    """ggml_add_rel_pos(_inplace): a [w^2, h*w', np] F32 contiguous, pw/ph [w, h, w', np]."""
+    w, h, w2, np_ = d.pick((1, 2, 3, 14, d.dim())), d.pick((1, 2, 14, d.dim())), d.pick((1, 2, 14)), d.pick((1, 2, 5))
+    pw = (w, h, w2, np_)
+    return Proto([S(d.ftype((F32,)), (w * w, h * w2, np_, d.pick((1, 1, 2))), layout=_lay(d)),
+                  S(F32, pw, layout=_lay(d)), S(F32, pw, layout=_lay(d))], params=[d.pick((0, 1))])
+
+
+PROTOS.update({
+    "GATED_DELTA_NET": p_gated_delta_net, "SOLVE_TRI": p_solve_tri, "TRI": p_tri,
+    "LIGHTNING_INDEXER": p_lightning_indexer, "DSV4_HC_COMB": p_dsv4_hc_comb, "DSV4_HC_PRE": p_dsv4_hc_pre,
+    "DSV4_HC_POST": p_dsv4_hc_post, "WIN_PART": p_win_part, "WIN_UNPART": p_win_unpart, "GET_REL_POS": p_get_rel_pos,
+    "ADD_REL_POS": p_add_rel_pos,
+})
+
 
 # -- the layout adversary ----------------------------------------------------------------------
 

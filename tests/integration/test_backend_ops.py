@@ -81,66 +81,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op DIAG has no verified rule',
     ('DIAG', 'DIAG(type=f32,ne=[79,1,19,13])'):
         'op_not_verified: op DIAG has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=1,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=1,n_iter=20,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=20,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=17,n_iter=4,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=256,n_iter=20,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=257,n_iter=8,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=336,n_iter=20,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_COMB', 'DSV4_HC_COMB(n_tokens=512,n_iter=20,eps=0.000001)'):
-        'op_not_verified: op DSV4_HC_COMB has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=1,n_tokens=1,identity=0,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=128,n_tokens=257,identity=0,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=0,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=31,n_tokens=17,identity=1,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=0,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_POST', 'DSV4_HC_POST(n_embd=4096,n_tokens=21,identity=1,gated=0)'):
-        'op_not_verified: op DSV4_HC_POST has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=1,n_hc=4,n_tokens=1,gated=0)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=0)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=1,n_tokens=17,gated=1)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=128,n_hc=4,n_tokens=257,gated=0)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=0)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=31,n_hc=4,n_tokens=17,gated=1)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=0)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('DSV4_HC_PRE', 'DSV4_HC_PRE(n_embd=4096,n_hc=4,n_tokens=21,gated=1)'):
-        'op_not_verified: op DSV4_HC_PRE has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=16,head_size=64,n_seq_tokens=1,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=128,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=0,kda=1,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=32,head_size=16,n_seq_tokens=1,n_seqs=1,v_repeat=1,permuted=1,kda=1,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=1,v_repeat=1,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=4,head_size=64,n_seq_tokens=4,n_seqs=2,v_repeat=1,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
-    ('GATED_DELTA_NET', 'GATED_DELTA_NET(type=f32,head_count=8,head_size=32,n_seq_tokens=4,n_seqs=2,v_repeat=2,permuted=0,kda=0,K=1)'):
-        'op_not_verified: op GATED_DELTA_NET has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=0)'):
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f16,n=256,m=5,r=4,b=1,v=1)'):
@@ -153,38 +93,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
     ('GET_ROWS_BACK', 'GET_ROWS_BACK(type=f32,n=256,m=5,r=4,b=1,v=1)'):
         'op_not_verified: op GET_ROWS_BACK has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=32,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=bf16)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f16)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=f32)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q4_1)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q5_1)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
-    ('LIGHTNING_INDEXER', 'LIGHTNING_INDEXER(hsk=128,nh=4,kv=256,nb=1,ns=1,nm=1,type_K=q8_0)'):
-        'op_not_verified: op LIGHTNING_INDEXER has no verified rule',
     ('OPT_STEP_ADAMW', 'OPT_STEP_ADAMW(type=f32,ne=[10,5,4,3])'):
         'op_not_verified: op OPT_STEP_ADAMW has no verified rule',
     ('OPT_STEP_SGD', 'OPT_STEP_SGD(type=f32,ne=[10,5,4,3])'):
@@ -271,22 +179,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op SOFT_MAX_BACK has no verified rule',
     ('SOFT_MAX_BACK', 'SOFT_MAX_BACK(type=f32,ne=[16,16,2,3],scale=1.000000,max_bias=0.000000)'):
         'op_not_verified: op SOFT_MAX_BACK has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[10,10,4,3],ne_rhs=[3,10,4,3])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[11,11,1,1],ne_rhs=[5,11,1,1])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[17,17,2,4],ne_rhs=[9,17,2,4])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[30,30,7,1],ne_rhs=[8,30,7,1])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[42,42,5,2],ne_rhs=[10,42,5,2])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[10,64,2,2])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[64,64,2,2],ne_rhs=[64,64,2,2])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
-    ('SOLVE_TRI', 'SOLVE_TRI(type=f32,ne_lhs=[79,79,5,3],ne_rhs=[417,79,5,3])'):
-        'op_not_verified: op SOLVE_TRI has no verified rule',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=128,n_head=4,n_group=4,n_seq_tokens=16,n_seqs=2,xbc_overlap=1,K=1,weak_decay=0)'):
         'op_not_verified: op SSM_SCAN has no verified rule',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=64,n_head=16,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
@@ -303,14 +195,6 @@ KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
         'op_not_verified: op SSM_SCAN has no verified rule',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
         'op_not_verified: op SSM_SCAN has no verified rule',
-    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=0)'):
-        'op_not_verified: op TRI has no verified rule',
-    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=1)'):
-        'op_not_verified: op TRI has no verified rule',
-    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=2)'):
-        'op_not_verified: op TRI has no verified rule',
-    ('TRI', 'TRI(type=f32,ne=[10,10,4,3],tri_type=3)'):
-        'op_not_verified: op TRI has no verified rule',
 }
 
 

@@ -34,14 +34,12 @@ from tests.support import realpeer
 # are forwarded only to a contained server or when the policy names them): the test asserts this
 # refusal. Their "-allowed" twins run on a pair that names the op and must be identical.
 _CONTAINED = "op_needs_containment"
-# SSM_SCAN indexes its state with tensor contents: refused on a node that is not contained;
-# GATED_DELTA_NET has no rule yet (default deny; it indexes by sequence number, not contents)
-_NO_RULE = "op_not_verified"
+# SSM_SCAN indexes its state with tensor contents: refused on a node that is not contained.
+# (GATED_DELTA_NET finds its state by sequence number, not contents: its shape rule of branch
+# rules-recur lets the qwen3next scenarios through, which must then be identical.)
 REFUSED_BY_DESIGN: dict[str, tuple[str, str]] = {
     **{name: (_CONTAINED, "op SSM_SCAN indexes state with tensor contents")
        for name in ("arch-mamba2", "arch-mamba2-np4", "bench-arch-mamba2")},
-    **{name: (_NO_RULE, "op GATED_DELTA_NET has no verified rule")
-       for name in ("arch-qwen3next", "arch-qwen3next-np4", "bench-arch-qwen3next", "arch-qwen3next-fa-q8")},
 }
 # Scenarios rpcguard refuses today but should not (main bb6476c, default settings): scenario ->
 # (reason, a piece of the detail of serve's session-end line). xfail(strict): the test turns red

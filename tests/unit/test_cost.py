@@ -271,3 +271,40 @@ def test_transposed_convs_pay_the_memset_of_the_plans_work_buffer(op):
     x = dec(T(0x11, F32, (1, 1, 1, 1)))
     out = dec(T(0x20, F32, (1, 1, 1, 1), op_params=(1, 0, 1)))
     assert flops(op, out, [k, x]) >= BYTE_FLOPS * (1 << 30)
+
+# -- recurrent and newer-model ops --------------------------------------------------------------
+
+
+def test_gated_delta_net_pays_per_state_element_per_token_and_has_its_work_buffer():
+    # measured (test-backend-ops perf, CPU): S_v = 128, H = 32, T = 1024 in 218 ms
+    ins = [dec(T(0x10 + i, F32, (128, 32, 1024, 1))) for i in range(3)]
+    g, beta = dec(T(0x13, F32, (1, 32, 1024, 1))), dec(T(0x14, F32, (1, 32, 1024, 1)))
+    st = dec(T(0x15, F32, (128, 128, 32, 1)))
+    out = dec(T(0x20, F32, (128 * 32, 1024 + 128, 1, 1), op_params=(1,)))
+    est = flops("GATED_DELTA_NET", out, [*ins, g, beta, st])
+    assert est / 40e9 >= 1.4 * 0.218
+    assert work_bytes("GATED_DELTA_NET", out, [*ins, g, beta, st], 8) == 4 * 128 * 8
+    out2 = dec(T(0x20, F32, (128 * 32, 1024 + 2 * 128, 1, 1), op_params=(2,)))
+    assert work_bytes("GATED_DELTA_NET", out2, [*ins, g, beta, st], 8) == 4 * (128 + 128 * 128) * 8  # ggml-cpu.c:3025
+
+
+def test_solve_tri_and_tri_pay_what_was_measured():
+    a, b = dec(T(0x10, F32, (256, 256, 4, 2))), dec(T(0x11, F32, (128, 256, 4, 2)))
+    assert flops("SOLVE_TRI", dec(T(0x20, F32, (128, 256, 4, 2))), [a, b]) / 40e9 >= 1.4 * 0.031
+    t = dec(T(0x10, F32, (1024, 1024, 8, 4)))
+    assert flops("TRI", dec(T(0x20, F32, (1024, 1024, 8, 4))), [t]) / 40e9 >= 1.4 * 0.077
+
+
+def test_dsv4_hc_comb_pays_per_sinkhorn_iteration():
+    mixes, scale, base = dec(T(0x10, F32, (24, 1, 1, 1))), dec(T(0x11, F32, (3, 1, 1, 1))), dec(T(0x12, F32, (24, 1, 1, 1)))
+    out = dec(T(0x20, F32, (4, 4, 1, 1), op_params=(0, 2**31 - 1)))
+    # 2^31 iterations of a 4x4 row and column normalization: minutes of one thread
+    assert flops("DSV4_HC_COMB", out, [mixes, scale, base]) >= 2**31 * 64
+
+
+def test_lightning_indexer_work_buffer():
+    q, k = dec(T(0x10, F32, (128, 4, 3, 1))), dec(T(0x11, F16, (128, 1, 7, 1)))
+    w, m = dec(T(0x12, F32, (4, 3, 1, 1))), dec(T(0x13, F16, (7, 3, 1, 1)))
+    out = dec(T(0x20, F32, (7, 3, 1, 1)))
+    assert work_bytes("LIGHTNING_INDEXER", out, [q, k, w, m], 8) == 4 * 128 * 8  # ggml-cpu.c:3036
+    assert flops("LIGHTNING_INDEXER", out, [q, k, w, m]) >= 2 * 128 * 4 * 7 * 3

@@ -989,3 +989,254 @@ def test_conv_2d_empty_input_keeps_the_strides_of_an_empty_tensor():
     assert exc.value.reason == "graph_shape_invalid" and "empty source" in exc.value.detail
     b.nb = None  # ggml_new_tensor's strides: every offset past the empty dim is 0
     GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [a, b, d])), st)
+
+# -- recurrent and newer-model ops -------------------------------------------------------------
+
+
+def gdn(S=4, H=2, T_=3, n_seqs=2, K=1, kda=False, Hk=None, qs=None, **over):
+    """ggml_gated_delta_net(q, k, v, g, beta, state, K) as test-backend-ops builds it."""
+    Hk = H if Hk is None else Hk
+    qs = n_seqs if qs is None else qs
+    q = T(0x10, F32, (S, Hk, T_, qs))
+    k = T(0x11, F32, (S, Hk, T_, qs))
+    v = T(0x12, F32, (S, H, T_, n_seqs))
+    g = T(0x13, F32, (S if kda else 1, H, T_, n_seqs))
+    beta = T(0x14, F32, (1, H, T_, n_seqs))
+    st = T(0x15, F32, (S, S, H, n_seqs))
+    d = T(0x20, F32, (S * H, T_ * n_seqs + K * S * n_seqs, 1, 1), op=OPS["GATED_DELTA_NET"],
+          src=tuple(range(0x10, 0x16)), op_params=(K,))
+    for key, val in over.items():
+        setattr({"q": q, "k": k, "v": v, "g": g, "b": beta, "s": st, "d": d}[key[0]], key[2:], val)
+    return [q, k, v, g, beta, st], d
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"kda": True}, {"K": 3}, {"K": 2, "T_": 1}, {"n_seqs": 1, "S": 1},
+    {"H": 4, "Hk": 2},  # v_repeat: q/k heads taken modulo (iq1 = iv1 % q.ne1)
+    {"n_seqs": 4, "qs": 2},  # fewer q/k sequences: iq3 = iv3 / (n_seqs / q.ne3)
+    # v as test-backend-ops' permuted view ([S, T, H] created, dims 1 and 2 swapped)
+    {"v_nb": (4, 4 * 4 * 3, 4 * 4, 4 * 4 * 3 * 2)},
+])
+def test_gated_delta_net_passes(kw):
+    run(*gdn(**kw))
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"K": 0}, "graph_op_params_invalid"),  # the constructor and the kernel assert K >= 1
+    ({"n_seqs": 2, "qs": 3}, "graph_shape_invalid"),  # n_seqs / q.ne3 == 0: a division by zero
+    ({"n_seqs": 3, "qs": 2}, "graph_shape_invalid"),  # iq3 = iv3 / 1 reaches 2: past q
+    ({"q_ne": (4, 2, 2, 2)}, "graph_shape_invalid"),  # fewer q tokens than v's: t*nb2 past q
+    ({"k_ne": (3, 2, 3, 2)}, "graph_shape_invalid"),  # rows shorter than S_v: the dot reads past k
+    # g of one head, H = 2: its nb1 is not looked at by ggml_is_contiguous, the kernel reads iv1*nb1
+    ({"g_ne": (1, 1, 3, 2), "g_nb": (4, 1 << 20, 4, 12)}, "graph_shape_invalid"),
+    ({"b_ne": (1, 2, 2, 2)}, "graph_shape_invalid"),  # beta of fewer tokens
+    ({"g_ne": (2, 2, 3, 2)}, "graph_shape_invalid"),  # gate neither scalar nor per channel
+    ({"s_ne": (4, 4, 2, 1)}, "graph_shape_invalid"),  # the state is [S_v, S_v, H, n_seqs]
+    ({"v_nb": (8, 64, 128, 384)}, "graph_shape_invalid"),  # v's rows not contiguous (asserted)
+    ({"g_nb": (4, 4, 12, 12)}, "graph_shape_invalid"),  # g not contiguous (asserted)
+    ({"q_type": F16}, "graph_type_invalid"),
+])
+def test_gated_delta_net_refusals(kw, why):
+    assert reason(*gdn(**kw)) == why
+
+
+def test_gated_delta_net_is_not_content_indexed():
+    # the state is found by shape (iv3 * state.nb3), no slot ids: forwarded uncontained
+    from rpcguard.protocol.oprules import op_status
+    assert op_status("GATED_DELTA_NET", V7) == "verified"
+    assert rule_for("GATED_DELTA_NET", (5, 0, 0)) is None  # only 7.0.0's constructor was read
+
+
+def test_gated_delta_net_empty_node_work_buffer_is_bounded():
+    # ggml_graph_plan sizes S_v + S_v^2 floats per thread for K > 1 even for an empty node
+    # (ggml-cpu.c:3025): a 16 KiB v of S_v = 4096 asks 4.3 GB for 64 threads
+    tensors, _ = gdn(S=4, n_seqs=1)
+    tensors[2] = T(0x12, F32, (4096, 1, 1, 1))
+    d = T(0x20, F32, (0, 1, 1, 1), op=OPS["GATED_DELTA_NET"], src=tuple(range(0x10, 0x16)), op_params=(2,))
+    assert reason(tensors, d) == "graph_work_too_large"
+    d.op_params = (1,)  # K = 1: S_v floats per thread
+    run(tensors, d)
+
+
+def solve_tri(n=4, k=3, b1=2, b2=1, **over):
+    a = T(0x10, F32, (n, n, b1, b2))
+    b = T(0x11, F32, (k, n, b1, b2))
+    d = T(0x20, F32, (k, n, b1, b2), op=OPS["SOLVE_TRI"], src=(0x10, 0x11))
+    for key, val in over.items():
+        setattr({"a": a, "b": b, "d": d}[key[0]], key[2:], val)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("kw", [{}, {"n": 1}, {"k": 1}, {"b1": 1, "b2": 3}])
+def test_solve_tri_passes(kw):
+    run(*solve_tri(**kw))
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"a_ne": (4, 3, 2, 1)}, "graph_shape_invalid"),  # A not square
+    ({"b_ne": (3, 4, 1, 1), "d_ne": (3, 4, 1, 1)}, "graph_shape_invalid"),  # batch dims differ
+    # B padded rows: the kernel reads B[i00*k + i01] as packed (the constructor asserts contiguity)
+    ({"b_nb": (4, 16, 64, 128)}, "graph_shape_invalid"),
+    ({"a_nb": (4, 20, 80, 160)}, "graph_shape_invalid"),
+    ({"a_type": F16}, "graph_type_invalid"),
+    ({"d_op_params": (1,)}, "graph_op_params_invalid"),  # ggml_solve_tri sets no op_params
+])
+def test_solve_tri_refusals(kw, why):
+    assert reason(*solve_tri(**kw)) == why
+
+
+@pytest.mark.parametrize("tri_type", [0, 1, 2, 3])
+def test_tri_passes(tri_type):
+    run([T(0x10, F32, (5, 5, 2, 1))], T(0x20, F32, (5, 5, 2, 1), op=OPS["TRI"], src=(0x10,), op_params=(tri_type,)))
+
+
+@pytest.mark.parametrize("a,params,why", [
+    (T(0x10, F32, (5, 5, 2, 1)), (4,), "graph_op_params_invalid"),  # the kernel aborts on it
+    (T(0x10, F32, (5, 5, 2, 1)), (-1,), "graph_op_params_invalid"),
+    (T(0x10, F32, (5, 4, 2, 1)), (0,), "graph_shape_invalid"),
+    (T(0x10, F32, (5, 5, 2, 1), nb=(4, 24, 120, 240)), (0,), "graph_shape_invalid"),  # asserted contiguous
+    (T(0x10, F16, (5, 5, 2, 1)), (0,), "graph_type_invalid"),
+])
+def test_tri_refusals(a, params, why):
+    assert reason([a], T(0x20, F32, a.ne, op=OPS["TRI"], src=(0x10,), op_params=params)) == why
+
+
+def lightning(kt=F32, D=32, H=4, T_=3, n_kv=7, ns=2, m3=1, **over):
+    info = TYPES[kt]
+    q = T(0x10, F32, (D, H, T_, ns))
+    k = T(0x11, kt, (D, 1, n_kv, ns))
+    w = T(0x12, F32, (H, T_, 1, ns))
+    m = T(0x13, F16, (n_kv, T_, 1, m3))
+    d = T(0x20, F32, (n_kv, T_, 1, ns), op=OPS["LIGHTNING_INDEXER"], src=(0x10, 0x11, 0x12, 0x13))
+    assert info.blck_size == 1 or D % info.blck_size == 0
+    for key, val in over.items():
+        setattr({"q": q, "k": k, "w": w, "m": m, "d": d}[key[0]], key[2:], val)
+    return [q, k, w, m], d
+
+
+@pytest.mark.parametrize("kt", [F32, F16, 30, Q8_0, Q4_0, 12])
+def test_lightning_indexer_passes(kt):
+    D = max(32, TYPES[kt].blck_size)
+    run(*lightning(kt, D=D))
+    run(*lightning(kt, D=D, ns=2, m3=2))
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"kt": I32}, "graph_type_invalid"),  # no to_float: the kernel asserts
+    ({"kt": 9}, "graph_type_invalid"),  # q8_1: no to_float either
+    ({"m_type": F32, "m_type_size": 4}, "graph_type_invalid"),
+    ({"ns": 3, "m3": 2}, "graph_shape_invalid"),  # the mask's streams must divide q's
+    ({"k_ne": (32, 2, 7, 2)}, "graph_shape_invalid"),  # k.ne1 == 1
+    ({"w_ne": (3, 3, 1, 2)}, "graph_shape_invalid"),  # one weight per head
+    ({"m_nb": (4, 28, 84, 84)}, "graph_shape_invalid"),  # the kernel asserts unit nb0 of every tensor
+    ({"q_nb": (8, 256, 1024, 3072)}, "graph_shape_invalid"),
+])
+def test_lightning_indexer_refusals(kw, why):
+    assert reason(*lightning(**kw)) == why
+
+
+def test_lightning_indexer_int_sizes():
+    # the work offset ith*(n_embd + CACHE_LINE_SIZE_F32) is an int (ops.cpp:12400): refused before
+    # it could wrap with up to GGML_MAX_N_THREADS threads (checked on the rule alone: the rows
+    # this needs do not fit the test buffer)
+    from rpcguard.protocol.encode import pack_tensor
+    from rpcguard.protocol.tensor import decode_tensor
+    rule = rule_for("LIGHTNING_INDEXER", V7)
+    assert rule is not None
+    D = (2**31 - 1) // 511 - 63
+    tensors, d = lightning(D=D)
+    ts = [decode_tensor(pack_tensor(t)) for t in tensors]
+    with pytest.raises(FirewallRefusal) as exc:
+        rule.derive(decode_tensor(pack_tensor(d)), ts + [None] * 6)
+    assert exc.value.reason == "graph_shape_invalid"
+    tensors, d = lightning(D=D - 1)
+    rule.derive(decode_tensor(pack_tensor(d)), [decode_tensor(pack_tensor(t)) for t in tensors] + [None] * 6)
+
+
+def dsv4_comb(T_=5, n_iter=4, **over):
+    mixes, scale, base = T(0x10, F32, (24, T_, 1, 1)), T(0x11, F32, (3, 1, 1, 1)), T(0x12, F32, (24, 1, 1, 1))
+    d = T(0x20, F32, (4, 4, T_, 1), op=OPS["DSV4_HC_COMB"], src=(0x10, 0x11, 0x12), op_params=(f(1e-6), n_iter))
+    for key, val in over.items():
+        setattr({"x": mixes, "s": scale, "b": base, "d": d}[key[0]], key[2:], val)
+    return [mixes, scale, base], d
+
+
+def test_dsv4_hc_comb():
+    run(*dsv4_comb())
+    run(*dsv4_comb(x_nb=(8, 200, 1000, 1000)))  # read per dimension: any strides
+    assert reason(*dsv4_comb(n_iter=0)) == "graph_op_params_invalid"
+    assert reason(*dsv4_comb(x_ne=(20, 5, 1, 1))) == "graph_shape_invalid"  # hc == 4 only
+    assert reason(*dsv4_comb(s_ne=(2, 1, 1, 1))) == "graph_shape_invalid"  # scale[2] is read
+    assert reason(*dsv4_comb(b_ne=(24, 2, 1, 1))) == "graph_shape_invalid"
+
+
+def test_dsv4_hc_pre_and_post():
+    x, w = T(0x10, F32, (31, 4, 5, 1)), T(0x11, F32, (4, 5, 1, 1))
+    pre = T(0x20, F32, (31, 5, 1, 1), op=OPS["DSV4_HC_PRE"], src=(0x10, 0x11), op_params=(f(1.0), 0))
+    run([x, w], pre)
+    gate = T(0x11, F32, (31, 4, 5, 1))
+    run([x, gate], T(0x20, F32, (31, 5, 1, 1), op=OPS["DSV4_HC_PRE"], src=(0x10, 0x11), op_params=(f(0.25), 1)))
+    assert reason([x, w], T(0x20, F32, (31, 5, 1, 1), op=OPS["DSV4_HC_PRE"], src=(0x10, 0x11),
+                            op_params=(f(0.25), 1))) == "graph_shape_invalid"  # gated weights are [n_embd, hc, T]
+    assert reason([x, w], T(0x20, F32, (31, 5, 1, 1), op=OPS["DSV4_HC_PRE"], src=(0x10, 0x11),
+                            op_params=(f(0.25), 2))) == "graph_op_params_invalid"
+    xp, res, post = T(0x10, F32, (31, 5, 1, 1)), T(0x11, F32, (31, 4, 5, 1)), T(0x12, F32, (4, 5, 1, 1))
+    comb = T(0x13, F32, (4, 4, 5, 1))
+    out = T(0x20, F32, (31, 4, 5, 1), op=OPS["DSV4_HC_POST"], src=(0x10, 0x11, 0x12, 0x13))
+    run([xp, res, post, comb], out)
+    run([xp, res, post], T(0x20, F32, (31, 4, 5, 1), op=OPS["DSV4_HC_POST"], src=(0x10, 0x11, 0x12)))  # identity
+    assert reason([xp, res, post, T(0x13, F32, (4, 3, 5, 1))], out) == "graph_shape_invalid"
+    assert reason([xp, res, T(0x12, F32, (4, 4, 1, 1)), comb], out) == "graph_shape_invalid"
+
+
+# SAM-style windows and relative positions (no test-backend-ops cases: the acceptance fuzz alone)
+
+
+def test_win_part():
+    a = T(0x10, F32, (8, 5, 3, 1))  # C, W, H; w = 2: 3 x 2 windows
+    node = T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(3, 2, 2))
+    run([a], node)
+    assert reason([a], T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(2, 3, 2))) == \
+        "graph_op_params_invalid"  # npx, npy as the constructor computes them
+    assert reason([a], T(0x20, F32, (8, 2, 2, 6), op=OPS["WIN_PART"], src=(0x10,), op_params=(3, 2, 0))) == \
+        "graph_op_params_invalid"  # w = 0 (the constructor divides by it)
+    # padded rows: the constructor takes them, the kernel reads a as a packed array
+    padded = T(0x10, F32, (8, 5, 3, 1), nb=(4, 64, 320, 960))
+    assert reason([padded], node) == "graph_shape_invalid"
+
+
+def test_win_unpart():
+    a = T(0x10, F32, (8, 2, 2, 6))
+    node = T(0x20, F32, (8, 5, 3, 1), op=OPS["WIN_UNPART"], src=(0x10,), op_params=(2,))
+    run([a], node)
+    # the constructor asks nothing of a: fewer windows than ceil(5/2)*ceil(3/2) = 6, or windows
+    # smaller than w x w, read past a
+    assert reason([T(0x10, F32, (8, 2, 2, 5))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (8, 1, 2, 12))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (8, 2, 2, 6), nb=(4, 36, 72, 144))], node) == "graph_shape_invalid"
+    assert reason([a], T(0x20, F32, (8, 5, 3, 1), op=OPS["WIN_UNPART"], src=(0x10,), op_params=(0,))) == \
+        "graph_op_params_invalid"  # the kernel takes ne1 % w
+
+
+@pytest.mark.parametrize("t", [F16, 30])
+def test_get_rel_pos(t):
+    a = T(0x10, t, (16, 7, 1, 1))  # 2*4 - 1 positions
+    node = T(0x20, F16, (16, 4, 4, 1), op=OPS["GET_REL_POS"], src=(0x10,))
+    run([a], node)
+    assert reason([T(0x10, t, (16, 8, 1, 1))], node) == "graph_shape_invalid"  # not 2*q - 1
+    # padded rows: the kernel reads src[pos*ne00 + i0]
+    assert reason([T(0x10, t, (16, 7, 1, 1), nb=(2, 34, 238, 238))], node) == "graph_shape_invalid"
+    assert reason([T(0x10, F32, (16, 7, 1, 1))], node) == "graph_type_invalid"
+
+
+def test_add_rel_pos():
+    a = T(0x10, F32, (9, 6, 2, 1))  # w^2 = 9, h*w' = 6, 2 patches
+    pw, ph = T(0x11, F32, (3, 2, 3, 2)), T(0x12, F32, (3, 2, 3, 2))
+    run([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12), op_params=(0,)))
+    view = dict(view_src=0x10, data=a.data)
+    run([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12), op_params=(1,), **view))
+    # a view of a whose flag says "not in place": the kernel memcpy's a onto itself
+    assert reason([a, pw, ph], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"], src=(0x10, 0x11, 0x12),
+                                 op_params=(0,), **view)) == "graph_shape_invalid"
+    assert reason([a, pw, T(0x12, F32, (3, 2, 3, 1))], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"],
+                                                        src=(0x10, 0x11, 0x12))) == "graph_shape_invalid"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import (
-    F16, F32, F32_F16, I32, New, ONLY_F32, OpRule, Result, Srcs, check_types, dup_or_inplace, f32,
-    is_contiguous, need, refuse, rows_contiguous,
+    BF16, F16, F32, F32_F16, I32, INT32_MAX, New, ONLY_F32, OpRule, Result, Srcs, check_types, dup_or_inplace,
+    f32, is_contiguous, need, refuse, rows_contiguous,
 )
 from rpcguard.protocol.oprules.matmul import PRECS, VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
@@ -112,6 +112,90 @@ def _diag_mask(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return dup_or_inplace(a)
 
 
+# ggml.c type_traits with a to_float (F16, BF16 and every type with a CPU vec_dot, q8_1 and
+# q8_K excepted), plus F32, which the kernel reads in place; any other K type aborts.
+_LI_K_TYPES = frozenset(VEC_DOT)
+_LI_THREADS = 512  # ggml.h:225 GGML_MAX_N_THREADS
+_LI_LINE_F32 = 64  # ops.h:15 CACHE_LINE_SIZE_F32 at its largest (256-byte lines)
+
+
+def _lightning_indexer(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_lightning_indexer ggml.c:6432 (q k weights mask): q F32 [D, n_head, T, n_stream], k
+    [D, 1, n_kv, n_stream], weights F32 [n_head, T, 1, n_stream], mask F16 [n_kv, T, 1, m3]
+    with n_stream % m3 == 0; result F32 (n_kv, T, 1, n_stream). The kernel (ops.cpp:12355
+    ggml_compute_forward_lightning_indexer) asserts unit nb0 of all five tensors and a K type it
+    can convert (F32 read in place, else ggml_get_type_traits(k)->to_float into the work buffer
+    at ``ith*(D + CACHE_LINE_SIZE_F32)``), then indexes every dimension by its own stride. It
+    holds D, n_head, T, n_stream and n_kv in ``int``: each below 2^31, n_kv plus the thread count
+    (its ``nr + nth - 1``) and the work offset ``ith*(D + CACHE_LINE_SIZE_F32)`` too. Scores
+    only: the top-k that selects keys with them is a separate op."""
+    q, k, w, m = s[0], s[1], s[2], s[3]
+    assert q is not None and k is not None and w is not None and m is not None
+    op = "LIGHTNING_INDEXER"
+    check_types(n, op, ONLY_F32, q, w)
+    check_types(n, op, frozenset({F16}), m)
+    check_types(n, op, _LI_K_TYPES, k)
+    ok = (q.ne0 == k.ne0 and m.ne0 == k.ne2 and q.ne1 == w.ne0 and k.ne1 == 1 and m.ne1 == q.ne2
+          and q.ne2 == w.ne1 and w.ne2 == 1 and m.ne2 == 1 and q.ne3 == k.ne3 == w.ne3 and w.ne3 % m.ne3 == 0)
+    need(ok, n, op, f"q {q.ne} k {k.ne} weights {w.ne} mask {m.ne}")
+    need(all(t.nb0 == TYPES[t.type].type_size for t in (q, k, w, m)), n, op, "nb0 is not the element size")
+    ints = max(q.ne) <= INT32_MAX and k.ne2 + _LI_THREADS <= INT32_MAX
+    need(ints and (_LI_THREADS - 1) * (q.ne0 + _LI_LINE_F32) <= INT32_MAX, n, op, "sizes past the kernel's int")
+    return New(F32, (k.ne2, q.ne2, 1, q.ne3))
+
+
+DSV4_HC = 4  # ggml.c:6492 GGML_ASSERT(hc == 4); the kernels fix hc = 4 (ops.cpp:11383)
+DSV4_MIX = (2 + DSV4_HC) * DSV4_HC
+
+
+def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_comb ggml.c:6468 (mixes scale base, params eps, n_iter > 0): mixes F32
+    [(2+hc)*hc, T, 1, 1] with hc == 4 (the only solution of the constructor's search it keeps),
+    scale F32 [>= 3], base F32 [24]; result F32 (4, 4, T). The kernel (ops.cpp:11371) reads
+    elements 8..23 of each mixes row and of base, scale's element 2, by their own strides, and
+    writes the result per dimension; n_iter is its Sinkhorn iteration count (priced in cost.py)."""
+    mixes, scale, base = s[0], s[1], s[2]
+    assert mixes is not None and scale is not None and base is not None
+    check_types(n, "DSV4_HC_COMB", ONLY_F32, mixes, scale, base)
+    if n.param1 <= 0:  # ggml.c:6478 / ops.cpp:11403 GGML_ASSERT(n_iter > 0)
+        raise refuse(n, "DSV4_HC_COMB", f"n_iter {n.param1}", "graph_op_params_invalid")
+    ok = (mixes.ne0 == DSV4_MIX and mixes.ne2 == 1 and mixes.ne3 == 1 and scale.ne0 >= 3
+          and scale.ne[1:] == (1, 1, 1) and base.ne == (DSV4_MIX, 1, 1, 1))
+    need(ok, n, "DSV4_HC_COMB", f"mixes {mixes.ne} scale {scale.ne} base {base.ne}")
+    return New(F32, (DSV4_HC, DSV4_HC, mixes.ne1, 1))
+
+
+def _dsv4_hc_pre(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_pre_impl ggml.c:6519 (x weights, params scale, gated): x F32 [n_embd, hc, T, 1],
+    weights F32 [hc, T, 1, 1] or, gated (ggml_dsv4_hc_pre_gated), [n_embd, hc, T, 1]; result F32
+    (n_embd, T). The kernel (ops.cpp:11477) reads both per dimension by their own strides."""
+    x, w = s[0], s[1]
+    assert x is not None and w is not None
+    check_types(n, "DSV4_HC_PRE", ONLY_F32, x, w)
+    gated = n.param1
+    if gated not in (0, 1):
+        raise refuse(n, "DSV4_HC_PRE", f"gated {gated}", "graph_op_params_invalid")
+    n_embd, hc, T = x.ne0, x.ne1, x.ne2
+    want = (n_embd, hc, T, 1) if gated else (hc, T, 1, 1)
+    need(x.ne3 == 1 and w.ne == want, n, "DSV4_HC_PRE", f"x {x.ne} weights {w.ne}")
+    return New(F32, (n_embd, T, 1, 1))
+
+
+def _dsv4_hc_post(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_dsv4_hc_post ggml.c:6574 (x residual post [comb]): x F32 [n_embd, T, 1, 1], residual
+    F32 [n_embd, hc, T, 1], post F32 [hc, T, 1, 1], comb F32 [hc, hc, T, 1] or absent (identity
+    mixing); result F32 (n_embd, hc, T). The kernel (ops.cpp:11557) reads everything per
+    dimension by its own strides; with comb each output sums hc products (priced in cost.py)."""
+    x, res, post, comb = s[0], s[1], s[2], s[3]
+    assert x is not None and res is not None and post is not None
+    check_types(n, "DSV4_HC_POST", ONLY_F32, x, res, post, *([comb] if comb is not None else []))
+    n_embd, T, hc = x.ne0, x.ne1, res.ne1
+    ok = (x.ne2 == 1 and x.ne3 == 1 and res.ne0 == n_embd and res.ne2 == T and res.ne3 == 1
+          and post.ne == (hc, T, 1, 1) and (comb is None or comb.ne == (hc, hc, T, 1)))
+    need(ok, n, "DSV4_HC_POST", f"x {x.ne} residual {res.ne} post {post.ne} comb {comb.ne if comb else None}")
+    return New(F32, (n_embd, hc, T, 1))
+
+
 ROWS: tuple[OpRule, ...] = (
     OpRule("DIAG_MASK_INF", "ggml.c:4071 ggml_diag_mask_inf", 1, _diag_mask, params=1),
     OpRule("DIAG_MASK_ZERO", "ggml.c:4103 ggml_diag_mask_zero", 1, _diag_mask, params=1),
@@ -123,4 +207,12 @@ ROWS: tuple[OpRule, ...] = (
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
            params=4, until=(7, 0, 0)),
+    OpRule("LIGHTNING_INDEXER", "ggml.c:6432 ggml_lightning_indexer", 4, _lightning_indexer, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("DSV4_HC_COMB", "ggml.c:6468 ggml_dsv4_hc_comb", 3, _dsv4_hc_comb, params=2, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("DSV4_HC_PRE", "ggml.c:6519 ggml_dsv4_hc_pre_impl (ggml_dsv4_hc_pre, _gated)", 2, _dsv4_hc_pre, params=2,
+           since=(7, 0, 0), flat_rows=False),
+    OpRule("DSV4_HC_POST", "ggml.c:6574 ggml_dsv4_hc_post", 3, _dsv4_hc_post, optional=1, since=(7, 0, 0),
+           flat_rows=False),
 )

@@ -1,5 +1,5 @@
-"""Rows of the convolution, pooling, resampling and image-window ops: IM2COL, the convolutions, POOL_1D/2D,
-UPSCALE, and the window and relative-position ops of SAM-style encoders.
+"""Rows of the convolution, pooling and resampling ops: IM2COL (2D, 3D), COL2IM_1D, the convolutions
+(CONV_2D, CONV_3D, CONV_2D_DW, CONV_TRANSPOSE_1D/2D), POOL_1D/2D, UPSCALE.
 
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.

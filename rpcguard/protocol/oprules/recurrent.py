@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rpcguard.protocol.oprules.base import (
     Derive, F32, I32, INT32_MAX, New, ONLY_F32, OpRule, Result, Srcs, check_types, is_contiguous, need,
-    nelements,
+    nelements, refuse, rows_contiguous,
 )
 from rpcguard.protocol.tensor import RpcTensor
 
@@ -96,10 +96,88 @@ def _ssm_scan(n: RpcTensor, s: Srcs) -> Result:
     return New(F32, (nelements(x) + K * d_state * head_dim * n_head * ids.ne0, 1, 1, 1))
 
 
+GDN_OP = "GATED_DELTA_NET"
+
+
+def _gated_delta_net(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_gated_delta_net ggml.c:6375 (srcs q k v g beta state, param K): v [S_v, H, T, n_seqs],
+    g [1 or S_v, ...], beta [1, ...], state [S_v, S_v, H, n_seqs] contiguous, K >= 1; result F32
+    (S_v*H, T*n_seqs + K*S_v*n_seqs): the outputs, then K snapshots of the new state. All F32, q
+    k v with contiguous rows, g beta state contiguous (the constructor and the kernel,
+    ops.cpp:11142-11147, assert both). The kernel (ops.cpp:11124
+    ggml_compute_forward_gated_delta_net_one_chunk) runs one (head iv1, sequence iv3) per row
+    and per token t reads S_v floats of each row ``q + iq3*nb3 + t*nb2 + iq1*nb1`` (iq1 = iv1 %
+    q.ne1, iq3 = iv3 / (n_seqs / q.ne3)), the same of k, v's own row, one float of beta and 1 or
+    S_v of g at ``iv3*nb3 + t*nb2 + iv1*nb1``, and the state's ``iv3*nb3/4 + iv1*S_v*S_v``. The
+    state is found by its shape, not by contents (no slot ids: not content-indexed). The
+    constructor checks neither q nor k nor the outer dims of g and beta; every index above stays
+    inside its dimension only if q and k have rows of at least S_v, at least T tokens and a
+    sequence count dividing n_seqs (else ``n_seqs / q.ne3`` is 0, a division by zero, or the
+    last sequences read past q), and g and beta at least H, T, n_seqs in dims 1-3 (a size-1 dim
+    of a contiguous tensor has any stride: ggml_is_contiguous ignores it). Each dimension is
+    indexed by its own stride (test-backend-ops hands it permuted q/k/v views): no flat-row walk."""
+    q, k, v, g, beta, state = (s[i] for i in range(6))
+    assert q is not None and k is not None and v is not None and g is not None
+    assert beta is not None and state is not None
+    check_types(n, GDN_OP, ONLY_F32, q, k, v, g, beta, state)
+    need(all(rows_contiguous(t) for t in (q, k, v)) and all(is_contiguous(t) for t in (g, beta, state)), n,
+          GDN_OP, "layouts the constructor asserts")
+    S_v, H, T, n_seqs = v.ne
+    K = n.param0
+    if K < 1:  # ggml.c:6412, ops.cpp:11166 GGML_ASSERT(K >= 1)
+        raise refuse(n, GDN_OP, f"K {K}", "graph_op_params_invalid")
+    need(g.ne0 in (1, S_v) and beta.ne0 == 1 and state.ne == (S_v, S_v, H, n_seqs), n, GDN_OP,
+          f"g {g.ne} beta {beta.ne} state {state.ne} for v {v.ne}")
+    for t in (q, k):
+        need(t.ne0 >= S_v and t.ne2 >= T and n_seqs % t.ne3 == 0, n, GDN_OP,
+              f"q/k {t.ne}: rows of {S_v}, {T} tokens, sequences dividing {n_seqs}")
+    for t in (g, beta):
+        need(t.ne1 >= H and t.ne2 >= T and t.ne3 >= n_seqs, n, GDN_OP, f"g/beta {t.ne} for v {v.ne}")
+    return New(F32, (S_v * H, T * n_seqs + K * S_v * n_seqs, 1, 1))
+
+
+def _solve_tri(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_solve_tri ggml.c:6340: a (A) square F32 [n, n, B1, B2], b F32 [k, n, B1, B2], both
+    contiguous; only lower/left/non-unit is built and no op_param records it; result F32 of b's
+    shape. The kernel (ops.cpp:11053 ggml_compute_forward_solve_tri_f32) repeats those asserts
+    (aborts) and walks each batch ``i02*nb02 + i03*nb03`` as packed rows (``A[i00*n + t]``,
+    ``B[i00*k + i01]``), which the contiguity gives. A zero on A's diagonal is a plain assert
+    (compiled out with NDEBUG, as both servers are built): a division giving inf/NaN."""
+    a, b = s[0], s[1]
+    assert a is not None and b is not None
+    check_types(n, "SOLVE_TRI", ONLY_F32, a, b)
+    ok = a.ne0 == a.ne1 == b.ne1 and a.ne2 == b.ne2 and a.ne3 == b.ne3
+    need(ok, n, "SOLVE_TRI", f"A {a.ne} B {b.ne}")
+    need(is_contiguous(a) and is_contiguous(b), n, "SOLVE_TRI", "sources not contiguous (the constructor asserts it)")
+    return New(F32, b.ne)
+
+
+TRI_TYPES = frozenset({0, 1, 2, 3})  # ggml.h:670 enum ggml_tri_type (the kernel aborts on others)
+
+
+def _tri(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_tri ggml.c:5377: a square contiguous F32, param the triangle type; result
+    ggml_dup_tensor(a). The kernel (ops.cpp:2339 ggml_compute_forward_tri_f32) asserts the
+    contiguity, aborts on a type outside the enum, reads ``src[i0]`` of each row at
+    ``i01*nb01 + i02*nb02 + i03*nb03`` and compares ``int`` indices (ne0 == ne1 keeps them far
+    below 2^31: ne0^2 elements fit in a buffer)."""
+    a = s[0]
+    assert a is not None
+    if n.param0 not in TRI_TYPES:
+        raise refuse(n, "TRI", f"type {n.param0}", "graph_op_params_invalid")
+    check_types(n, "TRI", ONLY_F32, a)
+    need(a.ne0 == a.ne1 and is_contiguous(a), n, "TRI", f"{a.ne} not square and contiguous")
+    return New(F32, a.ne)
+
+
 ROWS: tuple[OpRule, ...] = (
     OpRule("SSM_CONV", "ggml.c:5668 ggml_ssm_conv", 2, _ssm_conv),
     OpRule("SSM_SCAN", "ggml.c:5696 ggml_ssm_scan", 7, _ssm_scan, params=1),
     OpRule("RWKV_WKV6", "ggml.c:5882 ggml_rwkv_wkv6", 6, _linear_attn(5, 5, "RWKV_WKV6")),
     OpRule("RWKV_WKV7", "ggml.c:5968 ggml_rwkv_wkv7", 7, _linear_attn(6, 6, "RWKV_WKV7")),
     OpRule("GATED_LINEAR_ATTN", "ggml.c:5925 ggml_gated_linear_attn", 5, _linear_attn(4, 4, "GATED_LINEAR_ATTN"), params=1),
+    OpRule("GATED_DELTA_NET", "ggml.c:6375 ggml_gated_delta_net", 6, _gated_delta_net, params=1, since=(7, 0, 0),
+           flat_rows=False),
+    OpRule("SOLVE_TRI", "ggml.c:6340 ggml_solve_tri", 2, _solve_tri, since=(7, 0, 0)),
+    OpRule("TRI", "ggml.c:5377 ggml_tri", 1, _tri, params=1, since=(7, 0, 0)),
 )

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from rpcguard.protocol.ggml import Version
-from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce
+from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, window
 from rpcguard.protocol.oprules.base import OpRule
 
 # -- the table -------------------------------------------------------------------------------
@@ -20,6 +20,7 @@ _ROWS: tuple[OpRule, ...] = (
     *reduce.ROWS,
     *recurrent.ROWS,
     *conv.ROWS,
+    *window.ROWS,
 )
 
 # Ops whose every CPU kernel (0.3.36 ggml-cpu/ops.cpp, binary-ops.cpp, unary-ops.cpp) indexes each
