@@ -134,6 +134,23 @@ def _work_conv_transpose_1d(n: RpcTensor, s: Srcs, nt: int) -> int:
     return es * (k.ne0 * k.ne1 * k.ne2 + x.ne0 * x.ne1)
 
 
+# -- training and backward ops (ggml-cpu.c ggml_graph_plan of both 7.0.0 trees) --
+
+
+def _work_out_prod(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]  # ggml-cpu.c:2915: one F32 row of src0 per thread to dequantize into (F16, block types)
+    return 4 * a.ne0 * nt if a is not None and (a.type == F16 or _quantized(a.type)) else 0
+
+
+def _work_count_equal(n: RpcTensor, s: Srcs, nt: int) -> int:
+    return _row_size(n.type, nt)  # ggml-cpu.c:2879: one partial count per thread
+
+
+def _work_cross_entropy_loss(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]  # ggml-cpu.c:3021: per thread a partial sum and a row of src0
+    return _row_size(n.type, nt + a.ne0 * nt) if a is not None else 0
+
+
 _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "CPY": _work_cpy, "DUP": _work_cpy,
     "ADD": _work_add, "ADD_ID": _work_add, "ADD1": _work_add,
@@ -144,6 +161,8 @@ _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "TOP_K": _work_top_k,
     "FLASH_ATTN_EXT": _work_flash_attn,
     "CONV_TRANSPOSE_1D": _work_conv_transpose_1d,
+    # -- training and backward ops
+    "OUT_PROD": _work_out_prod, "COUNT_EQUAL": _work_count_equal, "CROSS_ENTROPY_LOSS": _work_cross_entropy_loss,
 }  # fmt: skip
 
 
@@ -266,10 +285,20 @@ def _upscale(n: RpcTensor, s: Srcs) -> int:
     return POOL_FLOPS * taps * _n(n)
 
 
+def _add1(n: RpcTensor, s: Srcs) -> int:
+    # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
+    # add1_q_f32): priced as the converting copies are (CONVERT_FLOPS per element read or written)
+    a = s[0]
+    per = CONVERT_FLOPS if a is not None and _quantized(a.type) else ELEMENT_FLOPS
+    return per * (_n(n) + sum(_n(t) for t in s))
+
+
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
     "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
     "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
     "CONV_2D": _conv_2d, "CONV_2D_DW": _conv_2d_dw, "CONV_TRANSPOSE_1D": _conv_transpose_1d, "UPSCALE": _upscale,
+    # -- training and backward ops
+    "ADD1": _add1,
 }  # fmt: skip
 
 
