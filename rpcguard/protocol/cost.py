@@ -185,6 +185,14 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 BYTE_FLOPS: Final = 4
 FA_FACTOR: Final = {False: 3, True: 5}  # FLASH_ATTN_EXT with F16/F32 K/V, with quantized K/V
 OUT_PROD_FACTOR: Final = 6  # vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
+# OUT_PROD with an F16 src0 (out_prod_f16_f32 converts a row per dst row and inner index): 5-7x
+# slower than q8_0's path, measured (bench/studies/compute_cost.py --only train: 1024x256x1024 in
+# 254-289 ms on one thread, 0.32 of the estimate at factor 6, 1.3 at 28); 32 keeps 1.4x
+OUT_PROD_F16_FACTOR: Final = 32
+# ADD1 of a block type (dequantize, add, quantize again per row): q4_K 4096x1024 in 6.4-8.6 ms, q2_K
+# in 5.3-6.9 ms on one thread (compute_cost.py --only train), 1.1-1.3x at 32 per element, 1.2-1.5x
+# at 48: 64 keeps 1.6x
+ADD1_BLOCK_FLOPS: Final = 64
 CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is not F32
 SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
 POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
@@ -225,7 +233,8 @@ def _matmul(n: RpcTensor, s: Srcs) -> int:
 
 def _out_prod(n: RpcTensor, s: Srcs) -> int:
     a = s[0]  # ops.cpp out_prod loops over src0's ne1
-    return OUT_PROD_FACTOR * 2 * (a.ne1 if a is not None else 1) * _n(n)
+    factor = OUT_PROD_F16_FACTOR if a is not None and a.type == F16 else OUT_PROD_FACTOR
+    return factor * 2 * (a.ne1 if a is not None else 1) * _n(n)
 
 
 def _flash_attn(n: RpcTensor, s: Srcs) -> int:
@@ -287,9 +296,9 @@ def _upscale(n: RpcTensor, s: Srcs) -> int:
 
 def _add1(n: RpcTensor, s: Srcs) -> int:
     # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
-    # add1_q_f32): priced as the converting copies are (CONVERT_FLOPS per element read or written)
+    # add1_q_f32): ADD1_BLOCK_FLOPS per element read or written
     a = s[0]
-    per = CONVERT_FLOPS if a is not None and _quantized(a.type) else ELEMENT_FLOPS
+    per = ADD1_BLOCK_FLOPS if a is not None and _quantized(a.type) else ELEMENT_FLOPS
     return per * (_n(n) + sum(_n(t) for t in s))
 
 
