@@ -399,6 +399,21 @@ def out_prod(m: int, n: int, k: int) -> Recipe:
     return r
 
 
+def out_prod_t(m: int, n: int, k: int, ta: str) -> Recipe:
+    """OUT_PROD with an F16 or block-type src0 (ops.cpp out_prod_q_f32 / _f16_f32: a row of src0
+    dequantized per dst row and inner index)."""
+    r = Recipe()
+    r.op("out_prod", r.leaf(ta, [m, k]), r.leaf("f32", [n, k]))
+    return r
+
+
+def add1(ne0: int, ne1: int, ta: str) -> Recipe:
+    """ADD1 of a scalar: a block-type src0 is dequantized, incremented and quantized again per row."""
+    r = Recipe()
+    r.op("add1", r.leaf(ta, [ne0, ne1]), r.leaf("f32", [1]))
+    return r
+
+
 def argsort(ne0: int, rows: int) -> Recipe:
     r = Recipe()
     r.op("argsort", r.leaf("f32", [ne0, rows]), 0)
@@ -523,6 +538,11 @@ def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
     # ops whose work is not proportional to the elements they read and write
     out.append(Case("out_prod f32 m=64 n=64 k=65536", "extra", out_prod(64, 64, 65536), real=False))
     out.append(Case("out_prod f32 m=1024 n=1024 k=1024", "extra", out_prod(1024, 1024, 1024), real=False))
+    # the training rules (branch rules-train): OUT_PROD's dequantizing paths, ADD1 of block types
+    for ta in ("f16", "q8_0", "q4_K"):
+        out.append(Case(f"out_prod {ta} m=1024 n=256 k=1024", "train", out_prod_t(1024, 256, 1024, ta), real=False))
+    for ta in ("f32", "q8_0", "q4_K", "q2_K"):
+        out.append(Case(f"add1 {ta} 4096x1024", "train", add1(4096, 1024, ta), real=False))
     out.append(Case("argsort f32 32000x1", "extra", argsort(32000, 1)))
     out.append(Case("argsort f32 32000x64", "extra", argsort(32000, 64)))
     out.append(Case("pool_2d avg 64x64x256 k=32 s=1", "extra", pool_2d(64, 256, 32), real=False))

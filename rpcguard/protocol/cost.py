@@ -151,6 +151,21 @@ def _work_lightning_indexer(n: RpcTensor, s: Srcs, nt: int) -> int:
     """ggml-cpu.c:3036: one F32 row of k.ne0 per task (K dequantized), whatever K's type."""
     k = s[1]
     return 4 * k.ne0 * nt if k is not None else 0
+# -- training and backward ops (ggml-cpu.c ggml_graph_plan of both 7.0.0 trees) --
+
+
+def _work_out_prod(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]  # ggml-cpu.c:2915: one F32 row of src0 per thread to dequantize into (F16, block types)
+    return 4 * a.ne0 * nt if a is not None and (a.type == F16 or _quantized(a.type)) else 0
+
+
+def _work_count_equal(n: RpcTensor, s: Srcs, nt: int) -> int:
+    return _row_size(n.type, nt)  # ggml-cpu.c:2879: one partial count per thread
+
+
+def _work_cross_entropy_loss(n: RpcTensor, s: Srcs, nt: int) -> int:
+    a = s[0]  # ggml-cpu.c:3021: per thread a partial sum and a row of src0
+    return _row_size(n.type, nt + a.ne0 * nt) if a is not None else 0
 
 
 _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
@@ -165,6 +180,8 @@ _WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
     "CONV_TRANSPOSE_1D": _work_conv_transpose_1d,
     # -- recurrent and newer-model ops --
     "GATED_DELTA_NET": _work_gated_delta_net, "LIGHTNING_INDEXER": _work_lightning_indexer,
+    # -- training and backward ops
+    "OUT_PROD": _work_out_prod, "COUNT_EQUAL": _work_count_equal, "CROSS_ENTROPY_LOSS": _work_cross_entropy_loss,
 }  # fmt: skip
 
 
@@ -187,6 +204,14 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 BYTE_FLOPS: Final = 4
 FA_FACTOR: Final = {False: 3, True: 5}  # FLASH_ATTN_EXT with F16/F32 K/V, with quantized K/V
 OUT_PROD_FACTOR: Final = 6  # vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
+# OUT_PROD with an F16 src0 (out_prod_f16_f32 converts a row per dst row and inner index): 5-7x
+# slower than q8_0's path, measured (bench/studies/compute_cost.py --only train: 1024x256x1024 in
+# 254-289 ms on one thread, 0.32 of the estimate at factor 6, 1.3 at 28); 32 keeps 1.4x
+OUT_PROD_F16_FACTOR: Final = 32
+# ADD1 of a block type (dequantize, add, quantize again per row): q4_K 4096x1024 in 6.4-8.6 ms, q2_K
+# in 5.3-6.9 ms on one thread (compute_cost.py --only train), 1.1-1.3x at 32 per element, 1.2-1.5x
+# at 48: 64 keeps 1.6x
+ADD1_BLOCK_FLOPS: Final = 64
 CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is not F32
 SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
 POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
@@ -227,7 +252,8 @@ def _matmul(n: RpcTensor, s: Srcs) -> int:
 
 def _out_prod(n: RpcTensor, s: Srcs) -> int:
     a = s[0]  # ops.cpp out_prod loops over src0's ne1
-    return OUT_PROD_FACTOR * 2 * (a.ne1 if a is not None else 1) * _n(n)
+    factor = OUT_PROD_F16_FACTOR if a is not None and a.type == F16 else OUT_PROD_FACTOR
+    return factor * 2 * (a.ne1 if a is not None else 1) * _n(n)
 
 
 def _flash_attn(n: RpcTensor, s: Srcs) -> int:
@@ -345,6 +371,12 @@ def _lightning_indexer(n: RpcTensor, s: Srcs) -> int:
     if q is None or k is None:
         return 0
     return LIGHTNING_FLOPS * _n(q) * k.ne2 + CONVERT_FLOPS * _n(k) * q.ne2  # K re-converted for every token
+def _add1(n: RpcTensor, s: Srcs) -> int:
+    # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
+    # add1_q_f32): ADD1_BLOCK_FLOPS per element read or written
+    a = s[0]
+    per = ADD1_BLOCK_FLOPS if a is not None and _quantized(a.type) else ELEMENT_FLOPS
+    return per * (_n(n) + sum(_n(t) for t in s))
 
 
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
@@ -354,6 +386,8 @@ _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
     # -- recurrent and newer-model ops --
     "GATED_DELTA_NET": _gated_delta_net, "SOLVE_TRI": _solve_tri, "DSV4_HC_COMB": _dsv4_hc_comb,
     "DSV4_HC_PRE": _dsv4_hc_pre, "DSV4_HC_POST": _dsv4_hc_post, "LIGHTNING_INDEXER": _lightning_indexer, "TRI": _tri,
+    # -- training and backward ops
+    "ADD1": _add1,
 }  # fmt: skip
 
 

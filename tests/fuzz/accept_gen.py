@@ -43,7 +43,7 @@ from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes
 from rpcguard.protocol.versions import COMMAND_IDS, spec_for
 
 __all__ = ["VERSION", "Case", "Tensor", "ops", "generate", "accepts", "materialize", "payload_of", "span",
-           "PROTOS", "FLOAT_EDGES", "CONTAINED_OPS", "policy_for"]
+           "PROTOS", "FLOAT_EDGES", "CONTAINED_OPS", "policy_for", "WRITTEN_SOURCES", "output_spans"]
 
 VERSION = (7, 0, 0)
 SPEC = spec_for(VERSION)
@@ -286,6 +286,7 @@ class Src:
     ne: tuple[int, int, int, int]
     fill: str = "rand"
     layout: str | None = None  # force a layout mode
+    flags: int = 0  # GGML_TENSOR_FLAG_* of the source (OPT_STEP_*: PARAM)
 
 
 @dataclass
@@ -1122,6 +1123,136 @@ PROTOS.update({
 })
 
 
+# -- training and backward ops -------------------------------------------------------------------
+
+
+def _same(d: Draw, t: int, ne: tuple[int, int, int, int], n: int) -> list[Src]:
+    """``n`` sources of type ``t`` and shape ``ne`` (sometimes one of another type: refused)."""
+    return [S(t if d.p(0.9) else d.ftype(), ne) for _ in range(n)]
+
+
+def p_out_prod(d: Draw) -> Proto:
+    """ggml_out_prod: a [M, K, A2, A3] (F32, F16 or a block type), b [N, K, A2*r2, A3*r3] F32; K
+    at least 32 a third of the time (the unrolled F32 path, its int offsets); broadcast also for
+    non-F32 a (refused: those kernels assert no broadcast); b sometimes another type (refused)."""
+    at = d.ftype((F32, F32, F16, Q8_0, 2, 12, BF16))
+    M = blocked(at, d.dim(True))
+    K = d.pick((1, 2, 31, 32, 33, 64, 65, d.dim(), d.dim(True)))
+    N, A2, A3 = d.dim(True), d.pick((1, 1, 2, 3)), d.pick((1, 1, 2))
+    r2, r3 = d.pick((1, 1, 2, 3)), d.pick((1, 1, 2))
+    bt = F32 if d.p(0.85) else d.ftype((F16, BF16))
+    return Proto([S(at, (M, K, A2, A3)), S(bt, (N, K, A2 * r2, A3 * r3))])
+
+
+def p_silu_back(d: Draw) -> Proto:
+    t = d.ftype((F32, F16))
+    ne = d.shape()
+    return Proto(_same(d, t, ne, 2))
+
+
+def p_rms_norm_back(d: Draw) -> Proto:
+    return Proto(_same(d, d.ftype((F32,)), d.shape(), 2), params=[d.f(0, 1e-3)])
+
+
+def p_soft_max_back(d: Draw) -> Proto:
+    max_bias = d.pick((0, 0, 0, fbits(-0.0), d.f()))
+    return Proto(_same(d, d.ftype((F32,)), d.shape(), 2), params=[d.f(), max_bias])
+
+
+def p_repeat_back(d: Draw) -> Proto:
+    ne = d.shape()
+    mult = [d.pick((1, 1, 2, 3, 7)) for _ in range(4)]
+    return Proto([S(d.ftype((F32,)), tuple(x * m for x, m in zip(ne, mult)))], node_ne=ne)
+
+
+def p_get_rows_back(d: Draw) -> Proto:
+    """ggml_get_rows_back: a [ne0, rows] F32/F16, b rows-or-fewer I32 indices (zero: row 0 of the
+    result), the result [ne0, R] (R the caller's c.ne1); sometimes more indices than rows of a
+    (refused: the kernel reads a row per index)."""
+    ne0, rows = d.dim(True), d.dim()
+    n = d.pick((rows, rows, max(1, rows - 1), 1, rows + 1))
+    R = d.pick((1, 2, rows, d.dim()))
+    return Proto([S(d.ftype((F32, F16)), (ne0, rows)), S(d.ftype((I32,)), (n,), fill="zero")], node_ne=(ne0, R, 1, 1))
+
+
+def p_count_equal(d: Draw) -> Proto:
+    """I32 of one shape; half of the time the shapes the kernel's row split handles (ne2 1 or
+    ne1, ne3 1 or ne1*ne2), else any (mostly refused)."""
+    ne = d.shape()
+    if d.p(0.5):
+        ne2 = d.pick((1, ne[1]))
+        ne = (ne[0], ne[1], ne2, d.pick((1, ne[1] * ne2)))
+    return Proto(_same(d, d.ftype((I32,)), ne, 2))  # type: ignore[arg-type]
+
+
+def p_cross_entropy_loss(d: Draw) -> Proto:
+    return Proto(_same(d, d.ftype((F32,)), d.shape(), 2))
+
+
+def p_cross_entropy_loss_back(d: Draw) -> Proto:
+    ne = d.shape()
+    return Proto([S(d.ftype((F32,)), d.pick(((1,), (1,), (2,)))), *_same(d, d.ftype((F32,)), ne, 2)])
+
+
+def _opt_states(d: Draw, n: int) -> list[Src]:
+    """src0 (a parameter, 90 %) and ``n`` states of its shape: packed, or all with any stride on
+    their size-1 dimensions (the kernel addresses them with src0's offsets)."""
+    ne = d.shape()
+    lay = d.pick(("contig", "contig", "size1", None))
+    a = S(d.ftype((F32,)), ne, layout=lay)
+    a.flags = 4 if d.p(0.9) else 0
+    return [a, *(S(F32 if d.p(0.95) else d.ftype(), ne, layout=d.pick((lay, "contig", None))) for _ in range(n))]
+
+
+def p_opt_step_adamw(d: Draw) -> Proto:
+    return Proto([*_opt_states(d, 3), S(d.ftype((F32,)), d.pick(((7,), (7,), (1, 7), (8,))), layout=_lay(d))])
+
+
+def p_opt_step_sgd(d: Draw) -> Proto:
+    return Proto([*_opt_states(d, 1), S(d.ftype((F32,)), d.pick(((2,), (2,), (1, 2), (3,))), layout=_lay(d))])
+
+
+def p_diag(d: Draw) -> Proto:
+    return Proto([S(d.ftype((F32,)), (d.dim(True) if not d.limits else d.dim(), d.pick((1, 1, 1, 2)), d.dim(), d.dim()))])
+
+
+def p_add1(d: Draw) -> Proto:
+    """ggml_add1: a padded 1d of any type the kernels take (float and block types), b a scalar of
+    each type they read (and others: refused)."""
+    a = S(d.ftype((F32, F16, BF16, Q8_0, 2, 12, 16)), d.shape(), layout=d.pick(("contig", "padded", "size1", None)))
+    if TYPES[a.type].blck_size > 1 and a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3] > 1 << 20:
+        # quantizing a row again (q2_K's search) under the sanitizers runs at ~5 M elements/s: a
+        # million elements stay inside the 10-s oracle (the cost model charges them as a CPY)
+        a = S(a.type, (a.ne[0], min(a.ne[1], 4), 1, 1), layout=a.layout)
+        d.tag("block-small")
+    return Proto([a, S(d.ftype((F32, F16, BF16)), d.pick(((1,), (1,), (2,))))])
+
+
+# Sources a kernel writes in place besides its node (their spans are outputs for the write oracle):
+# OPT_STEP_ADAMW updates the moments m and v (ops.cpp:12155-12156).
+WRITTEN_SOURCES: dict[str, tuple[int, ...]] = {"OPT_STEP_ADAMW": (2, 3)}
+
+
+def output_spans(case: Case) -> list[tuple[int, int, int]]:
+    """(buffer, offset, bytes) of every span the case's kernels may write: the computed nodes and
+    the sources of WRITTEN_SOURCES."""
+    out = []
+    for t in case.tensors:
+        if t.id in case.nodes:
+            ts = [t] + [case.by_id(t.src[i]) for i in WRITTEN_SOURCES.get(case.op, ()) if t.src[i]]
+            out += [(x.buf, x.offs, span(x)) for x in ts if x.buf >= 0]
+    return out
+
+
+PROTOS.update({
+    "OUT_PROD": p_out_prod, "SILU_BACK": p_silu_back, "RMS_NORM_BACK": p_rms_norm_back,
+    "SOFT_MAX_BACK": p_soft_max_back, "REPEAT_BACK": p_repeat_back, "ROPE_BACK": p_rope,
+    "GET_ROWS_BACK": p_get_rows_back, "COUNT_EQUAL": p_count_equal, "CROSS_ENTROPY_LOSS": p_cross_entropy_loss,
+    "CROSS_ENTROPY_LOSS_BACK": p_cross_entropy_loss_back, "OPT_STEP_ADAMW": p_opt_step_adamw,
+    "OPT_STEP_SGD": p_opt_step_sgd, "DIAG": p_diag, "ADD1": p_add1,
+})
+
+
 # -- the layout adversary ----------------------------------------------------------------------
 
 LAYOUTS = ("contig", "contig", "size1", "size1", "size1", "bcast", "padded", "elem", "perm", "huge", "parent")
@@ -1257,14 +1388,14 @@ class Builder:
             # its own bytes are filled too: a view may reach past its parent (ggml_view_impl checks only
             # the packed size), and what it covers is what a kernel may legitimately read
             t = Tensor(self.new_id(), s.type, s.ne, nb, parent.buf, parent.offs + offs, view_src=parent.id,
-                       view_offs=offs, fill=s.fill, op=TABLE.ids["VIEW"] if d.p(0.5) else 0)
+                       view_offs=offs, fill=s.fill, op=TABLE.ids["VIEW"] if d.p(0.5) else 0, flags=s.flags)
             if t.op:
                 t.params[0] = offs
             d.tag("parent")
             self.tensors.append(t)
             return t
         nb = _strides(d, s.type, s.ne, mode, max(cap, 64))
-        t = Tensor(self.new_id(), s.type, s.ne, nb, fill=s.fill)
+        t = Tensor(self.new_id(), s.type, s.ne, nb, fill=s.fill, flags=s.flags)
         d.tag(mode)
         self.place(t, cap)
         self.tensors.append(t)

@@ -463,7 +463,7 @@ class Runner:
         for t in case.tensors:
             if t.buf >= 0 and t.fill != "none" and data:
                 fills[t.id] = fill_bytes(rng, t.type, gen.span(t), "zero" if t.fill == "zero" else "rand")
-        node_spans = [(t.buf, t.offs, gen.span(t)) for t in case.tensors if t.id in case.nodes and t.buf >= 0]
+        node_spans = gen.output_spans(case)  # the nodes (and sources written in place: OPT_STEP_ADAMW's m, v)
         node_bufs = {b for b, _, _ in node_spans}
         own = set(node_bufs)
         for t in case.tensors:

@@ -1240,3 +1240,326 @@ def test_add_rel_pos():
                                  op_params=(0,), **view)) == "graph_shape_invalid"
     assert reason([a, pw, T(0x12, F32, (3, 2, 3, 1))], T(0x20, F32, (9, 6, 2, 1), op=OPS["ADD_REL_POS"],
                                                         src=(0x10, 0x11, 0x12))) == "graph_shape_invalid"
+# -- training and backward ops ---------------------------------------------------------------
+
+BF16, I64, Q8_1, IQ2_XXS = 30, 27, 9, 16
+PARAM = 4  # GGML_TENSOR_FLAG_PARAM
+
+
+def big_run(tensors, node, size=1 << 30, **kw) -> None:
+    """run() against one buffer of ``size`` bytes (strides past the 16 MiB test buffer)."""
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, size)
+    st.buffers[HANDLE].base = BASE
+    GraphValidator(max_nodes=64, max_tensors=64, **kw).check(memoryview(graph_payload([node.id], tensors + [node])), st)
+
+
+def _over(ts: dict, over: dict) -> None:
+    for k, v in over.items():
+        name, field = k.split("_", 1)
+        setattr(ts[name], field, v)
+        if field == "type":
+            ts[name].type_size, ts[name].blck_size = TYPES[v].type_size, TYPES[v].blck_size
+
+
+def out_prod(at=F32, k=8, **over):
+    a = T(0x10, at, (32, k, 2, 1))
+    b = T(0x11, F32, (5, k, 4, 1))  # broadcast 4 / 2 over ne2 (F32 only)
+    d = T(0x20, F32, (32, 5, 4, 1), op=OPS["OUT_PROD"], src=(0x10, 0x11))
+    _over({"a": a, "b": b, "d": d}, over)
+    return [a, b], d
+
+
+def two(op, t=F32, ne=(8, 3, 2, 1), dt=None, dne=None, params=(), view=False, **over):
+    """A node of ``op`` over two sources of one shape, its result dup(a)."""
+    a, b = T(0x10, t, ne), T(0x11, t, ne)
+    dtype = t if dt is None else dt
+    d = T(0x20, dtype, ne if dne is None else dne, op=OPS[op], src=(0x10, 0x11), op_params=params)
+    if view:
+        d.view_src, d.data, d.nb = 0x10, a.data, a.nb
+    _over({"a": a, "b": b, "d": d}, over)
+    return [a, b], d
+
+
+@pytest.mark.parametrize("at,k", [(F32, 8), (F32, 40), (F16, 8), (Q8_0, 8), (Q4_0, 33)])
+def test_out_prod_passes(at, k):
+    if at != F32:  # those kernels assert no broadcast over ne2/ne3
+        tensors, d = out_prod(at, k, b_ne=(5, k, 2, 1), d_ne=(32, 5, 2, 1))
+    else:
+        tensors, d = out_prod(at, k)
+    run(tensors, d)
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"a_type": F16}, "graph_shape_invalid"),  # broadcast: out_prod_f16_f32 asserts ne02 == ne12
+    ({"a_type": Q8_0}, "graph_shape_invalid"),  # the same in out_prod_q_f32
+    ({"a_type": BF16}, "graph_type_invalid"),  # no kernel: GGML_ABORT
+    ({"a_type": Q8_1}, "graph_type_invalid"),  # no to_float
+    ({"b_type": F16}, "graph_type_invalid"),  # read as floats (only the F32 path asserts it)
+    ({"a_nb": (4, 0, 1024, 2048)}, "graph_shape_invalid"),  # nb0 > nb1: transposed (the constructor)
+    ({"b_ne": (5, 7, 4, 1)}, "graph_shape_invalid"),  # a.ne1 != b.ne1
+    ({"b_ne": (5, 8, 3, 1), "d_ne": (32, 5, 3, 1)}, "graph_shape_invalid"),  # 3 % 2
+    ({"d_ne": (32, 5, 2, 1)}, "graph_shape_invalid"),  # not (a.ne0, b.ne0, b.ne2, b.ne3)
+])
+def test_out_prod_mutations_refused(over, why):
+    assert reason(*out_prod(**over)) == why
+
+
+def test_out_prod_unrolled_int_offsets():
+    # 32+ rows of an F32 a: ggml_vec_mad_f32_unroll(int n, int xs = nb01, int vs = nb11) forms
+    # i*xs for i < 32 (vec.h:591): a row stride past 2^31 / 31 overflows an int (UBSan), or
+    # truncates into another address
+    row = ((1 << 31) // 31 + 64) // 4 * 4
+    a = T(0x10, F32, (4, 32, 1, 1), nb=(4, row, row * 32, row * 32), data=BASE)
+    b = T(0x11, F32, (2, 32, 1, 1), data=BASE + (3 << 30))
+    d = T(0x20, F32, (4, 2, 1, 1), op=OPS["OUT_PROD"], src=(0x10, 0x11), data=BASE + (3 << 30) + 4096)
+    with pytest.raises(FirewallRefusal) as exc:
+        big_run([a, b], d, size=1 << 32)
+    assert exc.value.reason == "graph_shape_invalid"
+    a.ne = (4, 31, 1, 1)  # 31 rows: the unrolled path is not taken (bne01_unroll = 0)
+    b.ne = (2, 31, 1, 1)
+    big_run([a, b], d, size=1 << 32)
+
+
+def test_out_prod_work_buffer_is_priced():
+    from rpcguard.protocol.cost import work_bytes
+    from rpcguard.protocol.tensor import decode_tensor
+    from rpcguard.protocol.encode import pack_tensor
+
+    tensors, d = out_prod(F16, b_ne=(5, 8, 2, 1), d_ne=(32, 5, 2, 1))
+    srcs = [decode_tensor(pack_tensor(t)) for t in tensors]
+    assert work_bytes("OUT_PROD", decode_tensor(pack_tensor(d)), srcs, 8) == 4 * 32 * 8  # ggml-cpu.c:2915
+    srcs[0] = srcs[0]._replace(type=F32)
+    assert work_bytes("OUT_PROD", decode_tensor(pack_tensor(d)), srcs, 8) == 0
+
+
+@pytest.mark.parametrize("t", [F32, F16])
+def test_silu_back(t):
+    run(*two("SILU_BACK", t))
+    assert reason(*two("SILU_BACK", t, b_type=F32 if t == F16 else F16)) == "graph_shape_invalid"  # read as a's type
+    assert reason(*two("SILU_BACK", t, b_ne=(8, 3, 1, 1))) == "graph_shape_invalid"  # the kernel's nr is b's
+    assert reason(*two("SILU_BACK", BF16)) == "graph_type_invalid"
+    # the differential oracle: a transposed gradient (the kernel reads ne0 consecutive elements
+    # from each flat row start, other elements of its own rows: inside its reach)
+    ts = TYPES[t].type_size
+    run(*two("SILU_BACK", t, (3, 8, 2, 1), a_ne=(3, 8, 2, 1), a_nb=(8 * ts, ts, 24 * ts, 48 * ts)))
+    # ... but a flat walk through the nb1 of a size-1 dim past the buffer is refused (opcheck.check_flat_rows)
+    tensors, d = two("SILU_BACK", t, (8, 1, 2, 1), a_nb=(ts, SIZE - 0x100000, 8 * ts, 16 * ts))
+    assert reason(tensors, d) == "tensor_layout_invalid"
+
+
+def test_rms_norm_back():
+    run(*two("RMS_NORM_BACK", params=(f(1e-6),)))
+    run(*two("RMS_NORM_BACK", params=(f(-1.0),)))  # the kernel asserts nothing of eps
+    run(*two("RMS_NORM_BACK", a_nb=(4, 64, 256, 512)))  # per dimension: any row strides
+    assert reason(*two("RMS_NORM_BACK", b_type=F16)) == "graph_type_invalid"  # read as floats
+    assert reason(*two("RMS_NORM_BACK", b_ne=(8, 3, 1, 1))) == "graph_shape_invalid"
+    assert reason(*two("RMS_NORM_BACK", a_nb=(8, 64, 256, 512))) == "graph_shape_invalid"
+
+
+def test_soft_max_back():
+    run(*two("SOFT_MAX_BACK", params=(f(0.5), 0)))
+    run(*two("SOFT_MAX_BACK", params=(f(0.5), f(-0.0))))  # -0.0f == 0.0f
+    run(*two("SOFT_MAX_BACK", view=True))  # ggml_soft_max_ext_back_inplace
+    for mb in (1.0, float("nan")):  # ops.cpp:5966 GGML_ASSERT(max_bias == 0.0f)
+        assert reason(*two("SOFT_MAX_BACK", params=(0, f(mb)))) == "graph_op_params_invalid"
+    assert reason(*two("SOFT_MAX_BACK", b_nb=(4, 64, 256, 512))) == "graph_shape_invalid"  # asserted contiguous
+    assert reason(*two("SOFT_MAX_BACK", b_type=F16)) == "graph_type_invalid"
+
+
+def test_repeat_back():
+    a = T(0x10, F32, (8, 6, 4, 1))
+    d = T(0x20, F32, (4, 3, 1, 1), op=OPS["REPEAT_BACK"], src=(0x10,))
+    run([a], d)
+    d.ne = (3, 3, 1, 1)  # 8 % 3
+    assert reason([a], d) == "graph_shape_invalid"
+    a16 = T(0x10, F16, (8, 6, 4, 1))
+    d16 = T(0x20, F16, (4, 3, 1, 1), op=OPS["REPEAT_BACK"], src=(0x10,))
+    assert reason([a16], d16) == "graph_type_invalid"  # F32 only (GGML_ABORT)
+
+
+def test_rope_back_is_ropes_rule_never_in_place():
+    tensors, d = rope()
+    d.op = OPS["ROPE_BACK"]
+    run(tensors, d)
+    d.view_src, d.data, d.nb = 0x10, tensors[0].data, (4, 32, 64, 192)  # ggml_rope_ext_back is never in place
+    assert reason(tensors, d) == "graph_shape_invalid"
+    tensors, d = rope(d_op_params=(0, 10, 0, 0, 512, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))  # n_dims > ne0
+    d.op = OPS["ROPE_BACK"]
+    assert reason(tensors, d) == "graph_op_params_invalid"
+
+
+def get_rows_back(n=3, rows=5, R=7, at=F32):
+    a = T(0x10, at, (16, rows, 1, 1))
+    b = T(0x11, I32, (n, 1, 1, 1))
+    d = T(0x20, F32, (16, R, 1, 1), op=OPS["GET_ROWS_BACK"], src=(0x10, 0x11))
+    return [a, b], d
+
+
+def test_get_rows_back():
+    from rpcguard.protocol.oprules import op_status
+
+    run(*get_rows_back())
+    run(*get_rows_back(at=F16))
+    run(*get_rows_back(n=5))
+    # the kernel reads row i of a for every index i < nelements(b): nothing checks a has them
+    assert reason(*get_rows_back(n=6)) == "graph_shape_invalid"
+    tensors, d = get_rows_back(at=Q8_0)
+    tensors[0].ne, d.ne = (32, 5, 1, 1), (32, 7, 1, 1)
+    assert reason(tensors, d) == "graph_type_invalid"
+    tensors, d = get_rows_back()
+    d.ne = (8, 7, 1, 1)  # c.ne0 != a.ne0
+    assert reason(tensors, d) == "graph_shape_invalid"
+    # the row index (contents) is GGML_ASSERTed inside the result (ops.cpp:5579, 5614): an abort
+    assert op_status("GET_ROWS_BACK", V7) == "verified, contents abort"
+
+
+@pytest.mark.parametrize("ne,ok", [
+    ((4, 500, 1, 1), True), ((4, 3, 3, 1), True), ((4, 3, 1, 3), True), ((4, 2, 2, 4), True),
+    ((4, 3, 2, 1), False),  # i01 = ir - i02*ne02 reaches row 3 of 3 (ops.cpp:1652): a read past the tensor
+    ((4, 2, 2, 2), False),  # i02 = (ir - i03*ne03)/ne01 reaches plane 2 of 2
+    ((4, 3, 2, 8), True),  # a miscomputed split whose rows all lie inside the packed tensors (the
+    ((1, 4, 2, 9), True),  # differential oracle's kernel-clean cases)
+])
+def test_count_equal_row_split(ne, ok):
+    tensors, d = two("COUNT_EQUAL", I32, ne, dt=I64, dne=(1, 1, 1, 1))
+    if ok:
+        run(tensors, d)
+    else:
+        assert reason(tensors, d) == "graph_shape_invalid"
+
+
+def test_count_equal_miscomputed_split_needs_packed_sources():
+    # (4, 3, 2, 8): i01 goes negative (ops.cpp:1652); inside packed tensors, before a strided one
+    tensors, d = two("COUNT_EQUAL", I32, (4, 3, 2, 8), dt=I64, dne=(1, 1, 1, 1), a_nb=(4, 64, 192, 384))
+    assert reason(tensors, d) == "graph_shape_invalid"
+
+
+def test_count_equal_types():
+    assert reason(*two("COUNT_EQUAL", F32, dt=I64, dne=(1, 1, 1, 1))) == "graph_type_invalid"
+    assert reason(*two("COUNT_EQUAL", I32, dt=I64, dne=(1, 1, 1, 1), b_type=F32)) == "graph_type_invalid"
+    assert reason(*two("COUNT_EQUAL", I32, dt=I32, dne=(1, 1, 1, 1))) == "graph_shape_invalid"  # result I64
+
+
+def test_cross_entropy_loss():
+    run(*two("CROSS_ENTROPY_LOSS", dne=(1, 1, 1, 1)))
+    assert reason(*two("CROSS_ENTROPY_LOSS", F16, dne=(1, 1, 1, 1))) == "graph_type_invalid"
+    assert reason(*two("CROSS_ENTROPY_LOSS", dne=(1, 1, 1, 1), b_nb=(8, 64, 256, 512))) == "graph_shape_invalid"
+    # an empty node is planned: ggml-cpu.c:3021 a row of src0 per thread (here 2^26 floats x 64)
+    a = T(0x10, F32, (1 << 26, 1, 1, 1), buffer=0, data=0)
+    d = T(0x20, F32, (0, 1, 1, 1), op=OPS["CROSS_ENTROPY_LOSS"], src=(0x10, 0x10))
+    assert reason([a], d) == "graph_work_too_large"
+
+
+def ce_back(g_ne=(1, 1, 1, 1), **over):
+    g = T(0x10, F32, g_ne)
+    a, b = T(0x11, F32, (10, 3, 1, 1)), T(0x12, F32, (10, 3, 1, 1))
+    d = T(0x20, F32, (10, 3, 1, 1), op=OPS["CROSS_ENTROPY_LOSS_BACK"], src=(0x10, 0x11, 0x12))
+    _over({"g": g, "a": a, "b": b, "d": d}, over)
+    return [g, a, b], d
+
+
+def test_cross_entropy_loss_back():
+    run(*ce_back())
+    assert reason(*ce_back((2, 1, 1, 1))) == "graph_shape_invalid"
+    assert reason(*ce_back(b_type=F16)) == "graph_type_invalid"  # read as floats
+    assert reason(*ce_back(a_nb=(4, 64, 192, 192))) == "graph_shape_invalid"  # flat rows: asserted contiguous
+
+
+def opt_step(op="OPT_STEP_ADAMW", n_prm=None, **over):
+    n = 4 if op == "OPT_STEP_ADAMW" else 2
+    ts = {"a": T(0x10, F32, (8, 3, 2, 1), flags=PARAM)}
+    for i, k in enumerate("gmv"[: n - 1]):
+        ts[k] = T(0x11 + i, F32, (8, 3, 2, 1))
+    ts["p"] = T(0x10 + n, F32, ((7 if n == 4 else 2) if n_prm is None else n_prm, 1, 1, 1))
+    ts["d"] = T(0x20, F32, (8, 3, 2, 1), op=OPS[op], src=tuple(range(0x10, 0x11 + n)), view_src=0x10,
+                data=ts["a"].data)
+    _over(ts, over)
+    return [t for k, t in ts.items() if k != "d"], ts["d"]
+
+
+@pytest.mark.parametrize("op", ["OPT_STEP_ADAMW", "OPT_STEP_SGD"])
+def test_opt_step(op):
+    run(*opt_step(op))
+    strided = {f"{k}_nb": (4, 64, 256, 512) for k in ("agmvd" if op == "OPT_STEP_ADAMW" else "agd")}
+    run(*opt_step(op, **strided))  # strided, all alike
+    # the kernel addresses grad (and m, v) at src0's offsets (ops.cpp:12146): their strides are a's
+    assert reason(*opt_step(op, g_nb=(4, 64, 256, 512))) == "graph_shape_invalid"
+    assert reason(*opt_step(op, g_type=F16)) == "graph_type_invalid"
+    assert reason(*opt_step(op, a_flags=0)) == "graph_shape_invalid"  # not a parameter: the constructor asserts it
+    assert reason(*opt_step(op, n_prm=8)) == "graph_shape_invalid"
+    assert reason(*opt_step(op, p_nb=(4, 0, 0, 0), p_ne=(1, 7 if op == "OPT_STEP_ADAMW" else 2, 1, 1)))\
+        == "graph_shape_invalid"  # float[n] read from data: packed
+
+
+def test_opt_step_adamw_state_strides():
+    assert reason(*opt_step(v_nb=(4, 32, 128, 256))) == "graph_shape_invalid"
+    assert reason(*opt_step(m_nb=(8, 64, 192, 384))) == "graph_shape_invalid"
+
+
+def test_diag():
+    a = T(0x10, F32, (5, 1, 3, 2))
+    d = T(0x20, F32, (5, 5, 3, 2), op=OPS["DIAG"], src=(0x10,))
+    run([a], d)
+    a.ne = (5, 2, 3, 2)  # the constructor asserts ne1 == 1
+    assert reason([a], d) == "graph_shape_invalid"
+
+
+@pytest.mark.parametrize("at,bt,ok", [
+    (F32, F32, True), (F16, F16, True), (F16, F32, True), (BF16, BF16, True), (BF16, F32, True), (Q8_0, F32, True),
+    (F32, F16, False),  # add1_f32 reads a float from a 2-byte scalar
+    (Q8_0, F16, False),  # asserted F32
+    (Q8_1, F32, False),  # no to_float: a NULL call
+    (IQ2_XXS, F32, False),  # no CPU from_float: a NULL call
+])
+def test_add1_types(at, bt, ok):
+    ne = (256, 3, 2, 1)
+    a, b = T(0x10, at, ne), T(0x11, bt, (1, 1, 1, 1))
+    d = T(0x20, at, ne, op=OPS["ADD1"], src=(0x10, 0x11))
+    if ok:
+        run([a, b], d)
+    else:
+        assert reason([a, b], d) == "graph_type_invalid"
+
+
+def test_add1_padded_1d_and_scalar():
+    a, b = T(0x10, F32, (8, 3, 2, 1), nb=(4, 64, 192, 384)), T(0x11, F32, (1, 1, 1, 1))
+    d = T(0x20, F32, (8, 3, 2, 1), op=OPS["ADD1"], src=(0x10, 0x11))
+    run([a, b], d)
+    a.nb = (4, 64, 256, 512)  # not padded 1d
+    assert reason([a, b], d) == "graph_shape_invalid"
+    a.nb, b.ne = (4, 64, 192, 384), (2, 1, 1, 1)
+    assert reason([a, b], d) == "graph_shape_invalid"
+
+
+def test_flat_row_walks_stay_on_the_tensors_rows():
+    # acceptance fuzz (accept-read_canary-409e3bd9f8): SOFT_MAX_BACK in place over [1, 1, 1, 7] with
+    # nb1 = 3 (ggml_is_contiguous skips size-1 dims): the kernel's rows at i1*nb1 overlap, threads race
+    a = T(0x10, F32, (1, 1, 1, 7), nb=(4, 3, 65535, 4))
+    b = T(0x11, F32, (1, 1, 1, 7), nb=(4, 28, 4, 4))
+    d = T(0x20, F32, (1, 1, 1, 7), op=OPS["SOFT_MAX_BACK"], src=(0x10, 0x11), view_src=0x10, data=a.data, nb=a.nb,
+          op_params=(f(1.0), 0))
+    assert reason([a, b], d) == "graph_shape_invalid"
+    a.nb = d.nb = (4, 4, 65535, 4)  # nb1 == nb3 for one-element rows: the flat walk is the tensor's
+    b.nb = (4, 4, 4, 4)
+    run([a, b], d)
+    for op, dne in (("CROSS_ENTROPY_LOSS", (1, 1, 1, 1)), ("CROSS_ENTROPY_LOSS_BACK", None)):
+        x, y = T(0x11, F32, (1, 1, 1, 7), nb=(4, 8, 4, 4)), T(0x12, F32, (1, 1, 1, 7))
+        g = T(0x10, F32, (1, 1, 1, 1))
+        if dne:
+            node = T(0x20, F32, dne, op=OPS[op], src=(0x11, 0x12))
+            assert reason([x, y], node) == "graph_shape_invalid"
+        else:
+            node = T(0x20, F32, (1, 1, 1, 7), op=OPS[op], src=(0x10, 0x11, 0x12))
+            assert reason([g, x, y], node) == "graph_shape_invalid"
+
+
+def test_add1_block_type_rows_of_ne3():
+    # acceptance fuzz (accept-read_canary-dac8244612): add1_q_f32 writes row (i1, i2, i3) at
+    # i1*nb1 + i2*nb2 + i3*nb0 (ops.cpp:973): with ne3 > 1 rows overwrite one another, threads race
+    a, b = T(0x10, Q8_0, (32, 3, 2, 2)), T(0x11, F32, (1, 1, 1, 1))
+    d = T(0x20, Q8_0, (32, 3, 2, 2), op=OPS["ADD1"], src=(0x10, 0x11))
+    assert reason([a, b], d) == "graph_shape_invalid"
+    a.ne = d.ne = (32, 3, 2, 1)
+    run([a, b], d)
+

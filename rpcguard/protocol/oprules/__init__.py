@@ -23,7 +23,8 @@ unless ``since`` says otherwise; the op ids come from the version's table (ggml.
 
 Layout: ``base`` holds the vocabulary (New, View, OpRule, refuse, the layout predicates); one
 module per family of ops holds its derive functions and, next to them, its ``ROWS``
-(``elementwise``, ``matmul``, ``layout``, ``attention``, ``reduce``, ``recurrent``, ``conv``);
+(``elementwise``, ``matmul``, ``layout``, ``attention``, ``reduce``, ``recurrent``, ``conv``,
+``training``);
 ``table`` joins the rows into ``RULES`` and says what holds per op. This package's namespace is
 the public API the firewall, the cost model, ``rpcguard ops`` and the tests use.
 """

@@ -73,6 +73,16 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     return dup_or_inplace(a)
 
 
+def _rope_back(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_rope_ext_back ggml.c:4494 / ggml_rope_multi_back 4514: ggml_rope_ext/_multi (never in
+    place) with the op set to ROPE_BACK, n_offs by ggml_rope_set_offset (ggml.c:4535). Its kernel
+    is ROPE's (ops.cpp:6493 -> rope_flt with forward = false, both 7.0.0 trees), so ROPE's rule
+    applies, the fresh result only."""
+    r = _rope(n, s)[0]
+    assert isinstance(r, New)
+    return r
+
+
 def _flash_attn_ext(n: RpcTensor, s: Srcs) -> Result:
     """ggml_flash_attn_ext ggml.c:5506 (+ _add_sinks): k multiplies q, mask F16 contiguous
     broadcasting over q.ne2/ne3, result F32 (v.ne0, q.ne2, q.ne1, q.ne3). The CPU kernel reads
@@ -203,6 +213,8 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
     # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
     OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
+    OpRule("ROPE_BACK", "ggml.c:4494 ggml_rope_ext_back (+4514 ggml_rope_multi_back, 4535 set_offset)", 2,
+           _rope_back, optional=1, params=16, since=(7, 0, 0), flat_rows=False),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,

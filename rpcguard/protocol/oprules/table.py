@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from rpcguard.protocol.ggml import Version
-from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, window
+from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, training, window
 from rpcguard.protocol.oprules.base import OpRule
 
 # -- the table -------------------------------------------------------------------------------
@@ -21,6 +21,7 @@ _ROWS: tuple[OpRule, ...] = (
     *recurrent.ROWS,
     *conv.ROWS,
     *window.ROWS,
+    *training.ROWS,
 )
 
 # Ops whose every CPU kernel (0.3.36 ggml-cpu/ops.cpp, binary-ops.cpp, unary-ops.cpp) indexes each
@@ -56,7 +57,7 @@ CONTENT_INDEXED: Mapping[str, tuple[str, str]] = {
     "ADD_ID": ("row ids (src[2])", "abort"),  # ops.cpp:746 GGML_ASSERT(i11 >= 0 && i11 < ne11)
     "MUL_MAT_ID": ("expert ids (src[2])", "memory"),  # ggml-cpu.c:1655 assert(), not GGML_ASSERT
     "SSM_SCAN": ("state slot ids (src[6])", "memory"),  # ops.cpp:10049 src0 + ids[i3]*nb3 (#25765)
-    "GET_ROWS_BACK": ("row indices (src[1])", "memory"),
+    "GET_ROWS_BACK": ("row indices (src[1])", "abort"),  # ops.cpp:5579/5614 GGML_ASSERT(r >= 0 && r < dst->ne[1])
 }
 #: content-indexed ops forwarded even to a server that is not contained, and why
 RESIDUAL_RISK: Mapping[str, str] = {
