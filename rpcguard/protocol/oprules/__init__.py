@@ -20,12 +20,10 @@ cites the constructor it mirrors as ``ggml.c:LINE`` of the pinned sdist (llama-c
 ``binary-ops.cpp``, ``unary-ops.cpp``). Rows hold for every version with a verified op table
 unless ``since`` says otherwise; the op ids come from the version's table (ggml.py).
 
-
 Layout: ``base`` holds the vocabulary (New, View, OpRule, refuse, the layout predicates); one
 module per family of ops holds its derive functions and, next to them, its ``ROWS``
 (``elementwise``, ``matmul``, ``layout``, ``attention``, ``reduce``, ``recurrent``, ``conv``,
-``training``);
-``table`` joins the rows into ``RULES`` and says what holds per op. This package's namespace is
+``window``, ``training``); ``table`` joins the rows into ``RULES`` and says what holds per op. This package's namespace is
 the public API the firewall, the cost model, ``rpcguard ops`` and the tests use.
 """
 
