@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ __all__ = [
     "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",
     "rpcguard_containers", "hours", "secret_certificate", "volume_of", "volume_certificate",
     "mounted_certificate", "pod_names", "CSI_DRIVER", "csi_expand", "config_of", "rpc_server_port",
-    "make_issuers", "lay_out_pod", "lay_out_pods", "issuers", "pod_roots", "reroot",
+    "make_issuers", "lay_out_pod", "lay_out_pods", "issuers", "pod_roots", "reroot", "kustomize",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,3 +252,16 @@ def reroot(text: str, root: Path, container: dict) -> str:
     mounts = sorted((m["mountPath"] for m in container["volumeMounts"]), key=len, reverse=True)
     pattern = r"(?<![\w/.-])(" + "|".join(map(re.escape, mounts)) + ")/"
     return re.sub(pattern, lambda m: f"{root}{m.group(1)}/", text)  # one pass: never twice
+
+
+def kustomize(path: Path) -> list[dict]:
+    """The objects ``kubectl kustomize PATH`` renders (kubectl from .ci/install-ops-tools.sh: CI
+    fails without it, a developer's machine skips)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl missing: .ci/install-ops-tools.sh installs it")
+        pytest.skip("kubectl not installed (.ci/install-ops-tools.sh installs it)")
+    run = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return [d for d in yaml.safe_load_all(run.stdout) if d]

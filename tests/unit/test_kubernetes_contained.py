@@ -12,17 +12,15 @@ the config build accepts with per-session isolation and the sandbox required.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from rpcguard.config.model import parse_config
-from tests.support.k8s import K8S, ROOT, containers, issuers, pod_roots, reroot  # noqa: F401 (fixtures)
+from tests.support.k8s import K8S, ROOT, containers, issuers, kustomize, pod_roots, reroot  # noqa: F401 (fixtures)
 
 OVERLAY = ROOT / "deploy" / "kubernetes-contained"
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
@@ -34,14 +32,7 @@ CHANGED = {("Namespace", "rpcguard"), ("ConfigMap", "gpu-node-rpcguard"), ("Stat
 
 
 def _render(path) -> dict[tuple[str, str], dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        if os.environ.get("CI"):
-            pytest.fail("kubectl missing: .ci/install-ops-tools.sh installs it")
-        pytest.skip("kubectl not installed (.ci/install-ops-tools.sh installs it)")
-    run = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(run.stdout) if d}
+    return {(d["kind"], d["metadata"]["name"]): d for d in kustomize(path)}
 
 
 @pytest.fixture(scope="module")

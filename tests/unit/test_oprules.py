@@ -24,6 +24,12 @@ OPS = op_table(V7).ids  # type: ignore[union-attr]
 F32, F16, Q4_0, Q8_0, I32 = 0, 1, 2, 8, 26
 
 
+def override(over: dict, **tensors) -> None:
+    """Set fields of a builder's tensors: ``{"a_nb": (...)}`` sets ``a.nb`` of the tensor named ``a``."""
+    for key, value in over.items():
+        setattr(tensors[key[0]], key[2:], value)
+
+
 def f(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
@@ -64,8 +70,7 @@ def mul_mat(**over):
     a = T(0x10, Q8_0, (64, 8, 2, 1))  # weights, 8 rows of 64 q8_0 values, 2 matrices
     b = T(0x11, F32, (64, 3, 4, 1))  # 3 columns, broadcast 4 / 2 over ne2
     d = T(0x20, F32, (8, 3, 4, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -74,8 +79,7 @@ def rope(**over):
     pos = T(0x11, I32, (3, 1, 1, 1))
     params = [0, 8, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0]
     d = T(0x20, F32, (8, 2, 3, 1), op=OPS["ROPE"], src=(0x10, 0x11), op_params=tuple(params))
-    for k, v in over.items():
-        setattr({"a": a, "p": pos, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, p=pos, d=d)
     return [a, pos], d
 
 
@@ -84,8 +88,7 @@ def view(offset: int = 32, **over):
     d = T(0x20, F32, (4, 2, 1, 1), nb=(4, 64, 128, 128), op=OPS["VIEW"], src=(0x10,), view_src=0x10,
           view_offs=offset, op_params=(offset, 0), data=BASE + 0x100000 + offset)
     a.data = BASE + 0x100000
-    for k, v in over.items():
-        setattr({"a": a, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, d=d)
     return [a], d
 
 
@@ -550,8 +553,7 @@ def test_pool_2d_window_area_fits_an_int():
 def upscale(src_ne=(2, 5, 7, 11), dst_ne=(5, 7, 11, 13), mode=0, **over):
     a = T(0x10, F32, src_ne)
     d = T(0x20, F32, dst_ne, op=OPS["UPSCALE"], src=(0x10,), op_params=(mode,))
-    for k, v in over.items():
-        setattr({"a": a, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, d=d)
     return [a], d
 
 
@@ -612,8 +614,7 @@ def conv_2d_dw(cwhn=False, kt=F32, params=(1, 1, 0, 0, 1, 1), **over):
         a.nb = (C * ke, KW * C * ke, C * ke, ke)
         b.nb = (C * 4, W * C * 4, 4, W * H * C * 4)
         d.nb = (C * 4, 15 * C * 4, 4, 15 * 32 * C * 4)
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -650,8 +651,7 @@ def conv_transpose_1d(kt=F32, s0=2, **over):
     a = T(0x10, kt, (3, 4, 5, 1))  # K = 3, Cout = 4, Cin = 5
     b = T(0x11, F32, (13, 5, 1, 1))  # L = 13
     d = T(0x20, F32, (12 * s0 + 3, 4, 1, 1), op=OPS["CONV_TRANSPOSE_1D"], src=(0x10, 0x11), op_params=(s0, 0, 1))
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -701,8 +701,7 @@ def conv_2d(kt=F32, params=(1, 1, 0, 0, 1, 1), **over):
     ow = (20 + 2 * p0 - d0 * 2 - 1) // s0 + 1
     oh = (18 + 2 * p1 - d1 * 2 - 1) // s1 + 1
     d = T(0x20, F32, (ow, oh, 4, 2), op=OPS["CONV_2D"], src=(0x10, 0x11), op_params=params)
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -764,8 +763,7 @@ def conv_3d(kt=F32, c=2, bn=2, oc=3, params=(1, 1, 1, 0, 0, 0, 1, 1, 1), **over)
     s = params
     o = [max(1, (w + 2 * s[3 + i] - s[6 + i] * 2 - 1) // max(1, s[i]) + 1) for i, w in enumerate((10, 9, 8))]
     d = T(0x20, F32, (*o, oc * bn), op=OPS["CONV_3D"], src=(0x10, 0x11), op_params=(*params, c, bn, oc))
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -797,8 +795,7 @@ def im2col_3d(dt=F32, ic=3, params=(1, 1, 1, 1, 1, 1, 1, 1, 1), **over):
     o = [max(1, (10 + 2 * s[3 + i] - s[6 + i] * 2 - 1) // max(1, s[i]) + 1) for i in range(3)]
     d = T(0x20, dt, (max(1, 27 * ic), o[0], o[1], max(1, o[2] * (9 // max(1, ic)))), op=OPS["IM2COL_3D"], src=(0x10, 0x11),
           op_params=(*params, ic))
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -835,8 +832,7 @@ def col2im_1d(t=F32, k=4, oc=3, t_in=7, s0=2, p0=0, **over):
     a = T(0x10, t, (k * oc, t_in, 1, 1))
     d = T(0x20, t, ((t_in - 1) * s0 + k - 2 * p0, oc, 1, 1), op=OPS["COL2IM_1D"], src=(0x10,), op_params=(s0, oc, p0))
     assert ts
-    for key, v in over.items():
-        setattr({"a": a, "d": d}[key[0]], key[2:], v)
+    override(over, a=a, d=d)
     return [a], d
 
 
@@ -869,8 +865,7 @@ def conv_transpose_2d(kt=F32, st=2, **over):
     a = T(0x10, kt, (3, 3, 4, 9))
     b = T(0x11, F32, (10, 7, 9, 2))
     d = T(0x20, F32, (9 * st + 3, 6 * st + 3, 4, 2), op=OPS["CONV_TRANSPOSE_2D"], src=(0x10, 0x11), op_params=(st,))
-    for k, v in over.items():
-        setattr({"a": a, "b": b, "d": d}[k[0]], k[2:], v)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -1005,8 +1000,7 @@ def gdn(S=4, H=2, T_=3, n_seqs=2, K=1, kda=False, Hk=None, qs=None, **over):
     st = T(0x15, F32, (S, S, H, n_seqs))
     d = T(0x20, F32, (S * H, T_ * n_seqs + K * S * n_seqs, 1, 1), op=OPS["GATED_DELTA_NET"],
           src=tuple(range(0x10, 0x16)), op_params=(K,))
-    for key, val in over.items():
-        setattr({"q": q, "k": k, "v": v, "g": g, "b": beta, "s": st, "d": d}[key[0]], key[2:], val)
+    override(over, q=q, k=k, v=v, g=g, b=beta, s=st, d=d)
     return [q, k, v, g, beta, st], d
 
 
@@ -1062,8 +1056,7 @@ def solve_tri(n=4, k=3, b1=2, b2=1, **over):
     a = T(0x10, F32, (n, n, b1, b2))
     b = T(0x11, F32, (k, n, b1, b2))
     d = T(0x20, F32, (k, n, b1, b2), op=OPS["SOLVE_TRI"], src=(0x10, 0x11))
-    for key, val in over.items():
-        setattr({"a": a, "b": b, "d": d}[key[0]], key[2:], val)
+    override(over, a=a, b=b, d=d)
     return [a, b], d
 
 
@@ -1109,8 +1102,7 @@ def lightning(kt=F32, D=32, H=4, T_=3, n_kv=7, ns=2, m3=1, **over):
     m = T(0x13, F16, (n_kv, T_, 1, m3))
     d = T(0x20, F32, (n_kv, T_, 1, ns), op=OPS["LIGHTNING_INDEXER"], src=(0x10, 0x11, 0x12, 0x13))
     assert info.blck_size == 1 or D % info.blck_size == 0
-    for key, val in over.items():
-        setattr({"q": q, "k": k, "w": w, "m": m, "d": d}[key[0]], key[2:], val)
+    override(over, q=q, k=k, w=w, m=m, d=d)
     return [q, k, w, m], d
 
 
@@ -1156,8 +1148,7 @@ def test_lightning_indexer_int_sizes():
 def dsv4_comb(T_=5, n_iter=4, **over):
     mixes, scale, base = T(0x10, F32, (24, T_, 1, 1)), T(0x11, F32, (3, 1, 1, 1)), T(0x12, F32, (24, 1, 1, 1))
     d = T(0x20, F32, (4, 4, T_, 1), op=OPS["DSV4_HC_COMB"], src=(0x10, 0x11, 0x12), op_params=(f(1e-6), n_iter))
-    for key, val in over.items():
-        setattr({"x": mixes, "s": scale, "b": base, "d": d}[key[0]], key[2:], val)
+    override(over, x=mixes, s=scale, b=base, d=d)
     return [mixes, scale, base], d
 
 
