@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Another tenant's latency while one session floods small frames (issue 21, loop fairness).
+"""Another tenant's latency while one session floods serve (issue 21, loop fairness).
 
 Starts the real ``ggml-rpc-server`` and ``rpcguard serve`` in front of it (``--python PY`` picks
 the interpreter, and so the tree, that runs serve: ``/work/main/.venv/bin/python`` for main), then
-measures, first on a quiet node and then while one mTLS session pipelines GET_ALIGNMENT frames
-as fast as it can (and reads the answers): another client's TLS handshake with serve, and a GET
-/healthz on serve's metrics endpoint. Prints the medians and p90s and their ratio to the quiet
-baseline of the same run, and one JSON line (``--json``).
+measures, first on a quiet node and then while one mTLS session floods it: another client's TLS
+handshake with serve, and a GET /healthz on serve's metrics endpoint. ``--flood frames``
+pipelines GET_ALIGNMENT as fast as it can (and reads the answers); ``--flood graphs`` sends
+12,000-node graphs that cost ~0.35 s of validation CPU each, renamed so none is cached
+(tests/support/floods.py). Prints the medians and p90s and their ratio to the quiet baseline of
+the same run, and one JSON line (``--json``).
 
-    .venv/bin/python bench/studies/fairness.py [--seconds 6] [--python PY]
+    .venv/bin/python bench/studies/fairness.py [--flood frames|graphs] [--seconds 6] [--python PY]
 """
 
 from __future__ import annotations
@@ -30,45 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rpcguard.protocol import encode  # noqa: E402
 from tests.support import realpeer  # noqa: E402
+from tests.support.floods import FrameFlood, GraphFlood  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
-from tests.support.rawclient import RawClient, mtls_context  # noqa: E402
+from tests.support.rawclient import mtls_context  # noqa: E402
 
-BLOCK = encode.request("GET_ALIGNMENT", bytes(4)) * 20_000  # 260 KB of frames per write
-
-
-class Flood(threading.Thread):
-    """One authenticated session that pipelines GET_ALIGNMENT and drains the answers."""
-
-    def __init__(self, pki: Pki, port: int) -> None:
-        super().__init__(daemon=True)
-        self.sock = mtls_context(pki).wrap_socket(socket.create_connection(("127.0.0.1", port)),
-                                                  server_hostname=pki.node)
-        RawClient.session(self.sock)
-        self.stop = False
-        self.sent = self.answered = 0
-
-    def run(self) -> None:
-        reader = threading.Thread(target=self._drain, daemon=True)
-        reader.start()
-        try:
-            while not self.stop:
-                self.sock.sendall(BLOCK)
-                self.sent += 20_000
-        except OSError:
-            pass
-
-    def _drain(self) -> None:
-        try:
-            while not self.stop:
-                data = self.sock.recv(1 << 20)
-                if not data:
-                    return
-                self.answered += len(data) // 16
-        except OSError:
-            pass
-
+FLOODS = {"frames": FrameFlood, "graphs": GraphFlood}
 
 def handshake_s(pki: Pki, port: int) -> float:
     t0 = time.perf_counter()
@@ -104,6 +73,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="sampling time, quiet and under the flood")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs rpcguard serve")
+    ap.add_argument("--flood", choices=sorted(FLOODS), default="frames")
+    ap.add_argument("--tree", help="run serve from this source tree (PYTHONPATH), e.g. a bench/baseline.py "
+                                   "tree in ~/.cache/rpcguard-bench/trees/COMMIT")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fairness-"))
@@ -111,6 +83,8 @@ def main() -> int:
     server, up = realpeer.start_rpc_server(work)
     port, mport = realpeer.free_port(), realpeer.free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if a.tree:
+        env["PYTHONPATH"] = a.tree
     log = open(work / "serve.log", "wb")
     serve = subprocess.Popen([a.python, "-m", "rpcguard", "serve", "--listen", f"127.0.0.1:{port}", "--metrics",
                               f"127.0.0.1:{mport}", "--upstream", f"127.0.0.1:{up}", *pki.serve_args(),
@@ -120,12 +94,14 @@ def main() -> int:
         realpeer.wait_port(port, proc=serve)
         realpeer.wait_port(mport, proc=serve)
         quiet = sample(pki, port, mport, a.seconds)
-        flood = Flood(pki, port)
+        flood = FLOODS[a.flood](lambda: mtls_context(pki).wrap_socket(
+            socket.create_connection(("127.0.0.1", port)), server_hostname=pki.node))
         flood.start()
         time.sleep(1.0)  # the flood is in full swing
         busy = sample(pki, port, mport, a.seconds)
         flood.stop = True
-        result: dict[str, object] = {"python": a.python, "flood_frames_per_s": round(flood.answered / (a.seconds + 1))}
+        result: dict[str, object] = {"python": a.python, "tree": a.tree or str(ROOT), "flood": a.flood,
+                                     "flood_answered_per_s": round(flood.answered / (a.seconds + 1), 1)}
         for what in ("handshake", "healthz"):
             q, b = stats(quiet[what]), stats(busy[what])
             result[what] = {"quiet": q, "flood": b, "ratio_p50": round(b["p50_ms"] / q["p50_ms"], 1),
@@ -133,13 +109,12 @@ def main() -> int:
             print(f"{what:9s} quiet p50 {q['p50_ms']:7.2f} ms p90 {q['p90_ms']:7.2f} ms | flood p50 "
                   f"{b['p50_ms']:7.2f} ms p90 {b['p90_ms']:7.2f} ms max {b['max_ms']:7.1f} ms | ratio p50 "
                   f"{result[what]['ratio_p50']}x p90 {result[what]['ratio_p90']}x")  # type: ignore[index]
-        print(f"flood answered {result['flood_frames_per_s']} GET_ALIGNMENT/s")
+        print(f"flood answered {result['flood_answered_per_s']} {'GET_ALIGNMENT' if a.flood == 'frames' else 'graphs'}/s")
         if a.json:
             print(json.dumps(result))
     finally:
         if flood is not None:
-            flood.stop = True
-            flood.sock.close()
+            flood.close()
         serve.terminate()
         serve.wait(10)
         server.stop()

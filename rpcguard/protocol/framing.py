@@ -16,6 +16,11 @@ When a header and head arrive in one chunk, the views point into that chunk: no 
 a head split across reads is copied into a small reassembly buffer, bounded by what
 ``plan`` accepted. Body bytes are never accumulated, whatever the frame size, so memory
 stays flat for multi-GB tensors. The views are valid until the caller reuses its buffer.
+
+``on_frame`` may call ``pause()``: the reader then stops right after that frame and keeps the
+rest of the chunk, and of any chunk fed while it is paused, as a copy; ``resume()`` hands those
+bytes back to be fed again (the session validates a large graph off the event loop this way,
+protocol/session.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ class FrameReader:
     """Splits a byte stream into frames; see the module docstring."""
 
     __slots__ = ("_header", "_hsize", "_plan", "_on_frame", "_on_body", "_buf", "_need", "_parsed", "_body",
-                 "_body_after")
+                 "_body_after",
+                 "_paused", "_rest")
 
     def __init__(self, header: struct.Struct, plan: Plan, on_frame: OnFrame, on_body: OnBody) -> None:
         self._header = header
@@ -51,6 +57,8 @@ class FrameReader:
         self._parsed: tuple[int, ...] | None = None  # header fields once the header is complete
         self._body = 0  # body bytes still to stream
         self._body_after = 0  # body length of the frame being reassembled
+        self._paused = False
+        self._rest = bytearray()  # bytes after the frame that paused the reader, not parsed yet
 
     @property
     def at_boundary(self) -> bool:
@@ -61,8 +69,27 @@ class FrameReader:
     def body_remaining(self) -> int:
         return self._body
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Stop after the frame being called back (from ``on_frame`` only)."""
+        self._paused = True
+
+    def resume(self) -> bytes:
+        """Unpause; returns the bytes kept meanwhile, for the caller to feed."""
+        self._paused = False
+        rest = bytes(self._rest)
+        self._rest.clear()
+        return rest
+
     def feed(self, data: memoryview) -> None:
-        """Consume ``data`` whole, calling back for every frame head and body slice it completes."""
+        """Consume ``data`` whole, calling back for every frame head and body slice it completes
+        (while paused, only keep it)."""
+        if self._paused:
+            self._rest += data
+            return
         pos = 0
         n = len(data)
         hsize = self._hsize
@@ -82,6 +109,9 @@ class FrameReader:
                     self._body = body_len
                     self._on_frame(fields, data[pos + hsize : end], data[pos:end])
                     pos = end
+                    if self._paused:
+                        self._rest += data[pos:]
+                        return
                     continue
                 # Head split across reads: keep what we have and wait for the rest.
                 self._parsed = fields
@@ -110,3 +140,6 @@ class FrameReader:
             self._parsed = None
             self._need = hsize
             self._on_frame(fields, raw[hsize:], raw)
+            if self._paused:
+                self._rest += data[pos:]
+                return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import struct
 import sys
+import threading
 from time import thread_time
 from array import array
 from dataclasses import dataclass
@@ -80,14 +81,17 @@ MAX_GRAPH_CPU_S: Final = 0.5
 # The validation budget is the validating thread's CPU time less the time spent in the garbage
 # collector: a collection that a validation happens to trigger pays for every object the process
 # holds (hundreds of ms in a large process), not for the graph, and must not refuse a valid one.
-_gc_spent = [0.0, 0.0]  # [seconds in collections so far, thread_time at the current start]
+# Per thread: a large graph is validated on a worker thread (proxy/link.py) while the loop thread
+# may collect, and a collection only stops the thread that runs it.
+_gc_time = threading.local()  # .spent: seconds of this thread in collections; .start: the current one's start
 
 
 def _on_gc(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
-        _gc_spent[1] = thread_time()
+        _gc_time.start = thread_time()
     else:
-        _gc_spent[0] += thread_time() - _gc_spent[1]
+        now = thread_time()
+        _gc_time.spent = getattr(_gc_time, "spent", 0.0) + now - getattr(_gc_time, "start", now)
 
 
 gc.callbacks.append(_on_gc)
@@ -95,7 +99,9 @@ gc.callbacks.append(_on_gc)
 
 def _validation_clock() -> float:
     """CPU seconds of this thread outside the garbage collector."""
-    return thread_time() - _gc_spent[0]
+    return thread_time() - getattr(_gc_time, "spent", 0.0)
+
+
 # The compute budget (cost.py). A graph's estimated compute time on the node: above any real graph
 # (900 s at 40 GFLOP/s is a 512-token batch through ~35e9 parameters on one CPU node), far below
 # what a crafted graph of huge matrix products can ask for (hours). Also the bound on what one

@@ -40,7 +40,8 @@ from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, ad
 from rpcguard.protocol.linkstate import (
     ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
     COUNT_VIOLATION, DRAINING, EDGES, END, ENDS, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
-    OPEN_UPSTREAM, QUEUED, REFUSING, STATES, TABLE, TAKE_SLOT, WRITE_CLIENT, WRITE_UPSTREAM, Action, LinkState,
+    OPEN_UPSTREAM, QUEUED, REFUSING, STATES, TABLE, TAKE_SLOT, VALIDATE, WRITE_CLIENT, WRITE_UPSTREAM, Action,
+    LinkState,
     table_markdown,
 )
 from rpcguard.protocol.side import Side
@@ -54,7 +55,7 @@ __all__ = [
     "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE", "DRAINING",
     "CLOSED", "TABLE", "table_markdown", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "END",
+    "COUNT_VIOLATION", "VALIDATE", "END",
 ]  # fmt: skip
 
 
@@ -315,6 +316,11 @@ class Lifecycle:
             self._on(kind, value)
             if self.state in ENDS:
                 return  # the link is over: later events do not matter
+
+    def _ev_validate(self, nbytes: int) -> None:
+        """A large graph waits for its validation (Session.validate_deferred): the relay runs it
+        off the event loop and holds both sides' reads meanwhile, then calls ``resume_deferred``."""
+        self.actions.append((VALIDATE, None))
 
     def _ev_violation(self, v: Violation) -> None:
         self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TYPE_CHECKING, Final, Literal, Mapping, NamedTuple, Union
 
-from rpcguard.protocol.session import EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION
+from rpcguard.protocol.session import EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VALIDATE, EV_VIOLATION
 
 if TYPE_CHECKING:
     from rpcguard.protocol.session import Violation
@@ -26,7 +26,7 @@ __all__ = [
     "STATES", "EVENTS", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
     "DRAINING", "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
     "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS", "table_markdown",
+    "COUNT_VIOLATION", "VALIDATE", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS", "table_markdown",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------- states
@@ -56,7 +56,7 @@ EVENTS: tuple[str, ...] = (
     "upstream_connected", "upstream_failed", "client_closed", "upstream_closed", "tick", "shutdown",
     "internal_error", "rejected",
     # what the Session reports (Output.events) and a refusal it raised, dispatched the same way
-    EV_HELLO, EV_ACTIVE, EV_NODE_REFUSED, EV_VIOLATION, "refused",
+    EV_HELLO, EV_ACTIVE, EV_NODE_REFUSED, EV_VIOLATION, EV_VALIDATE, "refused",
 )  # fmt: skip
 
 # ---------------------------------------------------------------------------------- actions
@@ -74,6 +74,7 @@ CLOSE_UPSTREAM: Final = "close_upstream"  # None
 ABORT_UPSTREAM: Final = "abort_upstream"  # None
 COUNT_TLS_FAILURE: Final = "tls_failure"  # str: reason
 COUNT_VIOLATION: Final = "violation"  # (reason, mode, Violation | None, command): a firewall rule failed
+VALIDATE: Final = "validate"  # None: run Session.validate_deferred off the loop, then resume_deferred
 END: Final = "end"  # dict: the audit record (the session is over for metrics and logs)
 
 ViolationCount = tuple[str, str, "Violation | None", str]  # reason, mode, the monitor's Violation, command
@@ -81,7 +82,7 @@ Action = Union[
     tuple[Literal["write_client"], bytes],
     tuple[Literal["write_upstream"], "list[bytes]"],
     tuple[Literal["open_upstream", "take_slot"], "Limits"],
-    tuple[Literal["free_slot", "close_client", "close_upstream", "abort_upstream"], None],
+    tuple[Literal["free_slot", "close_client", "close_upstream", "abort_upstream", "validate"], None],
     tuple[Literal["half_close_upstream"], bool],
     tuple[Literal["tls_failure"], str],
     tuple[Literal["violation"], ViolationCount],
@@ -112,7 +113,7 @@ def _common(end: frozenset[LinkState]) -> dict[str, Row]:
         "client_closed": Row("_client_closed", end), "upstream_closed": Row("_ignore"), "tick": Row("_tick", end),
         "shutdown": Row("_shutdown", end), "internal_error": Row("_internal_error", end), "rejected": Row("_ignore"),
         EV_HELLO: Row("_ev_ignore"), EV_ACTIVE: Row("_ev_ignore"), EV_NODE_REFUSED: Row("_ev_node_refused", end),
-        EV_VIOLATION: Row("_ev_violation"), "refused": Row("_refused", end),
+        EV_VIOLATION: Row("_ev_violation"), EV_VALIDATE: Row("_ev_validate"), "refused": Row("_refused", end),
     }  # fmt: skip
 
 

@@ -66,7 +66,7 @@ _GRAPH_COMPUTE: Final = COMMAND_IDS["GRAPH_COMPUTE"]
 
 __all__ = [
     "SessionPolicy", "Session", "Output", "BEFORE_HELLO", "HELLO_FORWARDED", "GREETED", "Violation",
-    "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION",
+    "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION", "EV_VALIDATE", "DEFER_GRAPH_BYTES",
 ]  # fmt: skip
 
 BEFORE_HELLO: Final = "before_hello"  # no HELLO from the client yet
@@ -79,6 +79,17 @@ EV_HELLO: Final = "hello"  # the client's HELLO was accepted; value: its payload
 EV_ACTIVE: Final = "active"  # the server's HELLO reply was accepted; value: the version
 EV_NODE_REFUSED: Final = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
 EV_VIOLATION: Final = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
+EV_VALIDATE: Final = "validate"  # a large graph waits for validate_deferred(); value: its payload bytes
+
+# A GRAPH_COMPUTE of at least this many payload bytes is validated by ``validate_deferred`` when
+# the owner allows it (``defer_graphs``): the I/O layer runs that off the event loop. Validation
+# costs ~30 us per tensor cold, so a crafted 5 MB graph takes the whole ``max_graph_cpu_s``
+# (500 ms) and would stall every other session, handshake and probe of the process meanwhile.
+# Below this size (~110 tensors) a graph costs a few ms at most and stays on the loop. llama.cpp
+# sends a full graph only when it changes (GRAPH_RECOMPUTE otherwise): the tiny test model's
+# decode graph is 31 KiB (inline), the ~105 MB one's 59 KiB (deferred), a 16-layer one's ~350 KiB.
+DEFER_GRAPH_BYTES: Final = 32 * 1024
+_NEVER: Final = 1 << 62
 
 _REQ_HEADER: Final = struct.Struct("<BQ")
 _RSP_HEADER: Final = struct.Struct("<Q")
@@ -189,6 +200,9 @@ class Session:
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
+        self._defer_from = _NEVER  # graphs at least this large wait for validate_deferred()
+        self._deferred: tuple[CommandRule, memoryview, int] | None = None  # (rule, raw frame, body length)
+        self._deferred_refusal: FirewallRefusal | None = None
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -293,17 +307,24 @@ class Session:
 
     def _on_request(self, header: tuple[int, int], head: memoryview, raw: memoryview) -> None:
         cmd = header[0]
-        out = self.to_server
         if cmd == HELLO:
-            self._on_hello_request(head, raw, out)
+            self._on_hello_request(head, raw, self.to_server)
             return
         rule: CommandRule = self._rules[cmd]  # type: ignore[assignment]  # planned: it exists
         body_len = self._req.body_remaining
         if self._check_requests:
+            if cmd == _GRAPH_COMPUTE and len(head) >= self._defer_from:
+                self._defer(rule, raw, body_len)
+                return
             try:
                 self.firewall.check_request(rule, head, body_len)
             except FirewallRefusal as refusal:
                 self.violated(refusal, rule.name)
+        self._forward(cmd, rule, head, raw, body_len)
+
+    def _forward(self, cmd: int, rule: CommandRule, head: memoryview, raw: memoryview, body_len: int) -> None:
+        """A request that passed the firewall: its effect, the response it is owed, and out."""
+        out = self.to_server
         if self._record and cmd == _GRAPH_COMPUTE:
             self.last_graph = (len(head), zlib.crc32(head))
         # The request's effect on the session state (the command table's effect column); it
@@ -400,6 +421,50 @@ class Session:
         else:
             self.learn_memory()
         return raw
+
+    # ----------------------------------------------------------------------------- large graphs
+    def defer_graphs(self, from_bytes: int = DEFER_GRAPH_BYTES) -> None:
+        """Let a GRAPH_COMPUTE of ``from_bytes`` or more wait for ``validate_deferred``: the
+        request reader stops after it (what follows is kept) and ``EV_VALIDATE`` is reported."""
+        self._defer_from = from_bytes
+
+    @property
+    def deferred(self) -> bool:
+        """A graph waits for ``validate_deferred`` and ``resume_deferred``."""
+        return self._deferred is not None
+
+    def _defer(self, rule: CommandRule, raw: memoryview, body_len: int) -> None:
+        if not isinstance(raw.obj, bytes):  # a view into the caller's read buffer: keep a copy
+            raw = memoryview(bytes(raw))
+        self._deferred = (rule, raw, body_len)
+        self._req.pause()
+        self._events.append((EV_VALIDATE, len(raw) - _REQ_HEADER.size))
+
+    def validate_deferred(self) -> None:
+        """The firewall's check of the deferred graph. May run on another thread, provided nothing
+        else touches this session until ``resume_deferred``."""
+        assert self._deferred is not None
+        rule, raw, body_len = self._deferred
+        try:
+            self.firewall.check_request(rule, raw[_REQ_HEADER.size:], body_len)
+        except FirewallRefusal as refusal:
+            self._deferred_refusal = refusal
+
+    def resume_deferred(self, now_ns: int = 0) -> Output:
+        """After ``validate_deferred``: the graph is refused (raises, as ``client_data`` would) or
+        goes out, then the bytes that followed it are fed; returns the ``Output`` of both."""
+        assert self._deferred is not None
+        self._now = now_ns
+        rule, raw, body_len = self._deferred
+        refusal, self._deferred, self._deferred_refusal = self._deferred_refusal, None, None
+        self.out.urgent = True
+        if refusal is not None:
+            self.violated(refusal, rule.name)
+        self._forward(_GRAPH_COMPUTE, rule, raw[_REQ_HEADER.size:], raw, body_len)
+        rest = self._req.resume()
+        if rest:
+            self._req.feed(memoryview(rest))
+        return self.out
 
     def leave_requests_to_node(self) -> None:
         """connect, toward a node that is rpcguard (``SessionPolicy.validate_requests`` "auto"):

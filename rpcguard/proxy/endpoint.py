@@ -98,7 +98,7 @@ def write(transport: asyncio.Transport, out: list) -> None:
 class Endpoint(asyncio.BufferedProtocol):
     """One side of a link: reads into a reusable buffer and reports to the link."""
 
-    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed", "held", "narrowed")
+    __slots__ = ("link", "is_client", "transport", "buf", "view", "closed", "held", "narrowed", "parked")
 
     def __init__(self, link: Link, is_client: bool) -> None:
         self.link = link
@@ -111,6 +111,7 @@ class Endpoint(asyncio.BufferedProtocol):
         self.closed = False
         self.held = False  # reading paused by flow control (the other side's write buffer is full)
         self.narrowed = False  # flooding small frames: small reads, one per loop turn
+        self.parked = False  # reading paused while the link validates a graph off the loop
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -132,13 +133,13 @@ class Endpoint(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.link.data(self, self.view[:nbytes])  # type: ignore[index]
-        if self.narrowed and not self.closed and not self.held and self.transport is not None:
+        if self.narrowed and not self.closed and not self.held and not self.parked and self.transport is not None:
             # One read per loop turn: others run before the next (libuv stops its read loop).
             self.transport.pause_reading()
             asyncio.get_running_loop().call_soon(self._next_read)
 
     def _next_read(self) -> None:
-        if not self.closed and not self.held and self.transport is not None:
+        if not self.closed and not self.held and not self.parked and self.transport is not None:
             self.transport.resume_reading()
 
     def narrow(self) -> None:

@@ -32,6 +32,7 @@ instead of a crashed server; a refusal mid-session closes both sides.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import socket
@@ -48,7 +49,7 @@ from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
 
-__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS"]
+__all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS", "VALIDATORS"]
 
 # The session-end line's level by result: a probe (rpcguard check, connect's /readyz every few
 # seconds) is no news; a refusal or an error is.
@@ -76,6 +77,13 @@ FAIR_READ_NS = 1_000_000
 FAIR_WIDEN_CHUNKS = 4
 assert FAIR_READ_BYTES >= 1024
 
+# Large graphs (session.DEFER_GRAPH_BYTES and up) are validated on these threads, not on the loop:
+# a crafted graph takes up to policy max_graph_cpu_s (500 ms) to validate, and every other
+# session, handshake and probe of the process would wait that long. The per-node rules run as
+# interpreted Python, so the loop thread gets the GIL back every switch interval (5 ms). Two
+# threads: many sessions' validations queue for them instead of all contending with the loop.
+# While one runs, its link holds both sides' reads and defers every other callback (``_later``).
+VALIDATORS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpcguard-graph")
 
 
 
@@ -99,6 +107,8 @@ class Link:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self._held = bytearray()  # client frames waiting for the next urgent one (HOLD_MAX_BYTES)
+        # While a graph is validated off the loop: the link's callbacks that came meanwhile, in order.
+        self._later: list[tuple[Callable[..., None], tuple]] | None = None
 
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
@@ -191,10 +201,14 @@ class Link:
             session.leave_requests_to_node()
         if session is not None:
             route.traffic.requests_checked(session.requests_checked_by)
+            session.defer_graphs()  # large graphs: validated off the loop (VALIDATORS)
         self.lc.upstream_connected()
 
     # ----------------------------------------------------------------------------- data path
     def data(self, endpoint: Endpoint, view: memoryview) -> None:
+        if self._later is not None:  # a graph is being validated: this waits (a copy: the buffer is reused)
+            self._later.append((self.data, (endpoint, memoryview(bytes(view)))))
+            return
         lc = self.lc
         # lc.client_data / server_data: in ACTIVE the session's own methods (see Lifecycle:
         # a refusal and the events are handed back to the lifecycle, as client_bytes does).
@@ -215,6 +229,11 @@ class Link:
             lc.internal_error()
             self._apply()
             return
+        self._deliver(endpoint, out, t_ns)
+
+    def _deliver(self, endpoint: Endpoint, out: Any, t_ns: int) -> None:
+        """Carry out one feed's ``Output`` (read on ``endpoint`` at ``t_ns``): events, writes, actions."""
+        lc = self.lc
         if out.events:
             lc.session_events(out)
         to_server = out.to_server
@@ -259,11 +278,62 @@ class Link:
                 source.fresh_buffer()
         chunks.clear()
 
+    # ----------------------------------------------------------------------------- large graphs
+    def _validate(self, _: None) -> None:
+        """Run the session's deferred graph validation on a VALIDATORS thread; reads stop meanwhile."""
+        session = self.lc.session
+        if session is None or not session.deferred or self._later is not None:
+            return
+        self._later = []
+        for endpoint in (self.client, self.upstream):
+            if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
+                endpoint.parked = True
+                endpoint.transport.pause_reading()
+        future = asyncio.get_running_loop().run_in_executor(VALIDATORS, session.validate_deferred)
+        future.add_done_callback(self._validated)
+
+    def _validated(self, future: asyncio.Future) -> None:
+        """The validation is over: the graph is refused or goes out with what followed it, then
+        what the link was told meanwhile is replayed in order, then reads resume."""
+        later, self._later = self._later or [], None
+        lc, session = self.lc, self.lc.session
+        if session is not None and session.deferred:
+            t_ns = self._clock_ns()
+            try:
+                error = future.exception()
+                if error is not None:
+                    raise error
+                out = session.resume_deferred(t_ns)
+            except Refusal as refusal:
+                lc.refused(refusal)
+                self._apply()
+            except BaseException:  # a bug (or the executor shut down) costs this session only
+                log.exception("session %d: internal error while validating a graph", self.id)
+                lc.out.clear()
+                lc.internal_error()
+                self._apply()
+            else:
+                self._deliver(self.client, out, t_ns)
+        for i, (call, args) in enumerate(later):
+            if self._later is not None:  # another large graph: the rest waits for that one
+                self._later.extend(later[i:])
+                return
+            call(*args)
+        if self._later is None:
+            for endpoint in (self.client, self.upstream):
+                if endpoint is not None and endpoint.parked:
+                    endpoint.parked = False
+                    if endpoint.transport is not None and not endpoint.closed and not endpoint.held:
+                        endpoint.transport.resume_reading()
+
     def flush_held(self) -> None:
         if self._held:
             self._send_upstream([], None)
 
     def eof(self, endpoint: Endpoint) -> None:
+        if self._later is not None:
+            self._later.append((self.eof, (endpoint,)))
+            return
         if endpoint.is_client:
             self.flush_held()
             self.lc.client_closed()
@@ -274,6 +344,9 @@ class Link:
         self._apply()
 
     def lost(self, endpoint: Endpoint, exc: Exception | None) -> None:
+        if self._later is not None:
+            self._later.append((self.lost, (endpoint, exc)))
+            return
         if endpoint.is_client:
             self.lc.client_closed(str(exc) if exc else "")
         elif endpoint is self.upstream:
@@ -304,6 +377,9 @@ class Link:
         self._apply()
 
     def pause_other(self, endpoint: Endpoint) -> None:
+        if self._later is not None:
+            self._later.append((self.pause_other, (endpoint,)))
+            return
         if endpoint.is_client:
             self.lc.client_blocked(True)  # the client is not reading its responses
         else:
@@ -314,6 +390,9 @@ class Link:
             other.transport.pause_reading()
 
     def resume_other(self, endpoint: Endpoint) -> None:
+        if self._later is not None:
+            self._later.append((self.resume_other, (endpoint,)))
+            return
         if endpoint.is_client:
             self.lc.client_blocked(False)
         else:
@@ -321,7 +400,8 @@ class Link:
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
             other.held = False
-            other.transport.resume_reading()
+            if not other.parked:
+                other.transport.resume_reading()
 
     # ----------------------------------------------------------------------------- timers
     def _schedule_tick(self) -> None:
@@ -329,6 +409,9 @@ class Link:
 
     def _tick(self) -> None:
         self._timer = None
+        if self._later is not None:  # a graph is being validated: the deadlines wait for it
+            self._schedule_tick()
+            return
         self.flush_held()
         slot = self.route.slot
         self.lc.tick(self._clock(), slot.waiting if slot is not None else 0)
@@ -337,6 +420,9 @@ class Link:
             self._schedule_tick()
 
     def close_for_shutdown(self) -> None:
+        if self._later is not None:
+            self._later.append((self.close_for_shutdown, ()))
+            return
         self.lc.shutdown()
         self._apply()
 
@@ -472,5 +558,6 @@ _APPLY: dict[str, Callable[[Link, Any], None]] = {
     lc_mod.ABORT_UPSTREAM: Link._abort_upstream,
     lc_mod.COUNT_TLS_FAILURE: Link._count_tls_failure,
     lc_mod.COUNT_VIOLATION: Link._count_violation,
+    lc_mod.VALIDATE: Link._validate,
     lc_mod.END: Link._end,
 }

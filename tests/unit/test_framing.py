@@ -109,3 +109,40 @@ def test_a_frame_can_change_the_plan_of_the_next_one_in_the_same_read():
     reader = Reader(REQ, lambda h: seen.append(len(reader.events)) or (h[1], 0))
     reader.run([V.DEVICE_COUNT_REQ * 3])
     assert seen == [0, 1, 2]  # each plan ran after the previous frame was delivered
+
+
+class Pausing(Reader):
+    """Pauses after every frame whose command is ``at``."""
+
+    def __init__(self, at: int):
+        super().__init__(REQ, whole_head)
+        self.at = at
+
+    def on_frame(self, fields, head, raw):
+        super().on_frame(fields, head, raw)
+        if fields[0] == self.at:
+            self.fr.pause()
+
+
+def test_a_paused_reader_stops_after_the_frame_and_hands_the_rest_back():
+    # DEVICE_COUNT (15), then FREE_BUFFER (4) on which it pauses, then GET_BASE (3)
+    stream = V.DEVICE_COUNT_REQ + V.FREE_REQ + V.GET_BASE_REQ
+    for how, chunks in V.runs(stream, trailing=V.DEVICE_COUNT_REQ):
+        reader = Pausing(at=4)
+        reader.run(chunks)
+        assert [e[1][0] for e in reader.events] == [15, 4], how
+        assert reader.fr.paused
+        rest = reader.fr.resume()
+        assert rest == V.GET_BASE_REQ + (V.DEVICE_COUNT_REQ if how == "trailing" else b""), how
+        assert not reader.fr.paused
+        reader.fr.feed(memoryview(rest))
+        assert [e[1][0] for e in reader.events] == [15, 4, 3] + ([15] if how == "trailing" else []), how
+        assert reader.fr.at_boundary
+
+
+def test_a_reader_paused_mid_chunk_keeps_a_copy_not_a_view():
+    buf = bytearray(V.FREE_REQ + V.GET_BASE_REQ)
+    reader = Pausing(at=4)
+    reader.fr.feed(memoryview(buf))
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer
+    assert reader.fr.resume() == V.GET_BASE_REQ

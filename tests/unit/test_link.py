@@ -5,8 +5,10 @@ real-peer behaviour is proven by tests/integration."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import struct
+import threading
 
 import pytest
 
@@ -17,6 +19,7 @@ from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import REFUSAL_CODES
 from rpcguard.proxy.endpoint import Dialer
+from rpcguard.proxy import link as link_mod
 from rpcguard.proxy.link import Link
 from rpcguard.proxy.route import Route
 from tests.support import vectors as V
@@ -452,5 +455,76 @@ def test_serve_closes_a_socket_at_accept_past_the_handshakes_of_its_source():
         assert route.traffic.refusals["too_many_handshakes_per_source"] == 1 and not route.links
         assert route.handshaking == {"127.0.0.1": 3}
         writer.close()
+
+    run(main())
+
+
+class GatedValidators(concurrent.futures.ThreadPoolExecutor):
+    """link.VALIDATORS whose validations wait for ``open`` (so a test sees the link meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.open = threading.Event()
+        self.started = threading.Event()
+
+    def submit(self, fn, /, *args, **kwargs):
+        def gated():
+            self.started.set()
+            self.open.wait(5)
+            return fn(*args, **kwargs)
+        return super().submit(gated)
+
+
+def big_graph(base: int = V.BASE) -> bytes:
+    from rpcguard.protocol.session import DEFER_GRAPH_BYTES
+    from tests.support.floods import chain_graph
+    payload, _ = chain_graph(V.HANDLE, base, 500)
+    assert len(payload) >= DEFER_GRAPH_BYTES
+    return encode.request("GRAPH_COMPUTE", bytes(payload))
+
+
+def test_a_large_graph_is_validated_off_the_loop_and_the_link_waits_for_it(monkeypatch):
+    gate = GatedValidators()
+    monkeypatch.setattr(link_mod, "VALIDATORS", gate)
+
+    async def main() -> None:
+        records: list = []
+        link, up, reader, writer, t = await active_connect_link(records, Clock())
+        before = len(up.written)
+        graph = big_graph()
+        writer.write(set_tensor(t) + V.GET_ALIGNMENT_REQ + graph + V.DEVICE_COUNT_REQ)
+        await until(gate.started.is_set, "the validation started")
+        await asyncio.sleep(0.05)  # the loop runs on while the graph is validated
+        assert link.client.parked and link.upstream.parked and link._later is not None
+        assert bytes(up.written[before:]) == set_tensor(t) + V.GET_ALIGNMENT_REQ  # what came before went out
+        up.send(V.GET_ALIGNMENT_RSP_32)  # the server answers meanwhile: it waits too, in order
+        writer.write(V.GET_ALIGNMENT_REQ)
+        await asyncio.sleep(0.05)
+        link._tick()  # a tick meanwhile is put off, not run against a session in another thread's hands
+        gate.open.set()
+        await until(lambda: len(up.written) - before == len(set_tensor(t) + V.GET_ALIGNMENT_REQ * 2
+                                                             + graph + V.DEVICE_COUNT_REQ), "the rest forwarded")
+        assert bytes(up.written[before:]).endswith(graph + V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ)
+        assert await reader.readexactly(len(V.GET_ALIGNMENT_RSP_32)) == V.GET_ALIGNMENT_RSP_32
+        assert not link.client.parked and not link.upstream.parked and link._later is None
+        writer.close()
+        await until(lambda: records, "the session end")
+        assert records[0]["result"] == "ok"
+
+    run(main())
+
+
+def test_a_large_graph_refused_off_the_loop_ends_the_session_and_sends_nothing_of_it(monkeypatch):
+    monkeypatch.setattr(link_mod, "VALIDATORS", GatedValidators())
+    link_mod.VALIDATORS.open.set()
+
+    async def main() -> None:
+        records: list = []
+        link, up, reader, writer, t = await active_connect_link(records, Clock())
+        before = len(up.written)
+        writer.write(big_graph(base=V.BASE + (1 << 30)) + V.GET_ALIGNMENT_REQ)
+        await until(lambda: records, "the session end")
+        assert records[0]["reason"] == "tensor_out_of_buffer" and bytes(up.written[before:]) == b""
+        assert await reader.read(100) == b""
 
     run(main())

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import struct
+import threading
 
 import pytest
 
 from rpcguard.errors import PolicyRefusal, ProtocolRefusal, Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import (
-    GREETED, HELLO_FORWARDED, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VIOLATION, Session, SessionPolicy,
+    GREETED, HELLO_FORWARDED, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VALIDATE, EV_VIOLATION, Session,
+    SessionPolicy,
 )
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
@@ -572,3 +574,72 @@ def test_the_post_mortem_has_the_last_graphs_digest():
     pm = s.post_mortem()
     assert pm["last_requests"] == [["GRAPH_COMPUTE", 12]]
     assert pm["last_graph"] == {"bytes": 12, "crc32": f"{zlib.crc32(graph):08x}"}
+
+
+# ----------------------------------------------------------------------------- large graphs
+def graph_session(policy=None) -> Session:
+    """Active, with the test buffer (V.HANDLE at V.BASE, 1 MiB) allocated and its base known."""
+    s = active(policy=policy)
+    for request, answer in [(V.ALLOC_REQ_1MIB, V.ALLOC_RSP), (V.GET_BASE_REQ, V.GET_BASE_RSP)]:
+        s.client_data(memoryview(request))
+        s.server_data(memoryview(answer))
+    out(s.to_server), out(s.to_client)
+    return s
+
+
+def graph_frame(bad: bool = False) -> bytes:
+    from tests.support.floods import chain_graph
+    payload, _ = chain_graph(V.HANDLE, V.BASE + (1 << 30 if bad else 0), 40)  # bad: outside the buffer
+    return encode.request("GRAPH_COMPUTE", bytes(payload))
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise", "trailing"])
+def test_a_large_graph_waits_for_its_validation_and_what_follows_keeps_its_order(how):
+    s = graph_session()
+    s.defer_graphs(from_bytes=1024)
+    graph = graph_frame()
+    stream = V.GET_ALIGNMENT_REQ + graph + V.DEVICE_COUNT_REQ
+    for _, chunks in [r for r in V.runs(stream, trailing=V.GET_ALIGNMENT_REQ) if r[0] == how]:
+        for c in chunks:
+            s.client_data(memoryview(bytearray(c)))
+    assert out(s.to_server) == V.GET_ALIGNMENT_REQ  # the graph and what follows wait
+    assert s.deferred and s.out.events == [(EV_VALIDATE, len(graph) - 9)]
+    s.out.events.clear()
+    worker = threading.Thread(target=s.validate_deferred)  # as the relay does: another thread
+    worker.start()
+    worker.join()
+    s.resume_deferred()
+    assert not s.deferred and s.out.urgent
+    assert out(s.to_server) == graph + V.DEVICE_COUNT_REQ + (V.GET_ALIGNMENT_REQ if how == "trailing" else b"")
+    s.server_data(memoryview(V.GET_ALIGNMENT_RSP_32))  # the FIFO holds the frames in their order
+    assert out(s.to_client) == V.GET_ALIGNMENT_RSP_32
+
+
+def test_a_small_graph_is_validated_at_once_and_a_large_one_refused_after_its_validation():
+    s = graph_session()
+    s.defer_graphs(from_bytes=len(graph_frame()) - 9)  # the 40-node graph's payload: deferred; 39 nodes: not
+    small = encode.request("GRAPH_COMPUTE", bytes(chain_graph_payload(39)))
+    s.client_data(memoryview(small))
+    assert out(s.to_server) == small and not s.deferred and not s.out.events
+    s.client_data(memoryview(graph_frame(bad=True) + V.GET_ALIGNMENT_REQ))
+    assert s.deferred and out(s.to_server) == b""
+    s.validate_deferred()
+    with pytest.raises(Refusal) as e:
+        s.resume_deferred()
+    assert e.value.reason == "tensor_out_of_buffer" and out(s.to_server) == b""  # nothing of it went out
+
+
+def test_monitor_mode_forwards_a_large_refused_graph_with_a_violation():
+    s = graph_session(SessionPolicy(mode="monitor"))
+    s.defer_graphs(from_bytes=1024)
+    bad = graph_frame(bad=True)
+    s.client_data(memoryview(bad))
+    s.out.events.clear()
+    s.validate_deferred()
+    s.resume_deferred()
+    assert out(s.to_server) == bad and [k for k, _ in s.out.events] == [EV_VIOLATION]
+
+
+def chain_graph_payload(nodes: int) -> bytes:
+    from tests.support.floods import chain_graph
+    return bytes(chain_graph(V.HANDLE, V.BASE, nodes)[0])
