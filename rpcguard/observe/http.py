@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import exposition
 
+from rpcguard.pki.identity import source_of
 from rpcguard.pki.tls import classify_handshake_error
 from rpcguard.observe.webconfig import WebGuard
 
@@ -281,7 +282,7 @@ async def start_http(metrics, host: str, port: int, *, ready: ReadyCheck | None 
 
     def admit(conn: socket.socket, addr: object) -> None:
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-        source = str(addr[0]) if isinstance(addr, tuple) else peer
+        source = source_of(str(addr[0])) if isinstance(addr, tuple) else peer  # an IPv6 host's /64
         guard = web() if web is not None else None
         plain = guard is None or guard.context is None
         if per_source.get(source, 0) >= MAX_HTTP_PER_SOURCE:

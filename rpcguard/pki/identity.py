@@ -35,7 +35,26 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rpcguard.errors import PolicyRefusal
 
-__all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "CLIENT_AUTH", "SERVER_AUTH"]
+__all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "source_of", "CLIENT_AUTH", "SERVER_AUTH"]
+
+# An IPv6 host is given a /64 (RFC 4291's interface identifiers; SLAAC privacy addresses rotate
+# inside it): it can connect from any of its 2^64 addresses, so the per-source caps count the /64.
+SOURCE_V6_PREFIX = 64
+
+
+def source_of(host: str) -> str:
+    """The unit the per-source caps count (limits.max_*_per_source, the metrics endpoint): an
+    IPv4 address (also written as IPv4-mapped IPv6), or an IPv6 address's /64."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip) >> (128 - SOURCE_V6_PREFIX) << (128 - SOURCE_V6_PREFIX),
+                                          SOURCE_V6_PREFIX)))
+    return str(ip)
 
 CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.2
 SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.1

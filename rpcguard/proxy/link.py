@@ -47,6 +47,7 @@ from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
+from rpcguard.pki.identity import source_of
 from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
 
 __all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS", "VALIDATORS"]
@@ -121,7 +122,7 @@ class Link:
         try:
             peer = sock.getpeername()
             self.lc.peer = f"{peer[0]}:{peer[1]}"
-            self.lc.source = str(peer[0])
+            self.lc.source = source_of(str(peer[0]))  # per-source caps: an IPv6 host's /64
         except OSError:
             pass
         route.links.add(self)

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import serialization
 
 from rpcguard.pki import certs
 from rpcguard.errors import PolicyRefusal
-from rpcguard.pki.identity import CLIENT_AUTH, SERVER_AUTH, Acl, PeerIdentity, check_usage
+from rpcguard.pki.identity import CLIENT_AUTH, SERVER_AUTH, Acl, PeerIdentity, check_usage, source_of
 
 
 def der_of(path) -> bytes:
@@ -235,3 +235,17 @@ def test_from_der_reads_the_eku(tmp_path):
     check_usage(server, "server")
     with pytest.raises(PolicyRefusal):
         check_usage(server, "client")
+
+
+@pytest.mark.parametrize("host,source", [
+    ("192.0.2.7", "192.0.2.7"),
+    ("::ffff:192.0.2.7", "192.0.2.7"),  # a dual-stack listener sees IPv4 clients this way
+    ("2001:db8:1:2:aaaa:bbbb:cccc:dddd", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2::1", "2001:db8:1:2::/64"),  # the same host's other address: the same source
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("fe80::1%eth0", "fe80::/64"),
+    ("::1", "::/64"),
+    ("not-an-address", "not-an-address"),
+])
+def test_the_per_source_caps_count_an_ipv4_address_or_an_ipv6_slash_64(host, source):
+    assert source_of(host) == source
