@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 # beyond the noise, so they stay Python. cost (the planner's work buffer and the compute estimate
 # of every node the graph walk has not seen yet) cut a cold 77-node graph's validation by ~12 %
 # (docs/performance.md, "Round of 2026-12-02").
-HOT_MODULES = ("framing", "session", "commands", "firewall", "tensor", "state", "stats", "graph", "opcheck", "cost")
+HOT_MODULES = ("framing", "session", "commands", "checks", "firewall", "tensor", "state", "stats", "graph", "opcheck", "cost")
 PURE_ENV = "RPCGUARD_PURE_PYTHON"
 GROUP = "rpcguard_core"  # mypyc's shared library of the compiled modules: rpcguard_core__mypyc
 PLACEHOLDER = "rpcguard_core__placeholder"
