@@ -1,5 +1,10 @@
 """GRAPH_COMPUTE validation (spec §3.2 and the "GRAPH_COMPUTE invariants" of §6.2).
 
+Stays whole (over 400 lines): ``GraphValidator.check`` is one pass over one payload whose column
+views (ids, src columns, positions, raw chunks) every step shares, so its parts would only move
+those seven arguments between modules; the work buffer (workbuf.py), compute (cost.py) and per-op
+rules (opcheck.py, oprules/) are already apart.
+
 How this works: a decode graph is validated for every generated token, so the structure is read
 column-wise instead of tensor by tensor. The tensor area (m × 296 bytes) is viewed as u64 and
 u32 arrays (``memoryview.cast``) and strided slices pull out every tensor's id, src[0..9],

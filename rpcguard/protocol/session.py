@@ -1,5 +1,9 @@
 """The per-connection ggml-rpc state machine: framing + session rules + firewall + counters.
 
+Stays whole (over 400 lines): it is the compiled per-frame path of one class, planning and
+handling each direction's frames over the same fields; the per-command work is apart already
+(commands.py, checks.py, firewall.py), so is framing (framing.py).
+
 How this works: one ``Session`` sits between one llama.cpp client and one server. The link's
 lifecycle hands it the bytes read from either side (``client_data`` / ``server_data``); each
 call returns the session's ``Output``: the frames to send each way (``to_server`` /
