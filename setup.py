@@ -22,10 +22,11 @@ from setuptools.command.build_ext import build_ext
 # checks, tensor head decode, the caches and counters, the graph walk and per-op checks), chosen by
 # measurement (docs/performance.md, "Compiled core"). Compiling also the rule tables (oprules,
 # versions, ggml) or the per-read lifecycle (lifecycle, linkstate, endings, settings) gave no gain
-# beyond the noise, so they stay Python. cost (the planner's work buffer and the compute estimate
-# of every node the graph walk has not seen yet) cut a cold 77-node graph's validation by ~12 %
-# (docs/performance.md, "Round of 2026-12-02").
-HOT_MODULES = ("framing", "session", "commands", "firewall", "tensor", "state", "stats", "graph", "opcheck", "cost")
+# beyond the noise, so they stay Python. cost and workbuf (the compute estimate and the planner's
+# work buffer of every node the graph walk has not seen yet) cut a cold 77-node graph's validation
+# by ~12 % (docs/performance.md, "Round of 2026-12-02"); checks is the firewall's per-command half.
+HOT_MODULES = ("framing", "session", "commands", "checks", "firewall", "tensor", "state", "stats", "graph", "opcheck", "cost",
+               "workbuf")
 PURE_ENV = "RPCGUARD_PURE_PYTHON"
 GROUP = "rpcguard_core"  # mypyc's shared library of the compiled modules: rpcguard_core__mypyc
 PLACEHOLDER = "rpcguard_core__placeholder"

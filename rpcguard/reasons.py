@@ -39,7 +39,7 @@ SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "too_many_pending_per_source", "too_many_handshakes_per_source",
     *(r for r in REFUSAL_CODES if r not in IDENTITY_REASONS),
 )))
-# protocol/firewall.py, tensor.py, graph.py, oprules/, opcheck.py: the rule names of FirewallRefusal.
+# protocol/checks.py, firewall.py, tensor.py, graph.py, oprules/, opcheck.py: the rule names of FirewallRefusal.
 FIREWALL_REASONS: tuple[str, ...] = (
     "device_out_of_range", "alloc_size_invalid", "buffer_unknown", "tensor_type_invalid",
     "tensor_shape_invalid", "tensor_nbytes_overflow", "tensor_flags_invalid", "tensor_name_unterminated",

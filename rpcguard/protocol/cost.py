@@ -1,195 +1,28 @@
-"""What one graph node costs the server: its CPU planner's work buffer and its compute.
+"""What one graph node costs the server in compute: the estimate the compute budget bounds.
 
-How this works: ggml-cpu's ``ggml_graph_plan`` (ggml-cpu.c:2811 of the pinned sdist) walks every
-node of a graph, empty or not, and sizes one work buffer as the largest per-node need; the
-backend then allocates it with ``new uint8_t[]`` before computing anything. Several needs are
-products of dimensions of different tensors (MUL_MAT_ID's ``n_as * ids.ne0 * ids.ne1`` row
-map), or of a row length and the thread count, so a graph of a few MiB of tensors could ask for
-hundreds of GiB and abort the server with ``std::bad_alloc``. ``work_bytes`` mirrors the
-planner's arithmetic per op (``_WORK``, keyed by op name) with ``n_tasks`` = the server's thread
-count; the graph validator refuses a node whose need exceeds the policy's cap.
-
-``flops`` is the compute cost model: floating-point operations per node from its shapes
-(matrix products ``2*K*|dst|``, attention ``2*n_q*n_kv*(DK+DV)`` per head, everything else a
-few operations per element read or written). Summed over a graph and divided by the node's
-throughput (``node_gflops``, calibrated against the real server: docs/firewall.md "Compute
-budget") it estimates the server's compute time, which ``max_graph_compute_s`` bounds before
-the server sees the graph. Sans-IO, pure integer arithmetic on decoded tensors.
+How this works: ``flops`` is the compute cost model: floating-point operations per node from
+its shapes (matrix products ``2*K*|dst|``, attention ``2*n_q*n_kv*(DK+DV)`` per head, everything
+else a few operations per element read or written). Summed over a graph and divided by the
+node's throughput (``node_gflops``, calibrated against the real server: docs/firewall.md
+"Compute budget") it estimates the server's compute time, which ``max_graph_compute_s`` bounds
+before the server sees the graph. What the CPU planner allocates for a node is
+protocol/workbuf.py's. Sans-IO, pure integer arithmetic on decoded tensors.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Final, Mapping, Sequence
+from typing import Callable, Final, Mapping
 
-from rpcguard.protocol.ggml import TYPES
-from rpcguard.protocol.oprules import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
+from rpcguard.protocol.workbuf import F16, F32, Srcs, elements, quantized, row_size
 
-__all__ = ["work_bytes", "flops", "moved_bytes", "ELEMENT_FLOPS", "BYTE_FLOPS", "TILED_SLOT_BYTES"]
+__all__ = ["flops", "moved_bytes", "ELEMENT_FLOPS", "BYTE_FLOPS"]
 
-Srcs = Sequence["RpcTensor | None"]
-F32, F16, I32, BF16 = 0, 1, 26, 30
-# tiled/tiled.cpp:654 ggml_tiled_wdata_size: 64 bytes of alignment plus one 512 KiB slot per
-# thread whenever the tiled matmul supports the operand types (counted always: an upper bound).
-TILED_SLOT_BYTES: Final = 512 << 10
-_CACHE_LINE: Final = 256  # ops.h: the largest CACHE_LINE_SIZE of any target (an upper bound)
-_MMID_ROW: Final = 8  # ggml-cpu.c:1478 struct mmid_row_mapping { int32_t i1, i2; }
 # Operations per element of an op the model does not price on its own (exp, division, a few
 # multiply-adds): an over-estimate for copies, an under-estimate for nothing that matters.
 ELEMENT_FLOPS: Final = 8
 
-
-def _n(t: RpcTensor | None) -> int:
-    return 0 if t is None else t.ne0 * t.ne1 * t.ne2 * t.ne3
-
-
-def _row_size(type_: int, n: int) -> int:
-    info = TYPES.get(type_)
-    return 0 if info is None else info.type_size * n // info.blck_size
-
-
-def _quantized(type_: int) -> bool:
-    info = TYPES.get(type_)
-    return info is not None and info.blck_size > 1
-
-
-# -- the planner's work buffer (ggml-cpu.c:2847-3040, one function per case) -----------------
-
-
-def _work_cpy(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a, b = s[0], s[1]
-    pair = (a.type if a else -1, b.type if b else -1)
-    if _quantized(n.type) or pair in ((F16, BF16), (BF16, F16), (F32, I32), (I32, F32)):
-        return 4 * n.ne0 * nt
-    return 0
-
-
-def _work_add(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]
-    return 4 * a.ne0 * nt if a is not None and _quantized(a.type) else 0
-
-
-def _work_acc(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a, b = s[0], s[1]
-    return 4 * b.ne0 * nt if a is not None and b is not None and _quantized(a.type) else 0
-
-
-def _vec_dot_type(t: int) -> int:
-    return VEC_DOT.get(t, t)  # (a type without one is refused by the op's rule)
-
-
-def _work_mul_mat(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a, b = s[0], s[1]
-    if a is None or b is None:
-        return 0
-    vdt = _vec_dot_type(a.type)
-    cur = _row_size(vdt, _n(b)) if b.type != vdt else 0
-    return (cur + 63) // 64 * 64 + 64 + nt * TILED_SLOT_BYTES
-
-
-def _work_mul_mat_id(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a, b, ids = s[0], s[1], s[2]
-    if a is None or b is None or ids is None:
-        return 0
-    vdt = _vec_dot_type(a.type)
-    n_as = a.ne2
-    cur = _row_size(vdt, _n(b)) + 8 if b.type != vdt else 0
-    cur += n_as * 8 + 8  # matrix_row_counts
-    cur += n_as * ids.ne0 * ids.ne1 * _MMID_ROW + 8  # matrix_rows
-    cur += _CACHE_LINE * n_as + _CACHE_LINE  # atomic_current_chunk
-    return (cur + 63) // 64 * 64 + 64 + nt * TILED_SLOT_BYTES
-
-
-def _work_set_rows(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]
-    return 4 * a.ne0 * nt if a is not None and a.type == F16 and n.type != F16 else 0
-
-
-def _work_row(n: RpcTensor, s: Srcs, nt: int) -> int:
-    return 4 * n.ne0 * nt  # SOFT_MAX, ROPE: one F32 row per thread
-
-
-def _work_top_k(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]
-    return 4 * a.ne0 * nt if a is not None else 0
-
-
-def _work_flash_attn(n: RpcTensor, s: Srcs, nt: int) -> int:
-    q, k, v = s[0], s[1], s[2]
-    if q is None or k is None or v is None:
-        return 0
-    dk, dv, heads = k.ne0, v.ne0, q.ne2
-    tq, tkv = 64, 64  # common.h GGML_FA_TILE_Q / GGML_FA_TILE_KV upper bounds
-    prefill = 4 * (tq * dk + 2 * tq * tkv + tq * dv + tkv * dv + tkv * dk) * nt
-    decode = 4 * (heads * nt * (2 + dv) + nt * (dk + 2 * dv))
-    return max(prefill, decode)
-
-
-def _work_conv_transpose_1d(n: RpcTensor, s: Srcs, nt: int) -> int:
-    k, x = s[0], s[1]  # ggml_graph_plan: the kernel and the input, both in the kernel's type
-    if k is None or x is None:
-        return 0
-    es = 2 if k.type == F16 else 4
-    return es * (k.ne0 * k.ne1 * k.ne2 + x.ne0 * x.ne1)
-
-
-# -- recurrent and newer-model ops (work buffer) --
-
-
-def _work_gated_delta_net(n: RpcTensor, s: Srcs, nt: int) -> int:
-    """ggml-cpu.c:3025: ``(S_v + (K > 1 ? S_v*S_v : 0))`` floats per task, S_v = v.ne0, K = op_params[0]
-    (the kernel's delta row and, for K > 1, its S_v x S_v state scratch)."""
-    v = s[2]
-    if v is None:
-        return 0
-    S_v = v.ne0
-    return 4 * (S_v + (S_v * S_v if n.param0 > 1 else 0)) * nt
-
-
-def _work_lightning_indexer(n: RpcTensor, s: Srcs, nt: int) -> int:
-    """ggml-cpu.c:3036: one F32 row of k.ne0 per task (K dequantized), whatever K's type."""
-    k = s[1]
-    return 4 * k.ne0 * nt if k is not None else 0
-# -- training and backward ops (ggml-cpu.c ggml_graph_plan of both 7.0.0 trees) --
-
-
-def _work_out_prod(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]  # ggml-cpu.c:2915: one F32 row of src0 per thread to dequantize into (F16, block types)
-    return 4 * a.ne0 * nt if a is not None and (a.type == F16 or _quantized(a.type)) else 0
-
-
-def _work_count_equal(n: RpcTensor, s: Srcs, nt: int) -> int:
-    return _row_size(n.type, nt)  # ggml-cpu.c:2879: one partial count per thread
-
-
-def _work_cross_entropy_loss(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]  # ggml-cpu.c:3021: per thread a partial sum and a row of src0
-    return _row_size(n.type, nt + a.ne0 * nt) if a is not None else 0
-
-
-_WORK: Mapping[str, Callable[[RpcTensor, Srcs, int], int]] = {
-    "CPY": _work_cpy, "DUP": _work_cpy,
-    "ADD": _work_add, "ADD_ID": _work_add, "ADD1": _work_add,
-    "ACC": _work_acc,
-    "MUL_MAT": _work_mul_mat, "MUL_MAT_ID": _work_mul_mat_id,
-    "SET_ROWS": _work_set_rows,
-    "SOFT_MAX": _work_row, "ROPE": _work_row, "ROPE_BACK": _work_row,
-    "TOP_K": _work_top_k,
-    "FLASH_ATTN_EXT": _work_flash_attn,
-    "CONV_TRANSPOSE_1D": _work_conv_transpose_1d,
-    # -- recurrent and newer-model ops --
-    "GATED_DELTA_NET": _work_gated_delta_net, "LIGHTNING_INDEXER": _work_lightning_indexer,
-    # -- training and backward ops
-    "OUT_PROD": _work_out_prod, "COUNT_EQUAL": _work_count_equal, "CROSS_ENTROPY_LOSS": _work_cross_entropy_loss,
-}  # fmt: skip
-
-
-def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
-    """The work buffer ``ggml_graph_plan`` sizes for this node on a server of ``n_threads``
-    (0 for ops the planner gives none; the planner also counts empty nodes)."""
-    fn = _WORK.get(op)
-    return fn(node, srcs, n_threads) if fn is not None else 0
 
 
 # -- compute cost --------------------------------------------------------------------------
@@ -229,7 +62,7 @@ _FREE: Final = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 def _bytes(t: RpcTensor | None) -> int:
     """Logical bytes (elements x type size): a view with a zero stride is still read element by
     element."""
-    return 0 if t is None else _row_size(t.type, _n(t))
+    return 0 if t is None else row_size(t.type, elements(t))
 
 
 def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
@@ -238,22 +71,22 @@ def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
     if op in _FREE:
         return 0
     if op == "GET_ROWS" and srcs[0] is not None:
-        return _bytes(node) + _bytes(srcs[1]) + node.ne1 * node.ne2 * node.ne3 * _row_size(srcs[0].type, srcs[0].ne0)
+        return _bytes(node) + _bytes(srcs[1]) + node.ne1 * node.ne2 * node.ne3 * row_size(srcs[0].type, srcs[0].ne0)
     if op == "SET_ROWS" and srcs[1] is not None:
         b = srcs[1]
-        return _bytes(b) + _bytes(srcs[2]) + b.ne1 * b.ne2 * b.ne3 * _row_size(node.type, node.ne0)
+        return _bytes(b) + _bytes(srcs[2]) + b.ne1 * b.ne2 * b.ne3 * row_size(node.type, node.ne0)
     return _bytes(node) + sum(_bytes(t) for t in srcs)
 
 
 def _matmul(n: RpcTensor, s: Srcs) -> int:
     a = s[0]
-    return 2 * (a.ne0 if a is not None else 1) * _n(n)
+    return 2 * (a.ne0 if a is not None else 1) * elements(n)
 
 
 def _out_prod(n: RpcTensor, s: Srcs) -> int:
     a = s[0]  # ops.cpp out_prod loops over src0's ne1
     factor = OUT_PROD_F16_FACTOR if a is not None and a.type == F16 else OUT_PROD_FACTOR
-    return factor * 2 * (a.ne1 if a is not None else 1) * _n(n)
+    return factor * 2 * (a.ne1 if a is not None else 1) * elements(n)
 
 
 def _flash_attn(n: RpcTensor, s: Srcs) -> int:
@@ -262,37 +95,37 @@ def _flash_attn(n: RpcTensor, s: Srcs) -> int:
         return 0
     # per query row (ne1), head (ne2) and sequence (ne3): a dot product of DK and an accumulation
     # of DV per key
-    return FA_FACTOR[_quantized(k.type)] * 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
+    return FA_FACTOR[quantized(k.type)] * 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
 
 
 def _ssm_conv(n: RpcTensor, s: Srcs) -> int:
     c = s[1]
-    return 2 * (c.ne0 if c is not None else 1) * _n(n)
+    return 2 * (c.ne0 if c is not None else 1) * elements(n)
 
 
 def _sort(n: RpcTensor, s: Srcs) -> int:
     a = s[0]
     if a is None:
         return 0
-    return SORT_FLOPS * _n(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
+    return SORT_FLOPS * elements(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
 
 
 def _pool_1d(n: RpcTensor, s: Srcs) -> int:
-    return POOL_FLOPS * _n(n) * max(1, n.param1)
+    return POOL_FLOPS * elements(n) * max(1, n.param1)
 
 
 def _pool_2d(n: RpcTensor, s: Srcs) -> int:
-    return POOL_FLOPS * _n(n) * max(1, n.param1) * max(1, n.param2)
+    return POOL_FLOPS * elements(n) * max(1, n.param1) * max(1, n.param2)
 
 
 def _conv_2d(n: RpcTensor, s: Srcs) -> int:
     a = s[0]
-    return CONV_FACTOR * 2 * _n(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
+    return CONV_FACTOR * 2 * elements(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
 
 
 def _conv_2d_dw(n: RpcTensor, s: Srcs) -> int:
     k = s[0]  # [KW, KH, 1, C]: every dst element reads KW*KH taps
-    return CONV_DW_FLOPS * _n(n) * (k.ne0 * k.ne1 if k is not None else 1)
+    return CONV_DW_FLOPS * elements(n) * (k.ne0 * k.ne1 if k is not None else 1)
 
 
 def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> int:
@@ -310,7 +143,7 @@ def _upscale(n: RpcTensor, s: Srcs) -> int:
         w0 = 2 * max(1, -(-a.ne0 // max(1, n.ne0))) + 1
         w1 = 2 * max(1, -(-a.ne1 // max(1, n.ne1))) + 1
         taps = w0 * w1
-    return POOL_FLOPS * taps * _n(n)
+    return POOL_FLOPS * taps * elements(n)
 
 
 # -- recurrent and newer-model ops (compute) --
@@ -338,7 +171,7 @@ TRI_FLOPS: Final = 56  # per element read or written
 
 
 def _tri(n: RpcTensor, s: Srcs) -> int:
-    return TRI_FLOPS * (_n(n) + _n(s[0]))
+    return TRI_FLOPS * (elements(n) + elements(s[0]))
 
 
 def _gated_delta_net(n: RpcTensor, s: Srcs) -> int:
@@ -351,7 +184,7 @@ def _gated_delta_net(n: RpcTensor, s: Srcs) -> int:
 
 def _solve_tri(n: RpcTensor, s: Srcs) -> int:
     b = s[1]
-    return SOLVE_TRI_FLOPS * b.ne1 * _n(b) if b is not None else 0
+    return SOLVE_TRI_FLOPS * b.ne1 * elements(b) if b is not None else 0
 
 
 def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> int:
@@ -359,24 +192,24 @@ def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> int:
 
 
 def _dsv4_hc_pre(n: RpcTensor, s: Srcs) -> int:
-    return (DSV4_GATE_FLOPS if n.param1 else DSV4_TERM_FLOPS) * _n(s[0])
+    return (DSV4_GATE_FLOPS if n.param1 else DSV4_TERM_FLOPS) * elements(s[0])
 
 
 def _dsv4_hc_post(n: RpcTensor, s: Srcs) -> int:
-    return DSV4_TERM_FLOPS * _n(n) * (n.ne1 if s[3] is not None else 1)
+    return DSV4_TERM_FLOPS * elements(n) * (n.ne1 if s[3] is not None else 1)
 
 
 def _lightning_indexer(n: RpcTensor, s: Srcs) -> int:
     q, k = s[0], s[1]
     if q is None or k is None:
         return 0
-    return LIGHTNING_FLOPS * _n(q) * k.ne2 + CONVERT_FLOPS * _n(k) * q.ne2  # K re-converted for every token
+    return LIGHTNING_FLOPS * elements(q) * k.ne2 + CONVERT_FLOPS * elements(k) * q.ne2  # K re-converted for every token
 def _add1(n: RpcTensor, s: Srcs) -> int:
     # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
     # add1_q_f32): ADD1_BLOCK_FLOPS per element read or written
     a = s[0]
-    per = ADD1_BLOCK_FLOPS if a is not None and _quantized(a.type) else ELEMENT_FLOPS
-    return per * (_n(n) + sum(_n(t) for t in s))
+    per = ADD1_BLOCK_FLOPS if a is not None and quantized(a.type) else ELEMENT_FLOPS
+    return per * (elements(n) + sum(elements(t) for t in s))
 
 
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
@@ -394,7 +227,7 @@ _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
 def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
     """Estimated floating-point operations the server spends on this node (its arithmetic plus
     BYTE_FLOPS per byte moved)."""
-    if op in _FREE or not _n(node):
+    if op in _FREE or not elements(node):
         return 0
     moved = BYTE_FLOPS * moved_bytes(op, node, srcs)
     fn = _FLOPS.get(op)
@@ -407,7 +240,7 @@ def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
     per = ELEMENT_FLOPS_OP.get(op, ELEMENT_FLOPS)
     if op in _CONVERTING and not all(t is None or t.type == F32 for t in (node, *srcs)):
         per = CONVERT_FLOPS
-    return per * (_n(node) + sum(_n(t) for t in srcs)) + moved
+    return per * (elements(node) + sum(elements(t) for t in srcs)) + moved
 
 
 # -- convolutions (3D, transposed, col2im) ------------------------------------------------------
@@ -435,34 +268,19 @@ COL2IM_FLOPS: Final = 256  # COL2IM_1D: per gathered column
 CONV_IM2COL_FLOPS: Final = 128  # per patch tap of CONV_2D/CONV_3D
 CONV_T2D_FACTOR: Final = 4  # CONV_TRANSPOSE_2D: multiplies 2*N*H*W*KW*KH*Cout*Cin
 CONV_T2D_DOT_FLOPS: Final = 256  # CONV_TRANSPOSE_2D: per vec_dot call (N*H*W*KW*KH*Cout of them)
-IM2COL_WORK_SIZE: Final = 16 * 1024 * 1024  # ggml-cpu/ops.h:23 GGML_IM2COL_WORK_SIZE
-
-
-def _work_im2col(n: RpcTensor, s: Srcs, nt: int) -> int:
-    return IM2COL_WORK_SIZE  # ggml-cpu.c:2959-2963: every CONV_2D / CONV_3D node, whatever its shape
-
-
-def _work_conv_transpose_2d(n: RpcTensor, s: Srcs, nt: int) -> int:
-    k, x = s[0], s[1]  # ggml-cpu.c:2964-2981: the kernel and the input, both in the kernel's type
-    if k is None or x is None:
-        return 0
-    es = 2 if k.type == F16 else 4
-    return es * (_n(k) + _n(x))
-
-
 def _conv_2d_direct(n: RpcTensor, s: Srcs) -> int:
     a = s[0]  # [KW, KH, IC, OC]: N*OW*OH patches of KW*KH*IC taps, times OC in the product
     taps = a.ne0 * a.ne1 * a.ne2 if a is not None else 1
     patches = n.ne0 * n.ne1 * n.ne3
-    return CONV_FACTOR * 2 * _n(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+    return CONV_FACTOR * 2 * elements(n) * taps + CONV_IM2COL_FLOPS * patches * taps
 
 
 def _conv_3d_direct(n: RpcTensor, s: Srcs) -> int:
     a = s[0]  # [KW, KH, KD, IC*OC]; params[9] = IC, [11] = OC (the rule holds them >= 1)
     ic, oc = max(1, n.op_params[9]), max(1, n.op_params[11])
     taps = (a.ne0 * a.ne1 * a.ne2 if a is not None else 1) * ic
-    patches = _n(n) // oc
-    return CONV_FACTOR * 2 * _n(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+    patches = elements(n) // oc
+    return CONV_FACTOR * 2 * elements(n) * taps + CONV_IM2COL_FLOPS * patches * taps
 
 
 def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
@@ -491,7 +309,7 @@ def _conv_transpose_1d_all(n: RpcTensor, s: Srcs) -> int:
 
 
 def _im2col(n: RpcTensor, s: Srcs) -> int:
-    return IM2COL_FLOPS * _n(n)
+    return IM2COL_FLOPS * elements(n)
 
 
 def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
@@ -499,11 +317,9 @@ def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
     if a is None:
         return 0
     s0, oc = max(1, n.op_params[0]), max(1, n.op_params[1])
-    return COL2IM_FLOPS * _n(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
+    return COL2IM_FLOPS * elements(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
 
 
-_WORK = {**_WORK, "CONV_2D": _work_im2col, "CONV_3D": _work_im2col,
-         "CONV_TRANSPOSE_2D": _work_conv_transpose_2d}
 _FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,
           "CONV_TRANSPOSE_1D": _conv_transpose_1d_all, "IM2COL": _im2col, "IM2COL_3D": _im2col,
           "COL2IM_1D": _col2im_1d}

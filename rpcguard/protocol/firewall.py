@@ -4,308 +4,59 @@ How this works: the session has already matched the frame to a ``CommandRule`` o
 negotiated version and checked its length class; it hands the firewall the validated head of
 the payload (the whole payload for fixed-size commands and GRAPH_COMPUTE; for SET_TENSOR only
 rpc_tensor [+ cache_flag] + offset, with ``body_len`` data bytes still to come). The check
-column of the command table (``commands.ROWS``) names the method that checks each command;
-commands without one (HELLO, DEVICE_COUNT) need nothing. Every method raises ``FirewallRefusal(reason, detail)`` with a
-stable reason from docs/design.md and never anything else. The firewall only reads
-``SessionState``: the session records buffers, bases, frees and stored graphs.
-
-Check groups (``FirewallPolicy.disabled_checks``): ``tensor`` (per-tensor type/shape/nbytes/
-flags/name, SET_TENSOR cache_flag), ``buffer_bounds`` (handles, data ranges, SET/GET/MEMSET/
-COPY ranges, ALLOC_BUFFER size and the session's allocation quota, INIT_TENSOR padded size),
-``graph_structure``, ``graph_ops``, ``op_params`` (op_params and shape rules of ACC/SET/
-PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both GRAPH_RECOMPUTE rules),
-``device_index``.
+column of the command table (``commands.ROWS``) holds the ``RequestChecks`` method
+(protocol/checks.py) that checks each command, its ``cacheable`` column whether an accepted
+head may be remembered; commands without a check (HELLO, DEVICE_COUNT) need nothing.
+``Firewall`` is those checks plus this dispatch: one index into ``commands.CHECKS`` per frame
+(like h11's ``READERS``), the head's size checked again, and the cache of accepted heads.
+Every check raises ``FirewallRefusal(reason, detail)`` and never anything else; the check
+groups a policy can switch off are listed in protocol/checks.py.
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
-from typing import Callable, Final
+from typing import Final
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.checks import HASH_THRESHOLD_BYTES, RequestChecks
+from rpcguard.protocol.commands import CACHEABLE, CHECKS
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
-from rpcguard.protocol.commands import CHECKS
-from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
-from rpcguard.protocol.tensor import (
-    CHECK_BUFFER,
-    CHECK_TENSOR,
-    FOREIGN_BUFFER_OK,
-    RpcTensor,
-    check_tensor,
-    decode_tensor,
-)
 from rpcguard.protocol.versions import TENSOR_BYTES, WHOLE, CommandRule
 
-__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES"]
+__all__ = ["FirewallPolicy", "Firewall", "CHECK_NAMES", "HASH_THRESHOLD_BYTES", "HEAD_CACHE_MAX"]
 
-
-_U32: Final = struct.Struct("<I")
-_U64: Final = struct.Struct("<Q")
-_U64x2 = struct.Struct("<QQ")
-_DEV_U64: Final = struct.Struct("<IQ")
 _SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9  # 7.0.0 SET_TENSOR head: rpc_tensor, cache_flag, offset
-
-# Heads whose validity depends only on the command, the head bytes, the body length and the live
-# buffers (the session's version and checks are fixed; SET_TENSOR with cache_flag=1 is not cached).
-_CACHEABLE: Final = frozenset({"SET_TENSOR", "GET_TENSOR", "SET_TENSOR_HASH", "MEMSET_TENSOR"})
-HEAD_CACHE_MAX: Final = 4096  # entries of ~300 bytes: bounded memory per session
-# The client asks the server to store a tensor in its -c cache (cache_flag=1) only after a
-# SET_TENSOR_HASH miss for that tensor, and only above this size (ggml-rpc.cpp:87 HASH_THRESHOLD,
-# :717 rpc_use_hash_cache `size > HASH_THRESHOLD`, :723-739 set_tensor).
-HASH_THRESHOLD_BYTES: Final = 10 * 1024 * 1024
 _FLAG_AT: Final = TENSOR_BYTES  # >= 7.0.0 SET_TENSOR: u8 cache_flag right after the rpc_tensor
+HEAD_CACHE_MAX: Final = 4096  # entries of ~300 bytes: bounded memory per session
 
 
-class Firewall:
+class Firewall(RequestChecks):
     """Per-session request validation; ``check_request`` raises ``FirewallRefusal``."""
-
-    def __init__(self, state: SessionState, policy: FirewallPolicy) -> None:
-        self.state = state
-        self.policy = policy
-        on = {name: name not in policy.disabled_checks for name in CHECK_NAMES}
-        self._tensor = on["tensor"]
-        self._bounds = on["buffer_bounds"]
-        self._device = on["device_index"]
-        self._recompute = on["recompute_after_free"]
-        self._tchecks = (CHECK_TENSOR if self._tensor else 0) | (CHECK_BUFFER if self._bounds else 0)
-        self._graph = GraphValidator(
-            max_nodes=policy.max_graph_nodes,
-            max_tensors=policy.max_graph_tensors,
-            tensor_checks=self._tchecks,
-            structure=on["graph_structure"],
-            ops=on["graph_ops"],
-            op_params=on["op_params"],
-            device=self._device,
-            extra_denied=frozenset(policy.denied_ops),
-            allow_unverified=frozenset(policy.allow_unverified_ops),
-            max_cpu_s=policy.max_graph_cpu_s,
-            max_compute_s=policy.max_graph_compute_s,
-            node_gflops=policy.node_gflops,
-            max_work_bytes=policy.max_work_bytes,
-            server_threads=policy.server_threads,
-            contained=policy.contained,
-        )
-        # The check per command id, from the command table (like h11's READERS).
-        self._table: tuple[Callable[[CommandRule, memoryview, int], None] | None, ...] = tuple(
-            getattr(self, method) if method is not None else None for method in CHECKS
-        )
 
     def check_request(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         """Validate one request (see the module docstring for what ``payload`` holds)."""
-        handler = self._table[rule.cmd]
-        if handler is None:
+        cmd = rule.cmd
+        check = CHECKS[cmd]
+        if check is None:
             return
-        # The session guarantees these sizes; re-checked so that no payload can make a handler
+        # The session guarantees these sizes; re-checked so that no payload can make a check
         # fail with anything but a FirewallRefusal. GRAPH_COMPUTE sizes are the graph's own rule.
         if rule.layout != WHOLE and len(payload) != rule.request:
             raise FirewallRefusal(
                 "frame_size_invalid", f"{rule.name} head {len(payload)} bytes, expected {rule.request}"
             )
-        if rule.name in _CACHEABLE and not (rule.request == _SET_TENSOR_CACHE_HEAD and payload[_FLAG_AT]):
+        if CACHEABLE[cmd] and not (rule.request == _SET_TENSOR_CACHE_HEAD and payload[_FLAG_AT]):
             # During generation the client sends the same few tensor heads (inputs, positions,
             # logits) every token: a head accepted once stays valid until the buffer map changes.
             # The key holds everything else the verdict depends on: a GET_TENSOR head and a
             # SET_TENSOR_HASH head have the same size but not the same ranges to check.
-            key = (rule.cmd, bytes(payload), body_len)
+            key = (cmd, bytes(payload), body_len)
             cache = self.state.head_cache
             if key in cache:
                 return
-            handler(rule, payload, body_len)
+            check(self, rule, payload, body_len)
             if len(cache) >= HEAD_CACHE_MAX:
                 cache.clear()
             cache.add(key)
             return
-        handler(rule, payload, body_len)
-
-    def quota(self, device: int) -> tuple[int, int] | None:
-        """(bytes charged, cap) of the allocation quota that applies to ``device``, or None when
-        there is no cap yet (no ``max_session_alloc_bytes`` and the device total not learned)."""
-        state = self.state
-        cap = self.policy.max_session_alloc_bytes
-        if cap:
-            return state.alloc_total, cap
-        memory = state.upstream.memory.get(device)
-        if memory is None:
-            return None
-        return state.alloc_by_device.get(device, 0), memory[1]
-
-    def check_quota(self, device: int, size: int = 0) -> None:
-        """Refuse when ``size`` more bytes would put the session past its allocation quota."""
-        if not self._bounds:
-            return
-        q = self.quota(device)
-        if q is not None and q[0] + size > q[1]:
-            raise FirewallRefusal(
-                "alloc_quota_exceeded",
-                f"device {device}: {q[0]} bytes allocated in this session + {size} > quota {q[1]}",
-            )
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    def _check_device(self, device: int) -> None:
-        if self._device:
-            count = self.state.device_count()
-            if device >= count:
-                raise FirewallRefusal("device_out_of_range", f"device {device} >= device count {count}")
-
-    def _buffer_tensor(
-        self, payload: memoryview, offset: int = 0, what: str = "tensor"
-    ) -> tuple[RpcTensor, int, Buffer | None]:
-        """Decode and check a tensor that must live in a known buffer; the Buffer is None only
-        when ``buffer_bounds`` is off (then no range check follows)."""
-        t = decode_tensor(payload, offset)
-        n = check_tensor(t, self.state, self._tchecks)
-        if not self._bounds:
-            return t, n, None
-        buf = self.state.buffers.get(t.buffer) if t.buffer else None
-        if buf is None or buf.base is None:  # check_tensor refused these already; never a KeyError
-            if t.buffer == 0:
-                raise FirewallRefusal("tensor_null", f"{what} id={t.id:#x} has no buffer")
-            raise FirewallRefusal("buffer_unknown", f"{what} id={t.id:#x}: buffer {t.buffer:#x} is not live")
-        return t, n, buf
-
-    def _range(self, t: RpcTensor, n: int, buf: Buffer | None, offset: int, size: int) -> None:
-        """``[data+offset, +size)`` inside the buffer (the server's own bounds, checked first) and
-        ``offset+size <= nbytes`` (ggml_backend_tensor_set/get GGML_ASSERT it: a server abort)."""
-        if buf is None:
-            return
-        if t.data + offset + size > buf.base + buf.size:  # type: ignore[operator]
-            raise FirewallRefusal(
-                "range_out_of_buffer",
-                f"tensor id={t.id:#x}: [{t.data:#x}+{offset}, +{size}) past the end of buffer {buf.handle:#x}",
-            )
-        if offset + size > n:
-            raise FirewallRefusal(
-                "range_out_of_tensor", f"tensor id={t.id:#x}: offset {offset} + size {size} > nbytes {n}"
-            )
-
-    # -- handlers ----------------------------------------------------------------------------
-
-    def _device_only(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        if rule.has_device:
-            self._check_device(_U32.unpack_from(payload)[0])
-
-    def _alloc_buffer(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        # size 0 is legal: the server returns a dummy buffer with base NULL (the real client never
-        # sends it, ggml_backend_buft_alloc_buffer short-circuits), so it is not refused.
-        device, size = _DEV_U64.unpack_from(payload) if rule.has_device else (0, _U64.unpack_from(payload)[0])
-        self._check_device(device)
-        if not self._bounds:
-            return
-        cap = self.policy.max_alloc_bytes
-        if cap and size > cap:
-            raise FirewallRefusal("alloc_size_invalid", f"size {size} > cap {cap}")
-        max_size = self.state.upstream.max_size.get(device)
-        if max_size is not None and size > max_size:
-            raise FirewallRefusal("alloc_size_invalid", f"size {size} > GET_MAX_SIZE {max_size} of device {device}")
-        self.check_quota(device, size)
-
-    def _handle(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        if self._bounds:
-            handle = _U64.unpack_from(payload)[0]
-            if handle not in self.state.buffers:
-                raise FirewallRefusal(
-                    "buffer_unknown", f"{rule.name}: {handle:#x} is not a live buffer of this session"
-                )
-
-    def _set_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        t, n, buf = self._buffer_tensor(payload)
-        at = TENSOR_BYTES
-        if rule.request == _SET_TENSOR_CACHE_HEAD:  # >= 7.0.0: u8 cache_flag before the offset
-            flag = payload[at]
-            if self._tensor and flag:
-                self._cache_flag(payload, flag, body_len)
-            at += 1
-        self._range(t, n, buf, _U64.unpack_from(payload, at)[0], body_len)
-
-    def _cache_flag(self, payload: memoryview, flag: int, body_len: int) -> None:
-        """cache_flag=1 makes a server run with -c write the data to a new file in its cache
-        directory: accepted only the way the client sends it, once per SET_TENSOR_HASH miss of the
-        same tensor and offset, for more than HASH_THRESHOLD_BYTES of data."""
-        if flag > 1:
-            raise FirewallRefusal("set_tensor_flag_invalid", f"cache_flag {flag} not 0 or 1")
-        if body_len <= HASH_THRESHOLD_BYTES:
-            raise FirewallRefusal(
-                "set_tensor_cache_flag_invalid",
-                f"cache_flag=1 with {body_len} bytes: the client sets it only above {HASH_THRESHOLD_BYTES}",
-            )
-        if hash_miss_key(payload) not in self.state.hash_misses:
-            raise FirewallRefusal(
-                "set_tensor_cache_flag_invalid",
-                "cache_flag=1 without a SET_TENSOR_HASH miss for this tensor and offset",
-            )
-
-    def _set_tensor_hash(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        # The data size is the size of the server's cache file, unknown here: only the offset is
-        # checked. (A cache file larger than the tensor makes the server abort; see the report.)
-        t, n, buf = self._buffer_tensor(payload)
-        self._range(t, n, buf, _U64.unpack_from(payload, TENSOR_BYTES)[0], 0)
-
-    def _get_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        t, n, buf = self._buffer_tensor(payload)
-        offset, size = _U64x2.unpack_from(payload, TENSOR_BYTES)
-        self._range(t, n, buf, offset, size)
-
-    def _copy_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        src, n_src, _ = self._buffer_tensor(payload, 0, "src")
-        dst, _, dbuf = self._buffer_tensor(payload, TENSOR_BYTES, "dst")
-        if dbuf is not None and dst.data + n_src > dbuf.base + dbuf.size:  # type: ignore[operator]
-            raise FirewallRefusal(
-                "copy_out_of_buffer",
-                f"dst data {dst.data:#x} + nbytes(src) {n_src} past the end of buffer {dbuf.handle:#x}",
-            )
-
-    def _init_tensor(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        # A padding backend's init_tensor zeroes [data+nbytes, data+alloc_size) (CUDA, quantized
-        # rows: ggml-cuda.cu:758-766), past the server's own [data, +nbytes) check. The padded size
-        # is the server's GET_ALLOC_SIZE answer for that shape, when the proxy has seen one.
-        t, n, buf = self._buffer_tensor(payload)
-        if buf is None:
-            return
-        padded = self.state.upstream.alloc_sizes.get(alloc_size_key(buf.device, t))
-        if padded is not None and t.data + padded > buf.base + buf.size:  # type: ignore[operator]
-            raise FirewallRefusal(
-                "tensor_out_of_buffer",
-                f"tensor id={t.id:#x}: padded size {padded} (GET_ALLOC_SIZE) from {t.data:#x} past the end "
-                f"of buffer {buf.handle:#x}",
-            )
-
-    def _get_alloc_size(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        at = 0
-        if rule.has_device:
-            self._check_device(_U32.unpack_from(payload)[0])
-            at = 4
-        checks = self._tchecks | FOREIGN_BUFFER_OK
-        state = self.state
-        check_tensor(decode_tensor(payload, at), state, checks)
-        for off in range(at + TENSOR_BYTES, len(payload), TENSOR_BYTES):
-            src = decode_tensor(payload, off)
-            if src.id != 0:  # id 0 means "no src": the server skips it
-                check_tensor(src, state, checks)
-
-    def _graph_compute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        self._graph.check(payload, self.state)
-
-    def _graph_recompute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
-        device = _U32.unpack_from(payload)[0]
-        self._check_device(device)
-        if not self._recompute:
-            return
-        state = self.state
-        if state.freed_since_graph:
-            raise FirewallRefusal(
-                "recompute_after_free", f"device {device}: a FREE_BUFFER came after the last GRAPH_COMPUTE"
-            )
-        if device not in state.graph_devices:
-            raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")
-        # the stored graph runs again: counted, and bounded with what is still queued on the
-        # server (GRAPH_RECOMPUTE has no answer: a client could pipeline thousands of them)
-        self._graph.charge_recompute(state.graph_flops.get(device, 0), state)
-
-
-# The command table names each check by its method here: a name that is not one fails the import.
-_MISSING_CHECKS = [m for m in CHECKS if m is not None and not callable(getattr(Firewall, m, None))]
-if _MISSING_CHECKS:
-    raise ImportError(f"commands.ROWS names checks Firewall does not have: {_MISSING_CHECKS}")
+        check(self, rule, payload, body_len)

@@ -1,5 +1,10 @@
 """GRAPH_COMPUTE validation (spec §3.2 and the "GRAPH_COMPUTE invariants" of §6.2).
 
+Stays whole (over 400 lines): ``GraphValidator.check`` is one pass over one payload whose column
+views (ids, src columns, positions, raw chunks) every step shares, so its parts would only move
+those seven arguments between modules; the work buffer (workbuf.py), compute (cost.py) and per-op
+rules (opcheck.py, oprules/) are already apart.
+
 How this works: a decode graph is validated for every generated token, so the structure is read
 column-wise instead of tensor by tensor. The tensor area (m × 296 bytes) is viewed as u64 and
 u32 arrays (``memoryview.cast``) and strided slices pull out every tensor's id, src[0..9],
@@ -37,7 +42,7 @@ from typing import Callable, Final, Literal, Mapping
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
-from rpcguard.protocol.cost import flops, work_bytes
+from rpcguard.protocol.cost import flops
 from rpcguard.protocol.opcheck import check_flat_rows, check_layout, check_node, check_sources
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
 from rpcguard.protocol.state import SessionState
@@ -50,6 +55,7 @@ from rpcguard.protocol.tensor import (
     nbytes,
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, Version
+from rpcguard.protocol.workbuf import work_bytes
 
 __all__ = [
     "GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX", "MAX_GRAPH_COMPUTE_S",
@@ -112,7 +118,7 @@ MAX_GRAPH_COMPUTE_S: Final = 900.0
 # (bench/studies/compute_cost.py, docs/firewall.md "Compute budget"): at 40 every real-sized case
 # measured is over-estimated 1.4-16x. A GPU node, or one with many cores, sets its own (policy).
 NODE_GFLOPS: Final = 40.0
-# The CPU planner's work buffer for one node (cost.work_bytes): real graphs need a few hundred
+# The CPU planner's work buffer for one node (workbuf.work_bytes): real graphs need a few hundred
 # MiB at most (a 256-expert MoE batch of 4096 tokens: ~70 MiB of row map); the acceptance fuzz
 # made a 2 GiB one from 8.6 MB of buffers (the sanitizer server's allocator refused it).
 MAX_WORK_BYTES: Final = 1 << 30

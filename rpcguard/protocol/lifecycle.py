@@ -1,5 +1,9 @@
 """The life of one proxied connection as a sans-IO state machine (h11 style).
 
+Stays whole (over 400 lines): it is one class whose handlers share the link's fields; its tables
+are apart already (linkstate.py), as are the deadline, admission and audit rules (endings.py) and
+what serve and connect differ in (side.py).
+
 How this works: ``Lifecycle`` is told what happened to a link (events in: the TLS handshake
 done with an identity, bytes from either side, the upstream slot granted or refused, the
 upstream connected or failed, either side closed, ``tick(now)``, shutdown) and answers with

@@ -1,5 +1,9 @@
 """The per-connection ggml-rpc state machine: framing + session rules + firewall + counters.
 
+Stays whole (over 400 lines): it is the compiled per-frame path of one class, planning and
+handling each direction's frames over the same fields; the per-command work is apart already
+(commands.py, checks.py, firewall.py), so is framing (framing.py).
+
 How this works: one ``Session`` sits between one llama.cpp client and one server. The link's
 lifecycle hands it the bytes read from either side (``client_data`` / ``server_data``); each
 call returns the session's ``Output``: the frames to send each way (``to_server`` /
@@ -30,7 +34,7 @@ import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Any, Final, Generic, Literal, TypeVar, Union
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
@@ -74,7 +78,8 @@ HELLO_FORWARDED: Final = "hello_forwarded"  # the HELLO went to the server, its 
 GREETED: Final = "greeted"  # the HELLO exchange is done: frames flow
 
 # What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
-# appends nothing, so the caller tests one list per read instead of polling attributes).
+# appends nothing, so the caller tests one list per read instead of polling attributes). Each kind
+# is a Literal and ``Event`` the union of the (kind, value type) pairs, as linkstate.Action is.
 EV_HELLO: Final = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
 EV_ACTIVE: Final = "active"  # the server's HELLO reply was accepted; value: the version
 EV_NODE_REFUSED: Final = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
@@ -115,6 +120,14 @@ class Violation:
     command: str
 
 
+Event = Union[
+    tuple[Literal["hello"], int],
+    tuple[Literal["active"], Version],
+    tuple[Literal["node_refused"], str],
+    tuple[Literal["violation"], "Violation"],
+]
+
+
 class Output:
     """What one ``client_data`` / ``server_data`` call produced: frames to send each way and
     events. One object per session, reused: the caller sends and clears the lists.
@@ -133,7 +146,7 @@ class Output:
     def __init__(self) -> None:
         self.to_server: list[bytes | memoryview] = []
         self.to_client: list[bytes | memoryview] = []
-        self.events: list[tuple[str, object]] = []
+        self.events: list[Event] = []
         self.urgent = True
 
     def clear(self) -> None:
@@ -142,18 +155,16 @@ class Output:
         self.events.clear()
 
 
-# What a request leaves for its response's learner (commands.py).
-Context = object
+C = TypeVar("C")  # what a request leaves for its response's learner: its type per command in commands.ROWS
 
 
-class Expect:
+class Expect(Generic[C]):
     """A response the server owes: for which command, its exact payload size, and what the
     request left for the response's learner. A plain class: the session makes one per request."""
 
     __slots__ = ("cmd", "length", "streamed", "swallow", "t_ns", "ctx")
 
-    def __init__(self, cmd: int, length: int, streamed: bool = False, swallow: bool = False, t_ns: int = 0,
-                 ctx: Context = None) -> None:
+    def __init__(self, cmd: int, length: int, streamed: bool, swallow: bool, t_ns: int, ctx: C) -> None:
         self.cmd = cmd
         self.length = length  # exact response payload size
         self.streamed = streamed  # payload streamed as body (GET_TENSOR) instead of read as head
@@ -176,6 +187,7 @@ class Session:
         self.stats = stats if stats is not None else SessionStats()
         self.firewall = Firewall(self.state, self.policy.firewall)
         self.phase = BEFORE_HELLO
+        self.multi_device = False  # the server's version has device indexes (set with its HELLO reply)
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
@@ -196,7 +208,7 @@ class Session:
         self._max_request = self.policy.max_request_bytes
         self._max_graph = self.policy.max_graph_bytes
         self._rules: tuple[CommandRule | None, ...] = ()
-        self._expect: deque[Expect] = deque()
+        self._expect: deque[Expect[Any]] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
         self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
         self._now = 0
@@ -243,7 +255,7 @@ class Session:
     @property
     def violations(self) -> list[Violation]:
         """Monitor-mode violations among the events not yet cleared."""
-        return [v for kind, v in self._events if kind == EV_VIOLATION]  # type: ignore[misc]
+        return [v for _, v in self._events if isinstance(v, Violation)]
 
     @property
     def mid_frame(self) -> bool:
@@ -349,7 +361,7 @@ class Session:
             # RDMA transport offer: zero it, or tensor traffic could leave the tunnel (spec §4.4).
             self.stats.rdma_caps_zeroed_req += 1
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
-        self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, t_ns=self._now))
+        self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, False, False, self._now, None))
         self.phase = HELLO_FORWARDED
         self._events.append((EV_HELLO, len(head)))
         out.append(raw)
@@ -409,6 +421,7 @@ class Session:
         self.version = version
         self.state.spec = spec
         self._rules = spec.commands
+        self.multi_device = spec.multi_device
         self.state.upstream.learn_version(version)
         self.phase = GREETED
         self._events.append((EV_ACTIVE, version))
@@ -480,20 +493,26 @@ class Session:
             raise refusal
         self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, command)))
 
+    def rule(self, cmd: int) -> CommandRule:
+        """The rule of ``cmd`` in the server's version (the session is GREETED, ``cmd`` exists in it)."""
+        rule = self._rules[cmd]
+        assert rule is not None, cmd
+        return rule
+
     def inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None:
         self.out.urgent = True
         self.stats.req_frames[cmd] += 1
         self.stats.req_bytes[cmd] += 9 + len(payload)
         self.to_server.append(encode.request(cmd, payload))
         if response != NO_RESPONSE:
-            self._expect.append(Expect(cmd, response, swallow=True, ctx=ctx))
+            self._expect.append(Expect(cmd, response, False, True, 0, ctx))
 
     def learn_memory(self) -> None:
         """Ask for the memory of devices whose total is unknown: it is the default allocation
         quota (real clients ask for it on an earlier connection, so this rarely sends anything)."""
         if self.firewall.policy.max_session_alloc_bytes or "buffer_bounds" in self.firewall.policy.disabled_checks:
             return
-        multi = self.state.spec.multi_device  # type: ignore[union-attr]
+        multi = self.multi_device
         memory = self.state.upstream.memory
         for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
             if device not in memory:

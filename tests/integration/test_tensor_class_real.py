@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import Refusal
+from rpcguard.protocol import checks as checks_mod
 from rpcguard.protocol import compiled
-from rpcguard.protocol import firewall as firewall_mod
 from rpcguard.protocol import graph as graph_mod
 from rpcguard.protocol import commands as commands_mod
 from rpcguard.protocol import tensor as tensor_mod
@@ -33,7 +33,7 @@ from tests.support.tensorref import decode_computed
 
 pytestmark = pytest.mark.integration
 
-DECODING_MODULES = (tensor_mod, graph_mod, firewall_mod, commands_mod)  # every module that calls decode_tensor
+DECODING_MODULES = (tensor_mod, graph_mod, checks_mod, commands_mod)  # every module that calls decode_tensor
 GRAPH_COMPUTE = COMMAND_IDS["GRAPH_COMPUTE"]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes, work_bytes
+from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes
+from rpcguard.protocol.workbuf import work_bytes
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.tensor import decode_tensor

@@ -1313,7 +1313,7 @@ def test_out_prod_unrolled_int_offsets():
 
 
 def test_out_prod_work_buffer_is_priced():
-    from rpcguard.protocol.cost import work_bytes
+    from rpcguard.protocol.workbuf import work_bytes
     from rpcguard.protocol.tensor import decode_tensor
     from rpcguard.protocol.encode import pack_tensor
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol import checks as checks_mod
 from rpcguard.protocol import compiled
 from rpcguard.protocol import firewall as firewall_mod
 from rpcguard.protocol import graph as graph_mod
@@ -98,7 +99,7 @@ def _verdicts(monkeypatch, decoder, frames):
         calls.append(type(t))
         return t
 
-    for mod in (tensor_mod, graph_mod, firewall_mod):
+    for mod in (tensor_mod, graph_mod, checks_mod):
         monkeypatch.setattr(mod, "decode_tensor", counted)
     st_ = state()
     fw = firewall_mod.Firewall(st_, firewall_mod.FirewallPolicy())
