@@ -136,7 +136,7 @@ def built():
 def test_constructor_accepts_but_kernel_cannot_run_it(built, name):
     b = built[name]
     assert isinstance(b, Built), f"the real constructor refuses it now ({b.message}): drop the case"
-    reason = validate(b.payload, b.handle, b.base, b.size)
+    reason = validate(b.payload, b.buffers)
     assert reason is not None and not reason.startswith("EXCEPTION"), (
         f"rpcguard forwards a node the CPU kernel reads out of bounds with / aborts on: {name}\n"
         f"recipe={json.dumps(CASES[name])}"
