@@ -43,7 +43,7 @@ from typing import Callable, Final, Literal, Mapping
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.cost import flops
-from rpcguard.protocol.opcheck import check_flat_rows, check_layout, check_node, check_sources
+from rpcguard.protocol.opcheck import check_layout, check_node, check_reach, check_sources
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
@@ -578,10 +578,8 @@ class GraphValidator:
                 if node.view_src and node.view_src not in by_id and src_pos[GGML_MAX_SRC] is not None:
                     tensor(src_pos[GGML_MAX_SRC])
                 check_node(rule, node, node_srcs, by_id)
-                if rule.flat_rows and self.tensor_checks == STRICT:
-                    for t in (node, *node_srcs):
-                        if t is not None:
-                            check_flat_rows(t, state)
+                if self.tensor_checks == STRICT:  # flat rows, rule.reach: inside the buffers
+                    check_reach(rule, node, node_srcs, state)
             work = work_bytes(rule.op, node, node_srcs, self.server_threads)
             if work > self.max_work_bytes:
                 raise _refuse("graph_work_too_large",

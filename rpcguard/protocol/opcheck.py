@@ -8,7 +8,9 @@ data address). ``check_layout`` is the rule for every tensor of a graph, leaves 
 tensor in a buffer of the graph's device, non-empty, rows of its type (quantized rows packed),
 no more packed element bytes than its buffer holds (so the element count, and every work size a
 kernel derives from it, is bounded by the buffer) and no stride larger than the buffer. Together with the per-tensor range check (tensor.py) every index a
-kernel derives from ``ne`` addresses bytes inside the tensor's own buffer range.
+kernel derives from ``ne`` addresses bytes inside the tensor's own buffer range. ``check_reach``
+covers what a kernel addresses past a tensor's own range (flat rows, the row's ``reach``): inside
+the tensor's buffer, the invariant the project holds (issue 20 point 3).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = [
-    "check_node", "check_sources", "check_layout", "check_flat_rows", "GGML_MAX_SRC",
+    "check_node", "check_sources", "check_layout", "check_flat_rows", "check_reach", "check_in_buffer",
+    "GGML_MAX_SRC",
 ]
 
 GGML_MAX_SRC: Final = 10
@@ -144,6 +147,37 @@ def check_layout(t: RpcTensor, state: SessionState, device: int) -> None:
             "tensor_layout_invalid",
             f"tensor id={t.id:#x}: {t.ne} elements ({dense} bytes packed from offset {start}) exceed its "
             f"{buf.size}-byte buffer",
+        )
+
+
+def check_reach(rule: OpRule, node: RpcTensor, srcs: list[RpcTensor | None], state: SessionState) -> None:
+    """Every byte the kernel of a node ``check_node`` accepted addresses past its tensors' own
+    ranges lies in their buffers: the flat-row walk (``rule.flat_rows``, check_flat_rows) of the
+    node and its sources, and what ``rule.reach`` names (a source read further than its
+    ggml_nbytes from its data pointer: ROPE's freq factors). The project's invariant is per
+    buffer (issue 20 point 3): a kernel may address bytes of the tensor's buffer outside the
+    tensor (the session's own allocation), never past that buffer."""
+    if rule.flat_rows:
+        for t in (node, *srcs):
+            if t is not None:
+                check_flat_rows(t, state)
+    if rule.reach is not None:
+        for t, n in rule.reach(node, srcs):
+            check_in_buffer(t, n, state, f"node id={node.id:#x} op {rule.op}")
+
+
+def check_in_buffer(t: RpcTensor, n: int, state: SessionState, who: str) -> None:
+    """``[t.data, t.data + n)`` lies inside ``t``'s buffer: a kernel addresses ``n`` bytes from
+    ``t``'s data pointer (``who`` names the node whose kernel does, for the refusal's detail)."""
+    buf = state.buffers.get(t.buffer)
+    if buf is None or buf.base is None:
+        return  # checks off, or a tensor no kernel computes on (the layout rule refuses the rest)
+    end = t.data - buf.base + n
+    if end > buf.size:
+        raise FirewallRefusal(
+            "tensor_layout_invalid",
+            f"tensor id={t.id:#x}: {who} addresses {n} bytes from its data, to byte {end} of its {buf.size}-byte "
+            "buffer",
         )
 
 

@@ -8,8 +8,9 @@ UBSan build of ggml-rpc-server (tests/realpeer/sanitizer.sh on the sanitize bran
 $REALPEER_ASAN_SERVER_BIN or $REALPEER_HOME/asan.env), or with ``--server`` on any binary.
 
 How this works: per graph, every tensor that owns memory gets its OWN server buffer
-(ALLOC_BUFFER of exactly its span: the tensor and its views; BUFFER_CLEAR 0), so ASan's redzone
-after each allocation catches what the guard page catches in-process, to the byte. The payload's
+(ALLOC_BUFFER of exactly the size the oracle mapped, ``Built.buffers``: the tensor, its views and
+a leaf's room; BUFFER_CLEAR 0), so ASan's redzone after each allocation catches what the guard
+page catches in-process, to the byte. The payload's
 buffer handles and data pointers are rebased onto those buffers, GRAPH_COMPUTE is sent, and a
 GET_ALIGNMENT must still be answered. A dead server is a kernel refusal; its log says how (an
 ASan report, a UBSan report, a GGML_ASSERT/ABORT) and a fresh server is started. Every graph the
@@ -34,8 +35,7 @@ from pathlib import Path
 
 from rpcguard.protocol import encode
 from rpcguard.protocol.encode import TENSOR_STRUCT
-from rpcguard.protocol.ggml import TYPES
-from rpcguard.protocol.tensor import decode_tensor, nbytes
+from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.versions import TENSOR_BYTES
 from tests.support import realpeer
 from tests.support.ggmlref import Built, kernel_refused
@@ -112,26 +112,22 @@ class Replayer:
         assert self.sock is not None and self.server is not None
         s = self.sock
         ts = [decode_tensor(b.payload, b.tensor_bytes + TENSOR_BYTES * i) for i in range(b.n_tensors)]
-        by_id = {t.id: t for t in ts}
-        span: dict[int, int] = {}
-        for t in ts:
-            root = by_id[t.view_src] if t.view_src else t
-            end = t.data - root.data + nbytes(t, TYPES[t.type])
-            span[root.id] = max(span.get(root.id, 1), end)
-        bufs: dict[int, tuple[int, int]] = {}
+        bufs: dict[int, tuple[int, int]] = {}  # fake handle -> (real handle, real base)
         try:
-            for rid, size in span.items():
+            for fake, _, size in b.buffers:  # a buffer per tensor that owns memory, as the oracle mapped it
                 handle, _ = struct.unpack("<QQ", _call(s, "ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
                 (base,) = struct.unpack("<Q", _call(s, "BUFFER_GET_BASE", struct.pack("<Q", handle)))
                 s.sendall(encode.request("BUFFER_CLEAR", struct.pack("<QB", handle, 0)))  # no answer in 7.0.0
-                bufs[rid] = (handle, base)
+                bufs[fake] = (handle, base)
+            fake_base = {h: base for h, base, _ in b.buffers}
             out = bytearray(b.payload)
             for i, t in enumerate(ts):
-                root = by_id[t.view_src] if t.view_src else t
-                handle, base = bufs[root.id]
+                if t.buffer not in bufs:
+                    continue
+                handle, base = bufs[t.buffer]
                 off = b.tensor_bytes + TENSOR_BYTES * i
                 f = list(TENSOR_STRUCT.unpack_from(out, off))
-                f[_I_BUF], f[_I_DATA] = handle, base + (t.data - root.data)
+                f[_I_BUF], f[_I_DATA] = handle, base + (t.data - fake_base[t.buffer])
                 TENSOR_STRUCT.pack_into(out, off, *f)
             s.sendall(encode.request("GRAPH_COMPUTE", bytes(out)))
             _call(s, "GET_ALIGNMENT", struct.pack("<I", 0))

@@ -56,12 +56,16 @@ class R:
         self.leaves: list[dict] = []
         self.ops: list[tuple[str, list[Any]]] = []
 
-    def leaf(self, type_: str, ne: list[int], nb: list[int] | None = None, param: bool = False) -> tuple:
+    def leaf(self, type_: str, ne: list[int], nb: list[int] | None = None, param: bool = False,
+             room: int = 0) -> tuple:
+        """A leaf tensor; ``room``: bytes of its buffer past it (ggmlref: a kernel may read them)."""
         d: dict[str, Any] = {"type": type_, "ne": (list(ne) + [1, 1, 1])[:4]}
         if nb:
             d["nb"] = nb
         if param:
             d["param"] = True
+        if room:
+            d["room"] = room
         self.leaves.append(d)
         return ("L", len(self.leaves) - 1)
 

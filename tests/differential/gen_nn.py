@@ -122,22 +122,52 @@ def _soft_max_back(rng: random.Random) -> Case:
     return Case("SOFT_MAX_BACK", r.recipe())
 
 
+def _ff_room(rng: random.Random, ne0: int, n_ff: int) -> int:
+    """Bytes of buffer after ``n_ff`` freq factors: the kernel reads ceil(ne0/2) of them
+    (ggml_rope_cache_init, ops.cpp:6209-6210), past the tensor when n_dims < ne0. None (flush
+    against the buffer's end), one float short, exactly enough, plenty."""
+    need = max(0, (ne0 + 1) // 2 - n_ff) * 4
+    return rng.choice((0, max(0, need - 4), need, need, need + 64))
+
+
 def _rope_case(rng: random.Random, back: bool = False) -> Case:
     r = R(rng)
-    head = rng.choice((2, 4, 8, 64, 128))
+    head = rng.choice((2, 4, 8, 64, 128, 5, 7))  # odd: the unrotated copy ends one element past every row
     n_head, n_tok = rng.choice((1, 2, 3, 8)), rng.choice((1, 2, 5, 7))
     a = r.inp(rng.choice(("f32", "f16")) if not back else "f32", [head, n_head, n_tok, 1], 0.2)
     pos = r.leaf("i32", [n_tok])
     n_dims = rng.choice([d for d in (2, 4, head // 2, head) if d <= head and d % 2 == 0])
     mode = rng.choice((0, 2))
-    ff = r.leaf("f32", [n_dims // 2]) if rng.random() < 0.3 else None
+    ff = r.leaf("f32", [n_dims // 2], room=_ff_room(rng, head, n_dims // 2)) if rng.random() < 0.3 else None
     r.op("rope_ext_back" if back else "rope_ext", a, pos, ff, n_dims, mode, 4096, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
     return Case("ROPE_BACK" if back else "ROPE", r.recipe(), nullable={2: 2},
                 params={3: (1, [2, head, head + 2, 0]), 4: (2, [0, 2, 8, 24, 40]), 5: (4, [0, 1 << 20])})
 
 
+def _rope_ff_case(rng: random.Random, back: bool = False) -> Case:
+    """Freq factors of exactly n_dims/2 (what test-backend-ops passes) in every mode: partial
+    rotation and vision (n_dims == ne0/2) read past them, inside their buffer or not (_ff_room)."""
+    r = R(rng)
+    mode = rng.choice((0, 2, 8, 24, 40))
+    head = rng.choice((8, 16, 64, 80, 128))
+    n_head, n_tok = rng.choice((1, 2, 3)), rng.choice((1, 2, 5))
+    a = r.inp(rng.choice(("f32", "f16")) if not back else "f32", [head, n_head, n_tok, 1], 0.2)
+    pos = r.leaf("i32", [n_tok * (4 if mode & 8 else 1)])
+    n_dims = head // 2 if mode == 24 else rng.choice((head, head // 2, head // 4 * 2, 2))
+    ff = r.leaf("f32", [n_dims // 2], room=_ff_room(rng, head, n_dims // 2))
+    tail = (4096, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+    if mode & 8:
+        secs = [n_dims // 2, n_dims // 2, 0, 0] if mode == 24 else [max(1, n_dims // 3)] * 3 + [0]
+        r.op("rope_multi_back" if back else "rope_multi", a, pos, ff, n_dims, secs, mode, *tail)
+        return Case("ROPE_BACK" if back else "ROPE", r.recipe(), nullable={2: 2}, params={3: (1, [2, head, 0])})
+    r.op("rope_ext_back" if back else "rope_ext", a, pos, ff, n_dims, mode, *tail)
+    return Case("ROPE_BACK" if back else "ROPE", r.recipe(), nullable={2: 2}, params={3: (1, [2, head, 0])})
+
+
 gen("rope_ext", "ROPE")(lambda rng: _rope_case(rng))
 gen("rope_ext_back", "ROPE_BACK")(lambda rng: _rope_case(rng, True))
+gen("rope_ff", "ROPE")(lambda rng: _rope_ff_case(rng))
+gen("rope_ff_back", "ROPE_BACK")(lambda rng: _rope_ff_case(rng, True))
 
 
 @gen("rope_multi", "ROPE")

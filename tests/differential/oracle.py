@@ -52,17 +52,19 @@ GAP = "op_not_verified"  # the reason for an op without a rule: a coverage gap, 
 CRASH = "EXCEPTION "  # prefix of validate()'s answer when the validator raised something else
 
 
-def validate(payload: bytes, handle: int, base: int, size: int) -> str | None:
+def validate(payload: bytes, buffers: list[tuple[int, int, int]]) -> str | None:
     """None when rpcguard's validator accepts the GRAPH_COMPUTE payload, else its reason."""
-    got = refusal(payload, handle, base, size)
+    got = refusal(payload, buffers)
     return None if got is None else got[0]
 
 
-def refusal(payload: bytes, handle: int, base: int, size: int) -> tuple[str, str] | None:
-    """None when rpcguard's validator accepts the payload, else (reason, detail)."""
+def refusal(payload: bytes, buffers: list[tuple[int, int, int]]) -> tuple[str, str] | None:
+    """None when rpcguard's validator accepts the payload, else (reason, detail). ``buffers``:
+    the session's buffers, as the kernel oracle laid them out (Built.buffers)."""
     st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
-    st.add_buffer(handle, 0, size)
-    st.buffers[handle].base = base
+    for handle, base, size in buffers:
+        st.add_buffer(handle, 0, size)
+        st.buffers[handle].base = base
     try:
         # contained: the shape rules of content-indexed ops (oprules.needs_containment) are what
         # this oracle checks; that they need containment is tests/unit/test_oprules.py's business
@@ -72,6 +74,14 @@ def refusal(payload: bytes, handle: int, base: int, size: int) -> tuple[str, str
     except Exception as exc:  # noqa: BLE001  a validator bug: reported, never counted as a refusal
         return f"{CRASH}{type(exc).__name__}: {exc}", ""
     return None
+
+
+def unbounded(buffers: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The same buffers, each BUFFER_SIZE long: what a mutated graph is validated against (a
+    mutated tensor that grows still fits; a refusal comes from the op rules)."""
+    from tests.support.ggmlref import BUFFER_SIZE
+
+    return [(h, b, BUFFER_SIZE) for h, b, _ in buffers]
 
 
 @dataclass
@@ -127,6 +137,7 @@ def run(
             res.generated += 1
     built = build_many([c.recipe for _, c in made], compute=kernel)
     muts: list[Mutation] = []
+    bufs: dict[int, list[tuple[int, int, int]]] = {}  # id(mutation) -> its original's buffers
     per_gen: dict[str, int] = defaultdict(int)
     for (name, case), b in zip(made, built):
         res = results[case.op]
@@ -137,7 +148,7 @@ def run(
         res.built += 1
         if keep_built:
             res.built_graphs.append((name, case.recipe, b))
-        got = refusal(b.payload, b.handle, b.base, b.size)
+        got = refusal(b.payload, b.buffers)
         if got is None:
             res.accepted += 1
         if kernel_refused(b.kernel):
@@ -156,6 +167,7 @@ def run(
             for m in mutations(name, case, b):
                 m.original, m.op = b.payload, case.op
                 muts.append(m)
+                bufs[id(m)] = unbounded(b.buffers)
     rebuilt = build_many([m.rebuild for m in muts if m.rebuild is not None])
     it = iter(rebuilt)
     for m in muts:
@@ -170,7 +182,7 @@ def run(
             m.rebuild_note = "constructor refuses: " + rb.message.split(": ", 1)[-1][:120]
         else:
             m.rebuild_note = "no constructor inputs give this node"
-        m.reason = validate(m.payload, *_buf())
+        m.reason = validate(m.payload, bufs.pop(id(m)))
         forwarded = m.reason is None or m.reason.startswith(CRASH)
         if m.legit or not forwarded:
             m.payload = b""  # results keep the verdicts, not ~10k payloads (missed ones keep theirs)
@@ -191,8 +203,3 @@ def run(
                 res.reasons[m.reason] += 1
     return results
 
-
-def _buf() -> tuple[int, int, int]:
-    from tests.support.ggmlref import BUFFER_BASE, BUFFER_HANDLE, BUFFER_SIZE
-
-    return BUFFER_HANDLE, BUFFER_BASE, BUFFER_SIZE

@@ -5,11 +5,11 @@ from __future__ import annotations
 import struct
 
 from rpcguard.protocol import encode
-from rpcguard.protocol.ggml import op_table
+from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.session import Session
 from rpcguard.protocol.state import UpstreamFacts
-from rpcguard.protocol.tensor import decode_tensor
-from tests.support.ggmlref import BUFFER_BASE, BUFFER_HANDLE, BUFFER_SIZE, Built, Refused, build_many, kernel_refused
+from rpcguard.protocol.tensor import decode_tensor, nbytes
+from tests.support.ggmlref import BUFFER_SIZE, Built, Refused, build_many, kernel_refused
 
 OPS = op_table((7, 0, 0)).ids  # type: ignore[union-attr]
 MUL_MAT = {"leaves": [{"type": "q8_0", "ne": [64, 5]}, {"type": "f32", "ne": [64, 3, 2]}],
@@ -44,8 +44,11 @@ def test_mul_mat_is_serialised_like_serialize_graph():
     assert (dst.type, dst.ne, dst.nb, dst.op) == (0, (5, 3, 2, 1), (4, 20, 60, 120), OPS["MUL_MAT"])
     assert dst.src[:2] == (a.id, x.id) and not any(dst.src[2:]) and dst.view_src == 0
     assert (a.use_count, x.use_count, dst.use_count) == (1, 1, 0)
+    bufs = {h: (base, size) for h, base, size in b.buffers}
+    assert len(b.buffers) == 3  # a buffer per tensor that owns memory, its data the first byte
     for t in ts:
-        assert t.buffer == BUFFER_HANDLE and BUFFER_BASE <= t.data < BUFFER_BASE + BUFFER_SIZE
+        base, size = bufs[t.buffer]
+        assert t.data == base and t.data + nbytes(t, TYPES[t.type]) <= base + size
         assert t.name.rstrip(b"\0") and t.name[-1] == 0
     # The project's own encoder writes the same bytes from the decoded fields.
     specs = [encode.TensorSpec(id=t.id, type=t.type, buffer=t.buffer, ne=t.ne, nb=t.nb, op=t.op,
@@ -76,13 +79,12 @@ def test_a_built_graph_passes_through_a_whole_session():
     s = Session(None, UpstreamFacts(device_count=1, version=(7, 0, 0), memory={0: (BUFFER_SIZE, BUFFER_SIZE)}))
     s.client_data(memoryview(encode.hello_request((7, 0, 0))))
     s.server_data(memoryview(encode.hello_response((7, 0, 0))))
-    alloc = encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, BUFFER_SIZE))
-    base = encode.request("BUFFER_GET_BASE", struct.pack("<Q", BUFFER_HANDLE))
     graph = encode.request("GRAPH_COMPUTE", b.payload)
-    s.client_data(memoryview(alloc))
-    s.server_data(memoryview(encode.response(struct.pack("<QQ", BUFFER_HANDLE, BUFFER_SIZE))))
-    s.client_data(memoryview(base))
-    s.server_data(memoryview(encode.response(struct.pack("<Q", BUFFER_BASE))))
+    for handle, base, size in b.buffers:
+        s.client_data(memoryview(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, size))))
+        s.server_data(memoryview(encode.response(struct.pack("<QQ", handle, size))))
+        s.client_data(memoryview(encode.request("BUFFER_GET_BASE", struct.pack("<Q", handle))))
+        s.server_data(memoryview(encode.response(struct.pack("<Q", base))))
     s.to_server.clear()
     s.client_data(memoryview(graph))
     assert b"".join(bytes(c) for c in s.to_server) == graph

@@ -18,11 +18,8 @@ import struct
 import time
 
 from rpcguard.protocol import encode
-from rpcguard.protocol.encode import TENSOR_STRUCT
-from rpcguard.protocol.ggml import TYPES
-from rpcguard.protocol.tensor import decode_tensor, nbytes
 from tests.support import realpeer
-from tests.support.ggmlref import BUFFER_BASE, Built, build_many
+from tests.support.ggmlref import Built, build_many
 from tests.support.rawclient import read_response
 
 V7 = (7, 0, 0)
@@ -39,22 +36,6 @@ def call(s: socket.socket, cmd: str, payload: bytes) -> bytes:
     return read_response(s)
 
 
-def rebased(b: Built, handle: int, base: int) -> bytes:
-    """The payload with every tensor moved from the harness's fake buffer into the real one."""
-    out = bytearray(b.payload)
-    for i in range(b.n_tensors):
-        off = b.tensor_bytes + 296 * i
-        f = list(TENSOR_STRUCT.unpack_from(out, off))
-        f[2], f[-3] = handle, f[-3] - BUFFER_BASE + base  # buffer, data
-        TENSOR_STRUCT.pack_into(out, off, *f)
-    return bytes(out)
-
-
-def span(b: Built) -> int:
-    ts = [decode_tensor(b.payload, b.tensor_bytes + 296 * i) for i in range(b.n_tensors)]
-    return max(t.data + nbytes(t, TYPES[t.type]) for t in ts) - BUFFER_BASE
-
-
 def test_rope_n_dims_past_the_row_aborts_the_real_server(workdir):
     good, bad = build_many([rope(8), rope(32)])
     assert isinstance(good, Built) and isinstance(bad, Built), "the real constructor must build both"
@@ -63,14 +44,14 @@ def test_rope_n_dims_past_the_row_aborts_the_real_server(workdir):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(encode.hello_request(V7))
             assert read_response(s)[:3] == bytes(V7)
-            size = max(span(good), span(bad)) + 4096
+            size = max(good.packed_size, bad.packed_size) + 4096
             handle, got = struct.unpack("<QQ", call(s, "ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
             assert handle and got >= size
             (base,) = struct.unpack("<Q", call(s, "BUFFER_GET_BASE", struct.pack("<Q", handle)))
-            s.sendall(encode.request("GRAPH_COMPUTE", rebased(good, handle, base)))
+            s.sendall(encode.request("GRAPH_COMPUTE", good.rebase(handle, base)))
             assert len(call(s, "GET_ALIGNMENT", struct.pack("<I", 0))) == 8  # computed, still serving
             assert server.alive()
-            s.sendall(encode.request("GRAPH_COMPUTE", rebased(bad, handle, base)))
+            s.sendall(encode.request("GRAPH_COMPUTE", bad.rebase(handle, base)))
             deadline = time.monotonic() + 10
             while server.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)

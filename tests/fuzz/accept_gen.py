@@ -287,6 +287,9 @@ class Src:
     fill: str = "rand"
     layout: str | None = None  # force a layout mode
     flags: int = 0  # GGML_TENSOR_FLAG_* of the source (OPT_STEP_*: PARAM)
+    # placed at the start of a buffer of its own that ends this many bytes after its span (0:
+    # flush), for a kernel that reads past the tensor (ROPE's freq factors); None: Builder.place
+    room: int | None = None
 
 
 @dataclass
@@ -520,13 +523,25 @@ def p_soft_max(d: Draw) -> Proto:
 
 def p_rope(d: Draw) -> Proto:
     mode = d.pick((0, 2, 8, 24, 40, 0, 2, 1))
-    ne0 = d.pick((2, 4, 8, 16, 32, 64, 128, 6, 10))
+    ne0 = d.pick((2, 4, 8, 16, 32, 64, 128, 6, 10, 5, 7, 9))  # odd: the unrotated copy ends past each row
     a = S(d.ftype((F32, F16)), (ne0, d.dim(), d.dim(), d.pick((1, 1, 2))))
     per = 4 if mode & 8 else 1
     b = S(I32, (a.ne[2] * per,), fill="zero")
     n_dims = ne0 // 2 if mode == 24 else d.pick((ne0, ne0, ne0 // 2, 2, max(2, ne0 - 2)))
+    n_dims -= n_dims % 2
     n_offs = 0 if mode == 24 else d.pick((0, 0, 0, 2, ne0 - n_dims))
-    c = S(F32, (max(ne0 // 2, n_dims // 2) + d.pick((0, 0, 1)),)) if d.p(0.3) else None
+    c = None
+    if d.p(0.4):
+        # freq factors: the kernel reads ceil(ne0/2) floats from c's data (ops.cpp:6209-6210,
+        # 6234-6235), the constructor asks n_dims/2 (test-backend-ops passes that many): partial
+        # rotation and vision read past c, in its buffer (room) or flush against its end (refused)
+        short, reach = max(1, n_dims // 2), (ne0 + 1) // 2
+        n = d.pick((short, short, short, reach, short + 1, short - 1))
+        need = max(0, reach - n) * 4
+        room = d.pick((0, 0, max(0, need - 4), need, need, need + 64))
+        if need:
+            d.tag("ff-room-short" if room < need else "ff-room")
+        c = Src(F32, (max(1, n), 1, 1, 1), room=room)
     secs = [0, 0, 0, 0]
     if mode & 8:
         secs = [d.r.randint(0, ne0 // 2) for _ in range(4)]
@@ -1339,9 +1354,15 @@ class Builder:
         self.next_id += 0x10
         return self.next_id
 
-    def place(self, t: Tensor, cap: int) -> None:
-        """``t`` in a buffer of its own, flush against the end (or the start)."""
+    def place(self, t: Tensor, cap: int, room: int | None = None) -> None:
+        """``t`` in a buffer of its own, flush against the end (or the start); with ``room``, at
+        the start of a buffer that ends ``room`` bytes after it (Src.room)."""
         n = max(span(t), 1)
+        if room is not None:
+            self.buffers.append(max(n + room, max(t.nb[1:])))
+            self.shareable.append(False)
+            t.buf, t.offs = len(self.buffers) - 1, 0
+            return
         size = max(cap, n, MIN_BUFFER, max(t.nb[1:]))
         align = TYPES[t.type].type_size
         where = self.d.pick(("end", "end", "end", "start", "mid"))
@@ -1370,6 +1391,8 @@ class Builder:
     def source(self, s: Src) -> Tensor:
         d = self.d
         mode = s.layout or d.pick(LAYOUTS)
+        if s.room is not None and mode in ("parent", "nobuf"):
+            mode = "contig"  # the room is its own buffer's
         if mode == "nobuf":  # no buffer, data NULL (an empty source the kernels never read)
             t = Tensor(self.new_id(), s.type, s.ne, contiguous_nb(s.type, s.ne), fill="none")
             d.tag("nobuf")
@@ -1397,7 +1420,7 @@ class Builder:
         nb = _strides(d, s.type, s.ne, mode, max(cap, 64))
         t = Tensor(self.new_id(), s.type, s.ne, nb, fill=s.fill, flags=s.flags)
         d.tag(mode)
-        self.place(t, cap)
+        self.place(t, cap, s.room)
         self.tensors.append(t)
         return t
 

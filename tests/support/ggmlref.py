@@ -9,7 +9,9 @@ Tensor arguments are indexes into "every tensor so far" (leaves first, then each
 the other arguments are numbers, bools, null (a NULL tensor) or a 4-int list (``int sections[4]``),
 typed by ``SIGNATURES`` (read from ggml.h). A leaf may carry its own strides (``nb``), as the
 tensors ``ggml_dup_tensor_layout`` makes for the scheduler's split inputs, and ``"param": true``
-(``ggml_set_param``: the optimizer ops need it). ``MODIFIERS`` (ggml_rope_set_offset,
+(``ggml_set_param``: the optimizer ops need it) and ``"room": N``: N bytes of its buffer past
+it, which a kernel may read (the invariant is per buffer; without room a read past the tensor
+faults). ``MODIFIERS`` (ggml_rope_set_offset,
 ggml_prec_set_acc, ggml_flash_attn_ext_add_sinks, ggml_set_output, ...) are called like constructors. ``"first_node": k`` sends only the graph's nodes
 from k on, as the scheduler does for a later split.
 
@@ -21,7 +23,8 @@ first writes the assert message to the pipe, the worker records that recipe as r
 a new child from the next recipe, so a batch costs one interpreter start whatever aborts.
 
 For a built recipe the child runs ``ggml_build_forward_expand`` on the outputs (the real graph
-order and use counts), gives every non-view tensor an address in one fake buffer (views:
+order and use counts), gives every non-view tensor a fake buffer of its own (``Built.buffers``,
+sized as the kernel oracle maps it: the tensor and its views, plus a leaf's ``"room"``; views at
 ``view_src.data + view_offs``, as after allocation) and serialises the graph exactly like
 ggml-rpc.cpp ``serialize_graph`` / ``add_tensor`` / ``serialize_tensor`` (llama-cpp-python 0.3.36,
 ggml/src/ggml-rpc/ggml-rpc.cpp:628-671 and 990-1036): tensors in depth-first post-order over
@@ -29,7 +32,7 @@ src[0..9] then view_src, de-duplicated, id = the tensor's address, ne/nb truncat
 copied, use_count from the graph. The result is the GRAPH_COMPUTE payload of protocol 7.0.0.
 
 With ``compute=True`` the child also COMPUTES every built graph on the real CPU backend
-(tests/support/ggmlkernel.py: guard pages after every tensor, zero inputs) right after writing
+(tests/support/ggmlkernel.py: a guard page after every buffer, zero inputs) right after writing
 its line, and writes a second line with the kernel's verdict. A kernel GGML_ASSERT/GGML_ABORT
 (the abort callback knows the phase), a fault (the child dies by a signal) or a compute that
 outlives ``kernel_timeout_s`` (the worker kills the child) is recorded as the recipe's
@@ -56,7 +59,9 @@ __all__ = [
     "Built",
     "Refused",
     "BUFFER_HANDLE",
+    "BUFFER_HANDLE_STEP",
     "BUFFER_BASE",
+    "BUFFER_STRIDE",
     "BUFFER_SIZE",
     "SIGNATURES",
     "MODIFIERS",
@@ -67,13 +72,17 @@ __all__ = [
     "kernel_refused",
 ]
 
-# The fake server buffer every tensor lives in: a handle and base like the real server returns
-# (raw heap pointers), and a size far beyond any recipe so a mutated tensor that grows still
-# fits: a refusal then comes from the op rules, not from the buffer range check.
+# The fake server buffers: every tensor that owns memory gets one of its own, handle and base
+# like the real server returns (raw heap pointers), buffer k at BUFFER_HANDLE + k*BUFFER_HANDLE_STEP
+# and BUFFER_BASE + k*BUFFER_STRIDE, sized as the kernel oracle maps it (Built.buffers). A MUTATED
+# graph is validated with every buffer BUFFER_SIZE long, far beyond any recipe, so a mutated tensor
+# that grows still fits: a refusal then comes from the op rules, not from the buffer range check.
 BUFFER_HANDLE = 0x00005555DEADBE00
+BUFFER_HANDLE_STEP = 0x100
 BUFFER_BASE = 0x00007F0000000000
-BUFFER_SIZE = 1 << 40
-DATA_ALIGN_BYTES = 64  # ggml's TENSOR_ALIGNMENT / the CPU buffer alignment
+BUFFER_STRIDE = 1 << 40
+BUFFER_SIZE = BUFFER_STRIDE
+PACK_ALIGN_BYTES = 64  # Built.rebase: ggml's TENSOR_ALIGNMENT / the CPU buffer alignment
 CTX_MEM_BYTES = 4 << 20  # tensor structs + one graph of GRAPH_SIZE; no data (no_alloc)
 GRAPH_SIZE = 128  # nodes + leaves of one recipe
 ABORT_EXIT = 134  # a child that hit GGML_ASSERT (the status abort() would give a shell)
@@ -279,9 +288,9 @@ class Built:
     nodes: list[int]  # node ids, in graph order
     n_tensors: int
     refs: list[int | None]  # position in the tensor list of every recipe tensor (None: not sent)
-    handle: int = BUFFER_HANDLE
-    base: int = BUFFER_BASE
-    size: int = BUFFER_SIZE
+    # (handle, base, size) of the buffer of every tensor that owns memory, in list order: its data
+    # is the base; the size is what the kernel oracle maps (ggmlkernel.buffer_sizes)
+    buffers: list[tuple[int, int, int]] = field(default_factory=list)
     ok: bool = True
     extra: dict = field(default_factory=dict)
     kernel: str | None = None  # compute=True: "ok", or how the real CPU kernel refused the graph
@@ -290,6 +299,34 @@ class Built:
     def tensor_bytes(self) -> int:
         """Offset of the first rpc_tensor in ``payload``."""
         return 8 + 8 * len(self.nodes) + 4
+
+    def _packed(self) -> dict[int, int]:
+        offs, at = {}, 0
+        for h, _, size in self.buffers:
+            offs[h] = at
+            at += -(-size // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES
+        return offs
+
+    @property
+    def packed_size(self) -> int:
+        """Bytes of one real buffer that holds all of ``buffers`` one after another (``rebase``)."""
+        return sum(-(-size // PACK_ALIGN_BYTES) * PACK_ALIGN_BYTES for _, _, size in self.buffers)
+
+    def rebase(self, handle: int, base: int) -> bytes:
+        """The payload with every tensor moved into ONE real buffer (``handle``, ``base``), the fake
+        buffers packed one after another (aligned)."""
+        from rpcguard.protocol.encode import TENSOR_STRUCT
+
+        offs = self._packed()
+        bases = {h: b for h, b, _ in self.buffers}
+        out = bytearray(self.payload)
+        for i in range(self.n_tensors):
+            at = self.tensor_bytes + TENSOR_STRUCT.size * i
+            f = list(TENSOR_STRUCT.unpack_from(out, at))
+            if f[2] in offs:  # buffer, data
+                f[2], f[-3] = handle, base + offs[f[2]] + f[-3] - bases[f[2]]
+            TENSOR_STRUCT.pack_into(out, at, *f)
+        return bytes(out)
 
 
 def lib_path() -> Path:
@@ -351,7 +388,8 @@ def build_many(
             out[-1].kernel = r["kernel"]
             continue
         if r["ok"]:
-            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"], kernel=r.get("kernel")))
+            out.append(Built(bytes.fromhex(r["payload"]), r["nodes"], r["n_tensors"], r["refs"],
+                             [tuple(x) for x in r["buffers"]], kernel=r.get("kernel")))  # type: ignore[misc]
         else:
             out.append(Refused(r["message"]))
     if len(out) != len(recipes):

@@ -32,9 +32,9 @@ from tests.support.ggmlref import (
     ABORT_EXIT,
     BUFFER_BASE,
     BUFFER_HANDLE,
-    BUFFER_SIZE,
+    BUFFER_HANDLE_STEP,
+    BUFFER_STRIDE,
     CTX_MEM_BYTES,
-    DATA_ALIGN_BYTES,
     GGML_MAX_NAME,
     GGML_OBJECT_BYTES,
     GRAPH_SIZE,
@@ -121,6 +121,7 @@ def _build(g: _Ggml, recipe: dict, emit: Any = None) -> dict | None:
         raise HarnessError("ggml_init failed")
     try:
         tensors: list[int] = []
+        room: dict[int, int] = {}  # leaf -> bytes of its buffer past it ("room")
         for i, leaf in enumerate(recipe["leaves"]):
             ne = (list(leaf["ne"]) + [1, 1, 1, 1])[:4]
             typ = leaf["type"]
@@ -132,6 +133,8 @@ def _build(g: _Ggml, recipe: dict, emit: Any = None) -> dict | None:
             lib.ggml_set_name(ptr, f"leaf{i}".encode())
             if leaf.get("param"):
                 lib.ggml_set_param(ptr)  # a trainable tensor: a graph node with op NONE
+            if leaf.get("room"):
+                room[ptr] = int(leaf["room"])
             tensors.append(ptr)
         for op in recipe["ops"]:
             modifier = op["fn"] in g.mods
@@ -160,17 +163,30 @@ def _build(g: _Ggml, recipe: dict, emit: Any = None) -> dict | None:
         for o in outs:
             lib.ggml_build_forward_expand(gf, tensors[o])
         first = recipe.get("first_node", 0)
-        r = _serialise(g, GgmlCgraph.from_address(gf), tensors, first)
+        r = _serialise(g, ctx, GgmlCgraph.from_address(gf), tensors, first, room)
         if emit is None:
             return r
         emit(r)  # the build's line first: an abort from here on is the kernel's
-        emit({"kernel": g.kernel.compute(ctx, gf, first)}, kernel=True)
+        emit({"kernel": g.kernel.compute(ctx, gf, first, room)}, kernel=True)
         return None
     finally:
         lib.ggml_free(ctx)
 
 
-def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int = 0) -> dict:
+def _ctx_tensors(g: _Ggml, ctx: int) -> list[int]:
+    lib = g.lib
+    lib.ggml_get_first_tensor.restype = lib.ggml_get_next_tensor.restype = ctypes.c_void_p
+    lib.ggml_get_first_tensor.argtypes = [ctypes.c_void_p]
+    lib.ggml_get_next_tensor.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    out, t = [], lib.ggml_get_first_tensor(ctx)
+    while t:
+        out.append(t)
+        t = lib.ggml_get_next_tensor(ctx, t)
+    return out
+
+
+def _serialise(g: _Ggml, ctx: int, cg: GgmlCgraph, recipe_tensors: list[int], first: int = 0,
+               room: dict[int, int] | None = None) -> dict:
     """ggml-rpc.cpp serialize_graph(): add_tensor over the nodes, then the payload.
 
     ``first`` > 0 sends only nodes[first:], like a later split of the scheduler
@@ -201,24 +217,30 @@ def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int =
 
     for n in nodes:
         add(n)
-    # Fake allocation: every tensor that owns memory gets the next aligned slot of the buffer.
+    # Fake allocation: every tensor that owns memory gets a buffer of its own, its data the
+    # buffer's first byte, sized as the kernel oracle maps it (ggmlkernel.buffer_sizes: the
+    # tensor, its views, the leaf's room), so that the firewall and the kernel see one layout.
+    from tests.support.ggmlkernel import buffer_sizes
+
+    sizes = buffer_sizes(g.lib, GgmlTensor, _ctx_tensors(g, ctx), room or {})
     data: dict[int, int] = {}
-    cursor = BUFFER_BASE
+    handle: dict[int, int] = {}
+    buffers: list[list[int]] = []
     for ptr in order:
-        t = _tensor(ptr)
-        if t.view_src:
+        if _tensor(ptr).view_src:
             continue
-        data[ptr] = cursor
-        cursor += -(-max(g.lib.ggml_nbytes(ptr), 1) // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
-    if cursor - BUFFER_BASE > BUFFER_SIZE:
-        raise HarnessError("recipe larger than the fake buffer")
+        k = len(buffers)
+        handle[ptr], data[ptr] = BUFFER_HANDLE + k * BUFFER_HANDLE_STEP, BUFFER_BASE + k * BUFFER_STRIDE
+        buffers.append([handle[ptr], data[ptr], sizes[ptr]])
+        if sizes[ptr] > BUFFER_STRIDE:
+            raise HarnessError("a tensor larger than the fake buffers' stride")
     blobs = []
     for ptr in order:
         t = _tensor(ptr)
         d = data[t.view_src] + t.view_offs if t.view_src else data[ptr]
         blobs.append(
             TENSOR_STRUCT.pack(
-                ptr, t.type, BUFFER_HANDLE,
+                ptr, t.type, handle[t.view_src or ptr],
                 *(x & 0xFFFFFFFF for x in t.ne), *(x & 0xFFFFFFFF for x in t.nb),
                 t.op, *t.op_params, t.flags,
                 *(s or 0 for s in t.src), t.view_src or 0, t.view_offs, d,
@@ -238,6 +260,7 @@ def _serialise(g: _Ggml, cg: GgmlCgraph, recipe_tensors: list[int], first: int =
         "nodes": nodes,
         "n_tensors": len(order),
         "refs": [pos.get(p) for p in recipe_tensors],
+        "buffers": buffers,
     }
 
 

@@ -153,6 +153,11 @@ def _kept_nodes(op: str) -> list[tuple[gen.Case, gen.Tensor, list[gen.Tensor | N
     return out
 
 
+def _ff_past(s: list[gen.Tensor | None]) -> bool:
+    a, c = s[0], s[2]
+    return a is not None and c is not None and (a.ne[0] + 1) // 2 * 4 > gen.span(c)
+
+
 WIDENINGS = {
     "SCALE bf16": ("SCALE", lambda n, s: s[0].type == BF16),
     "SET i32": ("SET", lambda n, s: s[0].type == I32 and s[1].type == I32),
@@ -164,6 +169,9 @@ WIDENINGS = {
     "CONCAT bf16 or i16": ("CONCAT", lambda n, s: s[0].type in (BF16, I16)),
     "CONCAT with an empty source": ("CONCAT", lambda n, s: any(0 in t.ne for t in s[:2] if t is not None)),
     "GROUP_NORM with 2^10+ empty groups": ("GROUP_NORM", lambda n, s: n.params[0] - s[0].ne[2] >= 1 << 10),
+    # freq factors shorter than the ceil(ne0/2) floats the kernel reads, the rest inside their buffer
+    "ROPE freq factors read past the tensor": ("ROPE", lambda n, s: _ff_past(s)),
+    "ROPE_BACK freq factors read past the tensor": ("ROPE_BACK", lambda n, s: _ff_past(s)),
 }
 
 

