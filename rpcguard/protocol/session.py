@@ -125,6 +125,7 @@ Event = Union[
     tuple[Literal["active"], Version],
     tuple[Literal["node_refused"], str],
     tuple[Literal["violation"], "Violation"],
+    tuple[Literal["validate"], int],
 ]
 
 
