@@ -27,11 +27,11 @@ during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the sessio
 ``route.default`` until the identity is authorized, then the profile of that identity.
 
 Hot path: ``_goto`` binds ``client_data`` / ``server_data`` to the state's handlers once per
-transition; in GREETING and ACTIVE they are the ``Session``'s own methods, so a read costs no
-call of the lifecycle. The caller's contract (``client_bytes`` / ``server_bytes`` implement it,
-``link.Link.data`` inlines it): a ``Refusal`` raised goes to ``refused()``, a non-empty
-``out.events`` to ``session_events()``; then the frames in ``out`` are sent and ``actions``
-carried out.
+transition; in GREETING and ACTIVE they are the ``Session``'s own methods. The feed contract is
+``client_bytes`` / ``server_bytes`` (and ``graph_validated`` after a deferred graph), the only
+way the relay feeds a session: a ``Refusal`` raised goes to ``refused()``, a non-empty
+``out.events`` to ``session_events()``; then the caller sends the frames in ``out`` and carries
+out ``actions``.
 """
 
 from __future__ import annotations
@@ -301,6 +301,15 @@ class Lifecycle:
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
         """``server_data`` with the whole contract (see ``client_bytes``)."""
         return self._fed(self.server_data, data, now_ns)
+
+    def graph_validated(self, now_ns: int) -> Output:
+        """After the VALIDATE action ran ``Session.validate_deferred``: the graph's verdict and the
+        bytes that followed it, with the whole contract (see ``client_bytes``)."""
+        return self._fed(self._resume_deferred, memoryview(b""), now_ns)
+
+    def _resume_deferred(self, data: memoryview, now_ns: int) -> Output:
+        assert self.session is not None
+        return self.session.resume_deferred(now_ns)
 
     def _fed(self, feed: Callable[[memoryview, int], Output], data: memoryview, now_ns: int) -> Output:
         try:

@@ -19,7 +19,8 @@ share and decides admission.
   an rpcguard ``serve``), the session leaves the request firewall to it
   (``SessionPolicy.validate_requests``).
 
-Bytes read on one side go through ``Session.client_data`` / ``server_data``; what the session
+Bytes read on one side go through ``Lifecycle.client_bytes`` / ``server_bytes`` (the session's
+feed, its refusals and events handed to the lifecycle: the one feed contract); what the session
 queued is written to the other side as memoryviews into the read buffer (proxy/endpoint.py). Small
 client frames the server does not answer (``Output.urgent`` False) are copied aside and go out
 with the next frame that needs the server, in one write (``HOLD_MAX_BYTES``).
@@ -211,19 +212,9 @@ class Link:
             self._later.append((self.data, (endpoint, memoryview(bytes(view)))))
             return
         lc = self.lc
-        # lc.client_data / server_data: in ACTIVE the session's own methods (see Lifecycle:
-        # a refusal and the events are handed back to the lifecycle, as client_bytes does).
         t_ns = self._clock_ns()
-        try:
-            if endpoint.is_client:
-                lc.rx_bytes += len(view)  # the frame deadline's progress (Lifecycle.tick)
-                out = lc.client_data(view, t_ns)
-            else:
-                out = lc.server_data(view, t_ns)
-        except Refusal as refusal:
-            lc.refused(refusal)
-            self._apply()
-            return
+        try:  # the lifecycle's feed contract: a refusal reported, the session's events handled
+            out = lc.client_bytes(view, t_ns) if endpoint.is_client else lc.server_bytes(view, t_ns)
         except Exception:  # a bug must cost one session, never the process
             log.exception("session %d: internal error while parsing", self.id)
             lc.out.clear()
@@ -233,10 +224,8 @@ class Link:
         self._deliver(endpoint, out, t_ns)
 
     def _deliver(self, endpoint: Endpoint, out: Any, t_ns: int) -> None:
-        """Carry out one feed's ``Output`` (read on ``endpoint`` at ``t_ns``): events, writes, actions."""
+        """Carry out one feed's ``Output`` (read on ``endpoint`` at ``t_ns``): writes, then actions."""
         lc = self.lc
-        if out.events:
-            lc.session_events(out)
         to_server = out.to_server
         many = len(to_server) + len(out.to_client)
         if many > FAIR_CHUNKS:
@@ -304,10 +293,7 @@ class Link:
                 error = future.exception()
                 if error is not None:
                     raise error
-                out = session.resume_deferred(t_ns)
-            except Refusal as refusal:
-                lc.refused(refusal)
-                self._apply()
+                out = lc.graph_validated(t_ns)
             except BaseException:  # a bug (or the executor shut down) costs this session only
                 log.exception("session %d: internal error while validating a graph", self.id)
                 lc.out.clear()
