@@ -6,11 +6,12 @@ the interpreter, and so the tree, that runs serve: ``/work/main/.venv/bin/python
 measures, first on a quiet node and then while one mTLS session floods it: another client's TLS
 handshake with serve, and a GET /healthz on serve's metrics endpoint. ``--flood frames``
 pipelines GET_ALIGNMENT as fast as it can (and reads the answers); ``--flood graphs`` sends
-12,000-node graphs that cost ~0.35 s of validation CPU each, renamed so none is cached
+12,000-node graphs that cost ~0.35 s of validation CPU each, renamed so none is cached;
+``--flood handshakes`` opens and drops TLS handshakes without a certificate from four threads
 (tests/support/floods.py). Prints the medians and p90s and their ratio to the quiet baseline of
 the same run, and one JSON line (``--json``).
 
-    .venv/bin/python bench/studies/fairness.py [--flood frames|graphs] [--seconds 6] [--python PY]
+    .venv/bin/python bench/studies/fairness.py [--flood frames|graphs|handshakes] [--seconds 6] [--python PY]
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.support import realpeer  # noqa: E402
-from tests.support.floods import FrameFlood, GraphFlood  # noqa: E402
+from tests.support.floods import FrameFlood, GraphFlood, HandshakeFlood  # noqa: E402
 from tests.support.guard import Pki  # noqa: E402
 from tests.support.rawclient import mtls_context  # noqa: E402
 
-FLOODS = {"frames": FrameFlood, "graphs": GraphFlood}
+FLOODS = {"frames": FrameFlood, "graphs": GraphFlood, "handshakes": HandshakeFlood}
+
+def anonymous_context(pki: Pki) -> ssl.SSLContext:
+    """Trusts the node's CA, presents no certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(pki.path("ca"))
+    return ctx
+
 
 def handshake_s(pki: Pki, port: int) -> float:
     t0 = time.perf_counter()
@@ -94,7 +102,8 @@ def main() -> int:
         realpeer.wait_port(port, proc=serve)
         realpeer.wait_port(mport, proc=serve)
         quiet = sample(pki, port, mport, a.seconds)
-        flood = FLOODS[a.flood](lambda: mtls_context(pki).wrap_socket(
+        ctx = anonymous_context(pki) if a.flood == "handshakes" else mtls_context(pki)
+        flood = FLOODS[a.flood](lambda: ctx.wrap_socket(
             socket.create_connection(("127.0.0.1", port)), server_hostname=pki.node))
         flood.start()
         time.sleep(1.0)  # the flood is in full swing
@@ -109,7 +118,8 @@ def main() -> int:
             print(f"{what:9s} quiet p50 {q['p50_ms']:7.2f} ms p90 {q['p90_ms']:7.2f} ms | flood p50 "
                   f"{b['p50_ms']:7.2f} ms p90 {b['p90_ms']:7.2f} ms max {b['max_ms']:7.1f} ms | ratio p50 "
                   f"{result[what]['ratio_p50']}x p90 {result[what]['ratio_p90']}x")  # type: ignore[index]
-        print(f"flood answered {result['flood_answered_per_s']} {'GET_ALIGNMENT' if a.flood == 'frames' else 'graphs'}/s")
+        unit = {"frames": "GET_ALIGNMENT", "graphs": "graphs", "handshakes": "handshakes"}[a.flood]
+        print(f"flood answered {result['flood_answered_per_s']} {unit}/s")
         if a.json:
             print(json.dumps(result))
     finally:

@@ -9,6 +9,8 @@ tests/integration/test_availability.py and bench/studies/fairness.py.
   source so no node is in the session's cache, and waits for a GET_ALIGNMENT after it. The real
   server computes it in a few ms. A graph refused (too costly on a slow machine) closes the
   session: the flood reconnects and goes on.
+* ``HandshakeFlood``: TLS handshakes opened and dropped as fast as a few threads can (no
+  certificate needed to make the server do its half of the key exchange).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rpcguard.protocol.encode import TensorSpec, graph_payload
 from rpcguard.protocol.ggml import op_table
 from tests.support.rawclient import RawClient
 
-__all__ = ["FrameFlood", "GraphFlood", "chain_graph"]
+__all__ = ["FrameFlood", "GraphFlood", "HandshakeFlood", "chain_graph"]
 
 _ADD = op_table((7, 0, 0)).ids["ADD"]  # type: ignore[union-attr]
 _NAME_AT = 244  # rpc_tensor.name: after id, type, buffer, ne, nb, op, op_params, flags, src, view_src, view_offs, data
@@ -122,3 +124,28 @@ class GraphFlood(_Flood):
                         self.sock.close()
                     except OSError:
                         pass
+
+
+class HandshakeFlood(_Flood):
+    """TLS handshakes as fast as ``threads`` threads can open them, each closed at once (without
+    a client certificate: refused, but only after the server's key exchange and signature);
+    ``answered`` counts handshakes the server took part in."""
+
+    def __init__(self, connect: Callable[[], ssl.SSLSocket], threads: int = 4) -> None:
+        super().__init__(connect)
+        self.threads = threads
+
+    def run(self) -> None:
+        workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(self.threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    def _loop(self) -> None:
+        while not self.stop:
+            try:
+                self.connect().close()
+            except (OSError, ssl.SSLError):
+                pass
+            self.answered += 1
