@@ -12,9 +12,12 @@ prints, per model, the longest silences of the connection split by whose turn it
 * ``server``: the last bytes went to the server (it computes; a request is running).
 
 Between two generations of one ``longclient.py`` run the pause is the test's own (a file it
-waits for), so only pauses inside a run are reported.
+waits for), so only pauses inside a run are reported. ``--client llama-server`` runs the real
+``llama-server`` of the llama.cpp tools build instead (``tests/realpeer/tools.sh``) and sends it
+two completions back to back (its pauses then include the HTTP round trips between them, so
+they can only be longer than llama.cpp's own).
 
-    .venv/bin/python bench/studies/client_pauses.py [--tokens 64] [--models tiny,bench]
+    .venv/bin/python bench/studies/client_pauses.py [--tokens 64] [--models tiny,bench] [--client llama-server]
 """
 
 from __future__ import annotations
@@ -80,10 +83,25 @@ def pauses(events: list[tuple[float, str, int]]) -> dict[str, list[float]]:
     return out
 
 
+def run_llama_server(work: Path, model: Path, port: int, tokens: int) -> bool:
+    """The real llama-server through the relay: loaded, then two completions back to back."""
+    from tests.support import llamatools as lt
+
+    srv = lt.start_llama_server(lt.tools(), work, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "pauses")
+    try:
+        for _ in range(2):
+            if not srv.complete(lt.PROMPT, tokens, cache_prompt=False):
+                return False
+    finally:
+        srv.stop()
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--models", default="tiny,bench")
+    ap.add_argument("--client", choices=("python", "llama-server"), default="python")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pauses-"))
     py = realpeer.realpeer_python()
@@ -96,15 +114,19 @@ def main() -> int:
         relay.start()
         try:
             t0 = time.monotonic()
-            done = work / "go"
-            done.touch()  # the second round starts at once: only llama.cpp's own pauses remain
-            cmd = [py, str(ROOT / "tests" / "support" / "longclient.py"), f"127.0.0.1:{relay.port}", "-m",
-                   str(model), "-n", str(a.tokens), "--wait", str(done)]
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if a.client == "llama-server":
+                if not run_llama_server(work, model, relay.port, a.tokens):
+                    return 1
+            else:
+                done = work / "go"
+                done.touch()  # the second round starts at once: only llama.cpp's own pauses remain
+                cmd = [py, str(ROOT / "tests" / "support" / "longclient.py"), f"127.0.0.1:{relay.port}", "-m",
+                       str(model), "-n", str(a.tokens), "--wait", str(done)]
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if "LONGCLIENT_OK" not in run.stdout:
+                    print(run.stdout[-2000:], run.stderr[-2000:])
+                    return 1
             wall = time.monotonic() - t0
-            if "LONGCLIENT_OK" not in run.stdout:
-                print(run.stdout[-2000:], run.stderr[-2000:])
-                return 1
         finally:
             relay.stop = True
             proc.stop()
@@ -114,7 +136,7 @@ def main() -> int:
             worst = max(worst, gaps[0]) if who == "client" and gaps else worst
             print(f"{name:5s} {who:6s} reads={len(gaps):6d} longest pauses (s): "
                   + ", ".join(f"{g:.3f}" for g in gaps[:5]))
-        print(f"{name:5s} whole run {wall:.1f} s, {len(relay.events)} reads, {a.tokens} tokens x 2 rounds")
+        print(f"{name:5s} whole run {wall:.1f} s, {len(relay.events)} reads, {a.tokens} tokens x 2 rounds ({a.client})")
     print(f"longest pause of the client between its requests: {worst:.3f} s")
     return 0
 

@@ -24,6 +24,7 @@ import pytest
 
 from rpcguard.protocol import encode
 from rpcguard.protocol.encode import TensorSpec, pack_tensor
+from tests.support import llamatools as lt
 from tests.support import procinfo, realpeer
 from tests.support.floods import FrameFlood, GraphFlood
 from tests.support.guard import Guard, Pki, start_guard, start_pair
@@ -161,6 +162,34 @@ def test_the_real_client_idling_alone_is_never_ended(pki, rpc_server, workdir, m
     out = client.output()
     assert "LONGCLIENT_OK" in out and out.count("token ids:") == 2, out[-2000:]
     assert serve.value("rpcguard_refusals_total", reason="idle_while_waiting") == 0
+
+
+def test_the_real_llama_server_idling_alone_is_never_ended(pki, workdir, models, guards):
+    """llama-server keeps its model connection open between HTTP requests: idle 4x
+    idle_while_waiting_s alone on the node, then the same completion again, tokens as direct."""
+    t = lt.tools()
+    server, port = lt.start_rpc_server(t, workdir)
+    try:
+        extra = config(workdir, "limits:\n  idle_while_waiting_s: 1\n")
+        connect, serve = start_pair(workdir, pki, port, guards, extra, [])
+        model = realpeer.make_model(workdir / "tiny.gguf", "--preset", "tiny")
+        direct = lt.start_llama_server(t, workdir, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "direct")
+        try:
+            want = direct.complete(lt.PROMPT, 8, cache_prompt=False)
+        finally:
+            direct.stop()
+        guarded = lt.start_llama_server(t, workdir, model, [connect.endpoint], [*lt.SERVER], "guarded")
+        try:
+            first = guarded.complete(lt.PROMPT, 8, cache_prompt=False)
+            time.sleep(4)  # alone on the node: 4x idle_while_waiting_s without a request
+            second = guarded.complete(lt.PROMPT, 8, cache_prompt=False)
+        finally:
+            rc = guarded.stop()
+        assert first == second == want and want, (first, second, want)
+        assert serve.value("rpcguard_refusals_total", reason="idle_while_waiting") == 0
+        assert rc in (0, -15), rc
+    finally:
+        server.stop()
 
 
 def test_an_idle_session_makes_way_for_a_waiting_tenant(pki, rpc_server, workdir, models, guards):
