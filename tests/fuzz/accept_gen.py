@@ -475,6 +475,11 @@ def p_set_rows(d: Draw) -> Proto:
     c2 = d.pick([k for k in range(1, dst.ne[3] + 1) if dst.ne[3] % k == 0])
     b = S(d.ftype((F32, F16)), (dst.ne[0], n, dst.ne[2], dst.ne[3]))
     c = S(d.ftype((I64, I32)), (n, c1, c2), fill="zero")
+    if d.p(0.2):
+        # no rows to set (test-backend-ops' r=1,v=1): empty rows and indices, sometimes no buffer
+        b = Src(b.type, (dst.ne[0], 0, dst.ne[2], dst.ne[3]), "none", "nobuf" if d.p(0.3) else None)  # type: ignore[arg-type]
+        c = Src(c.type, (0, c1, c2, 1), "none", "nobuf" if d.p(0.3) else None)  # type: ignore[arg-type]
+        d.tag("empty-src")
     return Proto([b, c, dst])
 
 

@@ -64,21 +64,21 @@ OPS: tuple[str, ...] = (
 # remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
 KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=128,n_head=4,n_group=4,n_seq_tokens=16,n_seqs=2,xbc_overlap=1,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=64,n_head=16,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=256,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=512,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=16,head_dim=1,n_head=1024,n_group=1,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=256,head_dim=64,n_head=8,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=128,n_group=8,n_seq_tokens=1,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
     ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
-        'op_not_verified: op SSM_SCAN has no verified rule',
+        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
 }
 
 

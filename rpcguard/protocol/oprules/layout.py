@@ -339,8 +339,11 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("PERMUTE", "ggml.c:3887 ggml_permute", 1, _permute, params=4),
     OpRule("TRANSPOSE", "ggml.c:3943 ggml_transpose", 1, _transpose),
     OpRule("GET_ROWS", "ggml.c:3963 ggml_get_rows", 2, _get_rows),
-    OpRule("SET_ROWS", "ggml.c:4009 ggml_set_rows", 3, _set_rows, since=(4, 0, 0)),
-    OpRule("SET_ROWS", "0.3.20 ggml.c ggml_set_rows (F32 rows)", 3, _set_rows_f32, until=(4, 0, 0)),
+    # empty_sources: no rows to set (test-backend-ops' r=1,v=1 views 0 rows); ops.cpp:5474-5480
+    # loops over ne01 = 0 rows, so neither the rows nor the indices are read
+    OpRule("SET_ROWS", "ggml.c:4009 ggml_set_rows", 3, _set_rows, since=(4, 0, 0), empty_sources=True),
+    OpRule("SET_ROWS", "0.3.20 ggml.c ggml_set_rows (F32 rows)", 3, _set_rows_f32, until=(4, 0, 0),
+           empty_sources=True),
     OpRule("PAD", "ggml.c:5243 ggml_pad_ext", 1, _pad, params=9),
     OpRule("ROLL", "ggml.c:5330 ggml_roll", 1, _roll, params=4),
 )
