@@ -15,7 +15,11 @@ a fresh real server of the same build:
 - refused through the pair, the server crashes or the client aborts direct: the refusal is right
   (an expected refusal), recorded per case in the test's report;
 - FAIL through the pair but OK direct: the pair changed a result, the test fails;
-- the server dies through the pair: rpcguard forwarded a case that kills it, the test fails.
+- the server dies through the pair: rpcguard forwarded a case that kills it, the test fails;
+- a contained-only op (``oprules.needs_containment``: SSM_SCAN) must be refused
+  ``op_needs_containment`` through that pair, and its first cases run again through a pair whose
+  serve starts the suite's server itself (``serve -- ggml-rpc-server``: a sandboxed process per
+  session), where the rules above apply.
 
 The full run of every case is ``python -m tests.support.backendops`` (docs/backend-ops.md).
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from rpcguard.protocol.oprules import needs_containment
 from tests.support import backendops as bo
 from tests.support.realpeer import MissingPeer
 
@@ -63,22 +68,7 @@ OPS: tuple[str, ...] = (
 # listed case that runs while others of its op are still refused fails for real (FixLanded):
 # remove that entry. A false refusal NOT listed fails for real (UnlistedFalseRefusal), in every op.
 KNOWN_FALSE_REFUSALS: dict[tuple[str, str], str] = {
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=128,n_head=4,n_group=4,n_seq_tokens=16,n_seqs=2,xbc_overlap=1,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=64,n_head=16,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=256,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=128,head_dim=80,n_head=128,n_group=1,n_seq_tokens=512,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=16,head_dim=1,n_head=1024,n_group=1,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=256,head_dim=64,n_head=8,n_group=2,n_seq_tokens=32,n_seqs=4,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=128,n_group=8,n_seq_tokens=1,n_seqs=1,xbc_overlap=0,K=1,weak_decay=0)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
-    ('SSM_SCAN', 'SSM_SCAN(type=f32,d_state=96,head_dim=64,n_head=16,n_group=8,n_seq_tokens=300,n_seqs=2,xbc_overlap=0,K=1,weak_decay=1)'):
-        'op_needs_containment: SSM_SCAN indexes state with tensor contents (contained only)',
+    # none: the contained-only ops (SSM_SCAN) run through a contained pair, see test_no_false_refusal
 }
 
 
@@ -122,6 +112,7 @@ def _params():
 class SuiteRun:
     listing: dict[str, list[str]]
     pair: dict[str, list[bo.CaseResult]]  # per op
+    contained: dict[str, list[bo.CaseResult]]  # per contained-only op: through a contained pair
     direct: dict[str, bo.CaseResult]  # per case: the suspect cases, run direct
     truncated: bool
 
@@ -162,7 +153,21 @@ class _Runs:
             by_op: dict[str, list[bo.CaseResult]] = {}
             for r in run.results:
                 by_op.setdefault(r.op, []).append(r)
-            self.done[suite] = SuiteRun(listing, by_op, d, run.truncated)
+            # contained-only ops (oprules.needs_containment) are forwarded to a contained server:
+            # their first cases again, through a pair whose serve runs the suite's server per session
+            contained: dict[str, list[bo.CaseResult]] = {}
+            only = [c for c in first if needs_containment(bo.op_of(c))]
+            if only:
+                cpair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-{suite}-contained"), self.pki, contained=True)
+                self.targets.append(cpair)
+                crun = bo.run_op(cpair, "*", order, only=only, budget_s=BUDGET_PER_OP_S * len(only))
+                for r in crun.results:
+                    contained.setdefault(r.op, []).append(r)
+                more = [r.case for r in crun.results if r.status not in ("ok", "not_supported") and r.case not in d]
+                if more:
+                    d.update({r.case: r for r in bo.run_op(direct, "*", order, only=more).results})
+                cpair.stop()
+            self.done[suite] = SuiteRun(listing, by_op, contained, d, run.truncated)
             pair.stop()
             direct.stop()
         return self.done[suite]
@@ -189,6 +194,13 @@ def test_the_op_list_is_the_suites(suite):
 def test_no_false_refusal(suite, op, runs, record_property):
     s = runs.get(suite)
     results = s.pair.get(op, [])
+    if needs_containment(op):
+        # refused by design through the uncontained pair (docs/firewall.md: contained only) ...
+        wrong = [f"{r.case}: {r.status} {r.reason}" for r in results
+                 if r.status != "not_supported" and (r.status, r.reason) != ("refused", "op_needs_containment")]
+        if wrong:
+            pytest.fail(f"{op} is contained only, yet through the uncontained pair: {wrong[:3]}")
+        results = s.contained.get(op, [])  # ... and judged by what the contained pair does
     # (pytest.fail, not assert, for everything but the known false refusals: in an xfail op only an
     # AssertionError is the expected failure)
     if not results:

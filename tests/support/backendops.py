@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.support.guard import Guard, Pki, start_pair
+from tests.support.guard import Guard, Pki, start_guard, start_pair
 from tests.support.realpeer import REALPEER_HOME, MissingPeer, Proc, _read_env, free_port, start, wait_port
 
 ENDPOINTS_VAR = "RPCGUARD_RPC_ENDPOINTS"  # read by rpc_device_shim.c
@@ -222,18 +222,33 @@ class Direct(Target):
 
 
 class ThroughPair(Target):
-    """connect (mTLS) -> serve (default enforce settings, JSON log lines) -> the real server."""
+    """connect (mTLS) -> serve (default enforce settings, JSON log lines) -> the real server
+    (``contained``: serve starts the suite's server itself, one sandboxed process per session)."""
 
     name = "pair"
 
-    def __init__(self, tools: Tools, workdir: Path, pki: Pki | None = None, serve_args: Sequence[str] = ()) -> None:
+    def __init__(self, tools: Tools, workdir: Path, pki: Pki | None = None, serve_args: Sequence[str] = (),
+                 contained: bool = False) -> None:
         super().__init__(tools, workdir)
-        self.start_server()
         self.pki = pki or Pki(workdir / "pki")
         self.guards: list[Guard] = []
+        self.contained = contained
+        if contained:  # serve runs the suite's server itself: a fresh sandboxed process per session
+            self.serve = start_guard("serve", workdir, [*self.pki.serve_args(), "--log-format", "json", *serve_args,
+                                                        "--", self.tools.rpc_server])
+            self.guards.append(self.serve)
+            self.connect = start_guard("connect", workdir, ["--server", self.serve.endpoint, "--server-name",
+                                                            self.pki.node, *self.pki.connect_args(),
+                                                            "--log-format", "json"])
+            self.guards.append(self.connect)
+            return
+        self.start_server()
         self.connect, self.serve = start_pair(workdir, self.pki, self.server_port, self.guards,
                                               serve_args=["--log-format", "json", *serve_args],
                                               connect_args=["--log-format", "json"])
+
+    def ensure_server(self) -> bool:
+        return False if self.contained else super().ensure_server()
 
     @property
     def endpoint(self) -> str:
