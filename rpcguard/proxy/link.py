@@ -33,7 +33,6 @@ instead of a crashed server; a refusal mid-session closes both sides.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import socket
@@ -48,6 +47,7 @@ from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
+from rpcguard.proxy.validators import Validators
 from rpcguard.pki.identity import source_of
 from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
 
@@ -79,13 +79,11 @@ FAIR_READ_NS = 1_000_000
 FAIR_WIDEN_CHUNKS = 4
 assert FAIR_READ_BYTES >= 1024
 
-# Large graphs (session.DEFER_GRAPH_BYTES and up) are validated on these threads, not on the loop:
-# a crafted graph takes up to policy max_graph_cpu_s (500 ms) to validate, and every other
-# session, handshake and probe of the process would wait that long. The per-node rules run as
-# interpreted Python, so the loop thread gets the GIL back every switch interval (5 ms). Two
-# threads: many sessions' validations queue for them instead of all contending with the loop.
+# Large graphs (session.DEFER_GRAPH_BYTES and up) are validated off the loop, fairly between
+# identities (proxy/validators.py): a crafted graph takes up to policy max_graph_cpu_s (500 ms)
+# to validate, and every other session, handshake and probe of the process would wait that long.
 # While one runs, its link holds both sides' reads and defers every other callback (``_later``).
-VALIDATORS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpcguard-graph")
+VALIDATORS = Validators()
 
 
 
@@ -270,7 +268,7 @@ class Link:
 
     # ----------------------------------------------------------------------------- large graphs
     def _validate(self, _: None) -> None:
-        """Run the session's deferred graph validation on a VALIDATORS thread; reads stop meanwhile."""
+        """Queue the session's deferred graph validation (VALIDATORS, its identity's turn); reads stop meanwhile."""
         session = self.lc.session
         if session is None or not session.deferred or self._later is not None:
             return
@@ -279,8 +277,7 @@ class Link:
             if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
                 endpoint.parked = True
                 endpoint.transport.pause_reading()
-        future = asyncio.get_running_loop().run_in_executor(VALIDATORS, session.validate_deferred)
-        future.add_done_callback(self._validated)
+        VALIDATORS.submit(self.lc.identity, session.validate_deferred, self._validated)
 
     def _validated(self, future: asyncio.Future) -> None:
         """The validation is over: the graph is refused or goes out with what followed it, then

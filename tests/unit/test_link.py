@@ -5,7 +5,6 @@ real-peer behaviour is proven by tests/integration."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import socket
 import struct
 import threading
@@ -22,6 +21,7 @@ from rpcguard.proxy.endpoint import Dialer
 from rpcguard.proxy import link as link_mod
 from rpcguard.proxy.link import Link
 from rpcguard.proxy.route import Route
+from rpcguard.proxy.validators import Validators
 from tests.support import vectors as V
 
 GIB = 1 << 30
@@ -459,20 +459,18 @@ def test_serve_closes_a_socket_at_accept_past_the_handshakes_of_its_source():
     run(main())
 
 
-class GatedValidators(concurrent.futures.ThreadPoolExecutor):
+class GatedValidators(Validators):
     """link.VALIDATORS whose validations wait for ``open`` (so a test sees the link meanwhile)."""
 
     def __init__(self) -> None:
-        super().__init__(max_workers=1)
+        super().__init__(workers=1)
         self.open = threading.Event()
         self.started = threading.Event()
 
-    def submit(self, fn, /, *args, **kwargs):
-        def gated():
-            self.started.set()
-            self.open.wait(5)
-            return fn(*args, **kwargs)
-        return super().submit(gated)
+    def _run(self, job) -> None:
+        self.started.set()
+        self.open.wait(5)
+        job()
 
 
 def big_graph(base: int = V.BASE) -> bytes:
