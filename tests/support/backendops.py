@@ -521,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="a line for the report's header")
     ap.add_argument("--sample", type=int, help="per op, N cases spread evenly over its listing (ops with more)")
     ap.add_argument("--skip-direct", action="store_true", help="the pair; direct only the cases it did not run ok")
+    ap.add_argument("--contained", action="store_true",
+                    help="serve runs the suite's server itself, one sandboxed process per session")
     ap.add_argument("--from-json", type=Path, help="only rewrite --report from a --json file of a run")
     a = ap.parse_args(argv)
     tools = load_tools(a.suite)
@@ -552,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return f
 
     try:
-        pair_t = ThroughPair(tools, workdir / "p")
+        pair_t = ThroughPair(tools, workdir / "p", contained=a.contained)
         for i, op in enumerate(ops):
             cases = listing.get(op, [])
             only = None
