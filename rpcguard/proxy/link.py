@@ -214,12 +214,15 @@ class Link:
         try:  # the lifecycle's feed contract: a refusal reported, the session's events handled
             out = lc.client_bytes(view, t_ns) if endpoint.is_client else lc.server_bytes(view, t_ns)
         except Exception:  # a bug must cost one session, never the process
-            log.exception("session %d: internal error while parsing", self.id)
-            lc.out.clear()
-            lc.internal_error()
-            self._apply()
+            self._internal_error("parsing")
             return
         self._deliver(endpoint, out, t_ns)
+
+    def _internal_error(self, doing: str) -> None:
+        log.exception("session %d: internal error while %s", self.id, doing)
+        self.lc.out.clear()
+        self.lc.internal_error()
+        self._apply()
 
     def _deliver(self, endpoint: Endpoint, out: Any, t_ns: int) -> None:
         """Carry out one feed's ``Output`` (read on ``endpoint`` at ``t_ns``): writes, then actions."""
@@ -292,10 +295,7 @@ class Link:
                     raise error
                 out = lc.graph_validated(t_ns)
             except BaseException:  # a bug (or the executor shut down) costs this session only
-                log.exception("session %d: internal error while validating a graph", self.id)
-                lc.out.clear()
-                lc.internal_error()
-                self._apply()
+                self._internal_error("validating a graph")
             else:
                 self._deliver(self.client, out, t_ns)
         for i, (call, args) in enumerate(later):
@@ -310,13 +310,20 @@ class Link:
                     if endpoint.transport is not None and not endpoint.closed and not endpoint.held:
                         endpoint.transport.resume_reading()
 
+    def _put_off(self, call: Callable[..., None], *args: object) -> bool:
+        """While a graph is validated off the loop, ``call(*args)`` waits: True if it was put off
+        (``_validated`` replays it in order)."""
+        if self._later is None:
+            return False
+        self._later.append((call, args))
+        return True
+
     def flush_held(self) -> None:
         if self._held:
             self._send_upstream([], None)
 
     def eof(self, endpoint: Endpoint) -> None:
-        if self._later is not None:
-            self._later.append((self.eof, (endpoint,)))
+        if self._put_off(self.eof, endpoint):
             return
         if endpoint.is_client:
             self.flush_held()
@@ -328,8 +335,7 @@ class Link:
         self._apply()
 
     def lost(self, endpoint: Endpoint, exc: Exception | None) -> None:
-        if self._later is not None:
-            self._later.append((self.lost, (endpoint, exc)))
+        if self._put_off(self.lost, endpoint, exc):
             return
         if endpoint.is_client:
             self.lc.client_closed(str(exc) if exc else "")
@@ -361,8 +367,7 @@ class Link:
         self._apply()
 
     def pause_other(self, endpoint: Endpoint) -> None:
-        if self._later is not None:
-            self._later.append((self.pause_other, (endpoint,)))
+        if self._put_off(self.pause_other, endpoint):
             return
         if endpoint.is_client:
             self.lc.client_blocked(True)  # the client is not reading its responses
@@ -374,8 +379,7 @@ class Link:
             other.transport.pause_reading()
 
     def resume_other(self, endpoint: Endpoint) -> None:
-        if self._later is not None:
-            self._later.append((self.resume_other, (endpoint,)))
+        if self._put_off(self.resume_other, endpoint):
             return
         if endpoint.is_client:
             self.lc.client_blocked(False)
@@ -404,8 +408,7 @@ class Link:
             self._schedule_tick()
 
     def close_for_shutdown(self) -> None:
-        if self._later is not None:
-            self._later.append((self.close_for_shutdown, ()))
+        if self._put_off(self.close_for_shutdown):
             return
         self.lc.shutdown()
         self._apply()
