@@ -61,6 +61,9 @@ class _Flood(threading.Thread):
 
     def close(self) -> None:
         self.stop = True
+        self._drop_sock()
+
+    def _drop_sock(self) -> None:
         if self.sock is not None:
             try:
                 self.sock.close()
@@ -119,11 +122,7 @@ class GraphFlood(_Flood):
             except (OSError, AssertionError, struct.error):
                 self.reconnects += 1
             finally:
-                if self.sock is not None:
-                    try:
-                        self.sock.close()
-                    except OSError:
-                        pass
+                self._drop_sock()
 
 
 class HandshakeFlood(_Flood):
