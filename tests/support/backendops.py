@@ -12,7 +12,9 @@ that case is the next one of the op's case list (``support`` mode on the CPU lis
 without running it, in the same order), and the run resumes after it with the exact case strings
 (``-o`` takes full case strings). A case ends as:
 
-  ok / fail / not_supported   what test-backend-ops printed (fail: the RPC result differs from CPU)
+  ok / fail / not_supported   what test-backend-ops printed (fail: the RPC result differs from CPU;
+                              in grad mode: a gradient differs from its finite difference)
+  skipped                     grad mode: over 10,000 gradients to check, the tool skips the case
   refused                     rpcguard closed the session: reason and detail from the session-end
                               line (``--log-format json``) of serve (or connect)
   server_crash                the real server process died on the case
@@ -22,7 +24,7 @@ without running it, in the same order), and the run resumes after it with the ex
 A refusal is false when the same case runs ``ok`` (or ``fail``: the server computed it) direct.
 
 CLI (the full run documented in docs/backend-ops.md):
-  python -m tests.support.backendops [--ops A,B] [--budget S] [--json OUT] [--report MD] [--workdir D]
+  python -m tests.support.backendops [--mode test|grad] [--ops A,B] [--budget S] [--json OUT] [--report MD]
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ ENDPOINTS_VAR = "RPCGUARD_RPC_ENDPOINTS"  # read by rpc_device_shim.c
 ARG_MAX_BYTES = 100_000  # one -o argument stays under Linux's MAX_ARG_STRLEN (128 KiB)
 STALL_S = 180.0  # no finished case for this long: the running case is a timeout
 
-# "  OP(params): OK" (ANSI colours), "... FAIL", "... not supported [CPU] ". Messages printed while
-# a case runs (NaN, ERR = ...) come before the case text on the same line.
-_CASE_LINE = re.compile(r"  ([A-Z][A-Z0-9_]*\(.*\)): (?:\x1b\[1;3[12]m)?(OK|FAIL|not supported|SUPPORTED|NOT SUPPORTED)\b")
+# "  OP(params): OK" (ANSI colours), "... FAIL", "... not supported [CPU] ", and in grad mode
+# "... skipping large tensors for speed". Messages printed while a case runs come before the case
+# text on the same line in test mode (NaN, ERR = ...), after it in grad mode ("[OP] MAA = ...",
+# "[OP] nonfinite gradient ...", "compare failed ").
+_CASE_LINE = re.compile(r"  ([A-Z][A-Z0-9_]*\(.*\)): (?:\[[A-Z0-9_]+\] [^\x1b]*|compare failed )?(?:\x1b\[1;3[12]m)?"
+                        r"(OK|FAIL|not supported|SUPPORTED|NOT SUPPORTED|skipping large tensors)\b")
 _STATUS = {"OK": "ok", "FAIL": "fail", "not supported": "not_supported", "SUPPORTED": "supported",
-           "NOT SUPPORTED": "not_supported"}
+           "NOT SUPPORTED": "not_supported", "skipping large tensors": "skipped"}
 RAN = ("ok", "fail")  # the server computed the case
+# test-backend-ops' modes this harness runs: "test" computes each case on RPC0 and compares it with
+# the CPU; "grad" builds each case's backward graph (ggml_build_backward_expand, as training does),
+# computes it on RPC0 and checks the gradients against finite differences computed on RPC0 too.
+MODES = ("test", "grad")
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,29 @@ def op_of(case: str) -> str:
     return case.split("(", 1)[0]
 
 
-def parse_cases(text: str) -> list[tuple[str, str]]:
-    """(case, status) for every case line of test-backend-ops' console output, in order."""
-    return [(m.group(1), _STATUS[m.group(2)]) for m in map(_CASE_LINE.search, text.splitlines()) if m]
+def parse_cases(text: str, mode: str = "test") -> list[tuple[str, str]]:
+    """(case, status) for every case test-backend-ops' console output shows finished, in order.
+
+    In grad mode a case prints its line twice: "OK" when it starts (eval_grad prints the operation
+    first), then its result; an early "not supported" (a non-F32 output) is its only line. A case
+    whose start line is not followed by its result was running when the output ended (the process
+    died on it), or returned early after a failed compute: then the next case's line follows and
+    the case counts as a fail."""
+    lines = [(m.group(1), _STATUS[m.group(2)]) for m in map(_CASE_LINE.search, text.splitlines()) if m]
+    if mode != "grad":
+        return lines
+    out: list[tuple[str, str]] = []
+    started: str | None = None
+    for case, status in lines:
+        if started is not None and case != started:
+            out.append((started, "fail"))
+            started = None
+        if started is None and status == "ok":
+            started = case
+        else:
+            out.append((case, status))
+            started = None
+    return out
 
 
 def _base_env() -> dict[str, str]:
@@ -304,8 +333,8 @@ class OpRun:
     seconds: float = 0.0
 
 
-def _run_once(target: Target, filt: str, budget_end: float | None,
-              stall_s: float) -> tuple[list[tuple[str, str]], int | None, bool, str]:
+def _run_once(target: Target, filt: str, budget_end: float | None, stall_s: float,
+              mode: str = "test") -> tuple[list[tuple[str, str]], int | None, bool, str]:
     """One test-backend-ops process: (printed cases, returncode or None if we stopped it, timed out,
     the last lines of its output)."""
     env = _base_env()
@@ -313,7 +342,7 @@ def _run_once(target: Target, filt: str, budget_end: float | None,
     env[ENDPOINTS_VAR] = target.endpoint
     with tempfile.NamedTemporaryFile("w+b", dir=target.workdir, prefix="tbo-", suffix=".log", delete=False) as fh:
         log = Path(fh.name)
-        p = subprocess.Popen(["stdbuf", "-oL", target.tools.test_backend_ops, "test", "-b", "RPC0", "-o", filt],
+        p = subprocess.Popen(["stdbuf", "-oL", target.tools.test_backend_ops, mode, "-b", "RPC0", "-o", filt],
                              stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     last_size, last_change, stopped, timed_out = 0, time.monotonic(), False, False
     while p.poll() is None:
@@ -333,11 +362,11 @@ def _run_once(target: Target, filt: str, budget_end: float | None,
     text = log.read_text(errors="replace")
     log.unlink()
     tail = " | ".join([l.strip() for l in text.splitlines() if l.strip()][-2:])[-300:]
-    return parse_cases(text), (None if stopped else p.returncode), timed_out, tail
+    return parse_cases(text, mode), (None if stopped else p.returncode), timed_out, tail
 
 
 def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | None = None,
-           only: Sequence[str] | None = None, stall_s: float = STALL_S,
+           only: Sequence[str] | None = None, stall_s: float = STALL_S, mode: str = "test",
            on_case: Callable[[CaseResult], None] | None = None) -> OpRun:
     """Run ``op``'s cases (with ``only``: just those, by exact case text, IN THE ORDER the tool
     runs them, see list_all: the case after the last printed one is the one that killed the
@@ -355,7 +384,8 @@ def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | Non
         target.ensure_server()
         mark = target.mark()
         batch = None if queue is None else next(_chunks(queue))
-        printed, rc, timed_out, tail = _run_once(target, op if batch is None else ",".join(batch), budget_end, stall_s)
+        printed, rc, timed_out, tail = _run_once(target, op if batch is None else ",".join(batch), budget_end, stall_s,
+                                                 mode)
         for case, status in printed:
             r = CaseResult(op_of(case), case, status)
             run.results.append(r)
@@ -443,7 +473,7 @@ def _pattern(detail: str) -> str:
 
 
 def write_report(path: Path, tools: Tools, direct: list[CaseResult], pair: list[CaseResult],
-                 listing: dict[str, list[str]], note: str = "") -> None:
+                 listing: dict[str, list[str]], note: str = "", mode: str = "test") -> None:
     d = {r.case: r for r in direct}
     p = {r.case: r for r in pair}
     false = classify(d, p)
@@ -451,12 +481,15 @@ def write_report(path: Path, tools: Tools, direct: list[CaseResult], pair: list[
     lines = [
         "# test-backend-ops through rpcguard: refusals per op",
         "",
-        f"Suite: test-backend-ops of {tools.package} {tools.version} (ggml-rpc protocol {tools.proto}), mode `test`",
-        "(each case computed on RPC0 and compared with the local CPU). Direct: the tree's own ggml-rpc-server.",
+        f"Suite: test-backend-ops of {tools.package} {tools.version} (ggml-rpc protocol {tools.proto}), mode `{mode}`",
+        ("(each case computed on RPC0 and compared with the local CPU)." if mode == "test" else
+         "(each case's backward graph computed on RPC0, its gradients checked against finite differences on RPC0).")
+        + " Direct: the tree's own ggml-rpc-server.",
         "Pair: `rpcguard connect` -> `rpcguard serve` (mTLS, default settings) -> the same server binary.",
         f"Written {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}. {note}",
         "",
-        "Counts are cases. `ran` = ok+fail (the server computed it), n/s = not supported by the CPU backend.",
+        "Counts are cases. `ran` = ok+fail (the server computed it), n/s = not supported by the CPU backend"
+        + (" (or, in grad mode, no F32 parameter, or over 10,000 gradients: 'skipped')." if mode == "grad" else "."),
         "",
         "| op | listed | direct ran | direct crash/abort | pair ran | pair refused | FALSE refusals | pair crash/abort |",
         "|---|---|---|---|---|---|---|---|",
@@ -513,6 +546,8 @@ def write_report(path: Path, tools: Tools, direct: list[CaseResult], pair: list[
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="bin")
+    ap.add_argument("--mode", choices=MODES, default="test",
+                    help="test-backend-ops mode: test (compare with the CPU) or grad (backward graphs)")
     ap.add_argument("--ops", help="comma separated op names (default: every op the suite has cases for)")
     ap.add_argument("--budget", type=float, help="seconds per op and side (default: every case)")
     ap.add_argument("--json", type=Path, help="write every case result here (JSON lines)")
@@ -533,7 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                for side in ("direct", "pair")}
         ops_run = {r.op for r in res["pair"]}
         write_report(a.report, tools, res["direct"], res["pair"], list_cases(tools),
-                     note=f"From {a.from_json.name}: {len(ops_run)} ops" + (f" ({a.note})" if a.note else "") + ".")
+                     note=f"From {a.from_json.name}: {len(ops_run)} ops" + (f" ({a.note})" if a.note else "") + ".",
+                     mode=a.mode)
         return 0
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="backendops-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -561,12 +597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.sample and len(cases) > a.sample:
                 only = cases[::len(cases) // a.sample][:a.sample]
             if a.skip_direct:
-                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, on_case=rec("pair"))
-                suspect = [r.case for r in pr.results if r.status not in ("ok", "not_supported")]
-                dr = run_op(direct_t, op, cases, only=suspect, on_case=rec("direct")) if suspect else OpRun(op)
+                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, mode=a.mode, on_case=rec("pair"))
+                suspect = [r.case for r in pr.results if r.status not in ("ok", "not_supported", "skipped")]
+                dr = (run_op(direct_t, op, cases, only=suspect, mode=a.mode, on_case=rec("direct")) if suspect
+                      else OpRun(op))
             else:
-                dr = run_op(direct_t, op, cases, budget_s=a.budget, only=only, on_case=rec("direct"))
-                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, on_case=rec("pair"))
+                dr = run_op(direct_t, op, cases, budget_s=a.budget, only=only, mode=a.mode, on_case=rec("direct"))
+                pr = run_op(pair_t, op, cases, budget_s=a.budget, only=only, mode=a.mode, on_case=rec("pair"))
             listing[op] = merge_listing(cases, (r.case for r in dr.results + pr.results))
             direct_all += dr.results
             pair_all += pr.results
@@ -574,7 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({dr.seconds:.0f} s), pair {len(pr.results)} ({pr.seconds:.0f} s), refused "
                   f"{sum(r.status == 'refused' for r in pr.results)}", flush=True)
             write_report(a.report, tools, direct_all, pair_all, listing,
-                         note=f"Progress: {i + 1} of {len(ops)} ops" + (f", budget {a.budget} s per op" if a.budget else ", every case") + ".")
+                         note=f"Progress: {i + 1} of {len(ops)} ops" + (f", budget {a.budget} s per op" if a.budget else ", every case") + ".",
+                         mode=a.mode)
     finally:
         direct_t.stop()
         if pair_t is not None:
