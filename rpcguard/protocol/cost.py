@@ -320,6 +320,25 @@ def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
     return COL2IM_FLOPS * elements(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
 
 
+# IM2COL_BACK (ops.cpp:6896) visits every tap of the kernel for every image element, with an int64
+# division and remainder by the stride per tap (2D: two); POOL_2D_BACK (ops.cpp:8085) every tap of
+# the window for every gradient element, as POOL_2D does for every result element.
+IM2COL_BACK_TAP_FLOPS: Final = 512  # IM2COL_BACK: per image element per kernel tap
+
+
+def _im2col_back(n: RpcTensor, s: Srcs) -> int:
+    k = s[1]  # the convolution kernel [KW, KH, ...] (1D: [KW, IC, ...]); params[6] is_2D
+    if k is None:
+        return 0
+    taps = k.ne0 * (k.ne1 if n.op_params[6] == 1 else 1)
+    return IM2COL_BACK_TAP_FLOPS * elements(n) * taps
+
+
+def _pool_2d_back(n: RpcTensor, s: Srcs) -> int:
+    g = s[0]  # the gradient of POOL_2D's result; params {op, k0, k1, ...} (the rule holds k >= 1)
+    return 0 if g is None else POOL_FLOPS * elements(g) * max(1, n.param1) * max(1, n.param2)
+
+
 _FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,
           "CONV_TRANSPOSE_1D": _conv_transpose_1d_all, "IM2COL": _im2col, "IM2COL_3D": _im2col,
-          "COL2IM_1D": _col2im_1d}
+          "COL2IM_1D": _col2im_1d, "IM2COL_BACK": _im2col_back, "POOL_2D_BACK": _pool_2d_back}

@@ -248,12 +248,23 @@ def _sgd(rng: random.Random) -> Case:
 
 @gen("im2col_back", "IM2COL_BACK")
 def _im2col_back(rng: random.Random) -> Case:
+    """The gradient of im2col(kernel, image) (1D or 2D, strides, paddings and dilations of 1-2):
+    ggml_im2col_back(ctx, a = the gradient, b = the kernel, ne = the image's shape, ...), as the
+    backward pass calls it (ggml.c:7141)."""
     r = R(rng)
-    kw, ic, iw, n = rng.randint(1, 3), rng.randint(1, 3), rng.randint(3, 9), 1
-    ow = iw - kw + 1
-    a = r.leaf("f16", [kw, ic, 2])
-    b = r.leaf("f32", [kw * ic, ow, n])
-    r.op("im2col_back", a, b, [iw, ic, n, 1], 1, 1, 0, 0, 1, 1, False)
+    two_d = rng.random() < 0.5
+    kw, kh, ic, n = rng.randint(1, 3), rng.randint(1, 3) if two_d else 1, rng.randint(1, 3), rng.randint(1, 2)
+    s0, s1, p0, p1, d0, d1 = (rng.randint(1, 2) for _ in range(6))
+    iw, ih = rng.randint(d0 * (kw - 1) + 1, 9), rng.randint(d1 * (kh - 1) + 1, 7) if two_d else 1
+    ow = (iw + 2 * p0 - d0 * (kw - 1) - 1) // s0 + 1
+    oh = (ih + 2 * p1 - d1 * (kh - 1) - 1) // s1 + 1
+    if two_d:
+        kernel, grad = r.leaf("f16", [kw, kh, ic, 2]), r.leaf("f32", [ic * kh * kw, ow, oh, n])
+        ne = [iw, ih, ic, n]
+    else:
+        kernel, grad = r.leaf("f16", [kw, ic, 2]), r.leaf("f32", [ic * kw, ow, n])
+        ne = [iw, ic, n, 1]
+    r.op("im2col_back", grad, kernel, ne, s0, s1, p0, p1, d0, d1, two_d)
     return Case("IM2COL_BACK", r.recipe(), params={3: (0, [1, 2])}, dst_args=lambda ne_, nb_: [KEEP, KEEP, list(ne_)] + [KEEP] * 7)
 
 
@@ -269,12 +280,15 @@ def _im2col_3d(rng: random.Random) -> Case:
 
 @gen("pool_2d_back", "POOL_2D_BACK")
 def _pool_2d_back(rng: random.Random) -> Case:
+    """The gradient of pool_2d(af) (AVG or MAX, windows, strides and paddings of 1-3)."""
     r = R(rng)
-    k = rng.randint(1, 3)
-    w, h, c = rng.randint(k, 8), rng.randint(k, 8), rng.randint(1, 3)
+    k0, k1 = rng.randint(1, 3), rng.randint(1, 3)
+    s0, s1 = rng.randint(1, 3), rng.randint(1, 3)
+    p0, p1 = rng.randint(0, k0 // 2), rng.randint(0, k1 // 2)
+    w, h, c = rng.randint(k0, 8), rng.randint(k1, 8), rng.randint(1, 3)
     af = r.leaf("f32", [w, h, c])
-    a = r.leaf("f32", [(w - k) // k + 1, (h - k) // k + 1, c])
-    r.op("pool_2d_back", a, af, rng.randrange(2), k, k, k, k, 0.0, 0.0)
+    a = r.leaf("f32", [(w + 2 * p0 - k0) // s0 + 1, (h + 2 * p1 - k1) // s1 + 1, c])
+    r.op("pool_2d_back", a, af, rng.randrange(2), k0, k1, s0, s1, float(p0), float(p1))
     return Case("POOL_2D_BACK", r.recipe(), params={3: (1, [1, 2, 4])})
 
 

@@ -1248,6 +1248,75 @@ def p_add1(d: Draw) -> Proto:
     return Proto([a, S(d.ftype((F32, F16, BF16)), d.pick(((1,), (1,), (2,))))])
 
 
+def _c_out(n: int, k: int, st: int, pad: int, dil: int) -> int:
+    """ggml_calc_conv_output_size in C's truncating division (the generator's own, not the rule's)."""
+    num = n + 2 * pad - dil * (k - 1) - 1
+    return int(num / st) + 1 if abs(num) < 1 << 52 else num // st + 1
+
+
+def p_im2col_back(d: Draw) -> Proto:
+    """ggml_im2col_back: src0 the gradient of an IM2COL result (F32, packed in IM2COL's shape for
+    the image and kernel; sometimes one dimension off, or strided: refused), src1 the kernel (F16 or
+    F32, only its shape read), the result the image's shape; params as IM2COL's."""
+    two_d = d.p(0.6)
+    IW, IC, N = d.dim(True), d.pick((1, 1, 2, 3, d.dim())), d.pick((1, 1, 2, d.dim()))
+    KW = d.pick((1, 2, 3, 5, 7, IW, IW + 1, d.dim()))
+    s0, p0, d0 = _conv_params(d, KW, IW)
+    if two_d:
+        IH = d.pick((1, 2, 3, d.dim(), d.dim(True)))
+        KH = d.pick((1, 2, 3, 5, IH, IH + 1, d.dim()))
+        s1, p1, d1 = _conv_params(d, KH, IH)
+        image, kernel = (IW, IH, IC, N), (KW, KH, IC, d.pick((1, 2, 4)))
+        OW, OH = (_c_out(IW, KW, s0, p0, d0), _c_out(IH, KH, s1, p1, d1)) if s0 and s1 else (1, 1)
+        grad = [IC * KH * KW, OW, OH, N]
+    else:
+        s1, p1, d1 = d.pick((0, 0, 1)), d.pick((0, 0, 1)), d.pick((0, 0, 1))  # not read in 1D
+        image, kernel = (IW, IC, N, 1), (KW, IC, d.pick((1, 2, 4)), 1)
+        OW = _c_out(IW, KW, s0, p0, d0) if s0 else 1
+        grad = [IC * KW, OW, N, 1]
+    if d.p(0.1):  # a gradient of another shape
+        i = d.r.randrange(4)
+        grad[i] = max(1, grad[i] + d.pick((-1, 1)))
+        d.tag("grad-shape")
+    if min(grad) < 1:
+        grad = [max(1, x) for x in grad]
+    g = S(F32 if d.p(0.9) else d.ftype(), tuple(grad), layout=_lay(d))
+    k = S(d.ftype((F16, F32)), kernel, layout=d.pick(("contig", None)))
+    return Proto([g, k], params=[s0, s1, p0, p1, d0, d1, 1 if two_d else d.pick((0, 0, 0, 2))],
+                 node_ne=image, node_type=F32)  # type: ignore[arg-type]
+
+
+def _c_pool_out(n: int, k: int, st: int, pad: int) -> int:
+    """ggml_calc_pool_output_size in single precision, each operation rounded (the generator's own)."""
+    def r(x: float) -> float:
+        return float(struct.unpack("<f", struct.pack("<f", x))[0]) if abs(x) < 3.4e38 else x
+    return int(r(r(r(r(float(n)) + r(2.0 * pad)) - k) / st) + 1.0)
+
+
+def p_pool_2d_back(d: Draw) -> Proto:
+    """ggml_pool_2d_back: src0 the gradient of a POOL_2D result (F32, packed in POOL_2D's shape
+    for af; sometimes off by one or strided: refused), src1 af, the pooled source (F32, packed;
+    the kernel reads it at dst's strides); params as POOL_2D's, the result af's shape."""
+    af = S(F32 if d.p(0.9) else d.ftype((F16,)), d.shape(), layout="contig" if d.p(0.8) else None)
+    window = d.pick((46341, 50000, 1 << 16)) if d.p(0.1) else None
+    if window is not None:
+        d.tag("wide-window")
+    k0, s0, p0 = _pool_axis(d, af.ne[0], window)
+    k1, s1, p1 = _pool_axis(d, af.ne[1], window)
+    grad = [_c_pool_out(af.ne[0], k0, s0, p0) if s0 > 0 else 1, _c_pool_out(af.ne[1], k1, s1, p1) if s1 > 0 else 1,
+            af.ne[2], af.ne[3]]
+    if d.p(0.1):
+        i = d.r.randrange(4)
+        grad[i] += d.pick((-1, 1))
+        d.tag("grad-shape")
+    grad = [max(1, x) for x in grad]
+    g = S(F32 if d.p(0.9) else d.ftype(), tuple(grad), layout=_lay(d))
+    return Proto([g, af], params=[d.pick((0, 1, 0, 1, 2)), k0, k1, s0, s1, p0, p1], node_ne=af.ne, node_type=F32)
+
+
+PROTOS.update({"IM2COL_BACK": p_im2col_back, "POOL_2D_BACK": p_pool_2d_back})
+
+
 # Sources a kernel writes in place besides its node (their spans are outputs for the write oracle):
 # OPT_STEP_ADAMW updates the moments m and v (ops.cpp:12155-12156).
 WRITTEN_SOURCES: dict[str, tuple[int, ...]] = {"OPT_STEP_ADAMW": (2, 3)}

@@ -1616,3 +1616,99 @@ def test_add1_block_type_rows_of_ne3():
     a.ne = d.ne = (32, 3, 2, 1)
     run([a, b], d)
 
+
+
+# -- IM2COL_BACK, POOL_2D_BACK (what ggml_build_backward_expand makes of IM2COL and POOL_2D) ---
+
+
+def im2col_back_2d(**over):
+    # the gradient of im2col(kernel [3, 3, 2, 4], image [8, 6, 2, 1], s=1, p=1, d=1): [18, 8, 6, 1]
+    g = T(0x10, F32, (18, 8, 6, 1))
+    k = T(0x11, F16, (3, 3, 2, 4))
+    d = T(0x20, F32, (8, 6, 2, 1), op=OPS["IM2COL_BACK"], src=(0x10, 0x11), op_params=(1, 1, 1, 1, 1, 1, 1))
+    override(over, g=g, k=k, d=d)
+    return [g, k], d
+
+
+def im2col_back_1d(**over):
+    # 1D: kernel [3, 2 channels, 4], image [10, 2, 3]: the gradient [6, 8, 3] (s=1, p=0, d=1)
+    g = T(0x10, F32, (6, 8, 3, 1))
+    k = T(0x11, F32, (3, 2, 4, 1))
+    d = T(0x20, F32, (10, 2, 3, 1), op=OPS["IM2COL_BACK"], src=(0x10, 0x11), op_params=(1, 0, 0, 0, 1, 0, 0))
+    override(over, g=g, k=k, d=d)
+    return [g, k], d
+
+
+@pytest.mark.parametrize("build", [im2col_back_2d, im2col_back_1d])
+def test_im2col_back_accepts_what_the_backward_pass_builds(build):
+    run(*build())
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"g_ne": (18, 8, 5, 1)}, "graph_shape_invalid"),  # OH one short: the kernel reads OH rows of it
+    ({"g_ne": (18, 8, 6, 2)}, "graph_shape_invalid"),  # a batch the image does not have
+    ({"g_nb": (4, 72, 72 * 8 * 2, 72 * 8 * 6 * 2)}, "graph_shape_invalid"),  # strided: read flat
+    ({"g_type": F16, "g_ne": (18, 8, 6, 1)}, "graph_type_invalid"),  # GGML_ASSERT(src0 F32)
+    ({"k_type": 30}, "graph_type_invalid"),  # a BF16 kernel: the kernel asserts F32 or F16
+    ({"k_ne": (3, 3, 3, 4)}, "graph_shape_invalid"),  # kernel channels != image channels
+    ({"d_type": F16}, "graph_shape_invalid"),  # the constructor's result is F32
+    ({"d_op_params": (0, 1, 1, 1, 1, 1, 1)}, "graph_op_params_invalid"),  # tmpw % 0
+    ({"d_op_params": (1, 0, 1, 1, 1, 1, 1)}, "graph_op_params_invalid"),  # tmph % 0 in 2D
+    ({"d_op_params": (1, 1, 1, 1, 1, 1, 2)}, "graph_op_params_invalid"),  # is_2D neither 0 nor 1
+])
+def test_im2col_back_refuses_what_the_kernel_would_misread(over, why):
+    assert reason(*im2col_back_2d(**over)) == why
+
+
+def test_im2col_back_image_planes_fit_the_kernels_int_offsets():
+    # ops.cpp: ``int ofs0 = is_2D ? nb3 : nb2``: an image of 2^31 bytes per batch wraps it
+    g = T(0x10, F32, (1, 1 << 16, 1 << 13, 2))
+    k = T(0x11, F32, (1, 1, 1, 1))
+    d = T(0x20, F32, (1 << 16, 1 << 13, 1, 2), op=OPS["IM2COL_BACK"], src=(0x10, 0x11),
+          op_params=(1, 1, 0, 0, 1, 1, 1))
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, 1 << 36)
+    st.buffers[HANDLE].base = BASE
+    with pytest.raises(FirewallRefusal) as exc:
+        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([d.id], [g, k, d])), st)
+    assert exc.value.reason == "graph_shape_invalid" and "int offsets" in exc.value.detail
+
+
+def pool_2d_back(**over):
+    # the gradient of pool_2d(af [7, 5, 3, 1], MAX, k=2, s=2, p=0): [3, 2, 3, 1]
+    g = T(0x10, F32, (3, 2, 3, 1))
+    f = T(0x11, F32, (7, 5, 3, 1))  # af, the pooled source
+    d = T(0x20, F32, (7, 5, 3, 1), op=OPS["POOL_2D_BACK"], src=(0x10, 0x11), op_params=(1, 2, 2, 2, 2, 0, 0))
+    override(over, g=g, f=f, d=d)
+    return [g, f], d
+
+
+@pytest.mark.parametrize("pool", [0, 1])
+def test_pool_2d_back_accepts_what_the_backward_pass_builds(pool):
+    run(*pool_2d_back(d_op_params=(pool, 2, 2, 2, 2, 0, 0)))
+
+
+@pytest.mark.parametrize("over,why", [
+    ({"g_ne": (3, 3, 3, 1)}, "graph_shape_invalid"),  # more gradient rows than POOL_2D gives
+    ({"g_ne": (3, 2, 4, 1)}, "graph_shape_invalid"),  # a plane more: read as af's next plane
+    ({"g_nb": (4, 16, 32, 96)}, "graph_shape_invalid"),  # strided: read as packed planes
+    ({"f_type": 30}, "graph_type_invalid"),  # af BF16: read at dst's strides as F32
+    ({"f_nb": (4, 32, 160, 480)}, "graph_shape_invalid"),  # af strided: read at dst's strides
+    ({"d_ne": (7, 5, 2, 1)}, "graph_shape_invalid"),  # the result is af's shape
+    ({"d_op_params": (2, 2, 2, 2, 2, 0, 0)}, "graph_op_params_invalid"),  # GGML_ASSERT(false)
+    ({"d_op_params": (1, 2, 2, 0, 2, 0, 0)}, "graph_op_params_invalid"),  # stride 0
+])
+def test_pool_2d_back_refuses_what_the_kernel_would_misread(over, why):
+    assert reason(*pool_2d_back(**over)) == why
+
+
+def test_pool_2d_back_window_area_fits_an_int():
+    # as POOL_2D's (ops.cpp:8117 ``const int ka = k0 * k1``): 46340^2 < 2^31 <= 46341^2
+    for k, ok in ((46340, True), (46341, False)):
+        pad = k // 2
+        g, af = T(0x10, F32, (3 + 2 * pad - k + 1, 1 + 2 * pad - k + 1, 1, 1)), T(0x11, F32, (3, 1, 1, 1))
+        d = T(0x20, F32, (3, 1, 1, 1), op=OPS["POOL_2D_BACK"], src=(0x10, 0x11), op_params=(0, k, k, 1, 1, pad, pad))
+        if ok:
+            run([g, af], d)
+        else:
+            assert reason([g, af], d) == "graph_op_params_invalid"

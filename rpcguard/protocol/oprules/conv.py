@@ -1,5 +1,6 @@
-"""Rows of the convolution, pooling and resampling ops: IM2COL (2D, 3D), COL2IM_1D, the convolutions
-(CONV_2D, CONV_3D, CONV_2D_DW, CONV_TRANSPOSE_1D/2D), POOL_1D/2D, UPSCALE.
+"""Rows of the convolution, pooling and resampling ops: IM2COL (2D, 3D) and its backward op
+IM2COL_BACK, COL2IM_1D, the convolutions (CONV_2D, CONV_3D, CONV_2D_DW, CONV_TRANSPOSE_1D/2D),
+POOL_1D/2D and POOL_2D_BACK, UPSCALE.
 
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.
@@ -60,6 +61,45 @@ def _im2col(n: RpcTensor, s: Srcs) -> Result:
     return New(n.type if n.type in (F32, F16) else F32, ne)
 
 
+def _im2col_back(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_im2col_back ggml.c:4600 (what ggml_build_backward_expand makes of an IM2COL whose
+    image needs a gradient, ggml.c:7141): params as IM2COL's {s0, s1, p0, p1, d0, d1, is_2D},
+    src0 the gradient of that IM2COL's result, src1 its convolution kernel (only its shape is
+    read), an F32 result of the caller's shape ``ne`` (the image's). The kernel (ops.cpp:6896
+    ggml_compute_forward_im2col_back_f32) asserts F32/F16 types and a unit nb0 for dst; it reads
+    the gradient flat, ``(in*OH*OW + ioh*OW + iow)*(IC*KH*KW) + iic*KH*KW + ikh*KW + ikw`` with OW
+    and OH from src0's ne1 and ne2 and N, IC from dst: so src0 is packed in exactly the shape
+    IM2COL gives for this image and kernel (which is what the gradient has). It takes ``tmpw % s0``
+    (and ``% s1`` in 2D): a zero stride divides by zero. It writes each channel's pixels as
+    ``dst[iih*IW + iiw]`` from ``dst + in*ofs0 + iic*ofs1`` with the two offsets (nb3, nb2 in 2D,
+    nb2, nb1 in 1D) held in an ``int``, and forms ``ikw*d0`` in int64: kernel sides past 2^31
+    could overflow it."""
+    g, k = s[0], s[1]
+    assert g is not None and k is not None
+    op = "IM2COL_BACK"
+    s0, s1, p0, p1, d0, d1, is_2d = n.op_params[:7]
+    if is_2d not in (0, 1) or s0 == 0 or (is_2d and s1 == 0):
+        raise refuse(n, op, f"params {n.op_params[:7]}", "graph_op_params_invalid")
+    check_types(n, op, ONLY_F32, g)
+    check_types(n, op, F32_F16, k)
+    kw, kh = k.ne0, (k.ne1 if is_2d else 1)
+    need(max(kw, kh) <= INT32_MAX, n, op, f"kernel {k.ne} sides past 2^31")
+    if is_2d:
+        iw, ih, ic, batch = n.ne
+        need(k.ne2 == ic, n, op, f"channels of kernel {k.ne} and image {n.ne}")
+    else:
+        iw, ic, batch, ih = n.ne0, n.ne1, n.ne2, 1
+        need(n.ne3 == 1 and k.ne1 == ic, n, op, f"channels of kernel {k.ne} and image {n.ne}")
+    ow = _conv_out(iw, kw, s0, p0, d0)
+    oh = _conv_out(ih, kh, s1, p1, d1) if is_2d else 1
+    need(ow > 0 and oh > 0, n, op, f"image {n.ne} too small for kernel {k.ne}")
+    want = (ic * kh * kw, ow, oh, batch) if is_2d else (ic * kw, ow, batch, 1)
+    need(g.ne == want and is_contiguous(g), n, op, f"gradient {g.ne} (strides {g.nb}) is not IM2COL's packed {want}")
+    nb = contiguous_nb(F32, n.ne)
+    need(max(nb[2:] if is_2d else nb[1:3]) <= INT32_MAX, n, op, f"image planes of {n.ne} past the kernel's int offsets")
+    return New(F32, n.ne)
+
+
 POOL_OPS = (0, 1)  # ggml.h enum ggml_op_pool: AVG, MAX (COUNT aborts in the kernels)
 
 
@@ -105,6 +145,35 @@ def _pool(two_d: bool) -> Derive:
         return New(F32, (ow, oh, a.ne2, a.ne3))
 
     return derive
+
+
+def _pool_2d_back(n: RpcTensor, s: Srcs) -> Result:
+    """ggml_pool_2d_back ggml.c:5139 (what ggml_build_backward_expand makes of a POOL_2D,
+    ggml.c:7154): params as POOL_2D's {op, k0, k1, s0, s1, p0, p1} (its float paddings stored as
+    int), src0 the gradient of that POOL_2D's result, src1 (af) its source; an F32 result of af's
+    shape. The kernel (ops.cpp:8085 ggml_compute_forward_pool_2d_back, one thread) zeroes dst and
+    walks its planes from data to data + nbytes in steps of nb2, as POOL_2D does (packed); per
+    plane it reads px*py gradients (src0's ne0, ne1) as packed F32 and moves on by px*py, so src0
+    is packed in exactly POOL_2D's result shape for af; for MAX it reads af at dst's own strides
+    and in dst's type, so af is packed F32 as dst is. Window positions ``offset + ox*s0`` and the
+    window area ``k0*k1`` are ``int``s, bounded as POOL_2D's; a pool op other than AVG and MAX
+    aborts (GGML_ASSERT(false))."""
+    g, af = s[0], s[1]
+    assert g is not None and af is not None
+    op = "POOL_2D_BACK"
+    pool, k0, k1, s0, s1, p0, p1 = n.op_params[:7]
+    if pool not in POOL_OPS or min(k0, k1, s0, s1) <= 0:
+        raise refuse(n, op, f"params {n.op_params[:7]}", "graph_op_params_invalid")
+    check_types(n, op, ONLY_F32, g, af)
+    need(af.nb == contiguous_nb(F32, af.ne), n, op, "pooled source not packed")
+    ow, oh = _pool_out(af.ne0, k0, s0, p0), _pool_out(af.ne1, k1, s1, p1)
+    need(ow > 0 and oh > 0, n, op, f"window larger than {af.ne}")
+    want = (ow, oh, af.ne2, af.ne3)
+    need(g.ne == want and g.nb == contiguous_nb(F32, want), n, op, f"gradient {g.ne} is not POOL_2D's packed {want}")
+    reach = max(ow * s0, oh * s1) + max(k0, k1) + abs(p0) + abs(p1)
+    if reach > INT32_MAX or k0 * k1 > INT32_MAX:
+        raise refuse(n, op, f"window positions or area past 2^31 ({reach}, {k0}x{k1})", "graph_op_params_invalid")
+    return New(F32, af.ne)
 
 
 UPSCALE_MODES = (0, 1, 2)  # ggml.h:2314 enum ggml_scale_mode: NEAREST, BILINEAR, BICUBIC
@@ -411,6 +480,9 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("IM2COL", "ggml.c:4556 ggml_im2col", 2, _im2col, params=7),
     OpRule("POOL_1D", "ggml.c:5080 ggml_pool_1d", 1, _pool(False), params=4),
     OpRule("POOL_2D", "ggml.c:5108 ggml_pool_2d", 1, _pool(True), params=7),
+    # the two backward ops read only packed tensors and the kernel's shape (no flat-row walk)
+    OpRule("IM2COL_BACK", "ggml.c:4600 ggml_im2col_back", 2, _im2col_back, params=7, flat_rows=False),
+    OpRule("POOL_2D_BACK", "ggml.c:5139 ggml_pool_2d_back", 2, _pool_2d_back, params=7, flat_rows=False),
     OpRule("UPSCALE", "ggml.c:5165 ggml_interpolate_impl (ggml_upscale, _ext, ggml_interpolate)", 1, _upscale,
            params=1, flat_rows=False),
     OpRule("CONV_2D_DW", "ggml.c:4916 ggml_conv_2d_dw_direct", 2, _conv_2d_dw, params=6, flat_rows=False),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from rpcguard.protocol.ggml import Version
+from rpcguard.protocol.ggml import DENIED_OPS, Version
 from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, training, window
 from rpcguard.protocol.oprules.base import OpRule
 
@@ -66,6 +66,15 @@ RESIDUAL_RISK: Mapping[str, str] = {
 }
 
 
+#: ops with no rule by design, and why (status_markdown shows it): no client can build the node
+REFUSED_BY_DESIGN: Mapping[str, str] = {
+    # ggml_flash_attn_back starts with GGML_ABORT("TODO: adapt to ggml_flash_attn_ext() changes")
+    # (ggml.c:5604 of 0.3.36, the same in b11434) and no backward rule calls it
+    "FLASH_ATTN_BACK": "no ggml constructor builds it",
+    **{op: "its node carries a function pointer of the client's process" for op in DENIED_OPS},
+}
+
+
 def needs_containment(op: str) -> bool:
     """Whether ``op`` is forwarded only to a contained server (content-indexed, unchecked)."""
     entry = CONTENT_INDEXED.get(op)
@@ -105,7 +114,10 @@ def status_markdown(version: Version, op_names: Sequence[str]) -> str:
             continue
         what, effect = CONTENT_INDEXED.get(op, ("", ""))
         note = f"{what}: out of range {'aborts' if effect == 'abort' else 'reaches memory'}" if what else ""
-        lines.append(f"| {op} | {op_status(op, version)} | {note} |")
+        status = op_status(op, version)
+        if status == "refused" and op in REFUSED_BY_DESIGN:
+            status += f": {REFUSED_BY_DESIGN[op]}"
+        lines.append(f"| {op} | {status} | {note} |")
     return "\n".join(lines) + "\n"
 
 
