@@ -66,9 +66,8 @@ if str(ROOT) not in sys.path:
 from rpcguard.protocol import encode  # noqa: E402
 from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes as node_bytes  # noqa: E402
 from rpcguard.protocol.graph import NODE_GFLOPS  # noqa: E402
-from rpcguard.protocol.encode import TENSOR_STRUCT  # noqa: E402
 from rpcguard.protocol.ggml import TYPES, op_table  # noqa: E402
-from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes  # noqa: E402
+from rpcguard.protocol.tensor import RpcTensor, decode_tensor  # noqa: E402
 
 V7 = (7, 0, 0)
 TENSOR_BYTES = 296
@@ -461,6 +460,29 @@ def im2col_2d(w: int, cin: int, k: int, dst: str) -> Recipe:
     return r
 
 
+def im2col_back(w: int, cin: int, k: int, s: int, two_d: bool = True) -> Recipe:
+    """The gradient of im2col(kernel [k, k, cin], image [w, w, cin]) at stride s (2D), or of a 1D
+    im2col over [w*w, cin]: IM2COL_BACK as the backward pass builds it."""
+    r = Recipe()
+    if two_d:
+        ow = (w - k) // s + 1
+        kern, grad = r.leaf("f16", [k, k, cin, 1]), r.leaf("f32", [cin * k * k, ow, ow, 1])
+        r.op("im2col_back", grad, kern, [w, w, cin, 1], s, s, 0, 0, 1, 1, True)
+    else:
+        ow = (w * w - k) // s + 1
+        kern, grad = r.leaf("f16", [k, cin, 1]), r.leaf("f32", [cin * k, ow, 1])
+        r.op("im2col_back", grad, kern, [w * w, cin, 1, 1], s, 1, 0, 0, 1, 1, False)
+    return r
+
+
+def pool_2d_back(w: int, c: int, k: int, s: int, op: int) -> Recipe:
+    r = Recipe()
+    ow = (w - k) // s + 1
+    grad, af = r.leaf("f32", [ow, ow, c]), r.leaf("f32", [w, w, c])
+    r.op("pool_2d_back", grad, af, op, k, k, s, s, 0.0, 0.0)
+    return r
+
+
 def col2im_1d(k: int, oc: int, t_in: int, s0: int) -> Recipe:
     r = Recipe()
     r.op("col2im_1d", r.leaf("f32", [k * oc, t_in]), s0, oc, 0)
@@ -562,6 +584,12 @@ def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
     out.append(Case("conv col2im_1d k=4096 oc=1 t_in=4096 s=1", "extra", col2im_1d(4096, 1, 4096, 1), real=False))
     out.append(Case("conv im2col 2d 256x256 cin=16 k=3 f16", "extra", im2col_2d(256, 16, 3, "f16"), real=False))
     out.append(Case("conv im2col 2d 256x256 cin=16 k=3 f32", "extra", im2col_2d(256, 16, 3, "f32"), real=False))
+    # the backward ops of IM2COL and POOL_2D (ggml_build_backward_expand): taps per image element
+    out.append(Case("im2col_back 2d 128x128 cin=16 k=3 s=1", "train", im2col_back(128, 16, 3, 1), real=False))
+    out.append(Case("im2col_back 2d 64x64 cin=4 k=16 s=4", "train", im2col_back(64, 4, 16, 4), real=False))
+    out.append(Case("im2col_back 1d 4096 cin=8 k=64 s=1", "train", im2col_back(64, 8, 64, 1, two_d=False), real=False))
+    out.append(Case("pool_2d_back max 128x128x64 k=4 s=2", "train", pool_2d_back(128, 64, 4, 2, 0), real=False))
+    out.append(Case("pool_2d_back avg 64x64x64 k=16 s=1", "train", pool_2d_back(64, 64, 16, 1, 1), real=False))
     out.append(Case("chain of 120 tiny ADD nodes", "overhead", chain(120), real=False))
     if with_crafted:
         gib = 1 << 30
@@ -610,21 +638,6 @@ def call(s: socket.socket, cmd: str, payload: bytes) -> bytes:
     return recv_exact(s, struct.unpack("<Q", recv_exact(s, 8))[0])
 
 
-def rebase(payload: bytes, tensor_off: int, n_tensors: int, handle: int, old_base: int, base: int) -> bytes:
-    out = bytearray(payload)
-    for i in range(n_tensors):
-        off = tensor_off + TENSOR_BYTES * i
-        f = list(TENSOR_STRUCT.unpack_from(out, off))
-        f[2], f[-3] = handle, f[-3] - old_base + base  # buffer, data
-        TENSOR_STRUCT.pack_into(out, off, *f)
-    return bytes(out)
-
-
-def span(payload: bytes, base: int) -> int:
-    _, by_id = payload_tensors(payload)
-    return max(t.data + nbytes(t, TYPES[t.type]) for t in by_id.values()) - base
-
-
 class Server:
     def __init__(self, workdir: Path, threads: int) -> None:
         from tests.support import realpeer
@@ -660,17 +673,17 @@ class Server:
         return out
 
     def run(self, built: Any, recipe: Recipe, reps: int, min_total_s: float = 1.0, max_reps: int = 25) -> dict:
-        from tests.support.ggmlref import BUFFER_BASE
-
         s = self.sock
-        size = span(built.payload, BUFFER_BASE) + 4096
+        # ggmlref gives every tensor that owns memory a fake buffer of its own: packed one after
+        # another into one real buffer (Built.rebase)
+        size = built.packed_size + 4096
         handle, got = struct.unpack("<QQ", call(s, "ALLOC_BUFFER", struct.pack("<IQ", 0, size)))
         if not handle or got < size:
             raise MemoryError(f"ALLOC_BUFFER {size} failed")
         try:
             (base,) = struct.unpack("<Q", call(s, "BUFFER_GET_BASE", struct.pack("<Q", handle)))
             s.sendall(encode.request("BUFFER_CLEAR", struct.pack("<QB", handle, 0)))
-            payload = rebase(built.payload, built.tensor_bytes, built.n_tensors, handle, BUFFER_BASE, base)
+            payload = built.rebase(handle, base)
             for leaf, rows in recipe.spread:  # index leaves: rows spread over the whole matrix
                 pos = built.refs[leaf]
                 t = payload[built.tensor_bytes + TENSOR_BYTES * pos: built.tensor_bytes + TENSOR_BYTES * (pos + 1)]

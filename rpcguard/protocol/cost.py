@@ -322,8 +322,13 @@ def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
 
 # IM2COL_BACK (ops.cpp:6896) visits every tap of the kernel for every image element, with an int64
 # division and remainder by the stride per tap (2D: two); POOL_2D_BACK (ops.cpp:8085) every tap of
-# the window for every gradient element, as POOL_2D does for every result element.
+# the window for every gradient element, as POOL_2D does for every result element, on one thread.
+# Measured (compute_cost.py --only train --match _back, -t 1, server CPU time, 2026-12-02): IM2COL_BACK
+# 7.1 ns per tap in 2D (128x128 cin=16 k=3: 2.4e6 taps in 16.7 ms), 3.4 ns in 1D; POOL_2D_BACK 1.44
+# ns per tap with MAX (128x128x64 k=4 s=2: 4.1e6 taps in 5.9 ms), 0.64 with AVG. 512 and 96
+# operations (12.8 and 2.4 ns at 40 GFLOP/s) keep 1.6x and 1.7x over the slowest.
 IM2COL_BACK_TAP_FLOPS: Final = 512  # IM2COL_BACK: per image element per kernel tap
+POOL_BACK_TAP_FLOPS: Final = 96  # POOL_2D_BACK: per gradient element per window tap
 
 
 def _im2col_back(n: RpcTensor, s: Srcs) -> int:
@@ -336,7 +341,7 @@ def _im2col_back(n: RpcTensor, s: Srcs) -> int:
 
 def _pool_2d_back(n: RpcTensor, s: Srcs) -> int:
     g = s[0]  # the gradient of POOL_2D's result; params {op, k0, k1, ...} (the rule holds k >= 1)
-    return 0 if g is None else POOL_FLOPS * elements(g) * max(1, n.param1) * max(1, n.param2)
+    return 0 if g is None else POOL_BACK_TAP_FLOPS * elements(g) * max(1, n.param1) * max(1, n.param2)
 
 
 _FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,

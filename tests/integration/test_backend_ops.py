@@ -21,6 +21,11 @@ a fresh real server of the same build:
   serve starts the suite's server itself (``serve -- ggml-rpc-server``: a sandboxed process per
   session), where the rules above apply.
 
+Grad mode (``test-backend-ops grad``: each case's backward graph, built by ggml_build_backward_expand
+as training builds it, computed on RPC0 and checked against finite differences computed there too)
+runs per op of ``GRAD_OPS`` (the ops with cases the CPU backend differentiates) through the same
+pair, ``GRAD_BUDGET_PER_OP_S`` seconds each, by the same rules: no false refusal, no crash.
+
 The full run of every case is ``python -m tests.support.backendops`` (docs/backend-ops.md).
 """
 
@@ -60,6 +65,20 @@ OPS: tuple[str, ...] = (
     "SUM_ROWS", "SWIGLU", "SWIGLU_CLAMP", "SWIGLU_OAI", "TANH", "TIMESTEP_EMBEDDING", "TOP_K",
     "TRI", "TRUNC", "UPSCALE", "XIELU",
 )
+
+# The ops whose grad-mode cases the CPU backend runs (ok or fail) in both suites: every other op's
+# cases are not supported in grad mode (a non-F32 output or parameter, an op the CPU cannot
+# differentiate) or abort ggml_build_backward_expand in the client (REGLU, GEGLU: "unsupported glu
+# op for backward pass"). Measured with ``test-backend-ops grad -b CPU -o OP`` for every op of both
+# suites (b11434 and 0.3.36, 2026-12-02: the same 34); the full grad run through the pair is in
+# docs/backend-ops.md.
+GRAD_OPS: tuple[str, ...] = (
+    "ABS", "ACC", "ADD", "CONT", "COS", "CPY", "CROSS_ENTROPY_LOSS", "DIAG_MASK_INF", "DUP", "EXPM1",
+    "GET_ROWS", "IM2COL", "LOG", "MEAN", "MUL_MAT", "NEG", "POOL_2D", "RELU", "REPEAT", "RMS_NORM", "ROPE",
+    "SCALE", "SET", "SGN", "SILU", "SIN", "SOFTPLUS", "SOFT_MAX", "SQR", "SQRT", "STEP", "SUM", "SUM_ROWS",
+    "SWIGLU",
+)
+GRAD_BUDGET_PER_OP_S = 10.0  # wall seconds per op and side in grad mode (each op its own process)
 
 # Current false refusals (refused through the pair, run by the real server direct), by (op, exact
 # case text) -> the reason rpcguard logs; only cases among each op's first CASES_PER_OP. Every op
@@ -173,6 +192,28 @@ class _Runs:
         return self.done[suite]
 
 
+    def grad(self, suite: str, op: str) -> bo.OpRun:
+        """``op``'s grad-mode cases through a pair of the suite (one per suite, kept for its ops),
+        within GRAD_BUDGET_PER_OP_S; the ones that do not run ok again direct (``run.direct``)."""
+        key = ("grad", suite)
+        if key not in self.done:
+            try:
+                tools = bo.load_tools(suite)
+            except MissingPeer as exc:
+                pytest.fail(str(exc))
+            pair = bo.ThroughPair(tools, self.tmp.mktemp(f"tbo-grad-{suite}-pair"), self.pki)
+            direct = bo.Direct(tools, self.tmp.mktemp(f"tbo-grad-{suite}-direct"))
+            self.targets += [pair, direct]
+            self.done[key] = (tools, bo.list_cases(tools, GRAD_OPS), pair, direct, {})
+        tools, listing, pair, direct, ran = self.done[key]
+        if op not in ran:
+            run = bo.run_op(pair, op, listing.get(op, []), budget_s=GRAD_BUDGET_PER_OP_S, mode="grad")
+            suspect = [r.case for r in run.results if r.status not in ("ok", "not_supported", "skipped")]
+            d = bo.run_op(direct, op, listing.get(op, []), only=suspect, mode="grad").results if suspect else []
+            ran[op] = (run, {r.case: r for r in d})
+        return ran[op]
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, pki):
     r = _Runs(tmp_path_factory, pki, request.session.items)
@@ -188,6 +229,30 @@ def test_the_op_list_is_the_suites(suite):
     except MissingPeer as exc:
         pytest.fail(str(exc))
     assert tuple(sorted(bo.list_cases(tools))) == OPS
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("op", GRAD_OPS)
+def test_no_false_refusal_in_grad_mode(suite, op, runs, record_property):
+    run, direct = runs.grad(suite, op)
+    ran = [r for r in run.results if r.status in bo.RAN]
+    if not ran:
+        pytest.fail(f"{op}: no grad case ran through the pair in {GRAD_BUDGET_PER_OP_S} s "
+                    f"({len(run.results)} finished: {sorted({r.status for r in run.results})})")
+    record_property("grad_cases", f"{len(ran)} ran ({sum(r.status == 'ok' for r in ran)} ok) of {run.listed} listed"
+                    + (", budget ended first" if run.truncated else ""))
+    for r in run.results:
+        dr = direct.get(r.case)
+        if r.status == "server_crash":
+            raise PairChangedResult(f"{op}: the real server died through the pair on {r.case} (grad)")
+        if r.status == "refused":
+            if dr is None:
+                pytest.fail(f"{r.case} (grad) was not run direct")
+            if dr.status in bo.RAN:
+                raise UnlistedFalseRefusal(f"{r.case} (grad): {r.reason} ({r.detail}); direct: {dr.status}")
+            record_property(f"expected_refusal {r.case}", f"{r.reason}; direct: {dr.status} {dr.detail}")
+        elif r.status in ("fail", "client_abort", "timeout") and dr is not None and dr.status == "ok":
+            raise PairChangedResult(f"{r.case} (grad): {r.status} through the pair ({r.detail}), ok direct")
 
 
 @pytest.mark.parametrize("suite,op", list(_params()))

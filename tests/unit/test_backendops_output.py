@@ -39,6 +39,23 @@ def test_grad_mode_pairs_the_start_line_with_the_result():
                                          (e, "fail")]
 
 
+def test_grad_mode_the_result_is_named_after_the_summed_loss():
+    # eval_grad sums a non-scalar output (ggml_sum) and prints the result under the sum's name
+    a, b = "ADD(type=f32,ne=[10,5,4,3],nr=[2,1,1,1])", "ADD(type=f32,ne=[1,1,1,1],nr=[32,1,1,1])"
+    text = "\n".join([_line(a, OK), _line("SUM" + a[3:], OK),
+                      _line(b, OK), _line("SUM" + b[3:], "not supported [RPC0]")])
+    assert parse_cases(text, "grad") == [(a, "ok"), (b, "not_supported")]
+
+
+def test_grad_mode_a_failed_case_prints_two_fail_lines():
+    # as test-backend-ops b11434 prints a permuted SUM whose gradient is off
+    a = "SUM(type=f32,ne=[33,256,1,1],permute=[1,0,2,3])"
+    b = "SUM(type=f32,ne=[33,1,1,1])"
+    text = "\n".join([_line(a, OK), _line(a, "[SUM] MAA = 0.996977786 > 0.000100000 " + FAIL),
+                      _line(a, "compare failed " + FAIL), _line(b, OK), _line(b, OK)])
+    assert parse_cases(text, "grad") == [(a, "fail"), (b, "ok")]
+
+
 def test_grad_mode_a_case_still_running_is_not_finished():
     a, b = "SUM(type=f32,ne=[10,5,4,3])", "SUM(type=f32,ne=[33,1,1,1])"
     text = "\n".join([_line(a, OK), _line(a, OK), _line(b, OK)])  # the process died during b
