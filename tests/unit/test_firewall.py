@@ -276,7 +276,7 @@ def test_graph_compute_disabled_groups():
     assert reason("GRAPH_COMPUTE", payload) == "graph_op_params_invalid"
     check("GRAPH_COMPUTE", payload, disabled_checks=frozenset({"op_params"}))
     # With graph_ops off an op without a rule is no longer refused by default deny.
-    check("GRAPH_COMPUTE", graph(op=OPS7["IM2COL_BACK"]), disabled_checks=frozenset({"graph_ops"}))
+    check("GRAPH_COMPUTE", graph(op=OPS7["FLASH_ATTN_BACK"]), disabled_checks=frozenset({"graph_ops"}))
 
 
 def test_graph_recompute_spec_vector():

@@ -303,14 +303,15 @@ def test_custom_op_ids_follow_the_version():
 
 
 def test_opt_in_deny_list_and_unverified_ops():
-    # IM2COL_BACK: an op without a 7.0.0 rule (GATED_DELTA_NET and ADD1, the examples here before, have one now)
-    tensors = [T(0x10), T(0x20, 1, op=OPS["IM2COL_BACK"], src=(0x10,))]
+    # FLASH_ATTN_BACK: an op without a 7.0.0 rule (no ggml constructor builds it; GATED_DELTA_NET, ADD1
+    # and IM2COL_BACK, the examples here before, have one now)
+    tensors = [T(0x10), T(0x20, 1, op=OPS["FLASH_ATTN_BACK"], src=(0x10,))]
     assert reason([0x20], tensors) == "op_not_verified"  # no rule: default deny
     assert reason([0x20], tensors, v=validator(contained=True)) == "op_not_verified"  # contained or not
     st = state()
-    assert run([0x20], tensors, st=st, v=validator(allow_unverified=frozenset({"IM2COL_BACK"}))) == 0
-    assert st.unverified_uses == {"IM2COL_BACK": 1}
-    v = validator(extra_denied=frozenset({"IM2COL_BACK", "SSM_SCAN"}), allow_unverified=frozenset({"*"}))
+    assert run([0x20], tensors, st=st, v=validator(allow_unverified=frozenset({"FLASH_ATTN_BACK"}))) == 0
+    assert st.unverified_uses == {"FLASH_ATTN_BACK": 1}
+    v = validator(extra_denied=frozenset({"FLASH_ATTN_BACK", "SSM_SCAN"}), allow_unverified=frozenset({"*"}))
     assert reason([0x20], tensors, v=v) == "graph_op_denied"
 
 
