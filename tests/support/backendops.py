@@ -128,10 +128,14 @@ def parse_cases(text: str, mode: str = "test") -> list[tuple[str, str]]:
     lines = [(m.group(1), _STATUS[m.group(2)]) for m in map(_CASE_LINE.search, text.splitlines()) if m]
     if mode != "grad":
         return lines
+
+    def same(line: str, case: str) -> bool:  # the case's own line, or its result under the sum's name
+        return line in (case, "SUM" + case[len(op_of(case)):])
+
     out: list[tuple[str, str]] = []
     started: str | None = None
     for case, status in lines:
-        if started is not None and case not in (started, "SUM" + started[len(op_of(started)):]):
+        if started is not None and not same(case, started):
             out.append((started, "fail"))
             started = None
         if started is None and status == "ok":
@@ -139,7 +143,7 @@ def parse_cases(text: str, mode: str = "test") -> list[tuple[str, str]]:
         elif started is not None:
             out.append((started, status))
             started = None
-        elif status == "fail" and out and out[-1][1] == "fail" and case in (out[-1][0], "SUM" + out[-1][0][len(op_of(out[-1][0])):]):
+        elif status == "fail" and out and out[-1][1] == "fail" and same(case, out[-1][0]):
             continue  # a failed case prints its error ("MAA = ...") and then "compare failed": one result
         else:
             out.append((case, status))
