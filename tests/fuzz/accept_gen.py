@@ -1251,7 +1251,8 @@ def p_add1(d: Draw) -> Proto:
 def _c_out(n: int, k: int, st: int, pad: int, dil: int) -> int:
     """ggml_calc_conv_output_size in C's truncating division (the generator's own, not the rule's)."""
     num = n + 2 * pad - dil * (k - 1) - 1
-    return int(num / st) + 1 if abs(num) < 1 << 52 else num // st + 1
+    q = abs(num) // abs(st)
+    return (q if (num >= 0) == (st > 0) else -q) + 1
 
 
 def p_im2col_back(d: Draw) -> Proto:

@@ -200,10 +200,9 @@ class _Runs:
             direct.stop()
         return self.done[suite]
 
-
-    def grad(self, suite: str, op: str) -> bo.OpRun:
+    def grad(self, suite: str, op: str) -> tuple[bo.OpRun, dict[str, bo.CaseResult]]:
         """``op``'s grad-mode cases through a pair of the suite (one per suite, kept for its ops),
-        within GRAD_BUDGET_PER_OP_S; the ones that do not run ok again direct (``run.direct``)."""
+        within GRAD_BUDGET_PER_OP_S, and per case the direct result of those that did not run ok."""
         key = ("grad", suite)
         if key not in self.done:
             try:

@@ -1621,27 +1621,23 @@ def test_add1_block_type_rows_of_ne3():
 # -- IM2COL_BACK, POOL_2D_BACK (what ggml_build_backward_expand makes of IM2COL and POOL_2D) ---
 
 
-def im2col_back_2d(**over):
-    # the gradient of im2col(kernel [3, 3, 2, 4], image [8, 6, 2, 1], s=1, p=1, d=1): [18, 8, 6, 1]
-    g = T(0x10, F32, (18, 8, 6, 1))
-    k = T(0x11, F16, (3, 3, 2, 4))
-    d = T(0x20, F32, (8, 6, 2, 1), op=OPS["IM2COL_BACK"], src=(0x10, 0x11), op_params=(1, 1, 1, 1, 1, 1, 1))
+# (gradient, kernel type and shape, image, params): 2D, the gradient of im2col(kernel [3, 3, 2, 4],
+# image [8, 6, 2, 1], s=1, p=1, d=1); 1D, kernel [3, 2 channels, 4], image [10, 2, 3], s=1, p=0, d=1
+IM2COL_BACK_2D = ((18, 8, 6, 1), F16, (3, 3, 2, 4), (8, 6, 2, 1), (1, 1, 1, 1, 1, 1, 1))
+IM2COL_BACK_1D = ((6, 8, 3, 1), F32, (3, 2, 4, 1), (10, 2, 3, 1), (1, 0, 0, 0, 1, 0, 0))
+
+
+def im2col_back(shapes=IM2COL_BACK_2D, **over):
+    g_ne, k_type, k_ne, image, params = shapes
+    g, k = T(0x10, F32, g_ne), T(0x11, k_type, k_ne)
+    d = T(0x20, F32, image, op=OPS["IM2COL_BACK"], src=(0x10, 0x11), op_params=params)
     override(over, g=g, k=k, d=d)
     return [g, k], d
 
 
-def im2col_back_1d(**over):
-    # 1D: kernel [3, 2 channels, 4], image [10, 2, 3]: the gradient [6, 8, 3] (s=1, p=0, d=1)
-    g = T(0x10, F32, (6, 8, 3, 1))
-    k = T(0x11, F32, (3, 2, 4, 1))
-    d = T(0x20, F32, (10, 2, 3, 1), op=OPS["IM2COL_BACK"], src=(0x10, 0x11), op_params=(1, 0, 0, 0, 1, 0, 0))
-    override(over, g=g, k=k, d=d)
-    return [g, k], d
-
-
-@pytest.mark.parametrize("build", [im2col_back_2d, im2col_back_1d])
-def test_im2col_back_accepts_what_the_backward_pass_builds(build):
-    run(*build())
+@pytest.mark.parametrize("shapes", [IM2COL_BACK_2D, IM2COL_BACK_1D])
+def test_im2col_back_accepts_what_the_backward_pass_builds(shapes):
+    run(*im2col_back(shapes))
 
 
 @pytest.mark.parametrize("over,why", [
@@ -1657,7 +1653,7 @@ def test_im2col_back_accepts_what_the_backward_pass_builds(build):
     ({"d_op_params": (1, 1, 1, 1, 1, 1, 2)}, "graph_op_params_invalid"),  # is_2D neither 0 nor 1
 ])
 def test_im2col_back_refuses_what_the_kernel_would_misread(over, why):
-    assert reason(*im2col_back_2d(**over)) == why
+    assert reason(*im2col_back(**over)) == why
 
 
 def test_im2col_back_image_planes_fit_the_kernels_int_offsets():
