@@ -31,7 +31,7 @@ from rpcguard.protocol.versions import COMMAND_NAMES
 
 from rpcguard.config.read import (
     CATEGORIES, GIB, KIB, MIB, Address, Reader, boolean, choice, connect_address, duration, file_path, FromFlag, is_ip, listen_address, name_text,
-    Section, server_name_text, show, parse_address, parse_size,
+    Section, server_name_text, show, parse_address, parse_size, unknown_key,
 )
 from rpcguard.config.sections import (
     LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
@@ -293,6 +293,10 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
         if "listeners" in data and "tunnels" in data:
             raise ConfigError("tunnels", "cannot be combined with listeners (one role per config)")
         if "listeners" not in data and "tunnels" not in data:
+            every = _TOP_KEYS.union(*_ROLE_TOP_KEYS.values())
+            stray = [k for k in data if k not in every]
+            if stray:
+                raise unknown_key(stray[0], "", every)
             raise ConfigError(source, "no listeners (serve) or tunnels (connect) defined")
         role = next(s.role for s in SIDES.values() if s.items in data)
     if role not in ROLES:

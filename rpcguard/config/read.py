@@ -11,6 +11,8 @@ mapping: it refuses unknown keys, knows its path, and unwraps values that came f
 
 from __future__ import annotations
 
+import difflib
+
 import ipaddress
 import os
 import re
@@ -25,7 +27,7 @@ from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, format_ver
 
 from rpcguard.errors import ConfigError
 
-__all__ = ["CATEGORIES", "KIB", "MIB", "GIB", "Address", "Reader", "parse_address", "parse_size"]
+__all__ = ["CATEGORIES", "KIB", "MIB", "GIB", "Address", "Reader", "parse_address", "parse_size", "unknown_key"]
 
 _OP_NAMES = frozenset(name for table in OP_TABLES.values() for name in table.ids)
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -222,6 +224,14 @@ class FromFlag:
 _MISSING = object()
 
 
+def unknown_key(key: Any, path: str, keys: set[str] | frozenset[str]) -> ConfigError:
+    """The error for a key no reader knows: names the closest known key when one is near."""
+    k = key if isinstance(key, str) and key.isprintable() else repr(key)
+    near = difflib.get_close_matches(k, sorted(keys), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return ConfigError(f"{path}.{k}" if path else k, f"unknown key ({hint}expected one of: {', '.join(sorted(keys))})")
+
+
 class Section:
     """One mapping being read: knows its path, rejects unknown keys, reads keys by reader."""
 
@@ -231,9 +241,7 @@ class Section:
             raise ConfigError(path, f"must be a mapping, got {show(data)}")
         for k in data:
             if k not in keys:
-                k = k if isinstance(k, str) and k.isprintable() else repr(k)
-                raise ConfigError(f"{path}.{k}" if path else k,
-                                  f"unknown key (expected one of: {', '.join(sorted(keys))})")
+                raise unknown_key(k, path, keys)
         self.data, self.path = data, path
 
     def raw(self, key: str) -> tuple[Any, str]:

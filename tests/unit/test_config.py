@@ -113,7 +113,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("tls-unknown", serve_data, top("tls", crl="x"),
      "tls.crl: unknown key (expected one of: ca, cert, key, min_version, reload_interval_s)"),
     ("top-unknown", serve_data, top(listners=[]),
-     "listners: unknown key (expected one of: allow, limits, listeners, log, metrics, policy, profiles, tls)"),
+     "listners: unknown key (did you mean 'listeners'? expected one of: allow, limits, listeners, log, metrics, policy, profiles, tls)"),
     ("top-other-role", connect_data, top(allow={}), "allow: only valid for rpcguard serve (this is a connect config)"),
     ("both-roles", serve_data, top(tunnels=[]), "tunnels: cannot be combined with listeners (one role per config)"),
     ("no-role", serve_data, drop("listeners"), "<config>: no listeners (serve) or tunnels (connect) defined"),
@@ -122,7 +122,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("listeners-map", serve_data, top(listeners={"gpu0": {}}), "listeners: must be a list of listeners, got a mapping"),
     ("listener-not-map", serve_data, lambda d: d["listeners"].append("x"), "listeners[2]: must be a mapping, got 'x'"),
     ("listener-unknown", serve_data, L(0, uptream="x"),
-     "listeners[0].uptream: unknown key (expected one of: allow, listen, name, policy, unsafe_upstream, upstream)"),
+     "listeners[0].uptream: unknown key (did you mean 'upstream'? expected one of: allow, listen, name, policy, unsafe_upstream, upstream)"),
     ("listener-tunnel-key", serve_data, L(0, server="x:1"),
      "listeners[0].server: unknown key (expected one of: allow, listen, name, policy, unsafe_upstream, upstream)"),
     ("listen-missing", serve_data, drop("listeners", 1, "listen"), "listeners[1].listen: required"),
@@ -142,7 +142,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("mode", serve_data, top("policy", mode="block"), "policy.mode: must be one of enforce, monitor, got 'block'"),
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
-     "listeners[1].policy.max_graph: unknown key (expected one of: accepted_versions, allow_commands, allow_unverified_ops, checks, "
+     "listeners[1].policy.max_graph: unknown key (did you mean 'max_graph_nodes'? expected one of: accepted_versions, allow_commands, allow_unverified_ops, checks, "
      "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_compute_s, max_graph_cpu_ms, max_graph_nodes, "
      "max_graph_tensors, max_request_bytes, max_session_alloc_bytes, max_work_bytes, mode, node_gflops, server_threads, "
      "validate_requests)"),
