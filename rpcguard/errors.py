@@ -66,6 +66,7 @@ PARTY_OF_REASON: Mapping[str, str] = {
     "node_refused": _U, "node_unreachable": _U, "upstream_unavailable": _U, "upstream_busy": _U,
     "tls_failed": _U, "node_name_mismatch": _U, "upstream_closed": _U,
     "upstream_crashed": _U, "upstream_hung": _U,
+    "upstream_cache_quota": _C,  # the session's server filled its identity's cache (upstream/pool.py)
     # TLS handshake / certificate of the accepted peer (pki/tls.py, pki/identity.py; outgoing side: upstream)
     "tls_handshake_timeout": _C, "tls_no_client_cert": _C, "tls_cert_expired": _C, "tls_unknown_ca": _C,
     "tls_protocol_version": _C, "tls_not_tls": _C, "tls_bad_certificate": _C, "tls_handshake_failed": _C,

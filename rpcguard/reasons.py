@@ -55,9 +55,10 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "op_needs_containment",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
-# upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py).
+# upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py);
+# upstream_cache_quota: its session filled the identity's cache directory past cache_bytes (pool.py).
 SESSION_ERROR_REASONS: tuple[str, ...] = ("client_closed_mid_frame", "upstream_closed", "internal_error",
-                                          "upstream_crashed", "upstream_hung")
+                                          "upstream_crashed", "upstream_hung", "upstream_cache_quota")
 # Every value refusals_total{reason} can take.
 REFUSAL_REASONS: tuple[str, ...] = tuple(dict.fromkeys(
     TLS_REASONS + IDENTITY_REASONS + SESSION_REASONS + FIREWALL_REASONS))
