@@ -13,21 +13,37 @@ import os
 import shutil
 from typing import Any
 
-from rpcguard.config.read import FromFlag, Section, boolean, choice, duration, list_of, reader, show
+from rpcguard.config.read import FromFlag, Section, boolean, choice, duration, list_of, parse_size, reader, show
 from rpcguard.errors import ConfigError
 from rpcguard.upstream.pool import HOST_OPTIONS, ISOLATIONS, UpstreamSettings
 from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings
 
 __all__ = ["parse_upstream"]
 
+# Sizes in bytes up to 2^63 - 1 (an off_t, an rlimit), as an integer or like "100GiB" (was a
+# 31-bit count: 2 GiB and more, the documented 100 GiB cache quota included, failed check-config).
+MAX_SIZE = (1 << 63) - 1
 _KEYS = {"exec", "isolation", "spare", "start_timeout_s", "sandbox", "quarantine"}
-_SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths", "cache_bytes"}
+_SANDBOX_KEYS = {"mode", "uid_base", "uid_count", "cache_root", "data_bytes", "nofile", "ro_paths", "cache_bytes",
+                 "memory_bytes", "pids", "tmp_bytes", "log_lines_per_s", "log_burst", "log_bytes"}
 _QUARANTINE_KEYS = {"crashes", "window_s", "duration_s"}
 
 _text = reader(lambda v: isinstance(v, str) and v != "" and "\0" not in v, "a non-empty string")
 _count = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "an integer >= 0")
 _uid = reader(lambda v: isinstance(v, int) and not isinstance(v, bool) and 1000 <= v < 2**31 - 2**20,
                "a uid >= 1000")
+
+
+def _size(v: Any, path: str) -> int:
+    try:
+        n = parse_size(v)
+    except ValueError as exc:
+        raise ConfigError(path, str(exc)) from None
+    if n > MAX_SIZE:
+        raise ConfigError(path, f"must be at most 2^63 - 1 bytes, got {show(v)}")
+    return n
+
+
 _path = reader(lambda v: isinstance(v, str) and os.path.isabs(v), "an absolute path")
 
 
@@ -67,8 +83,9 @@ def parse_upstream(data: Any, path: str) -> UpstreamSettings:
         kw["start_timeout_s"] = s.get("start_timeout_s", duration())
     sb = Section(s.data.get("sandbox"), f"{path}.sandbox", _SANDBOX_KEYS)
     sbkw = sb.read_all({"mode": _mode, "uid_base": _uid, "uid_count": _count,
-                        "cache_root": _path, "data_bytes": _count, "nofile": _count, "ro_paths": list_of(_path),
-                        "cache_bytes": _count})
+                        "cache_root": _path, "data_bytes": _size, "nofile": _count, "ro_paths": list_of(_path),
+                        "cache_bytes": _size, "memory_bytes": _size, "pids": _count, "tmp_bytes": _size,
+                        "log_lines_per_s": _count, "log_burst": _count, "log_bytes": _size})
     q = Section(s.data.get("quarantine"), f"{path}.quarantine", _QUARANTINE_KEYS)
     qkw = q.read_all({"crashes": _count, "window_s": duration(), "duration_s": duration(zero_is_off=True)})
     for key, attr in (("crashes", "quarantine_crashes"), ("window_s", "quarantine_window_s"),

@@ -22,7 +22,11 @@ sandbox at spawn, so a spare is started for the identity that was served last. A
 dies while it serves a session (not killed by us) is a crash of that session's identity:
 ``crash_cause`` gives the session its ending (``upstream_crashed``), and an identity with
 ``quarantine_crashes`` crashes within ``quarantine_window_s`` is refused
-``identity_quarantined`` for ``quarantine_s``. Counters are plain integers read by
+``identity_quarantined`` for ``quarantine_s``. The process tree's limits (sandbox.limits:
+a cgroup per process, or rlimits) are decided once per pool and logged at start; while a
+process with a cache directory runs, the directory is summed every ``CACHE_CHECK_S``: over
+``cache_bytes``, earlier sessions' files go first, and a session whose own files pass the
+quota is ended ``upstream_cache_quota`` (its process killed; it counts as a crash). Counters are plain integers read by
 ``PoolCollector`` at scrape time.
 """
 
@@ -43,6 +47,7 @@ from prometheus_client.registry import Collector
 
 from rpcguard.errors import Refusal
 from rpcguard.upstream import sandbox
+from rpcguard.upstream.output import OutputLimiter
 from rpcguard.upstream.process import ServerProcess, StartFailed
 
 __all__ = ["ISOLATIONS", "PROBE_COMMANDS", "UpstreamSettings", "UpstreamPool", "PoolCollector", "SandboxUnavailable",
@@ -60,6 +65,10 @@ HOST_OPTIONS = ("-H", "--host", "-p", "--port")
 RESTART_RESET_S = 10.0
 # How long a session that saw its upstream close waits for the process's exit status.
 EXIT_WAIT_S = 2.0
+# How often a running process's cache directory is summed against cache_bytes: a walk of the
+# directory (llama.cpp writes one file per cached tensor), off the loop. Between two walks the
+# directory grows by what the disk takes in that time; RLIMIT_FSIZE bounds each file anyway.
+CACHE_CHECK_S = 1.0
 
 
 class SandboxUnavailable(Exception):
@@ -96,6 +105,9 @@ class UpstreamPool:
         self.sandboxed = settings.sandbox.mode != "off" and mech.namespaces
         self.netns = self.sandboxed and "network_namespace" not in mech.missing
         self.missing = {} if settings.sandbox.mode == "off" else dict(mech.missing)
+        self.limits = sandbox.limits(settings.sandbox, mech, settings.exec)  # again in start(), with the cgroups
+        self.cgroups = False
+        self._watchers: set[asyncio.Task] = set()
         self._number = 0
         self.by_link: dict[int, ServerProcess] = {}
         self.kept: ServerProcess | None = None  # a used process that may serve the next session
@@ -140,11 +152,22 @@ class UpstreamPool:
         port = sandbox.SANDBOX_PORT if self.netns else _free_port()
         argv = sandbox.command(list(s.exec), port=port, mech=self.mech, settings=s.sandbox, cache=cache, uid=uid,
                                info_fd="{INFO_FD}")
+        group = None
+        if self.cgroups:
+            try:
+                group = self.mech.cgroups.make(str(n), self.limits.memory_bytes, self.limits.pids)
+            except OSError as exc:
+                self.start_failures += 1
+                self.last_error = f"cannot make its cgroup: {exc}"
+                log.error("upstream listener=%s process=%d failed to start: %s", self.listener, n, self.last_error)
+                raise StartFailed(self.last_error) from None
+        box = s.sandbox
         proc = ServerProcess(argv, port=port, listener=self.listener, number=n, wrapped=self.sandboxed,
-                             limits=sandbox.rlimits(s.sandbox), netns=self.netns, on_exit=self._exited,
+                             limits=self.limits.rlimits, netns=self.netns, on_exit=self._exited,
                              identity=identity if s.uses_cache else None,
                              env=None if self.sandboxed or cache is None else {**os.environ, "LLAMA_CACHE": cache},
-                             ns_helper=not self.mech.root)
+                             ns_helper=not self.mech.root, group=group,
+                             output=OutputLimiter(box.log_lines_per_s, box.log_burst, box.log_bytes))
         self.starts += 1
         self._live.add(proc)
         try:
@@ -155,19 +178,43 @@ class UpstreamPool:
             log.error("upstream listener=%s process=%d failed to start: %s", self.listener, n, exc)
             raise
         self.last_error = ""
+        if cache is not None and s.sandbox.cache_bytes:
+            watcher = asyncio.get_running_loop().create_task(self._watch_cache(proc, cache))
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
         self.start_seconds_sum += proc.ready_s
         self.last_start_s = proc.ready_s
         log.info("upstream listener=%s process=%d pid=%d listening in %.3f s%s", self.listener, n, proc.pid,
                  proc.ready_s, " (sandboxed)" if self.sandboxed else "")
         return proc
 
+    async def _watch_cache(self, proc: ServerProcess, cache: str) -> None:
+        """The identity's cache quota while ``proc`` runs (see the module docstring)."""
+        limit = self.settings.sandbox.cache_bytes
+        assert proc.exited is not None
+        while proc.alive:
+            await asyncio.wait([proc.exited], timeout=CACHE_CHECK_S)
+            if not proc.alive:
+                return
+            used, freed = await asyncio.to_thread(sandbox.cache_over_quota, cache, limit, proc.started_s)
+            if freed:
+                log.info("upstream listener=%s process=%d: cache of its identity over cache_bytes=%d: %d bytes of "
+                         "earlier sessions' files removed", self.listener, proc.number, limit, freed)
+            if used > limit and proc.alive:
+                detail = (f"its identity's cache directory holds {used} bytes written by this session, over "
+                          f"cache_bytes={limit}")
+                log.warning("upstream listener=%s process=%d pid=%d session=%s: %s: ending the session",
+                            self.listener, proc.number, proc.pid, proc.session or "-", detail)
+                proc.kill("upstream_cache_quota", detail)
+                return
+
     def _exited(self, proc: ServerProcess) -> None:
         self._live.discard(proc)
         cause = "killed" if proc.killed else proc.cause()
         self.exits[cause] = self.exits.get(cause, 0) + 1
         if not proc.killed:
-            log.warning("upstream listener=%s process=%d pid=%d exited (%s) session=%s", self.listener, proc.number,
-                        proc.pid, proc.cause(), proc.session or "-")
+            log.warning("upstream listener=%s process=%d pid=%d exited (%s%s) session=%s", self.listener, proc.number,
+                        proc.pid, proc.cause(), proc.limits_note(), proc.session or "-")
         if self.kept is proc:
             self.kept = None
         if proc is self.shared and not self.closing:
@@ -249,11 +296,18 @@ class UpstreamPool:
     # ----------------------------------------------------------------------------- the route's side
     async def start(self) -> None:
         """At serve's start: check the sandbox, start the first process (shared) or the spare."""
+        if self.sandboxed:
+            sandbox.probe_cgroups(self.mech)
+            self.missing = {} if self.settings.sandbox.mode == "off" else dict(self.mech.missing)
+            self.limits = sandbox.limits(self.settings.sandbox, self.mech, self.settings.exec)
+            self.cgroups = self.mech.cgroups.available
         if self.settings.sandbox.mode == "required" and self.missing:
             raise SandboxUnavailable("; ".join(f"{k}: {v}" for k, v in self.missing.items()))
         for mechanism, why in self.missing.items():
             log.warning("upstream listener=%s: sandbox mechanism %s unavailable, starting without it "
                         "(upstream.sandbox: best_effort): %s", self.listener, mechanism, why)
+        if self.sandboxed:
+            log.info("upstream listener=%s: limits of each server process: %s", self.listener, self.limits.describe())
         if self.settings.isolation == "shared":
             self.shared = await self._spawn(None)
         else:
@@ -307,10 +361,12 @@ class UpstreamPool:
             await asyncio.wait_for(asyncio.shield(proc.exited), EXIT_WAIT_S)
         except asyncio.TimeoutError:
             return None
+        if proc.end_reason is not None:  # we ended it: its session broke a limit of its process
+            return Refusal("upstream_cache_quota", proc.end_reason[1])
         if proc.killed:
             return None
-        return Refusal("upstream_crashed", f"the server (pid {proc.pid}) died: {proc.cause()}; last output: "
-                                           f"{proc.last_stderr or '-'}")
+        return Refusal("upstream_crashed", f"the server (pid {proc.pid}) died: {proc.cause()}{proc.limits_note()}; "
+                                           f"last output: {proc.last_stderr or '-'}")
 
     def ended(self, link_id: int, record: dict) -> None:
         """Session ``link_id`` is over (its audit record): count a crash, keep or kill its process."""
@@ -318,7 +374,7 @@ class UpstreamPool:
         if proc is None:
             return
         identity = str(record.get("identity") or "")
-        if record.get("reason") in ("upstream_crashed", "upstream_hung"):
+        if record.get("reason") in ("upstream_crashed", "upstream_hung", "upstream_cache_quota"):
             self._crashed(identity)
             log.warning("upstream listener=%s session=%d identity=%s post-mortem: %s", self.listener, link_id,
                         identity or "-", json.dumps(record.get("post_mortem"), separators=(",", ":")))
@@ -382,6 +438,8 @@ class UpstreamPool:
         self._drop_spare()
         if self._restart is not None:
             self._restart.cancel()
+        for task in list(self._watchers):
+            task.cancel()
         for proc in list(self._live):
             proc.kill()
         await asyncio.gather(*(p.stop() for p in list(self._live)), return_exceptions=True)

@@ -4,8 +4,11 @@ How this works: ``ServerProcess.start()`` spawns the command ``sandbox.command()
 applied in the child before exec, inherited by bwrap and the server), reads bubblewrap's
 ``--info-fd`` JSON for the pid of the server's namespace, and waits until that pid's network
 namespace has a socket in LISTEN on 127.0.0.1:PORT (``/proc/PID/net/tcp``): no probe connection
-(the server serves one client at a time and logs each). Its stderr is read line by line into
-rpcguard's log, with the listener and the session it serves. ``connect()`` opens a TCP
+(the server serves one client at a time and logs each). With a cgroup (cgroup.py) the child
+enters it before the exec, so bwrap, the server and every fork of it are counted together; the
+group is removed once the process is gone. Its stdout/stderr is read in chunks into rpcguard's
+log, line by line with the listener and the session it serves, as far as ``OutputLimiter``
+(output.py) lets it: a flood is counted and dropped, and one line says how much. ``connect()`` opens a TCP
 connection to it: inside its network namespace when it has one (a helper thread ``setns``es
 into it, connects and hands back the socket, which stays in that namespace), else on the host's
 loopback. ``exited`` resolves with the exit status; ``cause()`` names it (``exit 1``,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import subprocess
 import json
 import logging
 import os
@@ -29,6 +33,8 @@ import time
 from typing import Callable
 
 from rpcguard.upstream import seccomp
+from rpcguard.upstream.cgroup import Group
+from rpcguard.upstream.output import OutputLimiter
 from rpcguard.upstream.sandbox import SECCOMP_FD
 
 __all__ = ["ServerProcess", "StartFailed", "exit_cause", "listening"]
@@ -42,6 +48,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _LISTEN_POLL_S = 0.003
 # A stderr line longer than this is cut (a server printing garbage must not grow our memory).
 STDERR_LINE_BYTES = 4096
+# The server's output is read this much at a time: a flood costs one read per 64 KiB, and its
+# lines are only counted (not split) while the limiter has no room.
+OUTPUT_CHUNK = 64 << 10
+# While output is dropped, how often one line says how much was (seconds).
+DROP_REPORT_S = 10.0
 
 
 class StartFailed(Exception):
@@ -112,7 +123,8 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], *, port: int, listener: str, number: int, wrapped: bool,
                  limits: list[tuple[int, int]], netns: bool, on_exit: Callable[[ServerProcess], None] | None = None,
-                 identity: str | None = None, env: dict[str, str] | None = None, ns_helper: bool = False) -> None:
+                 identity: str | None = None, env: dict[str, str] | None = None, ns_helper: bool = False,
+                 group: Group | None = None, output: OutputLimiter | None = None) -> None:
         self.argv = argv
         self.env = env  # None: rpcguard's (bwrap clears it for the sandbox)
         self.port = port
@@ -140,6 +152,10 @@ class ServerProcess:
         self.exited: asyncio.Future[int] | None = None
         self._tasks: list[asyncio.Task] = []
         self.last_stderr = ""
+        self.group = group  # its cgroup (cgroup.py), entered before the exec; None: rlimits only
+        self.output = output or OutputLimiter(20, 200, 1 << 20)
+        self.end_reason: tuple[str, str] | None = None  # (reason, detail): we ended it for its session
+        self.limit_events: dict[str, int] = {}  # what the cgroup's limits did (after the exit)
 
     @property
     def pid(self) -> int:
@@ -148,10 +164,25 @@ class ServerProcess:
     def cause(self) -> str:
         return exit_cause(self.status, self.wrapped)
 
+    def limits_note(self) -> str:
+        """What its cgroup's limits did, for the exit's log line (``""``: nothing)."""
+        ev = self.limit_events
+        notes = [f"the memory limit killed {ev['oom_kill']} task(s)"] if ev.get("oom_kill") else []
+        if ev.get("pids_max"):
+            notes.append(f"the pids limit refused {ev['pids_max']} fork(s)")
+        return f"; {', '.join(notes)}" if notes else ""
+
     def _preexec(self) -> None:
         # The process dies with rpcguard, even SIGKILLed (bwrap --die-with-parent then takes the
         # server with it): a server nobody can reach any more must not outlive its proxy.
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if self.group is not None:  # before anything runs: every descendant is counted in it
+            for path in self.group.procs_files:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.write(fd, str(os.getpid()).encode())
+                finally:
+                    os.close(fd)
         for res, value in self.limits:
             soft, hard = resource.getrlimit(res)
             limit = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -176,7 +207,9 @@ class ServerProcess:
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, pass_fds=tuple(fds),
                 preexec_fn=self._preexec, start_new_session=True, env=self.env)
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the preexec (the cgroup) failed
+            if self.group is not None:
+                self.group.remove()
             raise StartFailed(f"cannot run {argv[0]}: {exc}") from None
         finally:
             for fd in fds:
@@ -253,25 +286,84 @@ class ServerProcess:
         finally:
             os.close(rfd)
 
+    def _log_line(self, line: bytes) -> None:
+        text = line[:STDERR_LINE_BYTES].decode(errors="replace").rstrip()
+        if text:
+            self.last_stderr = text
+            log.info("upstream listener=%s process=%d pid=%d session=%s: %s", self.listener, self.number,
+                     self.pid, self.session or "-", text)
+
+    def _report_drops(self, final: bool = False) -> None:
+        lines, nbytes = self.output.drops()
+        lim = self.output
+        if lines:
+            log.warning("upstream listener=%s process=%d pid=%d session=%s: output over its limit (%g lines/s, "
+                        "%d bytes in all): %d lines (%d bytes) dropped", self.listener, self.number, self.pid,
+                        self.session or "-", lim.rate, lim.total_bytes, lines, nbytes)
+        if final and lim.dropped_lines_all:
+            log.warning("upstream listener=%s process=%d pid=%d: output dropped in all: %d lines (%d bytes); "
+                        "logged %d bytes", self.listener, self.number, self.pid, lim.dropped_lines_all,
+                        lim.dropped_bytes_all, lim.logged_bytes)
+
+    def _take_output(self, data: bytes) -> bytes:
+        """Log or count the complete lines of ``data``; returns the unfinished rest."""
+        lim = self.output
+        end = data.rfind(b"\n")
+        if end < 0:
+            if len(data) < STDERR_LINE_BYTES:
+                return data
+            end = len(data)  # a line longer than the cut: taken as one
+            data += b"\n"
+        last = data[data.rfind(b"\n", 0, end) + 1:end][:STDERR_LINE_BYTES]
+        if lim.room():
+            lines = data[:end].split(b"\n")
+            for i, line in enumerate(lines):
+                if lim.admit(len(line) + 1):
+                    self._log_line(line)
+                else:  # out of room: the rest of the chunk is counted
+                    lim.drop(len(lines) - i - 1, sum(len(x) + 1 for x in lines[i + 1:]))
+                    break
+        else:
+            lim.drop(data.count(b"\n", 0, end + 1), end + 1)
+        if last.strip():
+            self.last_stderr = last.decode(errors="replace").rstrip()
+        return data[end + 1:]
+
     async def _read_output(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         stream = self.proc.stdout
-        while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line over the stream's limit: take what is there
-                line = await stream.read(STDERR_LINE_BYTES)
-            if not line:
-                return
-            text = line[:STDERR_LINE_BYTES].decode(errors="replace").rstrip()
-            if text:
-                self.last_stderr = text
-                log.info("upstream listener=%s process=%d pid=%d session=%s: %s", self.listener, self.number,
-                         self.pid, self.session or "-", text)
+        pending = b""
+        reported = time.monotonic()
+        capped = False
+        try:
+            while True:
+                chunk = await stream.read(OUTPUT_CHUNK)
+                if not chunk:
+                    break
+                pending = self._take_output(pending + chunk)
+                if self.output.capped and not capped:
+                    capped = True
+                    log.warning("upstream listener=%s process=%d pid=%d session=%s: its output reached log_bytes=%d: "
+                                "the rest is counted, not logged", self.listener, self.number, self.pid,
+                                self.session or "-", self.output.total_bytes)
+                if self.output.dropped_lines and time.monotonic() - reported >= DROP_REPORT_S:
+                    reported = time.monotonic()
+                    self._report_drops()
+            if pending:
+                self._take_output(pending + b"\n")
+        finally:
+            self._report_drops(final=True)
 
     async def _wait(self) -> None:
         assert self.proc is not None and self.exited is not None
         status = await self.proc.wait()
+        if self.group is not None:  # what its limits did; then the group goes (only an empty one can)
+            self.limit_events = self.group.events()
+            self.group.kill()
+            if not self.group.remove():
+                await asyncio.sleep(0.1)  # the pid namespace's last tasks are still being reaped
+                self.group.kill()
+                self.group.remove()
         self.status = status
         if not self.exited.done():
             self.exited.set_result(status)
@@ -295,8 +387,11 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.exited is not None and not self.exited.done()
 
-    def kill(self) -> None:
-        """SIGKILL the server (and bwrap: its child dies with it, --die-with-parent)."""
+    def kill(self, reason: str = "", detail: str = "") -> None:
+        """SIGKILL the server (and bwrap: its child dies with it, --die-with-parent). With a
+        ``reason``: it broke a limit of its session, which ends with that reason (pool.crash_cause)."""
+        if reason and self.end_reason is None and self.alive:
+            self.end_reason = (reason, detail)
         self.killed = True
         if self._chan is not None:
             self._chan.close()  # the helper ends when its channel does

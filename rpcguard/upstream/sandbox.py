@@ -18,8 +18,14 @@ or trace any process outside), and lives in a network namespace holding only its
 nothing outside can be reached from it, and rpcguard reaches its port by creating each
 session's socket inside that namespace (process.py, ``setns`` in a helper thread). ``rlimits()``
 are applied to the spawned process and inherited: no core dumps, a bounded data segment, few
-open files. A missing mechanism is named in ``Mechanisms.missing``; the pool refuses to start
-(``sandbox: required``) or starts with a warning and a metric (``best_effort``).
+open files. ``limits()`` decides what bounds the whole process tree (code running inside may
+fork): a control group per process (cgroup.py: ``memory.max`` and ``pids.max`` summed over the
+tree) where serve can make one; otherwise RLIMIT_AS per process (times the pids limit for the
+tree) and RLIMIT_NPROC, which counts the server's own uid (root: one uid per process). An ASan
+build (``__asan_init`` in a binary of the command) reserves terabytes of shadow address space, so
+it runs without RLIMIT_DATA/RLIMIT_AS: the cgroup is then its only memory bound. A missing
+mechanism is named in ``Mechanisms.missing``; the pool refuses to start (``sandbox: required``)
+or starts with a warning and a metric (``best_effort``).
 """
 
 from __future__ import annotations
@@ -33,13 +39,13 @@ import stat
 import subprocess
 from dataclasses import dataclass, field
 
-from rpcguard.upstream import seccomp
+from rpcguard.upstream import cgroup, seccomp
 
-__all__ = ["MECHANISMS", "Mechanisms", "SandboxSettings", "probe", "command", "rlimits", "cache_dir",
-           "SANDBOX_PORT", "SANDBOX_MODES"]
+__all__ = ["MECHANISMS", "Mechanisms", "SandboxSettings", "Limits", "probe", "command", "rlimits", "limits",
+           "cache_dir", "cache_over_quota", "is_asan", "probe_cgroups", "SANDBOX_PORT", "SANDBOX_MODES"]
 
 # What the sandbox is made of; each one is reported (metric, log) when missing.
-MECHANISMS = ("namespaces", "network_namespace", "own_uid", "rlimits", "seccomp")
+MECHANISMS = ("namespaces", "network_namespace", "own_uid", "rlimits", "seccomp", "pids_limit")
 SANDBOX_MODES = ("required", "best_effort", "off")
 # The port the server listens on inside its own network namespace: every sandbox has its own
 # loopback, so all of them can use the same one.
@@ -67,6 +73,19 @@ class SandboxSettings:
     # session uploads with the cache flag.
     cache_bytes: int = 100 << 30
     ro_paths: tuple[str, ...] = ()  # more read-only paths the command needs (a wrapper's data)
+    # The whole process tree's memory (a cgroup's memory.max; without one, RLIMIT_AS per process).
+    # 0: data_bytes, or the host's memory when that is 0 too.
+    memory_bytes: int = 0
+    # Tasks (processes and threads) of the tree: pids.max, and RLIMIT_NPROC of the server's own
+    # uid. 0: 64 + 4 per CPU (the server runs one thread per CPU and a few of its own).
+    pids: int = 0
+    tmp_bytes: int = 64 << 20  # the sandbox's /tmp (a tmpfs: memory); bwrap >= 0.7 (--size)
+    # The server's output copied into serve's log: at most this many lines per second (a burst
+    # of log_burst lines) and log_bytes in all per process; the rest is counted and dropped, and
+    # one line says how much was.
+    log_lines_per_s: int = 20
+    log_burst: int = 200
+    log_bytes: int = 1 << 20
 
 
 @dataclass
@@ -77,6 +96,9 @@ class Mechanisms:
     setpriv: str | None = None
     root: bool = False
     missing: dict[str, str] = field(default_factory=dict)
+    cgroups: cgroup.Cgroups = field(default_factory=lambda: cgroup.Cgroups(why="not probed"))
+    cgroups_probed: bool = False
+    tmpfs_size: bool = False  # bwrap knows --size (0.7.0 and later)
 
     @property
     def namespaces(self) -> bool:
@@ -99,6 +121,11 @@ def probe() -> Mechanisms:
                 m.missing["namespaces"] = f"bwrap cannot create namespaces here: {why[-1] if why else done.returncode}"
         except (OSError, subprocess.TimeoutExpired) as exc:
             m.missing["namespaces"] = f"bwrap failed: {exc}"
+        try:
+            m.tmpfs_size = "--size" in subprocess.run([m.bwrap, "--help"], capture_output=True, text=True,
+                                                      timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     if "namespaces" in m.missing:
         m.missing["network_namespace"] = "needs the namespaces"
         m.missing["seccomp"] = "loaded by bwrap: needs the namespaces"
@@ -110,6 +137,18 @@ def probe() -> Mechanisms:
         m.missing["own_uid"] = ("rpcguard is not root: the server runs as rpcguard's own uid" if not m.root
                                 else "setpriv (util-linux) is not installed")
     return m
+
+
+def probe_cgroups(m: Mechanisms) -> None:
+    """Where serve can make its servers' cgroups (cgroup.probe; on cgroup v2 it may move serve into
+    a leaf of its own cgroup: done by serve at start, never by check-config). Once per Mechanisms."""
+    if m.cgroups_probed:
+        return
+    m.cgroups_probed = True
+    m.cgroups = cgroup.probe()
+    if not m.cgroups.available and "own_uid" in m.missing:
+        m.missing["pids_limit"] = (f"no cgroup ({m.cgroups.why}), and RLIMIT_NPROC would count rpcguard's own "
+                                   f"processes (the server has no uid of its own)")
 
 
 def cache_dir(settings: SandboxSettings, identity: str) -> str:
@@ -176,7 +215,10 @@ def command(argv: list[str], *, port: int, mech: Mechanisms, settings: SandboxSe
     cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
             "--setenv", "HOME", "/tmp", "--setenv", "GGML_NO_BACKTRACE", "1"]
-    cmd += _system_binds() + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    cmd += _system_binds() + ["--proc", "/proc", "--dev", "/dev"]
+    if mech.tmpfs_size and settings.tmp_bytes:  # a tmpfs is memory: without a size, half the host's
+        cmd += ["--size", str(settings.tmp_bytes)]
+    cmd += ["--tmpfs", "/tmp"]
     cmd += _command_binds(argv, settings.ro_paths)
     for pattern in _GPU_NODES:
         for node in sorted(glob.glob(pattern)):
@@ -203,16 +245,127 @@ def host_memory_bytes() -> int:
     return 0
 
 
-def rlimits(settings: SandboxSettings) -> list[tuple[int, int]]:
+def default_pids() -> int:
+    """``pids: 0``: 64 + 4 per CPU (the server's threads: one per CPU for the CPU backend, a few for
+    itself and a GPU runtime)."""
+    return 64 + 4 * (os.cpu_count() or 1)
+
+
+def tree_memory_bytes(settings: SandboxSettings) -> int:
+    """The process tree's memory bound: memory_bytes, else data_bytes, else the host's memory."""
+    return settings.memory_bytes or settings.data_bytes or host_memory_bytes()
+
+
+def rlimits(settings: SandboxSettings, *, cgroup: bool = False, own_uid: bool = False, asan: bool = False,
+            gpu: bool = False) -> list[tuple[int, int]]:
     """(resource, limit) pairs for the server: no core dumps (they would hold tenant data), a
-    bounded data segment, few open files."""
+    bounded data segment (not for ASan: its shadow is a data mapping of terabytes), few open files,
+    and where no cgroup bounds the tree: RLIMIT_AS per process (not for ASan, nor a GPU runtime,
+    which reserves more address space than the host has memory) and RLIMIT_NPROC (only when the
+    server has a uid of its own: the limit counts every process of its uid)."""
     out = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, settings.nofile)]
     data = settings.data_bytes or host_memory_bytes()
-    if data:
+    if data and not asan:
         out.append((resource.RLIMIT_DATA, data))
     if settings.cache_bytes:  # no cache file larger than the identity's whole quota
         out.append((resource.RLIMIT_FSIZE, settings.cache_bytes))
+    if own_uid:
+        out.append((resource.RLIMIT_NPROC, settings.pids or default_pids()))
+    if not cgroup and not asan and not gpu:
+        out.append((resource.RLIMIT_AS, tree_memory_bytes(settings)))
     return out
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds one listener's server processes, and by which mechanism (the start-up log)."""
+
+    rlimits: list[tuple[int, int]]
+    memory_bytes: int  # the cgroup's memory.max (0: no cgroup)
+    pids: int  # the cgroup's pids.max (0: no cgroup)
+    memory_by: str
+    pids_by: str
+    asan: bool
+
+    def describe(self) -> str:
+        return f"memory: {self.memory_by}; tasks: {self.pids_by}" + \
+            ("; an ASan build: no RLIMIT_DATA/RLIMIT_AS" if self.asan else "")
+
+
+def is_asan(argv: list[str] | tuple[str, ...]) -> bool:
+    """Whether a file the command names is built with AddressSanitizer (its ``__asan_init``)."""
+    import mmap
+
+    for arg in argv:
+        if os.path.isabs(arg) and os.path.isfile(arg):
+            try:
+                with open(arg, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    if m.find(b"__asan_init") >= 0:
+                        return True
+            except (OSError, ValueError):  # ValueError: an empty file cannot be mapped
+                continue
+    return False
+
+
+def limits(settings: SandboxSettings, mech: Mechanisms, argv: list[str] | tuple[str, ...]) -> Limits:
+    """The limits of a listener's processes (see the module docstring)."""
+    confined = settings.mode != "off" and mech.namespaces
+    by_cgroup = confined and mech.cgroups.available
+    own_uid = confined and "own_uid" not in mech.missing
+    asan = is_asan(argv)
+    gpu = any(glob.glob(p) for p in _GPU_NODES)
+    pids = settings.pids or default_pids()
+    tree = tree_memory_bytes(settings)
+    rl = rlimits(settings, cgroup=by_cgroup, own_uid=own_uid, asan=asan, gpu=gpu)
+    have = dict(rl)
+    if by_cgroup:
+        memory_by = f"cgroup v{mech.cgroups.version} limit {tree} bytes for the whole process tree"
+        pids_by = f"cgroup v{mech.cgroups.version} pids.max {pids} for the whole process tree"
+    else:
+        why = mech.cgroups.why if confined else "sandbox off"
+        if resource.RLIMIT_AS in have:
+            memory_by = f"RLIMIT_AS {tree} bytes per process (no cgroup: {why})"
+        elif resource.RLIMIT_DATA in have:
+            memory_by = f"RLIMIT_DATA {have[resource.RLIMIT_DATA]} bytes per process only (no cgroup: {why})"
+        else:
+            memory_by = f"none (no cgroup: {why})"
+        pids_by = f"RLIMIT_NPROC {pids} for the server's uid" if own_uid else f"none (no cgroup: {why})"
+    return Limits(rl, tree if by_cgroup else 0, pids if by_cgroup else 0, memory_by, pids_by, asan)
+
+
+def cache_over_quota(directory: str, limit: int, since: float) -> tuple[int, int]:
+    """While a session runs: (bytes the identity's cache directory uses, bytes removed). Over
+    ``limit``, files older than ``since`` (the process's start: earlier sessions' files) go first,
+    oldest first; what is left over the limit is the running session's own (the caller ends it)."""
+    if limit <= 0:
+        return 0, 0
+    files = _cache_files(directory)
+    used = sum(size for _m, size, _p in files)
+    freed = 0
+    for mtime, size, path in sorted(files):
+        if used - freed <= limit or mtime >= since:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        freed += size
+    return used - freed, freed
+
+
+def _cache_files(directory: str) -> list[tuple[float, int, str]]:
+    """(mtime, allocated bytes, path) of each regular file below ``directory`` (links not followed)."""
+    files: list[tuple[float, int, str]] = []
+    for root, _dirs, names in os.walk(directory, followlinks=False):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files.append((st.st_mtime, st.st_blocks * 512, path))
+    return files
 
 
 def prune_cache(directory: str, limit: int) -> tuple[int, int]:
@@ -222,19 +375,8 @@ def prune_cache(directory: str, limit: int) -> tuple[int, int]:
     followed nor removed. ``limit`` 0: nothing is removed."""
     if limit <= 0:
         return 0, 0
-    files: list[tuple[float, int, str]] = []
-    used = 0
-    for root, _dirs, names in os.walk(directory, followlinks=False):
-        for name in names:
-            path = os.path.join(root, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                size = st.st_blocks * 512
-                files.append((st.st_mtime, size, path))
-                used += size
+    files = _cache_files(directory)
+    used = sum(size for _m, size, _p in files)
     removed = freed = 0
     for _mtime, size, path in sorted(files):
         if used - freed <= limit:
