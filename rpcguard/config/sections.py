@@ -76,6 +76,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "max_graph_s": duration(zero_is_off=True),
     "drain_timeout_s": duration(), "connect_timeout_s": duration(),
     "min_data_rate_bps": count_or_off, "idle_while_waiting_s": duration(zero_is_off=True),
+    "busy_while_waiting_s": duration(zero_is_off=True), "max_upstream_sessions": count_or_off,
     "max_sessions_per_identity": count_or_off, "max_sessions_per_source": count_or_off,
     "max_pending_per_identity": count_or_off, "max_pending_per_source": count_or_off,
     "max_handshakes_per_source": count_or_off,
@@ -88,6 +89,7 @@ PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "max_sessions_per_source": "counts every identity that connects from one address",
     "max_pending_per_source": "counts every identity that connects from one address",
     "max_handshakes_per_source": "applies before the identity (and so its profile) is known",
+    "max_upstream_sessions": "counts every identity's sessions on the listener's server processes",
 })
 
 

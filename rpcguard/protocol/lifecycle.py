@@ -106,6 +106,12 @@ class Lifecycle:
         self._tick_t = self.working_t = self.t0
         self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
         self.slot_held = False
+        # The fair slot's busy clock (endings.overdue, busy_while_waiting_s): the tick that first
+        # saw another session wait while this one held the slot (0.0: nobody waits), the seconds
+        # of busy ticks since, and the session's estimated compute (flop) at that tick.
+        self.wait_t = 0.0
+        self.busy_waited = 0.0
+        self.flops_at_wait = 0
         self.upstream_open = False
         self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
         self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
@@ -447,6 +453,15 @@ class Lifecycle:
         else:
             self.frame_t = 0.0
         owed = not session.idle and not session.mid_frame  # a response owed or streaming
+        if not (self.others_waiting and self.slot_held):
+            self.wait_t = 0.0
+        elif not self.wait_t:
+            self.wait_t, self.busy_waited, self.flops_at_wait = now, 0.0, session.state.compute_flops
+        elif rx != self._tick_rx or session.mid_frame or owed or self.client_blocked_since or self.client_held_back:
+            # Busy since the last tick (bytes came, a frame is in progress, an answer is owed or
+            # streaming, or flow control holds either side): the whole interval counts, however
+            # slowly the bytes came. Only idle ticks are idle_while_waiting_s's.
+            self.busy_waited += now - self._tick_t
         rate = self.limits.min_data_rate_bps
         if (owed and not self.client_blocked_since) or self.client_held_back or (
                 rx - self._tick_rx >= rate * (now - self._tick_t) > 0) or (not rate and rx != self._tick_rx):

@@ -118,8 +118,22 @@ class Limits:
     # for up to handshake_timeout_s): one host cannot take the process's file descriptors.
     max_handshakes_per_source: int = 64
     # serve: a session holding the upstream with no request running for this long is ended when
-    # another session waits for the upstream (alone it idles as long as it likes); 0 = off.
+    # another session waits for the upstream (alone it idles as long as it likes); 0 = off. The
+    # operator's preemption of idle holders: llama-server holds its buffers between requests and
+    # aborts when they are gone (issue 31); only a single server (--upstream, isolation shared)
+    # makes sessions wait, so a contained serve never ends one for this.
     idle_while_waiting_s: float = 20.0
+    # serve: once another session waits for the upstream, the session holding it is ended when it
+    # has been busy this long since the other began waiting: the ticks it sent (however slowly),
+    # read or was owed an answer, or the estimated compute of the graphs it sent since
+    # (GRAPH_RECOMPUTE charged as its stored graph), whichever is larger; idle time is
+    # idle_while_waiting_s's. With idle_while_waiting_s, a waiting tenant is served within about
+    # 20 + 1 + 5 (drain) s, below queue_timeout_s (docs/resilience.md "The fair slot"). 0 = off.
+    busy_while_waiting_s: float = 20.0
+    # serve running a server process per session (upstream.exec, isolation session or identity):
+    # how many sessions the listener serves at once, each its own process (others queue as for a
+    # single server); 0: max_sessions. A single server (--upstream, isolation shared) serves one.
+    max_upstream_sessions: int = 0
     upstream_busy: str = "queue"  # or "refuse"
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0

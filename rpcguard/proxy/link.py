@@ -459,13 +459,13 @@ class Link:
 
     async def _queue(self, limits: Limits) -> None:
         """Take the single upstream slot (serve), or be refused per ``upstream_busy``."""
-        refusal = await self.route.take_slot(limits, self.id)
+        refusal = await self.route.take_slot(limits, self.id, self.lc.identity)
         self.lc.slot_granted() if refusal is None else self.lc.slot_refused(refusal)
         self._apply()
 
     def _free_slot(self, _: object) -> None:
         if self.route.slot is not None:
-            self.route.slot.release()
+            self.route.slot.release(self.id)
 
     def _half_close_upstream(self, slot_held: bool) -> None:
         """Half-close the upstream and drop what it still sends until it hangs up; the slot is
@@ -487,7 +487,7 @@ class Link:
             self.lc.upstream_closed()
             return
         if slot_held and self.route.slot is not None:
-            self.route.slot.draining = True
+            self.route.slot.drain(self.id)
 
     def _close_client(self, _: object) -> None:
         # close() flushes what is queued (the refusal answer).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import ssl
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,38 +45,88 @@ log = logging.getLogger("rpcguard.relay")  # the links' logger: their lines keep
 
 
 class UpstreamSlot:
-    """The single-client upstream: at most one session holds it; others queue or are refused."""
+    """The upstream's places: a single server (``--upstream``, ``isolation: shared``) serves one
+    session at a time; a listener that runs a server process per session serves ``capacity`` at
+    once (``Route.capacity``). Sessions past it queue, first come first served, up to
+    ``queue_timeout_s`` (or are refused, ``upstream_busy: refuse``). The holders are known by
+    link id, identity and since when: a waiting client's log line and its refusal say who holds
+    the node (issue 31)."""
 
     def __init__(self) -> None:
-        self._lock = asyncio.Lock()
+        self.capacity = 1
+        self.taken = 0  # places held, or handed to a waiter that has not resumed yet
+        self.holders: dict[int, tuple[str, float]] = {}  # link id -> (identity, since: monotonic)
+        self._queue: deque[asyncio.Future[None]] = deque()
         self.waiting = 0
-        self.draining = False  # the holder's session is over; only its upstream drain remains
+        self._draining: set[int] = set()  # holders whose session is over; only their upstream drain remains
 
     @property
     def busy(self) -> bool:
-        return self._lock.locked()
+        """A session holds (or is being handed) a place."""
+        return self.taken > 0
 
-    async def acquire(self, limits: Limits) -> None:
+    @property
+    def draining(self) -> bool:
+        return bool(self._draining)
+
+    def drain(self, link_id: int) -> None:
+        """The holder ``link_id``'s session is over; it keeps its place until its upstream has hung up."""
+        if link_id in self.holders:
+            self._draining.add(link_id)
+
+    def held_by(self, now: float) -> str:
+        """Who holds the node, for a waiting client's log line and refusal: 'session 12 (identity X) for 40 s'."""
+        return ", ".join(f"session {link} ({identity or '-'}) for {now - since:.0f} s"
+                         for link, (identity, since) in self.holders.items()) or "a session starting"
+
+    async def acquire(self, limits: Limits, link_id: int = 0, identity: str = "", capacity: int = 1) -> None:
+        """Take a place for ``link_id``, waiting in line when there is none (Refusal ``upstream_busy``)."""
+        self.capacity = max(1, capacity)
+        loop = asyncio.get_running_loop()
         refuse = limits.upstream_busy == "refuse"
-        if self._lock.locked() and refuse and not self.draining:
-            raise Refusal("upstream_busy", "the upstream serves another session")
-        # Queue mode waits up to queue_timeout_s; refuse mode waits only for a finished session's
-        # drain (llama.cpp opens its next connection right after closing the previous one).
-        timeout = UPSTREAM_DRAIN_S if refuse else (limits.queue_timeout_s or None)
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            where = "waiting for the previous session to close" if refuse else "in the queue"
-            raise Refusal("upstream_busy", f"still busy after {timeout:g} s {where}") from None
-        finally:
-            self.waiting -= 1
-        self.draining = False
+        if self.taken < self.capacity and not self._queue:
+            self.taken += 1
+        else:
+            if refuse and not self.draining:
+                raise Refusal("upstream_busy", f"node busy: held by {self.held_by(loop.time())}")
+            # Queue mode waits up to queue_timeout_s; refuse mode waits only for a finished session's
+            # drain (llama.cpp opens its next connection right after closing the previous one).
+            timeout = UPSTREAM_DRAIN_S if refuse else (limits.queue_timeout_s or None)
+            handed: asyncio.Future[None] = loop.create_future()
+            self._queue.append(handed)
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(asyncio.shield(handed), timeout)
+            except asyncio.TimeoutError:
+                if not handed.done():  # (else a place was handed over just in time: take it)
+                    handed.cancel()
+                    where = "waiting for the previous session to close" if refuse else "in the queue"
+                    raise Refusal("upstream_busy", f"node busy: still held by {self.held_by(loop.time())} "
+                                                   f"after {timeout:g} s {where}") from None
+            except BaseException:  # the link went away while it waited
+                if handed.done() and not handed.cancelled():
+                    self._give_back()
+                else:
+                    handed.cancel()
+                raise
+            finally:
+                self.waiting -= 1
+        self.holders[link_id] = (identity, loop.time())
 
-    def release(self) -> None:
-        self.draining = False
-        if self._lock.locked():
-            self._lock.release()
+    def release(self, link_id: int = 0) -> None:
+        """``link_id``'s place is free: handed to the first in line, if any."""
+        if self.holders.pop(link_id, None) is None:
+            return
+        self._draining.discard(link_id)
+        self._give_back()
+
+    def _give_back(self) -> None:
+        self.taken -= 1
+        while self._queue and self.taken < self.capacity:
+            handed = self._queue.popleft()
+            if not handed.done():
+                handed.set_result(None)
+                self.taken += 1
 
 
 class Admission(NamedTuple):
@@ -193,13 +244,30 @@ class Route:
                 src_pending += pending
         return ident, src, ident_pending, src_pending
 
-    async def take_slot(self, limits: Limits, link_id: int) -> Refusal | None:
-        """serve: wait for the single upstream slot; the refusal when ``upstream_busy`` says no."""
+    @property
+    def capacity(self) -> int:
+        """serve: sessions the upstream serves at once. One for a single server; with a server
+        process per session (``isolation`` session or identity), ``max_upstream_sessions`` (0:
+        ``max_sessions``), the listener's."""
+        provider = self.provider
+        if provider is None or provider.settings.isolation == "shared":
+            return 1
+        limits = self.default.limits
+        return limits.max_upstream_sessions or limits.max_sessions
+
+    async def take_slot(self, limits: Limits, link_id: int, identity: str = "") -> Refusal | None:
+        """serve: wait for a place on the upstream; the refusal when ``upstream_busy`` says no.
+        A session that has to wait is logged with who holds the node and since when."""
         slot = self.slot
         assert slot is not None
+        capacity = self.capacity
+        if slot.taken >= capacity:
+            log.info("session %d identity=%s waits for the upstream of listener %s: node busy, held by %s "
+                     "(%d waiting before it)", link_id, identity or "-", self.name,
+                     slot.held_by(asyncio.get_running_loop().time()), slot.waiting)
         self.traffic.queue_depth = slot.waiting + 1
         try:
-            await slot.acquire(limits)
+            await slot.acquire(limits, link_id, identity, capacity)
         except Refusal as refusal:
             return refusal
         except Exception as exc:

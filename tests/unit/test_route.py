@@ -105,8 +105,73 @@ def test_take_slot_refuses_when_busy_in_refuse_mode_and_keeps_the_queue_depth_tr
         waiting = asyncio.ensure_future(r.take_slot(Limits(upstream_busy="queue", queue_timeout_s=5), 3))
         await asyncio.sleep(0.05)
         assert r.traffic.queue_depth == 1
-        r.slot.release()  # type: ignore[union-attr]
+        r.slot.release(1)  # type: ignore[union-attr]
         assert await waiting is None and r.traffic.queue_depth == 0
+
+    asyncio.run(main())
+
+
+def provider(isolation: str) -> SimpleNamespace:
+    return SimpleNamespace(settings=SimpleNamespace(isolation=isolation))
+
+
+def test_one_server_serves_one_session_and_the_waiting_one_is_told_who_holds_it(caplog):
+    # issue 31: a waiting client gets 'node busy', who holds it and since when (log and refusal).
+    r = route(slot=UpstreamSlot())
+
+    async def main() -> None:
+        assert await r.take_slot(Limits(), 1, "CN=alice") is None
+        with caplog.at_level("INFO", logger="rpcguard.relay"):
+            refused = await r.take_slot(Limits(queue_timeout_s=0.05), 2, "CN=bob")
+        assert isinstance(refused, Refusal) and refused.reason == "upstream_busy"
+        assert "node busy: still held by session 1 (CN=alice) for 0 s after 0.05 s in the queue" == refused.detail
+        assert "session 2 identity=CN=bob waits for the upstream of listener gpu0: node busy, held by session 1 " \
+               "(CN=alice)" in caplog.text
+        r.slot.release(2)  # type: ignore[union-attr]  # not a holder: nothing happens
+        assert r.slot.busy and r.slot.holders.keys() == {1}  # type: ignore[union-attr]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("isolation, at_once", [("session", 3), ("identity", 3), ("shared", 1)])
+def test_a_server_process_per_session_serves_sessions_side_by_side(isolation, at_once):
+    # issue 31: under serve -- SERVER each session has its own process: nobody waits for one
+    # (up to max_upstream_sessions), so nothing ends a session for being idle while others wait.
+    r = route(slot=UpstreamSlot(), provider=provider(isolation),
+              default=Profile(limits=Limits(max_upstream_sessions=3, queue_timeout_s=5)))
+
+    async def main() -> None:
+        limits = r.default.limits
+        taken = [asyncio.ensure_future(r.take_slot(limits, n, f"CN=t{n}")) for n in range(1, 6)]
+        await asyncio.sleep(0.05)
+        assert [t.done() for t in taken] == [True] * at_once + [False] * (5 - at_once)
+        assert r.slot.waiting == 5 - at_once  # type: ignore[union-attr]
+        r.slot.release(1)  # type: ignore[union-attr]  # first come, first served
+        await asyncio.sleep(0.01)
+        assert taken[at_once].done() and r.slot.waiting == 4 - at_once  # type: ignore[union-attr]
+        for n, t in enumerate(taken, 1):
+            assert await t is None  # each in turn, as places come free
+            r.slot.release(n)  # type: ignore[union-attr]
+        assert not r.slot.busy and not r.slot.waiting  # type: ignore[union-attr]
+
+    asyncio.run(main())
+
+
+def test_a_waiter_that_goes_away_gives_its_place_back():
+    r = route(slot=UpstreamSlot())
+
+    async def main() -> None:
+        assert await r.take_slot(Limits(), 1) is None
+        gone = asyncio.ensure_future(r.take_slot(Limits(queue_timeout_s=5), 2))
+        after = asyncio.ensure_future(r.take_slot(Limits(queue_timeout_s=5), 3))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # 2 leaves the line (its link closed) ...
+        await asyncio.sleep(0.01)
+        r.slot.release(1)  # type: ignore[union-attr]  # ... so the place goes to 3
+        assert await after is None and r.slot.holders.keys() == {3}  # type: ignore[union-attr]
+        assert gone.cancelled() and not r.slot.waiting  # type: ignore[union-attr]
+        r.slot.release(3)  # type: ignore[union-attr]
+        assert r.slot.taken == 0  # type: ignore[union-attr]
 
     asyncio.run(main())
 
