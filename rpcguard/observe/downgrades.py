@@ -9,8 +9,10 @@ is what a serve listener says in the TLS handshake (pki/tls.py ``ALPN_ENFORCING`
 its request checks only to a node that runs them all.
 
 ``report(cfg, metrics, web)`` runs at start and after every reload (server.Runtime): one WARNING
-per listener that does not enforce and for a metrics endpoint served beyond loopback without
-TLS and authentication, and the gauges ``rpcguard_listener_enforcing{role,listener}``,
+per listener that does not enforce, per serve listener whose ``--upstream`` server (one process
+someone else runs) is shared by more than one allowed identity (``shared_upstream``: no process
+boundary between tenants; ``serve -- ggml-rpc-server`` gives each session its own), and for a
+metrics endpoint served beyond loopback without TLS and authentication, and the gauges ``rpcguard_listener_enforcing{role,listener}``,
 ``rpcguard_listener_switched_off{role,listener,what}`` and ``rpcguard_metrics_unprotected{role}``
 (alerts in deploy/prometheus/rpcguard-rules.yml, runbook entries in docs/runbook.md).
 """
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
     from rpcguard.observe.metrics import Metrics
     from rpcguard.observe.webconfig import WebConfig
 
-__all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "switched_off", "item_switched_off", "enforces", "report"]
+__all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "switched_off", "item_switched_off", "enforces", "report",
+           "shared_upstream"]
 
 log = logging.getLogger("rpcguard.downgrades")
 
@@ -37,10 +40,14 @@ _MEANING: Mapping[str, str] = {
     **{f"check_{name}": f"firewall check {name} switched off (policy.checks.{name}: false)"
        for name in CHECK_NAMES},
     "unverified_ops": "graph ops forwarded without a verified rule (policy.allow_unverified_ops)",
+    "shared_upstream": "one --upstream server shared by more than one allowed identity: nothing but the "
+                       "firewall stands between tenants (its memory, its -c cache, a crash); for a shared node "
+                       "run `serve -- ggml-rpc-server` (a sandboxed process per session, docs/containment.md)",
 }
 SWITCHED_OFF: tuple[str, ...] = tuple(_MEANING)
-# What makes a listener not enforcing (the unverified ops are allowed by name and counted per use).
-NOT_ENFORCING: frozenset[str] = frozenset(SWITCHED_OFF) - {"unverified_ops"}
+# What makes a listener not enforcing (the unverified ops are allowed by name and counted per use;
+# a shared upstream is a deployment's choice the firewall still enforces in front of).
+NOT_ENFORCING: frozenset[str] = frozenset(SWITCHED_OFF) - {"unverified_ops", "shared_upstream"}
 
 
 def switched_off(policy: SessionPolicy) -> tuple[str, ...]:
@@ -48,7 +55,7 @@ def switched_off(policy: SessionPolicy) -> tuple[str, ...]:
     on = {"monitor_mode": policy.mode == "monitor",
           "unverified_ops": bool(policy.firewall.allow_unverified_ops)}
     on.update({f"check_{name}": name in policy.firewall.disabled_checks for name in CHECK_NAMES})
-    return tuple(what for what in SWITCHED_OFF if on[what])
+    return tuple(what for what in SWITCHED_OFF if on.get(what))
 
 
 def _profiles(default: Profile, profiles: Mapping[str, Profile]) -> Iterable[Profile]:
@@ -70,6 +77,21 @@ def enforces(default: Profile, profiles: Mapping[str, Profile] | None = None) ->
     return not any(NOT_ENFORCING.intersection(switched_off(p.policy)) for p in _profiles(default, profiles or {}))
 
 
+def shared_upstream(item: ListenerConfig | TunnelConfig) -> bool:
+    """A serve listener relaying to a server someone else runs (``--upstream``, not ``upstream.exec``)
+    that admits more than one identity: allow-all, a wildcard or network, or several names."""
+    if getattr(item, "managed", True) is not None or not hasattr(item, "allow"):
+        return False
+    names = 0
+    for e in item.allow.entries:
+        if e.allow_any or any(u.endswith("/*") for u in e.uris) or any(d.startswith("*") for d in e.dns):
+            return True
+        if any("/" in ip and not ip.endswith(("/32", "/128")) for ip in e.ips):
+            return True
+        names += len(e.cns) + len(e.dns) + len(e.uris) + len(e.ips)
+    return names > 1
+
+
 def _item_profiles(item: ListenerConfig | TunnelConfig) -> Mapping[str, Profile]:
     return getattr(item, "profiles", {})
 
@@ -82,6 +104,9 @@ def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[
         profiles = _item_profiles(item)
         off = item_switched_off(item.default, profiles)
         enforcement[(cfg.role, item.name)] = frozenset(w for whats in off.values() for w in whats)
+        if shared_upstream(item):
+            enforcement[(cfg.role, item.name)] |= {"shared_upstream"}
+            lines.append(f"{cfg.role} {cfg.side.item} {item.name}: SHARED UPSTREAM: {_MEANING['shared_upstream']}")
         breaking = {name: [w for w in whats if w in NOT_ENFORCING] for name, whats in off.items()}
         breaking = {name: whats for name, whats in breaking.items() if whats}
         if not breaking:

@@ -35,7 +35,8 @@ def test_what_a_policy_switches_off():
     off = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset({"graph_ops", "tensor"}),
                                                 allow_unverified_ops=frozenset({"SSM_SCAN"})))
     assert downgrades.switched_off(off) == ("check_tensor", "check_graph_ops", "unverified_ops")
-    assert set(downgrades.SWITCHED_OFF) == {"monitor_mode", "unverified_ops", *(f"check_{c}" for c in CHECK_NAMES)}
+    assert set(downgrades.SWITCHED_OFF) == {"monitor_mode", "unverified_ops", "shared_upstream",
+                                            *(f"check_{c}" for c in CHECK_NAMES)}
 
 
 def test_a_listener_enforces_only_when_every_profile_does():
@@ -95,3 +96,41 @@ def test_public_metrics_without_tls_and_auth_are_a_downgrade(base, tmp_path):
     wc = load_web_config(str(web))
     assert downgrades.report(cfg, m, wc) == []
     assert m.registry.get_sample_value("rpcguard_metrics_unprotected", {"role": "serve"}) == 0
+
+
+@pytest.mark.parametrize("allow, shared", [
+    ({"cn": ["llama1"]}, False),  # one tenant: single-tenant use of --upstream
+    ({"cn": ["llama1", "llama2"]}, True),
+    ({"uri": ["spiffe://lab/llama/*"]}, True),
+    ({"ip": ["10.0.0.0/8"]}, True),
+    ({"all": True}, True),
+])
+def test_an_upstream_shared_by_several_identities_is_said_loudly(base, caplog, allow, shared):
+    """issue 28.6: --upstream (one server someone else runs) with more than one allowed identity:
+    a WARNING per listener and rpcguard_listener_switched_off{what="shared_upstream"}; the
+    listener still enforces its firewall."""
+    m = Metrics(CollectorRegistry(), role="serve")
+    data = serve(base)
+    data["allow"] = allow  # {"all": true}: any certificate of the CA (--allow-all)
+    cfg = parse_config(data, base_dir=str(base))
+    with caplog.at_level(logging.WARNING, logger="rpcguard"):
+        lines = downgrades.report(cfg, m)
+    g = m.registry.get_sample_value
+    rl = {"role": "serve", "listener": "gpu0"}
+    assert g("rpcguard_listener_switched_off", {**rl, "what": "shared_upstream"}) == (1 if shared else 0)
+    assert g("rpcguard_listener_enforcing", rl) == 1
+    said = [line for line in lines if "SHARED UPSTREAM" in line]
+    assert len(said) == (2 if shared else 0), lines
+    if shared:
+        assert "serve -- ggml-rpc-server" in said[0] and "gpu0" in said[0]
+
+
+def test_a_contained_listener_is_not_a_shared_upstream(base, tmp_path):
+    data = serve(base)
+    data["allow"] = {"cn": ["llama1", "llama2"]}
+    true = "/bin/true" if Path("/bin/true").exists() else "/usr/bin/true"
+    data["listeners"] = [{"name": "gpu0", "listen": "0.0.0.0:50100", "upstream": {"exec": [true]}}]
+    m = Metrics(CollectorRegistry(), role="serve")
+    assert downgrades.report(parse_config(data, base_dir=str(base)), m) == []
+    assert m.registry.get_sample_value("rpcguard_listener_switched_off",
+                                       {"role": "serve", "listener": "gpu0", "what": "shared_upstream"}) == 0
