@@ -59,7 +59,7 @@ PARTY_OF_REASON: Mapping[str, str] = {
     "version_not_accepted": _U,
     # timers (proxy/link.py): a client that does not speak, or stops mid-frame / stops reading
     "hello_timeout": _C, "idle_timeout": _C, "frame_timeout": _C, "idle_while_waiting": _C,
-    "busy_while_waiting": _C,
+    "hold_while_waiting": _C,
     # one certificate or one host past its share of a listener (proxy/route.py, issue 21)
     "too_many_sessions_per_identity": _C, "too_many_sessions_per_source": _C,
     "too_many_pending_per_identity": _C, "too_many_pending_per_source": _C, "too_many_handshakes_per_source": _C,

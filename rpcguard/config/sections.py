@@ -76,7 +76,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "max_graph_s": duration(zero_is_off=True),
     "drain_timeout_s": duration(), "connect_timeout_s": duration(),
     "min_data_rate_bps": count_or_off, "idle_while_waiting_s": duration(zero_is_off=True),
-    "busy_while_waiting_s": duration(zero_is_off=True), "max_upstream_sessions": count_or_off,
+    "hold_while_waiting_s": duration(zero_is_off=True), "max_upstream_sessions": count_or_off,
     "max_sessions_per_identity": count_or_off, "max_sessions_per_source": count_or_off,
     "max_pending_per_identity": count_or_off, "max_pending_per_source": count_or_off,
     "max_handshakes_per_source": count_or_off,

@@ -122,17 +122,19 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
         if wait_s and lc.others_waiting and lc.slot_held and now - lc.working_t > wait_s:
             return Refusal("idle_while_waiting", f"idle for {now - lc.working_t:.0f} s while {lc.others_waiting} "
                                                  f"session(s) waited for the upstream"), False
-        busy_s = limits.busy_while_waiting_s
-        if busy_s and lc.wait_t:
-            # The slot's share while others wait: busy ticks (a trickled frame, a slow reader, a
-            # stream of requests) or the estimated compute of the graphs sent since, GRAPH_RECOMPUTE
-            # included (charged as its stored graph: graph.charge_recompute), whichever is larger.
+        hold_s = limits.hold_while_waiting_s
+        if hold_s and lc.wait_t:
+            # The holder's share of the upstream once another waits: every second since, or with
+            # no preemption of idle holders (idle_while_waiting_s 0) only its busy ticks (a trickled
+            # frame, a slow reader, a stream of requests); or the estimated compute of the graphs
+            # it sent since, GRAPH_RECOMPUTE charged as its stored graph, whichever is larger.
+            held = now - lc.wait_t if wait_s else lc.busy_waited
             compute = (session.state.compute_flops - lc.flops_at_wait) / (session.policy.firewall.node_gflops * 1e9)
-            if lc.busy_waited > busy_s or compute > busy_s:
-                return Refusal("busy_while_waiting", f"busy for {lc.busy_waited:.0f} s with {compute:.1f} s of "
-                                                     f"estimated compute since {now - lc.wait_t:.0f} s, while "
-                                                     f"{lc.others_waiting} session(s) waited for the upstream "
-                                                     f"(limits.busy_while_waiting_s {busy_s:g})"), False
+            if held > hold_s or compute > hold_s:
+                return Refusal("hold_while_waiting",
+                               f"held the upstream {now - lc.wait_t:.0f} s (busy {lc.busy_waited:.0f} s, {compute:.1f} s "
+                               f"of estimated compute) while {lc.others_waiting} session(s) waited for it "
+                               f"(limits.hold_while_waiting_s {hold_s:g})"), False
     owed = session.owed_since_ns if session is not None and session.phase == GREETED else 0
     if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
         return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "

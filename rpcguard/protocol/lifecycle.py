@@ -106,9 +106,9 @@ class Lifecycle:
         self._tick_t = self.working_t = self.t0
         self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
         self.slot_held = False
-        # The fair slot's busy clock (endings.overdue, busy_while_waiting_s): the tick that first
-        # saw another session wait while this one held the slot (0.0: nobody waits), the seconds
-        # of busy ticks since, and the session's estimated compute (flop) at that tick.
+        # The fair slot's share (endings.overdue, hold_while_waiting_s): the tick that first saw
+        # another session wait while this one held the slot (0.0: nobody waits), the seconds of
+        # busy ticks since, and the session's estimated compute (flop) at that tick.
         self.wait_t = 0.0
         self.busy_waited = 0.0
         self.flops_at_wait = 0
@@ -460,7 +460,7 @@ class Lifecycle:
         elif rx != self._tick_rx or session.mid_frame or owed or self.client_blocked_since or self.client_held_back:
             # Busy since the last tick (bytes came, a frame is in progress, an answer is owed or
             # streaming, or flow control holds either side): the whole interval counts, however
-            # slowly the bytes came. Only idle ticks are idle_while_waiting_s's.
+            # slowly the bytes came.
             self.busy_waited += now - self._tick_t
         rate = self.limits.min_data_rate_bps
         if (owed and not self.client_blocked_since) or self.client_held_back or (

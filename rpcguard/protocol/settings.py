@@ -123,13 +123,13 @@ class Limits:
     # aborts when they are gone (issue 31); only a single server (--upstream, isolation shared)
     # makes sessions wait, so a contained serve never ends one for this.
     idle_while_waiting_s: float = 20.0
-    # serve: once another session waits for the upstream, the session holding it is ended when it
-    # has been busy this long since the other began waiting: the ticks it sent (however slowly),
-    # read or was owed an answer, or the estimated compute of the graphs it sent since
-    # (GRAPH_RECOMPUTE charged as its stored graph), whichever is larger; idle time is
-    # idle_while_waiting_s's. With idle_while_waiting_s, a waiting tenant is served within about
-    # 20 + 1 + 5 (drain) s, below queue_timeout_s (docs/resilience.md "The fair slot"). 0 = off.
-    busy_while_waiting_s: float = 20.0
+    # serve: once another session waits for the upstream, the session holding it has this long
+    # more: every second counts, or, with idle_while_waiting_s 0 (idle holders not preempted),
+    # only the ticks it was busy (sending however slowly, reading, owed an answer); or the
+    # estimated compute of the graphs it sends meanwhile (GRAPH_RECOMPUTE charged as its stored
+    # graph), whichever is larger. A waiting session is served within about this + 2 s + the
+    # drain, below queue_timeout_s (docs/resilience.md, "The fair slot"). 0 = off.
+    hold_while_waiting_s: float = 20.0
     # serve running a server process per session (upstream.exec, isolation session or identity):
     # how many sessions the listener serves at once, each its own process (others queue as for a
     # single server); 0: max_sessions. A single server (--upstream, isolation shared) serves one.
