@@ -660,10 +660,19 @@ def examples(tmp_path: Path) -> Path:
     return tmp_path / "config"
 
 
-def test_serve_example(examples: Path) -> None:
+def test_serve_example(examples: Path, monkeypatch) -> None:
+    fake = examples.parent / "bin" / "ggml-rpc-server"  # the example's exec, found on PATH
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ.get('PATH', '')}")
     cfg = load_config(str(examples / "serve.example.yaml"))
     assert cfg.role == "serve" and cfg.tls.cert == str(examples.parent / "certs" / "node1.pem")
-    assert [(x.name, str(x.upstream)) for x in cfg.listeners] == [("gpu0", "127.0.0.1:50052"), ("gpu1", "127.0.0.1:50053")]
+    # each GPU's server run by serve, a sandboxed process per session (issue 28.6)
+    assert [(x.name, x.managed.exec[1:] if x.managed else None) for x in cfg.listeners] == [
+        ("gpu0", ("-d", "CUDA0", "-c")), ("gpu1", ("-d", "CUDA1", "-c"))]
+    assert cfg.listeners[0].managed.sandbox.cache_bytes == 100 << 30
+    assert cfg.listeners[0].managed.sandbox == cfg.listeners[1].managed.sandbox  # gpu0 shows the defaults
     (e0,), (probe, tenant, e1) = cfg.listeners[0].allow.entries, cfg.listeners[1].allow.entries
     assert e0.uris and e0.cns and e1.uris and e1.profile is None and cfg.listeners[0].profiles == {}
     assert (probe.cns, probe.profile, tenant.uris, tenant.profile) == (

@@ -42,7 +42,8 @@ def test_the_example_configs_fit_on_one_host():
     serve = yaml.safe_load((ROOT / "config" / "serve.example.yaml").read_text())
     connect = yaml.safe_load((ROOT / "config" / "connect.example.yaml").read_text())
     ports = [int(x["listen"].rsplit(":", 1)[1]) for x in serve["listeners"]]
-    ports += [int(x["upstream"].rsplit(":", 1)[1]) for x in serve["listeners"]]
+    # (a server serve runs has no port of its own on the host: a namespace each)
+    ports += [int(x["upstream"].rsplit(":", 1)[1]) for x in serve["listeners"] if isinstance(x["upstream"], str)]
     ports += [int(x["listen"].rsplit(":", 1)[1]) for x in connect["tunnels"]]
     ports += [int(c["metrics"]["listen"].rsplit(":", 1)[1]) for c in (serve, connect)]
     assert len(set(ports)) == len(ports), ports
@@ -51,3 +52,16 @@ def test_the_example_configs_fit_on_one_host():
 def test_the_llama_cpp_python_pitfall_is_in_the_readme():
     qs = quick_start()
     assert "rpc_servers" in qs and "0.3.36" in qs and "ggml_backend_rpc_add_server" in qs and "GGML_RPC=ON" in qs
+
+
+def test_the_quick_start_and_the_example_contain_the_server_for_shared_nodes():
+    """issue 28.6: the quick start and config/serve.example.yaml run `serve -- ggml-rpc-server`
+    (one sandboxed process per session); --upstream is shown as the single-tenant form."""
+    qs = quick_start()
+    serve_cmd = qs[qs.index("rpcguard serve --listen"):]
+    serve_cmd = serve_cmd[:serve_cmd.index("\n\n") if "\n\n" in serve_cmd else None].split("\n#")[0]
+    assert "-- ggml-rpc-server" in serve_cmd and "--upstream" not in serve_cmd, serve_cmd
+    assert "Single-tenant" in qs and "SHARED UPSTREAM" in qs
+    serve = yaml.safe_load((ROOT / "config" / "serve.example.yaml").read_text())
+    assert all(isinstance(x["upstream"], dict) and x["upstream"]["exec"][0] == "ggml-rpc-server"
+               for x in serve["listeners"])
