@@ -53,7 +53,7 @@ FIREWALL_REASONS: tuple[str, ...] = (
     # the op table (protocol/oprules/, opcheck.py): default deny, re-derived nodes, layouts, cost
     "op_not_verified", "graph_type_invalid", "graph_src_unexpected", "graph_tensor_unallocated",
     "graph_tensor_wrong_device", "tensor_layout_invalid", "graph_too_costly", "graph_work_too_large",
-    "op_needs_containment",
+    "op_needs_containment", "work_buffer_overflow",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
 # upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py);

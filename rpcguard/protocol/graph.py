@@ -56,6 +56,7 @@ from rpcguard.protocol.tensor import (
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, Version
 from rpcguard.protocol.workbuf import work_bytes
+from rpcguard.protocol.workuse import check_work_use
 
 __all__ = [
     "GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX", "MAX_GRAPH_COMPUTE_S",
@@ -585,6 +586,8 @@ class GraphValidator:
                 raise _refuse("graph_work_too_large",
                               f"node id={node.id:#x} op {rule.op}: the CPU planner would allocate {work} bytes of "
                               f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
+            if p not in empty:
+                check_work_use(rule.op, node, node_srcs, self.server_threads)
             cost = 0 if p in empty else flops(rule.op, node, node_srcs)
             total += cost
             if len(cache) >= NODE_CACHE_MAX:

@@ -20,7 +20,7 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["work_bytes", "elements", "row_size", "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16"]
+__all__ = ["work_bytes", "n_tasks", "task_cap", "planned_bytes", "CACHE_LINE_MIN", "elements", "row_size", "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16"]
 
 Srcs = Sequence["RpcTensor | None"]
 F32, F16, I32, BF16 = 0, 1, 26, 30  # ggml type ids
@@ -201,3 +201,39 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
     (0 for ops the planner gives none; the planner also counts empty nodes)."""
     fn = _WORK.get(op)
     return fn(node, srcs, n_threads) if fn is not None else 0
+
+
+# -- what the planner reserves for the kernel (workuse.py compares the kernels' use with it) --
+
+# ops.h:13-17: CACHE_LINE_SIZE is 64, 128 or 256 bytes by target. The planner adds one per thread
+# (ggml-cpu.c:3061) and the kernels leave one between threads' rows (CACHE_LINE_SIZE_F32, ops.h:20):
+# the same constant on both sides, so the smallest is the tightest case for every layout.
+CACHE_LINE_MIN: Final = 64
+
+
+def task_cap(op: str, node: RpcTensor, srcs: Srcs) -> int | None:
+    """``ggml_get_n_tasks`` (ggml-cpu.c:2249) for the ops with a work buffer is ``min(n_threads,
+    cap)``: every such op plans ``n_threads`` tasks (cap None) except SET_ROWS (one, :2363) and
+    SOFT_MAX (one per source row at most, :2392). The kernel still runs on all the graph's
+    threads (``params->nth``, up to ``n_threads``)."""
+    if op == "SET_ROWS":
+        return 1
+    if op == "SOFT_MAX":
+        a = srcs[0]
+        return max(1, a.ne1 * a.ne2 * a.ne3) if a is not None else 1
+    return None
+
+
+def n_tasks(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
+    """The thread count the planner multiplies this node's per-thread scratch by."""
+    cap = task_cap(op, node, srcs)
+    return n_threads if cap is None else min(n_threads, cap)
+
+
+def planned_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
+    """The least work buffer ``ggml_graph_plan`` allocates for a graph with this (non-empty) node
+    on a server of ``n_threads``: the node's need at its ``n_tasks`` plus the cache line per
+    thread the planner adds to a non-zero size (ggml-cpu.c:3060-3062). The buffer is the largest
+    node's need, so another node can only make it larger."""
+    cur = work_bytes(op, node, srcs, n_tasks(op, node, srcs, n_threads))
+    return cur + CACHE_LINE_MIN * n_threads if cur else 0

@@ -1,0 +1,152 @@
+"""protocol/workuse.py: the kernels' per-thread use of the work buffer against the planner's
+reservation (workbuf.planned_bytes), for every server thread count up to policy.server_threads.
+The two holes of issue 28 item 1 (a quantizing CPY whose source rows are longer than its
+destination's; SET_ROWS from F16 on more than one thread) are refused at exactly the thread
+counts where the real kernel writes past the buffer, accepted where it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.encode import graph_payload
+from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.tensor import decode_tensor
+from rpcguard.protocol.encode import pack_tensor
+from rpcguard.protocol.workbuf import CACHE_LINE_MIN, planned_bytes
+from rpcguard.protocol.workuse import USES, kernel_bytes, overflow
+from tests.unit.test_oprules import OPS, T, state
+
+F32, F16, Q4_0, Q8_0, Q4_K, I64 = 0, 1, 2, 8, 12, 27
+
+
+def dec(spec):
+    return decode_tensor(memoryview(pack_tensor(spec)))
+
+
+def verdict(tensors, node, threads: int) -> str:
+    v = GraphValidator(max_nodes=8, max_tensors=8, server_threads=threads)
+    try:
+        v.check(memoryview(graph_payload([node.id], tensors + [node])), state())
+    except FirewallRefusal as e:
+        return e.reason
+    return "ok"
+
+
+def quantizing_cpy(src_ne, dst_ne, dst_type=Q8_0):
+    """CPY of an F32 tensor into a contiguous block-type tensor of the same element count."""
+    a = T(0x10, F32, src_ne)
+    b = T(0x11, dst_type, dst_ne)
+    d = T(0x20, dst_type, dst_ne, op=OPS["CPY"], src=(0x10, 0x11), view_src=0x11, data=b.data)
+    return [a, b], d
+
+
+def set_rows_f16(row, rows, dst_type=F32):
+    src = T(0x10, F16, (row, rows, 1, 1))
+    idx = T(0x11, I64, (rows, 1, 1, 1))
+    dst = T(0x12, dst_type, (row, rows + 2, 1, 1))
+    d = T(0x20, dst_type, dst.ne, op=OPS["SET_ROWS"], src=(0x10, 0x11, 0x12), view_src=0x12, data=dst.data)
+    return [src, idx, dst], d
+
+
+def first_overflow(kind: str, node_op: str, tensors, node) -> int | None:
+    """The model's first overflowing thread count (None: none up to 64), straight from workuse."""
+    n = dec(node)
+    by_id = {t.id: dec(t) for t in tensors}
+    srcs = [by_id.get(i) for i in node.src] + [None] * (10 - len(node.src))
+    hit = overflow(node_op, n, srcs, 64)
+    return None if hit is None else hit[0]
+
+
+# -- (a) quantizing CPY with source rows longer than the destination's --------------------------
+
+
+def test_cpy_source_row_longer_than_destination_row_overflows_on_one_thread():
+    # 4096-float source rows into 32-element q8_0 rows: the planner reserves 4*32 + 64 bytes on
+    # one thread (ggml-cpu.c:2862, :3061), the kernel writes 16 KiB (ops.cpp:297)
+    tensors, d = quantizing_cpy((4096, 2, 1, 1), (32, 256, 1, 1))
+    assert verdict(tensors, d, 1) == "work_buffer_overflow"
+    assert first_overflow("cpy", "CPY", tensors, d) == 1
+
+
+@pytest.mark.parametrize("dst_type", [Q4_0, Q8_0, Q4_K])
+def test_cpy_same_rows_is_accepted_at_every_thread_count(dst_type):
+    tensors, d = quantizing_cpy((256, 4, 2, 1), (256, 4, 2, 1), dst_type)
+    for threads in (1, 2, 3, 4, 8, 64):
+        assert verdict(tensors, d, threads) == "ok"
+
+
+def test_cpy_source_row_one_block_longer_overflows_on_one_thread():
+    # rows are whole blocks (the rule), so a longer source row is at least 32 floats longer: 128
+    # bytes past the planner's row, twice its 64-byte pad, already on a one-thread server
+    tensors, d = quantizing_cpy((64, 2, 1, 1), (32, 4, 1, 1))
+    assert verdict(tensors, d, 1) == "work_buffer_overflow"
+
+
+def test_cpy_rows_are_split_in_blocks_over_the_threads():
+    # ops.cpp:284-289: 3 source rows on 8 threads -> blocks of 1, threads 0..2 write; on 2
+    # threads blocks of 2, both write
+    a = dec(T(0x10, F32, (64, 3, 1, 1)))
+    n = dec(T(0x20, Q8_0, (32, 6, 1, 1)))
+    srcs = [a] + [None] * 9
+    assert kernel_bytes("CPY", n, srcs, 8) == 3 * 256 + 2 * CACHE_LINE_MIN
+    assert kernel_bytes("CPY", n, srcs, 2) == 2 * 256 + CACHE_LINE_MIN
+    assert kernel_bytes("CPY", n, srcs, 1) == 256
+
+
+# -- (b) SET_ROWS from F16 on more than one thread --------------------------------------------
+
+
+@pytest.mark.parametrize("dst_type", [F32, Q8_0, Q4_0])
+def test_set_rows_from_f16_overflows_once_two_threads_write(dst_type):
+    tensors, d = set_rows_f16(64, 4, dst_type)  # 256-byte rows, one task planned (ggml-cpu.c:2363)
+    assert verdict(tensors, d, 1) == "ok"
+    for threads in (2, 3, 4, 8):
+        assert verdict(tensors, d, threads) == "work_buffer_overflow"
+    assert first_overflow("set_rows", "SET_ROWS", tensors, d) == 2
+
+
+def test_set_rows_from_f16_with_one_row_or_short_rows_is_accepted():
+    tensors, d = set_rows_f16(64, 1)  # one row: one writer
+    assert verdict(tensors, d, 64) == "ok"
+    # 64-byte rows: the planner's per-thread line covers a second writer's row; 4 rows on 3
+    # threads go in blocks of 2 (two writers), on 4 threads every thread writes one
+    tensors, d = set_rows_f16(16, 4)
+    assert verdict(tensors, d, 3) == "ok"
+    assert verdict(tensors, d, 4) == "work_buffer_overflow"
+
+
+def test_set_rows_from_f32_or_into_f16_uses_no_scratch():
+    for src_type, dst_type in ((F32, Q8_0), (F16, F16)):
+        src = T(0x10, src_type, (64, 4, 1, 1))
+        idx = T(0x11, I64, (4, 1, 1, 1))
+        dst = T(0x12, dst_type, (64, 6, 1, 1))
+        d = T(0x20, dst_type, dst.ne, op=OPS["SET_ROWS"], src=(0x10, 0x11, 0x12), view_src=0x12, data=dst.data)
+        assert verdict([src, idx, dst], d, 64) == "ok"
+
+
+# -- the model against itself ------------------------------------------------------------------
+
+
+def test_every_op_with_a_kernel_use_has_a_planner_reservation():
+    """An op whose kernel uses scratch but for which the planner reserves nothing would be refused
+    always; the model names the planner's reservation for every op it names a use for."""
+    from rpcguard.protocol.workbuf import _WORK
+
+    assert set(USES) - set(_WORK) == {"CONT"}  # ggml-cpu.c:2851: CPY and DUP only; CONT same-type
+
+
+def test_cont_keeps_its_type_so_uses_no_scratch():
+    a = dec(T(0x10, F32, (64, 4, 1, 1)))
+    n = dec(T(0x20, F32, (256, 1, 1, 1)))
+    assert kernel_bytes("CONT", n, [a] + [None] * 9, 8) == 0
+
+
+def test_per_thread_rows_layout():
+    # SOFT_MAX on 4 threads, 8 rows of 100: (100*4 + 64) * 3 + 400 bytes touched, reserved
+    # 4*100*4 + 64*4 (n_tasks = min(4, rows) = 4)
+    a = dec(T(0x10, F32, (100, 8, 1, 1)))
+    n = dec(T(0x20, F32, (100, 8, 1, 1)))
+    srcs = [a] + [None] * 9
+    assert kernel_bytes("SOFT_MAX", n, srcs, 4) == 464 * 3 + 400
+    assert planned_bytes("SOFT_MAX", n, srcs, 4) == 1600 + CACHE_LINE_MIN * 4
