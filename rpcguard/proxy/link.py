@@ -402,7 +402,7 @@ class Link:
             return
         self.flush_held()
         slot = self.route.slot
-        self.lc.tick(self._clock(), slot.waiting if slot is not None else 0)
+        self.lc.tick(self._clock(), slot.waiting_for(self.id) if slot is not None else 0)
         self._apply()
         if self.lc.state != CLOSED:
             self._schedule_tick()

@@ -74,6 +74,22 @@ class UpstreamSlot:
         if link_id in self.holders:
             self._draining.add(link_id)
 
+    def waiting_for(self, link_id: int) -> int:
+        """Sessions waiting that ``link_id``'s lifecycle must make way for (its fair-slot share):
+        all of them for a single place; with several, only the longest holders are charged, one
+        per waiting session, so one waiter does not end every holder. Once per tick, O(places)."""
+        waiting = self.waiting
+        if not waiting or link_id not in self.holders:
+            return 0
+        if self.capacity == 1:
+            return waiting
+        for rank, holder in enumerate(self.holders):
+            if rank >= waiting:
+                return 0
+            if holder == link_id:
+                return waiting
+        return 0
+
     def held_by(self, now: float) -> str:
         """Who holds the node, for a waiting client's log line and refusal: 'session 12 (identity X) for 40 s'."""
         return ", ".join(f"session {link} ({identity or '-'}) for {now - since:.0f} s"

@@ -146,6 +146,9 @@ def test_a_server_process_per_session_serves_sessions_side_by_side(isolation, at
         await asyncio.sleep(0.05)
         assert [t.done() for t in taken] == [True] * at_once + [False] * (5 - at_once)
         assert r.slot.waiting == 5 - at_once  # type: ignore[union-attr]
+        # one waiting session (two for a single place) charges that many of the longest holders
+        charged = [n for n in range(1, 6) if r.slot.waiting_for(n)]  # type: ignore[union-attr]
+        assert charged == ([1, 2] if at_once == 3 else [1])
         r.slot.release(1)  # type: ignore[union-attr]  # first come, first served
         await asyncio.sleep(0.01)
         assert taken[at_once].done() and r.slot.waiting == 4 - at_once  # type: ignore[union-attr]
