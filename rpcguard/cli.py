@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Coroutine, Sequence
 
 from rpcguard import __version__
@@ -168,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     _leaf_args(iss)
     iss.add_argument("--ca-dir", help="where ca.pem and ca.key are (default: DIR)")
     iss.add_argument("--days", type=int, default=30, help="validity in days (short-lived: renew with --force)")
+    iss.add_argument("--hours", type=int, help="validity in hours instead (hour-scale certificates: revocation by expiry)")
     iss.add_argument("--force", action="store_true", help="replace an existing NAME.pem/NAME.key (renewal)")
     csr = csub.add_parser("csr", help="on the node: DIR/NAME.key (0600, stays here) and DIR/NAME.csr for the CA")
     csr.add_argument("dir")
@@ -182,7 +184,15 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("--server", action="store_true", help="must match the CSR's request (default: what it asks)")
     usage.add_argument("--client", action="store_true")
     sg.add_argument("--days", type=int, default=30, help="validity in days")
+    sg.add_argument("--hours", type=int, help="validity in hours instead (hour-scale certificates)")
     sg.add_argument("--force", action="store_true", help="replace an existing --out (renewal)")
+    rv = csub.add_parser("revoke", help="on the CA machine: put a certificate on CADIR/crl.pem (give it to tls.crl / --crl)")
+    rv.add_argument("cert", help="the certificate to revoke (PEM)")
+    rv.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
+    rv.add_argument("--days", type=int, default=7, help="the CRL's validity (refresh it with certs crl before then)")
+    cr = csub.add_parser("crl", help="on the CA machine: (re)write CADIR/crl.pem from CADIR/revoked.txt")
+    cr.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
+    cr.add_argument("--days", type=int, default=7, help="the CRL's validity: past it, listeners refuse every peer")
 
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",
                         description="Read each instance's /metrics, /refusals and /readyz. HTTPS endpoints (a "
@@ -527,7 +537,7 @@ def _certs(a: argparse.Namespace) -> int:
         print(f"wrote {ca.cert} and {ca.key} (0600): keep ca.key off the nodes (certs csr + certs sign)")
     elif a.certs_command == "issue":
         files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days,
-                            force=a.force, ca_dir=a.ca_dir)
+                            force=a.force, ca_dir=a.ca_dir, hours=a.hours)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
     elif a.certs_command == "csr":
         from rpcguard.pki.csr import make_csr
@@ -535,11 +545,18 @@ def _certs(a: argparse.Namespace) -> int:
         files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
         print(f"wrote {files.key} (0600, keep it here) and {files.cert}: sign it on the CA machine with "
               f"rpcguard certs sign --ca-dir CADIR {files.cert.name} --out {a.name}.pem")
+    elif a.certs_command in ("revoke", "crl"):
+        from rpcguard.pki import crl
+
+        path = crl.revoke(a.ca_dir, a.cert, days=a.days) if a.certs_command == "revoke" else crl.write_crl(a.ca_dir, days=a.days)
+        listed = crl.load_crl(path, Path(a.ca_dir) / "ca.pem")
+        print(f"wrote {path}: {len(listed.revoked)} revoked certificate(s), valid {a.days} days: copy it to every "
+              f"node's tls.crl (serve reloads it on SIGHUP or with tls.reload_interval_s, and ends revoked sessions)")
     else:
         from rpcguard.pki.csr import sign_csr
 
         server = True if a.server else False if a.client else None
-        out = sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force)
+        out = sign_csr(a.ca_dir, a.csr, a.out, server=server, days=a.days, force=a.force, hours=a.hours)
         print(f"wrote {out}: {certs.describe(out)}")
     return EXIT_OK
 

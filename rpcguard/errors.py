@@ -54,7 +54,7 @@ PARTY_OF_REASON: Mapping[str, str] = {
     # session rules (protocol/session.py): the client's requests, the upstream's responses
     "first_frame_not_hello": _C, "hello_repeated": _C, "hello_bad_size": _C, "data_before_hello_reply": _C,
     "command_unknown": _C, "command_not_allowed": _C, "frame_size_invalid": _C, "request_too_large": _C,
-    "response_unexpected": _U, "response_size_invalid": _U,
+    "response_unexpected": _U, "response_size_invalid": _U, "response_value_invalid": _U,
     # the version the upstream announced (or the client's HELLO era against it) is not accepted
     "version_not_accepted": _U,
     # timers (proxy/link.py): a client that does not speak, or stops mid-frame / stops reading
@@ -72,6 +72,8 @@ PARTY_OF_REASON: Mapping[str, str] = {
     "tls_handshake_timeout": _C, "tls_no_client_cert": _C, "tls_cert_expired": _C, "tls_unknown_ca": _C,
     "tls_protocol_version": _C, "tls_not_tls": _C, "tls_bad_certificate": _C, "tls_handshake_failed": _C,
     "identity_not_allowed": _C, "certificate_usage_invalid": _C,
+    # revocation (pki/crl.py): a certificate on the CRL at the handshake or at a reload; the CRL itself out of date
+    "tls_cert_revoked": _C, "certificate_revoked": _C, "tls_crl_expired": _L,
     "identity_quarantined": _C,  # its sessions crashed the server (upstream/pool.py)
     "client_closed_mid_frame": _C,
     # rpcguard's own limits and failures

@@ -72,6 +72,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("ca", _ALL, "tls.ca", "the private CA that signs the peers' certificates"),
     Flag("tls-min-version", _ALL, "tls.min_version", "lowest TLS version accepted (default {default})",
          choices=("1.2", "1.3"), default=_field_default(TlsConfig, "min_version")),
+    Flag("crl", _SC, "tls.crl", "a CRL of --ca (PEM or DER): revoked peer certificates are refused at the handshake "
+         "and their live sessions ended at reload (rpcguard certs revoke writes one)"),
     Flag("tls-reload-interval-s", _SC, "tls.reload_interval_s",
          "also reload when the certificate files change, polled this often (default {default}: SIGHUP only)",
          kind="float", metavar="SECONDS", default=_field_default(TlsConfig, "reload_interval_s")),

@@ -63,6 +63,7 @@ class TlsConfig:
     ca: str
     min_version: Literal["1.2", "1.3"] = "1.3"
     reload_interval_s: float = 0.0  # 0 = reload on SIGHUP only; > 0 also polls the files' mtimes
+    crl: str | None = None  # a CRL (PEM or DER) of the CA, checked at every handshake (pki/crl.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +144,11 @@ DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connec
 def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
     if data is None:
         raise ConfigError("tls", "required (cert, key and ca)")
-    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s"})
+    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s", "crl"})
     files = [s.get(k, file_path(base_dir)) for k in ("cert", "key", "ca")]
     return TlsConfig(*files, **s.read_all({"min_version": choice("1.3", "1.2"),
-                                           "reload_interval_s": duration(zero_is_off=True)}))
+                                           "reload_interval_s": duration(zero_is_off=True),
+                                           "crl": file_path(base_dir)}))
 
 
 _LOG_READERS: dict[str, Reader] = {"format": choice("text", "json"),

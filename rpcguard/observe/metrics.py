@@ -71,7 +71,7 @@ ROLES = ("serve", "connect")
 # "no_hello": a client that left before its first frame (a port check). Neither is a session.
 SESSION_RESULTS = ("ok", "refused", "error", "probe", "no_hello")
 RELOAD_RESULTS = ("ok", "error")
-CERTIFICATES = ("cert", "ca")
+CERTIFICATES = ("cert", "ca", "crl")  # crl: its nextUpdate (tls.crl)
 FIREWALL_MODES = ("enforce", "monitor")
 CHECKED_BY = ("proxy", "node")  # who validates a session's requests (request_checks_sessions_total)
 # Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
@@ -210,7 +210,8 @@ def _families() -> _Families:
         "unprotected": g("rpcguard_metrics_unprotected", "1 when the metrics endpoint is served beyond loopback "
                          "without TLS and authentication (metrics.unsafe_public).", labels=["role"]),
         "cert": g("rpcguard_certificate_expiry_timestamp_seconds",
-                  "notAfter of the loaded certificates, Unix time.", labels=["role", "certificate"]),
+                  "notAfter of the loaded certificates (cert, ca) and nextUpdate of the CRL (crl), Unix time.",
+                  labels=["role", "certificate"]),
         "certfile": g("rpcguard_certificate_file_info", "The file each loaded certificate was read from.",
                       labels=["role", "certificate", "file"]),
         "certwarn": g("rpcguard_certificate_warning", "1 while the loaded certificate has this problem.",

@@ -43,6 +43,7 @@ __all__ = [
     "load_cert",
     "cert_not_after",
     "describe",
+    "lifetime",
 ]
 
 KeyType = Literal["ec", "rsa"]
@@ -144,19 +145,22 @@ def issue(
     not_before: _dt.datetime | None = None,
     not_after: _dt.datetime | None = None,
     ca_dir: str | os.PathLike[str] | None = None,
+    hours: int | None = None,
 ) -> LeafFiles:
     """Sign a leaf with the CA in ``ca_dir`` (default ``directory``); write ``DIR/NAME.pem`` and ``DIR/NAME.key`` (0600).
 
     ``server=True`` gives EKU serverAuth (and, without any SAN, DNS SAN ``name``); ``server=False``
     gives EKU clientAuth. An existing leaf is replaced only with ``force=True`` (renewal).
     ``not_before``/``not_after`` override the validity window (tests mint expired certificates).
+    ``hours`` makes an hour-scale certificate instead of ``days`` (short-lived certificates are
+    revocation by expiry: a session never outlives its client certificate, docs/revocation.md).
     """
     files = _leaf_files(directory, name, ".pem", force)
-    _check_days(days)
+    span = lifetime(days, hours)
     profile = _profile(name, server, dns, ips, uris, common_name)
     ca = _load_ca(ca_dir if ca_dir is not None else directory)
     key = _new_key(key_type)
-    cert = _sign(ca, key.public_key(), profile, days, files.cert, not_before, not_after)
+    cert = _sign(ca, key.public_key(), profile, span, files.cert, not_before, not_after)
     # Key first: a reloading listener that sees the new key with the old cert fails the pair check
     # and keeps its old context until the next poll.
     make_dir(files.key.parent)
@@ -223,12 +227,23 @@ def _load_ca(ca_dir: str | os.PathLike[str]) -> tuple[x509.Certificate, object]:
     return ca_cert, ca_key
 
 
-def _sign(ca: tuple, public_key, profile: _Profile, days: int, where: Path,
+def lifetime(days: int, hours: int | None = None) -> _dt.timedelta:
+    """A leaf's validity: ``hours`` when given (hour-scale certificates, renewed as revocation), else ``days``."""
+    if hours is None:
+        _check_days(days)
+        return _dt.timedelta(days=days)
+    if not isinstance(hours, int) or hours < 1:
+        raise CertError(f"hours must be a positive integer, got {hours!r}")
+    return _dt.timedelta(hours=hours)
+
+
+def _sign(ca: tuple, public_key, profile: _Profile, days: int | _dt.timedelta, where: Path,
           not_before: _dt.datetime | None, not_after: _dt.datetime | None) -> x509.Certificate:
     ca_cert, ca_key = ca
     now = _dt.datetime.now(_dt.timezone.utc)
     start = not_before if not_before is not None else now - CLOCK_SKEW
-    end = not_after if not_after is not None else min(now + _dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    span = days if isinstance(days, _dt.timedelta) else _dt.timedelta(days=days)
+    end = not_after if not_after is not None else min(now + span, ca_cert.not_valid_after_utc)
     if end <= start:
         raise CertError(f"{where}: validity window is empty ({start} .. {end})")
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
@@ -291,7 +306,9 @@ def describe(path: str | os.PathLike[str]) -> str:
         pass
     end = cert.not_valid_after_utc
     left = end - _dt.datetime.now(_dt.timezone.utc)
-    state = f"expires in {left.days}d" if left.total_seconds() > 0 else "EXPIRED"
+    secs = left.total_seconds()
+    state = ("EXPIRED" if secs <= 0 else f"expires in {left.days}d" if left.days
+             else f"expires in {secs / 3600:.1f}h")
     parts.append(f"not_after={end.isoformat()} ({state})")
     parts.append(f"serial={cert.serial_number:x}")
     return " ".join(parts)

@@ -24,7 +24,7 @@ from rpcguard.pki.certs import (
     CertError,
     KeyType,
     LeafFiles,
-    _check_days,
+    lifetime,
     _key_pem,
     _leaf_files,
     _load_ca,
@@ -78,6 +78,7 @@ def sign_csr(
     server: bool | None = None,
     days: int = 30,
     force: bool = False,
+    hours: int | None = None,
 ) -> Path:
     """On the CA machine: sign ``csr_path`` into ``out`` with the rules of ``issue``.
 
@@ -88,7 +89,7 @@ def sign_csr(
     out_path = Path(out)
     if out_path.exists() and not force:
         raise CertError(f"{out_path}: already exists (--force renews it)")
-    _check_days(days)
+    span = lifetime(days, hours)
     try:
         csr = x509.load_pem_x509_csr(Path(csr_path).read_bytes())
     except OSError as exc:
@@ -112,7 +113,7 @@ def sign_csr(
     profile = _profile(cns[0].value, server, dns, ips, uris, None)
     _check_public_key(csr.public_key(), csr_path)
     ca = _load_ca(ca_dir)
-    cert = _sign(ca, csr.public_key(), profile, days, out_path, None, None)
+    cert = _sign(ca, csr.public_key(), profile, span, out_path, None, None)
     _write_public(out_path, cert.public_bytes(serialization.Encoding.PEM))
     return out_path
 

@@ -105,6 +105,9 @@ HANDSHAKE_ERROR_REASONS: tuple[tuple[str, str], ...] = (
     ("certificate required", "tls_no_client_cert"),  # C: tlsv13 alert certificate required
     ("certificate has expired", "tls_cert_expired"),  # S/C verify: peer's cert expired
     ("certificate expired", "tls_cert_expired"),  # S/C: sslv3 alert certificate expired
+    ("certificate revoked", "tls_cert_revoked"),  # S verify: on the CRL (tls.crl); C: the alert
+    ("crl has expired", "tls_crl_expired"),  # S/C verify: the CRL is past its nextUpdate: renew it
+    ("unable to get certificate crl", "tls_crl_expired"),  # no CRL of the issuing CA is loaded
     ("hostname mismatch", "node_name_mismatch"),  # C: server cert lacks the DNS name
     ("ip address mismatch", "node_name_mismatch"),  # C: server cert lacks the IP
     ("unable to get local issuer", "tls_unknown_ca"),  # S/C verify: signed by another CA

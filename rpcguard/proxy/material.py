@@ -19,6 +19,8 @@ import ssl
 from dataclasses import dataclass
 
 from rpcguard.pki.certs import cert_not_after
+from rpcguard.pki.crl import Crl, load_crl
+from rpcguard.pki.crl import apply as apply_crl
 from rpcguard.config.model import Config, TlsConfig
 from rpcguard.pki.tls import client_context, probe_context, server_context
 from rpcguard.protocol.side import SIDES
@@ -34,7 +36,8 @@ class _TlsLoad:
     other: ssl.SSLContext  # serve: the monitoring listeners'; connect: the probe's
     expiry: dict[str, float]
     stamp: tuple
-    digest: dict[str, str]  # "cert"/"key"/"ca" -> sha256 of the file's bytes
+    digest: dict[str, str]  # "cert"/"key"/"ca"/"crl" -> sha256 of the file's bytes
+    crl: Crl | None  # the revocation list checked at every handshake (tls.crl)
 
 
 class TlsMaterial:
@@ -49,17 +52,31 @@ class TlsMaterial:
         """Read and check the material of ``tls_cfg`` (raises on any problem); nothing changes yet."""
         stamp = _stamp_of(tls_cfg)  # before reading: a file replaced meanwhile is seen as changed again
         digest: dict[str, str] = {}
-        for name in ("cert", "key", "ca"):
+        for name in ("cert", "key", "ca", "crl"):
+            if getattr(tls_cfg, name) is None:
+                continue
             with open(getattr(tls_cfg, name), "rb") as f:
                 digest[name] = hashlib.sha256(f.read()).hexdigest()
+        crl = load_crl(tls_cfg.crl, tls_cfg.ca) if tls_cfg.crl else None
         main, other = self._build(tls_cfg)
-        return _TlsLoad(tls_cfg, main, other, self._read_expiry(tls_cfg), stamp, digest)
+        if crl is not None:
+            for ctx in (main, other):
+                apply_crl(ctx, crl)
+        expiry = self._read_expiry(tls_cfg)
+        if crl is not None and crl.next_update is not None:
+            expiry["crl"] = crl.next_update  # past it, OpenSSL refuses every peer (tls_crl_expired)
+        return _TlsLoad(tls_cfg, main, other, expiry, stamp, digest, crl)
 
     def use(self, loaded: _TlsLoad) -> None:
         """Put prepared material in use (new sessions get it)."""
         self.tls, self.context, self.loaded_expiry = loaded.tls, loaded.context, loaded.expiry
         self._other = loaded.other
         self.stamp, self.digest = loaded.stamp, loaded.digest
+        self.crl = loaded.crl
+
+    def revoked(self, serial: int) -> bool:
+        """The certificate of this serial is on the CRL in use."""
+        return self.crl is not None and serial in self.crl.revoked
 
     def context_for(self, enforcing: bool) -> ssl.SSLContext:
         """serve: the context of a listener that enforces everything (or not): its ALPN says which."""
@@ -93,7 +110,10 @@ class TlsMaterial:
 
 def _stamp_of(tls: TlsConfig) -> tuple:
     out: list[tuple[int, int, int] | None] = []
-    for path in (tls.cert, tls.key, tls.ca):
+    for path in (tls.cert, tls.key, tls.ca, tls.crl):
+        if path is None:
+            out.append(None)
+            continue
         try:
             st = os.stat(path)
             out.append((st.st_mtime_ns, st.st_size, st.st_ino))

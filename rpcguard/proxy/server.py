@@ -284,7 +284,7 @@ class Runtime:
             log.warning("reload (%s): %s cannot change while running (%s); keeping %s until a restart (file: %s)",
                         why, key, RESTART_KEYS[key], getattr(getattr(self.cfg, section), name),
                         getattr(getattr(new_cfg, section), name))
-        files = [n for n in ("cert", "key", "ca") if tls.digest[n] != self.tls.digest[n]]
+        files = [n for n in ("cert", "key", "ca", "crl") if tls.digest.get(n) != self.tls.digest.get(n)]
         web_changed = web.config != self.web.config and "metrics.web_config" not in diff.changed
         self.tls.use(tls)
         self.web = web

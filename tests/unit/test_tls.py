@@ -371,7 +371,8 @@ def test_classify_follows_causes():
 
 def test_reason_table_uses_only_stable_reasons():
     stable = {"tls_no_client_cert", "tls_unknown_ca", "tls_cert_expired", "tls_bad_certificate", "tls_not_tls",
-              "tls_protocol_version", "tls_handshake_failed", "tls_handshake_timeout", "node_name_mismatch"}
+              "tls_protocol_version", "tls_handshake_failed", "tls_handshake_timeout", "node_name_mismatch",
+              "tls_cert_revoked", "tls_crl_expired"}
     assert {reason for _, reason in tls.HANDSHAKE_ERROR_REASONS} <= stable
     assert all(needle == needle.lower() for needle, _ in tls.HANDSHAKE_ERROR_REASONS)
 
