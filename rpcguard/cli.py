@@ -189,10 +189,10 @@ def _parser() -> argparse.ArgumentParser:
     rv = csub.add_parser("revoke", help="on the CA machine: put a certificate on CADIR/crl.pem (give it to tls.crl / --crl)")
     rv.add_argument("cert", help="the certificate to revoke (PEM)")
     rv.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
-    rv.add_argument("--days", type=int, default=7, help="the CRL's validity (refresh it with certs crl before then)")
+    rv.add_argument("--days", type=int, default=30, help="the CRL's validity (re-sign it weekly with certs crl)")
     cr = csub.add_parser("crl", help="on the CA machine: (re)write CADIR/crl.pem from CADIR/revoked.txt")
     cr.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
-    cr.add_argument("--days", type=int, default=7, help="the CRL's validity: past it, listeners refuse every peer")
+    cr.add_argument("--days", type=int, default=30, help="the CRL's validity: past it, listeners refuse every peer")
 
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",
                         description="Read each instance's /metrics, /refusals and /readyz. HTTPS endpoints (a "

@@ -54,6 +54,10 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "op_not_verified", "graph_type_invalid", "graph_src_unexpected", "graph_tensor_unallocated",
     "graph_tensor_wrong_device", "tensor_layout_invalid", "graph_too_costly", "graph_work_too_large",
     "op_needs_containment", "work_buffer_overflow",
+    # the op table's backend layer (protocol/backend.py, oprules/cuda.py): what the node's backend
+    # cannot run or addresses past a tensor, and a backend the setting and the server disagree on
+    "backend_unsupported_op", "backend_misaligned", "backend_grid_too_large", "backend_index_overflow",
+    "backend_reach_out_of_buffer", "backend_unknown", "backend_mismatch",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
 # upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py);

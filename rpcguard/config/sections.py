@@ -64,6 +64,7 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "node_gflops": (duration(), "firewall.node_gflops"),  # (a positive number, read as a duration is)
     "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
     "server_threads": (count, "firewall.server_threads"),
+    "backend": (choice("auto", "cpu", "cuda"), "firewall.backend"),  # protocol/backend.py SETTINGS
 }
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(

@@ -99,7 +99,7 @@ def _load_ca_pair(ca_dir: Path) -> tuple[x509.Certificate, object]:
     return _load_ca(ca_dir)
 
 
-def revoke(ca_dir: str | os.PathLike[str], cert_path: str | os.PathLike[str], *, days: int = 7) -> Path:
+def revoke(ca_dir: str | os.PathLike[str], cert_path: str | os.PathLike[str], *, days: int = 30) -> Path:
     """On the CA machine: add ``cert_path``'s serial to ``CADIR/revoked.txt`` and rewrite ``CADIR/crl.pem``."""
     from rpcguard.pki.certs import CertError, load_cert
 
@@ -138,7 +138,7 @@ def _read_list(d: Path) -> dict[int, _dt.datetime]:
     return out
 
 
-def write_crl(ca_dir: str | os.PathLike[str], *, days: int = 7) -> Path:
+def write_crl(ca_dir: str | os.PathLike[str], *, days: int = 30) -> Path:
     """Sign a CRL of every serial in ``CADIR/revoked.txt`` (possibly none), valid ``days``."""
     if not isinstance(days, int) or days < 1:
         raise CrlError(f"days must be a positive integer, got {days!r}")

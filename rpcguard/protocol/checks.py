@@ -23,6 +23,7 @@ import struct
 from typing import Final
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.backend import check_alloc_command
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
 from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
@@ -77,6 +78,7 @@ class RequestChecks:
             max_work_bytes=policy.max_work_bytes,
             server_threads=policy.server_threads,
             contained=policy.contained,
+            backend=policy.backend,
         )
 
     def quota(self, device: int) -> tuple[int, int] | None:
@@ -231,19 +233,28 @@ class RequestChecks:
                 f"tensor id={t.id:#x}: padded size {padded} (GET_ALLOC_SIZE) from {t.data:#x} past the end "
                 f"of buffer {buf.handle:#x}",
             )
+        # on CUDA the padding is computed, asked for or not (protocol/backend.py)
+        check_alloc_command(self.policy.backend, "INIT_TENSOR", t, [], self.state, buf.device)
 
     def get_alloc_size(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         at = 0
+        device = 0
         if rule.has_device:
-            self._check_device(_U32.unpack_from(payload)[0])
+            device = _U32.unpack_from(payload)[0]
+            self._check_device(device)
             at = 4
         checks = self._tchecks | FOREIGN_BUFFER_OK
         state = self.state
-        check_tensor(decode_tensor(payload, at), state, checks)
+        t = decode_tensor(payload, at)
+        check_tensor(t, state, checks)
+        srcs: list[RpcTensor | None] = []
         for off in range(at + TENSOR_BYTES, len(payload), TENSOR_BYTES):
             src = decode_tensor(payload, off)
             if src.id != 0:  # id 0 means "no src": the server skips it
                 check_tensor(src, state, checks)
+            srcs.append(src if src.id != 0 else None)
+        if self._tensor:  # CUDA's get_alloc_size asserts (protocol/backend.py)
+            check_alloc_command(self.policy.backend, "GET_ALLOC_SIZE", t, srcs, state, device)
 
     def graph_compute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         self._graph.check(payload, self.state)

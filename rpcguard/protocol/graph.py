@@ -42,6 +42,7 @@ from typing import Callable, Final, Literal, Mapping
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
+from rpcguard.protocol.backend import backend_layer, check_backend
 from rpcguard.protocol.cost import flops
 from rpcguard.protocol.opcheck import check_layout, check_node, check_reach, check_sources
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
@@ -240,6 +241,7 @@ class GraphValidator:
         max_work_bytes: int = MAX_WORK_BYTES,
         server_threads: int = SERVER_THREADS,
         contained: bool = False,
+        backend: str = "auto",
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -262,6 +264,8 @@ class GraphValidator:
         # the upstream is a fresh sandboxed process per session (containment): content-indexed
         # ops with a shape rule but no check on their indexes (oprules.needs_containment) may reach it
         self.contained = contained
+        self.backend = backend  # policy.backend: the op table's backend layer (protocol/backend.py)
+        self._layers: dict[int, str] = {}  # device -> the layer its cached node verdicts were reached under
         self._deadline = 0.0
 
     # -- entry point -------------------------------------------------------------------------
@@ -326,8 +330,14 @@ class GraphValidator:
                     "graph_use_count_invalid",
                     f"tensor {i} (id={ids[i]:#x}) use_count {bad} outside [0, {self.max_use_count}]",
                 )
+        # the op table's backend layer for this device (protocol/backend.py); node verdicts cached
+        # under another layer (the server's answers changed the detection) are not reused
+        layer = backend_layer(self.backend, state, device)
+        if self._layers.setdefault(device, layer) != layer:
+            state.node_cache.clear()
+            self._layers[device] = layer
         if self.ops or self.op_params:
-            cost = self._ops(rules, region, chunks, ids, npos, srcs, pos, state)
+            cost = self._ops(rules, region, chunks, ids, npos, srcs, pos, state, layer)
             self._charge(cost, device, state)
         return device
 
@@ -500,6 +510,7 @@ class GraphValidator:
         srcs: list[list[int]],
         pos: dict[int, int],
         state: SessionState,
+        layer: str = "cpu",
     ) -> int:
         """The op rules for every node; returns the graph's estimated floating-point operations."""
         if rules is None:
@@ -581,6 +592,7 @@ class GraphValidator:
                 check_node(rule, node, node_srcs, by_id)
                 if self.tensor_checks == STRICT:  # flat rows, rule.reach: inside the buffers
                     check_reach(rule, node, node_srcs, state)
+                check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT)
             work = work_bytes(rule.op, node, node_srcs, self.server_threads)
             if work > self.max_work_bytes:
                 raise _refuse("graph_work_too_large",

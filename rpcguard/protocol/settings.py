@@ -61,6 +61,11 @@ class FirewallPolicy:
     # never by the config: content-indexed ops without a check (oprules.needs_containment) may
     # then reach it.
     contained: bool = False
+    # The upstream's ggml backend (protocol/backend.py, issue 29): "auto" detects it per session
+    # and device from the server's answers; "cpu" / "cuda" names it, and an answer that says
+    # otherwise refuses the session's graphs (backend_mismatch). Selects the op table's backend
+    # layer (oprules/cuda.py on CUDA).
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)

@@ -48,7 +48,7 @@ from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from rpcguard.proxy.validators import Validators
-from rpcguard.pki.identity import source_of
+from rpcguard.pki.identity import PeerIdentity, source_of
 from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
 
 __all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS", "VALIDATORS"]
@@ -109,6 +109,8 @@ class Link:
         self._held = bytearray()  # client frames waiting for the next urgent one (HOLD_MAX_BYTES)
         # While a graph is validated off the loop: the link's callbacks that came meanwhile, in order.
         self._later: list[tuple[Callable[..., None], tuple]] | None = None
+        self.peer_cert: PeerIdentity | None = None  # serve: the client certificate (Route.admit)
+        self._expiry: asyncio.TimerHandle | None = None  # ends the session at its notAfter
 
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
@@ -181,6 +183,24 @@ class Link:
     def _admit(self, endpoint: Endpoint) -> None:
         ssl_object = endpoint.transport.get_extra_info("ssl_object") if self.route.side.client_tls else None  # type: ignore[union-attr]
         self.lc.admit(*self.route.admit(self, ssl_object))
+        cert = self.peer_cert
+        if cert is not None:  # a session never outlives its client certificate (docs/revocation.md)
+            left = max(0.0, cert.not_after - time.time())
+            self._expiry = asyncio.get_running_loop().call_later(
+                left, self.end, Refusal("tls_cert_expired", "the client certificate expired during the session"))
+
+    def end(self, refusal: Refusal) -> None:
+        """End the session now with ``refusal``: its certificate expired, was revoked, or a reload
+        took its identity off the allow-list. Counted and logged like any refusal."""
+        if self._put_off(self.end, refusal):
+            return
+        if self.lc.state == CLOSED:
+            return
+        if self.lc.session is not None:
+            self.lc.refused(refusal)
+        else:  # still in its handshake or before its HELLO: the session never started
+            self.lc.rejected(refusal)
+        self._apply()
 
     def _upstream_made(self, endpoint: Endpoint) -> None:
         route = self.route
@@ -423,6 +443,9 @@ class Link:
         if self.lc.state == CLOSED and self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.lc.state == CLOSED and self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -29,7 +29,7 @@ from rpcguard.errors import Refusal
 from rpcguard.pki.identity import AllowList, PeerIdentity, check_usage
 from rpcguard.observe.metrics import ListenerTraffic
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, peer_cap_refusal
-from rpcguard.protocol.lifecycle import AWAIT_HELLO, Lifecycle, admission_refusal
+from rpcguard.protocol.lifecycle import AWAIT_HELLO, CLOSED, Lifecycle, admission_refusal
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.state import UpstreamFacts
@@ -218,6 +218,7 @@ class Route:
             try:
                 ident = peer_identity(ssl_object)  # type: ignore[arg-type]  # serve: always TLS
                 identity = ident.label()
+                link.peer_cert = ident  # a reload or its notAfter may end the session (Link.end)
                 check_usage(ident, "client")
                 if self.allow is not None:
                     self.allow.authorize(ident)
@@ -300,6 +301,27 @@ class Route:
         if v is not None:
             log.warning("monitor: would refuse session=%d listener=%s identity=%s command=%s reason=%s detail=%s",
                         link_id, self.name, identity or "-", v.command, v.reason, v.detail)
+
+    def revoke(self, revoked: Callable[[int], bool]) -> int:
+        """After a reload: end the live sessions whose client certificate is now revoked or whose
+        identity the allow-list no longer admits; how many were ended."""
+        ended = 0
+        for link in list(self.links):
+            cert = link.peer_cert
+            if cert is None or link.lc.state == CLOSED:
+                continue
+            refusal: Refusal | None = None
+            if revoked(cert.serial):
+                refusal = Refusal("certificate_revoked", "the client certificate was revoked (tls.crl) during the session")
+            elif self.allow is not None:
+                try:
+                    self.allow.authorize(cert)
+                except Refusal as exc:
+                    refusal = Refusal(exc.reason, f"a reload took the identity off the allow-list: {exc.detail}")
+            if refusal is not None:
+                link.end(refusal)
+                ended += 1
+        return ended
 
     def session_over(self, link: Any, lc: Lifecycle) -> None:
         """Fold a finished session into the listener: its refusal, the upstream's version, the

@@ -311,6 +311,11 @@ class Runtime:
         for lst in fresh:
             lst.accept()
         await self.upstreams.start_new()  # a pool that cannot start logs why; its sessions are refused
+        ended = sum(lst.route.revoke(self.tls.revoked) for lst in (*self.listeners, *self.retired)
+                    if lst.route.side.client_tls)
+        if ended:
+            log.warning("reload (%s): ended %d live session(s) whose certificate is revoked or identity no longer "
+                        "allowed", why, ended)
         self._record_expiry()
         report_downgrades(self.cfg, self.metrics, self.web.config)  # again: a reload that keeps them says so
         self._watch()

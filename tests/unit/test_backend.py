@@ -1,0 +1,319 @@
+"""The node's backend (protocol/backend.py) and the CUDA layer of the op table (oprules/cuda.py):
+each CUDA row refuses its case on a CUDA node with its own reason, and the same node passes on a
+CPU node (the CPU layer adds nothing); detection from GET_ALIGNMENT / GET_ALLOC_SIZE answers and
+the server's banner; a setting the server contradicts is refused, never held to the CPU's rules."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol import backend
+from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
+from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.oprules import cuda
+from rpcguard.protocol.state import SessionState, UpstreamFacts, alloc_size_key
+from rpcguard.protocol.tensor import decode_tensor
+from rpcguard.protocol.versions import spec_for
+
+HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
+V7 = (7, 0, 0)
+OPS = op_table(V7).ids  # type: ignore[union-attr]
+F32, F16, Q4_0, Q8_0, Q4_K, I32 = 0, 1, 2, 8, 12, 26
+
+
+def f(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def state(alignment: int | None = None, size: int = SIZE) -> SessionState:
+    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
+    st.add_buffer(HANDLE, 0, size)
+    st.buffers[HANDLE].base = BASE
+    if alignment is not None:
+        st.upstream.alignment[0] = alignment
+    return st
+
+
+def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
+    info = TYPES[type]
+    kw.setdefault("buffer", HANDLE)
+    kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
+    return TensorSpec(id=id, type=type, ne=ne, type_size=info.type_size, blck_size=info.blck_size, **kw)
+
+
+def run(tensors, node, setting="auto", st=None) -> None:
+    v = GraphValidator(max_nodes=64, max_tensors=64, backend=setting)
+    v.check(memoryview(graph_payload([node.id], tensors + [node])), st if st is not None else state())
+
+
+def cuda_reason(tensors, node, size: int = SIZE) -> str:
+    """The node passes on a CPU node and is refused on a CUDA node: the reason."""
+    run(tensors, node, "cpu", state(size=size))
+    run(tensors, node, "auto", state(size=size))  # nothing detected: the CPU layer
+    with pytest.raises(FirewallRefusal) as exc:
+        run(tensors, node, "cuda", state(size=size))
+    return exc.value.reason
+
+
+# -- builders ----------------------------------------------------------------------------------
+
+def diag_mask_zero():
+    a = T(0x10, F32, (8, 8, 1, 1))
+    return [a], T(0x20, F32, (8, 8, 1, 1), op=OPS["DIAG_MASK_ZERO"], src=(0x10,), op_params=(2,))
+
+
+def unary_permuted():
+    # RELU (unary op 10... any op id) on a permuted source: rows contiguous, dims 1/2 swapped
+    a = T(0x10, F32, (4, 3, 2, 1), nb=(4, 32, 16, 96))
+    return [a], T(0x20, F32, (4, 3, 2, 1), op=OPS["UNARY"], src=(0x10,), op_params=(10,))
+
+
+def cpy(dst_type: int, src_type: int = F32, ne=(256, 2, 1, 1)):
+    a, b = T(0x10, src_type, ne), T(0x11, dst_type, ne)
+    return [a, b], T(0x20, dst_type, ne, op=OPS["CPY"], src=(0x10, 0x11), view_src=0x11, data=b.data)
+
+
+def rope(ne0: int):
+    a = T(0x10, F32, (ne0, 2, 3, 1))
+    pos = T(0x11, I32, (3, 1, 1, 1))
+    params = (0, ne0 - ne0 % 2, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0)
+    return [a, pos], T(0x20, F32, (ne0, 2, 3, 1), op=OPS["ROPE"], src=(0x10, 0x11), op_params=params)
+
+
+def flash_attn(d: int = 128, kv_type: int = F16, n_q: int = 4, n_kv: int = 256, dst_data: int | None = None):
+    q = T(0x10, F32, (d, n_q, 8, 1))
+    k = T(0x11, kv_type, (d, n_kv, 8, 1))
+    v = T(0x12, kv_type, (d, n_kv, 8, 1))
+    mask = T(0x13, F16, (n_kv, n_q, 1, 1))
+    kw = {} if dst_data is None else {"data": dst_data}
+    node = T(0x20, F32, (d, 8, n_q, 1), op=OPS["FLASH_ATTN_EXT"], src=(0x10, 0x11, 0x12, 0x13),
+             op_params=(f(0.125), 0, 0, 0), **kw)
+    return [q, k, v, mask], node
+
+
+def rms_norm(ne):
+    a = T(0x10, F32, ne)
+    return [a], T(0x20, F32, ne, op=OPS["RMS_NORM"], src=(0x10,), op_params=(f(1e-6),))
+
+
+def pad(ne1: int):
+    a = T(0x10, F32, (1, ne1, 1, 1))
+    return [a], T(0x20, F32, (2, ne1, 1, 1), op=OPS["PAD"], src=(0x10,), op_params=(0, 1, 0, 0, 0, 0, 0, 0, 0))
+
+
+def add(a_data_offset: int = 0, b_nb1: int = 16):
+    a = T(0x10, F32, (4, 2, 1, 1))
+    a.data += a_data_offset
+    b = T(0x11, F32, (4, 2, 1, 1), nb=(4, b_nb1, 2 * b_nb1, 2 * b_nb1))
+    return [a, b], T(0x20, F32, (4, 2, 1, 1), op=OPS["ADD"], src=(0x10, 0x11))
+
+
+def mul_mat(a_type=Q8_0, k=64, a_data=None):
+    a = T(0x10, a_type, (k, 8, 1, 1))
+    if a_data is not None:
+        a.data = a_data
+    b = T(0x11, F32, (k, 3, 1, 1))
+    return [a, b], T(0x20, F32, (8, 3, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
+
+
+# -- the CUDA rows -----------------------------------------------------------------------------
+
+def test_ops_without_a_cuda_kernel_are_refused_on_cuda_only():
+    # ggml-cuda.cu:2474-2475 / :4458 / :5728-5729: no case for DIAG_MASK_ZERO (gap study 2.B)
+    assert cuda_reason(*diag_mask_zero()) == "backend_unsupported_op"
+    assert cuda.NO_KERNEL == {"DIAG_MASK_ZERO", "IM2COL_BACK", "POOL_2D_BACK", "WIN_PART", "WIN_UNPART",
+                              "GET_REL_POS", "ADD_REL_POS"}
+
+
+def test_non_contiguous_unary_refused():
+    # unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0))
+    assert cuda_reason(*unary_permuted()) == "backend_unsupported_op"
+    a = T(0x10, F32, (4, 3, 2, 1))
+    run([a], T(0x20, F32, (4, 3, 2, 1), op=OPS["UNARY"], src=(0x10,), op_params=(10,)), "cuda")
+
+
+@pytest.mark.parametrize("dst, src, ok", [
+    (Q4_K, F32, False),  # cpy.cu:618 GGML_ABORT: no F32 -> Q4_K kernel
+    (Q8_0, F32, True), (Q4_0, F32, True), (F16, F32, True), (F32, Q8_0, True),
+])
+def test_copy_type_pairs(dst, src, ok):
+    tensors, node = cpy(dst, src)
+    if ok:
+        run(tensors, node, "cuda")
+    else:
+        assert cuda_reason(tensors, node) == "backend_unsupported_op"
+
+
+def test_odd_rope_refused():
+    # rope.cu:383 GGML_ASSERT(ne00 % 2 == 0)
+    assert cuda_reason(*rope(63)) == "backend_unsupported_op"
+    run(*rope(64), "cuda")
+
+
+@pytest.mark.parametrize("d, kv, ok", [
+    (128, F16, True), (64, Q8_0, True), (256, Q4_0, True),
+    (32, F16, False),  # fattn.cu:621-622 default: no kernel for D = 32
+    (256, Q4_K, False),  # fattn.cu:524-539: K/V types with a kernel
+])
+def test_flash_attn_head_sizes_and_kv_types(d, kv, ok):
+    tensors, node = flash_attn(d, kv)
+    if ok:
+        run(tensors, node, "cuda")
+    else:
+        assert cuda_reason(tensors, node) == "backend_unsupported_op"
+
+
+def test_flash_attn_f16_copies_behind_dst_must_fit_the_buffer():
+    # fattn-common.cuh:53-83: K and V converted to F16 behind dst, at pad128(dst + nbytes)
+    tensors, node = flash_attn(128, Q8_0)
+    dst_bytes = 128 * 8 * 4 * 4
+    extra = 2 * 2 * (128 * 256 * 8)  # F16 copies of K and V
+    at_end = BASE + SIZE - dst_bytes - 64  # dst fits, its F16 copies do not
+    tensors, node = flash_attn(128, Q8_0, dst_data=at_end)
+    assert cuda_reason(tensors, node) == "backend_reach_out_of_buffer"
+    room = BASE + SIZE - ((dst_bytes + 127) // 128 * 128 + extra + 256)
+    run(*flash_attn(128, Q8_0, dst_data=room - room % 128), "cuda")
+    run(*flash_attn(128, F16, dst_data=at_end), "cuda")  # F16 K/V: nothing behind dst
+
+
+def test_fa_extra_end_matches_the_formula():
+    tensors, node = flash_attn(128, Q8_0, n_kv=256)
+    specs = {t.id: t for t in tensors}
+    enc = [decode_tensor(pack_tensor(t)) for t in (node, specs[0x10], specs[0x11], specs[0x12])]
+    n, q, k, v = enc
+    end = cuda.fa_extra_end(n, [q, k, v, None])
+    nb = 128 * 8 * 4 * 4
+    k_at = -(-(n.data + nb) // 128) * 128
+    v_at = -(-(k_at + 2 * 128 * 256 * 8) // 128) * 128
+    assert end == v_at + 2 * 128 * 256 * 8 - n.data
+
+
+def test_grid_axes_past_65535_refused():
+    # norm.cu:313 blocks_num(nrows, nchannels, nsamples); pad.cu:70 gridDim(.., ne1, ne2*ne3)
+    assert cuda_reason(*rms_norm((64, 1, 70000, 1)), size=1 << 26) == "backend_grid_too_large"
+    run(*rms_norm((64, 70000, 1, 1)), "cuda", state(size=1 << 26))  # rows are grid x: fine
+    assert cuda_reason(*pad(70000), size=1 << 26) == "backend_grid_too_large"
+    run(*pad(65535), "cuda", state(size=1 << 26))
+
+
+def test_misaligned_tensors_refused():
+    # gap study G1; binbcast.cu:284-297 asserts nb % sizeof(T)
+    assert cuda_reason(*add(a_data_offset=2)) == "backend_misaligned"
+    assert cuda_reason(*add(b_nb1=18)) == "backend_misaligned"
+    run(*add(), "cuda")
+
+
+def test_index_wrap_refused():
+    # unary.cu:131 unary_cuda(..., const int k): 2^31 F16 elements (a 4 GiB tensor) wrap k
+    ne = (1 << 16, 1 << 13, 2, 2)
+    st = state(size=(1 << 32) + 4096)
+    a = T(0x10, F16, ne, data=BASE)
+    node = T(0x20, F16, ne, op=OPS["UNARY"], src=(0x10,), op_params=(10,), view_src=0x10, data=BASE)
+    assert cuda_reason([a], node, size=(1 << 32) + 4096) == "backend_index_overflow"
+    small = (1 << 16, 1 << 13, 2, 1)
+    run([T(0x10, F16, small, data=BASE)], T(0x20, F16, small, op=OPS["UNARY"], src=(0x10,), op_params=(10,),
+                                             view_src=0x10, data=BASE), "cuda", st)
+
+
+def test_quantized_matrix_padding_must_fit_the_buffer():
+    # ggml-cuda.cu:911-917: ne0 64 of q8_0 is padded by row_size(q8_0, 448) = 476 bytes
+    row = 64 // 32 * 34
+    at_end = BASE + SIZE - 8 * row
+    assert cuda_reason(*mul_mat(Q8_0, 64, a_data=at_end)) == "backend_reach_out_of_buffer"
+    run(*mul_mat(Q8_0, 64, a_data=at_end - 476), "cuda")
+    run(*mul_mat(Q8_0, 512, a_data=BASE + SIZE - 8 * 512 // 32 * 34), "cuda")  # no padding: a multiple of 512
+
+
+def test_matrix_src0_types():
+    assert cuda_reason(*mul_mat(34, 256)) == "backend_unsupported_op"  # TQ1_0: not in supports_op :5344-5374
+
+
+# -- detection and the setting ------------------------------------------------------------------
+
+def test_alignment_detects_the_backend():
+    assert backend.detect(state(128), 0) == "cuda"
+    assert backend.detect(state(32), 0) == "cpu"
+    assert backend.detect(state(64), 0) == "unknown alignment 64"
+    assert backend.detect(state(), 0) is None
+
+
+def test_auto_follows_the_server_and_a_cuda_answer_is_never_held_to_the_cpu_rules():
+    tensors, node = diag_mask_zero()
+    run(tensors, node, "auto", state(32))
+    with pytest.raises(FirewallRefusal) as exc:
+        run(tensors, node, "auto", state(128))
+    assert exc.value.reason == "backend_unsupported_op"
+
+
+@pytest.mark.parametrize("setting, alignment, reason", [
+    ("cpu", 128, "backend_mismatch"), ("cuda", 32, "backend_mismatch"),
+    ("auto", 64, "backend_unknown"), ("cuda", 64, "backend_unknown"),
+])
+def test_mismatch_and_unknown_are_refusals(setting, alignment, reason):
+    tensors, node = add()
+    with pytest.raises(FirewallRefusal) as exc:
+        run(tensors, node, setting, state(alignment))
+    assert exc.value.reason == reason
+
+
+def test_padding_in_alloc_size_answers_detects_cuda():
+    st = state()
+    t = decode_tensor(pack_tensor(T(0x10, Q8_0, (64, 2, 1, 1))))
+    plain = 2 * 64 // 32 * 34
+    st.upstream.alloc_sizes[alloc_size_key(0, t)] = plain + 476
+    assert backend.detect(st, 0) == "cuda"
+    st.upstream.alloc_sizes[alloc_size_key(0, t)] = plain
+    assert backend.detect(st, 0) == "cpu"
+
+
+def test_banner_names_each_device():
+    text = ("Starting RPC server v7.0.0\n  endpoint       : 127.0.0.1:50052\n  local cache    : n/a\nDevices:\n"
+            "  CUDA0: NVIDIA H200 (143771 MiB, 142000 MiB free)\n  CPU: AMD EPYC 9654 (773000 MiB, 770000 MiB free)\n"
+            "  transport      : TCP\n")
+    assert backend.parse_banner(text) == {0: "cuda", 1: "cpu"}
+    assert backend.parse_banner("Devices:\n  Vulkan0: AMD (1024 MiB, 1000 MiB free)\n") == {0: "vulkan"}
+
+
+# -- GET_ALLOC_SIZE and INIT_TENSOR --------------------------------------------------------------
+
+def _t(**kw):
+    return decode_tensor(pack_tensor(T(0x10, **kw)))
+
+
+def test_alloc_commands_on_cuda():
+    st = state(128)
+    # ggml-cuda.cu:914 GGML_ASSERT(nb[0] == element size) for a padded quantized tensor
+    bad = _t(type=Q8_0, ne=(64, 2, 1, 1), nb=(68, 136, 272, 272))
+    with pytest.raises(FirewallRefusal) as exc:
+        backend.check_alloc_command("auto", "GET_ALLOC_SIZE", bad, [], st, 0)
+    assert exc.value.reason == "backend_unsupported_op"
+    backend.check_alloc_command("auto", "GET_ALLOC_SIZE", bad, [], state(32), 0)  # the CPU never asserts it
+    # fattn.cu:729-730: FLASH_ATTN_EXT without K / V
+    fa = _t(type=F32, ne=(128, 8, 4, 1), op=OPS["FLASH_ATTN_EXT"])
+    with pytest.raises(FirewallRefusal):
+        backend.check_alloc_command("auto", "GET_ALLOC_SIZE", fa, [None, None, None], st, 0)
+    q, k = _t(type=F32, ne=(128, 4, 8, 1)), _t(type=F16, ne=(128, 256, 8, 1))
+    backend.check_alloc_command("auto", "GET_ALLOC_SIZE", fa, [q, k, k], st, 0)
+    # ggml-cuda.cu:758-766: INIT_TENSOR zeroes the padding, asked for or not
+    row = 64 // 32 * 34
+    at_end = _t(type=Q8_0, ne=(64, 2, 1, 1), data=BASE + SIZE - 2 * row)
+    with pytest.raises(FirewallRefusal) as exc:
+        backend.check_alloc_command("cuda", "INIT_TENSOR", at_end, [], st, 0)
+    assert exc.value.reason == "backend_reach_out_of_buffer"
+    backend.check_alloc_command("cpu", "INIT_TENSOR", at_end, [], state(), 0)
+
+
+def test_a_verdict_cached_under_the_cpu_layer_is_not_reused_once_the_server_says_cuda():
+    tensors, node = diag_mask_zero()
+    st = state()
+    v = GraphValidator(max_nodes=64, max_tensors=64)
+    payload = memoryview(graph_payload([node.id], tensors + [node]))
+    v.check(payload, st)  # nothing said yet: the CPU layer, the node's verdict cached
+    st.upstream.alignment[0] = 128  # GET_ALLOC_SIZE / GET_ALIGNMENT answers arrive
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(payload, st)
+    assert exc.value.reason == "backend_unsupported_op"
