@@ -43,7 +43,7 @@ from rpcguard.protocol.tensor import RpcTensor, decode_tensor, nbytes
 from rpcguard.protocol.versions import COMMAND_IDS, spec_for
 
 __all__ = ["VERSION", "Case", "Tensor", "ops", "generate", "accepts", "materialize", "payload_of", "span",
-           "PROTOS", "FLOAT_EDGES", "CONTAINED_OPS", "policy_for", "WRITTEN_SOURCES", "output_spans"]
+           "PROTOS", "WORK_OPS", "Q_DST", "FLOAT_EDGES", "CONTAINED_OPS", "policy_for", "WRITTEN_SOURCES", "output_spans"]
 
 VERSION = (7, 0, 0)
 SPEC = spec_for(VERSION)
@@ -400,7 +400,33 @@ def p_transpose(d: Draw) -> Proto:
     return Proto([S(d.ftype(), d.shape())], consumer=d.pick(("CONT", "SQR", "ADD", "CPY", "MUL_MAT")))
 
 
+# Block types CPY and SET_ROWS quantize into (a CPU from_float; ggml-cpu.cpp:434-442 abort on the
+# others): every one is a planner/kernel edge of its own (its block size sets the row lengths).
+Q_DST = tuple(t for t in ALL_TYPES if TYPES[t].blck_size > 1 and t not in (16, 17, 18, 19, 21, 22, 29))
+
+
+def _cpy_planner_edge(d: Draw) -> Proto:
+    """A quantizing copy whose source and destination rows differ in length (same element
+    count): ggml_graph_plan sizes each thread's F32 row from the destination (ggml-cpu.c:2862),
+    dup_to_q writes the source row into it (ops.cpp:297): longer source rows write past the work
+    buffer, shorter or equal ones do not. Every block type with a quantizer; source rows split
+    over 1 to 17 rows so that one to all of the server's threads write."""
+    bt = d.pick(Q_DST)
+    blk = TYPES[bt].blck_size
+    ka = d.pick((1, 1, 2, 3, 4, 8))  # source row in blocks
+    rows = d.pick((1, 2, 3, 4, 5, 8, 17))
+    planes = d.pick((1, 1, 2, 3))
+    blocks = ka * rows * planes
+    kb = d.pick([k for k in range(1, blocks + 1) if blocks % k == 0 and k <= 4 * ka])  # destination row
+    d.tag("planner-edge")
+    d.tag("src-row-longer" if ka > kb else "src-row-shorter" if ka < kb else "rows-equal")
+    a = Src(d.pick(FLOATS), (blk * ka, rows, planes, 1), layout="contig" if d.p(0.8) else None)
+    return Proto([a, Src(bt, (blk * kb, blocks // kb, 1, 1), fill="zero", layout="contig")])
+
+
 def p_cpy(d: Draw) -> Proto:
+    if d.p(0.4):
+        return _cpy_planner_edge(d)
     a = S(d.ftype((F32, F16, BF16, F32, Q8_0, 2, 12, 20)), d.shape())  # block sources: dequantizing copies
     if d.p(0.35):
         return Proto([a, None], node_type=d.ftype((F32, F16, BF16, Q8_0, 2, I32)), cast=True)
@@ -469,6 +495,17 @@ def p_get_rows(d: Draw) -> Proto:
 
 
 def p_set_rows(d: Draw) -> Proto:
+    if d.p(0.4):
+        # the planner's edge: F16 rows into another type go through one F32 row per thread, and
+        # the planner counts one task (ggml-cpu.c:2363) while every thread writes (ops.cpp:5501)
+        d.tag("planner-edge")
+        dt = d.pick(Q_DST + (F32, BF16, F32, BF16))
+        dst = S(dt, (blocked(dt, d.pick((1, 16, 17, 32, 64, 256, 1024))), d.pick((2, 4, 8, 9, 33)),
+                     d.pick((1, 2)), 1), layout="contig")
+        n = d.pick((1, 2, 3, 4, 5, 8, 16)) % dst.ne[1] or 1
+        b = Src(F16, (dst.ne[0], n, dst.ne[2], 1), layout="contig" if d.p(0.8) else None)
+        c = S(d.ftype((I64, I32)), (n, 1, 1), fill="zero")
+        return Proto([b, c, dst])
     dst = S(d.ftype((F32, F16, Q8_0, BF16)), d.shape())
     n = d.dim()
     c1 = d.pick([k for k in range(1, dst.ne[2] + 1) if dst.ne[2] % k == 0])
@@ -831,6 +868,16 @@ UNSAMPLED: frozenset[str] = frozenset()
 # Their cases are judged, and run through the gate, with FirewallPolicy(contained=True): in
 # production they would reach a fresh sandboxed process per session, never a shared server.
 CONTAINED_OPS = frozenset(op for op in PROTOS if needs_containment(op))
+
+
+# Ops whose CPU kernel addresses params->wdata, the work buffer ggml_graph_plan sizes (the kernel
+# side in rpcguard/protocol/workuse.py; the planner's reservations for ACC, ADD_ID, MUL_MAT_ID,
+# CONV_2D and CONV_3D, whose kernels never write past it, in workbuf.py): run at several server
+# thread counts by accept_run --threads.
+WORK_OPS = tuple(op for op in ("CPY", "DUP", "CONT", "ADD", "ADD1", "ACC", "ADD_ID", "OUT_PROD", "SET_ROWS",
+                               "SOFT_MAX", "ROPE", "ROPE_BACK", "TOP_K", "FLASH_ATTN_EXT", "CONV_TRANSPOSE_1D",
+                               "CONV_TRANSPOSE_2D", "CONV_2D", "CONV_3D", "COUNT_EQUAL", "CROSS_ENTROPY_LOSS",
+                               "GATED_DELTA_NET", "LIGHTNING_INDEXER", "MUL_MAT", "MUL_MAT_ID"))
 
 
 def policy_for(op: str) -> FirewallPolicy:
@@ -1600,8 +1647,11 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
         if isinstance(got, str):
             return None, got
         node = got
-    b.tensors.append(node)
     nodes = [node.id]
+    if op in WORK_OPS and not empty and ("planner-edge" in d.tags or d.p(0.5)):
+        # listed first (the firewall wants nodes in tensor-list order); nodes[-1] stays the node under test
+        nodes.insert(0, _all_threads_node(b))
+    b.tensors.append(node)
     if op in VIEW_OPS and proto.consumer and not empty:
         # the view op is never computed: a consumer reads the view as its source
         cons = _consumer(proto.consumer, node, b)
@@ -1620,6 +1670,25 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
         d.tag("no-compute-flag")
     case = Case(op, seed, index, "+".join(dict.fromkeys(d.tags)) or "plain", b.buffers, b.tensors, nodes)
     return case, ""
+
+
+def _all_threads_node(b: Builder) -> int:
+    """A small ADD in the graph beside the node: ADD plans ``n_threads`` tasks (ggml-cpu.c:2259-2263), and a graph
+    runs every node on ``min(max tasks, n_threads)`` threads (ggml-cpu.c:3067), so the node under
+    test runs on all the server's threads even when it plans fewer itself (SET_ROWS, SOFT_MAX)."""
+    ne = (b.d.pick((4, 64, 257)), 2, 1, 1)
+    xs = []
+    for _ in range(2):
+        x = Tensor(b.new_id(), F32, ne, contiguous_nb(F32, ne))
+        b.place(x, 0)
+        b.tensors.append(x)
+        xs.append(x)
+    node = Tensor(b.new_id(), F32, ne, contiguous_nb(F32, ne), op=TABLE.ids["ADD"], src=[xs[0].id, xs[1].id] + [0] * 8,
+                  fill="prefill")
+    b.place(node, 0)
+    b.tensors.append(node)
+    b.d.tag("all-threads")
+    return node.id
 
 
 def _consumer(name: str, view: Tensor, b: Builder) -> Tensor | str:

@@ -1,6 +1,7 @@
 """Acceptance-region fuzz: every graph an op rule accepts, run on the ASan+UBSan ggml-rpc-server.
 
-    python -m tests.fuzz.accept_run [--ops ADD,CLAMP] [--count 50] [--seed 1] [--minutes 30]
+    python -m tests.fuzz.accept_run [--ops ADD,CLAMP|work] [--count 50] [--seed 1] [--minutes 30]
+                                    [--threads 1,2,3,4,8] [--old-rules]
                                     [--report /work/reports/acceptance-findings.md] [--json out.json]
     python -m tests.fuzz.accept_run --replay tests/fuzz/findings/accept-*.json
 
@@ -770,54 +771,86 @@ def replay(runner: Runner, paths: list[str]) -> int:
     return 1 if bad else 0
 
 
+def old_rules() -> None:
+    """The firewall as it was before issue 28 item 1, in this process only: no comparison of the
+    kernels' work-buffer use with the planner's reservation (protocol/workuse.py), so that a run
+    shows what that check refuses (``--old-rules``)."""
+    import rpcguard.protocol.graph as graph
+
+    graph.check_work_use = lambda *a, **k: None  # type: ignore[assignment]
+
+
+def _campaign(runner: Runner, a: argparse.Namespace, names: list[str], report: Path | None) -> Campaign:
+    camp = Campaign(runner, findings_dir=Path(a.findings) if a.findings else None, report=report)
+    deadline = time.monotonic() + 60 * a.minutes if a.minutes else None
+    # round robin, a few cases per op at a time: a deadline leaves every op with cases
+    iters = {op: gen.generate(op, a.seed, a.count) for op in names}
+    rounds = 0
+    while iters and not (deadline and time.monotonic() > deadline):
+        rounds += 1
+        for op in list(iters):
+            st, dry = camp.run_some(op, iters[op], 5, deadline)
+            if dry:
+                del iters[op]
+                print(f"[accept] -t {runner.server.threads} {op}: {st.ran} run, {st.clean} clean, "
+                      f"{dict(st.outcomes)} in {st.seconds:.1f} s", flush=True)
+            camp.write_report()
+        print(f"[accept] round {rounds}: {sum(s.ran for s in camp.stats.values())} cases run", flush=True)
+    camp.write_report(force=True)
+    return camp
+
+
+def _counts(camp: Campaign) -> dict:
+    return {op: {"accepted": s.accepted, "ran": s.ran, "clean": s.clean, "outcomes": dict(s.outcomes),
+                 "no_candidate": s.no_candidate, "seconds": round(s.seconds, 1),
+                 "refused_on_the_way": dict(s.refused)} for op, s in camp.stats.items()} | {
+        "_findings": {loc: {"op": f.case.op, "class": f.hole, "kind": f.outcome.kind, "summary": f.outcome.summary,
+                            "count": f.count, "file": f.path, "reproduced": f.reproduced}
+                      for loc, f in camp.found.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ops", help="comma-separated op names (default: every op with a 7.0.0 rule)")
+    ap.add_argument("--ops", help="comma-separated op names (default: every op with a 7.0.0 rule; 'work': "
+                                  "accept_gen.WORK_OPS, the ops whose kernel uses the planner's work buffer)")
     ap.add_argument("--count", type=int, default=50, help="accepted cases per op")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--minutes", type=float, help="stop after this long")
+    ap.add_argument("--minutes", type=float, help="stop after this long (per thread count)")
+    ap.add_argument("--threads", default="2", help="comma-separated server thread counts (-t); the whole run "
+                                                   "once per count, on a fresh server")
+    ap.add_argument("--old-rules", action="store_true", help="without the work-buffer use check (issue 28.1): "
+                                                             "what it refuses is forwarded")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds a graph may compute")
     ap.add_argument("--findings", default=str(FINDINGS_DIR), help="where reproducers go ('' = nowhere)")
-    ap.add_argument("--report", help="markdown summary, rewritten as the run goes")
-    ap.add_argument("--json", help="write per-op counts here")
+    ap.add_argument("--report", help="markdown summary, rewritten as the run goes (-tN added per thread count)")
+    ap.add_argument("--json", help="write per-op counts here (per thread count: {\"t=N\": ...})")
     ap.add_argument("--replay", nargs="*", help="replay accept-*.json files instead")
     a = ap.parse_args(argv)
+    if a.old_rules:
+        old_rules()
+    threads = [int(x) for x in a.threads.split(",")]
+    names = list(gen.WORK_OPS) if a.ops == "work" else a.ops.split(",") if a.ops else gen.ops()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below stops the server
-    with tempfile.TemporaryDirectory(prefix="acceptfuzz-") as tmp:
-        runner = Runner(Path(tmp), budget_s=a.budget)
-        try:
-            if a.replay is not None:
-                return replay(runner, a.replay)
-            camp = Campaign(runner, findings_dir=Path(a.findings) if a.findings else None,
-                            report=Path(a.report) if a.report else None)
-            deadline = time.monotonic() + 60 * a.minutes if a.minutes else None
-            names = a.ops.split(",") if a.ops else gen.ops()
-            # round robin, a few cases per op at a time: a deadline leaves every op with cases
-            iters = {op: gen.generate(op, a.seed, a.count) for op in names}
-            rounds = 0
-            while iters and not (deadline and time.monotonic() > deadline):
-                rounds += 1
-                for op in list(iters):
-                    st, dry = camp.run_some(op, iters[op], 5, deadline)
-                    if dry:
-                        del iters[op]
-                        print(f"[accept] {op}: {st.ran} run, {st.clean} clean, {dict(st.outcomes)} in "
-                              f"{st.seconds:.1f} s", flush=True)
-                    camp.write_report()
-                print(f"[accept] round {rounds}: {sum(s.ran for s in camp.stats.values())} cases run", flush=True)
-            camp.write_report(force=True)
-            if a.json:
-                Path(a.json).write_text(json.dumps({
-                    op: {"accepted": s.accepted, "ran": s.ran, "clean": s.clean, "outcomes": dict(s.outcomes),
-                         "no_candidate": s.no_candidate, "seconds": round(s.seconds, 1),
-                         "refused_on_the_way": dict(s.refused)} for op, s in camp.stats.items()} |
-                    {"_findings": {loc: {"op": f.case.op, "class": f.hole, "kind": f.outcome.kind,
-                                         "summary": f.outcome.summary, "count": f.count, "file": f.path,
-                                         "reproduced": f.reproduced}
-                                   for loc, f in camp.found.items()}}, indent=1))
-            return 1 if camp.found else 0
-        finally:
-            runner.close()
+    results: dict[str, dict] = {}
+    failed = False
+    for t in threads:
+        with tempfile.TemporaryDirectory(prefix="acceptfuzz-") as tmp:
+            runner = Runner(Path(tmp), budget_s=a.budget, threads=t)
+            try:
+                if a.replay is not None:
+                    failed |= replay(runner, a.replay) != 0
+                    continue
+                report = Path(a.report) if a.report else None
+                if report is not None and len(threads) > 1:
+                    report = report.with_name(f"{report.stem}-t{t}{report.suffix}")
+                camp = _campaign(runner, a, names, report)
+                results[f"t={t}"] = _counts(camp)
+                failed |= bool(camp.found)
+            finally:
+                runner.close()
+    if a.json and results:
+        Path(a.json).write_text(json.dumps(results if len(threads) > 1 else results[f"t={threads[0]}"], indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
