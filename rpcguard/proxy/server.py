@@ -66,6 +66,7 @@ class _Listener:
     sock: socket.socket | None = None
     task: asyncio.Task | None = None
     item: ListenerConfig | TunnelConfig | None = None  # the config it was built from
+    probe: UpstreamProbe | None = None  # serve with --upstream: the HELLO verdict /readyz reads
 
     def __post_init__(self) -> None:
         self.config_port = self.port  # as configured: a reload compares this, not the bound port
@@ -82,6 +83,8 @@ class _Listener:
         assert self.sock is not None
         route = self.route
         self.task = asyncio.get_running_loop().create_task(_accept_loop(route, self.sock))
+        if self.probe is not None:
+            self.probe.start()
         log.info("%s %s listening on %s:%d -> %s", route.role, route.name, self.host, self.port,
                  route.traffic.upstream or f"{route.upstream_host}:{route.upstream_port}")
 
@@ -90,6 +93,8 @@ class _Listener:
             self.task.cancel()
         if self.sock is not None:
             self.sock.close()
+        if self.probe is not None:
+            self.probe.stop()
 
 
 def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) -> None:
@@ -100,7 +105,8 @@ def _apply_settings(route: Route, item: ListenerConfig | TunnelConfig | None) ->
         route.profiles = item.profiles
         route.allow = item.allow
         if route.provider is not None and route.provider.contained:  # content-indexed ops may reach it
-            route.default, route.profiles = contain(route.default), contain_all(route.profiles)
+            threads = route.provider.settings.server_threads
+            route.default, route.profiles = contain(route.default, threads), contain_all(route.profiles, threads)
         for name in (route.default.name, *item.profiles):  # every profile's series exists from the start
             route.traffic.profile_sessions.setdefault(name, 0)
 
@@ -121,7 +127,6 @@ class Runtime:
         self.metrics.role = cfg.role
         self.tls = TlsMaterial(cfg)
         self.web = WebGuard.load(cfg.metrics.web_config)  # metrics endpoint TLS/auth; swapped on reload
-        self._upstreams_probed_at = 0.0
         self.listeners: list[_Listener] = []
         self.retired: list[_Listener] = []  # removed or replaced by a reload: their sessions finish
         self._slots: dict[tuple[str, int], UpstreamSlot] = {}  # serve: one per upstream, shared by routes
@@ -169,6 +174,11 @@ class Runtime:
         route.traffic = self.metrics.listener(route.role, route.name, upstream=route.traffic.upstream)
         if isinstance(lst.item, ListenerConfig) and lst.item.managed is not None:  # serve runs the server
             route.provider = self.upstreams.pool(route.name, lst.item.managed)
+        elif isinstance(lst.item, ListenerConfig):  # a server it only reaches: /readyz asks it HELLO
+            lst.probe = UpstreamProbe(
+                route.upstream_host, route.upstream_port, lambda: route.default.policy.accepted_versions,
+                lambda: route.slot is not None and route.slot.busy,
+                lambda ok: setattr(route.traffic, "upstream_up", ok))
         _apply_settings(route, lst.item)
 
     def _session_ended(self, record: dict) -> None:
@@ -206,8 +216,7 @@ class Runtime:
                 lst.accept()
             if self.cfg.metrics.listen is not None:
                 m = self.cfg.metrics.listen
-                self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready, web=lambda: self.web,
-                                              before_scrape=self._probe_upstreams)
+                self._http = await start_http(self.metrics, m.host, m.port, ready=self.ready, web=lambda: self.web)
                 log.info("metrics on %s://%s:%d/metrics", "https" if self.web.context else "http", m.host,
                          self.metrics_port)
         except BaseException:
@@ -395,14 +404,11 @@ class Runtime:
                     return False, f"{route.name}: upstream {why}"
                 lines.append(f"{route.name}: upstream {why}")
                 continue
-            if route.slot is not None and route.slot.busy:
-                lines.append(f"{route.name}: upstream in use by a session")
-                continue
-            ok = await _probe_tcp(route.upstream_host, route.upstream_port, route.slot)
-            route.traffic.upstream_up = ok
+            assert lst.probe is not None
+            ok, why = lst.probe.read()  # the background HELLO's verdict: never waits, never takes the slot
             if not ok:
-                return False, f"{route.name}: upstream {route.upstream_host}:{route.upstream_port} unreachable"
-            lines.append(f"{route.name}: upstream reachable")
+                return False, f"{route.name}: {why}"
+            lines.append(f"{route.name}: {why}")
         return True, "; ".join(lines)
 
     async def _node_ready(self, route: Route) -> tuple[bool, str]:
@@ -426,18 +432,6 @@ class Runtime:
                 why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
                 seen = self._node_seen[route.name] = (time.monotonic(), result.ok, why)
             return seen[1], seen[2]
-
-    async def _probe_upstreams(self) -> None:
-        """Before a scrape: refresh serve's ``upstream_up`` (at most every UPSTREAM_PROBE_S)."""
-        now = time.monotonic()
-        if now - self._upstreams_probed_at < UPSTREAM_PROBE_S:
-            return
-        self._upstreams_probed_at = now
-        routes = [lst.route for lst in self.listeners if lst.route.side.takes_slot and not lst.route.draining
-                  and lst.route.provider is None]
-        oks = await asyncio.gather(*(_probe_tcp(r.upstream_host, r.upstream_port, r.slot) for r in routes))
-        for route, ok in zip(routes, oks):
-            route.traffic.upstream_up = ok
 
     async def drain(self, timeout_s: float) -> int:
         """Stop accepting, let sessions finish up to ``timeout_s``, close the rest; returns how many were cut."""
@@ -512,21 +506,3 @@ def _upstream_outcome(record: dict) -> bool | None:
     if record.get("version"):  # the upstream answered HELLO
         return True
     return None
-
-
-async def _probe_tcp(host: str, port: int, slot: UpstreamSlot | None) -> bool:
-    """Connect and hang up, only while no session holds the upstream.
-
-    The probe never takes the slot itself: with ``upstream_busy: refuse`` a session arriving
-    during a probe would be refused as busy (a scraper polling /readyz refused real llama.cpp
-    sessions). A session that races the probe is harmless: the single-client server handles
-    the two connections one after the other, and the probe's carries no bytes.
-    """
-    if slot is not None and slot.busy:
-        return True
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-        writer.close()
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False

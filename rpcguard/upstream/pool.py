@@ -94,6 +94,16 @@ class UpstreamSettings:
     def uses_cache(self) -> bool:
         return "-c" in self.exec or "--cache" in self.exec
 
+    @property
+    def server_threads(self) -> int:
+        """The CPU threads the server runs graphs on: its ``-t``/``--threads`` (rpc-server.cpp:114),
+        else its default, half the hardware threads (rpc-server.cpp:89). The firewall checks every
+        count up to it (protocol/workuse.py)."""
+        for flag, value in zip(self.exec, self.exec[1:]):
+            if flag in ("-t", "--threads") and value.isdigit() and int(value) > 0:
+                return int(value)
+        return max(1, (os.cpu_count() or 1) // 2)
+
 
 class UpstreamPool:
     """The processes of one listener (see the module docstring)."""

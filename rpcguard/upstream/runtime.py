@@ -27,15 +27,18 @@ log = logging.getLogger("rpcguard.upstream")
 _RETIRE_POLL_S = 0.5  # a replaced pool is closed once its last session is over
 
 
-def contain(profile: Profile) -> Profile:
+def contain(profile: Profile, server_threads: int | None = None) -> Profile:
     """``profile`` for a contained listener (UpstreamPool.contained): its firewall may forward the
-    content-indexed ops no shape rule bounds (oprules.needs_containment; FirewallPolicy.contained)."""
-    policy = profile.policy
-    return replace(profile, policy=replace(policy, firewall=replace(policy.firewall, contained=True)))
+    content-indexed ops no shape rule bounds (oprules.needs_containment; FirewallPolicy.contained),
+    and knows the thread count of the server serve runs (UpstreamSettings.server_threads)."""
+    fw = replace(profile.policy.firewall, contained=True)
+    if server_threads is not None:
+        fw = replace(fw, server_threads=server_threads)
+    return replace(profile, policy=replace(profile.policy, firewall=fw))
 
 
-def contain_all(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
-    return MappingProxyType({name: contain(p) for name, p in profiles.items()})
+def contain_all(profiles: Mapping[str, Profile], server_threads: int | None = None) -> Mapping[str, Profile]:
+    return MappingProxyType({name: contain(p, server_threads) for name, p in profiles.items()})
 
 
 class Upstreams:

@@ -150,3 +150,30 @@ def test_per_thread_rows_layout():
     srcs = [a] + [None] * 9
     assert kernel_bytes("SOFT_MAX", n, srcs, 4) == 464 * 3 + 400
     assert planned_bytes("SOFT_MAX", n, srcs, 4) == 1600 + CACHE_LINE_MIN * 4
+
+
+# -- the thread count the check runs to ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, threads", [
+    (("ggml-rpc-server", "-t", "4"), 4),
+    (("ggml-rpc-server", "-H", "127.0.0.1", "--threads", "12", "-c"), 12),
+])
+def test_contained_serve_checks_the_thread_count_it_starts_the_server_with(argv, threads):
+    from rpcguard.protocol.settings import Profile
+    from rpcguard.upstream.pool import UpstreamSettings
+    from rpcguard.upstream.runtime import contain
+
+    n = UpstreamSettings(exec=argv).server_threads
+    assert n == threads
+    assert contain(Profile(), n).policy.firewall.server_threads == threads
+    assert contain(Profile(), n).policy.firewall.contained
+
+
+def test_contained_serve_without_t_checks_the_servers_default():
+    import os
+
+    from rpcguard.upstream.pool import UpstreamSettings
+
+    # rpc-server.cpp:89: half the hardware threads, at least one
+    assert UpstreamSettings(exec=("ggml-rpc-server",)).server_threads == max(1, (os.cpu_count() or 1) // 2)
