@@ -240,3 +240,20 @@ def test_earlier_sessions_files_go_first_and_the_sessions_own_are_left_over(tmp_
     assert (used, freed) == (2 * each, each)  # the running session's own files: over, the caller ends it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new1", "new2"]
     assert sandbox.cache_over_quota(str(tmp_path), 0, since=3000) == (0, 0)  # 0: no quota
+
+
+def test_cgroup_v2_serve_moves_into_a_leaf_and_enables_the_controllers_for_its_servers(tmp_path):
+    """The v2 path on a fake hierarchy (this VM has memory and pids on v1): serve's own cgroup
+    holds serve, so serve moves into rpcguard-serve before enabling memory and pids below it."""
+    svc = tmp_path / "system.slice" / "rpcguard-serve.service"
+    svc.mkdir(parents=True)
+    (svc / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (svc / "cgroup.subtree_control").write_text("\n")
+    (svc / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    found = cgroup._probe_v2(str(tmp_path), "/system.slice/rpcguard-serve.service")
+    assert found.version == 2 and found.parents == {"memory": str(svc), "pids": str(svc)}
+    assert (svc / "rpcguard-serve" / "cgroup.procs").read_text() == str(os.getpid())
+    assert (svc / "cgroup.subtree_control").read_text() == "+memory +pids"
+    (svc / "cgroup.controllers").write_text("cpu memory\n")  # pids not delegated
+    lacking = cgroup._probe_v2(str(tmp_path), "/system.slice/rpcguard-serve.service")
+    assert not lacking.available and "controller(s) pids not delegated" in lacking.why
