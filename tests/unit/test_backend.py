@@ -317,3 +317,36 @@ def test_a_verdict_cached_under_the_cpu_layer_is_not_reused_once_the_server_says
     with pytest.raises(FirewallRefusal) as exc:
         v.check(payload, st)
     assert exc.value.reason == "backend_unsupported_op"
+
+
+# -- the gap study's cases through a whole session (tests/support/gpucases.py, also run by
+# scripts/gpu_check.py against a real server) -----------------------------------------------------
+
+def _session(setting: str):
+    from dataclasses import replace
+
+    from rpcguard.protocol.session import Session
+    from rpcguard.protocol.settings import FirewallPolicy, SessionPolicy
+
+    policy = SessionPolicy(clear_new_buffers=False, firewall=replace(FirewallPolicy(), backend=setting))
+    s = Session(policy, UpstreamFacts(device_count=1, version=V7, memory={0: (1 << 36, 1 << 36)}))
+    s.client_data(memoryview(encode_mod.hello_request(V7)))
+    s.server_data(memoryview(encode_mod.hello_response(V7)))
+    s.state.add_buffer(HANDLE, 0, gpucases.BUFFER_BYTES)
+    s.state.set_base(HANDLE, BASE)
+    return s
+
+
+from rpcguard.protocol import encode as encode_mod  # noqa: E402
+from tests.support import gpucases  # noqa: E402
+
+
+@pytest.mark.parametrize("case", gpucases.CASES, ids=lambda c: c.name)
+def test_gap_study_cases_refused_on_cuda_forwarded_on_cpu(case):
+    frame = case.build(gpucases.Layout(HANDLE, BASE))
+    cpu = _session("cpu")
+    cpu.client_data(memoryview(frame))  # the CPU layer adds nothing: forwarded
+    assert cpu.to_server
+    with pytest.raises(FirewallRefusal) as exc:
+        _session("cuda").client_data(memoryview(frame))
+    assert exc.value.reason == case.want, exc.value.detail
