@@ -193,7 +193,8 @@ def descendants(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         try:
-            kids = [int(k) for t in os.listdir(f"/proc/{p}/task") for k in open(f"/proc/{p}/task/{t}/children").read().split()]
+            kids = [int(k) for t in os.listdir(f"/proc/{p}/task")
+                    for k in open(f"/proc/{p}/task/{t}/children").read().split()]
         except OSError:
             continue
         out += kids
