@@ -581,6 +581,7 @@ def _status(a: argparse.Namespace) -> int:
         targets = [(status.metrics_url(x), access) for x in DEFAULT_STATUS]
     failed: list[str] = []
     shown = 0
+    not_ready = 0  # an instance that answers but whose /readyz is not 200 (or silent) fails the command too
     for url, how in targets:
         try:
             inst = status.read(url, how)
@@ -592,9 +593,12 @@ def _status(a: argparse.Namespace) -> int:
         for line in status.summary(inst):  # a BrokenPipeError of our stdout goes up to main()
             print(line)
         shown += 1
+        not_ready += inst.ready is None or inst.ready[0] != 200
     for line in failed:
         print(f"rpcguard status: {line}", file=sys.stderr)
     if not given and not shown and not failed:
         print(f"rpcguard status: no instance answers at the default metrics addresses {' or '.join(DEFAULT_STATUS)} "
               "(serve, connect); pass --metrics HOST:PORT or --config FILE", file=sys.stderr)
-    return EXIT_FAIL if failed or not shown else EXIT_OK
+    if not_ready:
+        print(f"rpcguard status: {not_ready} instance(s) not ready (see 'ready:' above)", file=sys.stderr)
+    return EXIT_FAIL if failed or not shown or not_ready else EXIT_OK

@@ -40,6 +40,7 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.proxy.link import Link
 from rpcguard.proxy.route import UPSTREAM_DRAIN_S, Route, UpstreamSlot
 from rpcguard.proxy.material import TlsMaterial
+from rpcguard.proxy.readiness import UpstreamProbe
 from rpcguard.upstream.runtime import Upstreams, contain, contain_all
 from rpcguard.observe.webconfig import WebGuard
 
@@ -376,7 +377,8 @@ class Runtime:
                 await self.reload("file change")
 
     async def ready(self) -> tuple[bool, str]:
-        """/readyz: the certificates IN USE valid, and every upstream (serve) or node (connect) answering.
+        """/readyz: the certificates IN USE valid, and every upstream (serve) or node (connect) answering:
+        serve's upstreams a real HELLO with an accepted version (proxy/readiness.py, in the background).
 
         A broken file on disk does not matter here: the loaded material keeps working and a
         failed reload is reported by ``rpcguard_reload_total{result="error"}``.
@@ -405,6 +407,8 @@ class Runtime:
                 lines.append(f"{route.name}: upstream {why}")
                 continue
             assert lst.probe is not None
+            if lst.probe.verdict is None:  # only right after start: the first probe, once
+                await lst.probe.probe_now()
             ok, why = lst.probe.read()  # the background HELLO's verdict: never waits, never takes the slot
             if not ok:
                 return False, f"{route.name}: {why}"
@@ -490,9 +494,6 @@ async def _accept_loop(route: Route, sock: socket.socket) -> None:
 
 _LINK_TASKS: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
-# A scrape probes serve's upstreams (a TCP connect + close) at most this often; scrapes in
-# between report the last result.
-UPSTREAM_PROBE_S = 5.0
 # Session-end reasons that say the upstream (serve: ggml-rpc-server; connect: the node) is down.
 _UPSTREAM_DOWN = frozenset({"upstream_unavailable", "node_unreachable", "tls_failed", "node_name_mismatch"})
 

@@ -135,3 +135,36 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
     assert first == (True, "tunnel0: node answers (a session got through)"), first
     assert second[0] is False and "identity_not_allowed: not on the allow-list" in second[1], second
     assert third == second
+
+
+def test_serve_readyz_is_the_truth_about_its_upstream(pki, workdir, rpc_server):
+    """Ready only when the upstream answers HELLO with an accepted version (issue 31.2): an HTTP
+    server on the upstream port takes TCP connections but is no ggml-rpc-server; `rpcguard status`
+    exits 1 for a node that is not ready and 0 for one that is."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    liar = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{httpd.server_address[1]}", *pki.serve_args()])
+    real = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args()])
+    try:
+        status, body = http_get(liar.metrics_port, "/readyz")
+        assert status == 503 and "not a ggml-rpc-server" in body, body
+        assert liar.value("rpcguard_upstream_up") == 0
+        status, body = http_get(real.metrics_port, "/readyz")
+        assert status == 200 and "answered HELLO, protocol" in body, body
+        assert real.value("rpcguard_upstream_up") == 1
+        for guard, code in ((liar, 1), (real, 0)):
+            p = subprocess.run([sys.executable, "-m", "rpcguard", "status", "--metrics",
+                                f"127.0.0.1:{guard.metrics_port}"], capture_output=True, text=True, timeout=60)
+            assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+        assert "not ready" in subprocess.run(
+            [sys.executable, "-m", "rpcguard", "status", "--metrics", f"127.0.0.1:{liar.metrics_port}"],
+            capture_output=True, text=True, timeout=60).stderr
+    finally:
+        liar.stop()
+        real.stop()
+        httpd.shutdown()

@@ -549,14 +549,13 @@ def test_unsupported_families_fall_back_to_generate_latest() -> None:
     assert _without_process(text) == _without_process(generate_latest(m.registry))
 
 
-def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve's rpcguard_upstream_up: a TCP probe before a scrape, and what sessions tell."""
-    import socket
-
+def test_upstream_up_follows_probes_and_sessions(tmp_path: Path) -> None:
+    """serve's rpcguard_upstream_up: the background HELLO probe (proxy/readiness.py), and what sessions tell."""
     from rpcguard.pki import certs
 
     from rpcguard.proxy import server
     from rpcguard.config.flags import build_config
+    from tests.unit.test_readiness import fake_server
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])
@@ -568,18 +567,11 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path, monkeypatch: py
     rt = server.Runtime(build_config("serve", overrides=ov), metrics=Metrics(CollectorRegistry()))
     g = lambda: rt.metrics.registry.get_sample_value(  # noqa: E731
         "rpcguard_upstream_up", {"role": "serve", "listener": rt.listeners[0].route.name})
-    assert g() is None  # not known before the first probe
-    asyncio.run(rt._probe_upstreams())
-    assert g() == 0
-    up = socket.create_server(("127.0.0.1", port))
-    try:
-        asyncio.run(rt._probe_upstreams())
-        assert g() == 0  # probed less than UPSTREAM_PROBE_S ago: the last result stands
-        monkeypatch.setattr(server, "UPSTREAM_PROBE_S", 0.0)
-        asyncio.run(rt._probe_upstreams())
-        assert g() == 1
-    finally:
-        up.close()
+    probe = rt.listeners[0].probe
+    assert probe is not None and g() is None  # not known before the first probe
+    assert asyncio.run(probe.probe_now()).ok is False and g() == 0
+    with fake_server(port, bytes([7, 0, 0])):
+        assert asyncio.run(probe.probe_now()).ok is True and g() == 1
     name = rt.listeners[0].route.name
     rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "upstream_unavailable"})
     assert g() == 0

@@ -1,0 +1,118 @@
+"""rpcguard.proxy.readiness: the HELLO probe against servers that answer, lie, stay silent or are not there.
+
+The real ggml-rpc-server's side is in tests/integration/test_check_readiness.py; these fakes are the
+servers it cannot be (an HTTP server on the port, an old or unknown version, a silent accept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+
+import pytest
+
+from rpcguard.proxy.readiness import UpstreamProbe, hello_probe
+from tests.support.realpeer import reserve_port
+
+pytestmark = pytest.mark.timeout(30)
+ALL = frozenset({(7, 0, 0), (3, 6, 1), (6, 0, 0)})
+
+
+@contextlib.contextmanager
+def fake_server(port: int, version: bytes | None = None, *, raw: bytes | None = None, old: bool = False,
+                silent: bool = False):
+    """A one-thread server on ``port``: answers HELLO with ``version`` (28-byte form; ``old``: only the
+    empty HELLO of 1.0-3.6, with the 3-byte form, closing on the 24-byte one), or ``raw`` bytes, or nothing."""
+    srv = socket.create_server(("127.0.0.1", port))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    head = conn.recv(9)
+                    size = struct.unpack_from("<Q", head, 1)[0] if len(head) == 9 else 0
+                    if size:
+                        conn.recv(size)
+                    if silent:
+                        stop.wait(10)
+                    elif raw is not None:
+                        conn.sendall(raw)
+                    elif old:
+                        if size == 0:
+                            conn.sendall(struct.pack("<Q", 3) + version)  # type: ignore[operator]
+                    elif version is not None:
+                        conn.sendall(struct.pack("<Q", 28) + version + bytes(25))
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+def probe(port: int, accepted=ALL, timeout: float = 3.0) -> tuple[bool, str]:
+    return asyncio.run(hello_probe("127.0.0.1", port, accepted, timeout))
+
+
+def test_a_server_that_answers_hello_with_an_accepted_version_is_ready():
+    port = reserve_port()
+    with fake_server(port, bytes([7, 0, 0])):
+        ok, why = probe(port)
+    assert ok and "protocol 7.0.0" in why, why
+
+
+def test_a_pre_4_server_is_asked_again_with_the_empty_hello():
+    port = reserve_port()
+    with fake_server(port, bytes([3, 6, 1]), old=True):
+        ok, why = probe(port)
+    assert ok and "protocol 3.6.1" in why, why
+
+
+def test_a_version_the_listener_does_not_accept_is_not_ready():
+    port = reserve_port()
+    with fake_server(port, bytes([9, 9, 9])):
+        ok, why = probe(port)
+    assert not ok and "speaks protocol 9.9.9, not accepted" in why, why
+
+
+def test_an_http_server_on_the_upstream_port_is_not_ready():
+    port = reserve_port()
+    with fake_server(port, raw=b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"):
+        ok, why = probe(port)
+    assert not ok and "not a ggml-rpc-server" in why and "HTTP/1.1" in why, why
+
+
+def test_nothing_listening_and_a_silent_accept():
+    port = reserve_port()
+    ok, why = probe(port)
+    assert not ok and "unreachable" in why, why
+    with fake_server(port, silent=True):
+        ok, why = probe(port, timeout=0.5)
+    assert not ok and "did not answer HELLO within 0.5 s" in why, why
+
+
+def test_read_never_waits_and_an_upstream_in_use_is_ready():
+    port = reserve_port()
+    busy = [False]
+    p = UpstreamProbe("127.0.0.1", port, lambda: ALL, lambda: busy[0])
+    assert p.read() == (False, f"upstream 127.0.0.1:{port} not probed yet")
+    busy[0] = True
+    assert p.read()[0] is True and "in use by a session" in p.read()[1]
+    busy[0] = False
+    asyncio.run(p.probe_now())
+    assert p.read()[0] is False and "unreachable" in p.read()[1]
