@@ -56,7 +56,7 @@ from rpcguard.protocol.tensor import (
     nbytes,
 )
 from rpcguard.protocol.versions import TENSOR_BYTES, Version
-from rpcguard.protocol.workbuf import work_bytes
+from rpcguard.protocol.workbuf import ONE_TASK_OPS, work_bytes
 from rpcguard.protocol.workuse import check_work_use
 
 __all__ = [
@@ -543,6 +543,8 @@ class GraphValidator:
         getp = pos.get
         ne = _u32(region)
         empty = {p for p in npos if _empty(ne, p)}
+        # a graph of one-task ops runs on one thread (workbuf.ONE_TASK_OPS, workuse.overflow)
+        one_task = all(rules.name(ops[p]) in ONE_TASK_OPS for p in npos)
         total = 0  # estimated floating-point operations of the graph (cost.py)
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
@@ -574,8 +576,9 @@ class GraphValidator:
                 continue
             if not self.op_params:
                 continue
-            # A node's verdict depends only on its bytes and those of its sources and view root.
-            key = b"".join([chunks[q] for q in (p, *src_pos) if q is not None])
+            # A node's verdict depends only on its bytes, those of its sources and view root, and
+            # whether the graph runs on one thread (one_task: its work-buffer check is then per thread)
+            key = b"".join([chunks[q] for q in (p, *src_pos) if q is not None]) + (b"1" if one_task else b"")
             cost = cache.get(key)
             if cost is not None:
                 total += cost
@@ -599,7 +602,7 @@ class GraphValidator:
                               f"node id={node.id:#x} op {rule.op}: the CPU planner would allocate {work} bytes of "
                               f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
             if p not in empty:
-                check_work_use(rule.op, node, node_srcs, self.server_threads)
+                check_work_use(rule.op, node, node_srcs, self.server_threads, 1 if one_task else None)
             cost = 0 if p in empty else flops(rule.op, node, node_srcs)
             total += cost
             if len(cache) >= NODE_CACHE_MAX:

@@ -20,7 +20,7 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["work_bytes", "n_tasks", "task_cap", "planned_bytes", "CACHE_LINE_MIN", "elements", "row_size", "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16"]
+__all__ = ["work_bytes", "n_tasks", "task_cap", "ONE_TASK_OPS", "planned_bytes", "CACHE_LINE_MIN", "elements", "row_size", "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16"]
 
 Srcs = Sequence["RpcTensor | None"]
 F32, F16, I32, BF16 = 0, 1, 26, 30  # ggml type ids
@@ -152,13 +152,18 @@ def _work_out_prod(n: RpcTensor, s: Srcs, nt: int) -> int:
     return 4 * a.ne0 * nt if a is not None and (a.type == F16 or quantized(a.type)) else 0
 
 
+def _type_size(type_: int) -> int:
+    info = TYPES.get(type_)
+    return 0 if info is None else info.type_size
+
+
 def _work_count_equal(n: RpcTensor, s: Srcs, nt: int) -> int:
-    return row_size(n.type, nt)  # ggml-cpu.c:2879: one partial count per thread
+    return _type_size(n.type) * nt  # ggml-cpu.c:2879: one partial count per thread (ggml_type_size)
 
 
 def _work_cross_entropy_loss(n: RpcTensor, s: Srcs, nt: int) -> int:
-    a = s[0]  # ggml-cpu.c:3021: per thread a partial sum and a row of src0
-    return row_size(n.type, nt + a.ne0 * nt) if a is not None else 0
+    a = s[0]  # ggml-cpu.c:3021: per thread a partial sum and a row of src0 (ggml_type_size)
+    return _type_size(n.type) * (nt + a.ne0 * nt) if a is not None else 0
 
 
 # ggml-cpu/ops.h:23 GGML_IM2COL_WORK_SIZE
@@ -209,6 +214,19 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 # (ggml-cpu.c:3061) and the kernels leave one between threads' rows (CACHE_LINE_SIZE_F32, ops.h:20):
 # the same constant on both sides, so the smallest is the tightest case for every layout.
 CACHE_LINE_MIN: Final = 64
+
+
+# ggml_get_n_tasks (ggml-cpu.c:2249-2505, the same in 0.3.35 but for SWIGLU_CLAMP) gives these ops
+# one task whatever the node; every other op plans up to n_threads (SOFT_MAX, RWKV_WKV6/7,
+# GATED_LINEAR_ATTN and the custom ops fewer, counted here as n_threads: an upper bound). A graph
+# runs all its nodes on min(its largest task count, n_threads) threads (ggml-cpu.c:3067 cplan.n_threads),
+# so a graph of these ops alone runs on one thread.
+ONE_TASK_OPS: Final = frozenset({
+    "NONE", "SUB", "SQR", "SQRT", "LOG", "SIN", "COS", "SUM", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT",
+    "REPEAT_BACK", "LEAKY_RELU", "GET_ROWS", "SET_ROWS", "SCALE", "SET", "RESHAPE", "VIEW", "PERMUTE",
+    "TRANSPOSE", "GET_ROWS_BACK", "DIAG", "CLAMP", "POOL_1D", "POOL_2D", "POOL_2D_BACK", "WIN_PART",
+    "WIN_UNPART", "GET_REL_POS",
+})
 
 
 def task_cap(op: str, node: RpcTensor, srcs: Srcs) -> int | None:

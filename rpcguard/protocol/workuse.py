@@ -12,7 +12,9 @@ the same lines in 0.3.35): one or more ``Use`` terms whose largest gives the end
 byte any of ``nth`` threads touches, for the smallest cache line (workbuf.CACHE_LINE_MIN).
 ``check_work_use`` refuses a node when, for some server thread count ``t`` in
 1..``server_threads``, that use on ``t`` threads exceeds the planner's reservation for ``t``. Every
-use grows with ``nth`` and ``nth <= t``, so ``nth = t`` is each ``t``'s worst case. The terms are
+use grows with ``nth`` and ``nth <= t``, so ``nth = t`` is each ``t``'s worst case; a graph whose
+nodes are all one-task ops (workbuf.ONE_TASK_OPS, e.g. a lone SET_ROWS and its views) runs on one
+thread (``graph_threads``: ggml-cpu.c:3067), whatever the server's ``-t``. The terms are
 computed once per node and the planner's need is affine in its task count (workbuf), so the
 check over all thread counts is integer arithmetic only. Ops whose kernel sizes itself from ``params->wsize`` (CONV_2D,
 CONV_3D: ops.cpp:7351) or asserts its layout against it (MUL_MAT_ID: ggml-cpu.c:1607) cannot write
@@ -223,10 +225,13 @@ def kernel_bytes(op: str, node: RpcTensor, srcs: Srcs, nth: int) -> int:
     return max((u.at(nth) for u in fn(node, srcs)), default=0) if fn is not None else 0
 
 
-def overflow(op: str, node: RpcTensor, srcs: Srcs, server_threads: int) -> tuple[int, int, int] | None:
-    """The first server thread count ``t`` in 1..``server_threads`` at which the kernel on ``t``
-    threads touches more than the planner reserved (workbuf.planned_bytes), as (t, used,
-    reserved); None when there is none."""
+def overflow(op: str, node: RpcTensor, srcs: Srcs, server_threads: int,
+             graph_threads: int | None = None) -> tuple[int, int, int] | None:
+    """The first server thread count ``t`` in 1..``server_threads`` at which the kernel on
+    ``min(t, graph_threads)`` threads (the graph's nodes' largest task count bounds the threads
+    every node runs on: 1 for a graph of workbuf.ONE_TASK_OPS alone, else None, no bound)
+    touches more than the planner reserved (workbuf.planned_bytes), as (t, used, reserved); None
+    when there is none."""
     fn = USES.get(op)
     terms = fn(node, srcs) if fn is not None else _NONE
     if not terms:
@@ -235,8 +240,10 @@ def overflow(op: str, node: RpcTensor, srcs: Srcs, server_threads: int) -> tuple
     base = work_bytes(op, node, srcs, 0)
     slope = work_bytes(op, node, srcs, 1) - base
     cap = task_cap(op, node, srcs)
-    for t in _thread_counts(terms, cap, server_threads):
-        used = max(u.at(t) for u in terms)
+    g = server_threads if graph_threads is None else graph_threads
+    for t in _thread_counts(terms, cap, g, server_threads):
+        nth = t if t < g else g
+        used = max(u.at(nth) for u in terms)
         if not used:
             continue
         cur = base + slope * (t if cap is None or cap > t else cap)
@@ -246,15 +253,16 @@ def overflow(op: str, node: RpcTensor, srcs: Srcs, server_threads: int) -> tuple
     return None
 
 
-def _thread_counts(terms: tuple[Use, ...], cap: int | None, server_threads: int) -> list[int] | range:
+def _thread_counts(terms: tuple[Use, ...], cap: int | None, graph_threads: int,
+                   server_threads: int) -> list[int] | range:
     """The thread counts that decide ``overflow``: between the break points below, every term's
-    use is affine in ``t`` (ALL: ``w = t``; STRIDED: ``w = min(t, nr)``) and so is the planner's
-    reservation (``min(t, cap)`` tasks), so use minus reservation is a maximum of affine
-    functions, convex, largest at an end of each piece. A BLOCKED term's writer count is a step
-    function of ``t``: every ``t`` is checked."""
+    use is affine in ``t`` (ALL: ``w = nth``; STRIDED: ``w = min(nth, nr)``; ``nth = min(t,
+    graph_threads)``) and so is the planner's reservation (``min(t, cap)`` tasks), so use minus
+    reservation is a maximum of affine functions, convex, largest at an end of each piece. A
+    BLOCKED term's writer count is a step function of ``nth``: every ``t`` is checked."""
     if any(u.split == BLOCKED for u in terms):
         return range(1, server_threads + 1)
-    points = {1, server_threads}
+    points = {1, server_threads, graph_threads, graph_threads + 1}
     for u in terms:
         if u.split == STRIDED:
             points |= {u.nr, u.nr + 1}
@@ -263,10 +271,12 @@ def _thread_counts(terms: tuple[Use, ...], cap: int | None, server_threads: int)
     return sorted(t for t in points if 1 <= t <= server_threads)
 
 
-def check_work_use(op: str, node: RpcTensor, srcs: Srcs, server_threads: int) -> None:
+def check_work_use(op: str, node: RpcTensor, srcs: Srcs, server_threads: int,
+                   graph_threads: int | None = None) -> None:
     """Refuse a computed node whose kernel writes past the planner's work buffer on a server of
-    up to ``server_threads`` threads (``work_buffer_overflow``)."""
-    hit = overflow(op, node, srcs, server_threads)
+    up to ``server_threads`` threads (``work_buffer_overflow``); ``graph_threads`` as for
+    ``overflow``."""
+    hit = overflow(op, node, srcs, server_threads, graph_threads)
     if hit is not None:
         t, used, reserved = hit
         raise FirewallRefusal(

@@ -24,10 +24,19 @@ def dec(spec):
     return decode_tensor(memoryview(pack_tensor(spec)))
 
 
-def verdict(tensors, node, threads: int) -> str:
-    v = GraphValidator(max_nodes=8, max_tensors=8, server_threads=threads)
+def with_add(tensors, node):
+    """``node`` with a small ADD listed before it: ADD plans n_threads tasks, so the whole graph,
+    ``node`` included, runs on all the server's threads (ggml-cpu.c:2259, :3067)."""
+    x = T(0x30, F32, (4, 2, 1, 1))
+    y = T(0x31, F32, (4, 2, 1, 1))
+    add = T(0x32, F32, (4, 2, 1, 1), op=OPS["ADD"], src=(0x30, 0x31))
+    return [*tensors, x, y, add], node, [add.id, node.id]
+
+
+def verdict(tensors, node, threads: int, nodes=None) -> str:
+    v = GraphValidator(max_nodes=8, max_tensors=16, server_threads=threads)
     try:
-        v.check(memoryview(graph_payload([node.id], tensors + [node])), state())
+        v.check(memoryview(graph_payload(nodes or [node.id], tensors + [node])), state())
     except FirewallRefusal as e:
         return e.reason
     return "ok"
@@ -99,21 +108,42 @@ def test_cpy_rows_are_split_in_blocks_over_the_threads():
 
 @pytest.mark.parametrize("dst_type", [F32, Q8_0, Q4_0])
 def test_set_rows_from_f16_overflows_once_two_threads_write(dst_type):
-    tensors, d = set_rows_f16(64, 4, dst_type)  # 256-byte rows, one task planned (ggml-cpu.c:2363)
-    assert verdict(tensors, d, 1) == "ok"
+    # 256-byte rows, one task planned (ggml-cpu.c:2363), in a graph that runs on every thread
+    tensors, d, nodes = with_add(*set_rows_f16(64, 4, dst_type))
+    assert verdict(tensors, d, 1, nodes) == "ok"
     for threads in (2, 3, 4, 8):
-        assert verdict(tensors, d, threads) == "work_buffer_overflow"
+        assert verdict(tensors, d, threads, nodes) == "work_buffer_overflow"
     assert first_overflow("set_rows", "SET_ROWS", tensors, d) == 2
 
 
-def test_set_rows_from_f16_with_one_row_or_short_rows_is_accepted():
-    tensors, d = set_rows_f16(64, 1)  # one row: one writer
+def test_set_rows_from_f16_alone_runs_on_one_thread():
+    # a graph of one-task ops (here the lone SET_ROWS, as test-backend-ops builds it) runs on
+    # min(largest task count, -t) = 1 thread (ggml-cpu.c:3067): accepted at any server size
+    tensors, d = set_rows_f16(64, 4)
     assert verdict(tensors, d, 64) == "ok"
+
+
+def test_set_rows_from_f16_with_one_row_or_short_rows_is_accepted():
+    tensors, d, nodes = with_add(*set_rows_f16(64, 1))  # one row: one writer
+    assert verdict(tensors, d, 64, nodes) == "ok"
     # 64-byte rows: the planner's per-thread line covers a second writer's row; 4 rows on 3
     # threads go in blocks of 2 (two writers), on 4 threads every thread writes one
-    tensors, d = set_rows_f16(16, 4)
-    assert verdict(tensors, d, 3) == "ok"
-    assert verdict(tensors, d, 4) == "work_buffer_overflow"
+    tensors, d, nodes = with_add(*set_rows_f16(16, 4))
+    assert verdict(tensors, d, 3, nodes) == "ok"
+    assert verdict(tensors, d, 4, nodes) == "work_buffer_overflow"
+
+
+def test_a_node_accepted_in_a_one_thread_graph_is_checked_again_beside_an_add():
+    # the node cache keys the one-thread verdict apart: the same SET_ROWS bytes in a graph with
+    # an ADD are refused on the same session
+    tensors, d = set_rows_f16(64, 4)
+    v = GraphValidator(max_nodes=8, max_tensors=16, server_threads=4)
+    st = state()
+    v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
+    tensors2, d2, nodes = with_add(tensors, d)
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(memoryview(graph_payload(nodes, tensors2 + [d2])), st)
+    assert exc.value.reason == "work_buffer_overflow"
 
 
 def test_set_rows_from_f32_or_into_f16_uses_no_scratch():
@@ -177,3 +207,51 @@ def test_contained_serve_without_t_checks_the_servers_default():
 
     # rpc-server.cpp:89: half the hardware threads, at least one
     assert UpstreamSettings(exec=("ggml-rpc-server",)).server_threads == max(1, (os.cpu_count() or 1) // 2)
+
+
+# -- properties: the reduced check equals the check at every thread count ------------------------
+
+
+def _random_node(r, op):
+    types = (F32, F16, Q8_0, Q4_0, Q4_K, 30)  # 30: BF16
+
+    def t(i, typ=None):
+        typ = r.choice(types) if typ is None else typ
+        blk = 256 if typ == Q4_K else 32 if typ in (Q8_0, Q4_0) else 1
+        ne = (blk * r.randint(1, 9), r.choice((1, 2, 3, 5, 17, 70)), r.choice((1, 2, 3)), 1)
+        return dec(T(i, typ, ne))
+
+    n = t(0x20)
+    srcs = [t(0x10 + i) for i in range(3)] + [None] * 7
+    return n._replace(param0=r.choice((0, 1, 2))), srcs
+
+
+@pytest.mark.parametrize("op", sorted(USES))
+def test_the_break_points_decide_like_every_thread_count(op):
+    import random
+
+    r = random.Random(f"workuse:{op}")
+    for _ in range(150):
+        n, srcs = _random_node(r, op)
+        for s_threads, g in ((r.choice((1, 2, 3, 4, 8, 64)), None), (r.choice((4, 64)), 1)):
+            brute = next((t for t in range(1, s_threads + 1)
+                          if 0 < kernel_bytes(op, n, srcs, min(t, g or t)) > planned_bytes(op, n, srcs, t)), None)
+            got = overflow(op, n, srcs, s_threads, g)
+            assert (got is None) == (brute is None), (op, n, srcs, s_threads, g, got, brute)
+            if got is not None:
+                t, used, reserved = got
+                assert used == kernel_bytes(op, n, srcs, min(t, g or t)) > reserved == planned_bytes(op, n, srcs, t)
+
+
+@pytest.mark.parametrize("op", sorted(USES))
+def test_the_planners_need_is_affine_in_its_task_count(op):
+    # overflow() takes the planner's need as base + slope * n_tasks (workbuf.work_bytes)
+    import random
+
+    from rpcguard.protocol.workbuf import work_bytes
+
+    r = random.Random(f"affine:{op}")
+    for _ in range(100):
+        n, srcs = _random_node(r, op)
+        w = [work_bytes(op, n, srcs, k) for k in range(0, 6)]
+        assert all(w[k] - w[0] == k * (w[1] - w[0]) for k in range(6)), (op, w)
