@@ -47,7 +47,7 @@ def quantized(type_: int) -> bool:
     return info is not None and info.blck_size > 1
 
 
-# -- the planner's work buffer (ggml-cpu.c:2847-3040, one function per case) -----------------
+# -- the planner's work buffer (ggml-cpu.c:2852-3042, one function per case) -----------------
 
 
 def _work_cpy(n: RpcTensor, s: Srcs, nt: int) -> int:
@@ -211,7 +211,7 @@ def work_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 # -- what the planner reserves for the kernel (workuse.py compares the kernels' use with it) --
 
 # ops.h:13-17: CACHE_LINE_SIZE is 64, 128 or 256 bytes by target. The planner adds one per thread
-# (ggml-cpu.c:3061) and the kernels leave one between threads' rows (CACHE_LINE_SIZE_F32, ops.h:20):
+# (ggml-cpu.c:3051) and the kernels leave one between threads' rows (CACHE_LINE_SIZE_F32, ops.h:20):
 # the same constant on both sides, so the smallest is the tightest case for every layout.
 CACHE_LINE_MIN: Final = 64
 
@@ -219,7 +219,7 @@ CACHE_LINE_MIN: Final = 64
 # ggml_get_n_tasks (ggml-cpu.c:2249-2505, the same in 0.3.35 but for SWIGLU_CLAMP) gives these ops
 # one task whatever the node; every other op plans up to n_threads (SOFT_MAX, RWKV_WKV6/7,
 # GATED_LINEAR_ATTN and the custom ops fewer, counted here as n_threads: an upper bound). A graph
-# runs all its nodes on min(its largest task count, n_threads) threads (ggml-cpu.c:3067 cplan.n_threads),
+# runs all its nodes on min(its largest task count, n_threads) threads (ggml-cpu.c:3055 cplan.n_threads),
 # so a graph of these ops alone runs on one thread.
 ONE_TASK_OPS: Final = frozenset({
     "NONE", "SUB", "SQR", "SQRT", "LOG", "SIN", "COS", "SUM", "SUM_ROWS", "MEAN", "ARGMAX", "REPEAT",
@@ -231,8 +231,8 @@ ONE_TASK_OPS: Final = frozenset({
 
 def task_cap(op: str, node: RpcTensor, srcs: Srcs) -> int | None:
     """``ggml_get_n_tasks`` (ggml-cpu.c:2249) for the ops with a work buffer is ``min(n_threads,
-    cap)``: every such op plans ``n_threads`` tasks (cap None) except SET_ROWS (one, :2363) and
-    SOFT_MAX (one per source row at most, :2392). The kernel still runs on all the graph's
+    cap)``: every such op plans ``n_threads`` tasks (cap None) except SET_ROWS (one, :2367) and
+    SOFT_MAX (one per source row at most, :2398). The kernel still runs on all the graph's
     threads (``params->nth``, up to ``n_threads``)."""
     if op == "SET_ROWS":
         return 1
@@ -251,7 +251,7 @@ def n_tasks(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
 def planned_bytes(op: str, node: RpcTensor, srcs: Srcs, n_threads: int) -> int:
     """The least work buffer ``ggml_graph_plan`` allocates for a graph with this (non-empty) node
     on a server of ``n_threads``: the node's need at its ``n_tasks`` plus the cache line per
-    thread the planner adds to a non-zero size (ggml-cpu.c:3060-3062). The buffer is the largest
+    thread the planner adds to a non-zero size (ggml-cpu.c:3050-3052). The buffer is the largest
     node's need, so another node can only make it larger."""
     cur = work_bytes(op, node, srcs, n_tasks(op, node, srcs, n_threads))
     return cur + CACHE_LINE_MIN * n_threads if cur else 0

@@ -6,7 +6,7 @@ server's ``-t``), and each kernel addresses its own per-thread scratch from ``pa
 two sides were written apart in ggml and disagree for some shapes: a quantizing CPY whose source
 rows are longer than its destination's (the planner counts the destination row, ggml-cpu.c:2862;
 the kernel writes the source row, ops.cpp:297) and SET_ROWS from F16 (one task planned,
-ggml-cpu.c:2363; every thread writes its row, ops.cpp:5501): heap writes past the buffer.
+ggml-cpu.c:2367; every thread writes its row, ops.cpp:5501): heap writes past the buffer.
 ``USES`` is the kernel side, per op, from the pinned sources (0.3.36 vendor/llama.cpp and b11434;
 the same lines in 0.3.35): one or more ``Use`` terms whose largest gives the end of the highest
 byte any of ``nth`` threads touches, for the smallest cache line (workbuf.CACHE_LINE_MIN).
@@ -14,7 +14,7 @@ byte any of ``nth`` threads touches, for the smallest cache line (workbuf.CACHE_
 1..``server_threads``, that use on ``t`` threads exceeds the planner's reservation for ``t``. Every
 use grows with ``nth`` and ``nth <= t``, so ``nth = t`` is each ``t``'s worst case; a graph whose
 nodes are all one-task ops (workbuf.ONE_TASK_OPS, e.g. a lone SET_ROWS and its views) runs on one
-thread (``graph_threads``: ggml-cpu.c:3067), whatever the server's ``-t``. The terms are
+thread (``graph_threads``: ggml-cpu.c:3055), whatever the server's ``-t``. The terms are
 computed once per node and the planner's need is affine in its task count (workbuf), so the
 check over all thread counts is integer arithmetic only. Ops whose kernel sizes itself from ``params->wsize`` (CONV_2D,
 CONV_3D: ops.cpp:7351) or asserts its layout against it (MUL_MAT_ID: ggml-cpu.c:1607) cannot write
@@ -86,7 +86,7 @@ def _use_dup(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
 
 def _use_add_q(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
     """ops.cpp:578 add_q_f32: one dequantized src0 row per thread (ops.cpp:618), rows of src0 in
-    blocks (:610-614)."""
+    blocks (:612-616)."""
     a = s[0]
     if a is None or not quantized(a.type):
         return _NONE
@@ -112,7 +112,7 @@ def _use_out_prod(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
 def _use_set_rows(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
     """ops.cpp:5501: F16 rows into a type other than F16 go through one F32 row (nc = ne00 of the
     source) per thread; source rows of dim 1 are split in blocks over all the threads
-    (:5469-5473), while the planner counts one task (ggml-cpu.c:2363)."""
+    (:5469-5473), while the planner counts one task (ggml-cpu.c:2367)."""
     b = s[0]
     if b is None or b.type != F16 or n.type == F16:
         return _NONE
@@ -121,7 +121,7 @@ def _use_set_rows(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
 
 def _use_soft_max(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
     """ops.cpp:5850: one row of src0's ne00 per thread; thread ith takes rows ith, ith+nth ... of
-    dim 1 (:5857)."""
+    dim 1 (:5859)."""
     a = s[0]
     return _NONE if a is None else (Use(row=4 * a.ne0, split=STRIDED, nr=a.ne1),)
 
@@ -187,7 +187,7 @@ def _use_gated_delta_net(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
 
 
 def _use_lightning_indexer(n: RpcTensor, s: Srcs) -> tuple[Use, ...]:
-    """ops.cpp:12400: one F32 row of *q's* ne0 (n_embd, :12388) per thread."""
+    """ops.cpp:12400: one F32 row of *q's* ne0 (n_embd, :12386) per thread."""
     q = s[0]
     return _NONE if q is None else (Use(row=4 * q.ne0),)
 
@@ -236,7 +236,7 @@ def overflow(op: str, node: RpcTensor, srcs: Srcs, server_threads: int,
     terms = fn(node, srcs) if fn is not None else _NONE
     if not terms:
         return None
-    # the planner's need is affine in its task count (every case of ggml-cpu.c:2847-3040)
+    # the planner's need is affine in its task count (every case of ggml-cpu.c:2852-3042)
     base = work_bytes(op, node, srcs, 0)
     slope = work_bytes(op, node, srcs, 1) - base
     cap = task_cap(op, node, srcs)

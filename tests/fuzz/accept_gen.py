@@ -497,7 +497,7 @@ def p_get_rows(d: Draw) -> Proto:
 def p_set_rows(d: Draw) -> Proto:
     if d.p(0.4):
         # the planner's edge: F16 rows into another type go through one F32 row per thread, and
-        # the planner counts one task (ggml-cpu.c:2363) while every thread writes (ops.cpp:5501)
+        # the planner counts one task (ggml-cpu.c:2367) while every thread writes (ops.cpp:5501)
         d.tag("planner-edge")
         dt = d.pick(Q_DST + (F32, BF16, F32, BF16))
         dst = S(dt, (blocked(dt, d.pick((1, 16, 17, 32, 64, 256, 1024))), d.pick((2, 4, 8, 9, 33)),
@@ -1673,8 +1673,8 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
 
 
 def _all_threads_node(b: Builder) -> int:
-    """A small ADD in the graph beside the node: ADD plans ``n_threads`` tasks (ggml-cpu.c:2259-2263), and a graph
-    runs every node on ``min(max tasks, n_threads)`` threads (ggml-cpu.c:3067), so the node under
+    """A small ADD in the graph beside the node: ADD plans ``n_threads`` tasks (ggml-cpu.c:2259-2270), and a graph
+    runs every node on ``min(max tasks, n_threads)`` threads (ggml-cpu.c:3055), so the node under
     test runs on all the server's threads even when it plans fewer itself (SET_ROWS, SOFT_MAX)."""
     ne = (b.d.pick((4, 64, 257)), 2, 1, 1)
     xs = []

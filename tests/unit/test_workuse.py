@@ -26,7 +26,7 @@ def dec(spec):
 
 def with_add(tensors, node):
     """``node`` with a small ADD listed before it: ADD plans n_threads tasks, so the whole graph,
-    ``node`` included, runs on all the server's threads (ggml-cpu.c:2259, :3067)."""
+    ``node`` included, runs on all the server's threads (ggml-cpu.c:2259-2270, :3055)."""
     x = T(0x30, F32, (4, 2, 1, 1))
     y = T(0x31, F32, (4, 2, 1, 1))
     add = T(0x32, F32, (4, 2, 1, 1), op=OPS["ADD"], src=(0x30, 0x31))
@@ -72,7 +72,7 @@ def first_overflow(kind: str, node_op: str, tensors, node) -> int | None:
 
 def test_cpy_source_row_longer_than_destination_row_overflows_on_one_thread():
     # 4096-float source rows into 32-element q8_0 rows: the planner reserves 4*32 + 64 bytes on
-    # one thread (ggml-cpu.c:2862, :3061), the kernel writes 16 KiB (ops.cpp:297)
+    # one thread (ggml-cpu.c:2862, :3051), the kernel writes 16 KiB (ops.cpp:297)
     tensors, d = quantizing_cpy((4096, 2, 1, 1), (32, 256, 1, 1))
     assert verdict(tensors, d, 1) == "work_buffer_overflow"
     assert first_overflow("cpy", "CPY", tensors, d) == 1
@@ -108,7 +108,7 @@ def test_cpy_rows_are_split_in_blocks_over_the_threads():
 
 @pytest.mark.parametrize("dst_type", [F32, Q8_0, Q4_0])
 def test_set_rows_from_f16_overflows_once_two_threads_write(dst_type):
-    # 256-byte rows, one task planned (ggml-cpu.c:2363), in a graph that runs on every thread
+    # 256-byte rows, one task planned (ggml-cpu.c:2367), in a graph that runs on every thread
     tensors, d, nodes = with_add(*set_rows_f16(64, 4, dst_type))
     assert verdict(tensors, d, 1, nodes) == "ok"
     for threads in (2, 3, 4, 8):
@@ -118,7 +118,7 @@ def test_set_rows_from_f16_overflows_once_two_threads_write(dst_type):
 
 def test_set_rows_from_f16_alone_runs_on_one_thread():
     # a graph of one-task ops (here the lone SET_ROWS, as test-backend-ops builds it) runs on
-    # min(largest task count, -t) = 1 thread (ggml-cpu.c:3067): accepted at any server size
+    # min(largest task count, -t) = 1 thread (ggml-cpu.c:3055): accepted at any server size
     tensors, d = set_rows_f16(64, 4)
     assert verdict(tensors, d, 64) == "ok"
 
@@ -163,7 +163,7 @@ def test_every_op_with_a_kernel_use_has_a_planner_reservation():
     always; the model names the planner's reservation for every op it names a use for."""
     from rpcguard.protocol.workbuf import _WORK
 
-    assert set(USES) - set(_WORK) == {"CONT"}  # ggml-cpu.c:2851: CPY and DUP only; CONT same-type
+    assert set(USES) - set(_WORK) == {"CONT"}  # ggml-cpu.c:2852: CPY and DUP only; CONT same-type
 
 
 def test_cont_keeps_its_type_so_uses_no_scratch():
