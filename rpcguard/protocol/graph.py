@@ -43,6 +43,7 @@ from typing import Callable, Final, Literal, Mapping
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.backend import backend_layer, check_backend
+from rpcguard.protocol.costprofile import check_budget, node_cost
 from rpcguard.protocol.cost import flops
 from rpcguard.protocol.opcheck import check_layout, check_node, check_reach, check_sources
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
@@ -338,6 +339,7 @@ class GraphValidator:
             self._layers[device] = layer
         if self.ops or self.op_params:
             cost = self._ops(rules, region, chunks, ids, npos, srcs, pos, state, layer)
+            check_budget(layer, cost / self.node_flops, bool(self.max_compute_s))  # the profile's own budget
             self._charge(cost, device, state)
         return device
 
@@ -603,7 +605,8 @@ class GraphValidator:
                               f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
             if p not in empty:
                 check_work_use(rule.op, node, node_srcs, self.server_threads, 1 if one_task else None)
-            cost = 0 if p in empty else flops(rule.op, node, node_srcs)
+            # the layer's cost profile (protocol/costprofile.py): cost.flops on the CPU
+            cost = 0 if p in empty else node_cost(layer, rule.op, node, node_srcs, self.node_flops)
             total += cost
             if len(cache) >= NODE_CACHE_MAX:
                 cache.clear()

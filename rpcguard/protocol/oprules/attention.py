@@ -236,20 +236,25 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("DIAG_MASK_INF", "ggml.c:4071 ggml_diag_mask_inf", 1, _diag_mask, params=1),
     OpRule("DIAG_MASK_ZERO", "ggml.c:4103 ggml_diag_mask_zero", 1, _diag_mask, params=1),
     OpRule("SOFT_MAX", "ggml.c:4200 ggml_soft_max_ext", 1, _soft_max, optional=2, params=2),
-    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(7, 0, 0), reach=_rope_reach),
-    # before 7.0.0 ggml_rope_impl set 15 params (no n_offs, ggml_rope_set_offset came with 7.0.0)
-    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(7, 0, 0),
+    # since 5.1.0: ggml_rope_impl and ggml_rope_set_offset of b10635 and b10970 equal 0.3.36's, and
+    # so does the kernel (ops.cpp ggml_compute_forward_rope_flt); the versions were compared function
+    # by function (docs/matrix.md "Op rules per release")
+    OpRule("ROPE", "ggml.c:4398 ggml_rope_ext", 2, _rope, optional=1, params=16, since=(5, 1, 0), reach=_rope_reach),
+    # before 5.1.0 ggml_rope_impl set 15 params (no n_offs: ggml_rope_set_offset came with 5.1.0)
+    OpRule("ROPE", "0.3.35 ggml.c ggml_rope_impl", 2, _rope, optional=1, params=15, until=(5, 1, 0),
            reach=_rope_reach),
     OpRule("ROPE_BACK", "ggml.c:4494 ggml_rope_ext_back (+4514 ggml_rope_multi_back, 4535 set_offset)", 2,
-           _rope_back, optional=1, params=16, since=(7, 0, 0), flat_rows=False, reach=_rope_reach),
+           _rope_back, optional=1, params=16, since=(5, 1, 0), flat_rows=False, reach=_rope_reach),
     OpRule("FLASH_ATTN_EXT", "ggml.c:5506 ggml_flash_attn_ext (+5558 set_prec, 5570 set_n_kv_max)", 3,
-           _flash_attn_ext, optional=2, params=5, since=(7, 0, 0)),
+           _flash_attn_ext, optional=2, params=5, since=(6, 0, 0)),  # set_n_kv_max: b10970 on
     OpRule("FLASH_ATTN_EXT", "0.3.35 ggml.c ggml_flash_attn_ext (+set_prec)", 3, _flash_attn_ext, optional=2,
-           params=4, until=(7, 0, 0)),
-    OpRule("LIGHTNING_INDEXER", "ggml.c:6432 ggml_lightning_indexer", 4, _lightning_indexer, since=(7, 0, 0),
+           params=4, until=(6, 0, 0)),
+    OpRule("LIGHTNING_INDEXER", "ggml.c:6432 ggml_lightning_indexer", 4, _lightning_indexer, since=(4, 0, 2),
            flat_rows=False),
-    OpRule("DSV4_HC_COMB", "ggml.c:6468 ggml_dsv4_hc_comb", 3, _dsv4_hc_comb, params=2, since=(7, 0, 0),
+    OpRule("DSV4_HC_COMB", "ggml.c:6468 ggml_dsv4_hc_comb", 3, _dsv4_hc_comb, params=2, since=(4, 0, 3),
            flat_rows=False),
+    # DSV4_HC_PRE/POST stay 7.0.0's: before it ggml_dsv4_hc_pre set no params (no scale, no gate) and
+    # ggml_dsv4_hc_post required comb, and their kernels differ (b10970 ops.cpp)
     OpRule("DSV4_HC_PRE", "ggml.c:6519 ggml_dsv4_hc_pre_impl (ggml_dsv4_hc_pre, _gated)", 2, _dsv4_hc_pre, params=2,
            since=(7, 0, 0), flat_rows=False),
     OpRule("DSV4_HC_POST", "ggml.c:6574 ggml_dsv4_hc_post", 3, _dsv4_hc_post, optional=1, since=(7, 0, 0),

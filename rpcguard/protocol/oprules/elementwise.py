@@ -116,7 +116,9 @@ UNARY_OPS_CPP = frozenset({8, 9, 10, 16})
 
 
 def _glu_before_7(n: RpcTensor, s: Srcs) -> Result:
-    """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35; SWIGLU_CLAMP came with 7.0.0)."""
+    """GLU before 7.0.0: six glu ops (ggml.h of 0.3.20-0.3.35). SWIGLU_CLAMP came with 6.0.0 (b10970
+    ggml.h:641) but the BF16 glu kernels only with 7.0.0, so 6.0.0 keeps this row (its SWIGLU_CLAMP
+    nodes are refused: no row yet says F32/F16 with seven glu ops)."""
     if n.param0 >= GLU_OP_COUNT - 1:
         raise refuse(n, "GLU", f"glu op {n.param0} unknown before 7.0.0", "graph_op_params_invalid")
     a = s[0]

@@ -61,12 +61,12 @@ def _vec_dot_type(t: int) -> int:
 
 
 HINT_SRC0_IS_HADAMARD = 1  # ggml.h:455 enum ggml_hint
-PRECS = frozenset({0, 10, 15, 20, 30, 40})  # ggml.h:443-451 enum ggml_prec (0 and 10 before 7.0.0)
+PRECS = frozenset({0, 10, 15, 20, 30, 40})  # ggml.h:443-451 enum ggml_prec (0 and 10 before 6.0.0)
 
 
 def _mul_mat_params(n: RpcTensor, op: str) -> None:
     """op_params of MUL_MAT/MUL_MAT_ID: [0] accumulator precision (ggml_prec_set_acc), [1] hint
-    (ggml_mul_mat_set_hint, MUL_MAT only), [3] src1 precision (ggml_prec_set_src, 7.0.0), values of
+    (ggml_mul_mat_set_hint, MUL_MAT only), [3] src1 precision (ggml_prec_set_src, 6.0.0), values of
     enum ggml_prec (ggml.h:443; llama.cpp sets GGML_PREC_F32 = 10)."""
     hints = (0, HINT_SRC0_IS_HADAMARD) if op == "MUL_MAT" else (0,)
     if n.param0 not in PRECS or n.param1 not in hints or n.param2 or n.param3 not in PRECS:
@@ -90,10 +90,10 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> Result:
 
 ROWS: tuple[OpRule, ...] = (
     OpRule("MUL_MAT", "ggml.c:3350 ggml_mul_mat (+3290 ggml_prec_set_acc/src, 3377 set_hint)", 2, _mul_mat,
-           params=4, since=(7, 0, 0)),
+           params=4, since=(6, 0, 0)),  # ggml_prec_set_acc/src: b10970 on
     OpRule("MUL_MAT", "0.3.35 ggml.c ggml_mul_mat (+set_prec, set_hint)", 2, _mul_mat, params=2,
-           until=(7, 0, 0)),
+           until=(6, 0, 0)),
     OpRule("MUL_MAT_ID", "ggml.c:3401 ggml_mul_mat_id (+3290 ggml_prec_set_acc/src)", 3, _mul_mat_id, params=4,
-           since=(7, 0, 0)),
-    OpRule("MUL_MAT_ID", "0.3.35 ggml.c ggml_mul_mat_id", 3, _mul_mat_id, params=1, until=(7, 0, 0)),
+           since=(6, 0, 0)),
+    OpRule("MUL_MAT_ID", "0.3.35 ggml.c ggml_mul_mat_id", 3, _mul_mat_id, params=1, until=(6, 0, 0)),
 )
