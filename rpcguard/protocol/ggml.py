@@ -25,8 +25,8 @@ that enum in order, with ``GGML_OP_COUNT`` left off. Type sizes are ``.blck_size
 of ``type_traits`` evaluated with the sdist's own headers (``sizeof(block_*)`` from ggml-common.h).
 
 Type ids never changed meaning across these versions; only new ids were appended
-(GGML_TYPE_COUNT 40 / 41 / 42 for 2.0.0 / 3.6.1 / 4.0.0, 43 from 4.0.1 on; the type_traits rows
-of 4.0.1-6.0.0 equal 7.0.0's).
+(GGML_TYPE_COUNT 40 / 41 / 42 for 2.0.0 / 3.6.1 / 4.0.0, 43 from llama.cpp b9917, inside 4.0.1:
+types are appended without a protocol bump; the type_traits rows of b9968-b10970 equal 7.0.0's).
 Ids 4, 5, 31-33 and 36-38 are removed types (blck_size 0) in every version and are not in TYPES.
 
 Op ids do change: 3.6.1 and 4.0.0 share one enum, 4.0.3 to 7.0.0 share another, 2.0.0, 4.0.1
@@ -104,11 +104,13 @@ TYPES: Mapping[int, TypeInfo] = {
     39: TypeInfo("mxfp4", 32, 17),
     40: TypeInfo("nvfp4", 64, 36),  # since 3.6.1 here (GGML_TYPE_COUNT 41)
     41: TypeInfo("q1_0", 128, 18),  # since 4.0.0 here (GGML_TYPE_COUNT 42)
-    42: TypeInfo("q2_0", 64, 18),  # since 4.0.1 (GGML_TYPE_COUNT 43)
+    42: TypeInfo("q2_0", 64, 18),  # since b9917, inside 4.0.1 (GGML_TYPE_COUNT 43)
 }
 
 # GGML_TYPE_COUNT per protocol version read (enum ggml_type in ggml.h). A type id >= this is
-# refused by that server (deserialize_tensor closes the connection).
+# refused by that server (deserialize_tensor closes the connection). Where a version's releases
+# differ, the newest count: 4.0.1 is 42 in b9581-b9905 and llama-cpp-python 0.3.29-0.3.33, 43 from
+# b9917 (scripts/census.py); an older server refuses type 42 itself (b9968 ggml-rpc.cpp:994).
 TYPE_COUNT_BY_VERSION: Mapping[Version, int] = {
     (2, 0, 0): 40,
     (3, 6, 1): 41,

@@ -323,3 +323,20 @@ def test_main_fails_on_a_planted_mismatch(tmp_path):
     assert rc == 1
     assert "| 5.1.0 (another op/command list, #2) | b1017-b1024 | — | **mismatch**" in text
     assert "- 5.1.0: op enum differs from ggml.OP_TABLES at id 3 (source PLANTED, rpcguard ADD_ID; 102 vs 101 ops)" in text
+
+
+def test_before_3_6_1_an_op_enum_is_a_note_not_a_mismatch():
+    # 2.0.0 releases numbered ops differently (llama-cpp-python 0.3.9 had 82, 0.3.16 88): rpcguard
+    # refuses every graph below 3.6.1, so only the commands count
+    ops = list(ggml.op_table((2, 0, 0)).names)[:82]
+    status, problems = census.compare(facts_of((2, 0, 0), ops=ops, type_count=39))
+    assert problems == [] and "graphs refused" in status and "nor the op enum `rpcguard ops` lists" in status
+    _, problems = census.compare(facts_of((2, 0, 0), ops=ops, commands=commands_of((3, 0, 0))))
+    assert problems == ["2.0.0: command 15 is DEVICE_COUNT, rpcguard has none"]
+
+
+def test_before_1_0_0_only_the_protocol_is_told_apart():
+    a = census.facts_from_sources(ggml_h(["NONE", "DUP"], 31), rpc_h(None), rpc_cpp(["ALLOC_BUFFER"]))
+    b = census.facts_from_sources(ggml_h(["NONE", "DUP", "ADD"], 34), rpc_h(None), rpc_cpp(["ALLOC_BUFFER"]))
+    assert a.key() == b.key() == (census.UNVERSIONED,)
+    assert census.compare(a) == ("no HELLO (before 1.0.0): refused", [])

@@ -176,8 +176,9 @@ ROWS: tuple[OpRule, ...] = (
     OpRule("RWKV_WKV6", "ggml.c:5882 ggml_rwkv_wkv6", 6, _linear_attn(5, 5, "RWKV_WKV6")),
     OpRule("RWKV_WKV7", "ggml.c:5968 ggml_rwkv_wkv7", 7, _linear_attn(6, 6, "RWKV_WKV7")),
     OpRule("GATED_LINEAR_ATTN", "ggml.c:5925 ggml_gated_linear_attn", 5, _linear_attn(4, 4, "GATED_LINEAR_ATTN"), params=1),
-    OpRule("GATED_DELTA_NET", "ggml.c:6375 ggml_gated_delta_net", 6, _gated_delta_net, params=1, since=(7, 0, 0),
+    # GATED_DELTA_NET, SOLVE_TRI, TRI: constructor and kernel the same in every release from 4.0.1
+    OpRule("GATED_DELTA_NET", "ggml.c:6375 ggml_gated_delta_net", 6, _gated_delta_net, params=1, since=(4, 0, 1),
            flat_rows=False),
-    OpRule("SOLVE_TRI", "ggml.c:6340 ggml_solve_tri", 2, _solve_tri, since=(7, 0, 0)),
-    OpRule("TRI", "ggml.c:5377 ggml_tri", 1, _tri, params=1, since=(7, 0, 0)),
+    OpRule("SOLVE_TRI", "ggml.c:6340 ggml_solve_tri", 2, _solve_tri, since=(4, 0, 1)),
+    OpRule("TRI", "ggml.c:5377 ggml_tri", 1, _tri, params=1, since=(4, 0, 1)),
 )

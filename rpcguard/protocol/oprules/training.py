@@ -317,22 +317,26 @@ def _add1(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
 
 
 ROWS: tuple[OpRule, ...] = (
-    OpRule("OUT_PROD", "ggml.c:3437 ggml_out_prod", 2, _out_prod, since=(7, 0, 0), flat_rows=False),
-    OpRule("SILU_BACK", "ggml.c:2870 ggml_silu_back", 2, _silu_back, since=(7, 0, 0)),
-    OpRule("RMS_NORM_BACK", "ggml.c:3207 ggml_rms_norm_back", 2, _rms_norm_back, params=1, since=(7, 0, 0),
+    # since: the first release whose constructor, kernel and planner case equal 0.3.36's (4.0.1 for
+    # most; OUT_PROD's F16 src0 came with 4.0.3). GET_ROWS_BACK stays 7.0.0's: its kernel checks the
+    # row index only from 7.0.0 on (b10970 ops.cpp ggml_compute_forward_get_rows_back_f32 writes
+    # dst + r*nb1 for any r)
+    OpRule("OUT_PROD", "ggml.c:3437 ggml_out_prod", 2, _out_prod, since=(4, 0, 3), flat_rows=False),
+    OpRule("SILU_BACK", "ggml.c:2870 ggml_silu_back", 2, _silu_back, since=(4, 0, 1)),
+    OpRule("RMS_NORM_BACK", "ggml.c:3207 ggml_rms_norm_back", 2, _rms_norm_back, params=1, since=(4, 0, 1),
            flat_rows=False),
     OpRule("SOFT_MAX_BACK", "ggml.c:4255 ggml_soft_max_ext_back (+4264 _inplace)", 2, _soft_max_back, params=2,
-           since=(7, 0, 0)),
-    OpRule("REPEAT_BACK", "ggml.c:2615 ggml_repeat_back", 1, _repeat_back, since=(7, 0, 0), flat_rows=False),
+           since=(4, 0, 1)),
+    OpRule("REPEAT_BACK", "ggml.c:2615 ggml_repeat_back", 1, _repeat_back, since=(4, 0, 1), flat_rows=False),
     OpRule("GET_ROWS_BACK", "ggml.c:3988 ggml_get_rows_back", 2, _get_rows_back, since=(7, 0, 0), flat_rows=False),
-    OpRule("COUNT_EQUAL", "ggml.c:2562 ggml_count_equal", 2, _count_equal, since=(7, 0, 0), flat_rows=False),
-    OpRule("CROSS_ENTROPY_LOSS", "ggml.c:6253 ggml_cross_entropy_loss", 2, _cross_entropy_loss, since=(7, 0, 0)),
+    OpRule("COUNT_EQUAL", "ggml.c:2562 ggml_count_equal", 2, _count_equal, since=(4, 0, 1), flat_rows=False),
+    OpRule("CROSS_ENTROPY_LOSS", "ggml.c:6253 ggml_cross_entropy_loss", 2, _cross_entropy_loss, since=(4, 0, 1)),
     OpRule("CROSS_ENTROPY_LOSS_BACK", "ggml.c:6270 ggml_cross_entropy_loss_back", 3, _cross_entropy_loss_back,
-           since=(7, 0, 0)),
-    OpRule("OPT_STEP_ADAMW", "ggml.c:6290 ggml_opt_step_adamw", 5, _opt_step(4, "OPT_STEP_ADAMW"), since=(7, 0, 0),
+           since=(4, 0, 1)),
+    OpRule("OPT_STEP_ADAMW", "ggml.c:6290 ggml_opt_step_adamw", 5, _opt_step(4, "OPT_STEP_ADAMW"), since=(4, 0, 1),
            flat_rows=False),
-    OpRule("OPT_STEP_SGD", "ggml.c:6318 ggml_opt_step_sgd", 3, _opt_step(2, "OPT_STEP_SGD"), since=(7, 0, 0),
+    OpRule("OPT_STEP_SGD", "ggml.c:6318 ggml_opt_step_sgd", 3, _opt_step(2, "OPT_STEP_SGD"), since=(4, 0, 1),
            flat_rows=False),
-    OpRule("DIAG", "ggml.c:4039 ggml_diag", 1, _diag, since=(7, 0, 0), flat_rows=False),
-    OpRule("ADD1", "ggml.c:2170 ggml_add1 (+2177 _inplace)", 2, _add1, since=(7, 0, 0), flat_rows=False),
+    OpRule("DIAG", "ggml.c:4039 ggml_diag", 1, _diag, since=(4, 0, 1), flat_rows=False),
+    OpRule("ADD1", "ggml.c:2170 ggml_add1 (+2177 _inplace)", 2, _add1, since=(4, 0, 1), flat_rows=False),
 )

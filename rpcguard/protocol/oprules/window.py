@@ -95,9 +95,10 @@ def _add_rel_pos(n: RpcTensor, s: Srcs) -> Result:
 
 
 ROWS: tuple[OpRule, ...] = (
-    OpRule("WIN_PART", "ggml.c:5767 ggml_win_part", 1, _win_part, params=3, since=(7, 0, 0)),
-    OpRule("WIN_UNPART", "ggml.c:5796 ggml_win_unpart", 1, _win_unpart, params=1, since=(7, 0, 0)),
-    OpRule("GET_REL_POS", "ggml.c:5818 ggml_get_rel_pos", 1, _get_rel_pos, since=(7, 0, 0)),
+    # constructor and kernel the same in every release from 4.0.1 (docs/matrix.md)
+    OpRule("WIN_PART", "ggml.c:5767 ggml_win_part", 1, _win_part, params=3, since=(4, 0, 1)),
+    OpRule("WIN_UNPART", "ggml.c:5796 ggml_win_unpart", 1, _win_unpart, params=1, since=(4, 0, 1)),
+    OpRule("GET_REL_POS", "ggml.c:5818 ggml_get_rel_pos", 1, _get_rel_pos, since=(4, 0, 1)),
     OpRule("ADD_REL_POS", "ggml.c:5837 ggml_add_rel_pos_impl (ggml_add_rel_pos, _inplace)", 3, _add_rel_pos,
-           params=1, since=(7, 0, 0)),
+           params=1, since=(4, 0, 1)),
 )
