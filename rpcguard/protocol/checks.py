@@ -14,7 +14,7 @@ flags/name, SET_TENSOR cache_flag), ``buffer_bounds`` (handles, data ranges, SET
 COPY ranges, ALLOC_BUFFER size and the session's allocation quota, INIT_TENSOR padded size),
 ``graph_structure``, ``graph_ops``, ``op_params`` (op_params and shape rules of ACC/SET/
 PAD_REFLECT_1D/GET_ROWS/SET_ROWS), ``recompute_after_free`` (both GRAPH_RECOMPUTE rules),
-``device_index``.
+``device_index``; ``graph_ops`` also covers GET_DEVICE_SUPPORTS_OP's op id and sources.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Final
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.backend import check_alloc_command
-from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.graph import GraphValidator, OpRules, op_rules
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
 from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
 from rpcguard.protocol.tensor import (
@@ -61,6 +61,8 @@ class RequestChecks:
         self._bounds = on["buffer_bounds"]
         self._device = on["device_index"]
         self._recompute = on["recompute_after_free"]
+        self._ops = on["graph_ops"]
+        self._denied = frozenset(policy.denied_ops)
         self._tchecks = (CHECK_TENSOR if self._tensor else 0) | (CHECK_BUFFER if self._bounds else 0)
         self._graph = GraphValidator(
             max_nodes=policy.max_graph_nodes,
@@ -256,6 +258,68 @@ class RequestChecks:
         if self._tensor:  # CUDA's get_alloc_size asserts (protocol/backend.py)
             check_alloc_command(self.policy.backend, "GET_ALLOC_SIZE", t, srcs, state, device)
 
+    def _op_rules(self) -> OpRules | None:
+        spec = self.state.spec
+        return op_rules(spec.version, self._denied) if spec is not None else None
+
+    def forwards_op(self, op: int) -> bool:
+        """Whether a graph node of ``op`` could pass the op checks at all (the op level of
+        GraphValidator._ops: a table, in range, not denied, a verified rule that this server may
+        run, or named in allow_unverified_ops); GET_DEVICE_SUPPORTS_OP of any other op is
+        answered "not supported" by the proxy (commands.supports_op_local)."""
+        if not self._ops:
+            return True
+        rules = self._op_rules()
+        allowed = self.policy.allow_unverified_ops
+        if rules is None or op >= rules.count:
+            return "*" in allowed
+        if op in rules.denied:
+            return False
+        if "*" in allowed or rules.names[op] in allowed:
+            return True
+        return op in rules.rows and (op not in rules.contained_only or self.policy.contained)
+
+    def device_supports_op(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
+        """GET_DEVICE_SUPPORTS_OP (7.0.1): ``u32 device, rpc_tensor op, rpc_tensor srcs[10]``. The
+        server deserializes the op and every src whose id is not 0, then calls its backend's
+        supports_op, which reads the sources the op has (ggml-cpu.cpp ggml_backend_cpu_device_
+        supports_op: src0/src1 types, SSM_SCAN's src[3]): a query without them is a NULL
+        dereference. Checked like GET_ALLOC_SIZE's tensors, plus the op: in range for the version
+        and with the sources its constructor always sets (its oprules row), present and, for a
+        non-empty op, non-empty unless the op's kernels take empty ones."""
+        self._check_device(_U32.unpack_from(payload)[0])
+        checks = self._tchecks | FOREIGN_BUFFER_OK
+        state = self.state
+        op = decode_tensor(payload, 4)
+        check_tensor(op, state, checks)
+        srcs: list[RpcTensor | None] = []
+        for off in range(4 + TENSOR_BYTES, len(payload), TENSOR_BYTES):
+            src = decode_tensor(payload, off)
+            if src.id != 0:  # id 0 means "no src": the server leaves it NULL
+                check_tensor(src, state, checks)
+                srcs.append(src)
+            else:
+                srcs.append(None)
+        if not self._ops:
+            return
+        rules = self._op_rules()
+        if rules is None:
+            if "*" in self.policy.allow_unverified_ops:
+                return
+            raise FirewallRefusal("op_not_verified", "this protocol version has no verified op table")
+        if op.op >= rules.count:
+            raise FirewallRefusal("graph_op_invalid", f"supports_op of op {op.op} >= OP_COUNT {rules.count}")
+        row = rules.rows.get(op.op)
+        if row is None:
+            return  # never forwarded: the proxy answers "not supported" (forwards_op)
+        empty_node = not (op.ne0 and op.ne1 and op.ne2 and op.ne3)
+        for i in range(row.srcs):
+            need = srcs[i]
+            if need is None:
+                raise FirewallRefusal("graph_src_missing", f"supports_op of {row.op} without src[{i}]")
+            if not empty_node and not row.empty_sources and not (need.ne0 and need.ne1 and need.ne2 and need.ne3):
+                raise FirewallRefusal("tensor_layout_invalid", f"supports_op of {row.op}: src[{i}] is empty {need.ne}")
+
     def graph_compute(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         self._graph.check(payload, self.state)
 
@@ -265,9 +329,11 @@ class RequestChecks:
         if not self._recompute:
             return
         state = self.state
-        if state.freed_since_graph:
+        if device in state.graph_freed:
+            # GHSA-2phh-px2f-2qmx: the server would rerun the stored graph on freed memory
             raise FirewallRefusal(
-                "recompute_after_free", f"device {device}: a FREE_BUFFER came after the last GRAPH_COMPUTE"
+                "recompute_after_free",
+                f"device {device}: a buffer its stored graph uses was freed after the last GRAPH_COMPUTE",
             )
         if device not in state.graph_devices:
             raise FirewallRefusal("recompute_without_graph", f"device {device} has no stored graph")

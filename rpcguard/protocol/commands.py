@@ -7,10 +7,15 @@ request's ``effect`` on the session (it changes ``SessionState`` and returns the
 response will need: a handle, a device, an ``AllocAsked``, a copy of the head) and the
 response's ``learn`` function (what the answer teaches: buffers, bases, device facts,
 hash-cache misses), which gets that context back typed: ``row()`` makes mypy hold each
-effect's context type to its learner's. The columns are resolved at import into tuples
-indexed by command id (``CHECKS``, ``CACHEABLE``, ``EFFECTS``, ``LEARNERS``, ``BATCH``), so a
-frame pays one index each, never a name lookup. Effects run after the firewall accepted the
-frame; learners run on the exactly sized response.
+effect's context type to its learner's. The ``answer`` column is for requests the proxy may
+answer itself instead of forwarding (the payload of its answer, or None to forward): a
+SET_TENSOR_HASH on a cache other identities share, a supports_op query for an op the firewall
+never forwards. The columns are resolved at import into tuples indexed by command id
+(``CHECKS``, ``CACHEABLE``, ``EFFECTS``, ``LEARNERS``, ``BATCH``, ``ANSWERS``), so a frame pays
+one index each, never a name lookup. Effects and answers run after the firewall accepted the
+frame; learners run on the exactly sized response. A learner that finds an answer the protocol
+or the backend rules out raises ``response_value_invalid``: it ends the session that got it (the
+facts it would have taught are that session's only, state.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING, Any, Callable, Final, Mapping, NamedTuple, TypeVar, final
 
-from rpcguard.errors import FirewallRefusal
+from rpcguard.errors import FirewallRefusal, ProtocolRefusal
 from rpcguard.protocol.checks import RequestChecks
 from rpcguard.protocol.state import alloc_size_key, hash_miss_key
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
@@ -28,13 +33,16 @@ if TYPE_CHECKING:
     from rpcguard.protocol.session import Expect, Session
 
 __all__ = ["CommandRow", "AllocAsked", "row", "ROWS", "CHECKS", "CACHEABLE", "EFFECTS", "LEARNERS", "BATCH",
-           "BATCH_MAX_BYTES", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX"]
+           "ANSWERS", "BATCH_MAX_BYTES", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX", "SUPPORTS_OP_MAX", "graph_buffers"]
 
 # A BATCH frame larger than this is urgent all the same: its body is streamed as it comes (held
 # bytes are copied; a model load's multi-MB SET_TENSORs must not be).
 BATCH_MAX_BYTES: Final = 64 * 1024
 HASH_MISSES_MAX: Final = 1024  # SET_TENSOR_HASH misses remembered per session (the client uses each at once)
-ALLOC_SIZES_MAX: Final = 4096  # padded GET_ALLOC_SIZE answers remembered per upstream
+ALLOC_SIZES_MAX: Final = 4096  # padded GET_ALLOC_SIZE answers remembered per session
+# supports_op answers remembered per session (the client asks once per op signature: a model's
+# few hundred; test-backend-ops' thousands)
+SUPPORTS_OP_MAX: Final = 16384
 
 _U32: Final = struct.Struct("<I")
 _U64: Final = struct.Struct("<Q")
@@ -43,11 +51,17 @@ _DEV_U64: Final = struct.Struct("<IQ")
 _CLEAR: Final = struct.Struct("<QB")
 _SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9  # 7.0.0: rpc_tensor, u8 cache_flag, u64 offset
 _BUFFER_CLEAR: Final = COMMAND_IDS["BUFFER_CLEAR"]
+_MISS: Final = b"\x00"  # SET_TENSOR_HASH / GET_DEVICE_SUPPORTS_OP: u8 0 (not found / not supported)
+# The buffer field of each rpc_tensor of a graph (id u64, type u32, buffer u64 at 12): one C loop.
+_TENSOR_BUFFER: Final = struct.Struct("<12xQ%dx" % (TENSOR_BYTES - 20))
+_SRC_AT: Final = 4 + TENSOR_BYTES  # GET_DEVICE_SUPPORTS_OP: the srcs after u32 device + the op
+_OP_AT: Final = 52  # rpc_tensor.op: after id u64, type u32, buffer u64, ne[4] u32, nb[4] u32
 
 C = TypeVar("C")  # what a request's effect leaves for its response's learner (Expect.ctx)
 Check = Callable[[RequestChecks, CommandRule, memoryview, int], None]  # (checks, rule, head, body_len)
 Effect = Callable[["Session", memoryview, int], C]  # (session, head, body_len) -> response context
 Learn = Callable[["Session", "Expect[C]", memoryview], None]  # (session, expectation, response head)
+Answer = Callable[["Session", memoryview], "bytes | None"]  # (session, head) -> the proxy's answer, or forward
 
 
 class CommandRow(NamedTuple):
@@ -62,12 +76,19 @@ class CommandRow(NamedTuple):
     # remembered until the buffer map changes (Firewall.check_request; SET_TENSOR with
     # cache_flag=1 never is).
     cacheable: bool = False
+    # The proxy may answer the request itself (the payload, or None: forward it); the effect and
+    # learner then do not run.
+    answer: Answer | None = None
 
 
 def row(check: Check | None, effect: Effect[C] | None, learn: Learn[C] | None, *, batch: bool = False,
-        cacheable: bool = False) -> CommandRow:
+        cacheable: bool = False, answer: Answer | None = None) -> CommandRow:
     """One command's row; the effect's context type and the learner's are one ``C``."""
-    return CommandRow(check, effect, learn, batch, cacheable)
+    return CommandRow(check, effect, learn, batch, cacheable, answer)
+
+
+def _invalid(what: str) -> ProtocolRefusal:
+    return ProtocolRefusal("response_value_invalid", what)
 
 
 @final
@@ -111,8 +132,35 @@ def head_copy(s: Session, head: memoryview, body_len: int) -> bytes:
     return bytes(head)
 
 
+def graph_buffers(payload: memoryview | bytes, header: int) -> frozenset[int] | None:
+    """The buffer handles a GRAPH_COMPUTE payload's tensors name (None: the payload is not whole)."""
+    if len(payload) < header:
+        return None
+    n_nodes = _U32.unpack_from(payload, header - 4)[0]
+    at = header + 8 * n_nodes
+    if len(payload) < at + 4:
+        return None
+    end = at + 4 + TENSOR_BYTES * _U32.unpack_from(payload, at)[0]
+    if len(payload) != end:
+        return None
+    return frozenset(b for (b,) in _TENSOR_BUFFER.iter_unpack(payload[at + 4 : end]))
+
+
 def graph_request(s: Session, head: memoryview, body_len: int) -> None:
-    s.state.graph_stored(_U32.unpack_from(head)[0] if s.multi_device else 0)
+    # The server stores the graph for GRAPH_RECOMPUTE, pointing into the buffers it names.
+    device = _U32.unpack_from(head)[0] if s.multi_device else 0
+    spec = s.state.spec
+    s.state.graph_stored(device, graph_buffers(head, spec.graph_header) if spec is not None else None)
+
+
+def supports_op_request(s: Session, head: memoryview, body_len: int) -> tuple[int, int, tuple[int, ...]]:
+    # (device, op, the op tensor's type and each src's, -1 where absent): the answer's key
+    t = decode_tensor(head, 4)
+    types = [t.type]
+    for off in range(_SRC_AT, len(head), TENSOR_BYTES):
+        src = decode_tensor(head, off)
+        types.append(src.type if src.id else -1)
+    return _U32.unpack_from(head)[0], t.op, tuple(types)
 
 
 def alloc_size_request(s: Session, head: memoryview, body_len: int) -> bytes:
@@ -143,7 +191,11 @@ def device_count_answer(s: Session, exp: Expect[None], head: memoryview) -> None
 
 
 def alignment_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
-    s.state.upstream.alignment[exp.ctx] = _U64.unpack_from(head)[0]
+    alignment = _U64.unpack_from(head)[0]
+    if alignment == 0 or alignment & (alignment - 1):
+        # ggml pads every tensor with GGML_PAD(x, alignment): a power of two (ggml-backend.cpp)
+        raise _invalid(f"GET_ALIGNMENT of device {exp.ctx}: {alignment} is not a power of two")
+    s.state.upstream.alignment[exp.ctx] = alignment
 
 
 def max_size_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
@@ -167,7 +219,14 @@ def alloc_size_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
     t = decode_tensor(req, at)
     info = types_of(s.version).get(t.type)
     size = _U64.unpack_from(head)[0]
-    if info is not None and size > nbytes(t, info):
+    if info is None:
+        return
+    n = nbytes(t, info)
+    if size < n:
+        # a backend's allocation size is never below ggml_nbytes of the tensor it was asked about
+        # (ggml_backend_buft_get_alloc_size's default; the padding backends add to it)
+        raise _invalid(f"GET_ALLOC_SIZE of a {n}-byte tensor answered {size}")
+    if size > n:
         sizes = s.state.upstream.alloc_sizes
         if len(sizes) >= ALLOC_SIZES_MAX:
             sizes.clear()
@@ -192,6 +251,41 @@ def hash_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
             s.stats.upload_bytes_hash_hit += max(0, nbytes(t, info) - offset)
 
 
+def supports_op_answer(s: Session, exp: Expect[tuple[int, int, tuple[int, ...]]], head: memoryview) -> None:
+    value = head[0]
+    if value > 1:
+        raise _invalid(f"GET_DEVICE_SUPPORTS_OP answered {value}, not 0 or 1")
+    answers = s.state.upstream.supports_op
+    if len(answers) >= SUPPORTS_OP_MAX:
+        answers.clear()
+    answers[exp.ctx] = value == 1
+
+
+# ----------------------------------------------------------------------------- the proxy's answers
+def hash_local(s: Session, head: memoryview) -> bytes | None:
+    """SET_TENSOR_HASH answers from the server's -c cache, which holds what any client uploaded
+    with cache_flag=1: a tenant that knows the FNV-1a hash of another's tensor gets its bytes
+    written into its own buffer (issue 28). Only a contained serve gives each identity its own
+    cache directory (upstream/pool.py, docs/containment.md); everywhere else the proxy answers
+    "not cached" itself, so the client uploads the tensor (and the session keeps its cache_flag
+    out of the shared cache: Session._forward)."""
+    if s.hash_forwarded:
+        return None
+    misses = s.state.hash_misses
+    if len(misses) >= HASH_MISSES_MAX:
+        misses.clear()
+    misses.add(bytes(head[: TENSOR_BYTES + 8]))  # the client may send this tensor once with cache_flag=1
+    s.stats.hash_answered_by_proxy += 1
+    return _MISS
+
+
+def supports_op_local(s: Session, head: memoryview) -> bytes | None:
+    """An op the firewall never forwards in a graph (no verified rule, denied, or contained
+    only on a server that is not contained) is "not supported": the scheduler then places it on
+    another backend, and the server never sees a query whose sources nobody checked."""
+    return None if s.firewall.forwards_op(_U32.unpack_from(head, 4 + _OP_AT)[0]) else _MISS
+
+
 # ----------------------------------------------------------------------------- the table
 ROWS: Mapping[str, CommandRow] = {
     #                         firewall check (protocol/checks.py) request effect  response learner
@@ -202,7 +296,8 @@ ROWS: Mapping[str, CommandRow] = {
     "FREE_BUFFER":       row(RequestChecks.handle,          free_request,       None),
     "BUFFER_CLEAR":      row(RequestChecks.handle,          None,               None),
     "SET_TENSOR":        row(RequestChecks.set_tensor,      set_tensor_request, None, batch=True, cacheable=True),
-    "SET_TENSOR_HASH":   row(RequestChecks.set_tensor_hash, head_copy,          hash_answer, cacheable=True),
+    "SET_TENSOR_HASH":   row(RequestChecks.set_tensor_hash, head_copy,          hash_answer, cacheable=True,
+                             answer=hash_local),
     "GET_TENSOR":        row(RequestChecks.get_tensor,      None,               None, cacheable=True),  # streamed answer
     "COPY_TENSOR":       row(RequestChecks.copy_tensor,     None,               None),
     "GRAPH_COMPUTE":     row(RequestChecks.graph_compute,   graph_request,      None),
@@ -214,6 +309,9 @@ ROWS: Mapping[str, CommandRow] = {
     "GRAPH_RECOMPUTE":   row(RequestChecks.graph_recompute, None,               None),
     # MEMSET_TENSOR's head is GET_TENSOR's (rpc_tensor, offset, size) and a value
     "MEMSET_TENSOR":     row(RequestChecks.get_tensor,      None,               None, cacheable=True),
+    "NONE":              row(None,                          None,               None),  # never in a version
+    "GET_DEVICE_SUPPORTS_OP": row(RequestChecks.device_supports_op, supports_op_request, supports_op_answer,
+                                  answer=supports_op_local),
 }  # fmt: skip
 
 CHECKS: Final[tuple[Check | None, ...]] = tuple(ROWS[name].check for name in COMMAND_NAMES)
@@ -221,3 +319,4 @@ CACHEABLE: Final[tuple[bool, ...]] = tuple(ROWS[name].cacheable for name in COMM
 EFFECTS: Final[tuple[Effect[Any] | None, ...]] = tuple(ROWS[name].effect for name in COMMAND_NAMES)
 LEARNERS: Final[tuple[Learn[Any] | None, ...]] = tuple(ROWS[name].learn for name in COMMAND_NAMES)
 BATCH: Final[tuple[bool, ...]] = tuple(ROWS[name].batch for name in COMMAND_NAMES)
+ANSWERS: Final[tuple[Answer | None, ...]] = tuple(ROWS[name].answer for name in COMMAND_NAMES)

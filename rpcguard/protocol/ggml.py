@@ -234,7 +234,11 @@ OP_TABLES: Mapping[Version, OpTable] = {
 
 # Versions whose op enum was not read in a release but is bracketed by identical read enums; used
 # by op_table only with allow_inferred=True. (5.1.0 was one until its release b10635 was read.)
-OP_TABLE_ALIASES: Mapping[Version, Version] = {}
+# 7.0.1 (GET_DEVICE_SUPPORTS_OP, PR #28571): its ggml-rpc.h at ggml-org/llama.cpp@02d1e60c pins
+# GGML_OP_COUNT == 101 as 7.0.0's does (b11434 ggml/include/ggml-rpc.h:14), and says its patch bump
+# is the new command, not an op change; its ggml.h was not read: a 7.0.1 release whose op enum moved
+# would have to say so with another patch number (the census, issue 27, checks it).
+OP_TABLE_ALIASES: Mapping[Version, Version] = {(7, 0, 1): (7, 0, 0)}
 
 
 def type_info(type_id: int) -> TypeInfo | None:

@@ -15,7 +15,11 @@ nothing of that frame has been queued.
 
 Per command, the command table (``commands.ROWS``) gives the firewall check, the request's
 effect on session state (which also decodes what the response will need) and the response's
-learner; the session indexes ``commands.EFFECTS`` / ``LEARNERS`` by command id.
+learner; the session indexes ``commands.EFFECTS`` / ``LEARNERS`` by command id. A request the
+proxy answers itself (``commands.ANSWERS``: a SET_TENSOR_HASH on a cache other tenants share, a
+supports_op query for an op never forwarded) is not forwarded: its answer goes to the client in
+the order the client asked, after the answers the server still owes (an ``Expect`` carrying the
+answer waits in the FIFO and goes out when it reaches the front, after a streamed body ends).
 
 Requests are planned from the command table of the version the server announced in its HELLO
 reply (``versions.ProtocolSpec``); until then only HELLO is accepted. Responses carry no
@@ -38,7 +42,7 @@ from typing import Any, Final, Generic, Literal, TypeVar, Union
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.commands import BATCH, BATCH_MAX_BYTES, EFFECTS, LEARNERS
+from rpcguard.protocol.commands import ANSWERS, BATCH, BATCH_MAX_BYTES, EFFECTS, LEARNERS
 from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.settings import CHECK_NAMES, SessionPolicy
 from rpcguard.protocol.framing import FrameReader
@@ -68,6 +72,10 @@ from rpcguard.protocol.versions import (
 # last request heads kept (command, payload length: no tensor data) and the last graph's digest.
 RECENT_REQUESTS: Final = 16
 _GRAPH_COMPUTE: Final = COMMAND_IDS["GRAPH_COMPUTE"]
+_SET_TENSOR: Final = COMMAND_IDS["SET_TENSOR"]
+# 7.0.0 SET_TENSOR head (rpc_tensor, cache_flag, offset) and its cache_flag's index in the raw frame
+_SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9
+_CACHE_FLAG_AT: Final = 9 + TENSOR_BYTES
 
 __all__ = [
     "SessionPolicy", "Session", "Output", "BEFORE_HELLO", "HELLO_FORWARDED", "GREETED", "Violation",
@@ -164,15 +172,17 @@ class Expect(Generic[C]):
     """A response the server owes: for which command, its exact payload size, and what the
     request left for the response's learner. A plain class: the session makes one per request."""
 
-    __slots__ = ("cmd", "length", "streamed", "swallow", "t_ns", "ctx")
+    __slots__ = ("cmd", "length", "streamed", "swallow", "t_ns", "ctx", "answer")
 
-    def __init__(self, cmd: int, length: int, streamed: bool, swallow: bool, t_ns: int, ctx: C) -> None:
+    def __init__(self, cmd: int, length: int, streamed: bool, swallow: bool, t_ns: int, ctx: C,
+                 answer: bytes | None = None) -> None:
         self.cmd = cmd
         self.length = length  # exact response payload size
         self.streamed = streamed  # payload streamed as body (GET_TENSOR) instead of read as head
         self.swallow = swallow  # injected by the proxy: do not forward the response
         self.t_ns = t_ns
         self.ctx = ctx
+        self.answer = answer  # the proxy's own answer (a whole frame): the server owes nothing
 
 
 class Session:
@@ -185,7 +195,8 @@ class Session:
         stats: SessionStats | None = None,
     ) -> None:
         self.policy = policy or SessionPolicy()
-        self.state = SessionState(upstream if upstream is not None else UpstreamFacts())
+        # what the server says about itself is this session's (state.py): learnt into a copy
+        self.state = SessionState((upstream if upstream is not None else UpstreamFacts()).for_session())
         self.stats = stats if stats is not None else SessionStats()
         self.firewall = Firewall(self.state, self.policy.firewall)
         self.phase = BEFORE_HELLO
@@ -199,6 +210,11 @@ class Session:
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
         self.last_graph: tuple[int, int] | None = None  # (payload bytes, CRC-32) of the last GRAPH_COMPUTE
         self._check_requests = True
+        # SET_TENSOR_HASH goes to the server only where its cache is this identity's own: a
+        # contained serve (a cache directory per identity, upstream/pool.py), or connect toward a
+        # node's serve that decides (leave_requests_to_node); else the proxy answers "not cached"
+        self.hash_forwarded = self.policy.firewall.contained
+        self._answers_pending = 0  # the proxy's answers waiting in the FIFO behind the server's
         self.out = Output()
         self.to_server = self.out.to_server
         self.to_client = self.out.to_client
@@ -212,7 +228,7 @@ class Session:
         self._rules: tuple[CommandRule | None, ...] = ()
         self._expect: deque[Expect[Any]] = deque()
         self._req = FrameReader(_REQ_HEADER, self._plan_request, self._on_request, self.to_server.append)
-        self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self.to_client.append)
+        self._rsp = FrameReader(_RSP_HEADER, self._plan_response, self._on_response, self._on_response_body)
         self._now = 0
         self._defer_from = _NEVER  # graphs at least this large wait for validate_deferred()
         self._deferred: tuple[CommandRule, memoryview, int] | None = None  # (rule, raw frame, body length)
@@ -334,13 +350,41 @@ class Session:
                 self.firewall.check_request(rule, head, body_len)
             except FirewallRefusal as refusal:
                 self.violated(refusal, rule.name)
+            answer = ANSWERS[cmd]
+            if answer is not None:
+                payload = answer(self, head)
+                if payload is not None:
+                    self._answer(encode.response(payload))
+                    return
         self._forward(cmd, rule, head, raw, body_len)
+
+    def _answer(self, frame: bytes) -> None:
+        """The proxy's own answer to the request being handled: now, or when the server has sent
+        every answer it owes for earlier requests."""
+        if not self._expect and self._rsp.at_boundary:
+            self.to_client.append(frame)
+            return
+        self._expect.append(Expect(-1, len(frame), False, True, self._now, None, frame))
+        self._answers_pending += 1
+
+    def _drain_answers(self) -> None:
+        expect = self._expect
+        while expect and expect[0].answer is not None:
+            self.to_client.append(expect.popleft().answer)  # type: ignore[arg-type]
+            self._answers_pending -= 1
 
     def _forward(self, cmd: int, rule: CommandRule, head: memoryview, raw: memoryview, body_len: int) -> None:
         """A request that passed the firewall: its effect, the response it is owed, and out."""
         out = self.to_server
         if self._record and cmd == _GRAPH_COMPUTE:
             self.last_graph = (len(head), zlib.crc32(head))
+        if cmd == _SET_TENSOR and not self.hash_forwarded and len(head) == _SET_TENSOR_CACHE_HEAD \
+                and head[TENSOR_BYTES]:
+            # the proxy answered the hash (commands.hash_local): the tensor stays out of a cache
+            # that other identities' SET_TENSOR_HASH would read
+            frame = bytearray(raw)
+            frame[_CACHE_FLAG_AT] = 0
+            raw = memoryview(bytes(frame))
         # The request's effect on the session state (the command table's effect column); it
         # returns what the response's learner needs.
         effect = EFFECTS[cmd]
@@ -404,6 +448,13 @@ class Session:
                 learn(self, exp, head)
         if not exp.swallow:
             out.append(raw)
+        if self._answers_pending and not self._rsp.body_remaining:
+            self._drain_answers()
+
+    def _on_response_body(self, chunk: memoryview) -> None:
+        self.to_client.append(chunk)
+        if self._answers_pending and not self._rsp.body_remaining:
+            self._drain_answers()  # a streamed answer (GET_TENSOR) ended: the proxy's may follow
 
     def _on_hello_reply(self, head: memoryview, raw: memoryview) -> memoryview:
         version = (head[0], head[1], head[2])
@@ -486,6 +537,7 @@ class Session:
         Framing, sizes, versions, the allow-list, the response checks and counting stay."""
         self.firewall = Firewall(self.state, replace(self.policy.firewall, disabled_checks=frozenset(CHECK_NAMES)))
         self._check_requests = False
+        self.hash_forwarded = True  # the node's serve answers or forwards it
         self.requests_checked_by = "node"
 
     def violated(self, refusal: FirewallRefusal, command: str) -> None:

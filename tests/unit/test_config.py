@@ -455,10 +455,12 @@ def test_listen_port_zero_and_family_clash(base: Path) -> None:
 
 
 def test_tables() -> None:
-    assert len(COMMAND_NAMES) == 18 and COMMAND_NAMES[0] == "ALLOC_BUFFER" and COMMAND_NAMES[14] == "HELLO"
-    assert COMMAND_NAMES[17] == "MEMSET_TENSOR" and len(set(COMMAND_NAMES)) == 18
+    assert len(COMMAND_NAMES) == 20 and COMMAND_NAMES[0] == "ALLOC_BUFFER" and COMMAND_NAMES[14] == "HELLO"
+    assert COMMAND_NAMES[17] == "MEMSET_TENSOR" and COMMAND_NAMES[19] == "GET_DEVICE_SUPPORTS_OP"
+    assert len(set(COMMAND_NAMES)) == 20
     in_cats = [c for cmds in CATEGORIES.values() for c in cmds]
-    assert sorted(in_cats) == sorted(COMMAND_NAMES)  # every command in exactly one category
+    # every command in exactly one category; 18 (RPC_CMD_NONE) is never sent and no version has it
+    assert sorted(in_cats) == sorted(n for n in COMMAND_NAMES if n != "NONE")
     assert set(CATEGORIES) == {"@handshake", "@query", "@alloc", "@tensor_io", "@compute", "@cache"}
     assert len(CHECK_NAMES) == 7
     from rpcguard.protocol import versions  # the tables the firewall and config use

@@ -13,6 +13,7 @@ from rpcguard.protocol.session import (
     GREETED, HELLO_FORWARDED, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VALIDATE, EV_VIOLATION, Session,
     SessionPolicy,
 )
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
 
@@ -272,8 +273,12 @@ def test_latency_is_measured_request_to_response():
     assert s.state.upstream.alignment[0] == 32
 
 
+# A contained serve gives each identity its own -c cache: only there does SET_TENSOR_HASH reach the server.
+OWN_CACHE = SessionPolicy(clear_new_buffers=False, firewall=FirewallPolicy(contained=True))
+
+
 def test_hash_hit_counts_the_tensor_bytes_the_cache_saved():
-    s = active()
+    s = active(policy=OWN_CACHE)
     s.state.add_buffer(V.HANDLE, 0, 1 << 24)
     s.state.buffers[V.HANDLE].base = V.BASE
     t = encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(1 << 20, 1, 1, 1))  # 4 MiB of f32
@@ -380,7 +385,7 @@ BIG = (10 << 20) + 4  # just above HASH_THRESHOLD
 
 
 def cache_session() -> tuple[Session, bytes]:
-    s = active(policy=NO_CLEAR)
+    s = active(policy=OWN_CACHE)
     s.state.add_buffer(V.HANDLE, 0, 1 << 26)
     s.state.set_base(V.HANDLE, V.BASE)
     t = encode.pack_tensor(encode.TensorSpec(buffer=V.HANDLE, data=V.BASE, ne=(BIG // 4, 1, 1, 1)))

@@ -145,11 +145,12 @@ def test_per_command_only_non_zero() -> None:
 
 
 def test_command_names() -> None:
-    assert len(DEFAULT_COMMAND_NAMES) == 18
+    assert len(DEFAULT_COMMAND_NAMES) == 20  # 19: GET_DEVICE_SUPPORTS_OP (7.0.1)
     assert DEFAULT_COMMAND_NAMES[0] == "ALLOC_BUFFER"
     assert DEFAULT_COMMAND_NAMES[HELLO] == "HELLO"
     assert DEFAULT_COMMAND_NAMES[17] == "MEMSET_TENSOR"
-    assert command_name(DEFAULT_COMMAND_NAMES, 18) == "CMD_18"
+    assert command_name(DEFAULT_COMMAND_NAMES, 19) == "GET_DEVICE_SUPPORTS_OP"
+    assert command_name(DEFAULT_COMMAND_NAMES, 20) == "CMD_20"
 
 
 def test_repr_names_commands() -> None:
