@@ -211,7 +211,7 @@ class UpstreamPool:
                 log.info("upstream listener=%s process=%d: cache of its identity over cache_bytes=%d: %d bytes of "
                          "earlier sessions' files removed", self.listener, proc.number, limit, freed)
             if used > limit and proc.alive:
-                detail = (f"its identity's cache directory holds {used} bytes written by this session, over "
+                detail = (f"its identity's cache directory holds {used} bytes, written since its server started, over "
                           f"cache_bytes={limit}")
                 log.warning("upstream listener=%s process=%d pid=%d session=%s: %s: ending the session",
                             self.listener, proc.number, proc.pid, proc.session or "-", detail)
