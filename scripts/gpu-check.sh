@@ -102,12 +102,34 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # -- the server and the tools -------------------------------------------------------------------------
 SANITIZER=""
+build_shim() {  # $1 tree, $2 bin dir
+  cc -O2 -shared -fPIC -I"$1/ggml/include" "$REPO/tests/realpeer/rpc_device_shim.c" -o "$2/rpc_device_shim.so" \
+     -L"$2" -lggml-rpc -lggml-base -ldl '-Wl,-rpath,$ORIGIN' || die "the shim does not build"
+}
 if [ "$MODE" = dry ]; then
   ENV_FILE="${REALPEER_HOME:-$HOME/.cache/rpcguard-realpeer}/tools.env"
-  [ -f "$ENV_FILE" ] || die "no CPU build of b11434 ($ENV_FILE): run bash tests/realpeer/tools.sh"
-  # shellcheck disable=SC1090
-  . "$ENV_FILE"
-  SERVER="$TOOLS_RPC_SERVER_BIN"; TBO="$TEST_BACKEND_OPS_BIN"; SHIM="$RPC_DEVICE_SHIM"; BENCH="$LLAMA_BENCH_BIN"
+  CPU_BUILD="${GPU_CHECK_CPU_BUILD:-$WORK/cpu-build}"
+  if [ -f "$ENV_FILE" ]; then  # the cached CPU build of the same tree (tests/realpeer/tools.sh)
+    # shellcheck disable=SC1090
+    . "$ENV_FILE"
+    SERVER="$TOOLS_RPC_SERVER_BIN"; TBO="$TEST_BACKEND_OPS_BIN"; SHIM="$RPC_DEVICE_SHIM"; BENCH="$LLAMA_BENCH_BIN"
+  else  # else a CPU build of the carried tree: the server and test-backend-ops (no llama-bench)
+    TARBALL="$CARRY/llama.cpp-$SDIST_VERSION.tar.gz"
+    if [ ! -x "$CPU_BUILD/bin/ggml-rpc-server" ] || [ ! -x "$CPU_BUILD/bin/test-backend-ops" ]; then
+      [ -f "$TARBALL" ] || die "no $ENV_FILE and no $TARBALL: run bash tests/realpeer/tools.sh or scripts/gpu-check.sh --prepare"
+      mkdir -p "$WORK/cpu-src" && tar -xzf "$TARBALL" -C "$WORK/cpu-src"
+      say "no $ENV_FILE: building the carried tree CPU-only (ggml-rpc-server, test-backend-ops) in $CPU_BUILD"
+      { cmake -S "$WORK/cpu-src/llama.cpp" -B "$CPU_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON \
+          -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
+          -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF &&
+        cmake --build "$CPU_BUILD" --target ggml-rpc-server test-backend-ops -j "$JOBS"; } > "$WORK/cpu-build.log" 2>&1 \
+        || die "the CPU build failed ($WORK/cpu-build.log)"
+    fi
+    [ -f "$CPU_BUILD/bin/rpc_device_shim.so" ] \
+      || build_shim "$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$CPU_BUILD/CMakeCache.txt")" "$CPU_BUILD/bin"
+    SERVER="$CPU_BUILD/bin/ggml-rpc-server"; TBO="$CPU_BUILD/bin/test-backend-ops"; SHIM="$CPU_BUILD/bin/rpc_device_shim.so"
+    BENCH=""
+  fi
   EXPECT=cpu
 else
   command -v nvcc >/dev/null || die "no nvcc: this mode runs on the GPU machine (--dry-run here)"
@@ -128,8 +150,7 @@ else
   say "build: rc $RC in $(( $(date +%s) - B0 )) s"
   [ $RC -eq 0 ] || die "the build failed (build.log)"
   BIN="$WORK/build/bin"
-  cc -O2 -shared -fPIC -I"$SRC/ggml/include" "$REPO/tests/realpeer/rpc_device_shim.c" -o "$BIN/rpc_device_shim.so" \
-     -L"$BIN" -lggml-rpc -lggml-base -ldl '-Wl,-rpath,$ORIGIN' || die "the shim does not build"
+  build_shim "$SRC" "$BIN"
   SERVER="$BIN/ggml-rpc-server"; TBO="$BIN/test-backend-ops"; SHIM="$BIN/rpc_device_shim.so"; BENCH="$BIN/llama-bench"
   EXPECT=cuda
   SANITIZER="$(command -v compute-sanitizer || true)"
@@ -145,7 +166,7 @@ for preset in bench odd; do
   MODELS+=(--model "$m")
 done
 
-ARGS=(--server "$SERVER" --test-backend-ops "$TBO" --shim "$SHIM" --llama-bench "$BENCH" "${MODELS[@]}"
+ARGS=(--server "$SERVER" --test-backend-ops "$TBO" --shim "$SHIM" ${BENCH:+--llama-bench "$BENCH"} "${MODELS[@]}"
       --expect "$EXPECT" --sample "$SAMPLE" --steps "$STEPS" --out "$OUTDIR" --workdir "$WORK/run")
 [ -n "$SANITIZER" ] && ARGS+=(--sanitizer "$SANITIZER")
 [ -n "$OPS" ] && ARGS+=(--ops "$OPS")
