@@ -482,6 +482,10 @@ def main(argv: Sequence[str] | None = None,
         by_package[package] = bisect(releases, probe, probe.cached if isinstance(probe, Prober) else lambda r: None)
     table, problems = markdown(by_package)
     text = table + ("\nMismatches:\n\n" + "".join(f"- {p}\n" for p in problems) if problems else "\nNo mismatches.\n")
+    if not args.package and args.first is None and args.last is None:
+        seen = {s.facts.protocol for segs in by_package.values() for s in segs}
+        silent = [versions.format_version(v) for v in versions.KNOWN_VERSIONS if versions.format_version(v) not in seen]
+        text += f"\nKnown to rpcguard, announced by no release here: {', '.join(silent) or 'none'}.\n"
     print(text, end="")
     if args.out:
         args.out.write_text(text)

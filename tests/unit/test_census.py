@@ -309,6 +309,9 @@ def test_main_passes_and_prints_the_table(tmp_path):
     assert lines[4].startswith("| 6.0.0 | b1025-b1039 | — | known")
     assert lines[5].startswith("| 7.0.0 | — | 0.3.32-0.3.39 | known")
     assert "No mismatches." in text
+    silent = [v for v in versions.KNOWN_VERSIONS if v not in ((4, 0, 1), (5, 1, 0), (6, 0, 0), (7, 0, 0))]
+    assert lines[-1] == "Known to rpcguard, announced by no release here: " + ", ".join(
+        versions.format_version(v) for v in silent) + "."
 
 
 def test_main_fails_on_a_planted_mismatch(tmp_path):
