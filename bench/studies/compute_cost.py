@@ -5,6 +5,7 @@ Usage (from the repository root, with the real peers built by tests/realpeer/set
 
     .venv/bin/python bench/studies/compute_cost.py [--threads 1,2] [--only mul_mat,layer] [--reps 5]
         [--json FILE] [--crafted] [--quick] [--match TEXT] [--logdir DIR]
+    .venv/bin/python bench/studies/compute_cost.py --threads 1 --only sweep --reps 5   # every op, every type class
     .venv/bin/python bench/studies/compute_cost.py --real 10           # a real llama.cpp session, priced
     .venv/bin/python bench/studies/compute_cost.py --summarize a.jsonl b.jsonl
 
@@ -28,6 +29,12 @@ graph as graph.py sums it. Per case: estimated flop, measured seconds, achieved 
 other ops "estimated flop per second"), and ``ratio`` = estimated seconds at NODE_GFLOPS /
 measured seconds (>= 1: the budget over-estimates, safe; < 1: a graph of that op runs longer
 than the budget thinks).
+
+``--only sweep`` (issue 28) runs the per-op sweep (``sweep_cases``): every op with a price of
+its own over real shapes and the edges a crafted graph picks, the matrix products, OUT_PROD,
+attention and conversions in every weight type, and prints per op (and type class)
+measured / estimated time, worst, median and best over its cases, on the min-of-N server CPU
+time and on the median (``per_op_summary``): the check that no op is under-priced by more than 3x.
 
 ``--crafted`` adds the attacker's cases: the largest single MUL_MAT that about 1 GiB of buffers
 allow (F32 and Q4_0 weights) and a 40-node graph of matrix products sharing their two sources,
@@ -167,6 +174,8 @@ class Row:
         server's CPU time per thread, capped by the wall time: what an idle node would take)."""
         if on == "idle" and self.cpu_s > 0:
             return min(self.seconds, self.cpu_s / self.threads)
+        if on == "min" and self.extra.get("cpus"):  # min-of-N server CPU time: the least disturbed run
+            return min(self.extra["cpus"]) / self.threads
         return self.seconds
 
     def gflops(self, on: str = "wall", byte_flops: float = 0.0) -> float:
@@ -275,6 +284,7 @@ class Recipe:
         self.ops: list[dict] = []
         self.outputs: list[int] | None = None
         self.spread: list[tuple[int, int]] = []  # (leaf index, row count): index leaves to fill
+        self.values: list[int] = []  # F32 leaves filled with large, varied values (not zeros)
 
     def leaf(self, type_: str, ne: Sequence[int]) -> int:
         self.leaves.append({"type": type_, "ne": (list(ne) + [1, 1, 1])[:4]})
@@ -509,6 +519,201 @@ def crafted(k: int, m: int, n: int, wt: str, nodes: int) -> Recipe:
     return r
 
 
+# -- the per-op sweep (issue 28: every op priced from measurement) ------------------------------
+#
+# ``--only sweep``: per op with a rule, shapes drawn at the sizes real models use and at the
+# edges a crafted graph would pick (a state that leaves the cache, a head size with no vector
+# path, a type whose dot product is slow), every weight type for the matrix products. Inputs
+# the cost depends on by value (transcendental functions) get large, varied values (Recipe.values).
+
+# every type with a CPU vec_dot (oprules/matmul.VEC_DOT) the pinned ggml knows
+MATMUL_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "mxfp4", "q2_K", "q3_K",
+                "q4_K", "q5_K", "q6_K", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
+                "iq4_xs", "tq1_0", "tq2_0")
+
+
+def linear_attn(fn: str, s_: int, h: int, t: int, n_seqs: int = 1) -> Recipe:
+    """RWKV_WKV6 (k v r tf td state), GATED_LINEAR_ATTN (k v q g state, scale), RWKV_WKV7 (r w k
+    v a b state): [S, H, T] inputs, the state S*S*H floats per sequence."""
+    r = Recipe()
+    n_in = {"rwkv_wkv6": 5, "gated_linear_attn": 4, "rwkv_wkv7": 6}[fn]
+    ins = [r.leaf("f32", [s_, h, t]) for _ in range(n_in)]
+    if fn == "rwkv_wkv6":
+        ins[3] = r.leaf("f32", [s_, h])  # tf: its own shape (declared after: leaves only)
+    state = r.leaf("f32", [s_ * s_ * h, n_seqs])
+    if fn == "gated_linear_attn":
+        r.op(fn, *ins, state, 0.125)
+    else:
+        r.op(fn, *ins, state)
+    return r
+
+
+def ssm_scan(d_state: int, head_dim: int, n_head: int, n_tok: int, mamba1: bool, n_group: int = 1) -> Recipe:
+    r = Recipe()
+    s = r.leaf("f32", [d_state, head_dim, n_head, 1])
+    x = r.leaf("f32", [head_dim, n_head, n_tok, 1])
+    dt = r.leaf("f32", [n_head, n_tok, 1])
+    a = r.leaf("f32", [d_state if mamba1 else 1, n_head])
+    b, c = r.leaf("f32", [d_state, n_group, n_tok, 1]), r.leaf("f32", [d_state, n_group, n_tok, 1])
+    ids = r.leaf("i32", [1])
+    r.op("ssm_scan", s, x, dt, a, b, c, ids, 1)
+    return r
+
+
+def ssm_conv(d_conv: int, d_inner: int, n_t: int) -> Recipe:
+    r = Recipe()
+    r.op("ssm_conv", r.leaf("f32", [d_conv - 1 + n_t, d_inner, 1]), r.leaf("f32", [d_conv, d_inner]))
+    return r
+
+
+def gated_delta_net(s_v: int, h: int, t: int, kda: bool = False) -> Recipe:
+    r = Recipe()
+    q, k, v = (r.leaf("f32", [s_v, h, t, 1]) for _ in range(3))
+    g, beta = r.leaf("f32", [s_v if kda else 1, h, t, 1]), r.leaf("f32", [1, h, t, 1])
+    st = r.leaf("f32", [s_v, s_v, h, 1])
+    r.op("gated_delta_net", q, k, v, g, beta, st, 1)
+    return r
+
+
+def solve_tri(n: int, k: int, b1: int) -> Recipe:
+    r = Recipe()
+    a, b = r.leaf("f32", [n, n, b1]), r.leaf("f32", [k, n, b1])
+    r.values.append(a)
+    r.op("solve_tri", a, b, True, True, False)
+    return r
+
+
+def lightning_indexer(d: int, n_head: int, t: int, n_kv: int, kt: str) -> Recipe:
+    r = Recipe()
+    q, k = r.leaf("f32", [d, n_head, t, 1]), r.leaf(kt, [d, 1, n_kv, 1])
+    w, m = r.leaf("f32", [n_head, t, 1, 1]), r.leaf("f16", [n_kv, t, 1, 1])
+    r.op("lightning_indexer", q, k, w, m)
+    return r
+
+
+def mul_mat_id(k: int, m: int, n_as: int, n_used: int, t: int, wt: str) -> Recipe:
+    r = Recipe()
+    a, b, ids = r.leaf(wt, [k, m, n_as]), r.leaf("f32", [k, n_used, t]), r.leaf("i32", [n_used, t])
+    r.spread.append((ids, n_as))
+    r.op("mul_mat_id", a, b, ids)
+    return r
+
+
+def unary(fn: str, ne0: int, ne1: int, *extra: Any, ta: str = "f32") -> Recipe:
+    r = Recipe()
+    a = r.leaf(ta, [ne0, ne1])
+    if ta == "f32":
+        r.values.append(a)
+    r.op(fn, a, *extra)
+    return r
+
+
+def binary(fn: str, ne0: int, ne1: int, *extra: Any) -> Recipe:
+    r = Recipe()
+    a, b = r.leaf("f32", [ne0, ne1]), r.leaf("f32", [ne0, ne1])
+    r.values.append(a)
+    r.op(fn, a, b, *extra)
+    return r
+
+
+def set_rows(ne0: int, rows: int, n: int, tdst: str) -> Recipe:
+    r = Recipe()
+    dst, src, idx = r.leaf(tdst, [ne0, rows]), r.leaf("f32", [ne0, n]), r.leaf("i64", [n])
+    r.values.append(src)
+    r.spread.append((idx, rows))
+    r.op("set_rows", dst, src, idx)
+    return r
+
+
+def cross_entropy(ne0: int, ne1: int) -> Recipe:
+    r = Recipe()
+    a, b = r.leaf("f32", [ne0, ne1]), r.leaf("f32", [ne0, ne1])
+    r.values.append(a)
+    r.op("cross_entropy_loss", a, b)
+    return r
+
+
+def adamw(n: int) -> Recipe:
+    r = Recipe()
+    r.leaves.append({"type": "f32", "ne": [n, 1, 1, 1], "param": True})
+    w = len(r.leaves) - 1
+    g, m, v, p = r.leaf("f32", [n]), r.leaf("f32", [n]), r.leaf("f32", [n]), r.leaf("f32", [7])
+    r.op("opt_step_adamw", w, g, m, v, p)
+    return r
+
+
+def sweep_cases() -> list[Case]:
+    """Per op (kind "sweep"): real shapes and the edges a crafted graph picks."""
+    out: list[Case] = []
+
+    def add_(name: str, recipe: Recipe, real: bool = True) -> None:
+        out.append(Case(name, "sweep", recipe, real=real))
+
+    for wt in MATMUL_TYPES:  # compute-bound (a prompt batch) and memory-bound (one token)
+        for k, m, n in ((2048, 1024, 256), (4096, 4096, 1), (2048, 2048, 16)):
+            add_(f"mul_mat {wt} K={k} M={m} N={n}", mul_mat(k, m, n, wt))
+    # one vec_dot call per dst element whatever K: the call's own cost where K is one block
+    add_("mul_mat f32 K=1 M=4096 N=2048 (a call per element)", mul_mat(1, 4096, 2048, "f32"), real=False)
+    add_("mul_mat f16 K=1 M=4096 N=2048 (a call per element)", mul_mat(1, 4096, 2048, "f16"), real=False)
+    add_("mul_mat q8_0 K=32 M=4096 N=1024 (a call per element)", mul_mat(32, 4096, 1024, "q8_0"), real=False)
+    add_("mul_mat q2_K K=256 M=4096 N=512 (a call per element)", mul_mat(256, 4096, 512, "q2_K"), real=False)
+    add_("mul_mat iq1_s K=256 M=4096 N=512 (a call per element)", mul_mat(256, 4096, 512, "iq1_s"), real=False)
+    add_("flash_attn D=4 q=256 kv=4096 H=8/8 f16 (an expf per key)", flash_attn(4, 256, 4096, 8, 8), real=False)
+    add_("flash_attn D=32 q=256 kv=4096 H=8/8 f16", flash_attn(32, 256, 4096, 8, 8), real=False)
+    for wt in ("f16", "q8_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s", "mxfp4"):
+        add_(f"mul_mat_id {wt} K=2048 M=1024 experts=8/2 T=128", mul_mat_id(2048, 1024, 8, 2, 128, wt))
+    for ta in ("f32", "f16", "q8_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s"):
+        add_(f"out_prod {ta} m=1024 n=256 k=512", out_prod_t(1024, 256, 512, ta), real=False)
+    for fn in ("rwkv_wkv6", "gated_linear_attn", "rwkv_wkv7"):
+        add_(f"{fn} S=64 H=32 T=256", linear_attn(fn, 64, 32, 256))  # RWKV-6/7 7B: head size 64
+        add_(f"{fn} S=1024 H=1 T=64", linear_attn(fn, 1024, 1, 64), real=False)  # a 4 MiB state
+        add_(f"{fn} S=2048 H=2 T=8", linear_attn(fn, 2048, 2, 8), real=False)  # 32 MiB of state per token
+        if fn != "rwkv_wkv7":  # WKV7's rule wants S a multiple of 64
+            add_(f"{fn} S=17 H=64 T=512 (no vector path)", linear_attn(fn, 17, 64, 512), real=False)
+    add_("ssm_scan mamba2 N=128 P=64 H=32 T=64", ssm_scan(128, 64, 32, 64, False))
+    add_("ssm_scan mamba2 N=17 P=64 H=32 T=256 (no vector path)", ssm_scan(17, 64, 32, 256, False), real=False)
+    add_("ssm_scan mamba1 N=16 D=4096 T=64", ssm_scan(16, 1, 4096, 64, True))  # Mamba-1: d_inner heads of dim 1
+    add_("ssm_scan mamba1 N=256 P=64 H=16 T=16", ssm_scan(256, 64, 16, 16, True), real=False)
+    add_("ssm_conv d_conv=4 d_inner=4096 T=256", ssm_conv(4, 4096, 256))
+    add_("ssm_conv d_conv=1024 d_inner=256 T=256", ssm_conv(1024, 256, 256), real=False)
+    add_("gated_delta_net S=128 H=16 T=256", gated_delta_net(128, 16, 256))
+    add_("gated_delta_net kda S=128 H=16 T=128", gated_delta_net(128, 16, 128, True))
+    add_("gated_delta_net S=17 H=64 T=256", gated_delta_net(17, 64, 256), real=False)
+    add_("solve_tri n=256 k=128 B=8", solve_tri(256, 128, 8))
+    add_("solve_tri n=2048 k=16 B=1", solve_tri(2048, 16, 1), real=False)
+    for kvt in ("f16", "q8_0", "q4_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s", "iq4_nl"):
+        add_(f"flash_attn D=256 q=64 kv=1024 H=8/8 {kvt}", flash_attn(256, 64, 1024, 8, 8, kvt))
+    add_("rope D=4096 H=1 T=512 mode=0 (a cache entry per element)", rope(4096, 1, 512, 0), real=False)
+    add_("rope D=128 H=32 T=512 mode=2", rope(128, 32, 512, 2))
+    add_("silu_back 4096x512", binary("silu_back", 4096, 512))
+    for kt in ("f32", "f16", "q8_0", "q4_K", "iq2_xxs"):
+        add_(f"lightning_indexer D=128 H=32 T=64 kv=1024 {kt}", lightning_indexer(128, 32, 64, 1024, kt))
+    for fn in ("exp", "sin", "cos", "log", "sqrt", "sqr", "tanh", "gelu", "gelu_erf", "gelu_quick", "silu",
+               "sigmoid", "elu", "softplus"):
+        add_(f"unary {fn} 4096x512", unary(fn, 4096, 512))
+    add_("unary gelu f16 4096x512", unary("gelu", 4096, 512, ta="f16"))
+    add_("unary exp f16 4096x512", unary("exp", 4096, 512, ta="f16"))
+    add_("glu swiglu_split 4096x512", binary("swiglu_split", 4096, 512))
+    add_("glu geglu_erf_split 4096x512", binary("geglu_erf_split", 4096, 512))
+    add_("timestep_embedding 256 dim=4096", unary("timestep_embedding", 256, 1, 4096, 10000))
+    add_("soft_max 4096x512", unary("soft_max", 4096, 512))
+    add_("norm 4096x512", unary("norm", 4096, 512, 1e-5))
+    add_("group_norm 64x64x512 groups=32", unary("group_norm", 64 * 64, 512, 32, 1e-5))
+    add_("argmax 32000x64", unary("argmax", 32000, 64))
+    add_("cumsum 4096x512", unary("cumsum", 4096, 512))
+    add_("top_k 32000x16 k=40", unary("top_k", 32000, 16, 40))
+    add_("cross_entropy_loss 32000x64", cross_entropy(32000, 64), real=False)
+    add_("opt_step_adamw 4M", adamw(1 << 22), real=False)
+    add_("div 4096x512", binary("div", 4096, 512))
+    for tb in ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "bf16", "mxfp4"):
+        add_(f"cpy f32->{tb} 4096x256", cpy(4096, 256, "f32", tb))
+        add_(f"set_rows f32->{tb} 4096x64 of 4096", set_rows(4096, 4096, 64, tb))
+    for ta in ("q2_K", "iq2_xxs", "iq1_s", "iq3_s", "q6_K"):
+        add_(f"get_rows {ta} 4096x32000 n=512", get_rows(4096, 32000, 512, ta))
+        add_(f"cpy {ta}->f32 4096x256", cpy(4096, 256, ta, "f32"))
+    return out
+
+
 @dataclass
 class Case:
     name: str
@@ -518,8 +723,8 @@ class Case:
     reps: int | None = None  # fixed repetitions (-1: the first compute only), else --reps
 
 
-def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
-    out: list[Case] = []
+def cases(quick: bool = False, with_crafted: bool = False, with_sweep: bool = False) -> list[Case]:
+    out: list[Case] = sweep_cases() if with_sweep else []
     sizes = (64, 256, 512, 1024, 2048) if not quick else (256, 1024)
     for wt in ("f32", "f16", "q8_0"):
         for s in sizes:
@@ -603,6 +808,22 @@ def cases(quick: bool = False, with_crafted: bool = False) -> list[Case]:
 
 
 # -- the real server -------------------------------------------------------------------------
+
+
+def nelements(t: RpcTensor) -> int:
+    return t.ne0 * t.ne1 * t.ne2 * t.ne3
+
+
+def varied_floats(n: int) -> bytes:
+    """``n`` F32 values in about [-100, 100], every 7th times 1e5 (a trigonometric function's
+    slow range reduction), none zero (a kernel's time can depend on the values: zeros are cheap)."""
+    import array
+
+    base = array.array("f", (((i * 7919) % 20011 - 10005.5) / 100 for i in range(min(n, 20011))))
+    for i in range(0, len(base), 7):
+        base[i] *= 1e5
+    reps, rest = divmod(n, len(base))
+    return base.tobytes() * reps + base[:rest].tobytes()
 
 
 def cpu_ns(pid: int) -> int:
@@ -690,6 +911,11 @@ class Server:
                 n = decode_tensor(t).ne0
                 data = struct.pack(f"<{n}i", *((i * 7919) % rows for i in range(n)))
                 s.sendall(encode.request("SET_TENSOR", t + b"\0" + struct.pack("<Q", 0) + data))
+            for leaf in recipe.values:  # operands whose values the kernel's time depends on
+                pos = built.refs[leaf]
+                t = payload[built.tensor_bytes + TENSOR_BYTES * pos: built.tensor_bytes + TENSOR_BYTES * (pos + 1)]
+                n = nelements(decode_tensor(t))
+                s.sendall(encode.request("SET_TENSOR", t + b"\0" + struct.pack("<Q", 0) + varied_floats(n)))
             rtts = self.rtt()
             c_first = cpu_ns(self.proc.popen.pid)
             t0 = time.perf_counter()
@@ -778,6 +1004,45 @@ def proposed_summary(rows: Sequence[Row], g: float, on: str = "idle") -> list[st
     return out
 
 
+def group_of(row: Row) -> str:
+    """The op (the node kind with the largest estimate in the case) and, for the ops priced per
+    type class, the class of the case's type (its name names it: ``mul_mat q2_K ...``)."""
+    from rpcguard.protocol.cost import TYPE_CLASSES
+
+    by = row.extra.get("by_op") or {}
+    op = max(by, key=by.get) if by else row.kind.upper()
+    words = row.case.replace("->", " ").split()
+    types = [w for w in words if w in TYPE_CLASSES]
+    if op in ("MUL_MAT", "MUL_MAT_ID", "OUT_PROD", "GET_ROWS", "SET_ROWS", "CPY") and types:
+        t = types[-1] if op in ("SET_ROWS", "CPY") and types[-1] != "f32" else types[0]
+        return f"{op} {TYPE_CLASSES[t]}"
+    if op in ("UNARY", "GLU"):
+        return f"{op} {words[1]}"
+    return op
+
+
+def per_op_summary(rows: Sequence[Row], g: float, on: str = "idle") -> list[str]:
+    """Per op (and type class): measured over estimated time, worst and median, and the cases
+    behind the worst; 'over' marks a median estimate above 10x the measured (refuses real work
+    sooner than it should), 'UNDER' a worst above 3x."""
+    out = []
+    for t in sorted({r.threads for r in rows}):
+        mine = [r for r in rows if r.threads == t and r.took(on) >= TINY_S and r.est_flop]
+        groups: dict[str, list[Row]] = {}
+        for r in mine:
+            groups.setdefault(group_of(r), []).append(r)
+        what = {"min": "min-of-N server CPU time", "idle": "median server CPU time", "wall": "median wall time"}[on]
+        out.append(f"\n## measured / estimated per op at {g:g} GFLOP/s, -t {t}, {what}\n")
+        out.append("| op | cases | worst | median | best | worst case | note |\n|---|---|---|---|---|---|---|")
+        for name in sorted(groups):
+            ks = groups[name]
+            me = sorted(1 / r.ratio(g, on) for r in ks)
+            worst = max(ks, key=lambda r: 1 / r.ratio(g, on))
+            note = "UNDER > 3x" if me[-1] > 3 else ("over > 10x" if median(me) < 0.1 else "")
+            out.append(f"| {name} | {len(ks)} | {me[-1]:.3g} | {median(me):.3g} | {me[0]:.3g} | {worst.case} | {note} |")
+    return out
+
+
 def refill(rows: list[Row]) -> None:
     """Recompute bytes and the proposed estimate of rows read back from --json (older runs)."""
     from tests.support.ggmlref import Built, build_many
@@ -861,6 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         read = [Row(**json.loads(line)) for f in a.summarize for line in f.read_text().splitlines() if line.strip()]
         refill(read)
+        print("\n".join(per_op_summary(read, a.node_gflops or default_g)))
         print("\n".join(summary(read, a.node_gflops or default_g)))
         print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS)))
         print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS / 2, "wall")))
@@ -871,7 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     g = a.node_gflops or NODE_GFLOPS
     only = {k for k in a.only.split(",") if k}
-    todo = [c for c in cases(a.quick, a.crafted or "crafted" in only)
+    todo = [c for c in cases(a.quick, a.crafted or "crafted" in only, "sweep" in only)
             if (not only or c.kind in only) and a.match in c.name]
     built = build_many([c.recipe.fix() for c in todo], timeout_s=600)
     print(f"# compute_cost: {len(todo)} cases, load average {loadavg()} at start, {os.cpu_count()} CPUs "
@@ -912,8 +1178,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 srv.close()
     print(f"\n# load average {loadavg()} at the end", flush=True)
-    print("\n".join(summary(rows, g)))
-    print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS)))
+    print("\n".join(per_op_summary(rows, g, "min")))
+    print("\n".join(per_op_summary(rows, g, "idle")))
+    if not only or only - {"sweep"}:
+        print("\n".join(summary(rows, g)))
+        print("\n".join(proposed_summary(rows, RECOMMENDED_GFLOPS)))
     return 0
 
 

@@ -7,6 +7,14 @@ node's throughput (``node_gflops``, calibrated against the real server: docs/fir
 "Compute budget") it estimates the server's compute time, which ``max_graph_compute_s`` bounds
 before the server sees the graph. What the CPU planner allocates for a node is
 protocol/workbuf.py's. Sans-IO, pure integer arithmetic on decoded tensors.
+
+Work and price are kept apart: each formula counts an op's work in units that follow its
+kernel's loops (multiply-adds of a matrix product per weight-type class, state elements per
+token of a recurrent op, elements of a transcendental function, ...), and ``PRICES`` gives the
+flop-equivalents one unit costs on the node (the CPU of ggml-cpu, measured: bench/studies/
+compute_cost.py --only sweep, docs/performance.md "Compute prices per op"). A backend whose
+kernels have other relative costs passes its own mapping (``flops(..., prices=...)``, every key
+of ``PRICES``); ``node_gflops`` stays the one rate that turns flop-equivalents into seconds.
 """
 
 from __future__ import annotations
@@ -15,9 +23,13 @@ import math
 from typing import Callable, Final, Mapping
 
 from rpcguard.protocol.tensor import RpcTensor
-from rpcguard.protocol.workbuf import F16, F32, Srcs, elements, quantized, row_size
+from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.workbuf import BF16, F16, F32, Srcs, elements, quantized, row_size
 
-__all__ = ["flops", "moved_bytes", "ELEMENT_FLOPS", "BYTE_FLOPS"]
+Prices = Mapping[str, int]  # unit -> flop-equivalents per unit on the node
+
+__all__ = ["flops", "moved_bytes", "seconds", "matmul_class", "type_class", "Prices", "PRICES", "TYPE_CLASSES",
+           "ELEMENT_FLOPS", "BYTE_FLOPS"]
 
 # Operations per element of an op the model does not price on its own (exp, division, a few
 # multiply-adds): an over-estimate for copies, an under-estimate for nothing that matters.
@@ -78,64 +90,150 @@ def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
     return _bytes(node) + sum(_bytes(t) for t in srcs)
 
 
-def _matmul(n: RpcTensor, s: Srcs) -> int:
-    a = s[0]
-    return 2 * (a.ne0 if a is not None else 1) * elements(n)
+def _matmul(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    # ggml_compute_forward_mul_mat (ggml-cpu.c): src1 converted once to src0's vec_dot type (a
+    # from_float per element unless src0 is F32), then one vec_dot of K per dst element (or
+    # llamafile_sgemm's tiles for the types it has): K multiply-adds per dst element, priced per
+    # src0 type class. MUL_MAT_ID (ggml-cpu.c:1655): the same per used expert and token.
+    a, b = s[0], s[1]
+    if a is None:
+        return 2 * elements(n)
+    cls = matmul_class(a.type)
+    convert = p["convert"] * elements(b) if cls != "f32" and b is not None and b.type == F32 else 0
+    return (p["mm." + cls] * a.ne0 + p["mm_call"]) * elements(n) + convert
 
 
-def _out_prod(n: RpcTensor, s: Srcs) -> int:
+def _out_prod(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]  # ops.cpp out_prod loops over src0's ne1
-    factor = OUT_PROD_F16_FACTOR if a is not None and a.type == F16 else OUT_PROD_FACTOR
-    return factor * 2 * (a.ne1 if a is not None else 1) * elements(n)
+    if a is None:
+        return 0
+    cls = matmul_class(a.type)
+    per = p["out_prod." + cls] if "out_prod." + cls in p else p["out_prod_factor"] * 2
+    return per * a.ne1 * elements(n)
 
 
-def _flash_attn(n: RpcTensor, s: Srcs) -> int:
+def _flash_attn(n: RpcTensor, s: Srcs, p: Prices) -> int:
     q, k, v = s[0], s[1], s[2]
     if q is None or k is None or v is None:
         return 0
     # per query row (ne1), head (ne2) and sequence (ne3): a dot product of DK and an accumulation
     # of DV per key
-    return FA_FACTOR[quantized(k.type)] * 2 * q.ne1 * q.ne2 * q.ne3 * k.ne1 * (k.ne0 + v.ne0)
+    # (ops.cpp flash_attn_ext_f16_one_chunk: a kq_vec_dot of K's type, then V's row through
+    # v_to_float unless F16, per query and key), priced per multiply-add by the dearer class of K
+    # and V
+    per = max(p["fa." + type_class(k.type)], p["fa." + type_class(v.type)])
+    return (per * (k.ne0 + v.ne0) + p["fa_key"]) * q.ne1 * q.ne2 * q.ne3 * k.ne1  # fa_key: an expf per key
 
 
-def _ssm_conv(n: RpcTensor, s: Srcs) -> int:
-    c = s[1]
-    return 2 * (c.ne0 if c is not None else 1) * elements(n)
+def _ssm_conv(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    c = s[1]  # ops.cpp:9932: a scalar dot of d_conv per dst element
+    return p["ssm_conv_tap"] * (c.ne0 if c is not None else 1) * elements(n)
 
 
-def _sort(n: RpcTensor, s: Srcs) -> int:
+# -- recurrent state ops: work per state element per token ---------------------------------------
+#
+# RWKV_WKV6 (ops.cpp:10642), GATED_LINEAR_ATTN (ops.cpp:10854) and RWKV_WKV7 (ops.cpp:11651) loop
+# over tokens t < T, heads h, rows i < S and columns j < S of the head's S x S state: T*H*S*S =
+# T*C*S steps (C = dst.ne0 = S*H, S = C / v.ne1, T = v.ne2), each a few multiply-adds on the state
+# read and written (WKV7 two passes: a dot with the state row, then the update). A state larger
+# than the caches is streamed from memory once per token: the price per step is the slowest of
+# the measured shapes (a 32 MiB state per token), so a real RWKV head of 64 is over-priced a few
+# times, never under-priced. SSM_SCAN (ops.cpp:10002) loops over tokens, heads, head_dim rows and
+# d_state columns: nc*nr*nh*nt*ns steps; Mamba-1 (A with d_state columns) calls expf in each step
+# (ops.cpp:10202, a scalar loop), Mamba-2 (A one per head) is a vector FMA loop.
+
+
+def _linear_attn_steps(n: RpcTensor, v: RpcTensor | None) -> int:
+    if v is None or not v.ne1:
+        return 0
+    c = n.ne0
+    return v.ne2 * c * (c // v.ne1)  # T * C * head_size
+
+
+def _wkv6(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["state_step"] * _linear_attn_steps(n, s[1])
+
+
+def _wkv7(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["state_step7"] * _linear_attn_steps(n, s[1])
+
+
+def _ssm_scan(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    st, x, a = s[0], s[1], s[3]
+    if st is None or x is None or a is None:
+        return 0
+    steps = st.ne0 * st.ne1 * x.ne1 * x.ne2 * x.ne3  # d_state * head_dim * heads * tokens * sequences
+    return p["scan_step_exp" if a.ne0 != 1 else "scan_step"] * steps
+
+
+# -- element-wise ops whose price depends on the function (a libm call per element, or not) ---
+# UNARY's function is op_params[0] (ggml.h enum ggml_unary_op), GLU's too (enum ggml_glu_op).
+UNARY_NAMES: Final = ("abs", "sgn", "neg", "step", "tanh", "elu", "relu", "sigmoid", "gelu", "gelu_quick", "silu",
+                      "hardswish", "hardsigmoid", "exp", "expm1", "softplus", "gelu_erf", "xielu", "floor", "ceil",
+                      "round", "trunc")
+GLU_NAMES: Final = ("reglu", "geglu", "swiglu", "swiglu_oai", "geglu_erf", "geglu_quick", "swiglu_clamp")
+
+
+def _per_element(key: str, n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p.get(key, p["element"]) * (elements(n) + sum(elements(t) for t in s))
+
+
+def _unary(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    name = UNARY_NAMES[n.param0] if 0 <= n.param0 < len(UNARY_NAMES) else ""
+    return _per_element("unary." + name, n, s, p)
+
+
+def _glu(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    name = GLU_NAMES[n.param0] if 0 <= n.param0 < len(GLU_NAMES) else ""
+    return _per_element("glu." + name, n, s, p)
+
+
+def _timestep_embedding(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["timestep"] * elements(n)  # ops.cpp: an expf, a cosf and a sinf per pair of dst elements
+
+
+def _convert_price(src: int, dst: int, p: Prices) -> int:
+    """Flop-equivalents per element converted from type ``src`` to type ``dst``: to F32 (the
+    source type's to_float), then from F32 (the destination's from_float); F32 itself is free."""
+    if src == dst and src in (F32, F16, BF16):
+        return p["element"]
+    out = 0 if src == F32 else p.get("dequant." + type_class(src), p["dequant"])
+    return out + (0 if dst == F32 else p.get("quant." + type_class(dst), p["quant"]))
+
+
+def _sort(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]
     if a is None:
         return 0
-    return SORT_FLOPS * elements(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
+    return p["sort"] * elements(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
 
 
-def _pool_1d(n: RpcTensor, s: Srcs) -> int:
-    return POOL_FLOPS * elements(n) * max(1, n.param1)
+def _pool_1d(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["pool"] * elements(n) * max(1, n.param1)
 
 
-def _pool_2d(n: RpcTensor, s: Srcs) -> int:
-    return POOL_FLOPS * elements(n) * max(1, n.param1) * max(1, n.param2)
+def _pool_2d(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["pool"] * elements(n) * max(1, n.param1) * max(1, n.param2)
 
 
-def _conv_2d(n: RpcTensor, s: Srcs) -> int:
+def _conv_2d(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]
-    return CONV_FACTOR * 2 * elements(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
+    return p["conv_factor"] * 2 * elements(n) * (a.ne0 * a.ne1 * a.ne2 if a is not None else 1)
 
 
-def _conv_2d_dw(n: RpcTensor, s: Srcs) -> int:
+def _conv_2d_dw(n: RpcTensor, s: Srcs, p: Prices) -> int:
     k = s[0]  # [KW, KH, 1, C]: every dst element reads KW*KH taps
-    return CONV_DW_FLOPS * elements(n) * (k.ne0 * k.ne1 if k is not None else 1)
+    return p["conv_dw"] * elements(n) * (k.ne0 * k.ne1 if k is not None else 1)
 
 
-def _conv_transpose_1d(n: RpcTensor, s: Srcs) -> int:
+def _conv_transpose_1d(n: RpcTensor, s: Srcs, p: Prices) -> int:
     k, x = s[0], s[1]  # kernel [K, Cout, Cin], input [L, Cin]: each input element meets K*Cout taps
     if k is None or x is None:
         return 0
-    return CONV_T1D_FACTOR * 2 * x.ne0 * k.ne0 * k.ne1 * k.ne2
+    return p["conv_t1d_factor"] * 2 * x.ne0 * k.ne0 * k.ne1 * k.ne2
 
 
-def _upscale(n: RpcTensor, s: Srcs) -> int:
+def _upscale(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]
     mode = n.param0 & 0xFF
     taps = UPSCALE_TAPS.get(mode, 16)
@@ -143,7 +241,7 @@ def _upscale(n: RpcTensor, s: Srcs) -> int:
         w0 = 2 * max(1, -(-a.ne0 // max(1, n.ne0))) + 1
         w1 = 2 * max(1, -(-a.ne1 // max(1, n.ne1))) + 1
         taps = w0 * w1
-    return POOL_FLOPS * taps * elements(n)
+    return p["pool"] * taps * elements(n)
 
 
 # -- recurrent and newer-model ops (compute) --
@@ -170,49 +268,51 @@ LIGHTNING_FLOPS: Final = 28  # per q element per key (a dot of D per head; K re-
 TRI_FLOPS: Final = 56  # per element read or written
 
 
-def _tri(n: RpcTensor, s: Srcs) -> int:
-    return TRI_FLOPS * (elements(n) + elements(s[0]))
+def _tri(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["tri"] * (elements(n) + elements(s[0]))
 
 
-def _gated_delta_net(n: RpcTensor, s: Srcs) -> int:
+def _gated_delta_net(n: RpcTensor, s: Srcs, p: Prices) -> int:
     v = s[2]
     if v is None:
         return 0
     S_v, H, T, n_seqs = v.ne
-    return GDN_FLOPS * S_v * S_v * H * T * n_seqs
+    return p["gdn"] * S_v * S_v * H * T * n_seqs
 
 
-def _solve_tri(n: RpcTensor, s: Srcs) -> int:
+def _solve_tri(n: RpcTensor, s: Srcs, p: Prices) -> int:
     b = s[1]
-    return SOLVE_TRI_FLOPS * b.ne1 * elements(b) if b is not None else 0
+    return p["solve_tri"] * b.ne1 * elements(b) if b is not None else 0
 
 
-def _dsv4_hc_comb(n: RpcTensor, s: Srcs) -> int:
-    return DSV4_COMB_FLOPS * n.ne2 * max(1, n.param1) + ELEMENT_FLOPS * 64 * n.ne2
+def _dsv4_hc_comb(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["dsv4_comb"] * n.ne2 * max(1, n.param1) + p["element"] * 64 * n.ne2
 
 
-def _dsv4_hc_pre(n: RpcTensor, s: Srcs) -> int:
-    return (DSV4_GATE_FLOPS if n.param1 else DSV4_TERM_FLOPS) * elements(s[0])
+def _dsv4_hc_pre(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return (p["dsv4_gate"] if n.param1 else p["dsv4_term"]) * elements(s[0])
 
 
-def _dsv4_hc_post(n: RpcTensor, s: Srcs) -> int:
-    return DSV4_TERM_FLOPS * elements(n) * (n.ne1 if s[3] is not None else 1)
+def _dsv4_hc_post(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["dsv4_term"] * elements(n) * (n.ne1 if s[3] is not None else 1)
 
 
-def _lightning_indexer(n: RpcTensor, s: Srcs) -> int:
+def _lightning_indexer(n: RpcTensor, s: Srcs, p: Prices) -> int:
     q, k = s[0], s[1]
     if q is None or k is None:
         return 0
-    return LIGHTNING_FLOPS * elements(q) * k.ne2 + CONVERT_FLOPS * elements(k) * q.ne2  # K re-converted for every token
-def _add1(n: RpcTensor, s: Srcs) -> int:
+    # K re-converted to F32 for every token (its class's to_float)
+    deq = p["element"] if k.type == F32 else p.get("dequant." + type_class(k.type), p["dequant"])
+    return p["lightning"] * elements(q) * k.ne2 + deq * elements(k) * q.ne2
+def _add1(n: RpcTensor, s: Srcs, p: Prices) -> int:
     # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
     # add1_q_f32): ADD1_BLOCK_FLOPS per element read or written
     a = s[0]
-    per = ADD1_BLOCK_FLOPS if a is not None and quantized(a.type) else ELEMENT_FLOPS
+    per = p["add1_block"] if a is not None and quantized(a.type) else p["element"]
     return per * (elements(n) + sum(elements(t) for t in s))
 
 
-_FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
+_FLOPS: Mapping[str, Callable[[RpcTensor, Srcs, Prices], int]] = {
     "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
     "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
     "CONV_2D": _conv_2d, "CONV_2D_DW": _conv_2d_dw, "CONV_TRANSPOSE_1D": _conv_transpose_1d, "UPSCALE": _upscale,
@@ -220,27 +320,36 @@ _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs], int]] = {
     "GATED_DELTA_NET": _gated_delta_net, "SOLVE_TRI": _solve_tri, "DSV4_HC_COMB": _dsv4_hc_comb,
     "DSV4_HC_PRE": _dsv4_hc_pre, "DSV4_HC_POST": _dsv4_hc_post, "LIGHTNING_INDEXER": _lightning_indexer, "TRI": _tri,
     # -- training and backward ops
-    "ADD1": _add1,
+    "ADD1": _add1, "RWKV_WKV6": _wkv6, "GATED_LINEAR_ATTN": _wkv6, "RWKV_WKV7": _wkv7, "SSM_SCAN": _ssm_scan,
+    "UNARY": _unary, "GLU": _glu, "TIMESTEP_EMBEDDING": _timestep_embedding,
 }  # fmt: skip
 
 
-def flops(op: str, node: RpcTensor, srcs: Srcs) -> int:
-    """Estimated floating-point operations the server spends on this node (its arithmetic plus
-    BYTE_FLOPS per byte moved)."""
+def flops(op: str, node: RpcTensor, srcs: Srcs, prices: Prices | None = None) -> int:
+    """Estimated flop-equivalents the server spends on this node: its work in each unit times
+    the unit's price (``prices``, default ``PRICES``: ggml-cpu's) plus a price per byte moved."""
     if op in _FREE or not elements(node):
         return 0
-    moved = BYTE_FLOPS * moved_bytes(op, node, srcs)
+    p = PRICES if prices is None else prices
+    moved = p["byte"] * moved_bytes(op, node, srcs)
     fn = _FLOPS.get(op)
     if fn is not None:
-        return fn(node, srcs) + moved
-    if op in ("GET_ROWS", "SET_ROWS"):
-        data = srcs[0] if op == "GET_ROWS" else srcs[1]
-        per = 8 if node.type == F32 and (data is None or data.type == F32) else CONVERT_FLOPS
-        return per * moved_bytes(op, node, srcs) // 4 + moved
-    per = ELEMENT_FLOPS_OP.get(op, ELEMENT_FLOPS)
-    if op in _CONVERTING and not all(t is None or t.type == F32 for t in (node, *srcs)):
-        per = CONVERT_FLOPS
-    return per * (elements(node) + sum(elements(t) for t in srcs)) + moved
+        return fn(node, srcs, p) + moved
+    if op == "GET_ROWS" and srcs[0] is not None:  # the rows read, converted to dst's type
+        return _convert_price(srcs[0].type, node.type, p) * elements(node) + moved
+    if op == "SET_ROWS" and srcs[1] is not None:  # the source rows, converted to the table's type
+        return _convert_price(srcs[1].type, node.type, p) * elements(srcs[1]) + moved
+    if op in _CONVERTING and srcs[0] is not None and srcs[0].type != node.type:
+        return _convert_price(srcs[0].type, node.type, p) * elements(node) + moved
+    if op in _CONVERTING and srcs[0] is not None and srcs[0].type not in (F32, F16, BF16):  # a block copy
+        return p["element"] * (elements(node) + elements(srcs[0])) + moved
+    return _per_element("op." + op, node, srcs, p) + moved
+
+
+def seconds(flop: int, node_gflops: float) -> float:
+    """The estimated compute time of ``flop`` flop-equivalents at ``node_gflops`` (0 or less:
+    the budget is off, the estimate 0)."""
+    return flop / (node_gflops * 1e9) if node_gflops > 0 else 0.0
 
 
 # -- convolutions (3D, transposed, col2im) ------------------------------------------------------
@@ -268,27 +377,27 @@ COL2IM_FLOPS: Final = 256  # COL2IM_1D: per gathered column
 CONV_IM2COL_FLOPS: Final = 128  # per patch tap of CONV_2D/CONV_3D
 CONV_T2D_FACTOR: Final = 4  # CONV_TRANSPOSE_2D: multiplies 2*N*H*W*KW*KH*Cout*Cin
 CONV_T2D_DOT_FLOPS: Final = 256  # CONV_TRANSPOSE_2D: per vec_dot call (N*H*W*KW*KH*Cout of them)
-def _conv_2d_direct(n: RpcTensor, s: Srcs) -> int:
+def _conv_2d_direct(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]  # [KW, KH, IC, OC]: N*OW*OH patches of KW*KH*IC taps, times OC in the product
     taps = a.ne0 * a.ne1 * a.ne2 if a is not None else 1
     patches = n.ne0 * n.ne1 * n.ne3
-    return CONV_FACTOR * 2 * elements(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+    return p["conv_factor"] * 2 * elements(n) * taps + p["conv_im2col"] * patches * taps
 
 
-def _conv_3d_direct(n: RpcTensor, s: Srcs) -> int:
+def _conv_3d_direct(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]  # [KW, KH, KD, IC*OC]; params[9] = IC, [11] = OC (the rule holds them >= 1)
     ic, oc = max(1, n.op_params[9]), max(1, n.op_params[11])
     taps = (a.ne0 * a.ne1 * a.ne2 if a is not None else 1) * ic
     patches = elements(n) // oc
-    return CONV_FACTOR * 2 * elements(n) * taps + CONV_IM2COL_FLOPS * patches * taps
+    return p["conv_factor"] * 2 * elements(n) * taps + p["conv_im2col"] * patches * taps
 
 
-def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
+def _conv_transpose_2d(n: RpcTensor, s: Srcs, p: Prices) -> int:
     k, x = s[0], s[1]  # kernel [KW, KH, Cout, Cin], input [W, H, Cin, N]
     if k is None or x is None:
         return 0
     dots = x.ne0 * x.ne1 * x.ne3 * k.ne0 * k.ne1 * k.ne2
-    return CONV_T2D_FACTOR * 2 * dots * k.ne3 + CONV_T2D_DOT_FLOPS * dots
+    return p["conv_t2d_factor"] * 2 * dots * k.ne3 + p["conv_t2d_dot"] * dots
 
 
 # CONV_TRANSPOSE_1D/2D zero the WHOLE work buffer of the plan on every node (ops.cpp:6539, 6627,
@@ -300,24 +409,24 @@ def _conv_transpose_2d(n: RpcTensor, s: Srcs) -> int:
 WORK_MEMSET_FLOPS: Final = BYTE_FLOPS * (1 << 30)
 
 
-def _conv_transpose_2d_all(n: RpcTensor, s: Srcs) -> int:
-    return _conv_transpose_2d(n, s) + WORK_MEMSET_FLOPS
+def _conv_transpose_2d_all(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return _conv_transpose_2d(n, s, p) + p["work_memset"]
 
 
-def _conv_transpose_1d_all(n: RpcTensor, s: Srcs) -> int:
-    return _conv_transpose_1d(n, s) + WORK_MEMSET_FLOPS
+def _conv_transpose_1d_all(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return _conv_transpose_1d(n, s, p) + p["work_memset"]
 
 
-def _im2col(n: RpcTensor, s: Srcs) -> int:
-    return IM2COL_FLOPS * elements(n)
+def _im2col(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    return p["im2col"] * elements(n)
 
 
-def _col2im_1d(n: RpcTensor, s: Srcs) -> int:
+def _col2im_1d(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]  # [K*OC, T_in]; params {s0, OC, p0} (the rule holds s0, OC >= 1); result [T_out, OC]
     if a is None:
         return 0
     s0, oc = max(1, n.op_params[0]), max(1, n.op_params[1])
-    return COL2IM_FLOPS * elements(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
+    return p["col2im"] * elements(n) * min(a.ne1, a.ne0 // oc // s0 + 1)
 
 
 # IM2COL_BACK (ops.cpp:6896) visits every tap of the kernel for every image element, with an int64
@@ -331,19 +440,80 @@ IM2COL_BACK_TAP_FLOPS: Final = 512  # IM2COL_BACK: per image element per kernel 
 POOL_BACK_TAP_FLOPS: Final = 96  # POOL_2D_BACK: per gradient element per window tap
 
 
-def _im2col_back(n: RpcTensor, s: Srcs) -> int:
+def _im2col_back(n: RpcTensor, s: Srcs, p: Prices) -> int:
     k = s[1]  # the convolution kernel [KW, KH, ...] (1D: [KW, IC, ...]); params[6] is_2D
     if k is None:
         return 0
     taps = k.ne0 * (k.ne1 if n.op_params[6] == 1 else 1)
-    return IM2COL_BACK_TAP_FLOPS * elements(n) * taps
+    return p["im2col_back_tap"] * elements(n) * taps
 
 
-def _pool_2d_back(n: RpcTensor, s: Srcs) -> int:
+def _pool_2d_back(n: RpcTensor, s: Srcs, p: Prices) -> int:
     g = s[0]  # the gradient of POOL_2D's result; params {op, k0, k1, ...} (the rule holds k >= 1)
-    return 0 if g is None else POOL_BACK_TAP_FLOPS * elements(g) * max(1, n.param1) * max(1, n.param2)
+    return 0 if g is None else p["pool_back_tap"] * elements(g) * max(1, n.param1) * max(1, n.param2)
 
 
 _FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CONV_TRANSPOSE_2D": _conv_transpose_2d_all,
           "CONV_TRANSPOSE_1D": _conv_transpose_1d_all, "IM2COL": _im2col, "IM2COL_3D": _im2col,
           "COL2IM_1D": _col2im_1d, "IM2COL_BACK": _im2col_back, "POOL_2D_BACK": _pool_2d_back}
+
+
+# -- type classes --------------------------------------------------------------------------------
+#
+# Weight types grouped by what their CPU kernels cost per element (vec_dot per multiply-add,
+# to_float per element, from_float per element), measured (docs/performance.md "Compute prices
+# per op"): a class's price is the slowest of its members.
+TYPE_CLASSES: Final[Mapping[str, str]] = {
+    "f32": "f32", "f16": "f16", "bf16": "f16",
+    "q4_0": "q", "q4_1": "q", "q5_0": "q", "q5_1": "q", "q8_0": "q", "q8_1": "q", "iq4_nl": "q", "mxfp4": "q",
+    "nvfp4": "q", "q1_0": "q", "q2_0": "q",
+    "q4_K": "k", "q5_K": "k", "q6_K": "k", "q8_K": "k", "iq4_xs": "k",
+    "q2_K": "low", "q3_K": "low", "tq1_0": "low", "tq2_0": "low",
+    "iq2_xxs": "iq", "iq2_xs": "iq", "iq2_s": "iq", "iq3_xxs": "iq", "iq3_s": "iq", "iq1_s": "iq", "iq1_m": "iq",
+}  # fmt: skip
+_CLASS_OF: Final = {tid: TYPE_CLASSES.get(t.name, "iq") for tid, t in TYPES.items()}
+
+
+def type_class(type_: int) -> str:
+    """The price class of a ggml type id (an unknown id: the dearest class)."""
+    return _CLASS_OF.get(type_, "iq")
+
+
+def matmul_class(type_: int) -> str:
+    """The class a matrix product with a src0 of ``type_`` is priced by."""
+    return type_class(type_)
+
+
+# -- the prices of ggml-cpu (flop-equivalents per unit) -----------------------------------------
+#
+# What one unit of each formula's work costs on a CPU node, at node_gflops; every price is
+# rounded up from the slowest measured shape of its unit (bench/studies/compute_cost.py --only
+# sweep, one server thread; docs/performance.md "Compute prices per op"). A backend profile
+# replaces this mapping as a whole (same keys).
+PRICES: Final[Prices] = {
+    "byte": BYTE_FLOPS, "element": ELEMENT_FLOPS, "convert": CONVERT_FLOPS,
+    # matrix products: per multiply-add (K per dst element), by src0 class
+    "mm.f32": 2, "mm.f16": 2, "mm.q": 2, "mm.k": 2, "mm.low": 2, "mm.iq": 2,
+    "mm_call": 0,  # per dst element: one vec_dot call whatever K
+    "fa_key": 0,  # FLASH_ATTN_EXT per query and key: the online softmax's expf
+    # OUT_PROD: per multiply-add (src0.ne1 per dst element), by src0 class
+    "out_prod.f32": 2 * OUT_PROD_FACTOR, "out_prod.f16": 2 * OUT_PROD_F16_FACTOR,
+    "out_prod_factor": OUT_PROD_FACTOR,
+    # conversions per element: to F32 from the class, from F32 into the class
+    "dequant": CONVERT_FLOPS, "quant": 3 * CONVERT_FLOPS,
+    # FLASH_ATTN_EXT: per multiply-add of the dots with K and the accumulation of V, by class
+    "fa.f32": 2 * FA_FACTOR[False], "fa.f16": 2 * FA_FACTOR[False], "fa.q": 2 * FA_FACTOR[True],
+    "fa.k": 2 * FA_FACTOR[True], "fa.low": 2 * FA_FACTOR[True], "fa.iq": 2 * FA_FACTOR[True],
+    "sort": SORT_FLOPS, "pool": POOL_FLOPS, "conv_factor": CONV_FACTOR, "conv_dw": CONV_DW_FLOPS,
+    "conv_t1d_factor": CONV_T1D_FACTOR, "conv_im2col": CONV_IM2COL_FLOPS, "conv_t2d_factor": CONV_T2D_FACTOR,
+    "conv_t2d_dot": CONV_T2D_DOT_FLOPS, "im2col": IM2COL_FLOPS, "col2im": COL2IM_FLOPS,
+    "im2col_back_tap": IM2COL_BACK_TAP_FLOPS, "pool_back_tap": POOL_BACK_TAP_FLOPS, "work_memset": WORK_MEMSET_FLOPS,
+    "add1_block": ADD1_BLOCK_FLOPS,
+    # recurrent and newer-model ops
+    "ssm_conv_tap": 2, "state_step": 4, "state_step7": 8, "scan_step": 4, "scan_step_exp": 16,
+    "gdn": GDN_FLOPS, "solve_tri": SOLVE_TRI_FLOPS, "tri": TRI_FLOPS, "lightning": LIGHTNING_FLOPS,
+    "dsv4_comb": DSV4_COMB_FLOPS, "dsv4_term": DSV4_TERM_FLOPS, "dsv4_gate": DSV4_GATE_FLOPS,
+    "timestep": 4 * ELEMENT_FLOPS,
+    # per element read or written, by op (the rest: "element")
+    **{"op." + op: v for op, v in ELEMENT_FLOPS_OP.items()},
+}  # fmt: skip

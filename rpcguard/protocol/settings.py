@@ -144,8 +144,12 @@ class Limits:
     connect_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0  # process-wide: how long SIGTERM waits for running sessions
     # The watchdog: a response the server has owed this long (a GET_TENSOR behind a GRAPH_COMPUTE
-    # that does not finish) ends the session upstream_hung; a server serve runs is killed.
-    max_graph_s: float = 0.0
+    # that does not finish) ends the session upstream_hung; a server serve runs is killed. 3600 s:
+    # what a session may queue unanswered is at most max_graph_compute_s (900 s) of estimated
+    # compute, which the measured prices under-estimate by at most 3x on one loaded CPU thread
+    # (2700 s; docs/performance.md "Compute prices per op"); the slowest real graph measured
+    # (a 512-token batch, docs/performance.md) takes seconds. 0 = off.
+    max_graph_s: float = 3600.0
 
 
 @dataclass(frozen=True)
