@@ -174,6 +174,7 @@ _H = HistogramMetricFamily
 _Families = TypedDict("_Families", {
     "frames": _C, "bytes": _C, "sessions": _C, "refusals": _C, "tls": _C, "reload": _C, "web": _C,
     "alloc": _C, "upload": _C, "firewall": _C, "unverified": _C, "rdma": _C, "profile": _C, "checks": _C,
+    "hash_local": _C,
     "active": _G, "upstream": _G, "up": _G, "build": _G, "cert": _G, "certwarn": _G, "reload_ok": _G,
     "reload_time": _G, "queue": _G, "reload_kept": _G, "enforcing": _G, "switched_off": _G, "unprotected": _G, "certfile": _G,
     "duration": _H,
@@ -238,6 +239,8 @@ def _families() -> _Families:
                       labels=rl + ["reason", "mode"]),
         "unverified": c("rpcguard_unverified_op_nodes", "Graph nodes forwarded without a verified op rule "
                         "(policy.allow_unverified_ops).", labels=rl + ["op"]),
+        "hash_local": c("rpcguard_hash_answered_by_proxy", "SET_TENSOR_HASH answered 'not cached' by the proxy "
+                        "(the server's cache is not the identity's own).", labels=rl),
         "rdma": c("rpcguard_rdma_caps_zeroed", "RDMA capability fields zeroed.",
                   labels=rl + ["direction"]),
     }
@@ -327,6 +330,7 @@ class _Collector:
             f["checks"].add_metric(rl + [by], n)
         for op, n in lt.unverified_ops.items():
             f["unverified"].add_metric(rl + [op], n)
+        f["hash_local"].add_metric(rl, agg.hash_answered_by_proxy)
         f["rdma"].add_metric(rl + ["request"], agg.rdma_caps_zeroed_req)
         f["rdma"].add_metric(rl + ["response"], agg.rdma_caps_zeroed_rsp)
 

@@ -181,6 +181,8 @@ def audit_record(lc: Lifecycle) -> dict[str, object]:
         "alloc_bytes": s.alloc_bytes,
         "upload_bytes": s.upload_bytes_set,
         "hash_hit_bytes": s.upload_bytes_hash_hit,
+        # SET_TENSOR_HASH the proxy answered "not cached" (a cache other identities share): logged once, here
+        "hash_answered_by_proxy": s.hash_answered_by_proxy,
         # the compute budget's estimate of what this session's graphs cost the server (cost.py)
         "compute_s_estimated": _compute_s(lc),
         "commands": s.per_command(),

@@ -894,5 +894,5 @@ def test_audit_record_fields():
     assert set(rec) == {"event", "session", "role", "listener", "profile", "peer", "identity", "upstream", "version",
                         "duration_s", "result", "reason", "party", "command", "detail", "request_checks",
                         "alloc_bytes", "upload_bytes",
-                        "hash_hit_bytes", "compute_s_estimated", "commands"}
+                        "hash_hit_bytes", "hash_answered_by_proxy", "compute_s_estimated", "commands"}
     assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0
