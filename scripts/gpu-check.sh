@@ -85,6 +85,8 @@ T0=$(date +%s)
 } > "$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
+[ "$MODE" = dry ] || command -v nvcc >/dev/null || die "no nvcc: this mode runs on the GPU machine (--dry-run here)"
+
 # -- python: rpcguard from this tree, its missing deps from the carried wheels -----------------------
 if [ "$MODE" = dry ]; then
   PY="${PYTHON:-$REPO/.venv/bin/python}"
@@ -132,7 +134,6 @@ if [ "$MODE" = dry ]; then
   fi
   EXPECT=cpu
 else
-  command -v nvcc >/dev/null || die "no nvcc: this mode runs on the GPU machine (--dry-run here)"
   TARBALL="$CARRY/llama.cpp-$SDIST_VERSION.tar.gz"
   [ -f "$TARBALL" ] || die "no $TARBALL: run scripts/gpu-check.sh --prepare here and carry .gpu"
   rm -rf "$WORK/src" && mkdir -p "$WORK/src" && tar -xzf "$TARBALL" -C "$WORK/src"
