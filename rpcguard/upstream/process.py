@@ -37,12 +37,13 @@ from rpcguard.upstream.cgroup import Group
 from rpcguard.upstream.output import OutputLimiter
 from rpcguard.upstream.sandbox import SECCOMP_FD
 
-__all__ = ["ServerProcess", "StartFailed", "exit_cause", "listening"]
+__all__ = ["ServerProcess", "StartFailed", "exit_cause", "listening", "become_subreaper", "reap_orphans"]
 
 log = logging.getLogger("rpcguard.upstream")
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 # How often the namespace's socket table is read while the server starts (it takes 50-200 ms).
 _LISTEN_POLL_S = 0.003
@@ -53,10 +54,58 @@ STDERR_LINE_BYTES = 4096
 OUTPUT_CHUNK = 64 << 10
 # While output is dropped, how often one line says how much was (seconds).
 DROP_REPORT_S = 10.0
+# kill(): bwrap outside gets this long to reap the namespace's init and exit by itself.
+OUTER_GRACE_S = 1.0
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class StartFailed(Exception):
     """The server did not come up (its exit status or the timeout in ``detail``)."""
+
+
+def become_subreaper() -> bool:
+    """Make serve the reaper of its servers' orphans. bwrap outside exits as soon as the command
+    in its pid namespace has, before that namespace's init is reaped: the init is orphaned and,
+    without a subreaper, waits for pid 1 as a zombie (``[bwrap] <defunct>``), forever under an init
+    that does not reap. As a subreaper serve gets it and ``reap_orphans`` reaps it."""
+    return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def reap_orphans(known: set[int]) -> int:
+    """Reap serve's exited children that it did not spawn itself (orphans of its servers' trees,
+    named ``bwrap``: never a child some other part of serve waits for); ``known``: the pids of
+    processes serve spawned. Returns how many were reaped."""
+    reaped = 0
+    try:
+        tasks = os.listdir(f"/proc/{os.getpid()}/task")
+    except OSError:
+        return 0
+    kids: set[int] = set()
+    for t in tasks:
+        try:
+            with open(f"/proc/{os.getpid()}/task/{t}/children") as f:
+                kids.update(int(k) for k in f.read().split())
+        except OSError:
+            continue
+    for pid in kids - known:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if rest.split()[0] == "Z" and name.endswith("(bwrap"):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped
 
 
 def exit_cause(status: int | None, wrapped: bool) -> str:
@@ -160,6 +209,10 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
+
+    @property
+    def helper_pid(self) -> int:
+        return self._helper.pid if self._helper is not None else 0
 
     def cause(self) -> str:
         return exit_cause(self.status, self.wrapped)
@@ -388,8 +441,12 @@ class ServerProcess:
         return self.exited is not None and not self.exited.done()
 
     def kill(self, reason: str = "", detail: str = "") -> None:
-        """SIGKILL the server (and bwrap: its child dies with it, --die-with-parent). With a
-        ``reason``: it broke a limit of its session, which ends with that reason (pool.crash_cause)."""
+        """SIGKILL the server. With a ``reason``: it broke a limit of its session, which ends with
+        that reason (pool.crash_cause). Under bwrap the namespace's init goes first (the end of its
+        pid namespace takes the server and every fork with it); bwrap outside reaps it and exits,
+        and serve reaps bwrap. Killed together, the init could be orphaned first and wait as a
+        zombie for pid 1 to reap it (``[bwrap] <defunct>`` under an init that reaps late or
+        never); bwrap outside is killed only if it has not exited ``OUTER_GRACE_S`` later."""
         if reason and self.end_reason is None and self.alive:
             self.end_reason = (reason, detail)
         self.killed = True
@@ -397,11 +454,18 @@ class ServerProcess:
             self._chan.close()  # the helper ends when its channel does
             self._chan = None
         helper = self._helper.pid if self._helper is not None else 0
-        for pid in {self.ns_pid, self.pid, helper} - {0}:
+        inner = self.ns_pid if self.wrapped and self.ns_pid not in (0, self.pid) else 0
+        for pid in {inner or self.pid, helper} - {0}:
+            _sigkill(pid)
+        if inner and self.pid:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+                asyncio.get_running_loop().call_later(OUTER_GRACE_S, self._kill_outer)
+            except RuntimeError:  # no loop (shutdown): at once
+                _sigkill(self.pid)
+
+    def _kill_outer(self) -> None:
+        if self.exited is not None and not self.exited.done():
+            _sigkill(self.pid)
 
     async def stop(self) -> None:
         self.kill()

@@ -4,6 +4,8 @@ How this works: ``server.Runtime`` holds one ``Upstreams``; a listener with ``up
 asks it for its ``UpstreamPool`` (``pool``), ``start()`` probes the sandbox mechanisms once and
 starts every pool (a required sandbox that cannot be had is a ``ConfigError``: serve exits 2),
 ``close()`` kills every process. The pools' counters are exported by one ``PoolCollector``.
+serve is the child subreaper of its servers' trees (process.become_subreaper): a task reaps the
+orphaned bwrap inits every ``REAP_S``, so none waits as a zombie for pid 1.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import Profile
 from rpcguard.observe.metrics import Metrics
 from rpcguard.upstream import sandbox
+from rpcguard.upstream.process import become_subreaper, reap_orphans
 from rpcguard.upstream.pool import PoolCollector, SandboxUnavailable, UpstreamPool, UpstreamSettings
 
 __all__ = ["Upstreams", "contain", "contain_all"]
 
 log = logging.getLogger("rpcguard.upstream")
 _RETIRE_POLL_S = 0.5  # a replaced pool is closed once its last session is over
+REAP_S = 1.0  # how often orphaned bwrap inits are reaped (a /proc read of serve's children)
 
 
 def contain(profile: Profile, server_threads: int | None = None) -> Profile:
@@ -52,9 +56,12 @@ class Upstreams:
         self._started: set[int] = set()
         self._retiring: set[asyncio.Task] = set()
         self._retired: set[int] = set()
+        self._reaper: asyncio.Task | None = None
+        self._retiring_pools: set[UpstreamPool] = set()
 
     def pool(self, listener: str, settings: UpstreamSettings) -> UpstreamPool:
         if self._mech is None:
+            become_subreaper()  # before the probe: its bwrap's init is an orphan too
             self._mech = sandbox.probe()
         if self._collector is None:
             self._collector = PoolCollector(self.pools)
@@ -72,6 +79,7 @@ class Upstreams:
         if id(pool) in self._retired:
             return
         self._retired.add(id(pool))
+        self._retiring_pools.add(pool)
         task = asyncio.get_running_loop().create_task(self._retire(pool))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
@@ -80,6 +88,7 @@ class Upstreams:
         while pool.by_link:
             await asyncio.sleep(_RETIRE_POLL_S)
         await pool.close()
+        self._retiring_pools.discard(pool)
 
     async def start_new(self) -> None:
         """After a reload: start the pools of new listeners (a failure is logged, not raised:
@@ -90,10 +99,25 @@ class Upstreams:
                     await self._start(name, pool)
                 except Exception as exc:
                     log.error("upstream listener=%s: cannot start: %s", name, exc)
+        self._start_reaper()
 
     async def start(self) -> None:
         for name, pool in self.pools.items():
             await self._start(name, pool)
+        self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None and self._mech is not None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    def _known(self) -> set[int]:
+        pools = [*self.pools.values(), *(p for p in self._retiring_pools)]
+        return {pid for pool in pools for proc in list(pool._live) for pid in (proc.pid, proc.helper_pid)}
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_S)
+            reap_orphans(self._known())
 
     async def _start(self, name: str, pool: UpstreamPool) -> None:
         self._started.add(id(pool))
@@ -105,6 +129,8 @@ class Upstreams:
                               f"to start without it (a warning and rpcguard_upstream_sandbox_missing)") from None
 
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         for task in list(self._retiring):
             task.cancel()
         for pool in self.pools.values():

@@ -14,7 +14,10 @@ it got on stderr ("LIMIT <mode>: ...") and execs the real ggml-rpc-server, run a
   says how many were dropped;
 * the ASan build of the server runs contained (RLIMIT_DATA stopped its shadow reservation);
 * serve SIGKILLed with a session open and a daemon forked inside the sandbox: every process
-  of the tree is gone and reaped (under a subreaper standing for the init: systemd, tini).
+  of the tree is gone and reaped (under a subreaper standing for the init: systemd, tini);
+* sessions ending, a server crashing and serve's start leave nothing for the init to reap
+  (serve is the subreaper of its servers' trees: bwrap's orphaned inits were zombies under
+  pid 1, ``[bwrap] <defunct>``).
 """
 
 from __future__ import annotations
@@ -201,3 +204,73 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+LAUNCHER = """
+import ctypes, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER, and never reaps: an init that does not
+log = open(sys.argv[1], "wb")
+serve = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT)
+print(serve.pid, flush=True)
+serve.wait()
+"""
+
+
+def test_sessions_and_crashes_leave_no_zombie_for_the_init(pki, workdir):
+    """serve under a subreaper that never reaps (an init that does not, like the one issue 31 saw):
+    four sessions (each process killed at its end), a server SIGKILLed mid-session (its own
+    death) and serve's start (the sandbox probe runs bwrap): no process of serve's trees is
+    left to the launcher, and serve's own children are reaped within seconds."""
+    cfg = write_config(workdir, "reap.yaml", f"      exec: [{server_binary()}]\n")
+    log = workdir / "serve-launched.log"
+    cmd = [realpeer.PYTHON, "-m", "rpcguard", "serve", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+           *pki.serve_args(), "--config", cfg, "--allow-all"]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(log), *cmd], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        serve_pid = int(launcher.stdout.readline())
+        proc = realpeer.Proc(launcher, log, "rpcguard serve (launched)")
+        wait_for_line(proc, READY_MESSAGE)
+        port = next(iter(bound_ports(log.read_text()).values()))
+        for _ in range(4):
+            c = RawClient.session(mtls_socket(pki, port))
+            assert c.alloc(SMALL).buffer
+            c.close()
+        c = RawClient.session(mtls_socket(pki, port))
+        assert c.alloc(SMALL).buffer
+        server = wait_until(lambda: [p for p in descendants(serve_pid) if _exe(p).endswith("ggml-rpc-server")
+                                     and _state(p) != "Z"], 10, "the session's server")
+        for pid in server:
+            os.kill(pid, signal.SIGKILL)  # dies by itself: its bwraps exit on their own
+        wait_until(lambda: "reason=upstream_crashed" in log.read_text(), 15, "the crash")
+        c.close()
+        time.sleep(2.5)  # (the launcher would get an orphan at once; serve reaps within REAP_S)
+        orphans = [p for p in descendants(launcher.pid) if p != serve_pid and _parent(p) == launcher.pid]
+        assert not orphans, [(p, _state(p), _exe(p)) for p in orphans]
+        zombies = [p for p in descendants(serve_pid) if _state(p) == "Z"]
+        assert not zombies, zombies
+    finally:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(30)
+
+
+def _stat(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return ["", "0"]
+
+
+def _state(pid: int) -> str:
+    return _stat(pid)[0]
+
+
+def _parent(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
