@@ -70,6 +70,153 @@ def test_accepted_cases_run_clean(runner, op, request):
     assert st.clean >= st.ran // 2, dict(st.outcomes)
 
 
+# -- the CPU planner's work buffer at several server thread counts (issue 28 item 1) --------------
+
+# Server thread counts the work-buffer ops run at (the server may run more threads than cores).
+THREADS = tuple(int(x) for x in os.environ.get("RPCGUARD_ACCEPT_THREADS", "1,4").split(","))
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory):
+    """One sanitizer server per thread count, started when first asked for."""
+    try:
+        asan_binary()
+    except MissingSanitizerBuild as exc:
+        pytest.fail(str(exc))
+    made: dict[int, Runner] = {}
+
+    def get(threads: int) -> Runner:
+        if threads not in made:
+            made[threads] = Runner(tmp_path_factory.mktemp(f"acceptfuzz-t{threads}"), budget_s=BUDGET_S,
+                                   threads=threads)
+        return made[threads]
+
+    yield get
+    for r in made.values():
+        r.close()
+
+
+@pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"t{t}")
+@pytest.mark.parametrize("op", gen.WORK_OPS)
+def test_work_buffer_ops_run_clean_at_server_thread_counts(runners, op, threads):
+    """The ops whose kernel uses the planner's work buffer, on a server of ``threads`` threads:
+    half of their cases (all of CPY's and SET_ROWS' planner-edge ones) carry an ADD, so the graph
+    runs on all of them (accept_gen._all_threads_node)."""
+    notes: list[str] = []
+    camp = Campaign(runners(threads), findings_dir=None, report=None, log=notes.append, shrink=False,
+                    stop_on_finding=True)
+    st = camp.run_op(op, SEED, COUNT)
+    assert st.outcomes["gate_refused"] == 0, "\n".join(notes)
+    findings = "\n".join(f"{f.outcome.kind}: {f.outcome.summary}\n    {f.case.describe()}" for f in camp.found.values())
+    if camp.found:
+        pytest.fail(f"{op} on -t {threads}: forwarded graphs broke the sanitizer server:\n{findings}", pytrace=False)
+    assert st.ran >= COUNT * 3 // 4, dict(st.outcomes)
+
+
+def _t(i: int, typ: int, ne: tuple[int, int, int, int], buf: int, **kw) -> gen.Tensor:
+    from rpcguard.protocol.oprules import contiguous_nb
+
+    return gen.Tensor(i, typ, ne, contiguous_nb(typ, ne), buf, **kw)
+
+
+def _node(i: int, op: str, typ: int, ne, buf: int, srcs: list[int], view_src: int = 0) -> gen.Tensor:
+    return _t(i, typ, ne, buf, op=gen.TABLE.ids[op], src=srcs + [0] * (10 - len(srcs)), view_src=view_src,
+              flags=gen.FLAG_COMPUTE, fill="none" if view_src else "prefill")
+
+
+def attack_cpy() -> gen.Case:
+    """Issue 28.1 (a): F32 rows of 4096 copied into Q8_0 rows of 32 (same element count): the
+    planner's per-thread row is the destination's, 128 bytes (ggml-cpu.c:2862), dup_to_q writes
+    the 16 KiB source row into it (ops.cpp:297)."""
+    q8 = 8
+    ts = [_t(1, gen.F32, (4096, 2, 1, 1), 0), _t(2, q8, (32, 256, 1, 1), 1, fill="zero"),
+          _node(3, "CPY", q8, (32, 256, 1, 1), 1, [1, 2], view_src=2)]
+    return gen.Case("CPY", 0, 0, "attack-src-row-longer", [32768, 34 * 256], ts, [3])
+
+
+def attack_set_rows() -> gen.Case:
+    """Issue 28.1 (b): SET_ROWS of 8 F16 rows of 256 into F32, beside an ADD (n_threads tasks, so
+    the graph runs on every thread): one task's F32 row planned (ggml-cpu.c:2367), every thread
+    converts its rows through its own (ops.cpp:5501)."""
+    i64 = 27
+    ts = [_t(1, gen.F16, (256, 8, 1, 1), 0), _t(2, i64, (8, 1, 1, 1), 1, fill="zero"),
+          _t(3, gen.F32, (256, 8, 1, 1), 2, fill="zero"),
+          _t(4, gen.F32, (4, 2, 1, 1), 3), _t(5, gen.F32, (4, 2, 1, 1), 4),
+          _node(6, "ADD", gen.F32, (4, 2, 1, 1), 5, [4, 5]),
+          _node(7, "SET_ROWS", gen.F32, (256, 8, 1, 1), 2, [1, 2, 3], view_src=3)]
+    return gen.Case("SET_ROWS", 0, 0, "attack-all-threads", [4096, 64, 8192, 32, 32, 32], ts, [6, 7])
+
+
+ATTACKS = {"cpy-src-row-longer": attack_cpy, "set-rows-f16-all-threads": attack_set_rows}
+
+
+@pytest.fixture
+def old_rules(monkeypatch):
+    """The firewall before issue 28.1 in this process: no work-buffer use check."""
+    import rpcguard.protocol.graph as graph
+
+    monkeypatch.setattr(graph, "check_work_use", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_work_buffer_attacks_overflow_the_server_on_the_old_rules(runners, old_rules, name):
+    """What the check refuses is a real heap overflow: forwarded by the old rules (the gate's
+    session), the -t 4 ASan server reports a heap-buffer-overflow WRITE."""
+    case = ATTACKS[name]()
+    assert gen.accepts(case) is None  # the old rules forward it
+    out = runners(4).run(case, fresh=True)
+    assert out.kind == "asan" and "heap-buffer-overflow" in out.summary, (out.kind, out.summary)
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_work_buffer_attacks_are_refused(name):
+    assert gen.accepts(ATTACKS[name]()) == "work_buffer_overflow"
+
+
+def test_work_buffer_attacks_refused_through_serve_and_the_server_lives(runners, tmp_path, monkeypatch):
+    """Both attack sessions, recorded on the -t 4 ASan server (the old rules forward them: each
+    is a heap-buffer-overflow there), replayed through a real ``rpcguard serve --upstream`` in
+    front of that server (default policy, mTLS): refused ``work_buffer_overflow``, the server
+    reports nothing and still computes a benign graph through serve afterwards."""
+    from tests.fuzz.replay import Replayer
+    from tests.support.guard import Pki, start_guard
+
+    import rpcguard.protocol.graph as graph
+
+    runner = runners(4)
+    recorded = {}
+    with monkeypatch.context() as m:
+        m.setattr(graph, "check_work_use", lambda *a, **k: None)  # the old rules, in this process only
+        for name, make in sorted(ATTACKS.items()):
+            out = runner.run(make(), fresh=True)
+            assert out.kind == "asan", (name, out.kind, out.summary)
+            recorded[name] = out
+    benign = attack_cpy()
+    benign.tensors[0] = _t(1, gen.F32, (32, 256, 1, 1), 0)  # rows of the destination's length
+    benign.buffers[0] = 32 * 256 * 4
+    assert gen.accepts(benign) is None
+    ok = runner.run(benign, fresh=True)
+    assert ok.kind == "clean", (ok.kind, ok.summary)
+    runner._drop()  # the server serves one connection at a time: serve's from now on
+
+    pki = Pki(tmp_path / "pki")
+    serve = start_guard("serve", tmp_path, ["--upstream", f"127.0.0.1:{runner.server.port}", "--log-format", "json",
+                                            *pki.serve_args()])
+    try:
+        replayer = Replayer(serve, pki)
+        for name, out in recorded.items():
+            runner.server.mark()
+            ending = replayer.run(out.frames, out.buffers)
+            assert ending.label == "refused:work_buffer_overflow", (name, ending)
+            verdict = runner.server.verdict()
+            assert not verdict.finding and runner.server.alive(), (name, verdict.kind, verdict.summary)
+        ending = replayer.run(ok.frames, ok.buffers)
+        assert ending.label == "forwarded:ok", ending
+        assert runner.server.alive() and not runner.server.verdict().finding
+    finally:
+        serve.stop()
+
+
 @pytest.mark.parametrize("path", REPRODUCERS, ids=lambda p: p.stem)
 def test_reproducer(runner, path: Path, request):
     obj = json.loads(path.read_text())

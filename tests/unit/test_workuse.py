@@ -13,7 +13,7 @@ from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.encode import pack_tensor
-from rpcguard.protocol.workbuf import CACHE_LINE_MIN, planned_bytes
+from rpcguard.protocol.workbuf import CACHE_LINE_MIN, ONE_TASK_OPS, planned_bytes
 from rpcguard.protocol.workuse import USES, kernel_bytes, overflow
 from tests.unit.test_oprules import OPS, T, state
 
@@ -255,3 +255,31 @@ def test_the_planners_need_is_affine_in_its_task_count(op):
         n, srcs = _random_node(r, op)
         w = [work_bytes(op, n, srcs, k) for k in range(0, 6)]
         assert all(w[k] - w[0] == k * (w[1] - w[0]) for k in range(6)), (op, w)
+
+
+@pytest.mark.parametrize("op", ["CPY", "SET_ROWS", "SOFT_MAX", "ADD", "ROPE", "FLASH_ATTN_EXT", "TOP_K", "OUT_PROD"])
+def test_the_acceptance_generators_cases_fit_the_planners_reservation(op):
+    """Every case tests/fuzz/accept_gen.py keeps (what serve forwards) has, for each computed node,
+    kernel use <= the planner's reservation at every thread count up to 64, and the planner-edge
+    draws include cases refused for it (so the edge is drawn on both sides)."""
+    from tests.fuzz import accept_gen as gen
+
+    kept = refused = 0
+    for case, why in gen.generate(op, 5, 12):
+        refused += why.get("work_buffer_overflow", 0)
+        if case is None:
+            continue
+        blobs = gen.materialize(case, gen.handles_fake(case))
+        by_id = {t.id: decode_tensor(memoryview(b)) for t, b in zip(case.tensors, blobs)}
+        for nid in case.nodes:
+            n = by_id[nid]
+            if 0 in n.ne:
+                continue
+            srcs = [by_id.get(i) for i in case.by_id(nid).src]
+            name = gen.TABLE.names[case.by_id(nid).op]
+            one = all(gen.TABLE.names[case.by_id(i).op] in ONE_TASK_OPS for i in case.nodes)
+            assert overflow(name, n, srcs, 64, 1 if one else None) is None, case.describe()
+            kept += 1
+    assert kept >= 12
+    if op in ("CPY", "SET_ROWS"):
+        assert refused, f"no {op} candidate at the planner's edge was refused work_buffer_overflow"
