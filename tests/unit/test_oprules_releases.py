@@ -49,3 +49,15 @@ def test_rows_that_changed_between_releases():
     assert rule_for("OUT_PROD", (4, 0, 3)) is not None and rule_for("OUT_PROD", (4, 0, 2)) is None
     assert rule_for("LIGHTNING_INDEXER", (4, 0, 2)) is not None
     assert rule_for("DSV4_HC_COMB", (4, 0, 3)) is not None
+
+
+@pytest.mark.parametrize("version", sorted(NOT_ON))
+def test_rpcguard_ops_lists_each_release(version):
+    # `rpcguard ops --protocol X.Y.Z` (admin/opslist.op_rows): 6.0.0 had no op table before issue 27
+    from rpcguard.admin.opslist import op_rows, versions_with_ops
+
+    assert version in versions_with_ops()
+    rows = {r.op: r for r in op_rows(version)}
+    assert rows["COL2IM_1D"].id == 55 and rows["COL2IM_1D"].status == "verified"
+    assert rows["CUSTOM"].status == "denied" and rows["GET_ROWS_BACK"].status == "not verified"
+    assert [r.id for r in op_rows(version)] == list(range(op_table(version).count))  # type: ignore[union-attr]
