@@ -118,6 +118,9 @@ REFUSAL_CODES: Mapping[str, int] = {
     "too_many_sessions_per_source": 22,
     "too_many_pending_per_identity": 23,
     "too_many_pending_per_source": 24,
+    # llama.cpp pointed straight at serve's TLS port: its plaintext HELLO is answered in plaintext
+    # (proxy/link.py), so it prints 0.0.25 instead of a crash message (issue 31.3)
+    "tls_not_tls": 25,
 }
 REFUSAL_REASONS: Mapping[int, str] = {v: k for k, v in REFUSAL_CODES.items()}
 

@@ -46,6 +46,8 @@ from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
 from rpcguard.protocol.settings import Limits
+from rpcguard.protocol.encode import hello_response
+from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, REFUSAL_CODES
 from rpcguard.proxy.route import Route
 from rpcguard.proxy.validators import Validators
 from rpcguard.pki.identity import PeerIdentity, source_of
@@ -154,6 +156,10 @@ class Link:
         route, source = self.route, self.lc.source
         route.handshaking[source] = route.handshaking.get(source, 0) + 1
         try:
+            if await _plaintext_hello(loop, sock, route.default.limits.handshake_timeout_s):
+                self.lc.handshake_failed("refused", "tls_not_tls", "a plaintext ggml-rpc HELLO on the TLS port: "
+                                         "llama.cpp must reach serve through rpcguard connect (answered 0.0.25)")
+                return
             await loop.connect_accepted_socket(
                 lambda: self.client, sock, ssl=route.ssl_context(),  # type: ignore[misc]
                 ssl_handshake_timeout=route.default.limits.handshake_timeout_s or None,
@@ -571,3 +577,41 @@ _APPLY: dict[str, Callable[[Link, Any], None]] = {
     lc_mod.VALIDATE: Link._validate,
     lc_mod.END: Link._end,
 }
+
+
+async def _plaintext_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout_s: float) -> bool:
+    """serve: is the first thing on this TLS port a plaintext ggml-rpc HELLO (llama.cpp pointed
+    straight at serve)? Then answer it in plaintext with the refusal version 0.0.25, which
+    llama.cpp prints ("RPC server version mismatch: 0.0.25"), and say so. A TLS ClientHello
+    starts with 0x16 and is left in the socket for the handshake (MSG_PEEK)."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), readable)
+    try:
+        await asyncio.wait_for(ready, timeout_s or None)
+    except asyncio.TimeoutError:
+        return False  # the handshake's own timeout classifies it
+    finally:
+        loop.remove_reader(sock.fileno())
+    try:
+        head = sock.recv(HEADER_REQ_BYTES, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False
+    if len(head) < HEADER_REQ_BYTES or head[0] != HELLO:
+        return False
+    size = int.from_bytes(head[1:HEADER_REQ_BYTES], "little")
+    if size not in (0, 24):
+        return False
+    try:
+        sock.recv(HEADER_REQ_BYTES + size)  # take the HELLO: closing over unread bytes would reset the answer
+        sock.send(hello_response((0, 0, REFUSAL_CODES["tls_not_tls"]), new_layout=size == 24))
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    return True

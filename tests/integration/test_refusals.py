@@ -134,15 +134,27 @@ def test_allowed_identity_by_uri_san(pki, pair, models):
 
 
 def test_plain_tcp_to_the_tls_port(pair, models):
+    """A plaintext ggml-rpc HELLO on serve's TLS port (llama.cpp pointed straight at serve) is
+    answered in plaintext with 0.0.25 in the layout its HELLO asked for; other bytes get TLS's alert."""
     connect, serve = pair()
+    for version, size in (((7, 0, 0), 28), ((3, 6, 1), 3)):
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=10) as s:
+            s.sendall(encode.hello_request(version))
+            s.settimeout(10)
+            got = b""
+            while chunk := s.recv(100):
+                got += chunk
+        assert got[:8] == size.to_bytes(8, "little") and got[8:11] == bytes([0, 0, 25]), got
     with socket.create_connection(("127.0.0.1", serve.port), timeout=10) as s:
-        s.sendall(encode.hello_request())
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
         s.settimeout(10)
         try:
-            s.recv(100)  # whatever comes back (a TLS alert or nothing), the connection ends
+            assert not s.recv(100).startswith(b"\x00")  # a TLS alert or nothing, never a ggml answer
         except ConnectionError:
             pass
-    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_not_tls") >= 1
+    assert serve.wait_value("rpcguard_tls_handshake_failures_total", 3, reason="tls_not_tls") >= 3
+    # the real llama.cpp client, pointed at the TLS port, says why instead of "crashed"
+    mismatch(realpeer.run_client(f"127.0.0.1:{serve.port}", models["tiny"], n=2), "tls_not_tls")
     still_serves(connect, models)
 
 
