@@ -104,23 +104,21 @@ def test_server_hash_cache_through_the_pair(fw_models, pair, workdir):
         def hits() -> float:
             return serve.value("rpcguard_upload_bytes_total", kind="hash_hit")
 
-        first = realpeer.run_client(connect.endpoint, model, n=8)
-        assert first.ok, first.output[-3000:] + serve.output()[-3000:]
-        assert hits() == 0  # empty cache: every SET_TENSOR_HASH missed
-        misses = serve.value("rpcguard_frames_total", command="SET_TENSOR_HASH", direction="request")
-        assert misses >= 3
-        cached = [p for p in cache.rglob("*") if p.is_file()]
-        assert len(cached) >= 3, (cached, proc.output()[-2000:])  # cache_flag=1 uploads were stored
-
-        second = realpeer.run_client(connect.endpoint, model, n=8)
-        assert second.ok, second.output[-3000:] + serve.output()[-3000:]
-        assert second.tokens == first.tokens
-        assert hits() >= 3 * 20e6, serve.metrics_text()  # three 23 MB tensors not re-sent
-        assert serve.value("rpcguard_frames_total", command="SET_TENSOR_HASH", direction="request") >= 2 * misses
+        # serve --upstream: the cache is every client's, so serve answers each SET_TENSOR_HASH "not
+        # cached" itself (issue 28) and keeps the uploads' cache_flag off: the real client loads
+        # as after any miss, and nothing of it lands in the shared cache. With a cache per identity
+        # (a contained serve) the hashes reach the server: test_ops.py::test_audit_record_counts_hash_cache_hits.
+        for _ in range(2):
+            run = realpeer.run_client(connect.endpoint, model, n=8)
+            assert run.ok, run.output[-3000:] + serve.output()[-3000:]
+        assert hits() == 0
+        asked = serve.value("rpcguard_frames_total", command="SET_TENSOR_HASH", direction="request")
+        assert asked >= 6 and serve.value("rpcguard_hash_answered_by_proxy_total") == asked
+        assert [p for p in cache.rglob("*") if p.is_file()] == []
         assert_clean(connect, serve)
 
         direct = realpeer.run_client(f"127.0.0.1:{port}", model, n=8)
-        assert direct.ok and direct.tokens == first.tokens, direct.output[-3000:]
+        assert direct.ok and direct.tokens == run.tokens, direct.output[-3000:]
         assert proc.alive()
     finally:
         proc.stop()

@@ -771,12 +771,18 @@ def bigtensor(tmp_path_factory, peer_python) -> Path:
     return realpeer.make_model(tmp_path_factory.mktemp("ops-models") / "bigtensor.gguf", "--preset", "bigtensor")
 
 
-def test_audit_record_counts_hash_cache_hits(pki, pair, workdir, bigtensor):
+def test_audit_record_counts_hash_cache_hits(pki, workdir, bigtensor, peer_python):
     """Model-load visibility per session: with the real server's -c cache the second load
-    sends hashes instead of the big tensors; its record says how many bytes that saved."""
-    proc, port = realpeer.start_rpc_server(workdir, cache_dir=workdir / "llama-cache")
+    sends hashes instead of the big tensors; its record says how many bytes that saved. The
+    cache is the identity's own only in a contained serve (a cache directory per identity): any
+    other serve answers SET_TENSOR_HASH "not cached" itself (issue 28, test_tenant_isolation_real.py)."""
+    cfg = workdir / "contained-cache.yaml"
+    cfg.write_text(f"listeners:\n  - upstream:\n      exec: [{realpeer.rpc_server_binary()}, -c]\n"
+                   f"      sandbox: {{mode: required, cache_root: {workdir / 'llama-cache'}}}\n")
+    serve = start_guard("serve", workdir, [*pki.serve_args(), "--config", str(cfg), "--log-format", "json"])
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
     try:
-        connect, serve = pair(serve_args=["--log-format", "json"], upstream_port=port)
 
         def load_record(after: int) -> tuple[dict, int]:
             recs = end_records(serve)
@@ -789,7 +795,8 @@ def test_audit_record_counts_hash_cache_hits(pki, pair, workdir, bigtensor):
         assert second.ok and second.tokens == first.tokens, second.output[-3000:]
         rec2, _ = load_record(n1)
     finally:
-        proc.stop()
+        connect.stop()
+        serve.stop()
     weights = realpeer.gguf_tensor_bytes(bigtensor)
     assert rec1["hash_hit_bytes"] == 0 and rec1["upload_bytes"] >= 0.97 * weights
     assert rec1["commands"]["SET_TENSOR_HASH"]["req_frames"] >= 3  # all missed: then uploaded

@@ -36,8 +36,8 @@ def graph(buf: tuple[int, int, int], version) -> bytes:
     def t(id: int, slot: int, **kw) -> encode.TensorSpec:
         return encode.TensorSpec(id=id, buffer=handle, data=base + slot * 64, **kw)
 
-    tensors = [t(0x10, 0, name=b"w", use_count=2), t(0x100, 1, op=add, src=(0x10, 0x10), use_count=1),
-               t(0x110, 2, op=add, src=(0x100, 0x10))]
+    tensors = [t(0x10, 0, name=b"w", use_count=3), t(0x100, 1, op=add, src=(0x10, 0x10), use_count=1, flags=16),
+               t(0x110, 2, op=add, src=(0x100, 0x10), flags=16)]
     return encode.request("GRAPH_COMPUTE", encode.graph_payload([0x100, 0x110], tensors, device=device))
 
 
