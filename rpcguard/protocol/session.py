@@ -378,8 +378,8 @@ class Session:
         out = self.to_server
         if self._record and cmd == _GRAPH_COMPUTE:
             self.last_graph = (len(head), zlib.crc32(head))
-        if cmd == _SET_TENSOR and not self.hash_forwarded and len(head) == _SET_TENSOR_CACHE_HEAD \
-                and head[TENSOR_BYTES]:
+        if cmd == _SET_TENSOR and head[TENSOR_BYTES] and len(head) == _SET_TENSOR_CACHE_HEAD \
+                and not self.hash_forwarded:  # (a flag of 0, the data path's, costs two tests)
             # the proxy answered the hash (commands.hash_local): the tensor stays out of a cache
             # that other identities' SET_TENSOR_HASH would read
             frame = bytearray(raw)
