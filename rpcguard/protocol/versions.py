@@ -113,6 +113,7 @@ REFUSAL_CODES: Mapping[str, int] = {
     "certificate_usage_invalid": 10,
     "node_name_mismatch": 11,
     "identity_quarantined": 12,
+    "certificate_revoked": 13,  # a reload found the client certificate on the CRL (docs/revocation.md)
     # one certificate or one host past its share of the listener (issue 21; 11-20 left to others)
     "too_many_sessions_per_identity": 21,
     "too_many_sessions_per_source": 22,
