@@ -19,6 +19,7 @@ up and carry a normal session.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from rpcguard.protocol.versions import KNOWN_VERSIONS
+from rpcguard.proxy.readiness import hello_probe
 from tests.support import realpeer
 from tests.support.guard import Guard, start_pair
 
@@ -187,8 +190,10 @@ _direct: dict[tuple[str, str], Run] = {}
 
 
 def server_alive(srv: Server) -> bool:
-    time.sleep(0.3)  # a crash (abort/SIGSEGV) right after the client's failure
-    return srv.proc.alive()
+    """The server served the failed client's session to its end and took the next one: it answers a
+    HELLO (a positive signal; a wait for a crash that does not come would only read as alive)."""
+    ok, why = asyncio.run(hello_probe("127.0.0.1", srv.port, frozenset(KNOWN_VERSIONS), timeout=30))
+    return srv.proc.alive() and ("answered HELLO" in why or "speaks protocol" in why)
 
 
 def direct_run(workdir: Path, servers, model: Path, client: str, server: str) -> Run:

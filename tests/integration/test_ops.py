@@ -574,7 +574,7 @@ def test_node_refusal_before_the_client_hello_is_still_answered_at_hello(pki, pa
     try:
         with socket.create_connection(("127.0.0.1", bad.port), timeout=10) as s:
             serve.wait_value("rpcguard_tls_handshake_failures_total", 1, reason="tls_unknown_ca")
-            time.sleep(0.5)  # the node's alert has reached connect
+            bad.wait_value("rpcguard_tls_handshake_failures_total", 1)  # the node's alert has reached connect
             try:
                 s.sendall(encode.hello_request())
                 got = s.recv(64)
