@@ -191,8 +191,9 @@ def base_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
 
 def device_count_answer(s: Session, exp: Expect[None], head: memoryview) -> None:
     s.state.upstream.device_count = _U32.unpack_from(head)[0]
-    if exp.swallow:
+    if exp.swallow:  # the session's own question after HELLO: then its devices' memory and alignment
         s.learn_memory()
+        s.learn_alignment()
 
 
 def alignment_answer(s: Session, exp: Expect[int], head: memoryview) -> None:

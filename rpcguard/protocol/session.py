@@ -115,6 +115,7 @@ _ZERO_CAPS: Final = bytes(24)
 _GET_TENSOR_SIZE_AT: Final = TENSOR_BYTES + 8
 _CMD: Final = COMMAND_IDS
 _GET_DEVICE_MEMORY: Final = _CMD["GET_DEVICE_MEMORY"]
+_GET_ALIGNMENT: Final = _CMD["GET_ALIGNMENT"]
 # Devices whose memory the session asks for itself (a server answering DEVICE_COUNT with 2^32 must
 # not make the proxy send 2^32 frames); beyond it a device has no default quota.
 MEMORY_PROBES_MAX: Final = 16
@@ -570,6 +571,19 @@ class Session:
         for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
             if device not in memory:
                 self.inject(_GET_DEVICE_MEMORY, _U32.pack(device) if multi else b"", 16, ctx=device)
+
+    def learn_alignment(self) -> None:
+        """Ask each device's alignment, which tells its backend (protocol/backend.py detect:
+        32 CPU, 128 CUDA), when the policy leaves the backend to detection. The session learns it
+        itself: what another session's server said is not this one's (state.py), and the real
+        client may have asked it on an earlier connection."""
+        if self.firewall.policy.backend != "auto":
+            return
+        multi = self.multi_device
+        alignment = self.state.upstream.alignment
+        for device in range(min(self.state.device_count(), MEMORY_PROBES_MAX) if multi else 1):
+            if device not in alignment:
+                self.inject(_GET_ALIGNMENT, _U32.pack(device) if multi else b"", 8, ctx=device)
 
     # ----------------------------------------------------------------------------- refusals
     def refusal_answer(self, reason: str) -> bytes:

@@ -244,12 +244,16 @@ def test_device_count_is_learned_by_injection_when_unknown():
     s.server_data(memoryview(V.DEVICE_COUNT_RSP_2))
     assert s.state.upstream.device_count == 2
     # Then the memory of each device: the default allocation quota.
+    # and the alignment of each: it tells the backend (protocol/backend.py), and is this session's own
     assert out(s.to_server) == encode.request("GET_DEVICE_MEMORY", struct.pack("<I", 0)) + encode.request(
-        "GET_DEVICE_MEMORY", struct.pack("<I", 1))
+        "GET_DEVICE_MEMORY", struct.pack("<I", 1)) + encode.request("GET_ALIGNMENT", struct.pack("<I", 0)) + \
+        encode.request("GET_ALIGNMENT", struct.pack("<I", 1))
     s.server_data(memoryview(encode.response(struct.pack("<QQ", 5, 6))))
     s.server_data(memoryview(encode.response(struct.pack("<QQ", 7, 8))))
+    s.server_data(memoryview(encode.response(struct.pack("<Q", 128)) + encode.response(struct.pack("<Q", 32))))
     assert out(s.to_client) == V.HELLO_RSP_700  # the injected answers are swallowed
     assert s.state.upstream.memory == {0: (5, 6), 1: (7, 8)} and s.idle
+    assert s.state.upstream.alignment == {0: 128, 1: 32}
 
 
 def test_get_tensor_response_is_streamed():
@@ -433,7 +437,7 @@ def test_absurd_device_count_does_not_flood_the_server_with_memory_probes():
     out(s.to_server)
     s.server_data(memoryview(encode.response(struct.pack("<I", 0xFFFFFFFF))))  # DEVICE_COUNT answer
     probes = out(s.to_server)
-    assert len(probes) == 16 * 13  # MEMORY_PROBES_MAX GET_DEVICE_MEMORY frames of 9 + 4 bytes
+    assert len(probes) == 2 * 16 * 13  # MEMORY_PROBES_MAX GET_DEVICE_MEMORY and GET_ALIGNMENT frames of 9 + 4 bytes
 
 
 # -- padded allocation sizes ------------------------------------------------------------------------

@@ -38,9 +38,10 @@ def start(template: UpstreamFacts, policy: SessionPolicy = SHARED) -> Session:
     s.client_data(memoryview(encode.hello_request(V7)))
     s.server_data(memoryview(encode.hello_response(V7)))
     assert s.phase == GREETED
-    if s.state.upstream.device_count is None:  # the session's own DEVICE_COUNT, then GET_DEVICE_MEMORY
+    if s.state.upstream.device_count is None:  # the session's own DEVICE_COUNT, GET_DEVICE_MEMORY, GET_ALIGNMENT
         s.server_data(memoryview(encode.response(struct.pack("<I", 1))))
         s.server_data(memoryview(encode.response(struct.pack("<QQ", 1 << 30, 1 << 30))))
+        s.server_data(memoryview(encode.response(struct.pack("<Q", 32))))
     take(s.to_server), take(s.to_client), s.out.events.clear()
     return s
 
