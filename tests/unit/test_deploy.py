@@ -371,6 +371,13 @@ def test_web_config_example_is_valid(tmp_path):
     assert wc.tls and wc.authenticates and wc.client_auth_type == "RequireAndVerifyClientCert"
     assert bcrypt.checkpw(b"change-me", dict(wc.users)["prometheus"])
     assert WebGuard(wc).context is not None
+    # and Prometheus's own checker takes it as shipped (it rejected client_allowed_sans: issue 31)
+    res = run([promtool(), "check", "web-config", str(path)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the optional key, uncommented, is still one rpcguard honours
+    path.write_text(path.read_text(encoding="utf-8").replace("  # client_allowed_sans:", "  client_allowed_sans:"),
+                    encoding="utf-8")
+    assert load_web_config(str(path)).client_allowed_sans == ("spiffe://lab/prometheus",)
 
 
 def grafana_to_promql(expr: str) -> str:
