@@ -344,8 +344,8 @@ def test_check_config_and_serve_say_loudly_that_a_listener_does_not_enforce(pki,
 def test_check_config_names_the_accepted_versions_and_refuses_unknown_ones(pki, tmp_path):
     t = _Ctx(tmp_path, pki, 0, 0)
     p = rg("check-config", t.config())
-    assert "  listener0: accepted protocol versions 2.0.0, " in p.stdout and "7.0.0 (every version rpcguard knows)" \
-        in p.stdout, p.stdout
+    assert "  listener0: accepted protocol versions 2.0.0, " in p.stdout and "7.0.0, 7.0.1 (every version rpcguard " \
+        "knows)" in p.stdout, p.stdout
     path = Path(t.config())
     data = json.loads(path.read_text())
     for versions, code in ((["7.0.0", "5.0.0"], 0), (["9.9.9"], 2)):
