@@ -56,6 +56,7 @@ class TextFormatter(logging.Formatter):
         for key, value in (("upstream", audit.get("upstream")), ("version", audit.get("version")),
                            ("duration", f"{audit.get('duration_s') or 0:.3f}s"),
                            ("alloc_bytes", audit.get("alloc_bytes")), ("upload_bytes", audit.get("upload_bytes")),
+                           ("hash_answered_by_proxy", audit.get("hash_answered_by_proxy")),
                            ("request_checks", "node" if audit.get("request_checks") == "node" else None)):
             if value not in (None, "", 0) and f" {key}=" not in msg:
                 extra.append(f"{key}={value}")

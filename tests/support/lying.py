@@ -1,14 +1,14 @@
 """Servers that lie, for the faults the real ggml-rpc-server cannot produce (tests/integration).
 
-``LyingRelay``: a loopback relay to a real server that rewrites the answers of the first
-connection only: every 8-byte answer (GET_ALIGNMENT, GET_MAX_SIZE, GET_ALLOC_SIZE) says ``u64``,
-every 16-byte one (GET_DEVICE_MEMORY) says ``(u64, u64)``; later connections are relayed as they
+``LyingRelay``: a loopback relay to a real server that, while ``lying`` is set, rewrites its
+answers: every 8-byte answer (GET_ALIGNMENT, GET_MAX_SIZE, GET_ALLOC_SIZE) says ``u64``, every
+16-byte one (GET_DEVICE_MEMORY) says ``(u64, u64)``; once the test clears it, answers pass as they
 are. It stands for a compromised or broken server process of one session (a contained serve runs a
 process per session) whose answers must not reach the next session.
 
 ``FakeServer701``: a ggml-rpc server announcing 7.0.1, for GET_DEVICE_SUPPORTS_OP (command 19)
 ahead of any release that has it: it answers HELLO, DEVICE_COUNT (1), GET_DEVICE_MEMORY (1 GiB),
-ALLOC_BUFFER / BUFFER_GET_BASE of one buffer, and command 19 with ``supports`` (a byte: 2 is a
+GET_ALIGNMENT (32), ALLOC_BUFFER / BUFFER_GET_BASE of one buffer, and command 19 with ``supports`` (a byte: 2 is a
 lie); it records every command it receives, and closes on anything else (as the real one does).
 """
 
@@ -20,7 +20,17 @@ import threading
 
 __all__ = ["LyingRelay", "FakeServer701"]
 
-_HELLO, _DEVICE_COUNT, _GET_DEVICE_MEMORY, _ALLOC, _BASE, _SUPPORTS_OP = 14, 15, 11, 0, 3, 19
+_HELLO, _DEVICE_COUNT, _GET_DEVICE_MEMORY, _GET_ALIGNMENT, _ALLOC, _BASE, _SUPPORTS_OP = 14, 15, 11, 1, 0, 3, 19
+
+
+def _close(sock: socket.socket) -> None:
+    """shutdown, then close: a bare close leaves another thread's recv on it blocked, and the
+    connection open (a real server serves one client at a time)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
@@ -62,12 +72,13 @@ class _Loopback:
         self.closed = True
         self.listener.close()
         for s in self.socks:
-            s.close()
+            _close(s)
 
 
 class LyingRelay(_Loopback):
     def __init__(self, port: int, value: int) -> None:
         self.port_to, self.value = port, value
+        self.lying = True
         super().__init__()
 
     def _serve(self, down: socket.socket, n: int) -> None:
@@ -78,13 +89,14 @@ class LyingRelay(_Loopback):
             while True:  # responses: u64 size | payload
                 size = struct.unpack("<Q", _recv(up, 8))[0]
                 payload = _recv(up, size)
-                if n == 1 and size == 8:
+                if self.lying and size == 8:
                     payload = struct.pack("<Q", self.value)
-                elif n == 1 and size == 16:
+                elif self.lying and size == 16:
                     payload = struct.pack("<QQ", self.value, self.value)
                 down.sendall(struct.pack("<Q", size) + payload)
         except (EOFError, OSError):
-            down.close()
+            _close(down)
+            _close(up)
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -93,7 +105,7 @@ class LyingRelay(_Loopback):
                 dst.sendall(chunk)
         except OSError:
             pass
-        dst.close()
+        _close(dst)
 
 
 class FakeServer701(_Loopback):
@@ -109,6 +121,7 @@ class FakeServer701(_Loopback):
             _HELLO: bytes([7, 0, 1, 0]) + bytes(24),
             _DEVICE_COUNT: struct.pack("<I", 1),
             _GET_DEVICE_MEMORY: struct.pack("<QQ", 1 << 30, 1 << 30),
+            _GET_ALIGNMENT: struct.pack("<Q", 32),
             _ALLOC: struct.pack("<QQ", self.HANDLE, self.SIZE),
             _BASE: struct.pack("<Q", self.BASE),
             _SUPPORTS_OP: bytes([self.supports]),
@@ -123,4 +136,4 @@ class FakeServer701(_Loopback):
                 sock.sendall(struct.pack("<Q", len(answers[cmd])) + answers[cmd])
         except (EOFError, OSError):
             pass
-        sock.close()
+        _close(sock)
