@@ -15,8 +15,9 @@
 #
 # Options: --out DIR (default $OUT, else ./gpu-out), --sample N (test-backend-ops cases per op,
 # default 3), --ops A,B (default all), --steps backend,cases,backend-ops,bench, --jobs N.
-# Results under --out: env.txt, build.log (tail), backend.json, cases.json, memcheck.txt,
-# backend-ops.jsonl, bench.json, summary.json, run.log. Exit 0 when every step passed.
+# Under --out (three files: the device tool brings back at most 8): run.log, summary.json and
+# results.tar.gz (env.txt, build.log's tail, backend.json, cases.json, memcheck.txt,
+# backend-ops.jsonl, bench.json, the raw llama-bench outputs). Exit 0 when every step passed.
 # Time on a 16-core H100 (planned, not yet measured): build ~5-6 min (ggml-cuda for sm_90 only),
 # steps ~3 min; the device tool's limit is 10 min per command.
 set -uo pipefail
@@ -73,8 +74,14 @@ fi
 
 mkdir -p "$OUTDIR"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu-check}"
-mkdir -p "$WORK"
+RES="$WORK/results"  # everything the steps write; --out gets run.log, summary.json and results.tar.gz
+rm -rf "$RES" && mkdir -p "$RES"
 exec > >(tee "$OUTDIR/run.log") 2>&1
+finish() {
+  [ -f "$RES/summary.json" ] && cp "$RES/summary.json" "$OUTDIR/"
+  tar -czf "$OUTDIR/results.tar.gz" -C "$WORK" results 2>/dev/null
+}
+trap finish EXIT
 T0=$(date +%s)
 {
   date -u; uname -a; nproc
@@ -82,10 +89,11 @@ T0=$(date +%s)
   nvcc --version 2>&1 | tail -2 || echo "no nvcc"
   command -v compute-sanitizer || echo "no compute-sanitizer"
   python3 --version; cmake --version | head -1; ninja --version
-} > "$OUTDIR/env.txt" 2>&1
-cat "$OUTDIR/env.txt"
+} > "$RES/env.txt" 2>&1
+cat "$RES/env.txt"
 
-[ "$MODE" = dry ] || command -v nvcc >/dev/null || die "no nvcc: this mode runs on the GPU machine (--dry-run here)"
+[ "$MODE" = dry ] || { command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; } \
+  || die "no GPU (nvcc and nvidia-smi -L): this mode runs on the GPU machine (--dry-run here)"
 
 # -- python: rpcguard from this tree, its missing deps from the carried wheels -----------------------
 if [ "$MODE" = dry ]; then
@@ -124,7 +132,12 @@ if [ "$MODE" = dry ]; then
       { cmake -S "$WORK/cpu-src/llama.cpp" -B "$CPU_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON \
           -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
           -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF &&
-        cmake --build "$CPU_BUILD" --target ggml-rpc-server test-backend-ops -j "$JOBS"; } > "$WORK/cpu-build.log" 2>&1 \
+        cmake --build "$CPU_BUILD" --target ggml-rpc-server -j "$JOBS" &&
+        # test-backend-ops includes only ggml's headers: compiled against the libraries just built
+        # (its cmake target would build libllama and common too: 127 objects instead of 31)
+        g++ -std=c++17 -O2 -pthread -I"$WORK/cpu-src/llama.cpp/ggml/include" \
+          "$WORK/cpu-src/llama.cpp/tests/test-backend-ops.cpp" -o "$CPU_BUILD/bin/test-backend-ops" \
+          -L"$CPU_BUILD/bin" -lggml -lggml-base '-Wl,-rpath,$ORIGIN'; } > "$WORK/cpu-build.log" 2>&1 \
         || die "the CPU build failed ($WORK/cpu-build.log)"
     fi
     [ -f "$CPU_BUILD/bin/rpc_device_shim.so" ] \
@@ -147,7 +160,7 @@ else
     cmake --build "$WORK/build" --target ggml-rpc-server test-backend-ops llama-bench -j "$JOBS"; } \
     > "$WORK/build.log" 2>&1
   RC=$?
-  tail -60 "$WORK/build.log" > "$OUTDIR/build.log"
+  tail -60 "$WORK/build.log" > "$RES/build.log"
   say "build: rc $RC in $(( $(date +%s) - B0 )) s"
   [ $RC -eq 0 ] || die "the build failed (build.log)"
   BIN="$WORK/build/bin"
@@ -160,7 +173,7 @@ fi
 
 # -- models: generated (tests/realpeer/make_tiny_model.py): ~105 MB f16 and the odd-row q8_0 one -------
 MODELS=()
-for preset in bench odd; do
+for preset in ${BENCH:+bench odd}; do
   m="$WORK/model-$preset.gguf"
   [ -f "$m" ] || "$PY" "$REPO/tests/realpeer/make_tiny_model.py" --preset "$preset" "$m" > "$WORK/model-$preset.log" 2>&1 \
     || { say "model $preset not made (make_tiny_model.py: $(tail -1 "$WORK/model-$preset.log"))"; continue; }
@@ -168,7 +181,7 @@ for preset in bench odd; do
 done
 
 ARGS=(--server "$SERVER" --test-backend-ops "$TBO" --shim "$SHIM" ${BENCH:+--llama-bench "$BENCH"} "${MODELS[@]}"
-      --expect "$EXPECT" --sample "$SAMPLE" --steps "$STEPS" --out "$OUTDIR" --workdir "$WORK/run")
+      --expect "$EXPECT" --sample "$SAMPLE" --steps "$STEPS" --out "$RES" --workdir "$WORK/run")
 [ -n "$SANITIZER" ] && ARGS+=(--sanitizer "$SANITIZER")
 [ -n "$OPS" ] && ARGS+=(--ops "$OPS")
 [ "$MODE" = dry ] && ARGS+=(--ops-budget-s "${OPS_BUDGET_S:-120}")

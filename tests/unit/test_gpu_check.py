@@ -28,14 +28,15 @@ def test_usage_and_a_bad_argument():
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu-check.sh: unknown argument --bogus"
 
 
-def test_the_gpu_mode_needs_nvcc(tmp_path):
+def test_the_gpu_mode_needs_a_gpu(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
            "GPU_CHECK_WORK": str(tmp_path / "w"), "PYTHON": sys.executable}
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env)
-    if subprocess.run(["bash", "-c", "command -v nvcc"], capture_output=True, env=env).returncode == 0:
+    if subprocess.run(["bash", "-c", "nvidia-smi -L"], capture_output=True, env=env).returncode == 0:
         return  # a GPU machine: this mode is the real run
     lines = (r.stdout + r.stderr).strip().splitlines()
-    assert r.returncode == 2 and lines[-1] == "gpu-check.sh: no nvcc: this mode runs on the GPU machine (--dry-run here)"
+    assert r.returncode == 2 and lines[-1] == ("gpu-check.sh: no GPU (nvcc and nvidia-smi -L): this mode runs on the GPU "
+                                               "machine (--dry-run here)")
 
 
 def test_server_wrapper(tmp_path):
