@@ -54,6 +54,9 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "op_not_verified", "graph_type_invalid", "graph_src_unexpected", "graph_tensor_unallocated",
     "graph_tensor_wrong_device", "tensor_layout_invalid", "graph_too_costly", "graph_work_too_large",
     "op_needs_containment", "work_buffer_overflow",
+    # a node the op's row accepts but the CPU kernel of the session's version would not run (it
+    # aborts or addresses past a tensor there; 7.0.0's runs it): protocol/oprules/kerneltypes.py
+    "type_not_supported_by_version",
     # the op table's backend layer (protocol/backend.py, oprules/cuda.py): what the node's backend
     # cannot run or addresses past a tensor, and a backend the setting and the server disagree on
     "backend_unsupported_op", "backend_misaligned", "backend_grid_too_large", "backend_index_overflow",

@@ -15,6 +15,7 @@ from rpcguard.protocol.encode import TensorSpec, graph_payload
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import GraphValidator, coverage
 from rpcguard.protocol.oprules import RULES, rule_for
+from rpcguard.protocol.oprules import kerneltypes
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.versions import KNOWN_VERSIONS, spec_for
 
@@ -214,7 +215,10 @@ def test_rows_do_not_overlap_in_versions():
         for v in KNOWN_VERSIONS:
             hits = [r for r in RULES[op] if r.since <= v < r.until]
             assert len(hits) <= 1, (op, v)
-            assert rule_for(op, v) is (hits[0] if hits else None)
+            # the row, with the version's kernel gaps bound (oprules/kerneltypes.py; none from 7.0.0 on)
+            assert rule_for(op, v) is (kerneltypes.bind(hits[0], v) if hits else None)
+            if v >= (7, 0, 0) and hits:
+                assert rule_for(op, v) is hits[0]
 
 
 def test_coverage_report():

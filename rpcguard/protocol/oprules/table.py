@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 from rpcguard.protocol.ggml import DENIED_OPS, Version
 from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, training, window
+from rpcguard.protocol.oprules import kerneltypes
 from rpcguard.protocol.oprules.base import OpRule
 
 # -- the table -------------------------------------------------------------------------------
@@ -98,10 +99,11 @@ def op_status(op: str, version: Version) -> str:
 
 
 def rule_for(op: str, version: Version) -> OpRule | None:
-    """The verified rule of ``op`` for ``version``, or None (the op is refused by default)."""
+    """The verified rule of ``op`` for ``version``, or None (the op is refused by default). Its
+    derive also refuses what that version's CPU kernel does not run (kerneltypes.py)."""
     for rule in RULES.get(op, ()):
         if rule.since <= version < rule.until:
-            return rule
+            return kerneltypes.bind(rule, version)
     return None
 
 
