@@ -284,3 +284,10 @@ def test_gaps_are_well_formed():
         assert g.new.startswith(("7: ", "5.0.0 ")), g.new
         # some version with a rule for the op is affected
         assert any(g.since <= v < g.until and rule_for(g.op, v) is not None for v in KNOWN_VERSIONS), g
+
+
+def test_docs_matrix_shows_the_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "matrix.md").read_text(encoding="utf-8")
+    assert kerneltypes.gaps_markdown() in doc, "docs/matrix.md 'Kernel types per release': paste gaps_markdown()"

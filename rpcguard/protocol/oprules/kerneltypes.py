@@ -114,7 +114,8 @@ GAPS: tuple[KernelGap, ...] = (
               since=(3, 6, 1)),
     KernelGap("UNARY", (3, 6, 1), "GELU, GELU_QUICK, SILU or GELU_ERF (14) of a BF16 source",
               lambda n, s: n.param0 in _UNARY_OPS_CPP_2 and _t(s, 0).type == BF16,
-              "2.0.0 ops.cpp gelu/gelu_quick/silu/gelu_erf (switch: F32, F16)", "7: ops.cpp:2267"),
+              "2.0.0 ops.cpp:2755/2961/3064/2858 (switch: F32, F16)",
+              "7: ops.cpp:2267/2636/2765/2507"),
     # GLU: the row before 7.0.0 (elementwise._glu_before_7) already takes F32/F16 only
     KernelGap("MUL_MAT", (7, 0, 0), "an F16/BF16 src1 of an F32 src0 (widened only from 7.0.0)",
               lambda n, s: _mul_mat_src1(n, s, fwht=True), "6.0.0 ggml-cpu.c:1332 GGML_ASSERT(src1 F32)",
@@ -230,3 +231,17 @@ def bind(rule: OpRule, version: Version) -> OpRule:
         return out
 
     return replace(rule, derive=guarded)
+
+
+def gaps_markdown() -> str:
+    """GAPS as docs/matrix.md "Kernel types per release" shows it (tests/unit/test_kerneltypes.py
+    keeps them equal)."""
+    def ver(v: Version) -> str:
+        return ".".join(map(str, v))
+
+    lines = ["| op | refused on | node | old kernel | handled from |", "|---|---|---|---|---|"]
+    for g in GAPS:
+        span = f"< {ver(g.until)}" if g.since == (0, 0, 0) else f"{ver(g.since)} - < {ver(g.until)}"
+        effect = "" if g.effect == ABORT else " (memory)"
+        lines.append(f"| {g.op} | {span} | {g.what}{effect} | {g.old} | {ver(g.until)}; {g.new} |")
+    return "\n".join(lines) + "\n"
