@@ -297,12 +297,15 @@ def is_asan(argv: list[str] | tuple[str, ...]) -> bool:
     import mmap
 
     for arg in argv:
-        if os.path.isabs(arg) and os.path.isfile(arg):
+        if os.path.isabs(arg) and os.path.isfile(arg) and os.access(arg, os.X_OK):
             try:
-                with open(arg, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    if m.find(b"__asan_init") >= 0:
-                        return True
-            except (OSError, ValueError):  # ValueError: an empty file cannot be mapped
+                with open(arg, "rb") as f:
+                    if f.read(4) != b"\x7fELF":  # only programs (not a model a wrapper names)
+                        continue
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                        if m.find(b"__asan_init") >= 0:
+                            return True
+            except (OSError, ValueError):
                 continue
     return False
 

@@ -110,6 +110,11 @@ def test_an_asan_build_runs_without_data_and_address_space_limits(tmp_path):
     plain = tmp_path / "server"
     plain.write_bytes(b"\x7fELF" + b"\0" * 200)
     (tmp_path / "empty").write_bytes(b"")
+    model = tmp_path / "model.gguf"  # not a program: never read through
+    model.write_bytes(b"GGUF" + b"__asan_init")
+    for f in (asan, plain, tmp_path / "empty", model):
+        f.chmod(0o755)
+    assert not sandbox.is_asan([str(model)])
     assert sandbox.is_asan([str(asan), "-c"]) and not sandbox.is_asan([str(plain), str(tmp_path / "empty")])
     box = sandbox.SandboxSettings(data_bytes=256 << 20)
     rl = dict(sandbox.limits(box, _mech(), [str(tmp_path / "empty"), str(asan)]).rlimits)  # a wrapper, then ASan
