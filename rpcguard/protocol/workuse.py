@@ -271,12 +271,28 @@ def _thread_counts(terms: tuple[Use, ...], cap: int | None, graph_threads: int,
     return sorted(t for t in points if 1 <= t <= server_threads)
 
 
+_VERDICTS: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
+_VERDICTS_MAX: Final = 4096  # distinct node shapes remembered (a model's layers repeat a few dozen)
+
+
 def check_work_use(op: str, node: RpcTensor, srcs: Srcs, server_threads: int,
                    graph_threads: int | None = None) -> None:
     """Refuse a computed node whose kernel writes past the planner's work buffer on a server of
     up to ``server_threads`` threads (``work_buffer_overflow``); ``graph_threads`` as for
     ``overflow``."""
-    hit = overflow(op, node, srcs, server_threads, graph_threads)
+    fn = USES.get(op)
+    if fn is None:
+        return
+    # the verdict depends on types, shapes and param0 only: layers repeat them (bounded memo)
+    key = (op, server_threads, graph_threads, node.type, node.ne, node.param0,
+           *((t.type, t.ne) if t is not None else None for t in srcs[:4]))
+    if key in _VERDICTS:
+        hit = _VERDICTS[key]
+    else:
+        hit = overflow(op, node, srcs, server_threads, graph_threads)
+        if len(_VERDICTS) >= _VERDICTS_MAX:
+            _VERDICTS.clear()
+        _VERDICTS[key] = hit
     if hit is not None:
         t, used, reserved = hit
         raise FirewallRefusal(
