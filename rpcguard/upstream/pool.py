@@ -489,6 +489,10 @@ class PoolCollector(Collector):
         quar = CounterMetricFamily("rpcguard_identity_quarantines", "identities quarantined", labels=["role", "listener"])
         qnow = GaugeMetricFamily("rpcguard_identities_quarantined", "identities in quarantine now",
                                  labels=["role", "listener"])
+        limit = GaugeMetricFamily("rpcguard_upstream_limit", "what bounds each server process tree (bytes of "
+                                  "memory, tasks), by mechanism: cgroup_v2/cgroup_v1 (the whole tree), rlimit_as/"
+                                  "rlimit_data (per process), rlimit_nproc (the server's uid), none",
+                                  labels=["role", "listener", "limit", "mechanism"])
         missing = GaugeMetricFamily("rpcguard_upstream_sandbox_missing", "1: this sandbox mechanism is not in "
                                     "use (unavailable here, or sandbox: off)", labels=["role", "listener", "mechanism"])
         for name, p in self.pools.items():
@@ -504,7 +508,10 @@ class PoolCollector(Collector):
             quar.add_metric(["serve", name], p.quarantines)
             now = time.monotonic()
             qnow.add_metric(["serve", name], sum(1 for until in p.quarantine.values() if until > now))
+            if p.sandboxed:
+                for what, mechanism, value in p.limits.gauges:
+                    limit.add_metric(["serve", name, what, mechanism], value)
             off = p.settings.sandbox.mode == "off"
             for m in sandbox.MECHANISMS:
                 missing.add_metric(["serve", name, m], 1 if off or m in p.missing else 0)
-        yield from (starts, failed, exits, ready, last, how, crashes, quar, qnow, missing)
+        yield from (starts, failed, exits, ready, last, how, crashes, quar, qnow, limit, missing)

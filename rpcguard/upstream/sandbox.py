@@ -286,6 +286,9 @@ class Limits:
     memory_by: str
     pids_by: str
     asan: bool
+    # (mechanism, value) for rpcguard_upstream_limit: cgroup_v2 | cgroup_v1 | rlimit_as | rlimit_data |
+    # rlimit_nproc | none
+    gauges: tuple[tuple[str, str, int], ...] = ()
 
     def describe(self) -> str:
         return f"memory: {self.memory_by}; tasks: {self.pids_by}" + \
@@ -333,7 +336,12 @@ def limits(settings: SandboxSettings, mech: Mechanisms, argv: list[str] | tuple[
         else:
             memory_by = f"none (no cgroup: {why})"
         pids_by = f"RLIMIT_NPROC {pids} for the server's uid" if own_uid else f"none (no cgroup: {why})"
-    return Limits(rl, tree if by_cgroup else 0, pids if by_cgroup else 0, memory_by, pids_by, asan)
+    cg = f"cgroup_v{mech.cgroups.version}"
+    mem_gauge = (cg, tree) if by_cgroup else ("rlimit_as", tree) if resource.RLIMIT_AS in have else \
+        ("rlimit_data", have[resource.RLIMIT_DATA]) if resource.RLIMIT_DATA in have else ("none", 0)
+    pids_gauge = (cg, pids) if by_cgroup else ("rlimit_nproc", pids) if own_uid else ("none", 0)
+    return Limits(rl, tree if by_cgroup else 0, pids if by_cgroup else 0, memory_by, pids_by, asan,
+                  (("memory", *mem_gauge), ("tasks", *pids_gauge)))
 
 
 def cache_over_quota(directory: str, limit: int, since: float) -> tuple[int, int]:

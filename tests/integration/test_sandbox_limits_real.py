@@ -74,6 +74,8 @@ def test_a_fork_bomb_stops_at_the_pids_limit(pki, workdir):
         n = int(line.split()[0])
         assert n < 64 and "Resource temporarily unavailable" in line, line
         assert serve.logged("pids.max 64 for the whole process tree"), serve.output()[-3000:]
+        assert serve.value("rpcguard_upstream_limit", limit="tasks", mechanism="cgroup_v1") + \
+            serve.value("rpcguard_upstream_limit", limit="tasks", mechanism="cgroup_v2") == 64
         a_session_is_served(pki, serve)  # the server started once the children were gone
     finally:
         serve.stop()

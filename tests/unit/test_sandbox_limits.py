@@ -87,6 +87,7 @@ def test_a_cgroup_bounds_the_tree_and_no_per_process_address_space_limit_is_set(
     rl = dict(lim.rlimits)
     assert resource.RLIMIT_AS not in rl and rl[resource.RLIMIT_DATA] == 256 << 20 and rl[resource.RLIMIT_NPROC] == 50
     assert "cgroup v2" in lim.memory_by and "whole process tree" in lim.pids_by
+    assert lim.gauges == (("memory", "cgroup_v2", 256 << 20), ("tasks", "cgroup_v2", 50))
 
 
 def test_without_a_cgroup_rlimit_as_and_nproc_bound_each_process_and_the_log_says_so():
@@ -96,6 +97,7 @@ def test_without_a_cgroup_rlimit_as_and_nproc_bound_each_process_and_the_log_say
     assert (lim.memory_bytes, lim.pids) == (0, 0)
     assert lim.memory_by.startswith("RLIMIT_AS 1073741824 bytes per process (no cgroup: no cgroup here)")
     assert lim.pids_by.startswith("RLIMIT_NPROC 40")
+    assert lim.gauges == (("memory", "rlimit_as", 1 << 30), ("tasks", "rlimit_nproc", 40))
 
 
 def test_not_root_without_a_cgroup_has_no_pids_limit():
