@@ -49,3 +49,18 @@ def test_server_wrapper(tmp_path):
     out = subprocess.run([str(plain), "--x"], capture_output=True, text=True,
                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0  # /opt/bin/ggml-rpc-server does not exist here: exec fails, loudly
+
+
+def test_memcheck_verdicts():
+    gc = _driver()
+    clean = "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n"
+    assert gc.memcheck_verdict(clean, 1) == (True, "clean (1 summaries)")
+    stopped = "========= COMPUTE-SANITIZER\n========= Error: process didn't terminate successfully\n"
+    assert gc.memcheck_verdict(stopped, 1)[0]  # the pair stopped the server: not a finding
+    bad = ("========= COMPUTE-SANITIZER\n========= Invalid __global__ write of size 2 bytes\n"
+           "=========     at k_f16_copy+0x90 in fattn-common.cuh:80\n========= ERROR SUMMARY: 1 error\n")
+    ok, words = gc.memcheck_verdict(bad, 1)
+    assert not ok and "Invalid __global__ write" in words
+    refused = "========= COMPUTE-SANITIZER\n========= Error: Device not supported\n"
+    assert gc.memcheck_verdict(refused, 1) == (True, "compute-sanitizer REFUSED THE DEVICE (the cases ran without memcheck)")
+    assert gc.memcheck_verdict("", 0) == (False, "NOT CHECKED: no memcheck log")
