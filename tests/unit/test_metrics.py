@@ -80,7 +80,8 @@ def _pool_exposition() -> bytes:
     pool = SimpleNamespace(starts=3, start_failures=1, exits={"killed": 2, "signal SIGSEGV": 1}, start_seconds_sum=0.6,
                            last_start_s=0.2, sessions_by_start={"spare": 2, "cold": 1}, crashes=1, quarantines=1,
                            quarantine={"CN=client9": float("inf")}, missing=frozenset({"seccomp"}),
-                           settings=SimpleNamespace(sandbox=SimpleNamespace(mode="required")))
+                           settings=SimpleNamespace(sandbox=SimpleNamespace(mode="required")), sandboxed=True,
+                           limits=SimpleNamespace(gauges=(("memory", "cgroup_v1", 1 << 30), ("tasks", "cgroup_v1", 72))))
     reg = CollectorRegistry()
     reg.register(PoolCollector({"gpu0": pool}))  # type: ignore[dict-item]
     return generate_latest(reg)
@@ -88,7 +89,7 @@ def _pool_exposition() -> bytes:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 40, "design.md metrics table not found or changed shape"
+    assert len(table) == 41, "design.md metrics table not found or changed shape"
     m, _ = _populated()
     text = m.exposition().decode() + _pool_exposition().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
