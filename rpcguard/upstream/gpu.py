@@ -3,8 +3,8 @@
 How this works: ``gpu_binds(argv)`` reads the devices the server's ``-d``/``--device`` selects
 (``CUDA0,CUDA2``; none: every GPU) and returns the bubblewrap arguments that make exactly those
 reachable inside the sandbox: ``/dev/nvidia<minor>`` of each selected GPU and the driver's control
-nodes read-write (``nvidiactl`` and ``nvidia-uvm`` are required: the CUDA runtime opens both at
-its first call; ``nvidia-uvm-tools``, ``nvidia-modeset`` and the MIG capability directory
+nodes read-write (``nvidiactl`` and ``nvidia-uvm`` are required when -d names a GPU: the CUDA runtime opens both
+at its first call; ``nvidia-uvm-tools``, ``nvidia-modeset`` and the MIG capability directory
 ``nvidia-caps`` when present), and the driver's user-space libraries read-only where they live
 outside the directories the sandbox already binds read-only (``/usr``, ``/lib*``, ``/etc/ld.so.*``:
 an image that mounts the driver at ``/usr/local/nvidia`` is covered; one under ``/opt`` or found
@@ -138,6 +138,8 @@ def gpu_binds(argv: Sequence[str], *, dev_root: str = "/dev", proc_root: str = "
         devices.append(node)
     for name in REQUIRED_CONTROL:
         path = os.path.join(dev_root, name)
+        if not os.path.exists(path) and sel is None:
+            continue  # no -d: the server may be a CPU build on a GPU host; bound when present
         if not os.path.exists(path):
             raise GpuUnavailable(f"{path} missing: the CUDA runtime opens it at start (nvidia-modprobe -u for "
                                  "nvidia-uvm)")

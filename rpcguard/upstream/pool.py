@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rpcguard.errors import Refusal
-from rpcguard.upstream import sandbox
+from rpcguard.upstream import gpu, sandbox
 from rpcguard.upstream.output import OutputLimiter
 from rpcguard.upstream.process import ServerProcess, StartFailed
 
@@ -160,8 +160,14 @@ class UpstreamPool:
                 log.info("upstream listener=%s process=%d: cache of its identity over cache_bytes=%d: %d oldest "
                          "files removed (%d bytes)", self.listener, n, s.sandbox.cache_bytes, removed, freed)
         port = sandbox.SANDBOX_PORT if self.netns else _free_port()
-        argv = sandbox.command(list(s.exec), port=port, mech=self.mech, settings=s.sandbox, cache=cache, uid=uid,
-                               info_fd="{INFO_FD}")
+        try:
+            argv = sandbox.command(list(s.exec), port=port, mech=self.mech, settings=s.sandbox, cache=cache, uid=uid,
+                                   info_fd="{INFO_FD}")
+        except gpu.GpuUnavailable as exc:  # a GPU node -d selects, or the driver's, is missing: one line
+            self.start_failures += 1
+            self.last_error = str(exc)
+            log.error("upstream listener=%s process=%d failed to start: %s", self.listener, n, self.last_error)
+            raise StartFailed(self.last_error) from None
         group = None
         if self.cgroups:
             try:

@@ -8,7 +8,7 @@ server's network namespace, setpriv). ``command()`` wraps the server's argv in::
           --ro-bind /usr ... (the system's libraries, read-only)  --proc /proc --dev /dev
           --tmpfs /tmp  --ro-bind FILE FILE (each file named on the command line: the binary,
           and the lib*.so* beside it for its $ORIGIN)  --bind CACHE /cache (per identity)
-          --dev-bind-try /dev/nvidia* /dev/dri /dev/kfd (GPU nodes, when present)
+          --dev-bind /dev/nvidia<minor> of the GPUs -d selects, nvidiactl, nvidia-uvm (gpu.py)
           --seccomp M (the syscall filter of seccomp.py)  --info-fd N   setpriv --reuid UID --regid UID --clear-groups --inh-caps=-all
           --bounding-set=-all --no-new-privs -- SERVER ARGS -H 127.0.0.1 -p PORT
 
@@ -39,7 +39,7 @@ import stat
 import subprocess
 from dataclasses import dataclass, field
 
-from rpcguard.upstream import cgroup, seccomp
+from rpcguard.upstream import cgroup, gpu, seccomp
 
 __all__ = ["MECHANISMS", "Mechanisms", "SandboxSettings", "Limits", "probe", "command", "rlimits", "limits",
            "cache_dir", "cache_over_quota", "is_asan", "probe_cgroups", "SANDBOX_PORT", "SANDBOX_MODES"]
@@ -220,9 +220,9 @@ def command(argv: list[str], *, port: int, mech: Mechanisms, settings: SandboxSe
         cmd += ["--size", str(settings.tmp_bytes)]
     cmd += ["--tmpfs", "/tmp"]
     cmd += _command_binds(argv, settings.ro_paths)
-    for pattern in _GPU_NODES:
-        for node in sorted(glob.glob(pattern)):
-            cmd += ["--dev-bind-try", node, node]
+    # the GPUs -d selects, the driver's control nodes and libraries, nothing else (gpu.py, issue 29;
+    # raises gpu.GpuUnavailable naming what is missing)
+    cmd += list(gpu.gpu_binds(argv).args)
     if cache is not None:
         cmd += ["--bind", cache, _CACHE_IN_SANDBOX, "--setenv", "LLAMA_CACHE", _CACHE_IN_SANDBOX]
     if "seccomp" not in mech.missing:  # the syscall filter (seccomp.py), on a file descriptor process.py fills

@@ -57,6 +57,14 @@ def test_no_device_flag_binds_every_gpu_and_cpu_only_binds_none(tmp_path):
     assert uses_gpu(["s"], dev) and uses_gpu(["s", "-d", "CUDA0"], dev) and not uses_gpu(["s", "-d", "CPU"], dev)
 
 
+def test_without_device_flag_the_control_nodes_are_optional(tmp_path):
+    # a CPU build of the server on a GPU host, no -d: nothing required (nvidia-uvm appears only
+    # once something used CUDA as root)
+    dev, proc = fake_host(tmp_path, control=("nvidiactl",))
+    b = gpu_binds(["s"], dev_root=dev, proc_root=proc, env={}, lib_dirs=())
+    assert f"{dev}/nvidiactl" in binds(b.args) and f"{dev}/nvidia-uvm" not in binds(b.args)
+
+
 @pytest.mark.parametrize("missing, words", [
     ("nvidia-uvm", "nvidia-uvm missing"), ("nvidiactl", "nvidiactl missing"),
 ])
