@@ -120,7 +120,11 @@ build_one() {  # build_one PROTO PACKAGE OUT: the release's ggml, server, test-b
   cp -a "$src/ggml/include" "$stage/include"  # ours() compiles against these
   echo "$proto" > "$stage/proto"
   echo "$pkg" > "$stage/package"
-  echo "$(( t3 - t0 )) s (download+extract $(( t1 - t0 )), ggml $(( t2 - t1 )), test-backend-ops+server $(( t3 - t2 ))), -j $JOBS, load $l0 -> $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores" \
+  # CPU time of everything this subshell ran (bash's `times`, children: user sys): what the build
+  # costs whatever else the machine is doing
+  local cpu; times > "$work/times"  # (not in a pipe or $(...): a forked shell has no children yet)
+  cpu=$(tail -1 "$work/times" | sed 's/\([0-9]*\)m\([0-9]*\)\.[0-9]*s/\1 \2/g' | awk '{print $1*60+$2+$3*60+$4}')
+  echo "$(( t3 - t0 )) s (download+extract $(( t1 - t0 )), ggml $(( t2 - t1 )), test-backend-ops+server $(( t3 - t2 ))), $cpu s of CPU, -j $JOBS, load $l0 -> $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores" \
     > "$stage/build_seconds"
   touch "$stage/.complete"
   rm -rf "$out"; mv "$stage" "$out"
