@@ -13,7 +13,7 @@
 #   scripts/gpu-check.sh --dry-run   here: the same steps against the CPU server of
 #                                    tests/realpeer/tools.sh's build (no nvcc, no sanitizer)
 #
-# Options: --out DIR (default $OUT, else ./gpu-out), --sample N (test-backend-ops cases per op,
+# Options: --out DIR (default $OUT, else /tmp/gpu-check-out), --sample N (test-backend-ops cases per op,
 # default 3), --ops A,B (default all), --steps backend,cases,backend-ops,bench (or "build": only
 # the build; a second call on the same warm machine reuses it), --jobs N.
 # Under --out (three files: the device tool brings back at most 8): run.log, summary.json and
@@ -26,7 +26,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$REPO/.gpu"
 MODE=gpu
-OUTDIR="${OUT:-$REPO/gpu-out}"
+OUTDIR="${OUT:-/tmp/gpu-check-out}"
 SAMPLE=3
 OPS=""
 STEPS="backend,cases,backend-ops,bench"
