@@ -7,9 +7,11 @@ products of dimensions of different tensors (MUL_MAT_ID's ``n_as * ids.ne0 * ids
 map), or of a row length and the thread count, so a graph of a few MiB of tensors could ask for
 hundreds of GiB and abort the server with ``std::bad_alloc``. ``work_bytes`` mirrors the
 planner's arithmetic per op (``_WORK``, keyed by op name) with ``n_tasks`` = the server's thread
-count; the graph validator refuses a node whose need exceeds the policy's cap. The element and
-row sizes here are also the compute cost model's (protocol/cost.py). Sans-IO, pure integer
-arithmetic on decoded tensors.
+count; the graph validator refuses a node whose need exceeds the policy's cap. ``task_cap``,
+``n_tasks`` and ``planned_bytes`` give the least buffer the planner allocates for a node on ``t``
+threads, what workuse.py compares the kernels' per-thread use with. The element and row sizes
+here are also the compute cost model's (protocol/cost.py). Sans-IO, pure integer arithmetic on
+decoded tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["work_bytes", "n_tasks", "task_cap", "ONE_TASK_OPS", "planned_bytes", "CACHE_LINE_MIN", "elements", "row_size", "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16"]
+__all__ = [
+    "work_bytes", "n_tasks", "task_cap", "ONE_TASK_OPS", "planned_bytes", "CACHE_LINE_MIN", "elements", "row_size",
+    "quantized", "Srcs", "TILED_SLOT_BYTES", "F32", "F16", "I32", "BF16",
+]
 
 Srcs = Sequence["RpcTensor | None"]
 F32, F16, I32, BF16 = 0, 1, 26, 30  # ggml type ids

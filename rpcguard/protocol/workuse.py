@@ -16,10 +16,11 @@ use grows with ``nth`` and ``nth <= t``, so ``nth = t`` is each ``t``'s worst ca
 nodes are all one-task ops (workbuf.ONE_TASK_OPS, e.g. a lone SET_ROWS and its views) runs on one
 thread (``graph_threads``: ggml-cpu.c:3055), whatever the server's ``-t``. The terms are
 computed once per node and the planner's need is affine in its task count (workbuf), so the
-check over all thread counts is integer arithmetic only. Ops whose kernel sizes itself from ``params->wsize`` (CONV_2D,
-CONV_3D: ops.cpp:7351) or asserts its layout against it (MUL_MAT_ID: ggml-cpu.c:1607) cannot write
-past it and have no entry; ACC and ADD_ID reserve scratch for block types their kernels abort on
-(ops.cpp:1236, 755). Sans-IO integer arithmetic; docs/firewall.md "The planner's work buffer".
+check over all thread counts is integer arithmetic at a few break points (``_thread_counts``),
+and its verdict per shape is remembered. Ops whose kernel sizes itself from ``params->wsize``
+(CONV_2D, CONV_3D: ops.cpp:7351) or asserts its layout against it (MUL_MAT_ID: ggml-cpu.c:1607)
+cannot write past it and have no entry; ACC and ADD_ID reserve scratch for block types their
+kernels abort on (ops.cpp:1236, 755). Sans-IO; docs/firewall.md "What the kernels write into it".
 """
 
 from __future__ import annotations
