@@ -12,6 +12,7 @@ frames stalled every other tenant's handshake.
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 import struct
@@ -300,3 +301,100 @@ def test_a_flood_does_not_stall_other_tenants(pki, rpc_server, workdir, guards, 
                     flood_ms=round(busy * 1e3, 2), max_ms=round(max(samples) * 1e3, 2),
                     samples=len(samples), flood_answered=answered, reconnects=attacker.reconnects)
     assert serve.proc.alive()
+
+
+# ----------------------------------------------------------------------------- 6. busy holders (issue 28), side by side (issue 31)
+BUSY_S = 3  # hold_while_waiting_s in these tests
+# idle_while_waiting_s 0: no preemption of idle holders, so only the holder's busy ticks count
+FAIR = ("limits:\n  hold_while_waiting_s: 3\n  idle_while_waiting_s: 0\n  queue_timeout_s: 40\n")
+
+
+class Holder(threading.Thread):
+    """A hand-written client holding serve's upstream: ``step()`` every 0.25 s until serve closes it."""
+
+    def __init__(self, client: RawClient, step) -> None:
+        super().__init__(daemon=True)
+        self.client, self.step = client, step
+        self.closed_at: float | None = None
+
+    def run(self) -> None:
+        sock = self.client.sock
+        sock.settimeout(0.25)
+        t0 = time.monotonic()
+        while self.closed_at is None and time.monotonic() - t0 < 120:
+            try:
+                self.step()
+                if sock.recv(1) == b"":
+                    self.closed_at = time.monotonic()
+            except (TimeoutError, socket.timeout, ssl.SSLWantReadError):
+                continue
+            except (ConnectionError, ssl.SSLError, OSError):
+                self.closed_at = time.monotonic()
+
+
+def served_behind(serve: Guard, holder: Holder, connect: Guard, model: Path) -> tuple[float, Tenant]:
+    """Start the real client behind ``holder``; seconds from its wait (serve's log line) to the holder's end."""
+    holder.start()
+    tenant = Tenant(connect.endpoint, model)
+    tenant.start()
+    assert serve.wait_value("rpcguard_upstream_queue_depth", 1, timeout=60) >= 1  # the real client waits
+    waiting_since = time.monotonic()
+    holder.join(60)
+    assert holder.closed_at is not None, "the holder kept the upstream while the real client waited"
+    tenant.join(180)
+    assert tenant.run_ is not None and tenant.run_.ok, tenant.run_.output[-2000:] if tenant.run_ else None
+    assert serve.logged("waits for the upstream of listener")  # who holds the node, since when (issue 31)
+    return holder.closed_at - waiting_since, tenant
+
+
+def test_a_frame_trickled_just_over_the_minimum_rate_makes_way_for_a_waiting_tenant(pki, rpc_server, workdir,
+                                                                                    models, guards):
+    # issue 28: 4 MiB at 17.6 KB/s (over min_data_rate_bps, so its frame deadline grows faster than
+    # it ages) held the node's only upstream slot for 4 minutes, as long as the attacker liked with
+    # a larger frame; idle_while_waiting_s (off here: the operator's preemption of idle holders)
+    # counted a trickle as work.
+    connect, serve = start_pair(workdir, pki, rpc_server, guards, config(workdir, FAIR), [])
+    attacker = RawClient.session(tls_client(pki, serve.port))
+    t = attacker.alloc(4 << 20)
+    attacker.sock.sendall(set_tensor_head(t, 4 << 20))
+    chunk = bytes(4400)  # every 0.25 s
+    cut_s, _ = served_behind(serve, Holder(attacker, lambda: attacker.sock.sendall(chunk)), connect, models["tiny"])
+    assert cut_s < BUSY_S + 1 + 3, cut_s  # the tick that starts the clock, BUSY_S busy ticks, slack
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="hold_while_waiting") == 1
+    assert serve.value("rpcguard_refusals_total", reason="frame_timeout") == 0
+    assert serve.logged("node busy, held by session")
+    procinfo.record("trickle_hold_while_waiting", cut_after_wait_s=round(cut_s, 3))
+
+
+def recompute_flood(pki: Pki, port: int) -> tuple[RawClient, bytes]:
+    """A session of the ``flood`` identity that stored a 1024x1024 F32 matrix product: (client, RECOMPUTE)."""
+    c = RawClient.session(tls_client(pki, port, "flood"))
+    n = 1024
+    t = c.alloc(3 * 4 * n * n)
+    from rpcguard.protocol.ggml import op_table
+    mul_mat = op_table((7, 0, 0)).ids["MUL_MAT"]  # type: ignore[union-attr]
+    a = TensorSpec(id=0x10, buffer=t.buffer, data=t.data, ne=(n, n, 1, 1))
+    b = TensorSpec(id=0x11, buffer=t.buffer, data=t.data + 4 * n * n, ne=(n, n, 1, 1))
+    d = TensorSpec(id=0x20, buffer=t.buffer, data=t.data + 8 * n * n, ne=(n, n, 1, 1), op=mul_mat, src=(0x10, 0x11))
+    c.sock.sendall(encode.request("GRAPH_COMPUTE", encode.graph_payload([d.id], [a, b, d])))
+    assert len(c.call("GET_ALIGNMENT", struct.pack("<I", 0))) == 8  # the graph went through (no answer of its own)
+    return c, encode.request("GRAPH_RECOMPUTE", struct.pack("<I", 0))
+
+
+def test_a_recompute_flood_is_charged_and_makes_way_for_a_waiting_tenant(pki, rpc_server, workdir, models, guards):
+    # issue 28: GRAPH_RECOMPUTE (4 bytes, no answer) runs the stored graph again. The flood's
+    # identity is priced as a slow node (node_gflops 1: 2.1 s per product, the real server takes
+    # ~0.1 s), so its share is its estimated compute, not its ticks: one every 0.25 s is 8 s/s.
+    cfg = FAIR + ("profiles:\n  flood:\n    policy: {node_gflops: 1}\n"
+                  "allow:\n  - {cn: [flood], profile: flood}\n  - {cn: [client1]}\n")
+    connect, serve = start_pair(workdir, pki, rpc_server, guards, config(workdir, cfg), [])
+    attacker, again = recompute_flood(pki, serve.port)
+    cut_s, _ = served_behind(serve, Holder(attacker, lambda: attacker.sock.sendall(again)), connect, models["tiny"])
+    assert cut_s < BUSY_S + 1 + 3, cut_s
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="hold_while_waiting") == 1
+    line = next(ln for ln in serve.output().splitlines() if "reason=hold_while_waiting" in ln)
+    found = re.search(r"\(busy (\d+) s, ([\d.]+) s of estimated compute\)", line)
+    assert found is not None, line
+    busy, compute = (float(x) for x in found.groups())
+    assert compute > BUSY_S >= busy, line  # ended for its compute, not for its ticks
+    procinfo.record("recompute_hold_while_waiting", cut_after_wait_s=round(cut_s, 3), compute_s=compute)
