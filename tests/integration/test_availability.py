@@ -398,3 +398,34 @@ def test_a_recompute_flood_is_charged_and_makes_way_for_a_waiting_tenant(pki, rp
     busy, compute = (float(x) for x in found.groups())
     assert compute > BUSY_S >= busy, line  # ended for its compute, not for its ticks
     procinfo.record("recompute_hold_while_waiting", cut_after_wait_s=round(cut_s, 3), compute_s=compute)
+
+
+def contained_pair(pki: Pki, workdir: Path, guards: list[Guard], server: str, limits: str) -> tuple[Guard, Guard]:
+    """connect -> serve -- SERVER (a sandboxed process per session, the upstream.exec defaults)."""
+    serve = start_guard("serve", workdir, [*pki.serve_args(), *config(workdir, limits), "--", server])
+    guards.append(serve)
+    connect = start_guard("connect", workdir, ["--server", serve.endpoint, "--server-name", pki.node,
+                                               *pki.connect_args()])
+    guards.append(connect)
+    return connect, serve
+
+
+def test_a_contained_serve_never_cuts_an_idle_client_for_another_tenant(pki, workdir, models, guards):
+    """issue 31: the real llama.cpp client loads, generates and idles holding its buffers; a second
+    real client loads and generates through the same contained node meanwhile (both fair-slot
+    limits at 1 s). Nothing is ended and nobody waits: each session has its own process. On main
+    the second queued for the listener's single slot and the first was ended idle_while_waiting."""
+    connect, serve = contained_pair(pki, workdir, guards, str(realpeer.rpc_server_binary()),
+                                    "limits:\n  idle_while_waiting_s: 1\n  hold_while_waiting_s: 1\n")
+    go = workdir / "go"
+    first = longclient(workdir, connect.endpoint, models["tiny"], go)
+    assert wait_for(lambda: "WAITING 1" in first.output() or not first.alive(), 120), first.output()
+    second = realpeer.run_client(connect.endpoint, models["tiny"], n=N_TOKENS, timeout=120)
+    assert second.ok, second.output[-2000:]
+    go.touch()
+    assert wait_for(lambda: "LONGCLIENT_OK" in first.output() or not first.alive(), 120), first.output()
+    out = first.output()
+    assert "LONGCLIENT_OK" in out and out.count("token ids:") == 2, out[-2000:]
+    for reason in ("idle_while_waiting", "hold_while_waiting", "upstream_busy"):
+        assert serve.value("rpcguard_refusals_total", reason=reason) == 0, reason
+    assert "waits for the upstream" not in serve.output()
