@@ -429,3 +429,24 @@ def test_a_contained_serve_never_cuts_an_idle_client_for_another_tenant(pki, wor
     for reason in ("idle_while_waiting", "hold_while_waiting", "upstream_busy"):
         assert serve.value("rpcguard_refusals_total", reason=reason) == 0, reason
     assert "waits for the upstream" not in serve.output()
+
+
+def test_with_upstream_busy_refuse_the_second_client_is_told_and_the_first_keeps_its_session(pki, rpc_server,
+                                                                                            workdir, models, guards):
+    """issue 31, --upstream (one server, one session at a time): ``upstream_busy: refuse`` never
+    ends a holder; the second real client is refused at once (0.0.6) with who holds the node and
+    since when, and the first one's next round works."""
+    connect, serve = start_pair(workdir, pki, rpc_server, guards, config(workdir, "limits:\n  upstream_busy: refuse\n"),
+                                [])
+    go = workdir / "go"
+    first = longclient(workdir, connect.endpoint, models["tiny"], go)
+    assert wait_for(lambda: "WAITING 1" in first.output() or not first.alive(), 120), first.output()
+    second = realpeer.run_client(connect.endpoint, models["tiny"], n=N_TOKENS, timeout=120)
+    assert not second.ok
+    assert serve.wait_value("rpcguard_refusals_total", 1, reason="upstream_busy") >= 1
+    assert serve.logged("node busy: held by session")
+    go.touch()
+    assert wait_for(lambda: "LONGCLIENT_OK" in first.output() or not first.alive(), 120), first.output()
+    out = first.output()
+    assert "LONGCLIENT_OK" in out and out.count("token ids:") == 2, out[-2000:]
+    assert serve.value("rpcguard_refusals_total", reason="idle_while_waiting") == 0
