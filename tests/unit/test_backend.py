@@ -350,3 +350,14 @@ def test_gap_study_cases_refused_on_cuda_forwarded_on_cpu(case):
     with pytest.raises(FirewallRefusal) as exc:
         _session("cuda").client_data(memoryview(frame))
     assert exc.value.reason == case.want, exc.value.detail
+
+
+def test_supports_op_rows():
+    # REPEAT of I32 (gap study Appendix A): ggml-cuda.cu:5505-5510 f32/f16 only
+    a = T(0x10, I32, (4, 1, 1, 1))
+    assert cuda_reason([a], T(0x20, I32, (8, 2, 1, 1), op=OPS["REPEAT"], src=(0x10,))) == "backend_unsupported_op"
+    run([T(0x10, F32, (4, 1, 1, 1))], T(0x20, F32, (8, 2, 1, 1), op=OPS["REPEAT"], src=(0x10,)), "cuda")
+    # SUM of F16: supports_op says yes (rows contiguous), the kernel asserts f32 (sum.cu:28)
+    h = T(0x10, F16, (8, 2, 1, 1))
+    assert cuda_reason([h], T(0x20, F16, (1, 1, 1, 1), op=OPS["SUM"], src=(0x10,))) == "backend_unsupported_op"
+    run([T(0x10, F32, (8, 2, 1, 1))], T(0x20, F32, (1, 1, 1, 1), op=OPS["SUM"], src=(0x10,)), "cuda")

@@ -249,6 +249,71 @@ def _flash_attn_ext(n: RpcTensor, s: Srcs) -> str:
     return "" if ok else f"head sizes K {dk} / V {dv} (GQA {gqa}): no CUDA flash-attention kernel"
 
 
+def _supports(pred: Callable[[RpcTensor, Srcs], bool], what: str) -> Check:
+    """A row whose fact is a supports_op condition: ``what`` says what it requires."""
+    def check(n: RpcTensor, s: Srcs) -> str:
+        try:
+            return "" if pred(n, s) else f"CUDA requires {what}"
+        except (AssertionError, AttributeError, TypeError):  # an optional source the row reads is absent
+            return ""
+    return check
+
+
+def _t(s: Srcs, i: int) -> RpcTensor:
+    t = s[i]
+    assert t is not None
+    return t
+
+
+_F32_F16: Final = frozenset({F32, F16})
+# supports_op rows read as plain conditions (ggml-cuda.cu line of each case): what its kernels run
+_SUPPORTS: tuple[tuple[str, str, Callable[[RpcTensor, Srcs], bool], str], ...] = (
+    ("REPEAT", "ggml-cuda.cu:5505-5510", lambda n, s: _t(s, 0).type in _F32_F16, "an f32/f16 source"),
+    ("REPEAT_BACK", "ggml-cuda.cu:5511-5512",
+     lambda n, s: n.type == F32 and _t(s, 0).ne2 * _t(s, 0).ne3 <= 1 << 15, "f32 and src ne2*ne3 <= 32768"),
+    ("CONCAT", "ggml-cuda.cu:5513-5547", lambda n, s: _t(s, 0).type == _t(s, 1).type == n.type, "one type"),
+    ("CONV_TRANSPOSE_1D", "ggml-cuda.cu:5548-5556", lambda n, s: _t(s, 0).type == F32 and _t(s, 1).type == F32,
+     "f32 sources"),
+    ("COL2IM_1D", "ggml-cuda.cu:5557-5564",
+     lambda n, s: _t(s, 0).type in _FLOATS and n.type == _t(s, 0).type and is_contiguous(_t(s, 0)) and is_contiguous(n),
+     "a contiguous float source and result of its type"),
+    ("SILU_BACK", "ggml-cuda.cu:5565-5567", lambda n, s: is_contiguous(_t(s, 0)) and _t(s, 0).type == F32,
+     "a contiguous f32 src[0]"),
+    ("RMS_NORM_BACK", "ggml-cuda.cu:5572-5574", lambda n, s: is_contiguous(_t(s, 0)), "a contiguous src[0]"),
+    ("SCALE", "ggml-cuda.cu:5589-5590", lambda n, s: _t(s, 0).type in (F32, BF16) and n.type == _t(s, 0).type,
+     "an f32/bf16 source and result of its type"),
+    *((op, "ggml-cuda.cu:5591-5601", lambda n, s: (
+        _t(s, 0).type == BF16 and n.type == BF16 and _t(s, 1).type in (BF16, F32))
+        if BF16 in (_t(s, 0).type, _t(s, 1).type, n.type) else
+        (_t(s, 0).type in _F32_F16 and _t(s, 1).type in _F32_F16 and n.type in _F32_F16),
+       "f32/f16 operands (bf16: bf16 src[0] and result, bf16/f32 src[1])") for op in ("ADD", "SUB", "MUL", "DIV")),
+    ("SET", "ggml-cuda.cu:5435-5441", lambda n, s: n.type in (F32, I32) and n.type == _t(s, 0).type == _t(s, 1).type,
+     "f32/i32, one type"),
+    ("OUT_PROD", "ggml-cuda.cu:5378-5379", lambda n, s: n.type == _t(s, 0).type == _t(s, 1).type == F32, "f32"),
+    ("GET_ROWS_BACK", "ggml-cuda.cu:5417-5420",
+     lambda n, s: n.type == F32 and _t(s, 0).type == F32 and n.ne2 == 1 and n.ne3 == 1, "f32, 2D"),
+    ("ROLL", "ggml-cuda.cu:5635-5639", lambda n, s: _t(s, 0).type == F32 and is_contiguous(_t(s, 0)),
+     "a contiguous f32 source"),
+    *((op, "ggml-cuda.cu:5644-5647", lambda n, s: is_contiguous(_t(s, 0)) and is_contiguous(_t(s, 1)),
+       "contiguous sources") for op in ("IM2COL", "IM2COL_3D", "CONV_2D")),
+    ("CONV_3D", "ggml-cuda.cu:5648-5651", lambda n, s: _t(s, 0).type in _F32_F16 and _t(s, 1).type == F32
+     and n.type == F32 and is_contiguous(_t(s, 0)) and is_contiguous(_t(s, 1)) and is_contiguous(n),
+     "contiguous f32/f16 kernel, f32 input and result"),
+    ("CONV_2D_DW", "ggml-cuda.cu:5652-5654",
+     lambda n, s: _t(s, 0).type in _F32_F16 and _t(s, 1).type == F32 and n.type == F32, "f32/f16 kernel, f32 input"),
+    ("ACC", "ggml-cuda.cu:5659-5662", lambda n, s: is_contiguous(_t(s, 0)) and is_contiguous(_t(s, 1)),
+     "contiguous sources"),
+    # supports_op asks contiguous rows only; the kernel asserts f32 and no gaps (sum.cu:28-30)
+    ("SUM", "ggml-cuda.cu:5663-5664; sum.cu:28-30", lambda n, s: _t(s, 0).type == F32 and n.type == F32
+     and _nbytes(_t(s, 0)) == _nel(_t(s, 0)) * 4, "an f32 source without gaps (contiguously allocated)"),
+    *((op, "ggml-cuda.cu:5684-5687", lambda n, s: _t(s, 0).type == F32 and n.type == F32
+       and rows_contiguous(_t(s, 0)), "f32 with contiguous rows") for op in ("SUM_ROWS", "MEAN")),
+    ("GROUP_NORM", "ggml-cuda.cu:5688-5689", lambda n, s: is_contiguous(_t(s, 0)), "a contiguous source"),
+    ("SOFT_MAX_BACK", "ggml-cuda.cu:5630-5634", lambda n, s: n.param1 == 0, "max_bias 0"),
+    ("SSM_CONV", "ggml-cuda.cu:5620-5623", lambda n, s: _t(s, 0).ne1 % 128 == 0, "d_inner a multiple of 128"),
+)
+
+
 ROWS: tuple[CudaRow, ...] = (
     *(CudaRow(op, "ggml-cuda.cu:2474-2475,4458,5728-5729", _no_kernel) for op in sorted(NO_KERNEL)),
     CudaRow("UNARY", "unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0)); supports_op ggml-cuda.cu:5292-5294",
@@ -269,6 +334,7 @@ ROWS: tuple[CudaRow, ...] = (
       for op in ("ROPE", "ROPE_BACK")),
     CudaRow("FLASH_ATTN_EXT", "fattn.cu:524-539,576-631; supports_op ggml-cuda.cu:5713 -> fattn.cu:775-777",
             _flash_attn_ext),
+    *(CudaRow(op, cite, _supports(pred, what)) for op, cite, pred, what in _SUPPORTS),
 )
 _BY_OP: Final[Mapping[str, tuple[CudaRow, ...]]] = {
     op: tuple(r for r in ROWS if r.op == op) for op in dict.fromkeys(r.op for r in ROWS)
