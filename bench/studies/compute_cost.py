@@ -347,6 +347,8 @@ def rms_norm(ne0: int, ne1: int) -> Recipe:
 def cpy(ne0: int, ne1: int, ta: str, tb: str) -> Recipe:
     r = Recipe()
     a, b = r.leaf(ta, [ne0, ne1]), r.leaf(tb, [ne0, ne1])
+    if ta == "f32":
+        r.values.append(a)  # the quantizers' search depends on the values
     r.op("cpy", a, b)
     return r
 
@@ -591,6 +593,12 @@ def lightning_indexer(d: int, n_head: int, t: int, n_kv: int, kt: str) -> Recipe
     return r
 
 
+def mul_mat_b(k: int, m: int, n: int, b: int, wt: str) -> Recipe:
+    r = Recipe()
+    r.op("mul_mat", r.leaf(wt, [k, m, b]), r.leaf("f32", [k, n, b]))
+    return r
+
+
 def mul_mat_id(k: int, m: int, n_as: int, n_used: int, t: int, wt: str) -> Recipe:
     r = Recipe()
     a, b, ids = r.leaf(wt, [k, m, n_as]), r.leaf("f32", [k, n_used, t]), r.leaf("i32", [n_used, t])
@@ -658,11 +666,17 @@ def sweep_cases() -> list[Case]:
     add_("mul_mat q8_0 K=32 M=4096 N=1024 (a call per element)", mul_mat(32, 4096, 1024, "q8_0"), real=False)
     add_("mul_mat q2_K K=256 M=4096 N=512 (a call per element)", mul_mat(256, 4096, 512, "q2_K"), real=False)
     add_("mul_mat iq1_s K=256 M=4096 N=512 (a call per element)", mul_mat(256, 4096, 512, "iq1_s"), real=False)
+    # src1 converted to the vec_dot type (one from_float per element) against few weight rows,
+    # and many small products batched in dims 2-3
+    for wt in ("q2_K", "iq2_xxs", "q4_0", "f16"):
+        add_(f"mul_mat {wt} K=4096 M=1 N=8192 (src1 conversion)", mul_mat(4096, 1, 8192, wt), real=False)
+        add_(f"mul_mat {wt} K=256 M=32 N=32 B=1024 (batched)", mul_mat_b(256, 32, 32, 1024, wt), real=False)
     add_("flash_attn D=4 q=256 kv=4096 H=8/8 f16 (an expf per key)", flash_attn(4, 256, 4096, 8, 8), real=False)
     add_("flash_attn D=32 q=256 kv=4096 H=8/8 f16", flash_attn(32, 256, 4096, 8, 8), real=False)
     for wt in ("f16", "q8_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s", "mxfp4"):
         add_(f"mul_mat_id {wt} K=2048 M=1024 experts=8/2 T=128", mul_mat_id(2048, 1024, 8, 2, 128, wt))
-    for ta in ("f32", "f16", "q8_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s"):
+    for ta in ("f32", "f16", "q8_0", "q4_0", "q5_1", "iq4_nl", "mxfp4", "q4_K", "q6_K", "iq4_xs", "q2_K",
+               "q3_K", "tq1_0", "iq2_xxs", "iq3_s", "iq1_s"):
         add_(f"out_prod {ta} m=1024 n=256 k=512", out_prod_t(1024, 256, 512, ta), real=False)
     for fn in ("rwkv_wkv6", "gated_linear_attn", "rwkv_wkv7"):
         add_(f"{fn} S=64 H=32 T=256", linear_attn(fn, 64, 32, 256))  # RWKV-6/7 7B: head size 64
@@ -681,7 +695,8 @@ def sweep_cases() -> list[Case]:
     add_("gated_delta_net S=17 H=64 T=256", gated_delta_net(17, 64, 256), real=False)
     add_("solve_tri n=256 k=128 B=8", solve_tri(256, 128, 8))
     add_("solve_tri n=2048 k=16 B=1", solve_tri(2048, 16, 1), real=False)
-    for kvt in ("f16", "q8_0", "q4_0", "q4_K", "q2_K", "iq2_xxs", "iq1_s", "iq4_nl"):
+    for kvt in ("f16", "bf16", "q8_0", "q4_0", "q5_1", "mxfp4", "q4_K", "q6_K", "iq4_xs", "q2_K", "q3_K", "tq1_0",
+                "iq2_xxs", "iq3_s", "iq1_s", "iq4_nl"):
         add_(f"flash_attn D=256 q=64 kv=1024 H=8/8 {kvt}", flash_attn(256, 64, 1024, 8, 8, kvt))
     add_("rope D=4096 H=1 T=512 mode=0 (a cache entry per element)", rope(4096, 1, 512, 0), real=False)
     add_("rope D=128 H=32 T=512 mode=2", rope(128, 32, 512, 2))
@@ -705,6 +720,8 @@ def sweep_cases() -> list[Case]:
     add_("cross_entropy_loss 32000x64", cross_entropy(32000, 64), real=False)
     add_("opt_step_adamw 4M", adamw(1 << 22), real=False)
     add_("div 4096x512", binary("div", 4096, 512))
+    for ta in ("q8_0", "q4_K", "q2_K"):
+        add_(f"add1 {ta} 4096x256", add1(4096, 256, ta), real=False)
     for tb in ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "bf16", "mxfp4"):
         add_(f"cpy f32->{tb} 4096x256", cpy(4096, 256, "f32", tb))
         add_(f"set_rows f32->{tb} 4096x64 of 4096", set_rows(4096, 4096, 64, tb))
@@ -908,8 +925,10 @@ class Server:
             for leaf, rows in recipe.spread:  # index leaves: rows spread over the whole matrix
                 pos = built.refs[leaf]
                 t = payload[built.tensor_bytes + TENSOR_BYTES * pos: built.tensor_bytes + TENSOR_BYTES * (pos + 1)]
-                n = decode_tensor(t).ne0
-                data = struct.pack(f"<{n}i", *((i * 7919) % rows for i in range(n)))
+                idx = decode_tensor(t)
+                n = idx.ne0 * idx.ne1
+                code = "q" if idx.type == TYPE_IDS["i64"] else "i"  # SET_ROWS takes I64 indices
+                data = struct.pack(f"<{n}{code}", *((i * 7919) % rows for i in range(n)))
                 s.sendall(encode.request("SET_TENSOR", t + b"\0" + struct.pack("<Q", 0) + data))
             for leaf in recipe.values:  # operands whose values the kernel's time depends on
                 pos = built.refs[leaf]
@@ -1048,12 +1067,15 @@ def refill(rows: list[Row]) -> None:
     from tests.support.ggmlref import Built, build_many
 
     want = {r.case for r in rows}
-    todo = [c for c in cases(False, True) if c.name in want]
+    todo = [c for c in cases(False, True, True) if c.name in want]
     payloads = {c.name: b.payload for c, b in zip(todo, build_many([c.recipe.fix() for c in todo], timeout_s=600))
                 if isinstance(b, Built)}
     for r in rows:
         if r.case in payloads:
             r.bytes, r.prop_flop = graph_bytes(payloads[r.case]), proposed_graph_flops(payloads[r.case])
+            # re-priced by today's cost.flops: --summarize checks a change of PRICES against the
+            # measurements of an earlier run
+            r.est_flop, r.extra["by_op"] = r.prop_flop, by_op(node_costs(payloads[r.case]))
 
 
 def real_session(workdir: Path, repeats: int, threads: int = 1) -> list[str]:
@@ -1126,7 +1148,8 @@ def main(argv: list[str] | None = None) -> int:
 
         read = [Row(**json.loads(line)) for f in a.summarize for line in f.read_text().splitlines() if line.strip()]
         refill(read)
-        print("\n".join(per_op_summary(read, a.node_gflops or default_g)))
+        print("\n".join(per_op_summary(read, a.node_gflops or default_g, "min")))
+        print("\n".join(per_op_summary(read, a.node_gflops or default_g, "idle")))
         print("\n".join(summary(read, a.node_gflops or default_g)))
         print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS)))
         print("\n".join(proposed_summary(read, RECOMMENDED_GFLOPS / 2, "wall")))

@@ -47,16 +47,8 @@ ELEMENT_FLOPS: Final = 8
 # up from what the measurements needed, with at least 1.4x margin.
 
 BYTE_FLOPS: Final = 4
-FA_FACTOR: Final = {False: 3, True: 5}  # FLASH_ATTN_EXT with F16/F32 K/V, with quantized K/V
-OUT_PROD_FACTOR: Final = 6  # vec_mad rows: ~13 GFLOP/s where MUL_MAT does ~100
-# OUT_PROD with an F16 src0 (out_prod_f16_f32 converts a row per dst row and inner index): 5-7x
-# slower than q8_0's path, measured (bench/studies/compute_cost.py --only train: 1024x256x1024 in
-# 254-289 ms on one thread, 0.32 of the estimate at factor 6, 1.3 at 28); 32 keeps 1.4x
-OUT_PROD_F16_FACTOR: Final = 32
-# ADD1 of a block type (dequantize, add, quantize again per row): q4_K 4096x1024 in 6.4-8.6 ms, q2_K
-# in 5.3-6.9 ms on one thread (compute_cost.py --only train), 1.1-1.3x at 32 per element, 1.2-1.5x
-# at 48: 64 keeps 1.6x
-ADD1_BLOCK_FLOPS: Final = 64
+# MUL_MAT/MUL_MAT_ID, OUT_PROD, FLASH_ATTN_EXT, ADD1 and the conversions are priced per weight-type
+# class (PRICES below, measured per type: bench/studies/compute_cost.py --only sweep).
 CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is not F32
 SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
 POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
@@ -84,9 +76,9 @@ def moved_bytes(op: str, node: RpcTensor, srcs: Srcs) -> int:
         return 0
     if op == "GET_ROWS" and srcs[0] is not None:
         return _bytes(node) + _bytes(srcs[1]) + node.ne1 * node.ne2 * node.ne3 * row_size(srcs[0].type, srcs[0].ne0)
-    if op == "SET_ROWS" and srcs[1] is not None:
-        b = srcs[1]
-        return _bytes(b) + _bytes(srcs[2]) + b.ne1 * b.ne2 * b.ne3 * row_size(node.type, node.ne0)
+    if op == "SET_ROWS" and srcs[0] is not None:
+        b = srcs[0]  # ggml_set_rows: src[0] the rows, src[1] their indices, src[2] the table
+        return _bytes(b) + _bytes(srcs[1]) + b.ne1 * b.ne2 * b.ne3 * row_size(node.type, node.ne0)
     return _bytes(node) + sum(_bytes(t) for t in srcs)
 
 
@@ -98,18 +90,19 @@ def _matmul(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a, b = s[0], s[1]
     if a is None:
         return 2 * elements(n)
-    cls = matmul_class(a.type)
-    convert = p["convert"] * elements(b) if cls != "f32" and b is not None and b.type == F32 else 0
-    return (p["mm." + cls] * a.ne0 + p["mm_call"]) * elements(n) + convert
+    convert = 0
+    if a.type != F32 and b is not None and b.type == F32:  # from_float into q8_K for the 256-blocks: 2.2 ns
+        convert = (p["convert"] if type_class(a.type) in ("f16", "q") else p["convert_q8_K"]) * elements(b)
+    return (_price(p, "mm", a.type) * a.ne0 + p["mm_call"]) * elements(n) + convert
 
 
 def _out_prod(n: RpcTensor, s: Srcs, p: Prices) -> int:
     a = s[0]  # ops.cpp out_prod loops over src0's ne1
     if a is None:
         return 0
-    cls = matmul_class(a.type)
-    per = p["out_prod." + cls] if "out_prod." + cls in p else p["out_prod_factor"] * 2
-    return per * a.ne1 * elements(n)
+    # (ops.cpp out_prod_f32: a vec_mad per dst row and inner index; a block-type or F16 src0's
+    # row dequantized for each)
+    return _price(p, "out_prod", a.type) * a.ne1 * elements(n)
 
 
 def _flash_attn(n: RpcTensor, s: Srcs, p: Prices) -> int:
@@ -121,7 +114,7 @@ def _flash_attn(n: RpcTensor, s: Srcs, p: Prices) -> int:
     # (ops.cpp flash_attn_ext_f16_one_chunk: a kq_vec_dot of K's type, then V's row through
     # v_to_float unless F16, per query and key), priced per multiply-add by the dearer class of K
     # and V
-    per = max(p["fa." + type_class(k.type)], p["fa." + type_class(v.type)])
+    per = max(_price(p, "fa", k.type), _price(p, "fa", v.type))
     return (per * (k.ne0 + v.ne0) + p["fa_key"]) * q.ne1 * q.ne2 * q.ne3 * k.ne1  # fa_key: an expf per key
 
 
@@ -151,19 +144,30 @@ def _linear_attn_steps(n: RpcTensor, v: RpcTensor | None) -> int:
 
 
 def _wkv6(n: RpcTensor, s: Srcs, p: Prices) -> int:
-    return p["state_step"] * _linear_attn_steps(n, s[1])
+    v = s[1]  # plus a row's setup (four broadcasts, a remainder loop) per token and state row: T*C
+    return p["state_step"] * _linear_attn_steps(n, v) + p["state_row"] * (v.ne2 * n.ne0 if v is not None else 0)
 
 
 def _wkv7(n: RpcTensor, s: Srcs, p: Prices) -> int:
-    return p["state_step7"] * _linear_attn_steps(n, s[1])
+    v = s[1]
+    return p["state_step7"] * _linear_attn_steps(n, v) + p["state_row"] * (v.ne2 * n.ne0 if v is not None else 0)
+
+
+# The vector loops of SSM_SCAN (Mamba-2) and the vec_dot/vec_mad calls of GATED_DELTA_NET step
+# GGML_F32_STEP floats at a time (32 with AVX2, 64 with AVX-512) and finish the rest in a
+# scalar loop: the last ``n % SCALAR_TAIL`` of each row are priced as scalar steps.
+SCALAR_TAIL: Final = 64
 
 
 def _ssm_scan(n: RpcTensor, s: Srcs, p: Prices) -> int:
     st, x, a = s[0], s[1], s[3]
     if st is None or x is None or a is None:
         return 0
-    steps = st.ne0 * st.ne1 * x.ne1 * x.ne2 * x.ne3  # d_state * head_dim * heads * tokens * sequences
-    return p["scan_step_exp" if a.ne0 != 1 else "scan_step"] * steps
+    rows = st.ne1 * x.ne1 * x.ne2 * x.ne3  # head_dim * heads * tokens * sequences
+    if a.ne0 != 1:  # Mamba-1: expf in every step of a scalar loop
+        return p["scan_step_exp"] * st.ne0 * rows
+    tail = st.ne0 % SCALAR_TAIL
+    return (p["scan_step"] * (st.ne0 - tail) + p["scan_step_scalar"] * tail) * rows
 
 
 # -- element-wise ops whose price depends on the function (a libm call per element, or not) ---
@@ -197,8 +201,7 @@ def _convert_price(src: int, dst: int, p: Prices) -> int:
     source type's to_float), then from F32 (the destination's from_float); F32 itself is free."""
     if src == dst and src in (F32, F16, BF16):
         return p["element"]
-    out = 0 if src == F32 else p.get("dequant." + type_class(src), p["dequant"])
-    return out + (0 if dst == F32 else p.get("quant." + type_class(dst), p["quant"]))
+    return (0 if src == F32 else _price(p, "dequant", src)) + (0 if dst == F32 else _price(p, "quant", dst))
 
 
 def _sort(n: RpcTensor, s: Srcs, p: Prices) -> int:
@@ -276,8 +279,12 @@ def _gated_delta_net(n: RpcTensor, s: Srcs, p: Prices) -> int:
     v = s[2]
     if v is None:
         return 0
+    # ops.cpp:11196-11260: per head, sequence and token, S_v rows of three vector calls (a dot
+    # with k, a mad, a dot with q) over the S_v x S_v state: S_v^2 steps, S_v call triples, and
+    # the rows' scalar tails
     S_v, H, T, n_seqs = v.ne
-    return p["gdn"] * S_v * S_v * H * T * n_seqs
+    rows = S_v * H * T * n_seqs
+    return p["gdn"] * S_v * rows + (p["gdn_row"] + p["gdn_scalar"] * (S_v % SCALAR_TAIL)) * rows
 
 
 def _solve_tri(n: RpcTensor, s: Srcs, p: Prices) -> int:
@@ -302,14 +309,15 @@ def _lightning_indexer(n: RpcTensor, s: Srcs, p: Prices) -> int:
     if q is None or k is None:
         return 0
     # K re-converted to F32 for every token (its class's to_float)
-    deq = p["element"] if k.type == F32 else p.get("dequant." + type_class(k.type), p["dequant"])
+    deq = p["element"] if k.type == F32 else _price(p, "dequant", k.type)
     return p["lightning"] * elements(q) * k.ne2 + deq * elements(k) * q.ne2
 def _add1(n: RpcTensor, s: Srcs, p: Prices) -> int:
     # a block-type src0 is dequantized, incremented and quantized again row by row (ops.cpp:921
-    # add1_q_f32): ADD1_BLOCK_FLOPS per element read or written
+    # add1_q_f32): a row's to_float and from_float per element on top (the quantizers of the
+    # 256-blocks search scales: 12-300 ns per element on varied values)
     a = s[0]
-    per = p["add1_block"] if a is not None and quantized(a.type) else p["element"]
-    return per * (elements(n) + sum(elements(t) for t in s))
+    requant = _price(p, "dequant", a.type) + _price(p, "quant", a.type) if a is not None and quantized(a.type) else 0
+    return p["element"] * (elements(n) + sum(elements(t) for t in s)) + requant * elements(n)
 
 
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs, Prices], int]] = {
@@ -337,8 +345,8 @@ def flops(op: str, node: RpcTensor, srcs: Srcs, prices: Prices | None = None) ->
         return fn(node, srcs, p) + moved
     if op == "GET_ROWS" and srcs[0] is not None:  # the rows read, converted to dst's type
         return _convert_price(srcs[0].type, node.type, p) * elements(node) + moved
-    if op == "SET_ROWS" and srcs[1] is not None:  # the source rows, converted to the table's type
-        return _convert_price(srcs[1].type, node.type, p) * elements(srcs[1]) + moved
+    if op == "SET_ROWS" and srcs[0] is not None:  # the source rows, converted to the table's type
+        return _convert_price(srcs[0].type, node.type, p) * elements(srcs[0]) + moved
     if op in _CONVERTING and srcs[0] is not None and srcs[0].type != node.type:
         return _convert_price(srcs[0].type, node.type, p) * elements(node) + moved
     if op in _CONVERTING and srcs[0] is not None and srcs[0].type not in (F32, F16, BF16):  # a block copy
@@ -460,22 +468,33 @@ _FLOPS = {**_FLOPS, "CONV_2D": _conv_2d_direct, "CONV_3D": _conv_3d_direct, "CON
 
 # -- type classes --------------------------------------------------------------------------------
 #
-# Weight types grouped by what their CPU kernels cost per element (vec_dot per multiply-add,
-# to_float per element, from_float per element), measured (docs/performance.md "Compute prices
-# per op"): a class's price is the slowest of its members.
+# Weight types grouped by their CPU kernels (vec_dot per multiply-add, to_float and from_float per
+# element): a class's price covers its members as measured (docs/performance.md "Compute prices
+# per op"); a member much dearer than its class has its own entry in PRICES ("mm.q5_1").
 TYPE_CLASSES: Final[Mapping[str, str]] = {
     "f32": "f32", "f16": "f16", "bf16": "f16",
+    # 32-element blocks with a scale (llamafile_sgemm has most of them)
     "q4_0": "q", "q4_1": "q", "q5_0": "q", "q5_1": "q", "q8_0": "q", "q8_1": "q", "iq4_nl": "q", "mxfp4": "q",
     "nvfp4": "q", "q1_0": "q", "q2_0": "q",
+    # 256-element super-blocks
     "q4_K": "k", "q5_K": "k", "q6_K": "k", "q8_K": "k", "iq4_xs": "k",
     "q2_K": "low", "q3_K": "low", "tq1_0": "low", "tq2_0": "low",
+    # grid-lookup types
     "iq2_xxs": "iq", "iq2_xs": "iq", "iq2_s": "iq", "iq3_xxs": "iq", "iq3_s": "iq", "iq1_s": "iq", "iq1_m": "iq",
 }  # fmt: skip
 _CLASS_OF: Final = {tid: TYPE_CLASSES.get(t.name, "iq") for tid, t in TYPES.items()}
 
 
+def _price(p: Prices, kind: str, type_: int) -> int:
+    """The price of ``kind`` ("mm", "fa", "out_prod", "quant", "dequant") for a ggml type: the
+    type's own entry where it is much dearer than its class ("mm.q5_1"), else its class's."""
+    info = TYPES.get(type_)
+    own = p.get(f"{kind}.{info.name}") if info is not None else None
+    return own if own is not None else p[f"{kind}.{type_class(type_)}"]
+
+
 def type_class(type_: int) -> str:
-    """The price class of a ggml type id (an unknown id: the dearest class)."""
+    """The price class of a ggml type id (an unknown id: the dearest class, "iq")."""
     return _CLASS_OF.get(type_, "iq")
 
 
@@ -484,36 +503,66 @@ def matmul_class(type_: int) -> str:
     return type_class(type_)
 
 
-# -- the prices of ggml-cpu (flop-equivalents per unit) -----------------------------------------
+# -- the prices of ggml-cpu (flop-equivalents per unit, at node_gflops) ----------------------------
 #
-# What one unit of each formula's work costs on a CPU node, at node_gflops; every price is
-# rounded up from the slowest measured shape of its unit (bench/studies/compute_cost.py --only
-# sweep, one server thread; docs/performance.md "Compute prices per op"). A backend profile
-# replaces this mapping as a whole (same keys).
+# Measured with bench/studies/compute_cost.py --only sweep (the real 7.0.0 server of llama-cpp-python
+# 0.3.36, one thread, AVX2 without AVX-512, min-of-N server CPU time on the loaded 2-core VM,
+# 2026-12-07): each price is the slowest measured shape of its unit times at least 1.3, rounded up
+# (docs/performance.md "Compute prices per op" has the table and the worst/median per op).
+# One unit costs price / node_gflops seconds: at 40 GFLOP/s a price of 40 is 1 ns.
 PRICES: Final[Prices] = {
     "byte": BYTE_FLOPS, "element": ELEMENT_FLOPS, "convert": CONVERT_FLOPS,
-    # matrix products: per multiply-add (K per dst element), by src0 class
-    "mm.f32": 2, "mm.f16": 2, "mm.q": 2, "mm.k": 2, "mm.low": 2, "mm.iq": 2,
-    "mm_call": 0,  # per dst element: one vec_dot call whatever K
-    "fa_key": 0,  # FLASH_ATTN_EXT per query and key: the online softmax's expf
-    # OUT_PROD: per multiply-add (src0.ne1 per dst element), by src0 class
-    "out_prod.f32": 2 * OUT_PROD_FACTOR, "out_prod.f16": 2 * OUT_PROD_F16_FACTOR,
-    "out_prod_factor": OUT_PROD_FACTOR,
-    # conversions per element: to F32 from the class, from F32 into the class
-    "dequant": CONVERT_FLOPS, "quant": 3 * CONVERT_FLOPS,
-    # FLASH_ATTN_EXT: per multiply-add of the dots with K and the accumulation of V, by class
-    "fa.f32": 2 * FA_FACTOR[False], "fa.f16": 2 * FA_FACTOR[False], "fa.q": 2 * FA_FACTOR[True],
-    "fa.k": 2 * FA_FACTOR[True], "fa.low": 2 * FA_FACTOR[True], "fa.iq": 2 * FA_FACTOR[True],
+    # MUL_MAT / MUL_MAT_ID per multiply-add (K per dst element): F32 to Q8_0 and the K-quants run
+    # at 40-75 GFLOP/s on one thread, q5_1 and mxfp4 at 20-25, the grid types 10-30 (one token)
+    "mm.f32": 2, "mm.f16": 2, "mm.q": 2, "mm.k": 2, "mm.low": 2, "mm.iq": 6,
+    "mm.q4_1": 3, "mm.q5_0": 3, "mm.q5_1": 5, "mm.mxfp4": 5, "mm.nvfp4": 5, "mm.q1_0": 5, "mm.q2_0": 5,
+    "mm.iq4_xs": 3,
+    # src1 converted once per element to the vec_dot type: q8_0/f16 0.5 ns, q8_K 2.2 ns
+    "convert_q8_K": 128,
+    # per dst element: one vec_dot call whatever K (K = 1: 6.7 ns per element)
+    "mm_call": 320,
+    # OUT_PROD per multiply-add (src0.ne1 per dst element): a vec_mad per row, a block row
+    # dequantized per row and inner index (q2_K 0.68 ns, iq2_xxs 0.52 per multiply-add)
+    "out_prod.f32": 18, "out_prod.f16": 96, "out_prod.q": 80, "out_prod.q8_0": 24, "out_prod.k": 80,
+    "out_prod.q4_K": 24, "out_prod.low": 72, "out_prod.iq": 72,
+    # FLASH_ATTN_EXT per multiply-add of K's dot and V's accumulation (DK + DV per query and
+    # key): a quantized V row goes through to_float per query and key (q4_0, iq4_nl: 0.36 ns)
+    "fa.f32": 6, "fa.f16": 6, "fa.bf16": 12, "fa.q": 40, "fa.q8_0": 12, "fa.k": 40, "fa.q4_K": 16, "fa.low": 40,
+    "fa.iq": 40,
+    "fa_key": 320,  # per query and key: the online softmax's expf (D = 4: 5.9 ns per key)
+    # conversions per element: from the class to F32 (to_float), from F32 into the class (from_float)
+    "dequant.f16": CONVERT_FLOPS, "dequant.q": CONVERT_FLOPS, "dequant.k": 64, "dequant.low": 40,
+    "dequant.iq": 48, "dequant.f32": 0,
+    # from_float on varied values (SET_ROWS, the attacker's choice): the 256-block quantizers
+    # search their scales, q4_K 100 ns per element, q2_K 80, q6_K 40, iq4_xs 300; iq4_nl 18-28
+    "quant.f16": CONVERT_FLOPS, "quant.q": 96, "quant.iq4_nl": 1440, "quant.mxfp4": 320, "quant.k": 5248,
+    "quant.q6_K": 2112, "quant.iq4_xs": 16384, "quant.low": 4224, "quant.q3_K": 640, "quant.iq": 16384,
+    "quant.f32": 0,
     "sort": SORT_FLOPS, "pool": POOL_FLOPS, "conv_factor": CONV_FACTOR, "conv_dw": CONV_DW_FLOPS,
     "conv_t1d_factor": CONV_T1D_FACTOR, "conv_im2col": CONV_IM2COL_FLOPS, "conv_t2d_factor": CONV_T2D_FACTOR,
     "conv_t2d_dot": CONV_T2D_DOT_FLOPS, "im2col": IM2COL_FLOPS, "col2im": COL2IM_FLOPS,
     "im2col_back_tap": IM2COL_BACK_TAP_FLOPS, "pool_back_tap": POOL_BACK_TAP_FLOPS, "work_memset": WORK_MEMSET_FLOPS,
-    "add1_block": ADD1_BLOCK_FLOPS,
-    # recurrent and newer-model ops
-    "ssm_conv_tap": 2, "state_step": 4, "state_step7": 8, "scan_step": 4, "scan_step_exp": 16,
-    "gdn": GDN_FLOPS, "solve_tri": SOLVE_TRI_FLOPS, "tri": TRI_FLOPS, "lightning": LIGHTNING_FLOPS,
+    # recurrent state ops: per state step (T*C*S), per state row (T*C); a 32 MiB state streamed
+    # per token 0.39 ns per step (WKV7 0.51), a head of 17 8.3 ns per row
+    "state_step": 20, "state_step7": 28, "state_row": 448,
+    # SSM_SCAN per d_state step of a row: Mamba-2 vector 0.13 ns, its scalar tail 1.4 ns,
+    # Mamba-1 (expf each) 5.9 ns
+    "scan_step": 8, "scan_step_scalar": 80, "scan_step_exp": 320,
+    "ssm_conv_tap": 48,  # a scalar (not reassociated) dot of d_conv per dst element: 0.93 ns per tap
+    # GATED_DELTA_NET per S_v^2 step, per state row (three vector calls), per scalar-tail element
+    "gdn": GDN_FLOPS, "gdn_row": 640, "gdn_scalar": 112,
+    "solve_tri": 36, "tri": TRI_FLOPS, "lightning": 12,
     "dsv4_comb": DSV4_COMB_FLOPS, "dsv4_term": DSV4_TERM_FLOPS, "dsv4_gate": DSV4_GATE_FLOPS,
-    "timestep": 4 * ELEMENT_FLOPS,
-    # per element read or written, by op (the rest: "element")
+    "timestep": 704,  # per dst element: an expf, a cosf and a sinf per pair (17 ns per pair)
+    # per element read or written: a libm call per element (sinf, logf, sqrtf of a negative, ...)
+    # or a sequential dependency (CUMSUM), measured 2-7 ns per result element
     **{"op." + op: v for op, v in ELEMENT_FLOPS_OP.items()},
+    "op.SOFT_MAX": 72, "op.GROUP_NORM": 40, "op.ROPE": 64, "op.SIN": 176, "op.COS": 192, "op.LOG": 160,
+    "op.SQRT": 176, "op.CUMSUM": 96, "op.CROSS_ENTROPY_LOSS": 256, "op.CROSS_ENTROPY_LOSS_BACK": 256,
+    "op.SILU_BACK": 96, "op.ARGMAX": 24, "op.OPT_STEP_ADAMW": 16,
+    "unary.exp": 176, "unary.expm1": 176, "unary.xielu": 176, "unary.tanh": 160, "unary.gelu_erf": 128,
+    "unary.softplus": 128, "unary.sigmoid": 104, "unary.elu": 72, "unary.gelu_quick": 48, "unary.silu": 40,
+    "unary.gelu": 24,
+    "glu.geglu_erf": 96, "glu.swiglu_oai": 104, "glu.geglu_quick": 48, "glu.swiglu": 24, "glu.geglu": 24,
+    "glu.swiglu_clamp": 40,
 }  # fmt: skip

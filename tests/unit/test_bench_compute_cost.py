@@ -47,7 +47,7 @@ def test_payload_tensors_reads_nodes_and_every_tensor_by_id():
 
 def test_node_costs_prices_each_node_with_cost_flops_and_views_free():
     costs = cc.node_costs(mul_mat_graph(64, 32, 8))
-    mm = 2 * 64 * 32 * 8 + cc.BYTE_FLOPS * 4 * (64 * 32 + 64 * 8 + 32 * 8)  # arithmetic + bytes moved
+    mm = (cost.PRICES["mm.f32"] * 64 + cost.PRICES["mm_call"]) * 32 * 8 + cc.BYTE_FLOPS * 4 * (64 * 32 + 64 * 8 + 32 * 8)
     assert costs == [("MUL_MAT", mm), ("RESHAPE", 0)]
     assert cc.graph_flops(mul_mat_graph(64, 32, 8)) == mm
     assert cc.by_op(costs) == {"MUL_MAT": mm}
@@ -74,8 +74,9 @@ def test_set_rows_counts_only_the_cells_it_writes_of_the_cache():
     cache = tensor(spec(1, (1024, 65536, 1, 1), type_=F16, size=2))
     new = tensor(spec(2, (1024, 3, 1, 1)))
     idx = tensor(spec(3, (3, 1, 1, 1), type_=I32))
-    node = tensor(spec(4, (1024, 65536, 1, 1), type_=F16, size=2, op="SET_ROWS", src=(1, 2, 3)))
-    assert cc.node_bytes("SET_ROWS", node, [cache, new, idx]) == 4 * 1024 * 3 + 4 * 3 + 3 * 2 * 1024
+    # ggml_set_rows (ggml.c:4030): src[0] the new rows, src[1] their indices, src[2] the cache
+    node = tensor(spec(4, (1024, 65536, 1, 1), type_=F16, size=2, op="SET_ROWS", src=(2, 3, 1)))
+    assert cc.node_bytes("SET_ROWS", node, [new, idx, cache]) == 4 * 1024 * 3 + 4 * 3 + 3 * 2 * 1024
 
 
 def test_compute_seconds_is_median_wall_minus_median_round_trip_never_negative():
@@ -158,7 +159,7 @@ def test_proposed_out_prod_uses_the_inner_dimension_ne1_of_src0():
     b = tensor(spec(2, (64, 65536, 1, 1)))
     dst = tensor(spec(3, (64, 64, 1, 1), op="OUT_PROD", src=(1, 2)))
     moved = cc.BYTE_FLOPS * 4 * (64 * 65536 * 2 + 64 * 64)
-    assert cc.proposed_flops("OUT_PROD", dst, [a, b]) == cost.OUT_PROD_FACTOR * 2 * 65536 * 64 * 64 + moved
+    assert cc.proposed_flops("OUT_PROD", dst, [a, b]) == cost.PRICES["out_prod.f32"] * 65536 * 64 * 64 + moved
 
 
 def test_proposed_sort_grows_with_log_of_the_row():
@@ -176,11 +177,13 @@ def test_proposed_attention_costs_more_with_quantized_kv():
     kq = tensor(spec(2, (128, 256, 2, 1), type_=Q8_0, size=34, blck=32))
     vq = tensor(spec(3, (128, 256, 2, 1), type_=Q8_0, size=34, blck=32))
     dst = tensor(spec(4, (128, 8, 4, 1), op="FLASH_ATTN_EXT", src=(1, 2, 3)))
-    base = 2 * 4 * 8 * 1 * 256 * (128 + 128)
+    pairs = 4 * 8 * 1 * 256  # queries x heads x keys
+    fa = cost.PRICES
     ff = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kf, vf, None])
     fq = cc.proposed_flops("FLASH_ATTN_EXT", dst, [q, kq, vq, None])
-    assert ff - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kf, vf, None]) == cost.FA_FACTOR[False] * base
-    assert fq - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kq, vq, None]) == cost.FA_FACTOR[True] * base
+    assert ff - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kf, vf, None]) == (fa["fa.f16"] * 256 + fa["fa_key"]) * pairs
+    assert fq - cc.BYTE_FLOPS * cc.node_bytes("FLASH_ATTN_EXT", dst, [q, kq, vq, None]) == (fa["fa.q8_0"] * 256 + fa["fa_key"]) * pairs
+    assert fq > ff
 
 
 def test_logical_bytes_ignore_strides():

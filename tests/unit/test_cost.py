@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.cost import BYTE_FLOPS, flops, moved_bytes
+from rpcguard.protocol.cost import BYTE_FLOPS, PRICES, flops, moved_bytes
 from rpcguard.protocol.workbuf import work_bytes
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
@@ -138,7 +138,8 @@ def big_mul_mat():
 def test_matrix_product_flops():
     (a, b), d = big_mul_mat()
     moved = BYTE_FLOPS * 3 * 4 * 1024**2  # two sources and the result, 4 MiB each
-    assert flops("MUL_MAT", dec(d), [dec(a), dec(b)]) == 2 * 1024**3 + moved
+    # K multiply-adds per dst element at the F32 class's price, plus one vec_dot call each
+    assert flops("MUL_MAT", dec(d), [dec(a), dec(b)]) == (PRICES["mm.f32"] * 1024 + PRICES["mm_call"]) * 1024**2 + moved
     assert flops("VIEW", dec(d), [dec(a)]) == 0
 
 
