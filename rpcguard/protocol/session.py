@@ -362,7 +362,8 @@ class Session:
     def _answer(self, frame: bytes) -> None:
         """The proxy's own answer to the request being handled: now, or when the server has sent
         every answer it owes for earlier requests."""
-        if not self._expect and self._rsp.at_boundary:
+        if not self._expect and not self._rsp.body_remaining:
+            # (a header the server started unasked stays unexpected: response_unexpected when whole)
             self.to_client.append(frame)
             return
         self._expect.append(Expect(-1, len(frame), False, True, self._now, None, frame))

@@ -222,3 +222,13 @@ def test_the_proxys_answer_waits_for_what_the_server_owes_first():
     assert take(s.to_client) == body[:20]  # mid-body: the proxy's answer waits
     s.server_data(memoryview(body[20:]))
     assert take(s.to_client) == body[20:] + encode.response(b"\x00") and s.idle
+
+
+def test_a_stray_answer_from_the_server_stays_unexpected_around_the_proxys_answer():
+    s = session()
+    s.server_data(memoryview(encode.response(b"\x01")[:4]))  # half a header nobody asked for
+    s.client_data(memoryview(frame(query(FLASH_ATTN_BACK))))
+    assert take(s.to_client) == encode.response(b"\x00")  # the proxy's answer, at once
+    with pytest.raises(ProtocolRefusal) as e:
+        s.server_data(memoryview(encode.response(b"\x01")[4:]))
+    assert e.value.reason == "response_unexpected"
