@@ -47,7 +47,12 @@ def N(version, op: str, type: int, ne, srcs, **kw) -> TensorSpec:
 
 
 def run(version, tensors: list[TensorSpec], node: TensorSpec) -> str:
-    """"" when the graph passes at ``version``, else the refusal's reason. 2.0.0 has no op rules
+    """"" when the graph passes at ``version``, else the refusal's reason."""
+    return run_msg(version, tensors, node)[0]
+
+
+def run_msg(version, tensors: list[TensorSpec], node: TensorSpec) -> tuple[str, str]:
+    """("", "") when the graph passes at ``version``, else the refusal's reason and detail. 2.0.0 has no op rules
     in the firewall (graph.py: op ids are tied to the version from 3.6.1 on): there its row is
     applied to the node directly (opcheck.check_node), as it would be were 2.0.0 given rules."""
     if version < V361:
@@ -59,8 +64,8 @@ def run(version, tensors: list[TensorSpec], node: TensorSpec) -> str:
         try:
             check_node(rule, n, srcs, by_id)
         except FirewallRefusal as e:
-            return e.reason
-        return ""
+            return e.reason, str(e)
+        return "", ""
     st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(version))
     st.add_buffer(HANDLE, 0, SIZE)
     st.buffers[HANDLE].base = BASE
@@ -68,8 +73,8 @@ def run(version, tensors: list[TensorSpec], node: TensorSpec) -> str:
     try:
         v.check(memoryview(graph_payload([node.id], tensors + [node])), st)
     except FirewallRefusal as e:
-        return e.reason
-    return ""
+        return e.reason, str(e)
+    return "", ""
 
 
 # -- builders: (version) -> (tensors, node) ----------------------------------------------------
@@ -165,9 +170,9 @@ def pool_1d(k0, s0, p0):
     return build
 
 
-def cpy(at, bt):
+def cpy(at, bt, a_nb=None):
     def build(v):
-        a, b = T(0x10, at, (32, 2, 1, 1)), T(0x11, bt, (32, 2, 1, 1))
+        a, b = T(0x10, at, (32, 2, 1, 1), nb=a_nb), T(0x11, bt, (32, 2, 1, 1))
         return [a, b], N(v, "CPY", bt, b.ne, (0x10, 0x11), view_src=0x11, data=b.data)
     return build
 
@@ -183,6 +188,64 @@ def sqr(packed):
     def build(v):  # a [4, 2, 3] whose dims 2 are one row apart from a padded parent when not packed
         a = T(0x10, F32, (4, 2, 3, 1), nb=(4, 16, 16 * 3, 16 * 9) if not packed else None)
         return [a], N(v, "SQR", F32, a.ne, (0x10,))
+    return build
+
+
+def im2col_3d(kt, dt):
+    def build(v):  # test-backend-ops' default: input [10, 10, 10, 9], kernel [3, 3, 3, 1], IC = 3
+        a, b = T(0x10, kt, (3, 3, 3, 1)), T(0x11, F32, (10, 10, 10, 9))
+        return [a, b], N(v, "IM2COL_3D", dt, (81, 10, 10, 30), (0x10, 0x11), op_params=(1,) * 9 + (3,))
+    return build
+
+
+def conv_transpose_2d(kt):
+    def build(v):  # test-backend-ops: input [10, 7, 9, 2], kernel [3, 3, 4, 9], stride 2
+        a, b = T(0x10, kt, (3, 3, 4, 9)), T(0x11, F32, (10, 7, 9, 2))
+        return [a, b], N(v, "CONV_TRANSPOSE_2D", F32, (21, 15, 4, 2), (0x10, 0x11), op_params=(2,))
+    return build
+
+
+def pad(nb0):
+    def build(v):  # a [4, 2] (every other float of a parent when nb0 is 8) padded by 1 on the right of ne0
+        a = T(0x10, F32, (4, 2, 1, 1), nb=(nb0, 32, 64, 64))
+        return [a], N(v, "PAD", F32, (5, 2, 1, 1), (0x10,), op_params=(0, 1, 0, 0, 0, 0, 0, 0, 0))
+    return build
+
+
+def ssm_scan_groups(ng):
+    def build(v):  # the ssm_scan case above with 6 heads in ``ng`` groups (B, C [16, ng, 2, 2])
+        tensors, node = ssm_scan(1)(v)
+        nh = 6
+        tensors[0].ne, tensors[1].ne, tensors[2].ne, tensors[3].ne = (16, 3, nh, 2), (3, nh, 2, 2), (nh, 2, 2, 1), \
+            (1, nh, 1, 1)
+        tensors[4].ne = tensors[5].ne = (16, ng, 2, 2)
+        for t in tensors:
+            t.nb = None
+        node.ne = (3 * nh * 2 * 2 + 16 * 3 * nh * 2, 1, 1, 1)
+        return tensors, node
+    return build
+
+
+def binary(op, strided):
+    def build(v):
+        tensors, node = add_strided_broadcast(strided)(v)
+        node.op = op_table(v).ids[op]  # type: ignore[union-attr]
+        return tensors, node
+    return build
+
+
+def unary_like(op, packed):
+    def build(v):
+        tensors, node = sqr(packed)(v)
+        node.op = op_table(v).ids[op]  # type: ignore[union-attr]
+        return tensors, node
+    return build
+
+
+def unary_strided(uop):
+    def build(v):  # ABS etc. (unary-ops.cpp) of the sqr case's source, not packed above its rows
+        tensors, _ = sqr(False)(v)
+        return tensors, N(v, "UNARY", F32, tensors[0].ne, (0x10,), op_params=(uop,))
     return build
 
 
@@ -244,6 +307,21 @@ CASES = [
     ("ADD broadcast", add_strided_broadcast(False), [], [V2, V7]),
     ("SQR not contiguous_1", sqr(False), [V2], [V361, V7]),  # unary-ops.cpp:81
     ("SQR packed", sqr(True), [], [V2, V7]),
+    *((f"{op} not contiguous_1", unary_like(op, False), [V2], [V361, V7]) for op in ("SQRT", "LOG", "SIN", "COS")),
+    *((f"{op} strided broadcast", binary(op, True), [V2], [V361, V7]) for op in ("SUB", "MUL", "DIV")),
+    ("ABS not contiguous_1", unary_strided(0), [V2], [V361, V7]),  # unary-ops.cpp:81
+    ("GELU not contiguous_1", unary_strided(8), [], [V2, V7]),  # an ops.cpp kernel: rows only
+    # IM2COL_3D into F16 from a kernel that is not F16 (4.0.2 ops.cpp:6566)
+    ("IM2COL_3D F32 kernel -> F16", im2col_3d(F32, F16), [V361, V402], [V403, V7]),
+    ("IM2COL_3D F16 kernel -> F16", im2col_3d(F16, F16), [], [V361, V402, V7]),
+    ("CONV_TRANSPOSE_2D F32 kernel", conv_transpose_2d(F32), [V2], [V361, V7]),  # 2.0.0 ops.cpp:7219
+    ("CONV_TRANSPOSE_2D F16 kernel", conv_transpose_2d(F16), [], [V2, V7]),
+    ("PAD strided", pad(8), [V2], [V361, V7]),  # 2.0.0 ops.cpp:7866
+    ("PAD packed", pad(4), [], [V2, V7]),
+    ("SSM_SCAN 3 groups", ssm_scan_groups(3), [V2], [V361, V7]),  # 2.0.0 ops.cpp:8865
+    ("SSM_SCAN 2 groups", ssm_scan_groups(2), [], [V2, V7]),
+    ("CPY F16 -> BF16 strided", cpy(F16, BF16, (4, 128, 256, 256)), [V2], [V361, V7]),  # 2.0.0 ops.cpp:780
+    ("CPY F16 -> BF16", cpy(F16, BF16), [], [V2, V7]),  # contiguous: dup_f16's from_float branch
 ]
 
 
@@ -253,6 +331,16 @@ def test_node_refused_where_the_kernel_does_not_run_it(what, build, refused, run
         assert run(v, *build(v)) == "", (what, v)
     for v in refused:
         assert run(v, *build(v)) == REASON, (what, v)
+
+
+def test_every_gap_has_a_case():
+    hit = set()
+    for _what, build, refused, _runs in CASES:
+        for v in refused:
+            reason, msg = run_msg(v, *build(v))
+            assert reason == REASON
+            hit |= {g for g in kerneltypes.GAPS if f"op {g.op}: {g.what}:" in msg}
+    assert set(kerneltypes.GAPS) - hit == set(), [f"{g.op}: {g.what}" for g in kerneltypes.GAPS if g not in hit]
 
 
 def test_the_refusal_names_the_version_and_the_lines():
