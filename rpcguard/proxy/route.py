@@ -278,7 +278,7 @@ class Route:
         slot = self.slot
         assert slot is not None
         capacity = self.capacity
-        if slot.taken >= capacity:
+        if slot.taken >= capacity and (limits.upstream_busy != "refuse" or slot.draining):  # (else refused at once)
             log.info("session %d identity=%s waits for the upstream of listener %s: node busy, held by %s "
                      "(%d waiting before it)", link_id, identity or "-", self.name,
                      slot.held_by(asyncio.get_running_loop().time()), slot.waiting)
