@@ -100,6 +100,8 @@ class UpstreamSlot:
         self.capacity = max(1, capacity)
         loop = asyncio.get_running_loop()
         refuse = limits.upstream_busy == "refuse"
+        if self._queue:  # waiters handed a place, or gone, are no longer in line
+            self._queue = deque(f for f in self._queue if not f.done())
         if self.taken < self.capacity and not self._queue:
             self.taken += 1
         else:
@@ -111,6 +113,7 @@ class UpstreamSlot:
             handed: asyncio.Future[None] = loop.create_future()
             self._queue.append(handed)
             self.waiting += 1
+            self._wake()  # a place may be free (a larger capacity since a reload)
             try:
                 await asyncio.wait_for(asyncio.shield(handed), timeout)
             except asyncio.TimeoutError:
@@ -138,6 +141,9 @@ class UpstreamSlot:
 
     def _give_back(self) -> None:
         self.taken -= 1
+        self._wake()
+
+    def _wake(self) -> None:
         while self._queue and self.taken < self.capacity:
             handed = self._queue.popleft()
             if not handed.done():

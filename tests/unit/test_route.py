@@ -160,6 +160,20 @@ def test_a_server_process_per_session_serves_sessions_side_by_side(isolation, at
     asyncio.run(main())
 
 
+def test_a_waiter_that_timed_out_does_not_hold_up_the_next_session():
+    r = route(slot=UpstreamSlot())
+
+    async def main() -> None:
+        assert await r.take_slot(Limits(), 1) is None
+        late = await r.take_slot(Limits(queue_timeout_s=0.01), 2)
+        assert isinstance(late, Refusal) and late.reason == "upstream_busy"
+        r.slot.release(1)  # type: ignore[union-attr]
+        assert await asyncio.wait_for(r.take_slot(Limits(queue_timeout_s=5), 3), 1) is None  # at once: the place is free
+        assert r.slot.holders.keys() == {3}  # type: ignore[union-attr]
+
+    asyncio.run(main())
+
+
 def test_a_waiter_that_goes_away_gives_its_place_back():
     r = route(slot=UpstreamSlot())
 
