@@ -46,7 +46,8 @@ async def hello_probe(host: str, port: int, accepted: frozenset[Version],
         try:
             got = await asyncio.wait_for(_exchange(host, port, hello_request(era)), timeout)
         except asyncio.TimeoutError:
-            return False, f"{host}:{port} took the connection but did not answer HELLO within {timeout:g} s"
+            return False, (f"{host}:{port} took the connection but did not answer HELLO within {timeout:g} s "
+                           "(not a ggml-rpc-server, or one serving a client of its own)")
         except OSError as exc:
             return False, f"{host}:{port} unreachable ({exc.strerror or exc})"
         if got:
@@ -105,7 +106,7 @@ class UpstreamProbe:
     def read(self) -> tuple[bool, str]:
         """(ready, why) from what is known now; never waits."""
         if self._in_use():
-            return True, f"upstream {self.host}:{self.port} in use by a session"
+            return True, f"upstream in use by a session ({self.host}:{self.port})"
         v = self.verdict
         if v is None:
             return False, f"upstream {self.host}:{self.port} not probed yet"

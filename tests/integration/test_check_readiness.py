@@ -103,7 +103,7 @@ def test_serve_readyz_reflects_the_certificate_in_use_not_the_file(pki, workdir,
         assert http_get(serve.metrics_port, "/readyz")[0] == 200
         Path(cert).write_text("garbage\n")  # a broken rotation on disk; the loaded certificate still works
         status, body = http_get(serve.metrics_port, "/readyz")
-        assert status == 200 and "upstream reachable" in body, body
+        assert status == 200 and "answered HELLO" in body, body
     finally:
         serve.stop()
 
@@ -152,7 +152,7 @@ def test_serve_readyz_is_the_truth_about_its_upstream(pki, workdir, rpc_server):
     real = start_guard("serve", workdir, ["--upstream", f"127.0.0.1:{rpc_server}", *pki.serve_args()])
     try:
         status, body = http_get(liar.metrics_port, "/readyz")
-        assert status == 503 and "not a ggml-rpc-server" in body, body
+        assert status == 503 and "not a ggml-rpc-server" in body, body  # silent (it waits for a line) or a 400
         assert liar.value("rpcguard_upstream_up") == 0
         status, body = http_get(real.metrics_port, "/readyz")
         assert status == 200 and "answered HELLO, protocol" in body, body

@@ -50,7 +50,7 @@ def test_status_reads_a_tls_basic_auth_endpoint_with_readiness_and_certificate_f
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert out.startswith(f"rpcguard instance at {url}/metrics\n"), out
-    assert "  ready: yes - listener0: upstream reachable" in out, out
+    assert "  ready: yes - listener0: 127.0.0.1:" in out and "answered HELLO" in out, out
     assert "serve listener0: 0 active" in out and "protocol core: " in out, out
     # each certificate with the file it was loaded from and its expiry date
     assert f"  certificate cert {pki.path(pki.node)} expires 20" in out, out
