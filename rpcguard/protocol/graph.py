@@ -177,6 +177,8 @@ class OpRules:
     no_compute: frozenset[int]
     # content-indexed ops with no check on the index (oprules.needs_containment)
     contained_only: frozenset[int] = frozenset()
+    # the same on a CUDA node (needs_containment(op, "cuda"): CUDA checks no index, oprules/cuda.py)
+    contained_only_cuda: frozenset[int] = frozenset()
     # ops whose kernels skip an empty source (OpRule.empty_sources)
     empty_sources_ok: frozenset[int] = frozenset()
 
@@ -206,6 +208,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             none=ids["NONE"],
             no_compute=frozenset(ids[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")),
             contained_only=frozenset(ids[n] for n in ids if needs_containment(n)),
+            contained_only_cuda=frozenset(ids[n] for n in ids if needs_containment(n, "cuda")),
             empty_sources_ok=frozenset(op for op, r in rows.items() if r.empty_sources),
         )
     _RULES[key] = rules
@@ -547,6 +550,7 @@ class GraphValidator:
         empty = {p for p in npos if _empty(ne, p)}
         # a graph of one-task ops runs on one thread (workbuf.ONE_TASK_OPS, workuse.overflow)
         one_task = all(rules.name(ops[p]) in ONE_TASK_OPS for p in npos)
+        contained_only = rules.contained_only_cuda if layer == "cuda" else rules.contained_only
         total = 0  # estimated floating-point operations of the graph (cost.py)
         for i, p in enumerate(npos):
             if not i & _BUDGET_STRIDE:
@@ -556,15 +560,17 @@ class GraphValidator:
                 continue  # a PARAM leaf listed as a node: never computed
             rule = rows.get(op)
             src_pos = [getp(c[p]) if c[p] else None for c in srcs]  # src[0..9], view_src
-            if rule is not None and op in rules.contained_only and not self.contained:
+            if rule is not None and op in contained_only and not self.contained:
                 name = rules.name(op)
                 if name in self.allow_unverified or "*" in self.allow_unverified:
                     # the site forwards it uncontained: its shape rule still runs, the use counts
                     state.unverified_uses[name] = state.unverified_uses.get(name, 0) + 1
                 elif self.ops:
                     raise _refuse("op_needs_containment",
-                                  f"node id={ids[p]:#x} op {name} indexes state with tensor contents, which no shape "
-                                  "rule can bound: forwarded only to a contained server (upstream.isolation: session) "
+                                  f"node id={ids[p]:#x} op {name} indexes "
+                                  + ("device memory (unchecked on CUDA)" if layer == "cuda" else "state")
+                                  + " with tensor contents, which no shape rule can bound: forwarded only to a "
+                                  "contained server (upstream.isolation: session) "
                                   "or when named in policy.allow_unverified_ops")
             if rule is None:
                 name = rules.name(op)

@@ -28,7 +28,7 @@ from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["CudaRow", "ROWS", "NO_KERNEL", "check_node", "reach", "alloc_size", "check_alloc_tensor",
-           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX"]
+           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX", "CONTENT_INDEXED"]
 
 _T: Final = {info.name: tid for tid, info in TYPES.items()}
 F32, F16, BF16, I32, I64 = _T["f32"], _T["f16"], _T["bf16"], _T["i32"], _T["i64"]
@@ -39,6 +39,30 @@ MXFP4 = _T["mxfp4"]
 MATRIX_ROW_PADDING: Final = 512
 #: ggml-cuda.cu:897-901 ggml_backend_cuda_buffer_type_get_alignment
 ALIGNMENT: Final = 128
+
+# Ops whose CUDA kernels index memory with tensor *contents* (the CPU's view of the same ops:
+# table.CONTENT_INDEXED), what an out-of-range value does on CUDA, and where it was read. None
+# of them checks the value: "memory" = the kernel reads or writes at ``base + value*stride`` in
+# the server's device memory (table.needs_containment: forwarded only to a contained server on a
+# CUDA node, MUL_MAT_ID included); "ignored" = the kernel only compares the value (nothing is
+# addressed with it; the CPU kernel asserts it).
+CONTENT_INDEXED: Final[Mapping[str, tuple[str, str]]] = {
+    # i01 = src1[...], then src0 + i01*nb01 copied into dst (read-what-where, GET_TENSOR reads it back)
+    "GET_ROWS": ("memory", "getrows.cu:23-26, :61-64, :93-96, :121-124"),
+    # dst_row = src1[...], then dst + dst_row*s1 written (write-what-where); the fused ROPE->SET_ROWS
+    # writes at row_indices[i2]*stride the same way (rope.cu:85, :167; ggml-cuda.cu:2725-2757)
+    "SET_ROWS": ("memory", "set-rows.cu:57-63, :165-171"),
+    # i11 = src2[...], then src1 + i11*nb11 added into dst (read)
+    "ADD_ID": ("memory", "add-id.cu:14-21"),
+    # small batches (MMVQ/MMVF): channel_x = ids[...] selects the expert matrix unchecked (read);
+    # MMQ skips an unknown id (mmid.cu:51), the host fallback assert()s only (ggml-cuda.cu:2041)
+    # and then aborts on its count (ggml-cuda.cu:2051)
+    "MUL_MAT_ID": ("memory", "mmvq.cu:641, :920; mmvf.cu:33, :38"),
+    # the Mamba-2 prefill state copy src0 + ids[s]*stride (as on the CPU, ops.cpp:10049)
+    "SSM_SCAN": ("memory", "ssm-scan.cu:585"),
+    # rows[i] is only compared with the dst row it sums into: an out-of-range row adds nothing
+    "GET_ROWS_BACK": ("ignored", "getrows.cu:148-151"),
+}
 #: CUDA's limit on gridDim.y and gridDim.z (gridDim.x: 2^31 - 1); a larger launch fails with
 #: "invalid configuration", which CUDA_CHECK turns into an abort (ggml-cuda.cu:2478-2481)
 GRID_YZ_MAX: Final = 65535

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 from rpcguard.protocol.ggml import DENIED_OPS, Version
 from rpcguard.protocol.oprules import attention, conv, elementwise, layout, matmul, recurrent, reduce, training, window
-from rpcguard.protocol.oprules import kerneltypes
+from rpcguard.protocol.oprules import cuda, kerneltypes
 from rpcguard.protocol.oprules.base import OpRule
 
 # -- the table -------------------------------------------------------------------------------
@@ -76,26 +76,41 @@ REFUSED_BY_DESIGN: Mapping[str, str] = {
 }
 
 
-def needs_containment(op: str) -> bool:
-    """Whether ``op`` is forwarded only to a contained server (content-indexed, unchecked)."""
-    entry = CONTENT_INDEXED.get(op)
-    return entry is not None and entry[1] == "memory" and op not in RESIDUAL_RISK
+def content_effect(op: str, backend: str = "cpu") -> str | None:
+    """What an out-of-range index of ``op`` does on ``backend``'s kernels: "abort", "memory",
+    "ignored" (the CUDA kernel only compares it), or None (``op`` is not indexed by contents).
+    Per backend: CONTENT_INDEXED on the CPU, cuda.CONTENT_INDEXED on CUDA."""
+    if backend == "cuda":
+        entry = cuda.CONTENT_INDEXED.get(op)
+        return entry[0] if entry is not None else None
+    cpu = CONTENT_INDEXED.get(op)
+    return cpu[1] if cpu is not None else None
 
 
-def op_status(op: str, version: Version) -> str:
-    """What holds for ``op`` at ``version`` (docs/firewall.md, ``rpcguard ops``): ``verified``
-    (a rule; nothing the kernel reads depends on contents), ``verified, contents abort`` (a rule;
-    an out-of-range index aborts the server), ``verified, residual risk`` (a rule; an out-of-range
-    index reaches memory: RESIDUAL_RISK says why it is forwarded), ``contained only``, or
-    ``refused`` (no rule)."""
+def needs_containment(op: str, backend: str = "cpu") -> bool:
+    """Whether ``op`` is forwarded only to a contained server on ``backend`` (content-indexed,
+    unchecked). On the CPU, RESIDUAL_RISK's ops are forwarded anyway; on CUDA every op whose
+    kernel addresses memory with an index is contained only (an index that stays in the
+    attacker's own process can reach no other tenant's device memory), MUL_MAT_ID included."""
+    if content_effect(op, backend) != "memory":
+        return False
+    return backend == "cuda" or op not in RESIDUAL_RISK
+
+
+def op_status(op: str, version: Version, backend: str = "cpu") -> str:
+    """What holds for ``op`` at ``version`` on ``backend`` (docs/firewall.md, ``rpcguard ops``;
+    docs/gpu.md for CUDA): ``verified`` (a rule; nothing the kernel reads depends on contents, or
+    the kernel only compares them), ``verified, contents abort`` (a rule; an out-of-range index
+    aborts the server), ``verified, residual risk`` (a rule; an out-of-range index reaches memory:
+    RESIDUAL_RISK says why it is forwarded), ``contained only``, or ``refused`` (no rule)."""
     if rule_for(op, version) is None:
         return "refused"
-    if needs_containment(op):
+    if needs_containment(op, backend):
         return "contained only"
-    entry = CONTENT_INDEXED.get(op)
-    if entry is None:
+    effect = content_effect(op, backend)
+    if effect is None or effect == "ignored":
         return "verified"
-    return "verified, contents abort" if entry[1] == "abort" else "verified, residual risk"
+    return "verified, contents abort" if effect == "abort" else "verified, residual risk"
 
 
 def rule_for(op: str, version: Version) -> OpRule | None:
