@@ -624,6 +624,34 @@ def binary(fn: str, ne0: int, ne1: int, *extra: Any) -> Recipe:
     return r
 
 
+def ce_back(ne0: int, ne1: int) -> Recipe:
+    r = Recipe()
+    g, a, b = r.leaf("f32", [1]), r.leaf("f32", [ne0, ne1]), r.leaf("f32", [ne0, ne1])
+    r.values.append(a)
+    r.op("cross_entropy_loss_back", g, a, b)
+    return r
+
+
+def conv_dw(w: int, c: int, k: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, k, 1, c]), r.leaf("f32", [w, w, c])
+    r.op("conv_2d_dw_direct", kern, x, 1, 1, k // 2, k // 2, 1, 1)
+    return r
+
+
+def conv_t1d(length: int, cin: int, cout: int, k: int) -> Recipe:
+    r = Recipe()
+    kern, x = r.leaf("f32", [k, cout, cin]), r.leaf("f32", [length, cin])
+    r.op("conv_transpose_1d", kern, x, 1, 0, 1)
+    return r
+
+
+def win(w: int, c: int, size: int) -> Recipe:
+    r = Recipe()
+    r.op("win_part", r.leaf("f32", [c, w, w]), size)
+    return r
+
+
 def set_rows(ne0: int, rows: int, n: int, tdst: str) -> Recipe:
     r = Recipe()
     dst, src, idx = r.leaf(tdst, [ne0, rows]), r.leaf("f32", [ne0, n]), r.leaf("i64", [n])
@@ -725,6 +753,28 @@ def sweep_cases() -> list[Case]:
     for tb in ("q4_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "bf16", "mxfp4"):
         add_(f"cpy f32->{tb} 4096x256", cpy(4096, 256, "f32", tb))
         add_(f"set_rows f32->{tb} 4096x64 of 4096", set_rows(4096, 4096, 64, tb))
+    # the element-wise, layout and window ops at 8 per element (names start "elem ")
+    E0, E1 = 4096, 512
+    for fn, extra in (("scale", (0.5,)), ("clamp", (-1.0, 1.0)), ("leaky_relu", (0.1, False)), ("sum_rows", ()),
+                      ("sum", ()), ("mean", ()), ("l2_norm", (1e-6,)), ("diag_mask_inf", (0,)), ("fill", (1.0,)),
+                      ("argsort", (0,)), ("pad", (64, 64, 0, 0)), ("roll", (7, 3, 0, 0)),
+                      ("pad_reflect_1d", (64, 64)), ("dup", ()), ("upscale", (2, 1)), ("upscale", (2, 2))):
+        add_(f"elem {fn}{extra} {E0}x{E1}", unary(fn, E0 if fn != "upscale" else 512, E1 if fn != "upscale" else 256,
+                                                   *extra))
+    for fn in ("sub", "mul", "repeat_back"):  # COUNT_EQUAL wants I32 (the server aborts on F32; the rule refuses it)
+        add_(f"elem {fn} {E0}x{E1}", binary(fn, E0, E1))
+    add_(f"elem concat {E0}x{E1}", binary("concat", E0, E1, 1))
+    add_(f"elem soft_max_ext_back {E0}x{E1}", binary("soft_max_ext_back", E0, E1, 1.0, 0.0))
+    add_(f"elem rms_norm_back {E0}x{E1}", binary("rms_norm_back", E0, E1, 1e-6))
+    add_(f"elem cross_entropy_loss_back {E0}x64", ce_back(E0, 64))
+    add_("elem diag 2048", unary("diag", 2048, 1))
+    add_("elem tri 2048x2048", unary("tri", 2048, 2048, 0))
+    add_("elem pool_1d avg 65536x64 k=64", unary("pool_1d", 65536, 64, 1, 64, 1, 0))
+    add_("elem conv_2d_dw_direct 256x256x16 k=31", conv_dw(256, 16, 31), real=False)
+    add_("elem conv_transpose_1d L=4096 cin=64 cout=64 k=16", conv_t1d(4096, 64, 64, 16), real=False)
+    add_("elem win_part 64x64x768 w=14", win(64, 768, 14))
+    add_("elem get_rel_pos 64x127 q=64", unary("get_rel_pos", 64, 127, 64, 64, ta="f16"))
+    add_("elem argsort 32000x64", unary("argsort", 32000, 64, 0))
     for ta in ("q2_K", "iq2_xxs", "iq1_s", "iq3_s", "q6_K"):
         add_(f"get_rows {ta} 4096x32000 n=512", get_rows(4096, 32000, 512, ta))
         add_(f"cpy {ta}->f32 4096x256", cpy(4096, 256, ta, "f32"))

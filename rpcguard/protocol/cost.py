@@ -36,22 +36,20 @@ __all__ = ["flops", "moved_bytes", "seconds", "matmul_class", "type_class", "Pri
 ELEMENT_FLOPS: Final = 8
 
 
-
 # -- compute cost --------------------------------------------------------------------------
 #
 # Calibrated against the real ggml-rpc-server (bench/studies/compute_cost.py, docs/firewall.md "Compute
-# budget"): every node pays BYTE_FLOPS per byte it reads and writes on top of its arithmetic (at
-# the default rate a byte costs what the memory-bound one-token matrix products measure); the
-# arithmetic is 2*K*|dst| for matrix products, a formula for ops whose work is not proportional
-# to their elements, and a number of operations per element for the rest. Each factor was rounded
-# up from what the measurements needed, with at least 1.4x margin.
+# budget"): every node pays BYTE_FLOPS per byte it reads and writes on top of its work (at the
+# default rate a byte costs what the memory-bound one-token matrix products measure); the work is
+# counted per unit of its kernel's loops and priced by PRICES (at the end of this module), each
+# price rounded up from the slowest measured shape of its unit with at least 1.3x margin. The
+# constants below are the prices measured before the per-op sweep, kept where the sweep agreed.
 
 BYTE_FLOPS: Final = 4
 # MUL_MAT/MUL_MAT_ID, OUT_PROD, FLASH_ATTN_EXT, ADD1 and the conversions are priced per weight-type
 # class (PRICES below, measured per type: bench/studies/compute_cost.py --only sweep).
 CONVERT_FLOPS: Final = 32  # CPY/DUP/CONT/GET_ROWS/SET_ROWS with a side that is not F32
-SORT_FLOPS: Final = 32  # ARGSORT/TOP_K: per element per level of log2(ne0) (std::sort)
-POOL_FLOPS: Final = 32  # POOL_1D/2D: per dst element per kernel tap (a scalar loop)
+SORT_FLOPS: Final = 32  # TOP_K: per element per level of log2(ne0) (ARGSORT: PRICES["sort"])
 CONV_FACTOR: Final = 2  # CONV_2D (direct): multiplies 2*|dst|*KW*KH*Cin
 CONV_DW_FLOPS: Final = 96  # CONV_2D_DW: per dst element per kernel tap (a scalar loop: 1.06e9 taps in 1.9 s)
 CONV_T1D_FACTOR: Final = 4  # CONV_TRANSPOSE_1D: multiplies 2*L*K*Cout*Cin (a dot over Cin per tap)
@@ -205,10 +203,17 @@ def _convert_price(src: int, dst: int, p: Prices) -> int:
 
 
 def _sort(n: RpcTensor, s: Srcs, p: Prices) -> int:
-    a = s[0]
+    a = s[0]  # std::sort of each row's indices by value: mispredicted compares on varied values
     if a is None:
         return 0
     return p["sort"] * elements(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
+
+
+def _top_k(n: RpcTensor, s: Srcs, p: Prices) -> int:
+    a = s[0]  # a partial sort: the same bound, its own price
+    if a is None:
+        return 0
+    return p["top_k"] * elements(a) * max(1, math.ceil(math.log2(max(a.ne0, 2))))
 
 
 def _pool_1d(n: RpcTensor, s: Srcs, p: Prices) -> int:
@@ -322,7 +327,7 @@ def _add1(n: RpcTensor, s: Srcs, p: Prices) -> int:
 
 _FLOPS: Mapping[str, Callable[[RpcTensor, Srcs, Prices], int]] = {
     "MUL_MAT": _matmul, "MUL_MAT_ID": _matmul, "SSM_CONV": _ssm_conv, "OUT_PROD": _out_prod,
-    "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _sort, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
+    "FLASH_ATTN_EXT": _flash_attn, "ARGSORT": _sort, "TOP_K": _top_k, "POOL_1D": _pool_1d, "POOL_2D": _pool_2d,
     "CONV_2D": _conv_2d, "CONV_2D_DW": _conv_2d_dw, "CONV_TRANSPOSE_1D": _conv_transpose_1d, "UPSCALE": _upscale,
     # -- recurrent and newer-model ops --
     "GATED_DELTA_NET": _gated_delta_net, "SOLVE_TRI": _solve_tri, "DSV4_HC_COMB": _dsv4_hc_comb,
@@ -534,11 +539,15 @@ PRICES: Final[Prices] = {
     "dequant.f16": CONVERT_FLOPS, "dequant.q": CONVERT_FLOPS, "dequant.k": 64, "dequant.low": 40,
     "dequant.iq": 48, "dequant.f32": 0,
     # from_float on varied values (SET_ROWS, the attacker's choice): the 256-block quantizers
-    # search their scales, q4_K 100 ns per element, q2_K 80, q6_K 40, iq4_xs 300; iq4_nl 18-28
-    "quant.f16": CONVERT_FLOPS, "quant.q": 96, "quant.iq4_nl": 1440, "quant.mxfp4": 320, "quant.k": 5248,
+    # search their scales, q4_K 100 ns per element, q2_K 80, q6_K 40, iq4_xs 300; iq4_nl 18-28;
+    # F32 to F16 3.3 ns on values past F16's range
+    "quant.f16": 176, "quant.q": 96, "quant.iq4_nl": 1440, "quant.mxfp4": 320, "quant.k": 5248,
     "quant.q6_K": 2112, "quant.iq4_xs": 16384, "quant.low": 4224, "quant.q3_K": 640, "quant.iq": 16384,
     "quant.f32": 0,
-    "sort": SORT_FLOPS, "pool": POOL_FLOPS, "conv_factor": CONV_FACTOR, "conv_dw": CONV_DW_FLOPS,
+    # ARGSORT per element and level (32000x64 of varied values: 6.6 ns per element-level);
+    # TOP_K's partial sort 0.2x of SORT_FLOPS' estimate; pooling and UPSCALE per tap (POOL_1D
+    # avg k = 64: 1.4 ns per tap)
+    "sort": 288, "top_k": SORT_FLOPS, "pool": 80, "conv_factor": CONV_FACTOR, "conv_dw": CONV_DW_FLOPS,
     "conv_t1d_factor": CONV_T1D_FACTOR, "conv_im2col": CONV_IM2COL_FLOPS, "conv_t2d_factor": CONV_T2D_FACTOR,
     "conv_t2d_dot": CONV_T2D_DOT_FLOPS, "im2col": IM2COL_FLOPS, "col2im": COL2IM_FLOPS,
     "im2col_back_tap": IM2COL_BACK_TAP_FLOPS, "pool_back_tap": POOL_BACK_TAP_FLOPS, "work_memset": WORK_MEMSET_FLOPS,
@@ -560,8 +569,10 @@ PRICES: Final[Prices] = {
     "op.SOFT_MAX": 72, "op.GROUP_NORM": 40, "op.ROPE": 64, "op.SIN": 176, "op.COS": 192, "op.LOG": 160,
     "op.SQRT": 176, "op.CUMSUM": 96, "op.CROSS_ENTROPY_LOSS": 256, "op.CROSS_ENTROPY_LOSS_BACK": 256,
     "op.SILU_BACK": 96, "op.ARGMAX": 24, "op.OPT_STEP_ADAMW": 16,
+    # a reduction per row (SUM, MEAN, SUM_ROWS: 1.7-1.9x at 8), PAD's index test per element (3x)
+    "op.SUM": 24, "op.MEAN": 24, "op.SUM_ROWS": 24, "op.PAD": 64, "op.CONCAT": 24, "op.RMS_NORM_BACK": 16,
     "unary.exp": 176, "unary.expm1": 176, "unary.xielu": 176, "unary.tanh": 160, "unary.gelu_erf": 128,
-    "unary.softplus": 128, "unary.sigmoid": 104, "unary.elu": 72, "unary.gelu_quick": 48, "unary.silu": 40,
+    "unary.softplus": 160, "unary.sigmoid": 144, "unary.elu": 72, "unary.gelu_quick": 48, "unary.silu": 40,
     "unary.gelu": 24,
     "glu.geglu_erf": 96, "glu.swiglu_oai": 104, "glu.geglu_quick": 48, "glu.swiglu": 24, "glu.geglu": 24,
     "glu.swiglu_clamp": 40,

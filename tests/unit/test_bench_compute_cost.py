@@ -167,8 +167,8 @@ def test_proposed_sort_grows_with_log_of_the_row():
     long_ = tensor(spec(1, (1024, 8, 1, 1)))
     f = [cc.proposed_flops("ARGSORT", tensor(spec(2, (t.ne0, 8, 1, 1), type_=I32, op="ARGSORT", src=(1,))), [t])
          for t in (short, long_)]
-    assert f[0] == cost.SORT_FLOPS * 32 * 2 + cc.BYTE_FLOPS * 2 * 4 * 32
-    assert f[1] == cost.SORT_FLOPS * 8192 * 10 + cc.BYTE_FLOPS * 2 * 4 * 8192
+    assert f[0] == cost.PRICES["sort"] * 32 * 2 + cc.BYTE_FLOPS * 2 * 4 * 32
+    assert f[1] == cost.PRICES["sort"] * 8192 * 10 + cc.BYTE_FLOPS * 2 * 4 * 8192
 
 
 def test_proposed_attention_costs_more_with_quantized_kv():

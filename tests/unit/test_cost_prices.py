@@ -226,10 +226,10 @@ def test_set_rows_pays_to_quantize_the_rows_it_writes():
     assert arith / G >= 4096 * 64 * 100e-9 / 3
     # the bytes are the rows read and written, not the table
     assert moved_bytes("SET_ROWS", n, ins) == 4 * 4096 * 64 + 8 * 64 + 64 * (4096 // 256) * 144
-    # F32 into F16 stays cheap (a KV cache write)
+    # F32 into F16 (a KV cache write) is 30x cheaper than into q4_K
     f16 = T(0x12, F16, (4096, 4096, 1, 1))
     n16 = dec(T(0x20, F16, (4096, 4096, 1, 1), op=OPS["SET_ROWS"], src=(0x10, 0x11, 0x12)))
-    assert flops("SET_ROWS", n16, [dec(rows), dec(idx), dec(f16)]) < arith / 50
+    assert flops("SET_ROWS", n16, [dec(rows), dec(idx), dec(f16)]) < arith / 25
 
 
 def test_get_rows_pays_the_table_types_to_float_per_element():
@@ -238,3 +238,10 @@ def test_get_rows_pays_the_table_types_to_float_per_element():
     n, ins = dec(out), [dec(table), dec(idx)]
     assert flops("GET_ROWS", n, ins) - PRICES["byte"] * moved_bytes("GET_ROWS", n, ins) == (
         PRICES["dequant.iq"] * 4096 * 512)
+
+
+@pytest.mark.parametrize("kind", ["mm", "fa", "out_prod", "quant", "dequant"])
+def test_every_type_has_a_price_of_every_kind(kind):
+    # a type no class names falls into the dearest class: never a KeyError on the validation path
+    for t in [*TYPES, 999]:
+        assert cost._price(PRICES, kind, t) >= 0
