@@ -41,6 +41,9 @@ MARKERS = (
     ("ubsan", re.compile(r"(\S+:\d+:\d+): runtime error: (.*)")),
     ("ubsan", re.compile(r"ERROR: UndefinedBehaviorSanitizer: (.*)")),
     ("ggml_abort", re.compile(r"^\S+\.(?:c|cpp|h):\d+: .*$", re.M)),  # ggml_abort(): "file:line: msg"
+    # the plain server under valgrind memcheck (a stand-in where no ASan build is at hand: a wrapper
+    # as $REALPEER_ASAN_SERVER_BIN running `valgrind --exit-on-first-error=yes ... ggml-rpc-server`)
+    ("valgrind", re.compile(r"==\d+== (Invalid (?:read|write) of size \d+)\s+==\d+==\s+at 0x[0-9A-F]+: (\S+)")),
 )
 
 
@@ -81,6 +84,8 @@ def classify_log(text: str) -> tuple[str, str] | None:
                 ours = [f for f in frames if "llama.cpp/" in f[1]] or frames
                 if ours:
                     line += f" at {ours[0][0]} {ours[0][1].split('vendor/llama.cpp/')[-1]}"
+            if kind == "valgrind":
+                line = f"valgrind: {m.group(1)} at {m.group(2)}"
             return kind, line.split("vendor/llama.cpp/")[-1][:300]
     return None
 
