@@ -15,6 +15,7 @@ from typing import Any
 
 from rpcguard.config.read import FromFlag, Section, boolean, choice, duration, list_of, parse_size, reader, show
 from rpcguard.errors import ConfigError
+from rpcguard.upstream import gpu
 from rpcguard.upstream.pool import HOST_OPTIONS, ISOLATIONS, UpstreamSettings
 from rpcguard.upstream.sandbox import SANDBOX_MODES, SandboxSettings
 
@@ -92,4 +93,6 @@ def parse_upstream(data: Any, path: str) -> UpstreamSettings:
                       ("duration_s", "quarantine_s")):
         if key in qkw:
             kw[attr] = qkw[key]
-    return UpstreamSettings(exec=argv, sandbox=SandboxSettings(**sbkw), **kw)
+    # a GPU listener keeps the default isolation, one sandboxed process per session: content-indexed
+    # ops reach device memory unchecked on CUDA (docs/gpu.md); another is said loudly at start
+    return UpstreamSettings(exec=argv, sandbox=SandboxSettings(**sbkw), gpu=gpu.uses_gpu(argv), **kw)

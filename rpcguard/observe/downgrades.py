@@ -11,7 +11,9 @@ its request checks only to a node that runs them all.
 ``report(cfg, metrics, web)`` runs at start and after every reload (server.Runtime): one WARNING
 per listener that does not enforce, per serve listener whose ``--upstream`` server (one process
 someone else runs) is shared by more than one allowed identity (``shared_upstream``: no process
-boundary between tenants; ``serve -- ggml-rpc-server`` gives each session its own), and for a
+boundary between tenants; ``serve -- ggml-rpc-server`` gives each session its own), per serve
+listener on a GPU node whose server is not one sandboxed process per session (``gpu_uncontained``:
+the CUDA kernels of the content-indexed ops check no index, docs/gpu.md), and for a
 metrics endpoint served beyond loopback without TLS and authentication, and the gauges ``rpcguard_listener_enforcing{role,listener}``,
 ``rpcguard_listener_switched_off{role,listener,what}`` and ``rpcguard_metrics_unprotected{role}``
 (alerts in deploy/prometheus/rpcguard-rules.yml, runbook entries in docs/runbook.md).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+from rpcguard.protocol.oprules import cuda, needs_containment
 from rpcguard.protocol.settings import CHECK_NAMES, Profile, SessionPolicy
 
 if TYPE_CHECKING:
@@ -29,8 +32,8 @@ if TYPE_CHECKING:
     from rpcguard.observe.metrics import Metrics
     from rpcguard.observe.webconfig import WebConfig
 
-__all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "switched_off", "item_switched_off", "enforces", "report",
-           "shared_upstream"]
+__all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "CUDA_INDEX_OPS", "switched_off", "item_switched_off", "enforces",
+           "report", "shared_upstream", "gpu_node", "gpu_uncontained"]
 
 log = logging.getLogger("rpcguard.downgrades")
 
@@ -43,11 +46,18 @@ _MEANING: Mapping[str, str] = {
     "shared_upstream": "one --upstream server shared by more than one allowed identity: nothing but the "
                        "firewall stands between tenants (its memory, its -c cache, a crash); for a shared node "
                        "run `serve -- ggml-rpc-server` (a sandboxed process per session, docs/containment.md)",
+    "gpu_uncontained": "a GPU node whose server is not one sandboxed process per session: on CUDA, GET_ROWS, "
+                       "SET_ROWS, ADD_ID, MUL_MAT_ID and SSM_SCAN address device memory with row indices no kernel "
+                       "checks (read and write anywhere in the server process every tenant's tensors live in), "
+                       "and one sticky CUDA fault ends every tenant's session; `serve -- ggml-rpc-server` with "
+                       "upstream.isolation: session (the default) confines both to the tenant (docs/gpu.md)",
 }
 SWITCHED_OFF: tuple[str, ...] = tuple(_MEANING)
 # What makes a listener not enforcing (the unverified ops are allowed by name and counted per use;
 # a shared upstream is a deployment's choice the firewall still enforces in front of).
-NOT_ENFORCING: frozenset[str] = frozenset(SWITCHED_OFF) - {"unverified_ops", "shared_upstream"}
+NOT_ENFORCING: frozenset[str] = frozenset(SWITCHED_OFF) - {"unverified_ops", "shared_upstream", "gpu_uncontained"}
+#: the ops a GPU node forwards only to a contained server (oprules.needs_containment on CUDA)
+CUDA_INDEX_OPS: tuple[str, ...] = tuple(op for op in cuda.CONTENT_INDEXED if needs_containment(op, "cuda"))
 
 
 def switched_off(policy: SessionPolicy) -> tuple[str, ...]:
@@ -92,6 +102,47 @@ def shared_upstream(item: ListenerConfig | TunnelConfig) -> bool:
     return names > 1
 
 
+def gpu_node(item: ListenerConfig | TunnelConfig) -> bool:
+    """A serve listener whose server uses a GPU: a profile says ``policy.backend: cuda``, or serve
+    runs the server (``upstream.exec``) and it may open a GPU (UpstreamSettings.gpu, the config's
+    upstream.gpu.uses_gpu: its -d names one, or it names none on a host with NVIDIA GPUs) with no
+    profile holding it to ``cpu``. An
+    ``--upstream`` server counts only by the setting (serve cannot see its devices before a
+    session asks; under ``auto`` a session that detects CUDA gets the CUDA layer anyway)."""
+    if not hasattr(item, "managed"):
+        return False
+    backends = {p.policy.firewall.backend for p in _profiles(item.default, _item_profiles(item))}
+    if "cuda" in backends:
+        return True
+    managed = getattr(item, "managed", None)
+    return managed is not None and backends != {"cpu"} and managed.gpu
+
+
+def gpu_uncontained(item: ListenerConfig | TunnelConfig) -> str:
+    """Why a GPU listener's server is not one sandboxed process per session ('' when it is, or
+    when the listener is not on a GPU node): what UpstreamPool.contained needs, read from the config."""
+    if not gpu_node(item):
+        return ""
+    managed = getattr(item, "managed", None)
+    if managed is None:
+        return "--upstream: one server someone else runs"
+    if managed.isolation != "session":
+        return f"upstream.isolation: {managed.isolation}"
+    if managed.sandbox.mode == "off":
+        return "upstream.sandbox.mode: off"
+    return ""
+
+
+def _acknowledged(item: ListenerConfig | TunnelConfig) -> list[str]:
+    """CUDA_INDEX_OPS that a profile of ``item`` forwards uncontained (allow_unverified_ops)."""
+    out = []
+    for op in CUDA_INDEX_OPS:
+        if any(op in p.policy.firewall.allow_unverified_ops or "*" in p.policy.firewall.allow_unverified_ops
+               for p in _profiles(item.default, _item_profiles(item))):
+            out.append(op)
+    return out
+
+
 def _item_profiles(item: ListenerConfig | TunnelConfig) -> Mapping[str, Profile]:
     return getattr(item, "profiles", {})
 
@@ -107,6 +158,22 @@ def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[
         if shared_upstream(item):
             enforcement[(cfg.role, item.name)] |= {"shared_upstream"}
             lines.append(f"{cfg.role} {cfg.side.item} {item.name}: SHARED UPSTREAM: {_MEANING['shared_upstream']}")
+        why = gpu_uncontained(item)
+        if why:
+            enforcement[(cfg.role, item.name)] |= {"gpu_uncontained"}
+            acked = _acknowledged(item)
+            refused = [op for op in CUDA_INDEX_OPS if op not in acked]
+            lines.append(f"{cfg.role} {cfg.side.item} {item.name}: GPU NODE NOT CONTAINED ({why}): "
+                         f"{_MEANING['gpu_uncontained']}"
+                         + (f"; FORWARDED UNCONTAINED (a profile's policy.allow_unverified_ops): {', '.join(acked)}, "
+                            "each use counted in rpcguard_unverified_op_nodes_total" if acked else "")
+                         + (f"; refused op_needs_containment on a CUDA device: {', '.join(refused)}"
+                            + (" (every model uses GET_ROWS and SET_ROWS: its graphs are refused until they are "
+                               "named there)" if "GET_ROWS" in refused or "SET_ROWS" in refused else "")
+                            if refused else ""))
+        elif gpu_node(item):
+            log.info("%s %s %s: GPU node: one sandboxed server process per session (upstream.isolation: session); "
+                     "%s forwarded to it only", cfg.role, cfg.side.item, item.name, ", ".join(CUDA_INDEX_OPS))
         breaking = {name: [w for w in whats if w in NOT_ENFORCING] for name, whats in off.items()}
         breaking = {name: whats for name, whats in breaking.items() if whats}
         if not breaking:

@@ -89,6 +89,9 @@ class UpstreamSettings:
     quarantine_crashes: int = 3  # crashes of one identity within the window ...
     quarantine_window_s: float = 600.0
     quarantine_s: float = 900.0  # ... refuse it this long (0: never quarantine)
+    # the server may open a GPU (gpu.uses_gpu of exec, set by the config): a GPU listener, said at
+    # start (observe/downgrades.py: contained, or gpu_uncontained)
+    gpu: bool = False
 
     @property
     def uses_cache(self) -> bool:

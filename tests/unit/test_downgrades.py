@@ -35,7 +35,7 @@ def test_what_a_policy_switches_off():
     off = SessionPolicy(firewall=FirewallPolicy(disabled_checks=frozenset({"graph_ops", "tensor"}),
                                                 allow_unverified_ops=frozenset({"SSM_SCAN"})))
     assert downgrades.switched_off(off) == ("check_tensor", "check_graph_ops", "unverified_ops")
-    assert set(downgrades.SWITCHED_OFF) == {"monitor_mode", "unverified_ops", "shared_upstream",
+    assert set(downgrades.SWITCHED_OFF) == {"monitor_mode", "unverified_ops", "shared_upstream", "gpu_uncontained",
                                             *(f"check_{c}" for c in CHECK_NAMES)}
 
 
