@@ -73,7 +73,11 @@ def step_backend(server: str, out: Path, expect: str) -> bool:
 
 def _config(workdir: Path, expect: str) -> Path:
     cfg = workdir / "serve-gpu.yaml"
-    cfg.write_text(f"policy:\n  backend: {expect}\n")
+    # the pair's server is --upstream, not contained: on CUDA the index ops (GET_ROWS, SET_ROWS,
+    # ADD_ID, MUL_MAT_ID; every model) are forwarded only as the operator's acknowledgement
+    # (docs/gpu.md "Index ops on a GPU"), so that test-backend-ops and llama-bench run at all
+    ack = "  allow_unverified_ops: [GET_ROWS, SET_ROWS, ADD_ID, MUL_MAT_ID]\n" if expect == "cuda" else ""
+    cfg.write_text(f"policy:\n  backend: {expect}\n{ack}")
     return cfg
 
 
