@@ -624,6 +624,71 @@ def binary(fn: str, ne0: int, ne1: int, *extra: Any) -> Recipe:
     return r
 
 
+def arange(n: int) -> Recipe:
+    r = Recipe()
+    r.op("arange", 0.0, float(n), 1.0)
+    return r
+
+
+def acc_set(fn: str) -> Recipe:
+    r = Recipe()
+    a, b = r.leaf("f32", [4096, 512]), r.leaf("f32", [2048, 256])
+    r.op(fn, a, b, 4096 * 4, 4096 * 512 * 4, 4096 * 512 * 4, 0)
+    return r
+
+
+def add_id(ne0: int, n_expert: int, n_used: int, t: int) -> Recipe:
+    r = Recipe()
+    a, b, ids = r.leaf("f32", [ne0, n_used, t]), r.leaf("f32", [ne0, n_expert]), r.leaf("i32", [n_used, t])
+    r.spread.append((ids, n_expert))
+    r.op("add_id", a, b, ids)
+    return r
+
+
+def repeat(ne0: int, ne1: int) -> Recipe:
+    r = Recipe()
+    a, b = r.leaf("f32", [ne0, 1]), r.leaf("f32", [ne0, ne1])
+    r.op("repeat", a, b)
+    return r
+
+
+def get_rows_back(ne0: int, n: int, rows: int) -> Recipe:
+    r = Recipe()
+    g, idx, shape = r.leaf("f32", [ne0, n]), r.leaf("i32", [n]), r.leaf("f32", [ne0, rows])
+    r.spread.append((idx, rows))
+    r.op("get_rows_back", g, idx, shape)
+    return r
+
+
+def sgd(n: int) -> Recipe:
+    r = Recipe()
+    r.leaves.append({"type": "f32", "ne": [n, 1, 1, 1], "param": True})
+    w = len(r.leaves) - 1
+    g, p = r.leaf("f32", [n]), r.leaf("f32", [2])
+    r.op("opt_step_sgd", w, g, p)
+    return r
+
+
+def win_unpart(w: int, c: int, size: int) -> Recipe:
+    r = Recipe()
+    n = -(-w // size)
+    r.op("win_unpart", r.leaf("f32", [c, size, size, n * n]), w, w, size)
+    return r
+
+
+def count_equal(ne0: int, ne1: int) -> Recipe:
+    r = Recipe()
+    r.op("count_equal", r.leaf("i32", [ne0, ne1]), r.leaf("i32", [ne0, ne1]))
+    return r
+
+
+def rope_back(d: int, h: int, t: int) -> Recipe:
+    r = Recipe()
+    a, pos = r.leaf("f32", [d, h, t]), r.leaf("i32", [t])
+    r.op("rope_ext_back", a, pos, None, d, 0, 4096, *ROPE_TAIL)
+    return r
+
+
 def ce_back(ne0: int, ne1: int) -> Recipe:
     r = Recipe()
     g, a, b = r.leaf("f32", [1]), r.leaf("f32", [ne0, ne1]), r.leaf("f32", [ne0, ne1])
@@ -775,6 +840,13 @@ def sweep_cases() -> list[Case]:
     add_("elem win_part 64x64x768 w=14", win(64, 768, 14))
     add_("elem get_rel_pos 64x127 q=64", unary("get_rel_pos", 64, 127, 64, 64, ta="f16"))
     add_("elem argsort 32000x64", unary("argsort", 32000, 64, 0))
+    add_("elem diag_mask_zero 4096x512", unary("diag_mask_zero", E0, E1, 0))
+    add_("elem arange 2M", arange(1 << 21))
+    for fn, recipe in (("acc", acc_set("acc")), ("set", acc_set("set")), ("add_id", add_id(4096, 8, 2, 512)),
+                       ("repeat", repeat(E0, E1)), ("get_rows_back", get_rows_back(E0, 512, 32000)),
+                       ("opt_step_sgd", sgd(1 << 22)), ("win_unpart", win_unpart(64, 768, 14)),
+                       ("count_equal", count_equal(E0, E1)), ("rope_back", rope_back(128, 32, 512))):
+        add_(f"elem {fn}", recipe)
     for ta in ("q2_K", "iq2_xxs", "iq1_s", "iq3_s", "q6_K"):
         add_(f"get_rows {ta} 4096x32000 n=512", get_rows(4096, 32000, 512, ta))
         add_(f"cpy {ta}->f32 4096x256", cpy(4096, 256, ta, "f32"))
