@@ -191,3 +191,17 @@ def test_logical_bytes_ignore_strides():
     v = decode_tensor(pack_tensor(TensorSpec(id=1, ne=(16, 1000, 1, 1), nb=(4, 0, 0, 0))))
     dst = tensor(spec(2, (16, 1000, 1, 1), op="ADD", src=(1, 1)))
     assert cc.node_bytes("ADD", dst, [v, v]) == 3 * 4 * 16 * 1000
+
+
+def test_per_op_summary_groups_by_op_and_class_and_flags_under_pricing():
+    # two q2_K products, one measured 4x its estimate (UNDER), one F32 at a third of it
+    est = int(40e9 * 0.01)  # 10 ms at 40 GFLOP/s
+    rows = [cc.Row("mul_mat q2_K K=1 M=1 N=1", "sweep", 1, est, 0.04, extra={"by_op": {"MUL_MAT": est}, "cpus": [0.04]}),
+            cc.Row("mul_mat q2_K K=2 M=1 N=1", "sweep", 1, est, 0.005, extra={"by_op": {"MUL_MAT": est}, "cpus": [0.005]}),
+            cc.Row("mul_mat f32 K=1 M=1 N=1", "sweep", 1, est, 0.003, extra={"by_op": {"MUL_MAT": est}, "cpus": [0.004, 0.003]})]
+    assert [cc.group_of(r) for r in rows] == ["MUL_MAT low", "MUL_MAT low", "MUL_MAT f32"]
+    lines = cc.per_op_summary(rows, 40.0, "min")
+    low = next(x for x in lines if x.startswith("| MUL_MAT low"))
+    assert "| 2 | 4 |" in low and "UNDER > 3x" in low
+    f32 = next(x for x in lines if x.startswith("| MUL_MAT f32"))
+    assert "| 0.3 |" in f32 and "UNDER" not in f32  # min of the CPU times, 0.003 s
