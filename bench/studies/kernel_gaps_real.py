@@ -38,6 +38,7 @@ from tests.support import realpeer
 
 Version = tuple[int, int, int]
 CMD = COMMAND_IDS
+MAX_BUFFERS = 1 << 30  # a case needing more server memory is skipped (limits cases reach 100s of GiB)
 BIG_FILL = 16 << 20  # bytes of random leaf data at most per tensor
 IO_S = 20.0  # seconds a graph may compute before the case counts as hung (the server is restarted)
 
@@ -52,6 +53,27 @@ def translate(case: gen.Case, version: Version) -> gen.Case | None:
             return None
         out.append(gen.Tensor(**{**t.__dict__, "op": ids[name]}))
     return gen.Case(**{**case.__dict__, "tensors": out})
+
+
+FLOATS = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16: element bytes
+
+
+def retyped(case: gen.Case, to: int) -> gen.Case | None:
+    """``case`` with every float tensor (all of one type) made ``to``: strides, offsets and buffers
+    scaled by the element sizes; None when the case mixes float types or a stride does not divide."""
+    kinds = {t.type for t in case.tensors if t.type in FLOATS}
+    if len(kinds) != 1 or any(t.type not in FLOATS and t.buf >= 0 for t in case.tensors):
+        return None
+    (old,) = kinds
+    num, den = FLOATS[to], FLOATS[old]
+    out = []
+    for t in case.tensors:
+        if any(x * num % den for x in (*t.nb, t.offs, t.view_offs)):
+            return None
+        out.append(gen.Tensor(**{**t.__dict__, "type": to, "nb": tuple(x * num // den for x in t.nb),
+                                 "offs": t.offs * num // den, "view_offs": t.view_offs * num // den}))
+    buffers = [-(-size * num // den) for size in case.buffers]
+    return gen.Case(**{**case.__dict__, "tensors": out, "buffers": buffers, "variant": case.variant + f"|as{to}"})
 
 
 def judged(case: gen.Case, version: Version) -> str | None:
@@ -166,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", help="comma-separated op names (default: every op with a 7.0.0 rule)")
     ap.add_argument("--count", type=int, default=4, help="accepted (7.0.0) cases per op")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--retype", action="store_true", help="also run each case with its float tensors as "
+                    "F32, F16 and BF16 (the type switches of the kernels)")
     a = ap.parse_args(argv)
     names = a.ops.split(",") if a.ops else gen.ops()
     findings = 0
@@ -183,24 +207,30 @@ def main(argv: list[str] | None = None) -> int:
                     if op not in rules.names or rules.rows.get(rules.names.index(op)) is None:
                         counts["op without a rule here"] += 1
                         continue
-                    for case, _ in gen.generate(op, a.seed, a.count):
-                        if case is None:
+                    for drawn, _ in gen.generate(op, a.seed, a.count):
+                        if drawn is None:
                             continue
-                        moved = translate(case, v)
-                        if moved is None:
-                            counts["op not in this version"] += 1
-                            continue
-                        why = judged(moved, v)
-                        if why:
-                            counts[f"refused {why}"] += 1
-                            continue
-                        got = server.run(moved, random.Random(f"{a.seed}:{op}:{case.index}"))
-                        counts[got.split(":")[0].split(" ")[0]] += 1
-                        if got != "ok":
-                            findings += got.startswith("died")
-                            print(f"{vs} {op}: {got}\n    {moved.describe()}", flush=True)
-                            server.stop()
-                            server.start()
+                        variants = [drawn] + ([x for to in FLOATS if (x := retyped(drawn, to)) is not None]
+                                              if a.retype else [])
+                        for case in variants:
+                            moved = translate(case, v)
+                            if moved is None:
+                                counts["op not in this version"] += 1
+                                continue
+                            why = judged(moved, v)
+                            if why:
+                                counts[f"refused {why}"] += 1
+                                continue
+                            if sum(moved.buffers) > MAX_BUFFERS:
+                                counts["skipped: buffers past MAX_BUFFERS"] += 1
+                                continue
+                            got = server.run(moved, random.Random(f"{a.seed}:{op}:{case.index}"))
+                            counts[got.split(":")[0].split(" ")[0]] += 1
+                            if got != "ok":
+                                findings += got.startswith("died")
+                                print(f"{vs} {op}: {got}\n    {moved.describe()}", flush=True)
+                                server.stop()
+                                server.start()
             finally:
                 server.stop()
             print(f"{vs}: {dict(sorted(counts.items()))} in {time.monotonic() - t0:.0f} s", flush=True)
