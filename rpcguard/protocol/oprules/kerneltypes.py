@@ -20,7 +20,9 @@ differences (type switch cases, type tests and GGML_ASSERTs per kernel function,
 type_traits_cpu fields); each row below was read from the lines it cites (``V file:LINE`` of
 that version's sdist; ``7: file:LINE`` is 0.3.36's). Type ids a version does not have are
 refused before this (tensor.py, TYPE_COUNT_BY_VERSION), so the new block types the 7.0.0 kernels
-list (Q1_0, Q2_0, NVFP4) are not rows here.
+list (Q1_0, Q2_0, NVFP4) are not rows here. Checked against the real 4.0.1, 4.0.3, 5.1.0 and
+6.0.0 servers: tests/integration/test_kerneltypes_real.py, bench/studies/kernel_gaps_real.py
+(docs/matrix.md "Kernel types per release").
 """
 
 from __future__ import annotations
@@ -32,15 +34,14 @@ from typing import Callable, Final, Mapping
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import TYPES, Version
 from rpcguard.protocol.oprules.base import (
-    BF16, F16, F32, I32, QUANTIZED, OpRule, Result, Srcs, is_contiguous, rows_contiguous,
+    BF16, F16, F32, I32, QUANTIZED, OpRule, Result, Srcs, is_contiguous,
 )
 from rpcguard.protocol.oprules.matmul import VEC_DOT
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["KernelGap", "GAPS", "REASON", "gaps_for", "check", "bind"]
+__all__ = ["KernelGap", "GAPS", "REASON", "gaps_for", "check", "bind", "gaps_markdown"]
 
 REASON: Final = "type_not_supported_by_version"
-I64: Final = 27
 ABORT, MEMORY = "abort", "memory"
 
 Hits = Callable[[RpcTensor, Srcs], bool]
