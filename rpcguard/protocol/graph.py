@@ -604,13 +604,14 @@ class GraphValidator:
                 if self.tensor_checks == STRICT:  # flat rows, rule.reach: inside the buffers
                     check_reach(rule, node, node_srcs, state)
                 check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT)
-            work = work_bytes(rule.op, node, node_srcs, self.server_threads)
-            if work > self.max_work_bytes:
-                raise _refuse("graph_work_too_large",
-                              f"node id={node.id:#x} op {rule.op}: the CPU planner would allocate {work} bytes of "
-                              f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
-            if p not in empty:
-                check_work_use(rule.op, node, node_srcs, self.server_threads, 1 if one_task else None)
+            if layer == "cpu":  # the CPU planner's work buffer: no other backend runs ggml_graph_plan
+                work = work_bytes(rule.op, node, node_srcs, self.server_threads)
+                if work > self.max_work_bytes:
+                    raise _refuse("graph_work_too_large",
+                                  f"node id={node.id:#x} op {rule.op}: the CPU planner would allocate {work} bytes of "
+                                  f"work buffer for {self.server_threads} threads (cap {self.max_work_bytes})")
+                if p not in empty:
+                    check_work_use(rule.op, node, node_srcs, self.server_threads, 1 if one_task else None)
             # the layer's cost profile (protocol/costprofile.py): cost.flops on the CPU
             cost = 0 if p in empty else node_cost(layer, rule.op, node, node_srcs, self.node_flops)
             total += cost

@@ -283,3 +283,16 @@ def test_the_acceptance_generators_cases_fit_the_planners_reservation(op):
     assert kept >= 12
     if op in ("CPY", "SET_ROWS"):
         assert refused, f"no {op} candidate at the planner's edge was refused work_buffer_overflow"
+
+
+def test_the_cpu_planners_checks_do_not_apply_on_a_cuda_node():
+    """ggml_graph_plan is the CPU backend's: a CUDA node runs no such work buffer, so the CPY that
+    overflows it on the CPU is not refused work_buffer_overflow on the cuda layer (the CUDA layer's
+    own rows decide there: CPY F32 -> q8_0 is one CUDA supports)."""
+    tensors, d = quantizing_cpy((4096, 2, 1, 1), (32, 256, 1, 1))
+    payload = memoryview(graph_payload([d.id], tensors + [d]))
+    cpu = GraphValidator(max_nodes=8, max_tensors=16, server_threads=4, backend="cpu")
+    with pytest.raises(FirewallRefusal) as info:
+        cpu.check(payload, state())
+    assert info.value.reason == "work_buffer_overflow"
+    GraphValidator(max_nodes=8, max_tensors=16, server_threads=4, backend="cuda").check(payload, state())
