@@ -11,19 +11,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from rpcguard.pki import certs, crl, tls
 from tests.unit.test_tls import Pki, handshake
+from tests.unit.test_tls import pki as tls_pki
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def pki(tmp_path) -> Pki:
-    d, o = tmp_path / "pki", tmp_path / "other"
-    certs.init_ca(d)
-    certs.init_ca(o)
-    certs.issue(d, "server", server=True, dns=["localhost"], ips=["127.0.0.1"])
-    certs.issue(d, "client", server=False, uris=["spiffe://lab/llama/a"])
-    certs.issue(d, "stolen", server=False, uris=["spiffe://lab/llama/b"])
-    return Pki(d, o)
+    """test_tls's two CAs and leaves, and one more client to revoke."""
+    p = tls_pki.__wrapped__(tmp_path)  # type: ignore[attr-defined]
+    certs.issue(p.dir, "stolen", server=False, uris=["spiffe://lab/llama/b"])
+    return p
 
 
 def serial(path: str) -> int:

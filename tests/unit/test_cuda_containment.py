@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 
 from rpcguard.errors import FirewallRefusal
-from rpcguard.protocol.encode import TensorSpec, graph_payload
-from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.encode import graph_payload
+from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.oprules import CONTENT_INDEXED, cuda, needs_containment, op_status
-from rpcguard.protocol.state import SessionState, UpstreamFacts
-from rpcguard.protocol.versions import spec_for
+from rpcguard.protocol.state import SessionState
+from tests.unit.test_backend import V7, T  # the same tensors in one buffer, at CUDA's alignment or not
+from tests.unit.test_backend import state as _state
 
-HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
-V7 = (7, 0, 0)
 OPS = op_table(V7).ids  # type: ignore[union-attr]
 F32, I32, I64 = 0, 26, 27
 INDEX_OPS = ("GET_ROWS", "SET_ROWS", "ADD_ID", "MUL_MAT_ID")
@@ -43,22 +42,6 @@ def test_cpu_rating_unchanged():
     assert op_status("SSM_SCAN", V7) == "contained only"
     # every op indexed by contents on the CPU has a CUDA rating, and the reverse
     assert set(cuda.CONTENT_INDEXED) == set(CONTENT_INDEXED)
-
-
-def _state(alignment: int | None = None) -> SessionState:
-    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
-    st.add_buffer(HANDLE, 0, SIZE)
-    st.buffers[HANDLE].base = BASE
-    if alignment is not None:
-        st.upstream.alignment[0] = alignment
-    return st
-
-
-def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
-    info = TYPES[type]
-    kw.setdefault("buffer", HANDLE)
-    kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
-    return TensorSpec(id=id, type=type, ne=ne, type_size=info.type_size, blck_size=info.blck_size, **kw)
 
 
 def get_rows():
