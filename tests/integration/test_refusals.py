@@ -190,7 +190,7 @@ def test_server_version_not_accepted(pki, pair, models, workdir):
     connect, serve = pair(serve_args=["--config", str(cfg)])
     mismatch(realpeer.run_client(connect.endpoint, models["tiny"], n=2), "version_not_accepted")
     assert serve.wait_value("rpcguard_refusals_total", 1, reason="version_not_accepted") >= 1
-    assert serve.logged("7.0.0") and serve.logged("not on the accepted list")
+    assert serve.logged("7.0.0") and serve.logged("is not on policy.accepted_versions")
     assert connect.wait_value("rpcguard_refusals_total", 1, reason="node_refused") >= 1
 
 
