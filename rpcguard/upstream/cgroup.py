@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from dataclasses import dataclass, field
 
 __all__ = ["Cgroups", "Group", "probe"]
 
 _PREFIX = "rpcguard-"
+# sweep(): a left group's killed tasks are gone within milliseconds; at most this long in all.
+_SWEEP_TRIES = 10
+_SWEEP_WAIT_S = 0.05
 _SERVE_LEAF = "rpcguard-serve"
 
 
@@ -182,7 +186,9 @@ class Cgroups:
         return group
 
     def sweep(self) -> int:
-        """Remove empty groups left by a serve that is no longer running; how many went."""
+        """Remove the groups left by a serve that is no longer running (SIGKILLed), killing what is
+        still in them first (a bwrap init whose parent died before it set its parent-death
+        signal); how many went."""
         gone = 0
         for parent in dict.fromkeys(self.parents.values()):
             try:
@@ -194,11 +200,13 @@ class Cgroups:
                     continue
                 pid = n[len(_PREFIX):].split("-", 1)[0]
                 if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                    try:
-                        os.rmdir(os.path.join(parent, n))
-                        gone += 1
-                    except OSError:
-                        pass
+                    left = Group([os.path.join(parent, n)], self.version)
+                    for _ in range(_SWEEP_TRIES):
+                        left.kill()
+                        if left.remove():
+                            gone += 1
+                            break
+                        time.sleep(_SWEEP_WAIT_S)  # killed tasks leave the group when they are reaped
         return gone
 
 
