@@ -531,3 +531,19 @@ def test_install_script_is_idempotent_and_guarded():
     assert "command -v promtool" in text and "prometheus" in text
     res = run(["bash", "-n", str(INSTALL_SCRIPT)])
     assert res.returncode == 0, res.stderr
+
+
+def test_systemd_analyze_verify_with_the_contained_drop_in(tmp_path):
+    """serve.service with the drop-in for a contained serve (it runs its servers): verifies as
+    shipped, and delegates the cgroup controllers the per-process limits need."""
+    drop = DEPLOY / "systemd" / "rpcguard-serve-contained.conf"
+    svc = parse_unit(drop)["Service"]
+    assert svc["Delegate"] == ["memory pids"] and svc["ProtectControlGroups"] == ["no"]
+    binary = "/usr/local/bin/rpcguard"
+    substitute = binary if os.access(binary, os.X_OK) else "/bin/true"
+    unit = tmp_path / "rpcguard-serve.service"
+    unit.write_text(UNITS["serve"].read_text(encoding="utf-8").replace(binary, substitute) + "\n"
+                    + drop.read_text(encoding="utf-8"), encoding="utf-8")
+    res = run([_systemd_analyze(), "verify", str(unit)])
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "Unknown" not in out and "ignoring" not in out, out
