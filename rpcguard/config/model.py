@@ -1,5 +1,8 @@
 """YAML configuration -> frozen dataclasses, the runtime settings types included.
 
+Stays whole (over 400 lines) for now: the file's top level, listeners and tunnels are read here;
+the tls, log and metrics sections move to key tables like policy and limits (issue 30.4).
+
 How this works: ``load_config`` reads the file with a safe YAML loader that also refuses duplicate
 keys; ``parse_config`` walks the plain data section by section. Every reader knows the dotted key
 path of what it reads (``listeners[1].upstream``) and raises ``ConfigError(path, message)`` on the

@@ -1,5 +1,8 @@
 """Prometheus metrics: lock-free counters, a custom collector, process metrics, fast exposition.
 
+Stays whole (over 400 lines): every family is declared once here and written by the fast
+exposition from the same table; splitting them would let the two drift apart.
+
 How this works: client_python's ``Counter.labels(...).inc()`` looks the child up in a dict
 and takes a lock on every call; at tens of thousands of frames per second that is real cost
 on the single proxy thread. So the hot path only bumps plain ints in

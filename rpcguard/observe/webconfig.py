@@ -1,5 +1,8 @@
 """The metrics endpoint's web config: Prometheus exporter-toolkit format, TLS and basic auth.
 
+Stays whole (over 400 lines): one file format, read and enforced; the reader's key tables and the
+guard that applies them must agree key by key, and nothing else uses either.
+
 How this works: ``load_web_config`` reads the YAML file that node_exporter and the other
 official exporters take with ``--web.config.file`` (``tls_server_config``,
 ``http_server_config``, ``basic_auth_users``) into a frozen :class:`WebConfig`, refusing any

@@ -1,5 +1,8 @@
 """Private CA and short-lived leaf certificates, minted with ``cryptography``.
 
+Stays whole (over 400 lines): the CA and every leaf share one signing profile and one set of
+key-file writers (modes, atomic replace); csr.py and crl.py build on them.
+
 How this works: ``init_ca`` writes a self-signed CA (``ca.pem``, ``ca.key``) into a directory.
 ``issue`` loads that CA (``ca_dir``, which may be another directory than the one the leaf is
 written to) and signs one leaf (``NAME.pem``, ``NAME.key``) with exactly one extended key

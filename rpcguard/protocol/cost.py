@@ -1,5 +1,8 @@
 """What one graph node costs the server in compute: the estimate the compute budget bounds.
 
+Stays whole (over 400 lines): the per-op formulas and the one price table they share; a cost
+profile (costprofile.py) swaps the prices, never the formulas.
+
 How this works: ``flops`` is the compute cost model: floating-point operations per node from
 its shapes (matrix products ``2*K*|dst|``, attention ``2*n_q*n_kv*(DK+DV)`` per head, everything
 else a few operations per element read or written). Summed over a graph and divided by the

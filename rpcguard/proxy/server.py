@@ -1,5 +1,8 @@
 """Runtime wiring: listeners, TLS material and its reload, readiness, graceful drain.
 
+Over 400 lines until the runtime is split by job (issue 30.3): listeners, reload and file watch,
+readiness (now proxy/readiness.py) and drain.
+
 How this works: ``Runtime`` turns a ``Config`` into one ``route.Route`` per listener (serve)
 or tunnel (connect) and one accept loop per route. TLS contexts live in ``TlsMaterial``;
 routes reach them through a callable. A route holds its settings as immutable objects (the

@@ -1,5 +1,8 @@
 """The upstream provider of one serve listener: the processes it runs, which session gets which.
 
+Stays whole (over 400 lines): the spare, the per-session processes, quarantine and the cache
+quota all decide on the same table of live processes per identity.
+
 How this works: a route with ``upstream.exec`` asks its ``UpstreamPool`` for a connection per
 session (``connect``) and tells it when the session ended and how (``ended``, with the audit
 record). By ``isolation``:

@@ -1,5 +1,8 @@
 """One ggml-rpc-server process: start, wait until it listens, its stderr, connections, its end.
 
+Stays whole (over 400 lines): one process's life, start to reaping, with its output limiter and
+its end classified; each step reads the state the previous one left.
+
 How this works: ``ServerProcess.start()`` spawns the command ``sandbox.command()`` built (rlimits
 applied in the child before exec, inherited by bwrap and the server), reads bubblewrap's
 ``--info-fd`` JSON for the pid of the server's namespace, and waits until that pid's network

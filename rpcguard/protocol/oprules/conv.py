@@ -2,6 +2,9 @@
 IM2COL_BACK, COL2IM_1D, the convolutions (CONV_2D, CONV_3D, CONV_2D_DW, CONV_TRANSPOSE_1D/2D),
 POOL_1D/2D and POOL_2D_BACK, UPSCALE.
 
+Stays whole (over 400 lines): one family of rows (oprules keeps one module per family), the
+convolution ops sharing their output-size and window helpers.
+
 Part of the op table (rpcguard/protocol/oprules/__init__.py says how it works); each row cites
 the constructor it mirrors (``ggml.c:LINE`` of the pinned sdist) and its derive function the kernels.
 """

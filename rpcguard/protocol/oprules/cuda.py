@@ -1,6 +1,9 @@
 """The CUDA layer of the op table: what llama.cpp's CUDA backend rejects or assumes beyond what
 the constructor-derived rows (the rest of oprules/) already hold.
 
+Stays whole (over 400 lines): it is one layer, one row per CUDA source line it mirrors, that the
+backend check reads as a unit; a split by op family would scatter the rows of one backend.
+
 How this works: the constructor rows say what ggml could have built; a CUDA ``ggml-rpc-server``
 then runs each node through ``ggml_cuda_compute_forward``, whose failures all end in ``abort()``
 of the whole server (an op with no case, a ``GGML_ASSERT``, a launch error, a sticky device
