@@ -57,6 +57,7 @@ async def hello_probe(host: str, port: int, accepted: frozenset[Version],
 
 async def _exchange(host: str, port: int, hello: bytes) -> bytes:
     reader, writer = await asyncio.open_connection(host, port)
+    head = b""
     try:
         writer.write(hello)
         await writer.drain()
@@ -66,6 +67,8 @@ async def _exchange(host: str, port: int, hello: bytes) -> bytes:
             if not more:
                 break
             head += more
+        return head
+    except ConnectionResetError:  # a server that hangs up on a HELLO it does not take resets (unread bytes)
         return head
     finally:
         writer.close()

@@ -50,6 +50,8 @@ def fake_server(port: int, version: bytes | None = None, *, raw: bytes | None = 
                     elif old:
                         if size == 0:
                             conn.sendall(struct.pack("<Q", 3) + version)  # type: ignore[operator]
+                        else:  # as the real 3.6.1 server: it hangs up on the caps unread, a reset
+                            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     elif version is not None:
                         conn.sendall(struct.pack("<Q", 28) + version + bytes(25))
                 except OSError:
