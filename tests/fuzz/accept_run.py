@@ -266,6 +266,10 @@ def aliased(case: gen.Case) -> bool:
             b = case.by_id(t.src[1])
             if _overlaps(b.ne, (4, t.params[0], t.params[1], t.params[2]), 4):
                 return True
+        if name == "SET_ROWS":  # indices drawn zero (accept_gen.p_set_rows): every source row of a slice
+            rows, idx = case.by_id(t.src[0]), case.by_id(t.src[1])  # lands on one destination row, and the
+            if rows.ne[1] > 1 and idx.fill == "zero":  # threads that split the rows race on it
+                return True
         if t.view_src and name not in gen.VIEW_OPS and _overlaps(t.ne, t.nb, TYPES[t.type].type_size):
             return True
     return False
