@@ -159,6 +159,24 @@ while True:
 """
 
 
+def _serve_under(wrapper: str, log, pki, cfg: str) -> subprocess.Popen:
+    """serve with ``cfg``, started by the Python ``wrapper`` (a reaper or a launcher), which prints
+    serve's pid first and logs its output to ``log``."""
+    cmd = [realpeer.PYTHON, "-m", "rpcguard", "serve", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+           *pki.serve_args(), "--config", cfg, "--allow-all"]
+    return subprocess.Popen([sys.executable, "-c", wrapper, str(log), *cmd], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _ready(wrapper: subprocess.Popen, log, name: str) -> tuple[int, "realpeer.Proc", int]:
+    """(serve's pid, its Proc, its listening port) once it is ready."""
+    assert wrapper.stdout is not None
+    serve_pid = int(wrapper.stdout.readline())
+    proc = realpeer.Proc(wrapper, log, name)
+    wait_for_line(proc, READY_MESSAGE)
+    return serve_pid, proc, next(iter(bound_ports(log.read_text()).values()))
+
+
 def test_a_killed_serve_leaves_no_process_and_no_zombie(pki, workdir):
     """serve SIGKILLed with a session open on a server whose payload forked a daemon (setsid,
     double fork) inside the sandbox: everything of the tree exits (PDEATHSIG, bwrap
@@ -167,15 +185,9 @@ def test_a_killed_serve_leaves_no_process_and_no_zombie(pki, workdir):
     payload = build(workdir, "daemon")
     cfg = write_config(workdir, "daemon.yaml", f"      exec: [{payload}, {server_binary()}]\n")
     log = workdir / "serve-reaped.log"
-    cmd = [realpeer.PYTHON, "-m", "rpcguard", "serve", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
-           *pki.serve_args(), "--config", cfg, "--allow-all"]
-    reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(log), *cmd], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    reaper = _serve_under(REAPER, log, pki, cfg)
     try:
-        serve_pid = int(reaper.stdout.readline())
-        proc = realpeer.Proc(reaper, log, "rpcguard serve (reaped)")
-        wait_for_line(proc, READY_MESSAGE)
-        port = next(iter(bound_ports(log.read_text()).values()))
+        serve_pid, proc, port = _ready(reaper, log, "rpcguard serve (reaped)")
         serve = Guard(proc, port, bound_metrics_port(log.read_text()) or 0, "serve")
         c = RawClient.session(mtls_socket(pki, port))
         assert c.alloc(SMALL).buffer
@@ -225,15 +237,9 @@ def test_sessions_and_crashes_leave_no_zombie_for_the_init(pki, workdir):
     left to the launcher, and serve's own children are reaped within seconds."""
     cfg = write_config(workdir, "reap.yaml", f"      exec: [{server_binary()}]\n")
     log = workdir / "serve-launched.log"
-    cmd = [realpeer.PYTHON, "-m", "rpcguard", "serve", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
-           *pki.serve_args(), "--config", cfg, "--allow-all"]
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(log), *cmd], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = _serve_under(LAUNCHER, log, pki, cfg)
     try:
-        serve_pid = int(launcher.stdout.readline())
-        proc = realpeer.Proc(launcher, log, "rpcguard serve (launched)")
-        wait_for_line(proc, READY_MESSAGE)
-        port = next(iter(bound_ports(log.read_text()).values()))
+        serve_pid, proc, port = _ready(launcher, log, "rpcguard serve (launched)")
         for _ in range(4):
             c = RawClient.session(mtls_socket(pki, port))
             assert c.alloc(SMALL).buffer
