@@ -26,12 +26,13 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.backend import check_alloc_command
 from rpcguard.protocol.graph import GraphValidator, OpRules, op_rules
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
-from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
+from rpcguard.protocol.state import Buffer, SessionState, hash_miss_key
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
     CHECK_TENSOR,
     FOREIGN_BUFFER_OK,
     RpcTensor,
+    alloc_size_key,
     check_tensor,
     decode_tensor,
 )

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Mapping, NamedTuple, Typ
 
 from rpcguard.errors import FirewallRefusal, ProtocolRefusal
 from rpcguard.protocol.checks import RequestChecks
-from rpcguard.protocol.state import alloc_size_key, hash_miss_key
-from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
+from rpcguard.protocol.state import hash_miss_key
+from rpcguard.protocol.tensor import alloc_size_key, decode_tensor, nbytes, types_of
 from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES, CommandRule
 
 if TYPE_CHECKING:

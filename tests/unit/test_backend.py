@@ -15,8 +15,8 @@ from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.oprules import cuda
-from rpcguard.protocol.state import SessionState, UpstreamFacts, alloc_size_key
-from rpcguard.protocol.tensor import decode_tensor
+from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.tensor import alloc_size_key, decode_tensor
 from rpcguard.protocol.versions import spec_for
 
 HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
