@@ -212,6 +212,27 @@ def test_no_package_cycle():
     assert not cycles, "package cycle: " + "\n".join(_describe(c, edges) for c in sorted(cycles, key=sorted))
 
 
+# protocol/ is sans-IO: what it may not import (the I/O layer owns sockets, loops, TLS, threads, the
+# clock and the garbage collector's hooks, and hands the core what it needs: graph.set_clock)
+SANS_IO_BANNED = frozenset({"asyncio", "ssl", "socket", "select", "selectors", "threading", "concurrent",
+                            "gc", "time", "prometheus_client"})
+
+
+def test_protocol_is_sans_io():
+    bad = []
+    for path in sorted((PKG / "protocol").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in SANS_IO_BANNED]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_see_cycles_and_a_layering_breach(tmp_path, monkeypatch):
     # the rules above are not vacuous: a tree with a module cycle, a package cycle and a layering
     # breach, each closed by an annotation-only import, fails all three
