@@ -28,7 +28,7 @@ from rpcguard.errors import ConfigError
 if TYPE_CHECKING:
     from rpcguard.pki.identity import AllowList
 
-__all__ = ["POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS", "expand_commands"]
+__all__ = ["POLICY_FIELDS", "POLICY_READERS", "LIMIT_KEYS", "LIMIT_READERS", "PROFILE_ONLY_TOP_LIMITS", "expand_commands"]
 
 
 def expand_commands(entries: tuple[str, ...]) -> frozenset[str]:
@@ -66,6 +66,8 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "server_threads": (count, "firewall.server_threads"),
     "backend": (choice("auto", "cpu", "cuda"), "firewall.backend"),  # protocol/backend.py SETTINGS
 }
+#: YAML key under `policy:` -> its reader (the table flags read, config/flags.py)
+POLICY_READERS: Mapping[str, Reader] = MappingProxyType({k: r for k, (r, _) in _POLICY_KEYS.items()})
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
     {f: k for k, (_, f) in _POLICY_KEYS.items()} | {"firewall.disabled_checks": "checks"})
@@ -83,6 +85,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "max_handshakes_per_source": count_or_off,
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
+LIMIT_READERS: Mapping[str, Reader] = MappingProxyType(_LIMIT_KEYS)
 #: limits a profile cannot set: they apply before the identity is known, or to the whole process
 PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "handshake_timeout_s": "applies before the identity (and so its profile) is known",
