@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping
 from rpcguard.config.model import DEFAULT_METRICS, LOGGER, ROLES, Config, LogConfig, TlsConfig, read_yaml, parse_config
 from rpcguard.config.process import LOG_KEYS, METRICS_KEYS, TLS_KEYS
 from rpcguard.config.read import FromFlag, Reader, choice, show
-from rpcguard.config.sections import LIMIT_READERS, POLICY_READERS
+from rpcguard.config.sections import LIMIT_READERS, POLICY_READERS, PROFILE_ONLY_TOP_LIMITS
 from rpcguard.protocol.side import SIDES
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import SessionPolicy
@@ -207,7 +207,8 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
             if isinstance(data.get(items_key), list):
                 data[items_key] = [_set_own(it, sec, key, value) for it in data[items_key]]
             if isinstance(data.get("profiles"), dict):
-                data["profiles"] = {n: _set_own(p, sec, key, value) for n, p in data["profiles"].items()}
+                if not (sec == "limits" and key in PROFILE_ONLY_TOP_LIMITS):  # (that error names the file's key)
+                    data["profiles"] = {n: _set_own(p, sec, key, value) for n, p in data["profiles"].items()}
     items = data.get(items_key)
     item_flags = [k for k in item_keys[role] if k in given]
     if item_flags and (items is None or items == []):

@@ -95,7 +95,7 @@ def test_log_and_metrics_read_by_their_tables(base: Path) -> None:
 @pytest.fixture
 def limit_flags(monkeypatch):
     """Flags for limits keys (none of the shipped flags sets one yet): what a new row of FLAGS would add."""
-    extra = {"max_sessions": ("limits", "max_sessions"), "idle_timeout_s": ("limits", "idle_timeout_s")}
+    extra = {"max_sessions": ("limits", "max_sessions"), "drain_timeout_s": ("limits", "drain_timeout_s")}
     monkeypatch.setattr(flagmod, "GLOBAL", {**flagmod.GLOBAL, **extra})
 
 
@@ -142,3 +142,11 @@ def test_a_policy_flag_beats_a_tunnel_s_own_value(base: Path) -> None:
         {"listen": "127.0.0.1:2", "server": "n:2"}]})
     cfg = build_config("connect", file=file, overrides={"mode": "enforce"})
     assert [t.policy.mode for t in cfg.tunnels] == ["enforce", "enforce"]
+
+
+def test_a_profile_setting_a_top_only_limit_is_still_named_by_its_key(base: Path, limit_flags) -> None:
+    file = serve_file(base, profiles={"batch": {"limits": {"drain_timeout_s": 2}}},
+                      allow=[{"cn": ["b"], "profile": "batch"}, {"cn": ["c"]}])
+    with pytest.raises(ConfigError) as info:
+        build_config("serve", file=file, overrides={"drain_timeout_s": 4.0})
+    assert str(info.value).startswith("profiles.batch.limits.drain_timeout_s: cannot be set in a profile")
