@@ -32,7 +32,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "upstream": frozenset({"errors", "protocol", "observe"}),
     "config": frozenset({"errors", "protocol", "pki", "observe", "upstream"}),
     "admin": frozenset({"errors", "protocol", "pki", "reasons", "observe", "config"}),
-    "proxy": frozenset({"errors", "protocol", "pki", "reasons", "observe", "upstream", "config", "admin"}),
+    "proxy": frozenset({"errors", "protocol", "pki", "reasons", "observe", "upstream", "config"}),
     "cli": frozenset({"errors", "protocol", "pki", "reasons", "observe", "upstream", "config", "proxy", "admin"}),
     "__main__": frozenset({"cli"}),
     "__init__": frozenset(),
@@ -40,13 +40,13 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 PACKAGE_ROLES = {
     "errors": "the typed refusals and errors every layer raises, each with its party",
     "protocol": "sans-IO: frames, commands, the firewall, the link lifecycle; no asyncio, ssl, socket or prometheus",
-    "pki": "the private CA, CSRs, key files, TLS contexts, peer identity and the allow-list",
+    "pki": "the private CA, CSRs, key files, TLS contexts, peer identity and the allow-list, the TLS-only node probe",
     "reasons": "the catalogue of stable reason strings (metric labels known before they occur)",
     "observe": "metrics and their HTTP endpoint, web config, log formatting, downgrades said loudly, sd_notify",
     "upstream": "serve's own ggml-rpc-server processes: sandbox, process, pool",
     "config": "YAML and flags into the frozen settings, key by key; what a reload changes",
-    "admin": "the operator commands check, status and ops (check's TLS probe is also connect's /readyz)",
-    "proxy": "the I/O layer: listeners, reload and drain, links, endpoints, routes, TLS material in use",
+    "admin": "the operator commands check, status and ops",
+    "proxy": "the I/O layer: listeners, reload and drain, readiness, links, endpoints, routes, TLS material in use",
     "cli": "main(argv): the only place that prints or exits",
 }
 
