@@ -45,6 +45,7 @@ from rpcguard.protocol import compiled
 from rpcguard.observe.http import HTTP_REASONS, MAX_HEADER_BYTES, MAX_HTTP_CONNECTIONS, READ_TIMEOUT_S, start_http
 from rpcguard.reasons import FIREWALL_REASONS, REFUSAL_REASONS, TLS_REASONS
 from rpcguard.observe.webconfig import AUTH_REASONS
+from rpcguard.protocol.settings import MODES
 from rpcguard.protocol.stats import (
     DEFAULT_COMMAND_NAMES,
     LATENCY_BUCKETS_S,
@@ -75,7 +76,7 @@ ROLES = ("serve", "connect")
 SESSION_RESULTS = ("ok", "refused", "error", "probe", "no_hello")
 RELOAD_RESULTS = ("ok", "error")
 CERTIFICATES = ("cert", "ca", "crl")  # crl: its nextUpdate (tls.crl)
-FIREWALL_MODES = ("enforce", "monitor")
+FIREWALL_MODES = MODES  # protocol/settings.py: the values of SessionPolicy.mode
 CHECKED_BY = ("proxy", "node")  # who validates a session's requests (request_checks_sessions_total)
 # Reasons a refused request to the metrics endpoint is counted under (web_refusals_total).
 WEB_REFUSAL_REASONS = tuple(dict.fromkeys(TLS_REASONS + AUTH_REASONS + HTTP_REASONS))
