@@ -240,10 +240,10 @@ class Link:
 
     # ----------------------------------------------------------------------------- data path
     def data(self, endpoint: Endpoint, view: memoryview) -> None:
-        if self.lc.state is VALIDATING:  # a graph is being validated: this waits (a copy: the buffer is reused)
+        lc = self.lc
+        if lc.state is VALIDATING:  # a graph is being validated: this waits (a copy: the buffer is reused)
             self._later.append((self.data, (endpoint, memoryview(bytes(view)))))
             return
-        lc = self.lc
         t_ns = self._clock_ns()
         try:  # the lifecycle's feed contract: a refusal reported, the session's events handled
             out = lc.client_bytes(view, t_ns) if endpoint.is_client else lc.server_bytes(view, t_ns)

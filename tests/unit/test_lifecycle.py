@@ -956,3 +956,41 @@ def test_audit_record_fields():
                         "alloc_bytes", "upload_bytes",
                         "hash_hit_bytes", "hash_answered_by_proxy", "compute_s_estimated", "commands"}
     assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0
+
+
+# ----------------------------------------------------------------------------- one link state
+def test_a_large_graph_is_the_validating_state_and_its_validation_takes_the_link_back():
+    """"A graph is being validated" is the link's state, not a flag elsewhere: Deferred moves an
+    ACTIVE link to VALIDATING (asking the relay to validate), GraphValidated back to ACTIVE."""
+    from tests.unit.test_session import graph_frame
+    clock = Clock()
+    lc, _ = with_buffer(clock)
+    lc.session.defer_graphs(from_bytes=1024)
+    graph = graph_frame()
+    out = feed(lc.client_bytes, graph + V.GET_ALIGNMENT_REQ, clock)
+    assert sent(out.to_server) == b"" and lc.state == S.VALIDATING and take(lc) == [S.Validate()]
+    assert lc.greeted and lc.client_data == lc.session.client_data  # still the session's own feed
+    lc.session.validate_deferred()
+    out = lc.graph_validated(clock.ns)
+    assert lc.state == S.ACTIVE and sent(out.to_server) == graph + V.GET_ALIGNMENT_REQ and not take(lc)
+
+
+def test_the_relay_reports_events_and_writes_no_field():
+    """What the relay used to write into the lifecycle comes as events: who connected, the
+    upstream's back-pressure, and a crash serve saw under the session (its cause and post-mortem)."""
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.accepted("10.0.0.9:5000", "10.0.0.9")
+    assert (lc.peer, lc.source, lc.state) == ("10.0.0.9:5000", "10.0.0.9", S.HANDSHAKE)
+    lc = active(clock=clock)
+    lc.upstream_blocked(True)
+    assert lc.client_held_back and lc.state == S.ACTIVE
+    lc.upstream_blocked(False)
+    assert not lc.client_held_back
+    lc.session.record_recent()
+    feed(lc.client_bytes, V.GET_ALIGNMENT_REQ, clock)
+    lc.upstream_closed("eof", crashed=Refusal("upstream_crashed", "the server died of SIGSEGV", party="upstream"))
+    rec = end(take(lc))
+    assert lc.state == S.CLOSED and (rec["result"], rec["reason"], rec["party"]) == ("error", "upstream_crashed",
+                                                                                      "upstream")
+    assert rec["command"] == "GET_ALIGNMENT" and rec["post_mortem"]["last_requests"] == [["GET_ALIGNMENT", 4]]
