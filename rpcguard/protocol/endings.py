@@ -21,7 +21,8 @@ from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import format_version, spec_for
 
-__all__ = ["EndingFacts", "UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "peer_cap_refusal", "hello_closed_refusal", "overdue", "audit_record"]
+__all__ = ["EndingFacts", "UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "peer_cap_refusal",
+           "hello_closed_refusal", "overdue", "audit_record"]
 
 # serve: a finished session's upstream is half-closed and read until the server hangs up
 # (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection). The server

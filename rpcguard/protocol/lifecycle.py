@@ -48,7 +48,8 @@ from typing import Any, Callable, Mapping, TypeVar
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
-    ACTIVE, AWAIT_HELLO, CLOSED, CONNECTING, DRAINING, ENDS, EVENTS, GREETING, HANDSHAKE, QUEUED, REFUSING, RULES, STATES,
+    ACTIVE, AWAIT_HELLO, CLOSED, CONNECTING, DRAINING, ENDS, EVENTS, GREETING, HANDSHAKE, QUEUED, REFUSING, RULES,
+    STATES,
     TABLE, VALIDATING, AbortUpstream, Accepted, Action, Admit, ClientBlocked, ClientClosed, CloseClient,
     CloseUpstream, CountTlsFailure, CountViolation, End, Event, FreeSlot, GraphValidated, HalfCloseUpstream,
     HandshakeFailed, InternalError, LinkState, OpenUpstream, Refused, Rejected, Rule, Shutdown, SlotGranted,
@@ -138,15 +139,14 @@ class Lifecycle:
         kind = type(event)
         _HANDLERS[state][kind](self, event)
         if self.result and state is not CLOSED:  # state-triggered: the session ended
-            nxt: LinkState | Rule | None = ended_to(self)
+            nxt = ended_to(self)
         else:
-            nxt = _NEXT[state][kind]
-            if nxt is None:
+            cell = _NEXT[state][kind]
+            if cell is None:  # the event leaves the state as it is
                 return
-            if type(nxt) is Rule:
-                nxt = RULES[nxt](self)
+            nxt = RULES[cell](self) if isinstance(cell, Rule) else cell
         if nxt is not state:
-            self._enter(nxt)  # type: ignore[arg-type]
+            self._enter(nxt)
         if self._record_due:
             self._record_due = False
             self.actions.append(End(self.audit_record()))
