@@ -5,7 +5,7 @@ event is a class (a ``NamedTuple``: the relay's, below, and the ``Session``'s, p
 ``TABLE`` maps state x event class to the next state, as h11's ``EVENT_TRIGGERED_TRANSITIONS``
 does (an event a state does not list leaves it where it is). Where the next state depends on more
 than the event, the cell holds a ``Rule`` and ``RULES`` decides it from the link's facts
-(``LinkFacts``), as h11's ``_fire_state_triggered_transitions`` does; one rule is state-triggered
+(``LinkFacts``), as h11's state-triggered transitions do; one rule is state-triggered
 and checked after every event: a session that ended (``ended``) goes to DRAINING while serve's
 upstream is open, else to CLOSED. The handlers (protocol/lifecycle.py) do the work of an event
 and never choose or assign a state: ``Lifecycle`` moves the link, and does the work of entering
