@@ -1,6 +1,7 @@
 """How a link ends: its deadlines, the admission caps, close classification, the audit record.
 
-How this works: pure functions over a ``Lifecycle``'s data, kept apart from its state table.
+How this works: pure functions over what they read of a link (``EndingFacts``, a Protocol the
+``Lifecycle`` satisfies: this module needs no concrete lifecycle), kept apart from its table.
 ``overdue(lc, now)`` is what ``Lifecycle.tick`` enforces: which deadline of the session's
 profile ``Limits`` the link has missed, and whether the refusal is answered at HELLO (the
 client's HELLO is waiting for a reply) or ends the link. ``admission_refusal`` applies the
@@ -10,18 +11,18 @@ hung up on a HELLO. ``audit_record`` is the per-session record logged at its end
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable, Protocol
 
 from rpcguard.errors import Refusal
 from rpcguard.protocol.settings import Limits, Profile
-from rpcguard.protocol.session import GREETED
+from rpcguard.protocol.session import Session
+from rpcguard.protocol.side import Side
 from rpcguard.protocol.state import UpstreamFacts
+from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import format_version, spec_for
 
-if TYPE_CHECKING:
-    from rpcguard.protocol.lifecycle import Lifecycle
-
-__all__ = ["UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "peer_cap_refusal", "hello_closed_refusal", "overdue", "audit_record"]
+__all__ = ["EndingFacts", "UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "peer_cap_refusal",
+           "hello_closed_refusal", "overdue", "audit_record"]
 
 # serve: a finished session's upstream is half-closed and read until the server hangs up
 # (ggml-rpc-server dies of SIGPIPE on a response written to a closed connection). The server
@@ -31,6 +32,87 @@ __all__ = ["UPSTREAM_DRAIN_S", "UPSTREAM_DRAIN_MAX_S", "admission_refusal", "pee
 # Progress, not age: a busy machine drains 1 GiB of queued responses in well over 5 s.
 UPSTREAM_DRAIN_S = 5.0
 UPSTREAM_DRAIN_MAX_S = 60.0
+
+
+class EndingFacts(Protocol):
+    """What the deadlines and the audit record read of a link (protocol/lifecycle.py's fields)."""
+
+    # who and where
+    @property
+    def id(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def listener(self) -> str: ...
+    @property
+    def upstream(self) -> str: ...
+    @property
+    def peer(self) -> str: ...
+    @property
+    def identity(self) -> str: ...
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def side(self) -> Side: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    # the session and its state
+    @property
+    def session(self) -> Session | None: ...
+    @property
+    def stats(self) -> SessionStats: ...
+    @property
+    def greeted(self) -> bool: ...
+    @property
+    def refusal(self) -> Refusal | None: ...
+    @property
+    def refused_on_leave(self) -> bool: ...
+    @property
+    def upstream_open(self) -> bool: ...
+    @property
+    def slot_held(self) -> bool: ...
+    # times and samples (Lifecycle._sample)
+    @property
+    def t0(self) -> float: ...
+    @property
+    def t_admitted(self) -> float | None: ...
+    @property
+    def t_upstream(self) -> float: ...
+    @property
+    def last_activity_ns(self) -> int: ...
+    @property
+    def rx_bytes(self) -> int: ...
+    @property
+    def frame_t(self) -> float: ...
+    @property
+    def frame_rx(self) -> int: ...
+    @property
+    def working_t(self) -> float: ...
+    @property
+    def others_waiting(self) -> int: ...
+    @property
+    def wait_t(self) -> float: ...
+    @property
+    def busy_waited(self) -> float: ...
+    @property
+    def flops_at_wait(self) -> int: ...
+    @property
+    def client_blocked_since(self) -> float: ...
+    # how it ended
+    @property
+    def result(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def party(self) -> str: ...
+    @property
+    def command(self) -> str: ...
+    @property
+    def detail(self) -> str: ...
+    @property
+    def post_mortem(self) -> dict[str, object] | None: ...
 
 
 def admission_refusal(default: Profile, profile: Profile, admitted: Iterable[Profile]) -> Refusal | None:
@@ -85,12 +167,13 @@ def hello_closed_refusal(facts: UpstreamFacts, sent: int | None) -> Refusal:
     return Refusal("upstream_unavailable", "upstream closed the connection at HELLO")
 
 
-def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
+def overdue(lc: EndingFacts, now: float) -> tuple[Refusal, bool] | None:
     """The deadline ``lc`` has missed at ``now``: (refusal, answered at HELLO?), or None."""
     limits = lc.limits
     session = lc.session
     hello_s = limits.hello_timeout_s
-    if session is not None and session.phase != GREETED and hello_s:
+    greeted = lc.greeted
+    if session is not None and not greeted and hello_s:
         if session.hello_request_len is None:
             # The clock starts at admission; the TLS handshake has its own timeout.
             if lc.t_admitted is not None and now - lc.t_admitted > hello_s:
@@ -105,7 +188,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
             # A server that takes the connection but never answers HELLO. connect's upstream
             # is the node's serve, which may queue the HELLO for its own queue_timeout_s.
             return Refusal("upstream_unavailable", "the upstream did not answer HELLO"), True
-    if session is not None and session.phase == GREETED:
+    if session is not None and greeted:
         quiet = now - lc.last_activity_ns / 1e9
         idle = session.idle
         if limits.idle_timeout_s and idle and quiet > limits.idle_timeout_s:
@@ -135,7 +218,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
                                f"held the upstream {now - lc.wait_t:.0f} s (busy {lc.busy_waited:.0f} s, {compute:.1f} s "
                                f"of estimated compute) while {lc.others_waiting} session(s) waited for it "
                                f"(limits.hold_while_waiting_s {hold_s:g})"), False
-    owed = session.owed_since_ns if session is not None and session.phase == GREETED else 0
+    owed = session.owed_since_ns if session is not None and greeted else 0
     if limits.max_graph_s and owed and now - owed / 1e9 > limits.max_graph_s:
         return Refusal("upstream_hung", f"the server has owed a response for {now - owed / 1e9:.0f} s "
                                         f"(limits.max_graph_s {limits.max_graph_s:g})"), False
@@ -148,7 +231,7 @@ def overdue(lc: Lifecycle, now: float) -> tuple[Refusal, bool] | None:
     return None
 
 
-def _compute_s(lc: Lifecycle) -> float | None:
+def _compute_s(lc: EndingFacts) -> float | None:
     session = lc.session
     if session is None:
         return None
@@ -156,7 +239,7 @@ def _compute_s(lc: Lifecycle) -> float | None:
     return round(session.state.compute_flops / (policy.node_gflops * 1e9), 3)
 
 
-def audit_record(lc: Lifecycle) -> dict[str, object]:
+def audit_record(lc: EndingFacts) -> dict[str, object]:
     """The per-session audit record (one per session, logged at its end)."""
     s = lc.stats
     version = lc.session.version if lc.session is not None else None

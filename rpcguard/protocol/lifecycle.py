@@ -1,23 +1,29 @@
 """The life of one proxied connection as a sans-IO state machine (h11 style).
 
-Stays whole (over 400 lines): it is one class whose handlers share the link's fields; its tables
-are apart already (linkstate.py), as are the deadline, admission and audit rules (endings.py) and
+Stays whole (over 400 lines): it is one class whose handlers share the link's fields; its table
+is apart already (linkstate.py), as are the deadline, admission and audit rules (endings.py) and
 what serve and connect differ in (side.py).
 
-How this works: ``Lifecycle`` is told what happened to a link (events in: the TLS handshake
-done with an identity, bytes from either side, the upstream slot granted or refused, the
-upstream connected or failed, either side closed, ``tick(now)``, shutdown) and answers with
-what the relay must do (actions out, appended to ``actions``: write, open the upstream, take or
-free the slot, half-close, close, count, and the audit record at the end). It never touches a
-socket or a clock of its own: the relay carries out the actions, the clock is injected.
+How this works: ``Lifecycle`` is told what happened to a link (typed events in, linkstate.py:
+the socket accepted, the TLS handshake done with an identity, bytes from either side, the
+upstream slot granted or refused, the upstream connected or failed, either side closed or
+blocked, ``Tick(now)``, shutdown; and the Session's own events) and answers with what the relay
+must do (typed actions out, appended to ``actions``: write, open the upstream, take or free the
+slot, half-close, close, count, validate a graph, and the audit record at the end). It never
+touches a socket or a clock of its own: the relay carries out the actions, the clock is injected.
 
-States (protocol/linkstate.py: ``EDGES`` lists the allowed transitions, ``TABLE`` the
-handler of every event in every state; an event a state does not expect is ignored by name)::
+Dispatch (``handle``): the handler of the event in the current state does the work (``_HANDLERS``,
+registered with ``on`` so that mypy checks each handler against its event class); then the link
+moves where ``linkstate.TABLE`` says, a ``Rule`` deciding the cells that depend on the link's
+facts, and the state-triggered rule moves a session that ended to DRAINING or CLOSED. Entering a
+state does that state's work (``_ENTER``: dial, queue, half-close, release the upstream). No
+handler picks or assigns a state. See docs/design.md for the diagram::
 
-    HANDSHAKE --admit--> AWAIT_HELLO (serve: the slot is taken only once the client said HELLO)
+    HANDSHAKE --Admit--> AWAIT_HELLO (serve: the slot is taken only once the client said HELLO)
               \\-------> CONNECTING  (connect: the node is dialled at once)
               \\-------> REFUSING    (refused before the HELLO: answered 0.0.N when it comes)
-    AWAIT_HELLO --HELLO--> QUEUED --slot--> CONNECTING --connected--> GREETING --reply--> ACTIVE
+    AWAIT_HELLO --Hello--> QUEUED --SlotGranted--> CONNECTING --UpstreamConnected--> GREETING
+    GREETING --Active--> ACTIVE <--GraphValidated-- VALIDATING <--Deferred-- ACTIVE
     ACTIVE --end--> DRAINING (serve: upstream half-closed, read until it hangs up, slot kept)
     any --end--> CLOSED
 
@@ -26,41 +32,42 @@ reports a version mismatch instead of a crashed server), whatever the HELLO era;
 during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the session's profile:
 ``route.default`` until the identity is authorized, then the profile of that identity.
 
-Hot path: ``_goto`` binds ``client_data`` / ``server_data`` to the state's handlers once per
-transition; in GREETING and ACTIVE they are the ``Session``'s own methods. The feed contract is
+Hot path: a transition binds ``client_data`` / ``server_data`` to the state's data handlers
+(``_DATA``); in GREETING and ACTIVE they are the ``Session``'s own methods. The feed contract is
 ``client_bytes`` / ``server_bytes`` (and ``graph_validated`` after a deferred graph), the only
-way the relay feeds a session: a ``Refusal`` raised goes to ``refused()``, a non-empty
-``out.events`` to ``session_events()``; then the caller sends the frames in ``out`` and carries
-out ``actions``.
+way the relay feeds a session: a ``Refusal`` raised becomes a ``Refused`` event, a non-empty
+``out.events`` goes to ``session_events()``; then the caller sends the frames in ``out`` and
+carries out ``actions``.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from rpcguard.errors import FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
-    ABORT_UPSTREAM, ACTIVE, AWAIT_HELLO, CLOSE_CLIENT, CLOSE_UPSTREAM, CLOSED, CONNECTING, COUNT_TLS_FAILURE,
-    COUNT_VIOLATION, DRAINING, EDGES, END, ENDS, EVENTS, FREE_SLOT, GREETING, HALF_CLOSE_UPSTREAM, HANDSHAKE,
-    OPEN_UPSTREAM, QUEUED, REFUSING, STATES, TABLE, TAKE_SLOT, VALIDATE, WRITE_CLIENT, WRITE_UPSTREAM, Action,
-    LinkState,
-    table_markdown,
+    ACTIVE, AWAIT_HELLO, CLOSED, CONNECTING, DRAINING, ENDS, EVENTS, GREETING, HANDSHAKE, QUEUED, REFUSING, RULES,
+    STATES,
+    TABLE, VALIDATING, AbortUpstream, Accepted, Action, Admit, ClientBlocked, ClientClosed, CloseClient,
+    CloseUpstream, CountTlsFailure, CountViolation, End, Event, FreeSlot, GraphValidated, HalfCloseUpstream,
+    HandshakeFailed, InternalError, LinkState, OpenUpstream, Refused, Rejected, Rule, Shutdown, SlotGranted,
+    SlotRefused, TakeSlot, TICK, Tick, UpstreamBlocked, UpstreamClosed, UpstreamConnected, UpstreamFailed, Validate,
+    WriteClient, WriteUpstream, ended_to,
 )
 from rpcguard.protocol.side import Side
-from rpcguard.protocol.session import GREETED, HELLO_FORWARDED, Output, Session, Violation
+from rpcguard.protocol.session import Active, Deferred, Hello, NodeRefused, Output, Session, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
 
-__all__ = [
-    "Lifecycle", "admission_refusal", "STATES", "EVENTS", "UPSTREAM_DRAIN_S",
-    "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE", "DRAINING",
-    "CLOSED", "TABLE", "table_markdown", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
-    "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "VALIDATE", "END",
-]  # fmt: skip
+__all__ = ["Lifecycle", "admission_refusal", "on", "UPSTREAM_DRAIN_S"]
+
+
+# The events without fields, built once (an event costs no object then).
+_SLOT_GRANTED, _UPSTREAM_CONNECTED, _SHUTDOWN, _INTERNAL_ERROR, _GRAPH_VALIDATED = (
+    SlotGranted(), UpstreamConnected(), Shutdown(), InternalError(), GraphValidated())
 
 
 class Lifecycle:
@@ -88,7 +95,8 @@ class Lifecycle:
         # serve: the client said in the handshake that it is a probe (rpcguard check, connect's
         # /readyz): never queued for the upstream, and its end is result "probe", not a session.
         self.probe = False
-        self.result = self.reason = self.detail = self.party = ""
+        self.result = self.reason = self.detail = self.party = ""  # result set: the session ended
+        self._record_due = False  # ended by this event: the audit record follows the transition
         self.command = "-"  # command of the frame that was refused
         self.t0 = clock()
         self.t_admitted: float | None = None
@@ -104,7 +112,8 @@ class Lifecycle:
         self.frame_rx = 0
         self._tick_rx = 0
         self._tick_t = self.working_t = self.t0
-        self.others_waiting = 0  # serve: sessions queued for this one's upstream slot
+        self.now_s = self.t0  # the time of the last tick
+        self.others_waiting = 0  # serve: sessions queued for this one's upstream slot (at the last tick)
         self.slot_held = False
         # The fair slot's share (endings.overdue, hold_while_waiting_s): the tick that first saw
         # another session wait while this one held the slot (0.0: nobody waits), the seconds of
@@ -113,33 +122,46 @@ class Lifecycle:
         self.busy_waited = 0.0
         self.flops_at_wait = 0
         self.upstream_open = False
-        self.upstream_exit: Refusal | None = None  # the server serve runs died under the session (upstream/pool.py)
-        self.post_mortem: dict[str, object] | None = None  # ...and what the session sent last (Session.post_mortem)
+        self.post_mortem: dict[str, object] | None = None  # what the session sent last before its server died
         self.t_drain = 0.0  # when the drain began
         self.t_drained = 0.0  # when the server last sent something during it
         self._pending: list[bytes] = []  # client bytes accepted before the upstream connected
         self._feed_c: Callable[[memoryview, int], Output] = self._drop  # the session's, once admitted
         self._feed_s: Callable[[memoryview, int], Output] = self._drop
         self.state = HANDSHAKE
-        self._then: frozenset[LinkState] = frozenset()  # where the event being handled may lead
+        self.greeted = False  # ACTIVE or VALIDATING (set with the state, by _enter)
         self._bind()
 
     # ----------------------------------------------------------------------------- dispatch
-    def _goto(self, state: LinkState) -> None:
-        if state not in self._then:
-            raise AssertionError(f"link {self.id}: no transition {self.state} -> {state} here")
+    def handle(self, event: Event) -> None:
+        """Do ``event``'s work in this state, then move where the table (or a rule) says."""
+        state = self.state
+        kind = type(event)
+        _HANDLERS[state][kind](self, event)
+        if self.result and state is not CLOSED:  # state-triggered: the session ended
+            nxt = ended_to(self)
+        else:
+            cell = _NEXT[state][kind]
+            if cell is None:  # the event leaves the state as it is
+                return
+            nxt = RULES[cell](self) if isinstance(cell, Rule) else cell
+        if nxt is not state:
+            self._enter(nxt)
+        if self._record_due:
+            self._record_due = False
+            self.actions.append(End(self.audit_record()))
+
+    def _enter(self, state: LinkState) -> None:
         self.state = state
+        self.greeted = state is ACTIVE or state is VALIDATING  # the HELLO exchange is done, the session on
         self._bind()
+        _ENTER[state](self)
 
     def _bind(self) -> None:
         # The data handlers of this state, bound once per transition (the per-read path).
-        row = TABLE[self.state]
-        self.client_data: Callable[[memoryview, int], Output] = getattr(self, row["client_data"].handler)
-        self.server_data: Callable[[memoryview, int], Output] = getattr(self, row["server_data"].handler)
-
-    def _on(self, event: str, *args: object) -> None:
-        handler, self._then = _ON[self.state][event]
-        handler(self, *args)
+        client, server = _DATA[self.state]
+        self.client_data: Callable[[memoryview, int], Output] = getattr(self, client)
+        self.server_data: Callable[[memoryview, int], Output] = getattr(self, server)
 
     @property
     def limits(self) -> Limits:
@@ -156,124 +178,157 @@ class Lifecycle:
         return self.t_admitted is not None
 
     # ----------------------------------------------------------------------------- events in
+    # The relay's calls, one per event class (linkstate.py documents each).
+    def accepted(self, peer: str, source: str) -> None:
+        self.handle(Accepted(peer, source))
+
     def admit(self, profile: Profile, identity: str = "", refusal: Refusal | None = None,
               identity_refused: bool = False, probe: bool = False) -> None:
-        """Accepted (connect) or TLS done (serve) with ``identity``; ``refusal`` if the identity or
-        the admission check (sessions, shutdown) said no; ``profile`` is the session's from now on;
-        ``probe``: the client said it is a probe."""
-        self._on("admit", profile, identity, refusal, identity_refused, probe)
+        self.handle(Admit(profile, identity, refusal, identity_refused, probe))
 
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
-        self._on("handshake_failed", result, reason, detail)
+        self.handle(HandshakeFailed(result, reason, detail))
 
     def rejected(self, refusal: Refusal) -> None:
-        """Refused at accept, before any TLS (serve's cap on handshakes per source): closed."""
-        self._on("rejected", refusal)
+        self.handle(Rejected(refusal))
 
     def slot_granted(self) -> None:
-        self._on("slot_granted")
+        self.handle(_SLOT_GRANTED)
 
     def slot_refused(self, refusal: Refusal) -> None:
-        self._on("slot_refused", refusal)
+        self.handle(SlotRefused(refusal))
 
     def upstream_connected(self) -> None:
-        self._on("upstream_connected")
+        self.handle(_UPSTREAM_CONNECTED)
 
     def upstream_failed(self, refusal: Refusal) -> None:
-        self._on("upstream_failed", refusal)
+        self.handle(UpstreamFailed(refusal))
 
     def client_closed(self, error: str = "") -> None:
-        self._on("client_closed", error)
+        self.handle(ClientClosed(error))
 
-    def upstream_closed(self, error: str = "", tls_reason: str | None = None) -> None:
-        """The upstream hung up (``error``: why, if it was an error; ``tls_reason``: the
-        classified TLS alert when it was one)."""
-        self._on("upstream_closed", error, tls_reason)
+    def upstream_closed(self, error: str = "", tls_reason: str | None = None, crashed: Refusal | None = None) -> None:
+        self.handle(UpstreamClosed(error, tls_reason, crashed))
 
     def tick(self, now: float, others_waiting: int = 0) -> None:
         """Enforce the deadlines of the current state (the relay calls this every second);
         ``others_waiting``: sessions queued for the upstream slot this one may hold."""
-        self.others_waiting = others_waiting
-        self._on("tick", now)
+        self.now_s, self.others_waiting = now, others_waiting
+        self.handle(TICK)
 
     def shutdown(self) -> None:
         """The drain timeout is reached: end the session now."""
-        self._on("shutdown")
+        self.handle(_SHUTDOWN)
 
     def internal_error(self) -> None:
-        self._on("internal_error")
+        self.handle(_INTERNAL_ERROR)
+
+    def refused(self, refusal: Refusal) -> None:
+        """The session refused a frame (either side), or the link is ended from outside."""
+        self.handle(Refused(refusal))
 
     def client_blocked(self, blocked: bool) -> None:
-        """The client's write buffer filled up (it is not reading its responses) or drained."""
-        self.client_blocked_since = self.clock() if blocked else 0.0
+        self.handle(ClientBlocked(blocked))
+
+    def upstream_blocked(self, blocked: bool) -> None:
+        self.handle(UpstreamBlocked(blocked))
+
+    # ----------------------------------------------------------------------------- entering a state
+    def _enter_nothing(self) -> None:
+        pass
+
+    def _enter_connecting(self) -> None:
+        self.actions.append(OpenUpstream(self.limits))
+
+    def _enter_queued(self) -> None:
+        # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
+        self.actions.append(TakeSlot(replace(self.limits, upstream_busy="refuse") if self.probe else self.limits))
+
+    def _enter_refusing(self) -> None:
+        """Refused before the HELLO: the upstream (connect's node) and the slot are of no more use."""
+        self._release_upstream(CloseUpstream())
+
+    def _enter_validating(self) -> None:
+        """A large graph waits for its validation (Session.validate_deferred): the relay runs it
+        off the event loop and holds both sides' reads meanwhile, then calls ``graph_validated``."""
+        self.actions.append(Validate())
+
+    def _enter_draining(self) -> None:
+        self.actions.append(HalfCloseUpstream(self.slot_held))
+        self.t_drain = self.t_drained = self.clock()
+
+    def _enter_closed(self) -> None:
+        # close() flushes what is queued; an error aborts.
+        self._release_upstream(AbortUpstream() if self.result == "error" else CloseUpstream())
+
+    def _release_upstream(self, close: AbortUpstream | CloseUpstream) -> None:
+        if self.upstream_open:
+            self.upstream_open = False
+            self.actions.append(close)
+        if self.slot_held:
+            self.actions.append(FreeSlot())
+            self.slot_held = False
 
     # ----------------------------------------------------------------------------- set-up
-    def _admit(self, profile: Profile, identity: str, refusal: Refusal | None, identity_refused: bool,
-               probe: bool = False) -> None:
-        self.probe = probe
+    def _accepted(self, ev: Accepted) -> None:
+        self.peer, self.source = ev.peer, ev.source
+
+    def _admit(self, ev: Admit) -> None:
+        profile = ev.profile
+        self.probe = ev.probe
         self.profile = profile
-        self.identity = identity
+        self.identity = ev.identity
         self.t_admitted = self.clock()
         self.session = Session(profile.policy, self.facts, self.stats)
         self.out = self.session.out
         self._feed_c = self.session.client_data
         self._feed_s = self.session.server_data
-        if refusal is not None:
-            self.refusal = refusal
-            self.refused_on_leave = identity_refused
-            self._goto(REFUSING)
-        elif self.side.takes_slot:
-            self._goto(AWAIT_HELLO)
-        else:
-            self._goto(CONNECTING)
-            self.actions.append((OPEN_UPSTREAM, self.limits))
+        if ev.refusal is not None:
+            self.refusal = ev.refusal
+            self.refused_on_leave = ev.identity_refused
 
-    def _rejected(self, refusal: Refusal) -> None:
+    def _rejected(self, ev: Rejected) -> None:
+        refusal = ev.refusal
         self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
-    def _handshake_failed(self, result: str, reason: str, detail: str) -> None:
-        if result == "refused":
-            self.tls_failure(reason)
-        self._finish(result, reason, detail)
+    def _handshake_failed(self, ev: HandshakeFailed) -> None:
+        if ev.result == "refused":
+            self.tls_failure(ev.reason)
+        self._finish(ev.result, ev.reason, ev.detail)
 
-    def _slot_granted(self) -> None:
+    def _slot_granted(self, ev: SlotGranted) -> None:
         self.slot_held = True
-        self._goto(CONNECTING)
-        self.actions.append((OPEN_UPSTREAM, self.limits))
 
-    def _free_granted_slot(self) -> None:
+    def _free_granted_slot(self, ev: SlotGranted) -> None:
         # The session ended while it queued: hand the slot straight back.
-        self.actions.append((FREE_SLOT, None))
+        self.actions.append(FreeSlot())
 
-    def _upstream_connected(self) -> None:
+    def _upstream_connected(self, ev: UpstreamConnected) -> None:
         self.upstream_open = True
         self.t_upstream = self.clock()
-        self._goto(GREETING)
         if self._pending:
-            self.actions.append((WRITE_UPSTREAM, self._pending))
+            self.actions.append(WriteUpstream(self._pending))
             self._pending = []
 
-    def _close_new_upstream(self) -> None:
-        self.actions.append((CLOSE_UPSTREAM, None))
+    def _close_new_upstream(self, ev: UpstreamConnected) -> None:
+        self.actions.append(CloseUpstream())
 
-    def _refuse_early(self, refusal: Refusal) -> None:
-        """Refused before ACTIVE: answer now if the HELLO is waiting, else when it comes."""
+    def _refuse_early(self, ev: SlotRefused | UpstreamFailed) -> None:
+        self._refuse_before_active(ev.refusal)
+
+    def _refuse_before_active(self, refusal: Refusal) -> None:
+        """Refused before ACTIVE: answered now if the HELLO is waiting (the session ends), else
+        when it comes (the table's REFUSING)."""
         self.refusal = refusal
         session = self.session
-        if session is not None and session.phase == HELLO_FORWARDED:
+        if session is not None and session.hello_request_len is not None:
             self._answer_refusal()
-            return
-        self._release_upstream()
-        if self.slot_held:
-            self.actions.append((FREE_SLOT, None))
-            self.slot_held = False
-        self._goto(REFUSING)
 
     def _answer_refusal(self) -> None:
         refusal = self.refusal
         assert refusal is not None and self.session is not None
         self.out.clear()
-        self.actions.append((WRITE_CLIENT, self.session.refusal_answer(refusal.reason)))
+        self.actions.append(WriteClient(self.session.refusal_answer(refusal.reason)))
         if self.probe and refusal.reason == "upstream_busy":  # the probe's answer, not a refusal
             self._finish("probe", "", "probe: identity accepted, upstream busy with another session")
             return
@@ -309,8 +364,9 @@ class Lifecycle:
         return self._fed(self.server_data, data, now_ns)
 
     def graph_validated(self, now_ns: int) -> Output:
-        """After the VALIDATE action ran ``Session.validate_deferred``: the graph's verdict and the
-        bytes that followed it, with the whole contract (see ``client_bytes``)."""
+        """After the ``Validate`` action ran ``Session.validate_deferred``: back to ACTIVE, then the
+        graph's verdict and the bytes that followed it, with the whole contract."""
+        self.handle(_GRAPH_VALIDATED)
         return self._fed(self._resume_deferred, memoryview(b""), now_ns)
 
     def _resume_deferred(self, data: memoryview, now_ns: int) -> Output:
@@ -331,74 +387,61 @@ class Lifecycle:
         """Act on the events of one feed (the caller hands them over when ``out.events`` is set)."""
         events = list(out.events)
         out.events.clear()
-        for kind, value in events:
-            self._on(kind, value)
+        for event in events:
+            self.handle(event)
             if self.state in ENDS:
                 return  # the link is over: later events do not matter
 
-    def _ev_validate(self, nbytes: int) -> None:
-        """A large graph waits for its validation (Session.validate_deferred): the relay runs it
-        off the event loop and holds both sides' reads meanwhile, then calls ``resume_deferred``."""
-        self.actions.append((VALIDATE, None))
+    def _violation(self, v: Violation) -> None:
+        self.actions.append(CountViolation(v.reason, "monitor", v, v.command))
 
-    def _ev_violation(self, v: Violation) -> None:
-        self.actions.append((COUNT_VIOLATION, (v.reason, "monitor", v, v.command)))
-
-    def _ev_hello(self, length: int) -> None:
-        self._goto(QUEUED)
-        # A probe never waits for a busy upstream: it is answered "busy" at once (upstream_busy).
-        self.actions.append((TAKE_SLOT, replace(self.limits, upstream_busy="refuse") if self.probe
-                             else self.limits))
-
-    def _answer_at_hello(self, length: int) -> None:
+    def _answer_at_hello(self, ev: Hello) -> None:
         self._answer_refusal()
 
-    def _ev_active(self, version: object) -> None:
-        self._goto(ACTIVE)
-
-    def _ev_ignore(self, value: object) -> None:
-        pass
-
-    def _ev_node_refused(self, reason: str) -> None:
+    def _node_refused(self, ev: NodeRefused) -> None:
         # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
-        self.refusal = Refusal(reason, "refused by the node")
-        self._finish("refused", "node_refused", f"node refused the session: {reason}")
+        self.refusal = Refusal(ev.reason, "refused by the node")
+        self._finish("refused", "node_refused", f"node refused the session: {ev.reason}")
 
-    def refused(self, refusal: Refusal) -> None:
-        """The session refused a frame (either side): the caller hands over what ``client_data`` /
-        ``server_data`` raised."""
-        self._on("refused", refusal)
-
-    def _refused(self, refusal: Refusal) -> None:
+    def _refused(self, ev: Refused) -> None:
+        refusal = ev.refusal
         session = self.session
         assert session is not None
         self.command = session.command_name
         self.out.clear()
         if isinstance(refusal, FirewallRefusal):
-            self.actions.append((COUNT_VIOLATION, (refusal.reason, "enforce", None, self.command)))
-        if session.phase != GREETED and session.hello_request_len is not None:
+            self.actions.append(CountViolation(refusal.reason, "enforce", None, self.command))
+        if not self.greeted and session.hello_request_len is not None:
             if self.refusal is None:  # else: a refusal already waited for this HELLO, say that one
                 self.refusal = refusal
             self._answer_refusal()
         else:
             self._finish("refused", refusal.reason, refusal.detail, refusal.party)
 
+    def _client_blocked(self, ev: ClientBlocked) -> None:
+        self.client_blocked_since = self.clock() if ev.blocked else 0.0
+
+    def _upstream_blocked(self, ev: UpstreamBlocked) -> None:
+        self.client_held_back = ev.blocked  # the client's frames wait for the upstream: not its delay
+
     # ----------------------------------------------------------------------------- closes
-    def _client_closed(self, error: str) -> None:
+    def _client_closed(self, ev: ClientClosed) -> None:
         if self.refused_on_leave and self.refusal is not None:
             self._finish("refused", self.refusal.reason, self.refusal.detail, self.refusal.party)  # left before its HELLO
             return
         s = self.session
-        clean = s is None or s.idle or (s.phase == GREETED and not s.mid_frame)
+        error = ev.error
+        clean = s is None or s.idle or (self.greeted and not s.mid_frame)
         said_hello = s is not None and s.hello_request_len is not None
         result = "error" if not clean else "probe" if self.probe else "ok" if said_hello else "no_hello"
         self._finish(result, "" if clean else "client_closed_mid_frame",
                      "client closed" + (f": {error}" if error else "") + ("" if said_hello or not clean else
                                                                           " before its HELLO"))
 
-    def _upstream_closed_early(self, error: str, tls_reason: str | None) -> None:
+    def _upstream_closed_early(self, ev: UpstreamClosed) -> None:
         """The upstream hung up before the session was active: the client still gets its 0.0.N."""
         self.upstream_open = False
+        tls_reason, error = ev.tls_reason, ev.error
         if tls_reason is not None:
             # TLS 1.3: the node rejects our certificate after the handshake, on the first read.
             self.tls_failure(tls_reason)
@@ -411,30 +454,20 @@ class Lifecycle:
                                             "its rpcguard refused this certificate (see the node's log)")
         else:
             refusal = hello_closed_refusal(self.facts, self.session.hello_request_len if self.session else None)
-        self._refuse_early(refusal)
+        self._refuse_before_active(refusal)
 
-    def _upstream_closed_active(self, error: str, tls_reason: str | None) -> None:
+    def _upstream_closed_active(self, ev: UpstreamClosed) -> None:
         self.upstream_open = False
-        if self.upstream_exit is not None:  # serve runs the server and saw it die under this session
-            self._finish("error", self.upstream_exit.reason, self.upstream_exit.detail, self.upstream_exit.party)
+        crashed = ev.crashed
+        if crashed is not None and self.session is not None:  # serve runs the server and saw it die
+            self.command = self.session.command_name  # the command it was running (audit record)
+            self.post_mortem = self.session.post_mortem()
+            self._finish("error", crashed.reason, crashed.detail, crashed.party)
             return
-        self._finish("error", "upstream_closed", "upstream closed" + (f": {error}" if error else ""))
+        self._finish("error", "upstream_closed", "upstream closed" + (f": {ev.error}" if ev.error else ""))
 
-    def _drained(self, error: str, tls_reason: str | None) -> None:
-        self.upstream_open = False
-        self._end_drain()
-
-    def _end_drain(self) -> None:
-        if self.slot_held:
-            self.actions.append((FREE_SLOT, None))
-            self.slot_held = False
-        self._goto(CLOSED)
-
-    def _release_upstream(self) -> None:
-        """Refused before the HELLO: the upstream (connect's node) is of no more use."""
-        if self.upstream_open:
-            self.upstream_open = False
-            self.actions.append((CLOSE_UPSTREAM, None))
+    def _drained(self, ev: UpstreamClosed) -> None:
+        self.upstream_open = False  # CLOSED (the slot is freed on entering it)
 
     # ----------------------------------------------------------------------------- timers
     def _sample(self, now: float) -> None:
@@ -443,7 +476,7 @@ class Lifecycle:
         session worked since the last tick (the server owed an answer, or the client sent at
         ``min_data_rate_bps``)."""
         session = self.session
-        if session is None or session.phase != GREETED:
+        if session is None or not self.greeted:
             self._tick_t, self._tick_rx, self.working_t = now, self.rx_bytes, now
             return
         rx = self.rx_bytes
@@ -468,7 +501,8 @@ class Lifecycle:
             self.working_t = now
         self._tick_t, self._tick_rx = now, rx
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, ev: Tick) -> None:
+        now = self.now_s
         self._sample(now)
         missed = overdue(self, now)
         if missed is None:
@@ -489,65 +523,100 @@ class Lifecycle:
         self.out.clear()
         return self.out
 
-    def _tick_drain(self, now: float) -> None:
+    def _tick_drain(self, ev: Tick) -> None:
+        now = self.now_s
         if now - self.t_drained > UPSTREAM_DRAIN_S or now - self.t_drain > UPSTREAM_DRAIN_MAX_S:
-            self.upstream_open = False
-            self.actions.append((ABORT_UPSTREAM, None))
-            self._end_drain()
+            self.upstream_open = False  # CLOSED (the slot is freed on entering it)
+            self.actions.append(AbortUpstream())
 
     # ----------------------------------------------------------------------------- the end
-    def _shutdown(self) -> None:
+    def _shutdown(self, ev: Shutdown) -> None:
         self._finish("refused", "shutdown", "drain timeout reached")
 
-    def _internal_error(self) -> None:
+    def _internal_error(self, ev: InternalError) -> None:
         self._finish("error", "internal_error", "internal error (logged)")
 
     def tls_failure(self, reason: str) -> None:
         """Count a failed TLS handshake (or a node's alert after it) under ``reason``."""
-        self.actions.append((COUNT_TLS_FAILURE, reason))
+        self.actions.append(CountTlsFailure(reason))
 
-    def _ignore(self, *args: object) -> None:
+    def _ignore(self, ev: Event) -> None:
         pass
 
     def _finish(self, result: str, reason: str, detail: str, party: str | None = None) -> None:
-        """End the session: close the client, drain (serve) or close the upstream, free the
-        slot unless the drain keeps it, and hand out the audit record. ``party``: who is at fault
-        (the Refusal's, else the reason's row in errors.PARTY_OF_REASON)."""
+        """End the session: record how, close the client; the state-triggered rule then moves
+        the link to DRAINING (serve's upstream open) or CLOSED, whose entry releases the
+        upstream and the slot, and the audit record follows. ``party``: who is at fault (the
+        Refusal's, else the reason's row in errors.PARTY_OF_REASON)."""
         self.result, self.reason = result, reason
         self.party = party if party is not None else (party_of(reason) if reason else "")
-        actions = self.actions
-        actions.append((CLOSE_CLIENT, None))
-        drain = self.upstream_open and self.side.drains_upstream
-        if drain:
-            actions.append((HALF_CLOSE_UPSTREAM, self.slot_held))
-            self.t_drain = self.t_drained = self.clock()
-            self._goto(DRAINING)
-        else:
-            if self.upstream_open:
-                self.upstream_open = False
-                # close() flushes what is queued; an error aborts.
-                actions.append((ABORT_UPSTREAM if result == "error" else CLOSE_UPSTREAM, None))
-            if self.slot_held:
-                actions.append((FREE_SLOT, None))
-                self.slot_held = False
-            self._goto(CLOSED)
+        self.actions.append(CloseClient())
         unverified = self.session.state.unverified_uses if self.session is not None else {}
         if unverified:  # ops the site allowed without a verified rule: counted, and in the log line
             detail = f"{detail} unverified_ops={','.join(f'{op}:{n}' for op, n in sorted(unverified.items()))}"
         self.detail = detail
-        actions.append((END, self.audit_record()))
+        self._record_due = True
 
     def audit_record(self) -> dict[str, object]:
         """The per-session audit record (one per session, logged at its end)."""
         return audit_record(self)
 
 
-# linkstate.TABLE names Lifecycle methods; resolved once, here, so a name that is not a method
-# fails at import and an event costs no attribute lookup by name. The data events are bound per
-# state by _goto instead (GREETING/ACTIVE bind the session's own methods).
-_DATA_EVENTS = ("client_data", "server_data")
-_ON: Mapping[LinkState, Mapping[str, tuple[Callable[..., None], frozenset[LinkState]]]] = {
-    state: {event: (getattr(Lifecycle, row.handler), row.then) for event, row in rows.items()
-            if event not in _DATA_EVENTS}
-    for state, rows in TABLE.items()
+# ----------------------------------------------------------------------------- the handlers
+E = TypeVar("E")
+
+
+def on(event: type[E], handler: Callable[[Lifecycle, E], None]) -> tuple[type, Callable[[Lifecycle, Any], None]]:
+    """One handler registration: mypy checks that ``handler`` takes ``event``'s class."""
+    return event, handler
+
+
+L = Lifecycle
+# What every state does with each event unless its own row below says otherwise.
+_DEFAULT = dict([
+    on(Accepted, L._accepted), on(Admit, L._ignore), on(HandshakeFailed, L._ignore), on(Rejected, L._ignore),
+    on(SlotGranted, L._free_granted_slot), on(SlotRefused, L._ignore), on(UpstreamConnected, L._close_new_upstream),
+    on(UpstreamFailed, L._ignore), on(ClientClosed, L._client_closed), on(UpstreamClosed, L._ignore),
+    on(Tick, L._tick), on(Shutdown, L._shutdown), on(InternalError, L._internal_error), on(Refused, L._refused),
+    on(ClientBlocked, L._client_blocked), on(UpstreamBlocked, L._upstream_blocked), on(GraphValidated, L._ignore),
+    on(Hello, L._ignore), on(Active, L._ignore), on(NodeRefused, L._node_refused), on(Violation, L._violation),
+    on(Deferred, L._ignore),
+])  # fmt: skip
+_OVER = [  # a session that is over ignores what would end it
+    on(ClientClosed, L._ignore), on(Shutdown, L._ignore), on(InternalError, L._ignore), on(Refused, L._ignore),
+    on(NodeRefused, L._ignore), on(Violation, L._ignore),
+]
+_UPSTREAM_LOST_ACTIVE = on(UpstreamClosed, L._upstream_closed_active)
+_HANDLERS: Mapping[LinkState, Mapping[type, Callable[[Lifecycle, Any], None]]] = {
+    state: {**_DEFAULT, **dict(rows)} for state, rows in {
+        HANDSHAKE: [on(Admit, L._admit), on(HandshakeFailed, L._handshake_failed), on(Rejected, L._rejected)],
+        AWAIT_HELLO: [],
+        REFUSING: [on(Hello, L._answer_at_hello)],
+        QUEUED: [on(SlotGranted, L._slot_granted), on(SlotRefused, L._refuse_early)],
+        CONNECTING: [on(UpstreamConnected, L._upstream_connected), on(UpstreamFailed, L._refuse_early)],
+        GREETING: [on(UpstreamClosed, L._upstream_closed_early)],
+        ACTIVE: [_UPSTREAM_LOST_ACTIVE],
+        VALIDATING: [_UPSTREAM_LOST_ACTIVE],
+        DRAINING: [*_OVER, on(UpstreamClosed, L._drained), on(Tick, L._tick_drain)],
+        CLOSED: [*_OVER, on(Tick, L._ignore)],
+    }.items()
+}  # fmt: skip
+# The table's next state of every event in every state (None: it stays), looked up per event.
+_NEXT: Mapping[LinkState, Mapping[type, LinkState | Rule | None]] = {
+    state: {event: TABLE[state].get(event) for event in EVENTS} for state in STATES
 }
+# Entering a state: its work, whichever event led there.
+_ENTER: Mapping[LinkState, Callable[[Lifecycle], None]] = {
+    **{state: L._enter_nothing for state in STATES},
+    CONNECTING: L._enter_connecting, QUEUED: L._enter_queued, REFUSING: L._enter_refusing,
+    VALIDATING: L._enter_validating, DRAINING: L._enter_draining, CLOSED: L._enter_closed,
+}  # fmt: skip
+# The data handlers of each state (client, server), bound per transition: GREETING/ACTIVE bind
+# the session's own methods (the hot path: no wrapper call).
+_DATA: Mapping[LinkState, tuple[str, str]] = {
+    HANDSHAKE: ("_drop", "_drop"), AWAIT_HELLO: ("_client_early", "_drop"), REFUSING: ("_client_refusing", "_drop"),
+    QUEUED: ("_client_early", "_drop"), CONNECTING: ("_client_early", "_drop"), GREETING: ("_feed_c", "_feed_s"),
+    ACTIVE: ("_feed_c", "_feed_s"), VALIDATING: ("_feed_c", "_feed_s"), DRAINING: ("_drop", "_drain_data"),
+    CLOSED: ("_drop", "_drop"),
+}  # fmt: skip
+del L

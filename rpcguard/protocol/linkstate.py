@@ -1,33 +1,42 @@
-"""The link lifecycle's vocabulary and tables: states, events, actions, transitions, handlers.
+"""The link lifecycle's vocabulary and its next-state table: states, typed events and actions.
 
-How this works (h11's ``_state.py`` is the model): a link is in one of the ``LinkState``s;
-``TABLE`` holds, for every event in every state, a ``Row``: the ``Lifecycle`` method that
-handles it (an event a state does not expect goes to ``_ignore``, ``_drop`` or a clean-up such
-as ``_free_granted_slot``) and the states it may move the link to (``Lifecycle._goto`` refuses
-any other: a bug, not a peer's doing). The events are the relay's (a read, a close, the slot,
-the dial, the tick) and the ``Session``'s (its HELLO, ACTIVE, node-refusal and monitor-violation
-events, and a refusal it raised). ``EDGES`` is the union per state. Actions are ``(kind,
-argument)`` tuples the relay carries out in order. See protocol/lifecycle.py for the machine and
-docs/design.md for the state diagram.
+How this works (h11's ``_state.py`` is the model): a link is in one of the ``LinkState``s. Every
+event is a class (a ``NamedTuple``: the relay's, below, and the ``Session``'s, protocol/session.py);
+``TABLE`` maps state x event class to the next state, as h11's ``EVENT_TRIGGERED_TRANSITIONS``
+does (an event a state does not list leaves it where it is). Where the next state depends on more
+than the event, the cell holds a ``Rule`` and ``RULES`` decides it from the link's facts
+(``LinkFacts``), as h11's state-triggered transitions do; one rule is state-triggered
+and checked after every event: a session that ended (``ended``) goes to DRAINING while serve's
+upstream is open, else to CLOSED. The handlers (protocol/lifecycle.py) do the work of an event
+and never choose or assign a state: ``Lifecycle`` moves the link, and does the work of entering
+a state (dial on CONNECTING, queue on QUEUED, half-close on DRAINING, release on CLOSED).
+
+Actions are classes too: ``Action`` is their union, and the relay registers one handler per class
+(proxy/link.py), typed so that mypy rejects a handler of the wrong class, as it rejects an event
+handler of the wrong event (tests/unit/test_lifecycle.py plants both mismatches).
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Final, Literal, Mapping, NamedTuple, Union
+from typing import Final, Mapping, NamedTuple, Protocol, Union
 
-from rpcguard.protocol.session import EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VALIDATE, EV_VIOLATION
-
-if TYPE_CHECKING:
-    from rpcguard.protocol.session import Violation
-    from rpcguard.protocol.settings import Limits
+from rpcguard.errors import Refusal
+from rpcguard.protocol.session import Active, Deferred, Hello, NodeRefused, SessionEvent, Violation
+from rpcguard.protocol.settings import Limits, Profile
+from rpcguard.protocol.side import Side
 
 __all__ = [
-    "STATES", "EVENTS", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
-    "DRAINING", "CLOSED", "WRITE_CLIENT", "WRITE_UPSTREAM", "OPEN_UPSTREAM", "TAKE_SLOT", "FREE_SLOT",
-    "HALF_CLOSE_UPSTREAM", "CLOSE_CLIENT", "CLOSE_UPSTREAM", "ABORT_UPSTREAM", "COUNT_TLS_FAILURE",
-    "COUNT_VIOLATION", "VALIDATE", "END", "Action", "EDGES", "TABLE", "Row", "LinkState", "ENDS", "table_markdown",
+    "LinkState", "STATES", "HANDSHAKE", "AWAIT_HELLO", "REFUSING", "QUEUED", "CONNECTING", "GREETING", "ACTIVE",
+    "VALIDATING", "DRAINING", "CLOSED", "ENDS",
+    "Accepted", "Admit", "HandshakeFailed", "Rejected", "SlotGranted", "SlotRefused", "UpstreamConnected",
+    "UpstreamFailed", "ClientClosed", "UpstreamClosed", "Tick", "TICK", "Shutdown", "InternalError", "Refused",
+    "ClientBlocked", "UpstreamBlocked", "GraphValidated", "LinkEvent", "Event", "EVENTS",
+    "WriteClient", "WriteUpstream", "OpenUpstream", "TakeSlot", "FreeSlot", "HalfCloseUpstream", "CloseClient",
+    "CloseUpstream", "AbortUpstream", "CountTlsFailure", "CountViolation", "Validate", "End", "Action", "ACTIONS",
+    "Rule", "RULES", "LinkFacts", "TABLE", "EDGES", "ended_to", "table_markdown",
 ]  # fmt: skip
+
 
 # ---------------------------------------------------------------------------------- states
 class LinkState(str, Enum):
@@ -40,6 +49,7 @@ class LinkState(str, Enum):
     CONNECTING = "connecting"  # the upstream is being dialled; client bytes are kept meanwhile
     GREETING = "greeting"  # upstream connected, the HELLO exchange not finished
     ACTIVE = "active"  # the session runs: bytes go straight through the Session
+    VALIDATING = "validating"  # a large graph is validated off the loop; both sides' reads wait
     DRAINING = "draining"  # over; serve's upstream half-closed and read until it hangs up
     CLOSED = "closed"
 
@@ -47,121 +57,274 @@ class LinkState(str, Enum):
         return self.value
 
 
-HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING, GREETING, ACTIVE, DRAINING, CLOSED = LinkState
+HANDSHAKE, AWAIT_HELLO, REFUSING, QUEUED, CONNECTING, GREETING, ACTIVE, VALIDATING, DRAINING, CLOSED = LinkState
 STATES: tuple[LinkState, ...] = tuple(LinkState)
+ENDS: Final = frozenset({DRAINING, CLOSED})  # the session is over
+
 
 # ---------------------------------------------------------------------------------- events
-EVENTS: tuple[str, ...] = (
-    "admit", "handshake_failed", "client_data", "server_data", "slot_granted", "slot_refused",
-    "upstream_connected", "upstream_failed", "client_closed", "upstream_closed", "tick", "shutdown",
-    "internal_error", "rejected",
-    # what the Session reports (Output.events) and a refusal it raised, dispatched the same way
-    EV_HELLO, EV_ACTIVE, EV_NODE_REFUSED, EV_VIOLATION, EV_VALIDATE, "refused",
+# The relay's events (proxy/link.py); the Session's are Hello, Active, NodeRefused, Violation and
+# Deferred (protocol/session.py), dispatched the same way.
+class Accepted(NamedTuple):
+    """The socket is accepted: who is at the other end (logs; serve's per-source caps)."""
+
+    peer: str  # "host:port"
+    source: str  # the peer's address without the port (an IPv6 host's /64)
+
+
+class Admit(NamedTuple):
+    """Accepted (connect) or TLS done (serve): the identity and the admission's verdict."""
+
+    profile: Profile  # the session's from now on
+    identity: str = ""
+    refusal: Refusal | None = None  # the identity or the admission check (sessions, shutdown) said no
+    identity_refused: bool = False  # refused for who it is: leaving before HELLO is a refusal too
+    probe: bool = False  # the client said it is a probe
+
+
+class HandshakeFailed(NamedTuple):
+    result: str
+    reason: str
+    detail: str
+
+
+class Rejected(NamedTuple):
+    """Refused at accept, before any TLS (serve's cap on handshakes per source), or ended from
+    outside before the session started."""
+
+    refusal: Refusal
+
+
+class SlotGranted(NamedTuple):
+    pass
+
+
+class SlotRefused(NamedTuple):
+    refusal: Refusal
+
+
+class UpstreamConnected(NamedTuple):
+    pass
+
+
+class UpstreamFailed(NamedTuple):
+    refusal: Refusal
+
+
+class ClientClosed(NamedTuple):
+    error: str = ""
+
+
+class UpstreamClosed(NamedTuple):
+    """The upstream hung up."""
+
+    error: str = ""  # why, if it was an error
+    tls_reason: str | None = None  # the classified TLS alert when it was one
+    crashed: Refusal | None = None  # serve runs the server and saw it die under the session (upstream/pool.py)
+
+
+class Tick(NamedTuple):
+    """A second passed: enforce the deadlines. One instance (``TICK``): ``Lifecycle.tick`` notes
+    the time and the sessions queued for the slot first, so a tick builds no event object."""
+
+
+TICK: Final = Tick()
+
+
+class Shutdown(NamedTuple):
+    pass
+
+
+class InternalError(NamedTuple):
+    pass
+
+
+class Refused(NamedTuple):
+    """The session refused a frame (what ``client_data`` / ``server_data`` raised), or the link
+    was ended from outside (certificate expired or revoked, identity off the allow-list)."""
+
+    refusal: Refusal
+
+
+class ClientBlocked(NamedTuple):
+    """The client's write buffer filled up (it is not reading its responses) or drained."""
+
+    blocked: bool
+
+
+class UpstreamBlocked(NamedTuple):
+    """The upstream's write buffer filled up (the relay paused the client's reads) or drained."""
+
+    blocked: bool
+
+
+class GraphValidated(NamedTuple):
+    """The deferred graph's validation ran (``Session.validate_deferred``): the session resumes."""
+
+
+LinkEvent = Union[
+    Accepted, Admit, HandshakeFailed, Rejected, SlotGranted, SlotRefused, UpstreamConnected, UpstreamFailed,
+    ClientClosed, UpstreamClosed, Tick, Shutdown, InternalError, Refused, ClientBlocked, UpstreamBlocked,
+    GraphValidated,
+]
+Event = Union[LinkEvent, SessionEvent]
+EVENTS: tuple[type, ...] = (
+    Accepted, Admit, HandshakeFailed, Rejected, SlotGranted, SlotRefused, UpstreamConnected, UpstreamFailed,
+    ClientClosed, UpstreamClosed, Tick, Shutdown, InternalError, Refused, ClientBlocked, UpstreamBlocked,
+    GraphValidated, Hello, Active, NodeRefused, Violation, Deferred,
 )  # fmt: skip
 
-# ---------------------------------------------------------------------------------- actions
-# (kind, argument) tuples in ``Lifecycle.actions``, carried out in order by the relay. Each kind
-# is a Literal and ``Action`` the union of the (kind, argument type) pairs, so mypy checks every
-# action the lifecycle makes against what the relay's handler of that kind takes.
-WRITE_CLIENT: Final = "write_client"  # bytes: a refusal answer
-WRITE_UPSTREAM: Final = "write_upstream"  # list[bytes]: client bytes kept while the upstream was dialled
-OPEN_UPSTREAM: Final = "open_upstream"  # Limits: dial; answer with upstream_connected / upstream_failed
-TAKE_SLOT: Final = "take_slot"  # Limits: queue for the upstream slot; answer slot_granted / slot_refused
-FREE_SLOT: Final = "free_slot"  # None
-HALF_CLOSE_UPSTREAM: Final = "half_close_upstream"  # bool (slot held): write EOF, keep reading
-CLOSE_CLIENT: Final = "close_client"  # None: close after flushing what is queued
-CLOSE_UPSTREAM: Final = "close_upstream"  # None
-ABORT_UPSTREAM: Final = "abort_upstream"  # None
-COUNT_TLS_FAILURE: Final = "tls_failure"  # str: reason
-COUNT_VIOLATION: Final = "violation"  # (reason, mode, Violation | None, command): a firewall rule failed
-VALIDATE: Final = "validate"  # None: run Session.validate_deferred off the loop, then resume_deferred
-END: Final = "end"  # dict: the audit record (the session is over for metrics and logs)
 
-ViolationCount = tuple[str, str, "Violation | None", str]  # reason, mode, the monitor's Violation, command
+# ---------------------------------------------------------------------------------- actions
+# Appended to ``Lifecycle.actions``; the relay carries them out in order, one handler per class.
+class WriteClient(NamedTuple):
+    data: bytes  # a refusal answer
+
+
+class WriteUpstream(NamedTuple):
+    chunks: list[bytes]  # client bytes kept while the upstream was dialled
+
+
+class OpenUpstream(NamedTuple):
+    limits: Limits  # dial; answered with UpstreamConnected / UpstreamFailed
+
+
+class TakeSlot(NamedTuple):
+    limits: Limits  # queue for the upstream slot; answered with SlotGranted / SlotRefused
+
+
+class FreeSlot(NamedTuple):
+    pass
+
+
+class HalfCloseUpstream(NamedTuple):
+    slot_held: bool  # write EOF and keep reading; the slot is kept until the upstream hangs up
+
+
+class CloseClient(NamedTuple):
+    pass  # close after flushing what is queued
+
+
+class CloseUpstream(NamedTuple):
+    pass
+
+
+class AbortUpstream(NamedTuple):
+    pass
+
+
+class CountTlsFailure(NamedTuple):
+    reason: str
+
+
+class CountViolation(NamedTuple):
+    """A firewall rule failed."""
+
+    reason: str
+    mode: str  # "enforce" (refused) or "monitor" (forwarded)
+    violation: Violation | None  # the monitor's
+    command: str
+
+
+class Validate(NamedTuple):
+    pass  # run Session.validate_deferred off the loop, then GraphValidated
+
+
+class End(NamedTuple):
+    record: dict[str, object]  # the audit record: the session is over for metrics and logs
+
+
 Action = Union[
-    tuple[Literal["write_client"], bytes],
-    tuple[Literal["write_upstream"], "list[bytes]"],
-    tuple[Literal["open_upstream", "take_slot"], "Limits"],
-    tuple[Literal["free_slot", "close_client", "close_upstream", "abort_upstream", "validate"], None],
-    tuple[Literal["half_close_upstream"], bool],
-    tuple[Literal["tls_failure"], str],
-    tuple[Literal["violation"], ViolationCount],
-    tuple[Literal["end"], "dict[str, object]"],
+    WriteClient, WriteUpstream, OpenUpstream, TakeSlot, FreeSlot, HalfCloseUpstream, CloseClient, CloseUpstream,
+    AbortUpstream, CountTlsFailure, CountViolation, Validate, End,
 ]
+ACTIONS: tuple[type, ...] = (
+    WriteClient, WriteUpstream, OpenUpstream, TakeSlot, FreeSlot, HalfCloseUpstream, CloseClient, CloseUpstream,
+    AbortUpstream, CountTlsFailure, CountViolation, Validate, End,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- rules
+class LinkFacts(Protocol):
+    """What the rules read of a link (``Lifecycle`` has these)."""
+
+    @property
+    def side(self) -> Side: ...
+    @property
+    def refusal(self) -> Refusal | None: ...
+    @property
+    def upstream_open(self) -> bool: ...
+
+
+class Rule(str, Enum):
+    """A cell whose next state depends on the link's facts, not on the event alone."""
+
+    ADMITTED = "admitted"  # REFUSING if refused, AWAIT_HELLO if the side takes the slot, else CONNECTING
+    ENDED = "ended"  # DRAINING while serve's upstream is open, else CLOSED (see ended_to)
+
+
+def ended_to(link: LinkFacts) -> LinkState:
+    """Where an ended session goes (state-triggered: checked after every event once it ended):
+    serve half-closes its open upstream and reads it until it hangs up; else it is closed."""
+    return DRAINING if link.upstream_open and link.side.drains_upstream else CLOSED
+
+
+def _admitted_to(link: LinkFacts) -> LinkState:
+    if link.refusal is not None:
+        return REFUSING
+    return AWAIT_HELLO if link.side.takes_slot else CONNECTING
+
+
+RULES: Final = {Rule.ADMITTED: _admitted_to, Rule.ENDED: ended_to}
 
 # ---------------------------------------------------------------------------------- the table
-class Row(NamedTuple):
-    """What one event does in one state: the ``Lifecycle`` method that handles it, and the states
-    that method may move the link to (empty: it stays; ``Lifecycle._goto`` refuses any other)."""
+Next = Union[LinkState, Rule]
+_ENDED: Final = Rule.ENDED
 
-    handler: str
-    then: frozenset[LinkState] = frozenset()
-
-
-STAY: Final = frozenset[LinkState]()
-# Where a session's end goes (Lifecycle._finish): DRAINING while serve's upstream is open, else CLOSED.
-ENDS: Final = frozenset({DRAINING, CLOSED})
-CLOSES: Final = frozenset({CLOSED})  # ...from a state whose upstream is not open yet
-
-# The events every state answers the same way unless its row says otherwise; ``end`` is where a
-# session's end goes from that state.
-def _common(end: frozenset[LinkState]) -> dict[str, Row]:
-    return {
-        "admit": Row("_ignore"), "handshake_failed": Row("_ignore"), "client_data": Row("_drop"),
-        "server_data": Row("_drop"), "slot_granted": Row("_free_granted_slot"), "slot_refused": Row("_ignore"),
-        "upstream_connected": Row("_close_new_upstream"), "upstream_failed": Row("_ignore"),
-        "client_closed": Row("_client_closed", end), "upstream_closed": Row("_ignore"), "tick": Row("_tick", end),
-        "shutdown": Row("_shutdown", end), "internal_error": Row("_internal_error", end), "rejected": Row("_ignore"),
-        EV_HELLO: Row("_ev_ignore"), EV_ACTIVE: Row("_ev_ignore"), EV_NODE_REFUSED: Row("_ev_node_refused", end),
-        EV_VIOLATION: Row("_ev_violation"), EV_VALIDATE: Row("_ev_validate"), "refused": Row("_refused", end),
-    }  # fmt: skip
-
-
-TABLE: Mapping[LinkState, Mapping[str, Row]] = {
-    HANDSHAKE: {**_common(CLOSES), "admit": Row("_admit", frozenset({AWAIT_HELLO, REFUSING, CONNECTING})),
-                "handshake_failed": Row("_handshake_failed", CLOSES), "rejected": Row("_rejected", CLOSES)},
-    AWAIT_HELLO: {**_common(CLOSES), "client_data": Row("_client_early"),
-                  EV_HELLO: Row("_ev_hello", frozenset({QUEUED}))},
-    REFUSING: {**_common(CLOSES), "client_data": Row("_client_refusing"), EV_HELLO: Row("_answer_at_hello", CLOSES)},
-    QUEUED: {**_common(CLOSES), "client_data": Row("_client_early"),
-             "slot_granted": Row("_slot_granted", frozenset({CONNECTING})),
-             "slot_refused": Row("_refuse_early", frozenset({REFUSING, CLOSED}))},
-    CONNECTING: {**_common(CLOSES), "client_data": Row("_client_early"),
-                 "upstream_connected": Row("_upstream_connected", frozenset({GREETING})),
-                 "upstream_failed": Row("_refuse_early", frozenset({REFUSING, CLOSED}))},
-    # The session's own client_data / server_data, bound directly (the hot path: no wrapper call).
-    GREETING: {**_common(ENDS), "client_data": Row("_feed_c"), "server_data": Row("_feed_s"),
-               "upstream_closed": Row("_upstream_closed_early", frozenset({REFUSING, CLOSED})),
-               EV_ACTIVE: Row("_ev_active", frozenset({ACTIVE}))},
-    ACTIVE: {**_common(ENDS), "client_data": Row("_feed_c"), "server_data": Row("_feed_s"),
-             "upstream_closed": Row("_upstream_closed_active", CLOSES)},
-    DRAINING: {**_common(CLOSES), "client_closed": Row("_ignore"), "server_data": Row("_drain_data"),
-               "upstream_closed": Row("_drained", CLOSES), "tick": Row("_tick_drain", CLOSES),
-               "shutdown": Row("_ignore"), "internal_error": Row("_ignore"), "refused": Row("_ignore"),
-               EV_NODE_REFUSED: Row("_ev_ignore"), EV_VIOLATION: Row("_ev_ignore")},
-    CLOSED: {**_common(STAY), "client_closed": Row("_ignore"), "tick": Row("_ignore"), "shutdown": Row("_ignore"),
-             "internal_error": Row("_ignore"), "refused": Row("_ignore"), EV_NODE_REFUSED: Row("_ev_ignore"),
-             EV_VIOLATION: Row("_ev_ignore")},
+# What every live state does unless its row says otherwise: these events end the session.
+_LIVE: Final[Mapping[type, Next]] = {
+    ClientClosed: _ENDED, Shutdown: _ENDED, InternalError: _ENDED, Refused: _ENDED, NodeRefused: _ENDED,
 }  # fmt: skip
 
-# The transitions the table allows out of each state (docs/design.md's state table).
+TABLE: Mapping[LinkState, Mapping[type, Next]] = {
+    HANDSHAKE: {**_LIVE, Admit: Rule.ADMITTED, HandshakeFailed: _ENDED, Rejected: _ENDED},
+    AWAIT_HELLO: {**_LIVE, Hello: QUEUED},
+    REFUSING: {**_LIVE, Hello: _ENDED},  # answered 0.0.N at its HELLO
+    QUEUED: {**_LIVE, SlotGranted: CONNECTING, SlotRefused: REFUSING},
+    CONNECTING: {**_LIVE, UpstreamConnected: GREETING, UpstreamFailed: REFUSING},
+    GREETING: {**_LIVE, UpstreamClosed: REFUSING, Active: ACTIVE},
+    ACTIVE: {**_LIVE, UpstreamClosed: _ENDED, Deferred: VALIDATING},
+    VALIDATING: {**_LIVE, UpstreamClosed: _ENDED, GraphValidated: ACTIVE},
+    DRAINING: {UpstreamClosed: CLOSED},  # also by the rule: an aborted drain (Tick) leaves no upstream
+    CLOSED: {},
+}  # fmt: skip
+# A refusal before ACTIVE (SlotRefused, UpstreamFailed, GREETING's UpstreamClosed) whose HELLO is
+# waiting is answered at once: the session ends, and the state-triggered rule overrides the cell;
+# so does a Tick past a deadline.
+
+# The transitions each state may make (docs/design.md's state diagram).
 EDGES: Mapping[LinkState, frozenset[LinkState]] = {
-    state: frozenset().union(*(r.then for r in row.values())) for state, row in TABLE.items()
+    state: frozenset(
+        s for nxt in list(row.values()) + ([] if state in ENDS else [_ENDED]) + ([CLOSED] if state is DRAINING else [])
+        for s in ((nxt,) if isinstance(nxt, LinkState) else
+                  (REFUSING, AWAIT_HELLO, CONNECTING) if nxt is Rule.ADMITTED else (DRAINING, CLOSED))
+        if s is not state
+    )
+    for state, row in TABLE.items()
 }
 
 
 def table_markdown() -> str:
-    """The table as docs/design.md shows it: what every state does with an event unless its own
-    row says otherwise, then each state's own rows, with where each may lead
-    (tests/unit/test_lifecycle.py keeps the two equal)."""
-    common = _common(ENDS)
-    lines = ["| state | event | handler | may lead to |", "|---|---|---|---|"]
-    for event, row in common.items():
-        then = "the session's end: DRAINING (serve, upstream open) or CLOSED" if row.then else "(stays)"
-        lines.append(f"| any | {event} | `{row.handler}` | {then} |")
+    """The table as docs/design.md shows it (tests/unit/test_lifecycle.py keeps the two equal)."""
+    rule_text = {Rule.ADMITTED: "REFUSING if refused, else AWAIT_HELLO (serve) or CONNECTING (connect)",
+                 Rule.ENDED: "the session's end: DRAINING (serve, upstream open) or CLOSED"}
+    lines = ["| state | event | next state |", "|---|---|---|"]
+    lines += [f"| any live | {event.__name__} | {rule_text[Rule.ENDED]} |" for event in _LIVE]
     for state, rows in TABLE.items():
-        for event, row in rows.items():
-            if row.handler != common[event].handler:
-                then = ", ".join(s.name for s in STATES if s in row.then) or "(stays)"
-                lines.append(f"| {state.name} | {event} | `{row.handler}` | {then} |")
+        for event, nxt in rows.items():
+            if state in ENDS or _LIVE.get(event) != nxt:
+                lines.append(f"| {state.name} | {event.__name__} | "
+                             f"{rule_text[nxt] if isinstance(nxt, Rule) else nxt.name} |")
+    lines.append(f"| any live, after any event that ended the session | (state-triggered) | {rule_text[Rule.ENDED]} |")
+    lines.append("| DRAINING, once the upstream is gone | (state-triggered) | CLOSED |")
     return "\n".join(lines) + "\n"

@@ -27,9 +27,10 @@ command id: each response-bearing request pushes an ``Expect`` entry on a FIFO a
 response header is matched against it (size checked exactly), which is also where latency is
 measured and where the session learns buffer handles, bases and device facts for the firewall.
 
-Session phases (``Session.phase``; the link's states are another machine, protocol/linkstate.py):
-BEFORE_HELLO -> HELLO_FORWARDED -> GREETED. ``refusal_answer()`` builds the HELLO reply the
-client-facing side sends when a session is refused before it is GREETED.
+The session keeps no phase of its own (the link's state is the one, protocol/linkstate.py): it
+knows the HELLO's length once the client sent it (``hello_request_len``) and the server's
+version once its reply is in (``greeted``), and reports both as events. ``refusal_answer()``
+builds the HELLO reply the client-facing side sends when a session is refused before that.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Final, Generic, Literal, TypeVar, Union
+from typing import Any, Final, Generic, NamedTuple, TypeVar, Union
 
 from rpcguard.errors import FirewallRefusal, PolicyRefusal, ProtocolRefusal
 from rpcguard.protocol import encode
@@ -78,22 +79,10 @@ _SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9
 _CACHE_FLAG_AT: Final = 9 + TENSOR_BYTES
 
 __all__ = [
-    "SessionPolicy", "Session", "Output", "BEFORE_HELLO", "HELLO_FORWARDED", "GREETED", "Violation",
-    "EV_HELLO", "EV_ACTIVE", "EV_NODE_REFUSED", "EV_VIOLATION", "EV_VALIDATE", "DEFER_GRAPH_BYTES",
+    "SessionPolicy", "Session", "Output", "Violation", "Hello", "Active", "NodeRefused", "Deferred",
+    "SessionEvent", "DEFER_GRAPH_BYTES",
 ]  # fmt: skip
 
-BEFORE_HELLO: Final = "before_hello"  # no HELLO from the client yet
-HELLO_FORWARDED: Final = "hello_forwarded"  # the HELLO went to the server, its reply is awaited
-GREETED: Final = "greeted"  # the HELLO exchange is done: frames flow
-
-# What happened while feeding, as (kind, value) entries of ``Output.events`` (rare: the data path
-# appends nothing, so the caller tests one list per read instead of polling attributes). Each kind
-# is a Literal and ``Event`` the union of the (kind, value type) pairs, as linkstate.Action is.
-EV_HELLO: Final = "hello"  # the client's HELLO was accepted; value: its payload length (0 or 24)
-EV_ACTIVE: Final = "active"  # the server's HELLO reply was accepted; value: the version
-EV_NODE_REFUSED: Final = "node_refused"  # another rpcguard answered 0.0.N; value: its reason
-EV_VIOLATION: Final = "violation"  # monitor mode: a rule failed, the frame was forwarded; value: Violation
-EV_VALIDATE: Final = "validate"  # a large graph waits for validate_deferred(); value: its payload bytes
 
 # A GRAPH_COMPUTE of at least this many payload bytes is validated by ``validate_deferred`` when
 # the owner allows it (``defer_graphs``): the I/O layer runs that off the event loop. Validation
@@ -130,13 +119,35 @@ class Violation:
     command: str
 
 
-Event = Union[
-    tuple[Literal["hello"], int],
-    tuple[Literal["active"], Version],
-    tuple[Literal["node_refused"], str],
-    tuple[Literal["violation"], "Violation"],
-    tuple[Literal["validate"], int],
-]
+# What happened while feeding: the entries of ``Output.events``, one class each (rare: the data
+# path appends nothing, so the caller tests one list per read instead of polling attributes).
+# They are link events too: the lifecycle dispatches them by class (protocol/linkstate.py).
+class Hello(NamedTuple):
+    """The client's HELLO was accepted (and forwarded)."""
+
+    length: int  # its payload length: 0 (pre-4.0.0 client) or 24
+
+
+class Active(NamedTuple):
+    """The server's HELLO reply was accepted: frames flow."""
+
+    version: Version
+
+
+class NodeRefused(NamedTuple):
+    """Another rpcguard (the node's serve) answered 0.0.N: the answer goes to the client as is."""
+
+    reason: str
+
+
+class Deferred(NamedTuple):
+    """A large graph waits for ``validate_deferred`` (``defer_graphs``)."""
+
+    nbytes: int  # its payload bytes
+
+
+# ``Violation`` (monitor mode: a rule failed, the frame was forwarded) is an event as it is.
+SessionEvent = Union[Hello, Active, NodeRefused, Violation, Deferred]
 
 
 class Output:
@@ -157,7 +168,7 @@ class Output:
     def __init__(self) -> None:
         self.to_server: list[bytes | memoryview] = []
         self.to_client: list[bytes | memoryview] = []
-        self.events: list[Event] = []
+        self.events: list[SessionEvent] = []
         self.urgent = True
 
     def clear(self) -> None:
@@ -200,7 +211,6 @@ class Session:
         self.state = SessionState((upstream if upstream is not None else UpstreamFacts()).for_session())
         self.stats = stats if stats is not None else SessionStats()
         self.firewall = Firewall(self.state, self.policy.firewall)
-        self.phase = BEFORE_HELLO
         self.multi_device = False  # the server's version has device indexes (set with its HELLO reply)
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
@@ -241,6 +251,11 @@ class Session:
         return self.state.spec
 
     @property
+    def greeted(self) -> bool:
+        """The server's HELLO reply was accepted (the link is ACTIVE from the ``Active`` event)."""
+        return self.version is not None
+
+    @property
     def command_name(self) -> str:
         """Name of the command being handled, for refusal logs ("-" before the first frame)."""
         return "-" if self.command is None else _name(self.command)
@@ -274,7 +289,7 @@ class Session:
     @property
     def violations(self) -> list[Violation]:
         """Monitor-mode violations among the events not yet cleared."""
-        return [v for _, v in self._events if isinstance(v, Violation)]
+        return [v for v in self._events if isinstance(v, Violation)]
 
     @property
     def mid_frame(self) -> bool:
@@ -297,8 +312,8 @@ class Session:
         self.command = cmd
         if cmd >= len(BATCH) or not BATCH[cmd] or length > BATCH_MAX_BYTES:
             self.out.urgent = True
-        if self.phase != GREETED:
-            if self.phase == HELLO_FORWARDED:
+        if not self._rules:  # not greeted yet (set with the server's HELLO reply)
+            if self.hello_request_len is not None:
                 raise ProtocolRefusal("data_before_hello_reply", "client sent data before the HELLO reply")
             if cmd != HELLO:
                 raise ProtocolRefusal("first_frame_not_hello", f"first command is {_name(cmd)}, not HELLO")
@@ -314,7 +329,7 @@ class Session:
         if rule.name not in self._allowed:
             if self._enforce:
                 raise PolicyRefusal("command_not_allowed", f"{rule.name} is not on the allow-list")
-            self._events.append((EV_VIOLATION, Violation("command_not_allowed", "not on the allow-list", rule.name)))
+            self._events.append(Violation("command_not_allowed", "not on the allow-list", rule.name))
         stats = self.stats
         stats.req_frames[cmd] += 1
         stats.req_bytes[cmd] += 9 + length
@@ -410,8 +425,7 @@ class Session:
             self.stats.rdma_caps_zeroed_req += 1
             raw = memoryview(encode.request(HELLO, _ZERO_CAPS))
         self._expect.append(Expect(HELLO, 28 if len(head) == 24 else 3, False, False, self._now, None))
-        self.phase = HELLO_FORWARDED
-        self._events.append((EV_HELLO, len(head)))
+        self._events.append(Hello(len(head)))
         out.append(raw)
 
     # ----------------------------------------------------------------------------- responses
@@ -463,7 +477,7 @@ class Session:
         if version[0] == 0:
             # Another rpcguard (the node's `serve`) refused the session: pass its answer on.
             self.node_refusal = REFUSAL_REASONS.get(version[2], "refused")
-            self._events.append((EV_NODE_REFUSED, self.node_refusal))
+            self._events.append(NodeRefused(self.node_refusal))
             return memoryview(self.refusal_answer(self.node_refusal))
         if (len(head) == 28) != (self.hello_request_len == 24):
             raise PolicyRefusal(
@@ -477,8 +491,7 @@ class Session:
         self._rules = spec.commands
         self.multi_device = spec.multi_device
         self.state.upstream.learn_version(version)
-        self.phase = GREETED
-        self._events.append((EV_ACTIVE, version))
+        self._events.append(Active(version))
         if len(head) == 28 and head[4:] != _ZERO_CAPS:
             self.stats.rdma_caps_zeroed_rsp += 1
             raw = memoryview(encode.hello_response(version, new_layout=True))
@@ -492,7 +505,7 @@ class Session:
     # ----------------------------------------------------------------------------- large graphs
     def defer_graphs(self, from_bytes: int = DEFER_GRAPH_BYTES) -> None:
         """Let a GRAPH_COMPUTE of ``from_bytes`` or more wait for ``validate_deferred``: the
-        request reader stops after it (what follows is kept) and ``EV_VALIDATE`` is reported."""
+        request reader stops after it (what follows is kept) and ``Deferred`` is reported."""
         self._defer_from = from_bytes
 
     @property
@@ -505,7 +518,7 @@ class Session:
             raw = memoryview(bytes(raw))
         self._deferred = (rule, raw, body_len)
         self._req.pause()
-        self._events.append((EV_VALIDATE, len(raw) - _REQ_HEADER.size))
+        self._events.append(Deferred(len(raw) - _REQ_HEADER.size))
 
     def validate_deferred(self) -> None:
         """The firewall's check of the deferred graph. May run on another thread, provided nothing
@@ -546,7 +559,7 @@ class Session:
         """A firewall rule failed: refuse (enforce), or note it and go on (monitor)."""
         if self._enforce:
             raise refusal
-        self._events.append((EV_VIOLATION, Violation(refusal.reason, refusal.detail, command)))
+        self._events.append(Violation(refusal.reason, refusal.detail, command))
 
     def rule(self, cmd: int) -> CommandRule:
         """The rule of ``cmd`` in the server's version (the session is GREETED, ``cmd`` exists in it)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from rpcguard.errors import Refusal
 from rpcguard.pki.identity import check_usage
@@ -25,10 +25,7 @@ from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from rpcguard.pki.tls import classify_handshake_error, peer_identity
 
-if TYPE_CHECKING:
-    from rpcguard.proxy.link import Link
-
-__all__ = ["Endpoint", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
+__all__ = ["Endpoint", "LinkPort", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
            "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES", "FAIR_READ_BYTES"]
 
 # A side that floods small frames reads this much at a time, one read per loop turn (proxy/link.py,
@@ -46,6 +43,22 @@ WRITE_LOW_WATER_BYTES = 512 * 1024
 # record (and often a syscall) per element of writelines(). Large chunks are never copied.
 JOIN_MAX_BYTES = 64 * 1024
 
+class LinkPort(Protocol):
+    """What an ``Endpoint`` needs of its link (proxy/link.py's ``Link``): whom it dials for, and
+    where its transport's callbacks go."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def identity(self) -> str: ...
+    def made(self, endpoint: Endpoint) -> None: ...
+    def data(self, endpoint: Endpoint, view: memoryview) -> None: ...
+    def eof(self, endpoint: Endpoint) -> None: ...
+    def lost(self, endpoint: Endpoint, exc: Exception | None) -> None: ...
+    def pause_other(self, endpoint: Endpoint) -> None: ...
+    def resume_other(self, endpoint: Endpoint) -> None: ...
+
+
 # Dials the upstream: connects ``factory()``'s protocol to the route's upstream (TLS toward the node
 # for connect) within the session's limits; raises Refusal with the stable reason when it cannot.
 Dialer = Callable[[Route, Callable[[], asyncio.BaseProtocol], Limits], Awaitable[None]]
@@ -56,8 +69,8 @@ async def dial(route: Route, factory: Callable[[], asyncio.BaseProtocol], limits
     loop = asyncio.get_running_loop()
     if route.provider is not None:  # serve runs the server: the session's own process (upstream/pool.py)
         protocol = factory()
-        link = protocol.link  # type: ignore[attr-defined]  # an Endpoint
-        sock = await route.provider.connect(link.id, link.lc.identity, limits.connect_timeout_s or 10.0)
+        link: LinkPort = protocol.link  # type: ignore[attr-defined]  # an Endpoint
+        sock = await route.provider.connect(link.id, link.identity, limits.connect_timeout_s or 10.0)
         await loop.create_connection(lambda: protocol, sock=sock)
         return
     kwargs: dict[str, Any] = {}
@@ -100,7 +113,7 @@ class Endpoint(asyncio.BufferedProtocol):
 
     __slots__ = ("link", "is_client", "transport", "buf", "view", "closed", "held", "narrowed", "parked")
 
-    def __init__(self, link: Link, is_client: bool) -> None:
+    def __init__(self, link: LinkPort, is_client: bool) -> None:
         self.link = link
         self.is_client = is_client
         self.transport: asyncio.Transport | None = None

@@ -38,13 +38,17 @@ import logging
 import socket
 import ssl
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from rpcguard.proxy.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
 from rpcguard.errors import UPSTREAM, Refusal
-from rpcguard.protocol import lifecycle as lc_mod
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
-from rpcguard.protocol.lifecycle import ACTIVE, CLOSED, Lifecycle
+from rpcguard.protocol.lifecycle import Lifecycle
+from rpcguard.protocol.linkstate import (
+    ACTIONS, ACTIVE, CLOSED, VALIDATING, AbortUpstream, CloseClient, CloseUpstream, CountTlsFailure, CountViolation,
+    End, FreeSlot, HalfCloseUpstream, OpenUpstream, TakeSlot, Validate, WriteClient, WriteUpstream,
+)
+from rpcguard.protocol.session import Output
 from rpcguard.protocol.settings import Limits
 from rpcguard.protocol.encode import hello_response
 from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, REFUSAL_CODES
@@ -109,13 +113,18 @@ class Link:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self._held = bytearray()  # client frames waiting for the next urgent one (HOLD_MAX_BYTES)
-        # While a graph is validated off the loop: the link's callbacks that came meanwhile, in order.
-        self._later: list[tuple[Callable[..., None], tuple]] | None = None
+        # While the link is VALIDATING a graph off the loop: its callbacks that came meanwhile, in order.
+        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self.peer_cert: PeerIdentity | None = None  # serve: the client certificate (Route.admit)
         self._expiry: asyncio.TimerHandle | None = None  # ends the session at its notAfter
 
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
+
+    @property
+    def identity(self) -> str:
+        """The session's client identity ("" before admission)."""
+        return self.lc.identity
 
     # ----------------------------------------------------------------------------- set-up
     async def run(self, sock: socket.socket) -> None:
@@ -124,8 +133,7 @@ class Link:
         loop = asyncio.get_running_loop()
         try:
             peer = sock.getpeername()
-            self.lc.peer = f"{peer[0]}:{peer[1]}"
-            self.lc.source = source_of(str(peer[0]))  # per-source caps: an IPv6 host's /64
+            self.lc.accepted(f"{peer[0]}:{peer[1]}", source_of(str(peer[0])))  # per-source caps: an IPv6 host's /64
         except OSError:
             pass
         route.links.add(self)
@@ -232,10 +240,10 @@ class Link:
 
     # ----------------------------------------------------------------------------- data path
     def data(self, endpoint: Endpoint, view: memoryview) -> None:
-        if self._later is not None:  # a graph is being validated: this waits (a copy: the buffer is reused)
+        lc = self.lc
+        if lc.state is VALIDATING:  # a graph is being validated: this waits (a copy: the buffer is reused)
             self._later.append((self.data, (endpoint, memoryview(bytes(view)))))
             return
-        lc = self.lc
         t_ns = self._clock_ns()
         try:  # the lifecycle's feed contract: a refusal reported, the session's events handled
             out = lc.client_bytes(view, t_ns) if endpoint.is_client else lc.server_bytes(view, t_ns)
@@ -250,7 +258,7 @@ class Link:
         self.lc.internal_error()
         self._apply()
 
-    def _deliver(self, endpoint: Endpoint, out: Any, t_ns: int) -> None:
+    def _deliver(self, endpoint: Endpoint, out: Output, t_ns: int) -> None:
         """Carry out one feed's ``Output`` (read on ``endpoint`` at ``t_ns``): writes, then actions."""
         lc = self.lc
         to_server = out.to_server
@@ -281,7 +289,7 @@ class Link:
         if lc.actions:
             self._apply()
 
-    def _send_upstream(self, chunks: list, source: Endpoint | None) -> None:
+    def _send_upstream(self, chunks: list[Any], source: Endpoint | None) -> None:
         """Write ``chunks`` (after any held bytes) to the upstream and clear the list."""
         held = self._held
         if held:
@@ -296,12 +304,12 @@ class Link:
         chunks.clear()
 
     # ----------------------------------------------------------------------------- large graphs
-    def _validate(self, _: None) -> None:
-        """Queue the session's deferred graph validation (VALIDATORS, its identity's turn); reads stop meanwhile."""
+    def _validate(self, _: Validate) -> None:
+        """The link is VALIDATING: queue the session's deferred graph validation (VALIDATORS, its
+        identity's turn); reads stop meanwhile, and the link's other callbacks wait (``_later``)."""
         session = self.lc.session
-        if session is None or not session.deferred or self._later is not None:
+        if session is None or not session.deferred:
             return
-        self._later = []
         for endpoint in (self.client, self.upstream):
             if endpoint is not None and endpoint.transport is not None and not endpoint.closed:
                 endpoint.parked = True
@@ -311,9 +319,9 @@ class Link:
     def _validated(self, future: asyncio.Future) -> None:
         """The validation is over: the graph is refused or goes out with what followed it, then
         what the link was told meanwhile is replayed in order, then reads resume."""
-        later, self._later = self._later or [], None
+        later, self._later = self._later, []
         lc, session = self.lc, self.lc.session
-        if session is not None and session.deferred:
+        if session is not None and session.deferred and lc.state is VALIDATING:
             t_ns = self._clock_ns()
             try:
                 error = future.exception()
@@ -325,11 +333,11 @@ class Link:
             else:
                 self._deliver(self.client, out, t_ns)
         for i, (call, args) in enumerate(later):
-            if self._later is not None:  # another large graph: the rest waits for that one
+            if self.lc.state is VALIDATING:  # another large graph: the rest waits for that one
                 self._later.extend(later[i:])
                 return
             call(*args)
-        if self._later is None:
+        if self.lc.state is not VALIDATING:
             for endpoint in (self.client, self.upstream):
                 if endpoint is not None and endpoint.parked:
                     endpoint.parked = False
@@ -339,7 +347,7 @@ class Link:
     def _put_off(self, call: Callable[..., None], *args: object) -> bool:
         """While a graph is validated off the loop, ``call(*args)`` waits: True if it was put off
         (``_validated`` replays it in order)."""
-        if self._later is None:
+        if self.lc.state is not VALIDATING:
             return False
         self._later.append((call, args))
         return True
@@ -385,11 +393,7 @@ class Link:
 
     async def _crash_check(self, provider, error: str) -> None:
         cause = await provider.crash_cause(self.id)
-        if cause is not None and self.lc.session is not None:
-            self.lc.upstream_exit = cause
-            self.lc.command = self.lc.session.command_name  # the command it was running (audit record)
-            self.lc.post_mortem = self.lc.session.post_mortem()
-        self.lc.upstream_closed(error)
+        self.lc.upstream_closed(error, crashed=cause)
         self._apply()
 
     def pause_other(self, endpoint: Endpoint) -> None:
@@ -398,7 +402,7 @@ class Link:
         if endpoint.is_client:
             self.lc.client_blocked(True)  # the client is not reading its responses
         else:
-            self.lc.client_held_back = True  # its frames wait for the upstream: not the client's delay
+            self.lc.upstream_blocked(True)  # the client's frames wait for the upstream: not its delay
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
             other.held = True
@@ -410,7 +414,7 @@ class Link:
         if endpoint.is_client:
             self.lc.client_blocked(False)
         else:
-            self.lc.client_held_back = False
+            self.lc.upstream_blocked(False)
         other = self.upstream if endpoint.is_client else self.client
         if other is not None and other.transport is not None and not other.closed:
             other.held = False
@@ -423,7 +427,7 @@ class Link:
 
     def _tick(self) -> None:
         self._timer = None
-        if self._later is not None:  # a graph is being validated: the deadlines wait for it
+        if self.lc.state is VALIDATING:  # a graph is being validated: the deadlines wait for it
             self._schedule_tick()
             return
         self.flush_held()
@@ -444,8 +448,8 @@ class Link:
         """Carry out what the lifecycle asked for, in order (an action may raise new ones)."""
         actions = self.lc.actions
         while actions:
-            kind, arg = actions.pop(0)
-            _APPLY[kind](self, arg)
+            action = actions.pop(0)
+            _APPLY[type(action)](self, action)
         if self.lc.state == CLOSED and self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -458,19 +462,19 @@ class Link:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _write_client(self, data: bytes) -> None:
+    def _write_client(self, a: WriteClient) -> None:
         transport = self.client.transport
         if transport is not None and not self.client.closed:
-            transport.write(data)
+            transport.write(a.data)
 
-    def _write_upstream(self, pending: list[bytes]) -> None:
+    def _write_upstream(self, a: WriteUpstream) -> None:
         self.flush_held()
         up = self.upstream
         if up is not None and up.transport is not None and not up.closed:
-            up.transport.writelines(pending)
+            up.transport.writelines(a.chunks)
 
-    def _open_upstream(self, limits: Limits) -> None:
-        self._spawn(self._dial(limits))
+    def _open_upstream(self, a: OpenUpstream) -> None:
+        self._spawn(self._dial(a.limits))
 
     async def _dial(self, limits: Limits) -> None:
         endpoint = self.upstream = Endpoint(self, False)
@@ -483,8 +487,8 @@ class Link:
             self.lc.upstream_failed(Refusal("refused", f"internal error: {exc!r}"))
         self._apply()
 
-    def _take_slot(self, limits: Limits) -> None:
-        self._spawn(self._queue(limits))
+    def _take_slot(self, a: TakeSlot) -> None:
+        self._spawn(self._queue(a.limits))
 
     async def _queue(self, limits: Limits) -> None:
         """Take the single upstream slot (serve), or be refused per ``upstream_busy``."""
@@ -492,11 +496,11 @@ class Link:
         self.lc.slot_granted() if refusal is None else self.lc.slot_refused(refusal)
         self._apply()
 
-    def _free_slot(self, _: object) -> None:
+    def _free_slot(self, _: FreeSlot) -> None:
         if self.route.slot is not None:
             self.route.slot.release(self.id)
 
-    def _half_close_upstream(self, slot_held: bool) -> None:
+    def _half_close_upstream(self, a: HalfCloseUpstream) -> None:
         """Half-close the upstream and drop what it still sends until it hangs up; the slot is
         kept until then (``UPSTREAM_DRAIN_S`` without progress, ``UPSTREAM_DRAIN_MAX_S`` in all).
 
@@ -515,38 +519,38 @@ class Link:
                 transport.close()
             self.lc.upstream_closed()
             return
-        if slot_held and self.route.slot is not None:
+        if a.slot_held and self.route.slot is not None:
             self.route.slot.drain(self.id)
 
-    def _close_client(self, _: object) -> None:
+    def _close_client(self, _: CloseClient) -> None:
         # close() flushes what is queued (the refusal answer).
         if self.client.transport is not None and not self.client.closed:
             self.client.transport.close()
 
-    def _close_upstream(self, _: object) -> None:
+    def _close_upstream(self, _: CloseUpstream) -> None:
         self.flush_held()  # accepted frames go out before the close, as unheld ones would have
         up = self.upstream
         if up is not None and up.transport is not None and not up.closed:
             up.transport.close()
 
-    def _abort_upstream(self, _: object) -> None:
+    def _abort_upstream(self, _: AbortUpstream) -> None:
         up = self.upstream
         if up is not None and up.transport is not None and not up.closed:
             up.transport.abort()
 
-    def _count_tls_failure(self, reason: str) -> None:
-        self.route.traffic.tls_failure(reason)
+    def _count_tls_failure(self, a: CountTlsFailure) -> None:
+        self.route.traffic.tls_failure(a.reason)
 
-    def _count_violation(self, what: tuple) -> None:
-        self.route.violation(self.id, self.lc.identity, what)
+    def _count_violation(self, a: CountViolation) -> None:
+        self.route.violation(self.id, self.lc.identity, (a.reason, a.mode, a.violation, a.command))
 
-    def _end(self, record: dict) -> None:
+    def _end(self, a: End) -> None:
         """The session is over: metrics, the session-end log line and the audit record."""
         lc = self.lc
         route = self.route
         route.session_over(self, lc)
         if route.provider is not None:
-            route.provider.ended(self.id, record)
+            route.provider.ended(self.id, a.record)
         result, reason, detail = lc.result, lc.reason, lc.detail
         level = _END_LEVEL.get(result, logging.WARNING)
         log.log(
@@ -555,28 +559,37 @@ class Link:
             "command=%s detail=%s",
             self.id, route.role, route.name, lc.profile.name, lc.peer, lc.identity or "-", result, reason or "-",
             lc.party or "-", lc.command, detail,
-            extra={"audit": record},
+            extra={"audit": a.record},
         )
         if route.on_session_end is not None:
-            route.on_session_end(record)
+            route.on_session_end(a.record)
 
 
-# The relay's handler of each action kind (linkstate.Action types the argument of each).
-_APPLY: dict[str, Callable[[Link, Any], None]] = {
-    lc_mod.WRITE_CLIENT: Link._write_client,
-    lc_mod.WRITE_UPSTREAM: Link._write_upstream,
-    lc_mod.OPEN_UPSTREAM: Link._open_upstream,
-    lc_mod.TAKE_SLOT: Link._take_slot,
-    lc_mod.FREE_SLOT: Link._free_slot,
-    lc_mod.HALF_CLOSE_UPSTREAM: Link._half_close_upstream,
-    lc_mod.CLOSE_CLIENT: Link._close_client,
-    lc_mod.CLOSE_UPSTREAM: Link._close_upstream,
-    lc_mod.ABORT_UPSTREAM: Link._abort_upstream,
-    lc_mod.COUNT_TLS_FAILURE: Link._count_tls_failure,
-    lc_mod.COUNT_VIOLATION: Link._count_violation,
-    lc_mod.VALIDATE: Link._validate,
-    lc_mod.END: Link._end,
-}
+A = TypeVar("A")
+
+
+def does(action: type[A], handler: Callable[[Link, A], None]) -> tuple[type, Callable[[Link, Any], None]]:
+    """One action handler: mypy checks that ``handler`` takes ``action``'s class (linkstate.Action)."""
+    return action, handler
+
+
+# The relay's handler of each action class.
+_APPLY: dict[type, Callable[[Link, Any], None]] = dict([
+    does(WriteClient, Link._write_client),
+    does(WriteUpstream, Link._write_upstream),
+    does(OpenUpstream, Link._open_upstream),
+    does(TakeSlot, Link._take_slot),
+    does(FreeSlot, Link._free_slot),
+    does(HalfCloseUpstream, Link._half_close_upstream),
+    does(CloseClient, Link._close_client),
+    does(CloseUpstream, Link._close_upstream),
+    does(AbortUpstream, Link._abort_upstream),
+    does(CountTlsFailure, Link._count_tls_failure),
+    does(CountViolation, Link._count_violation),
+    does(Validate, Link._validate),
+    does(End, Link._end),
+])
+assert set(_APPLY) == set(ACTIONS), set(ACTIONS) ^ set(_APPLY)
 
 
 async def _plaintext_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout_s: float) -> bool:

@@ -23,20 +23,23 @@ from collections import deque
 import ssl
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 from rpcguard.errors import Refusal
 from rpcguard.pki.identity import AllowList, PeerIdentity, check_usage
 from rpcguard.observe.metrics import ListenerTraffic
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_S, peer_cap_refusal
-from rpcguard.protocol.lifecycle import AWAIT_HELLO, CLOSED, Lifecycle, admission_refusal
+from rpcguard.protocol.endings import admission_refusal
+from rpcguard.protocol.linkstate import AWAIT_HELLO, CLOSED, LinkState
+from rpcguard.protocol.session import Session
+from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
 from rpcguard.pki.tls import is_probe, peer_identity
 
-__all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "UPSTREAM_DRAIN_S"]
+__all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "RoutedLink", "LinkView", "EndedSession", "UPSTREAM_DRAIN_S"]
 
 log = logging.getLogger("rpcguard.relay")  # the links' logger: their lines keep one name
 
@@ -151,6 +154,46 @@ class UpstreamSlot:
                 self.taken += 1
 
 
+class LinkView(Protocol):
+    """What admission and revocation read of a link's lifecycle (protocol/lifecycle.py)."""
+
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def refusal(self) -> Refusal | None: ...
+    @property
+    def identity(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def state(self) -> LinkState: ...
+
+
+class RoutedLink(Protocol):
+    """What a route needs of the links it holds (proxy/link.py's ``Link``)."""
+
+    @property
+    def lc(self) -> LinkView: ...
+    peer_cert: PeerIdentity | None  # serve: the client certificate, set at admission
+    def end(self, refusal: Refusal) -> None: ...
+    def close_for_shutdown(self) -> None: ...
+
+
+class EndedSession(Protocol):
+    """What ``Route.session_over`` folds into the listener of a finished session."""
+
+    @property
+    def result(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def session(self) -> Session | None: ...
+    @property
+    def stats(self) -> SessionStats: ...
+
+
 class Admission(NamedTuple):
     """What ``Route.admit`` decided about a new session (``Lifecycle.admit``'s arguments)."""
 
@@ -182,7 +225,7 @@ class Route:
     ssl_context: Callable[[], ssl.SSLContext] | None = None
     server_name: str | None = None  # connect: expected name in the node's certificate
     slot: UpstreamSlot | None = None  # serve: the single upstream client slot
-    links: set = field(default_factory=set)
+    links: set[RoutedLink] = field(default_factory=set)
     handshaking: dict = field(default_factory=dict)  # serve: source address -> TLS handshakes running
     on_session_end: Callable[[dict], None] | None = None  # audit sink
     # serve with upstream.exec: the upstream/pool.UpstreamPool that runs the server processes and
@@ -210,7 +253,7 @@ class Route:
         self.traffic.profile_admitted(profile.name)
         return profile
 
-    def admit(self, link: Any, ssl_object: ssl.SSLObject | None) -> Admission:
+    def admit(self, link: RoutedLink, ssl_object: ssl.SSLObject | None) -> Admission:
         """Whether the new session of ``link`` may start. serve: the client certificate's usage
         (clientAuth, whoever issued it), the allow-list, the identity's profile. Both roles: the
         session limits, counting admitted links only (sockets still in their TLS handshake, bounded
@@ -249,7 +292,7 @@ class Route:
             refusal = Refusal("shutdown", "rpcguard is shutting down")
         return Admission(profile, identity, refusal, identity_refused, self.side.client_tls and is_probe(ssl_object))
 
-    def peer_counts(self, link: Any, identity: str) -> tuple[int, int, int, int]:
+    def peer_counts(self, link: RoutedLink, identity: str) -> tuple[int, int, int, int]:
         """serve: admitted sessions that are not refused (``link``, new, included) of ``identity``
         and of ``link``'s source address, then among them those without a HELLO yet."""
         source = link.lc.source
@@ -329,7 +372,7 @@ class Route:
                 ended += 1
         return ended
 
-    def session_over(self, link: Any, lc: Lifecycle) -> None:
+    def session_over(self, link: RoutedLink, lc: EndedSession) -> None:
         """Fold a finished session into the listener: its refusal, the upstream's version, the
         unverified ops it used, its counters and result."""
         traffic = self.traffic

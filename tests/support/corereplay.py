@@ -56,8 +56,8 @@ def _digest(parts: list[Any]) -> str:
     return h.hexdigest()
 
 
-def _event(kind: str, value: Any) -> tuple[str, str]:
-    return (kind, repr(value))
+def _event(event: Any) -> tuple[str, str]:
+    return (type(event).__name__, repr(event))
 
 
 def _feed(s: Any, way: int, data: bytes, log: list[Any], split: tuple[int, ...] = ()) -> bool:
@@ -74,7 +74,7 @@ def _feed(s: Any, way: int, data: bytes, log: list[Any], split: tuple[int, ...] 
         try:
             feed(memoryview(piece))
         except Refusal as exc:
-            log.append(("refused", type(exc).__name__, exc.reason, exc.detail, [_event(*e) for e in out.events]))
+            log.append(("refused", type(exc).__name__, exc.reason, exc.detail, [_event(e) for e in out.events]))
             return False
         except Exception as exc:  # a bug in one core: part of the outcome, compared like the rest
             log.append(("raised", type(exc).__name__, str(exc)))
@@ -82,7 +82,7 @@ def _feed(s: Any, way: int, data: bytes, log: list[Any], split: tuple[int, ...] 
         st = s.state
         sizes = (len(st.tensor_cache), len(st.node_cache), sum(map(len, st.layout_cache.values())),
                  len(st.head_cache))
-        log.append((_digest(out.to_server), _digest(out.to_client), [_event(*e) for e in out.events], sizes))
+        log.append((_digest(out.to_server), _digest(out.to_client), [_event(e) for e in out.events], sizes))
         out.clear()
         if sizes[0] > len(_FULLEST.get(id(s), ((),))[0]):  # the caches' contents when fullest
             _FULLEST[id(s)] = _caches(st)
@@ -115,7 +115,7 @@ def _final(s: Any, log: list[Any]) -> dict[str, Any]:
     return {
         "fullest_caches": fullest,
         "chunks": log,
-        "phase": s.phase,
+        "greeted": s.version is not None,
         "version": s.version,
         "counters": {k: getattr(stats, k) for k in _counter_names()},
         "buffers": sorted((h, b.base, b.size, b.device) for h, b in st.buffers.items()),

@@ -246,3 +246,24 @@ def test_a_recompute_flood_alone_is_charged_but_not_ended():
         lc.out.clear()
     assert lc.session is not None
     assert lc.session.state.compute_flops == (1 + 10 * int(BUSY * gflops * 1e9 / cost)) * cost
+
+
+def _imported(module_path: str) -> set[str]:
+    """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse((Path(__file__).resolve().parents[2] / module_path).read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_endings_read_a_lifecycle_through_a_protocol():
+    """endings <-> lifecycle was an import cycle (behind TYPE_CHECKING): endings reads the fields it
+    needs through ``EndingFacts`` (a Protocol) and imports no lifecycle."""
+    assert "rpcguard.protocol.lifecycle" not in _imported("rpcguard/protocol/endings.py")

@@ -13,7 +13,8 @@ import pytest
 
 from rpcguard.errors import PolicyRefusal, Refusal
 from rpcguard.protocol import encode
-from rpcguard.protocol import lifecycle as L
+from rpcguard.protocol import linkstate as S
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S
 from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
 from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
@@ -48,20 +49,20 @@ def make(role: str = "serve", facts: UpstreamFacts | None = None, clock: Clock |
                      clock=clock or Clock())
 
 
-def take(lc: Lifecycle) -> list[tuple[str, object]]:
+def take(lc: Lifecycle) -> list[S.Action]:
     out = list(lc.actions)
     lc.actions.clear()
     return out
 
 
-def kinds(actions: list[tuple[str, object]]) -> list[str]:
-    return [k for k, _ in actions]
+def kinds(actions: list[S.Action]) -> list[type]:
+    return [type(a) for a in actions]
 
 
-def end(actions: list[tuple[str, object]]) -> dict:
-    records = [a for k, a in actions if k == L.END]
+def end(actions: list[S.Action]) -> dict:
+    records = [a.record for a in actions if isinstance(a, S.End)]
     assert len(records) == 1, actions
-    return records[0]  # type: ignore[return-value]
+    return records[0]
 
 
 def sent(chunks) -> bytes:
@@ -90,26 +91,58 @@ def active(role: str = "serve", clock: Clock | None = None, profile: Profile = D
     feed(lc.server_bytes, V.HELLO_RSP_700, clock)
     lc.out.clear()
     take(lc)
-    assert lc.state == L.ACTIVE
+    assert lc.state == S.ACTIVE
     return lc
 
 
 # ----------------------------------------------------------------------------- the table
-def test_every_state_handles_every_event_with_an_existing_method():
-    lc = make()
-    for state in L.STATES:
-        row = L.TABLE[state]
-        assert set(row) == set(L.EVENTS), state
-        for handler, then in row.values():
-            assert callable(getattr(lc, handler)), handler  # _feed_c/_feed_s: the session's, once admitted
-            assert then <= set(L.STATES) - {state}, (state, handler)
+def test_every_state_has_a_handler_for_every_event_and_the_table_names_only_events_and_states():
+    from rpcguard.protocol.lifecycle import _ENTER, _HANDLERS
+    for state in S.STATES:
+        assert set(_HANDLERS[state]) == set(S.EVENTS), state
+        assert set(S.TABLE[state]) <= set(S.EVENTS), state
+        assert all(isinstance(nxt, (S.LinkState, S.Rule)) for nxt in S.TABLE[state].values()), state
+        assert state in _ENTER
+    assert set(S.RULES) == set(S.Rule)
+    # where a state may go: the diagram of docs/design.md
+    assert S.EDGES[S.ACTIVE] == {S.VALIDATING, S.DRAINING, S.CLOSED}
+    assert S.EDGES[S.HANDSHAKE] == {S.AWAIT_HELLO, S.REFUSING, S.CONNECTING, S.DRAINING, S.CLOSED}
+    assert S.EDGES[S.DRAINING] == {S.CLOSED} and not S.EDGES[S.CLOSED]
+
+
+def test_handlers_never_assign_the_state():
+    """Only the dispatch moves the link (``handle`` -> ``_enter``): no handler assigns ``state``
+    or calls ``_enter`` (the table and its rules hold every next state)."""
+    import ast
+    import inspect
+    from rpcguard.protocol import lifecycle
+    tree = ast.parse(inspect.getsource(lifecycle))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Lifecycle")
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name in ("__init__", "handle", "_enter"):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                assert not any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets), fn.name
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in ("_enter", "_goto"), fn.name
+
+
+@pytest.mark.parametrize("role, state", [("serve", S.DRAINING), ("connect", S.CLOSED)])
+def test_an_ended_session_goes_where_the_state_triggered_rule_says(role, state):
+    lc = active(role)
+    lc.shutdown()
+    assert lc.state == state and S.ended_to(lc) == state
+    assert kinds(take(lc)) == ([S.CloseClient, S.HalfCloseUpstream, S.End] if role == "serve"
+                               else [S.CloseClient, S.CloseUpstream, S.End])
 
 
 def test_design_md_renders_the_table():
     from pathlib import Path
     doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- link-table:begin")) + 1
-    assert doc[begin:doc.index("<!-- link-table:end")] == L.table_markdown(), \
+    assert doc[begin:doc.index("<!-- link-table:end")] == S.table_markdown(), \
         "docs/design.md's link table is stale: paste rpcguard.protocol.linkstate.table_markdown()"
 
 
@@ -120,14 +153,38 @@ def test_active_reads_go_straight_to_the_session():
         lc.client_data(memoryview(V.HELLO_REQ_V4), 0)
 
 
-def test_a_transition_outside_the_table_is_a_bug():
-    lc = make()
-    with pytest.raises(AssertionError, match="handshake -> active"):
-        lc._goto(L.ACTIVE)
-    lc = active()  # an event may lead only where its row says: ACTIVE's upstream_closed to CLOSED
-    lc._then = L.TABLE[L.ACTIVE]["upstream_closed"].then
-    with pytest.raises(AssertionError, match="active -> draining"):
-        lc._goto(L.DRAINING)
+_TYPED = """
+from rpcguard.protocol.lifecycle import Lifecycle, on
+from rpcguard.protocol.linkstate import Admit, End, SlotRefused, WriteClient
+from rpcguard.proxy.link import Link, does
+
+on(Admit, Lifecycle._admit)
+does(WriteClient, Link._write_client)
+"""
+
+
+def test_mypy_rejects_a_handler_of_the_wrong_event_or_action(request, tmp_path):
+    """Each handler is registered with its event class (``lifecycle.on``) or action class
+    (``link.does``): mypy checks the pair. A planted mismatch must fail, the right pairs pass."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "typed_ok.py").write_text(_TYPED)
+    (tmp_path / "typed_bad.py").write_text(_TYPED + "on(SlotRefused, Lifecycle._admit)\n"
+                                           "does(End, Link._write_client)\n")
+    pytest_cache = getattr(request.config, "cache", None)
+    cache = pytest_cache.mkdir("mypy") if pytest_cache is not None else root / ".mypy_cache"
+    p = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"), "--cache-dir", str(cache),
+         "--no-error-summary", "--hide-error-context", "--no-color-output", "--show-error-codes",
+         str(tmp_path / "typed_ok.py"), str(tmp_path / "typed_bad.py")],
+        cwd=root, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "MYPYPATH": str(root)},
+    )
+    errors = [line for line in p.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2 and all("typed_bad.py:8:" in e or "typed_bad.py:9:" in e for e in errors), p.stdout + p.stderr
+    assert 'Argument 2 to "on" has incompatible type' in errors[0] and "SlotRefused" in errors[0], errors
+    assert 'Argument 2 to "does" has incompatible type' in errors[1] and "End" in errors[1], errors
 
 
 # ----------------------------------------------------------------------------- handshake, admission
@@ -136,9 +193,9 @@ def test_tls_failure_is_counted_and_recorded():
     lc.peer = "10.0.0.9:5000"
     lc.handshake_failed("refused", "tls_unknown_ca", "TLS handshake failed: unknown ca")
     acts = take(lc)
-    assert kinds(acts) == [L.COUNT_TLS_FAILURE, L.CLOSE_CLIENT, L.END] and acts[0][1] == "tls_unknown_ca"
+    assert kinds(acts) == [S.CountTlsFailure, S.CloseClient, S.End] and acts[0][0] == "tls_unknown_ca"
     rec = end(acts)
-    assert lc.state == L.CLOSED and lc.session is None
+    assert lc.state == S.CLOSED and lc.session is None
     assert rec["result"] == "refused" and rec["reason"] == "tls_unknown_ca" and rec["identity"] == ""
     assert rec["version"] is None and rec["commands"] == {} and rec["peer"] == "10.0.0.9:5000"
     assert rec["profile"] == "default" and rec["listener"] == "gpu0" and rec["upstream"] == "127.0.0.1:50052"
@@ -147,7 +204,7 @@ def test_tls_failure_is_counted_and_recorded():
 def test_admission_takes_the_identity_profile_and_builds_the_session_from_it():
     lc = make()
     lc.admit(TENANT, "CN=tenant")
-    assert lc.state == L.AWAIT_HELLO and lc.profile is TENANT and lc.limits is TENANT.limits
+    assert lc.state == S.AWAIT_HELLO and lc.profile is TENANT and lc.limits is TENANT.limits
     assert lc.session is not None and lc.session.policy is TENANT.policy and lc.out is lc.session.out
     assert take(lc) == []  # serve: nothing happens before the HELLO (the slot is taken only then)
 
@@ -157,12 +214,12 @@ def test_the_profile_limits_bound_the_queue_and_the_dial():
     lc = make(clock=clock)
     lc.admit(TENANT, "CN=tenant")
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
-    assert take(lc) == [(L.TAKE_SLOT, TENANT.limits)]
+    assert take(lc) == [S.TakeSlot(TENANT.limits)]
     lc.slot_granted()
-    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+    assert take(lc) == [S.OpenUpstream(TENANT.limits)]
     lc = make("connect")
     lc.admit(TENANT)
-    assert take(lc) == [(L.OPEN_UPSTREAM, TENANT.limits)]
+    assert take(lc) == [S.OpenUpstream(TENANT.limits)]
 
 
 def test_admission_counts_sessions_per_listener_and_per_profile():
@@ -181,16 +238,16 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     lc = make(clock=clock)
     lc.admit(DEFAULT, "CN=client1")
     out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock, how)
-    assert lc.state == L.QUEUED and not out.to_server  # kept until the upstream is there
-    assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
+    assert lc.state == S.QUEUED and not out.to_server  # kept until the upstream is there
+    assert take(lc) == [S.TakeSlot(LIMITS)]
     lc.slot_granted()
-    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)] and lc.slot_held
+    assert lc.state == S.CONNECTING and take(lc) == [S.OpenUpstream(LIMITS)] and lc.slot_held
     lc.upstream_connected()
     acts = take(lc)
-    assert lc.state == L.GREETING and kinds(acts) == [L.WRITE_UPSTREAM]
-    assert b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
+    assert lc.state == S.GREETING and kinds(acts) == [S.WriteUpstream]
+    assert b"".join(acts[0][0]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
     out = feed(lc.server_bytes, V.HELLO_RSP_700, clock, how)
-    assert lc.state == L.ACTIVE and sent(out.to_client) == V.HELLO_RSP_700
+    assert lc.state == S.ACTIVE and sent(out.to_client) == V.HELLO_RSP_700
     # ACTIVE: bytes go straight through, both ways
     out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ[:3], clock, how)
     assert sent(out.to_server) == V.DEVICE_COUNT_REQ and take(lc) == []
@@ -199,17 +256,17 @@ def test_serve_path_hello_queue_connect_active_drain(how):
     # the client leaves between frames... no: mid-frame (3 bytes of GET_ALIGNMENT)
     lc.client_closed()
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END] and acts[1][1] is True
+    assert kinds(acts) == [S.CloseClient, S.HalfCloseUpstream, S.End] and acts[1][0] is True
     rec = end(acts)
     assert rec["result"] == "error" and rec["reason"] == "client_closed_mid_frame" and rec["version"] == "7.0.0"
     assert rec["commands"]["HELLO"] == {"req_frames": 1, "req_bytes": 33, "rsp_frames": 1, "rsp_bytes": 36}
     # DRAINING: the slot is kept and what the server still sends is dropped until it hangs up
-    assert lc.state == L.DRAINING and lc.slot_held
+    assert lc.state == S.DRAINING and lc.slot_held
     out = feed(lc.server_bytes, b"late answer", clock)
     assert not out.to_client and take(lc) == []
     lc.client_closed("again")  # no second record
     lc.upstream_closed()
-    assert take(lc) == [(L.FREE_SLOT, None)] and lc.state == L.CLOSED and not lc.slot_held
+    assert take(lc) == [S.FreeSlot()] and lc.state == S.CLOSED and not lc.slot_held
 
 
 def test_clean_close_between_frames_is_ok():
@@ -224,12 +281,12 @@ def test_drain_that_never_ends_is_aborted_and_frees_the_slot():
     lc = active(clock=clock)
     lc.client_closed()
     take(lc)
-    clock.now += L.UPSTREAM_DRAIN_S - 0.5
+    clock.now += UPSTREAM_DRAIN_S - 0.5
     lc.tick(clock.now)
-    assert take(lc) == [] and lc.state == L.DRAINING
+    assert take(lc) == [] and lc.state == S.DRAINING
     clock.now += 1
     lc.tick(clock.now)
-    assert take(lc) == [(L.ABORT_UPSTREAM, None), (L.FREE_SLOT, None)] and lc.state == L.CLOSED
+    assert take(lc) == [S.AbortUpstream(), S.FreeSlot()] and lc.state == S.CLOSED
 
 
 def test_a_drain_that_makes_progress_is_not_cut():
@@ -241,16 +298,16 @@ def test_a_drain_that_makes_progress_is_not_cut():
     lc.client_closed()
     take(lc)
     t0 = clock.now
-    while clock.now - t0 < L.UPSTREAM_DRAIN_MAX_S - 1:
-        clock.now += L.UPSTREAM_DRAIN_S - 1
+    while clock.now - t0 < UPSTREAM_DRAIN_MAX_S - 1:
+        clock.now += UPSTREAM_DRAIN_S - 1
         out = feed(lc.server_bytes, b"x" * 4096, clock)
         assert not out.to_client
         lc.tick(clock.now)
-        assert take(lc) == [] and lc.state == L.DRAINING
-    clock.now = t0 + L.UPSTREAM_DRAIN_MAX_S + 0.5
+        assert take(lc) == [] and lc.state == S.DRAINING
+    clock.now = t0 + UPSTREAM_DRAIN_MAX_S + 0.5
     feed(lc.server_bytes, b"x", clock)
     lc.tick(clock.now)
-    assert take(lc) == [(L.ABORT_UPSTREAM, None), (L.FREE_SLOT, None)] and lc.state == L.CLOSED
+    assert take(lc) == [S.AbortUpstream(), S.FreeSlot()] and lc.state == S.CLOSED
 
 
 # ----------------------------------------------------------------------------- the connect path
@@ -259,24 +316,24 @@ def test_connect_dials_at_once_and_keeps_the_hello_until_connected(hello_first):
     clock = Clock()
     lc = make("connect", clock=clock)
     lc.admit(DEFAULT)
-    assert lc.state == L.CONNECTING and take(lc) == [(L.OPEN_UPSTREAM, LIMITS)]
+    assert lc.state == S.CONNECTING and take(lc) == [S.OpenUpstream(LIMITS)]
     if hello_first:
         out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
-        assert not out.to_server and lc.state == L.CONNECTING
+        assert not out.to_server and lc.state == S.CONNECTING
     lc.upstream_connected()
     acts = take(lc)
     if hello_first:
-        assert kinds(acts) == [L.WRITE_UPSTREAM] and b"".join(acts[0][1]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
+        assert kinds(acts) == [S.WriteUpstream] and b"".join(acts[0][0]) == V.HELLO_REQ_V4  # type: ignore[arg-type]
     else:
         assert acts == []
         out = feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
         assert sent(out.to_server) == V.HELLO_REQ_V4
     feed(lc.server_bytes, V.HELLO_RSP_700, clock)
-    assert lc.state == L.ACTIVE
+    assert lc.state == S.ACTIVE
     lc.client_closed()
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.CLOSE_UPSTREAM, L.END]  # connect never drains
-    assert end(acts)["role"] == "connect" and lc.state == L.CLOSED
+    assert kinds(acts) == [S.CloseClient, S.CloseUpstream, S.End]  # connect never drains
+    assert end(acts)["role"] == "connect" and lc.state == S.CLOSED
 
 
 def test_node_refusal_is_passed_through_and_ends_the_session():
@@ -290,7 +347,7 @@ def test_node_refusal_is_passed_through_and_ends_the_session():
     out = feed(lc.server_bytes, answer, clock)
     assert sent(out.to_client) == answer  # the relay writes it before closing
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.CLOSE_UPSTREAM, L.END]
+    assert kinds(acts) == [S.CloseClient, S.CloseUpstream, S.End]
     rec = end(acts)
     assert rec["reason"] == "node_refused" and "identity_not_allowed" in rec["detail"]
 
@@ -302,12 +359,12 @@ def test_identity_refused_is_answered_at_hello_in_both_eras(hello, new_layout, h
     clock = Clock()
     lc = make(clock=clock)
     lc.admit(DEFAULT, "CN=mallory", PolicyRefusal("identity_not_allowed", "not on the list"), identity_refused=True)
-    assert lc.state == L.REFUSING and take(lc) == []
+    assert lc.state == S.REFUSING and take(lc) == []
     out = feed(lc.client_bytes, hello, clock, how)
     assert not out.to_server
     acts = take(lc)
-    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
-    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["identity_not_allowed"]), new_layout=new_layout)
+    assert kinds(acts) == [S.WriteClient, S.CloseClient, S.End]
+    assert acts[0][0] == encode.hello_response((0, 0, REFUSAL_CODES["identity_not_allowed"]), new_layout=new_layout)
     rec = end(acts)
     assert rec["result"] == "refused" and rec["reason"] == "identity_not_allowed" and rec["identity"] == "CN=mallory"
 
@@ -318,7 +375,7 @@ def test_hello_with_trailing_data_is_still_answered():
     lc.admit(DEFAULT, refusal=Refusal("shutdown", "rpcguard is shutting down"))
     feed(lc.client_bytes, V.HELLO_REQ_V4 + V.DEVICE_COUNT_REQ, clock)
     acts = take(lc)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["shutdown"]), new_layout=True))
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES["shutdown"]), new_layout=True))
 
 
 @pytest.mark.parametrize("reason", sorted(REFUSAL_CODES))
@@ -330,8 +387,8 @@ def test_every_refusal_code_reaches_the_client(reason):
     take(lc)
     lc.slot_refused(Refusal(reason, "why"))
     acts = take(lc)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
-    assert end(acts)["reason"] == reason and lc.state == L.CLOSED
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
+    assert end(acts)["reason"] == reason and lc.state == S.CLOSED
 
 
 def test_identity_refused_client_leaving_before_hello_is_a_refusal():
@@ -365,11 +422,11 @@ def test_upstream_busy_is_answered_at_hello(detail):
     lc = make(clock=clock)
     lc.admit(DEFAULT)
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
-    assert take(lc) == [(L.TAKE_SLOT, LIMITS)]
+    assert take(lc) == [S.TakeSlot(LIMITS)]
     lc.slot_refused(Refusal("upstream_busy", detail))
     acts = take(lc)
-    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]  # no slot held: none freed
-    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
+    assert kinds(acts) == [S.WriteClient, S.CloseClient, S.End]  # no slot held: none freed
+    assert acts[0][0] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
     assert end(acts)["detail"] == detail
 
 
@@ -378,13 +435,15 @@ def test_a_probe_is_never_queued_and_its_busy_answer_is_no_refusal():
     lc = make(clock=clock)
     lc.admit(DEFAULT, "CN=client1", probe=True)
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
-    (kind, limits), = take(lc)
+    (asked,) = take(lc)
     # the slot is asked for in refuse mode: a probe is answered "busy" at once, never queued
-    assert kind == L.TAKE_SLOT and limits.upstream_busy == "refuse" and limits.queue_timeout_s == LIMITS.queue_timeout_s
+    assert isinstance(asked, S.TakeSlot)
+    limits = asked.limits
+    assert limits.upstream_busy == "refuse" and limits.queue_timeout_s == LIMITS.queue_timeout_s
     lc.slot_refused(Refusal("upstream_busy", "the upstream serves another session"))
     acts = take(lc)
-    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.END]
-    assert acts[0][1] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
+    assert kinds(acts) == [S.WriteClient, S.CloseClient, S.End]
+    assert acts[0][0] == encode.hello_response((0, 0, REFUSAL_CODES["upstream_busy"]), new_layout=True)
     rec = end(acts)
     assert rec["result"] == "probe" and rec["reason"] is None  # not counted in refusals_total
 
@@ -420,9 +479,9 @@ def test_slot_granted_after_the_client_left_goes_straight_back():
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     take(lc)
     lc.client_closed()  # waiting for its HELLO reply: not a clean close
-    assert end(take(lc))["reason"] == "client_closed_mid_frame" and lc.state == L.CLOSED
+    assert end(take(lc))["reason"] == "client_closed_mid_frame" and lc.state == S.CLOSED
     lc.slot_granted()
-    assert take(lc) == [(L.FREE_SLOT, None)]
+    assert take(lc) == [S.FreeSlot()]
 
 
 def test_upstream_connected_after_the_end_is_closed():
@@ -433,7 +492,7 @@ def test_upstream_connected_after_the_end_is_closed():
     lc.shutdown()
     take(lc)
     lc.upstream_connected()
-    assert take(lc) == [(L.CLOSE_UPSTREAM, None)]
+    assert take(lc) == [S.CloseUpstream()]
 
 
 def test_data_before_the_hello_reply_is_refused_at_hello():
@@ -444,7 +503,7 @@ def test_data_before_the_hello_reply_is_refused_at_hello():
     take(lc)
     feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # still queued, no HELLO reply yet
     acts = take(lc)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["refused"]), new_layout=True))
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES["refused"]), new_layout=True))
     rec = end(acts)
     assert rec["reason"] == "data_before_hello_reply" and rec["command"] == "DEVICE_COUNT"
 
@@ -462,13 +521,13 @@ def test_dial_failure_before_the_hello_is_answered_when_it_comes(role, reason):
     lc.upstream_failed(Refusal(reason, "cannot reach it"))
     acts = take(lc)
     if role == "connect":
-        assert lc.state == L.REFUSING and acts == []
+        assert lc.state == S.REFUSING and acts == []
         feed(lc.client_bytes, V.HELLO_REQ_V1, clock)
         acts = take(lc)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES[reason]), new_layout=False))
     if role == "serve":
-        assert (L.FREE_SLOT, None) in acts
-    assert end(acts)["reason"] == reason and lc.state == L.CLOSED
+        assert S.FreeSlot() in acts
+    assert end(acts)["reason"] == reason and lc.state == S.CLOSED
 
 
 def test_serve_upstream_closed_at_hello():
@@ -481,7 +540,7 @@ def test_serve_upstream_closed_at_hello():
     take(lc)
     lc.upstream_closed()
     acts = take(lc)
-    assert kinds(acts) == [L.WRITE_CLIENT, L.CLOSE_CLIENT, L.FREE_SLOT, L.END]  # gone: nothing to drain
+    assert kinds(acts) == [S.WriteClient, S.CloseClient, S.FreeSlot, S.End]  # gone: nothing to drain
     assert end(acts)["reason"] == "upstream_unavailable"
 
 
@@ -510,11 +569,11 @@ def test_connect_node_closing_after_the_handshake_is_a_tls_refusal(tls_reason):
     take(lc)
     lc.upstream_closed("alert" if tls_reason else "", tls_reason)
     acts = take(lc)
-    assert acts == [(L.COUNT_TLS_FAILURE, tls_reason or "tls_handshake_failed")] and lc.state == L.REFUSING
+    assert acts == [S.CountTlsFailure(tls_reason or "tls_handshake_failed")] and lc.state == S.REFUSING
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     acts = take(lc)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["tls_failed"]), new_layout=True))
-    assert L.CLOSE_UPSTREAM not in kinds(acts)  # already gone
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES["tls_failed"]), new_layout=True))
+    assert S.CloseUpstream not in kinds(acts)  # already gone
     assert end(acts)["reason"] == "tls_failed"
 
 
@@ -523,7 +582,7 @@ def test_upstream_lost_during_the_session(role):
     lc = active(role)
     lc.upstream_closed("reset")
     acts = take(lc)
-    expected = [L.CLOSE_CLIENT, L.FREE_SLOT, L.END] if role == "serve" else [L.CLOSE_CLIENT, L.END]
+    expected = [S.CloseClient, S.FreeSlot, S.End] if role == "serve" else [S.CloseClient, S.End]
     assert kinds(acts) == expected
     rec = end(acts)
     assert rec["result"] == "error" and rec["reason"] == "upstream_closed" and rec["detail"] == "upstream closed: reset"
@@ -536,9 +595,9 @@ def test_refusal_mid_session_closes_both_sides_and_names_the_command():
     out = feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
     assert not out.to_server  # nothing of the chunk is forwarded once a frame in it is refused
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END]
+    assert kinds(acts) == [S.CloseClient, S.HalfCloseUpstream, S.End]
     rec = end(acts)
-    assert rec["reason"] == "hello_repeated" and rec["command"] == "HELLO" and lc.state == L.DRAINING
+    assert rec["reason"] == "hello_repeated" and rec["command"] == "HELLO" and lc.state == S.DRAINING
 
 
 def test_firewall_refusal_and_monitor_violation_are_counted():
@@ -546,14 +605,15 @@ def test_firewall_refusal_and_monitor_violation_are_counted():
     lc = active(clock=clock)
     feed(lc.client_bytes, V.FREE_REQ, clock)  # a buffer this session never allocated
     acts = take(lc)
-    assert acts[0] == (L.COUNT_VIOLATION, ("buffer_unknown", "enforce", None, "FREE_BUFFER"))
+    assert acts[0] == S.CountViolation("buffer_unknown", "enforce", None, "FREE_BUFFER")
     monitor = Profile("m", SessionPolicy(mode="monitor", firewall=FirewallPolicy()), LIMITS)
     lc = active(clock=clock, profile=monitor)
     out = feed(lc.client_bytes, V.FREE_REQ, clock)
     assert sent(out.to_server) == V.FREE_REQ
-    (kind, (reason, mode, violation, command)), = take(lc)  # type: ignore[misc]
-    assert (kind, reason, mode, command) == (L.COUNT_VIOLATION, "buffer_unknown", "monitor", "FREE_BUFFER")
-    assert lc.state == L.ACTIVE and not lc.out.events
+    (counted,) = take(lc)
+    assert isinstance(counted, S.CountViolation) and counted.violation is not None
+    assert counted._replace(violation=None) == S.CountViolation("buffer_unknown", "monitor", None, "FREE_BUFFER")
+    assert lc.state == S.ACTIVE and not lc.out.events
 
 
 def test_the_audit_record_says_who_is_at_fault():
@@ -639,12 +699,12 @@ def test_upstream_that_never_answers_hello(role, deadline):
     take(lc)
     assert tick_at(lc, clock, deadline - 0.5) == []
     acts = tick_at(lc, clock, 1)
-    assert acts[0] == (L.WRITE_CLIENT, encode.hello_response((0, 0, REFUSAL_CODES["upstream_unavailable"]),
+    assert acts[0] == S.WriteClient(encode.hello_response((0, 0, REFUSAL_CODES["upstream_unavailable"]),
                                                              new_layout=True))
     rec = end(acts)
     assert rec["reason"] == "upstream_unavailable" and rec["detail"] == "the upstream did not answer HELLO"
     if role == "serve":  # the server may still answer: drained, never cut
-        assert L.HALF_CLOSE_UPSTREAM in kinds(acts) and lc.state == L.DRAINING
+        assert S.HalfCloseUpstream in kinds(acts) and lc.state == S.DRAINING
 
 
 def test_queued_link_has_no_hello_deadline():
@@ -713,11 +773,11 @@ def test_a_trickled_frame_is_cut_by_its_age_not_by_the_gap_since_its_last_byte()
         if second % 20 == 0:
             feed(lc.client_bytes, b"\0", clock)
             lc.out.clear()
-        ends += [a for k, a in tick_at(lc, clock, 1) if k == L.END]
+        ends += [a.record for a in tick_at(lc, clock, 1) if isinstance(a, S.End)]
         if ends:
             break
     assert ends and ends[0]["reason"] == "frame_timeout", ends  # type: ignore[index]
-    assert 60 < second <= 62 and lc.state == L.DRAINING
+    assert 60 < second <= 62 and lc.state == S.DRAINING
 
 
 @pytest.mark.parametrize("rate_bps, cut", [(16384, False), (8192, True)])
@@ -733,8 +793,8 @@ def test_a_frame_arriving_at_the_minimum_rate_is_never_cut(rate_bps, cut):
         feed(lc.client_bytes, bytes(n), clock)
         lc.out.clear()
         left -= n
-        ended = [a for k, a in tick_at(lc, clock, 1) if k == L.END]
-    assert bool(ended) == cut and (cut or lc.state == L.ACTIVE)
+        ended = [a.record for a in tick_at(lc, clock, 1) if isinstance(a, S.End)]
+    assert bool(ended) == cut and (cut or lc.state == S.ACTIVE)
     if cut:
         assert ended[0]["reason"] == "frame_timeout" and "the minimum is 16384 B/s" in ended[0]["detail"]
 
@@ -743,10 +803,10 @@ def test_time_the_proxy_holds_the_client_back_does_not_count():
     clock = Clock()
     lc, t = with_buffer(clock)
     feed(lc.client_bytes, set_tensor_head(t, 1 << 20), clock)
-    lc.client_held_back = True  # the upstream's write buffer is full: the relay paused the client
+    lc.upstream_blocked(True)  # the upstream's write buffer is full: the relay paused the client
     for _ in range(300):
         assert tick_at(lc, clock, 1) == []
-    lc.client_held_back = False
+    lc.upstream_blocked(False)
     assert tick_at(lc, clock, 1) == [] and tick_at(lc, clock, 59) == []
     assert end(tick_at(lc, clock, 2))["reason"] == "frame_timeout"
 
@@ -779,7 +839,7 @@ def test_an_idle_session_is_ended_when_another_waits_for_the_upstream():
     for _ in range(600):
         assert tick_waiting(lc, clock, 1, 0) == []
     assert tick_waiting(lc, clock, 1, 1) != []  # idle for 10 minutes already: ended at the first tick
-    rec = end(lc.actions or [(L.END, lc.audit_record())])
+    rec = end(lc.actions or [S.End(lc.audit_record())])
     assert rec["reason"] == "idle_while_waiting" and "1 session(s) waited" in rec["detail"]
     assert rec["party"] == "client"
 
@@ -870,20 +930,20 @@ def test_shutdown_without_a_running_session():
     lc.admit(DEFAULT)
     lc.shutdown()
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.END] and end(acts)["detail"] == "drain timeout reached"
-    assert lc.state == L.CLOSED
+    assert kinds(acts) == [S.CloseClient, S.End] and end(acts)["detail"] == "drain timeout reached"
+    assert lc.state == S.CLOSED
 
 
 def test_shutdown_cuts_a_running_session_and_drains_its_upstream():
     lc = active()
     lc.shutdown()
     acts = take(lc)
-    assert kinds(acts) == [L.CLOSE_CLIENT, L.HALF_CLOSE_UPSTREAM, L.END]
-    assert end(acts)["reason"] == "shutdown" and lc.state == L.DRAINING
+    assert kinds(acts) == [S.CloseClient, S.HalfCloseUpstream, S.End]
+    assert end(acts)["reason"] == "shutdown" and lc.state == S.DRAINING
     lc.shutdown()  # a second drain pass finds it already over
     assert take(lc) == []
     lc.upstream_closed()
-    assert take(lc) == [(L.FREE_SLOT, None)]
+    assert take(lc) == [S.FreeSlot()]
 
 
 def test_audit_record_fields():
@@ -896,3 +956,41 @@ def test_audit_record_fields():
                         "alloc_bytes", "upload_bytes",
                         "hash_hit_bytes", "hash_answered_by_proxy", "compute_s_estimated", "commands"}
     assert rec["session"] == 7 and rec["identity"] == "CN=client1" and rec["duration_s"] == 0
+
+
+# ----------------------------------------------------------------------------- one link state
+def test_a_large_graph_is_the_validating_state_and_its_validation_takes_the_link_back():
+    """"A graph is being validated" is the link's state, not a flag elsewhere: Deferred moves an
+    ACTIVE link to VALIDATING (asking the relay to validate), GraphValidated back to ACTIVE."""
+    from tests.unit.test_session import graph_frame
+    clock = Clock()
+    lc, _ = with_buffer(clock)
+    lc.session.defer_graphs(from_bytes=1024)
+    graph = graph_frame()
+    out = feed(lc.client_bytes, graph + V.GET_ALIGNMENT_REQ, clock)
+    assert sent(out.to_server) == b"" and lc.state == S.VALIDATING and take(lc) == [S.Validate()]
+    assert lc.greeted and lc.client_data == lc.session.client_data  # still the session's own feed
+    lc.session.validate_deferred()
+    out = lc.graph_validated(clock.ns)
+    assert lc.state == S.ACTIVE and sent(out.to_server) == graph + V.GET_ALIGNMENT_REQ and not take(lc)
+
+
+def test_the_relay_reports_events_and_writes_no_field():
+    """What the relay used to write into the lifecycle comes as events: who connected, the
+    upstream's back-pressure, and a crash serve saw under the session (its cause and post-mortem)."""
+    clock = Clock()
+    lc = make(clock=clock)
+    lc.accepted("10.0.0.9:5000", "10.0.0.9")
+    assert (lc.peer, lc.source, lc.state) == ("10.0.0.9:5000", "10.0.0.9", S.HANDSHAKE)
+    lc = active(clock=clock)
+    lc.upstream_blocked(True)
+    assert lc.client_held_back and lc.state == S.ACTIVE
+    lc.upstream_blocked(False)
+    assert not lc.client_held_back
+    lc.session.record_recent()
+    feed(lc.client_bytes, V.GET_ALIGNMENT_REQ, clock)
+    lc.upstream_closed("eof", crashed=Refusal("upstream_crashed", "the server died of SIGSEGV", party="upstream"))
+    rec = end(take(lc))
+    assert lc.state == S.CLOSED and (rec["result"], rec["reason"], rec["party"]) == ("error", "upstream_crashed",
+                                                                                      "upstream")
+    assert rec["command"] == "GET_ALIGNMENT" and rec["post_mortem"]["last_requests"] == [["GET_ALIGNMENT", 4]]

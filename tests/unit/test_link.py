@@ -493,7 +493,7 @@ def test_a_large_graph_is_validated_off_the_loop_and_the_link_waits_for_it(monke
         writer.write(set_tensor(t) + V.GET_ALIGNMENT_REQ + graph + V.DEVICE_COUNT_REQ)
         await until(gate.started.is_set, "the validation started")
         await asyncio.sleep(0.05)  # the loop runs on while the graph is validated
-        assert link.client.parked and link.upstream.parked and link._later is not None
+        assert link.client.parked and link.upstream.parked and link.lc.state == "validating"
         assert bytes(up.written[before:]) == set_tensor(t) + V.GET_ALIGNMENT_REQ  # what came before went out
         up.send(V.GET_ALIGNMENT_RSP_32)  # the server answers meanwhile: it waits too, in order
         writer.write(V.GET_ALIGNMENT_REQ)
@@ -504,7 +504,7 @@ def test_a_large_graph_is_validated_off_the_loop_and_the_link_waits_for_it(monke
                                                              + graph + V.DEVICE_COUNT_REQ), "the rest forwarded")
         assert bytes(up.written[before:]).endswith(graph + V.DEVICE_COUNT_REQ + V.GET_ALIGNMENT_REQ)
         assert await reader.readexactly(len(V.GET_ALIGNMENT_RSP_32)) == V.GET_ALIGNMENT_RSP_32
-        assert not link.client.parked and not link.upstream.parked and link._later is None
+        assert not link.client.parked and not link.upstream.parked and link.lc.state == "active" and not link._later
         writer.close()
         await until(lambda: records, "the session end")
         assert records[0]["result"] == "ok"

@@ -16,7 +16,7 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.commands import graph_buffers
 from rpcguard.protocol.graph import op_rules
-from rpcguard.protocol.session import GREETED, Session, SessionPolicy
+from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import COMMAND_IDS, KNOWN_VERSIONS, STORED_GRAPH_FIXED, spec_for
 from tests.support import vectors as V
@@ -54,7 +54,7 @@ def session(version) -> Session:
                 UpstreamFacts(version=version, device_count=2, memory={0: (1 << 30,) * 2, 1: (1 << 30,) * 2}))
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
-    assert s.phase == GREETED
+    assert s.greeted
     for handle, device, base in (A, B, C):
         s.state.add_buffer(handle, device, MIB)
         s.state.set_base(handle, base)

@@ -264,3 +264,24 @@ def test_the_identity_caps_are_the_profile_s(pki):
     got = r.admit(me, Peer(Path(pki.path(pki.client))))  # type: ignore[arg-type]
     assert got.refusal is not None and got.refusal.reason == "too_many_pending_per_identity"
     assert got.refusal.detail == "more than 1 connections of this identity waiting for their HELLO"
+
+
+def _imported(module_path: str) -> set[str]:
+    """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse((Path(__file__).resolve().parents[2] / module_path).read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_a_route_reads_other_links_through_protocols():
+    """Route needs no concrete Link or Lifecycle: ``RoutedLink``, ``LinkView`` and ``EndedSession``."""
+    imported = _imported("rpcguard/proxy/route.py")
+    assert "rpcguard.protocol.lifecycle" not in imported and "rpcguard.proxy.link" not in imported

@@ -10,7 +10,7 @@ import pytest
 from rpcguard.errors import PolicyRefusal, ProtocolRefusal, Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.session import (
-    GREETED, HELLO_FORWARDED, EV_ACTIVE, EV_HELLO, EV_NODE_REFUSED, EV_VALIDATE, EV_VIOLATION, Session,
+    Active, Deferred, Hello, NodeRefused, Session, Violation,
     SessionPolicy,
 )
 from rpcguard.protocol.settings import FirewallPolicy
@@ -41,7 +41,7 @@ def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * 
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
     out(s.to_server), out(s.to_client)
-    assert s.phase == GREETED and [kind for kind, _ in s.out.events] == [EV_HELLO, EV_ACTIVE]
+    assert s.greeted and [type(e) for e in s.out.events] == [Hello, Active]
     s.out.events.clear()
     return s
 
@@ -50,10 +50,10 @@ def active(version=(7, 0, 0), devices=1, policy=None, memory: int | None = 64 * 
 def test_hello_exchange_forwards_unchanged(how):
     s = Session(upstream=UpstreamFacts(device_count=1))
     feed(s.client_data, V.HELLO_REQ_V4, how)
-    assert out(s.to_server) == V.HELLO_REQ_V4 and s.phase == HELLO_FORWARDED
+    assert out(s.to_server) == V.HELLO_REQ_V4 and s.hello_request_len == 24 and not s.greeted
     feed(s.server_data, V.HELLO_RSP_700, how)
     assert out(s.to_client) == V.HELLO_RSP_700
-    assert s.phase == GREETED and s.version == (7, 0, 0)
+    assert s.greeted and s.version == (7, 0, 0)
 
 
 def test_rdma_caps_zeroed_both_directions():
@@ -106,7 +106,7 @@ def test_version_policy(version, accepted, expect):
     s.client_data(memoryview(V.HELLO_REQ_V4))
     if expect is None:
         s.server_data(memoryview(encode.hello_response(version)))
-        assert s.phase == GREETED
+        assert s.greeted
     else:
         with pytest.raises(PolicyRefusal) as e:
             s.server_data(memoryview(encode.hello_response(version)))
@@ -128,7 +128,7 @@ def test_node_refusal_is_passed_through_and_decoded():
     s.client_data(memoryview(V.HELLO_REQ_V4))
     o = s.server_data(memoryview(encode.hello_response((0, 0, 3), new_layout=True)))
     assert s.node_refusal == "identity_not_allowed"
-    assert (EV_NODE_REFUSED, "identity_not_allowed") in o.events
+    assert NodeRefused("identity_not_allowed") in o.events and not s.greeted
     assert out(s.to_client) == encode.response(bytes([0, 0, 3, 0]) + bytes(24))
 
 
@@ -142,10 +142,10 @@ def test_feeding_returns_the_output_with_what_happened(how):
         for c in chunks:
             o = s.client_data(memoryview(bytearray(c)))
     assert o is s.out and o.to_server is s.to_server and o.to_client is s.to_client
-    assert o.events == [(EV_HELLO, 24)] and out(o.to_server) == V.HELLO_REQ_V4
+    assert o.events == [Hello(24)] and out(o.to_server) == V.HELLO_REQ_V4
     o.events.clear()
     o = s.server_data(memoryview(V.HELLO_RSP_700))
-    assert o.events == [(EV_ACTIVE, (7, 0, 0))] and out(o.to_client) == V.HELLO_RSP_700
+    assert o.events == [Active((7, 0, 0))] and out(o.to_client) == V.HELLO_RSP_700
     o.clear()
     if not trailing:
         o = s.client_data(memoryview(V.DEVICE_COUNT_REQ))
@@ -232,7 +232,7 @@ def test_allow_list_enforce_and_monitor():
     s.client_data(memoryview(V.ALLOC_REQ_1MIB))
     assert out(s.to_server) == V.ALLOC_REQ_1MIB
     assert [v.reason for v in s.violations] == ["command_not_allowed"]
-    assert [(kind, v.reason) for kind, v in s.out.events] == [(EV_VIOLATION, "command_not_allowed")]
+    assert [(type(v), v.reason) for v in s.out.events] == [(Violation, "command_not_allowed")]
 
 
 def test_device_count_is_learned_by_injection_when_unknown():
@@ -613,7 +613,7 @@ def test_a_large_graph_waits_for_its_validation_and_what_follows_keeps_its_order
         for c in chunks:
             s.client_data(memoryview(bytearray(c)))
     assert out(s.to_server) == V.GET_ALIGNMENT_REQ  # the graph and what follows wait
-    assert s.deferred and s.out.events == [(EV_VALIDATE, len(graph) - 9)]
+    assert s.deferred and s.out.events == [Deferred(len(graph) - 9)]
     s.out.events.clear()
     worker = threading.Thread(target=s.validate_deferred)  # as the relay does: another thread
     worker.start()
@@ -647,7 +647,7 @@ def test_monitor_mode_forwards_a_large_refused_graph_with_a_violation():
     s.out.events.clear()
     s.validate_deferred()
     s.resume_deferred()
-    assert out(s.to_server) == bad and [k for k, _ in s.out.events] == [EV_VIOLATION]
+    assert out(s.to_server) == bad and [type(e) for e in s.out.events] == [Violation]
 
 
 def chain_graph_payload(nodes: int) -> bytes:

@@ -13,7 +13,7 @@ from rpcguard.errors import FirewallRefusal, ProtocolRefusal, Refusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.firewall import Firewall, FirewallPolicy
 from rpcguard.protocol.graph import op_rules
-from rpcguard.protocol.session import GREETED, Session, SessionPolicy
+from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.versions import COMMAND_IDS, KNOWN_VERSIONS, spec_for
 from tests.support import vectors as V
@@ -51,7 +51,7 @@ def session(version=V701, devices: int = 1, policy: SessionPolicy = NO_CLEAR) ->
                                       memory={d: (1 << 30, 1 << 30) for d in range(devices)}))
     s.client_data(memoryview(encode.hello_request(version)))
     s.server_data(memoryview(encode.hello_response(version)))
-    assert s.phase == GREETED
+    assert s.greeted
     s.state.add_buffer(V.HANDLE, 0, 1 << 20)
     s.state.set_base(V.HANDLE, V.BASE)
     s.to_server.clear(), s.to_client.clear(), s.out.events.clear()

@@ -16,7 +16,7 @@ import pytest
 from rpcguard.errors import ProtocolRefusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.firewall import FirewallPolicy
-from rpcguard.protocol.session import GREETED, Session, SessionPolicy
+from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
 
@@ -37,7 +37,7 @@ def start(template: UpstreamFacts, policy: SessionPolicy = SHARED) -> Session:
     s = Session(policy, template)
     s.client_data(memoryview(encode.hello_request(V7)))
     s.server_data(memoryview(encode.hello_response(V7)))
-    assert s.phase == GREETED
+    assert s.greeted
     if s.state.upstream.device_count is None:  # the session's own DEVICE_COUNT, GET_DEVICE_MEMORY, GET_ALIGNMENT
         s.server_data(memoryview(encode.response(struct.pack("<I", 1))))
         s.server_data(memoryview(encode.response(struct.pack("<QQ", 1 << 30, 1 << 30))))

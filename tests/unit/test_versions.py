@@ -14,7 +14,7 @@ import pytest
 
 from rpcguard.errors import PolicyRefusal
 from rpcguard.protocol import encode
-from rpcguard.protocol.session import GREETED, Session
+from rpcguard.protocol.session import Session
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import (
     COMMAND_IDS,
@@ -79,7 +79,7 @@ def test_released_server_is_greeted(version):
     s = Session(None, UpstreamFacts(device_count=1))
     s.client_data(memoryview(V.HELLO_REQ_V4))
     s.server_data(memoryview(encode.hello_response(version)))
-    assert s.phase == GREETED and s.version == version
+    assert s.greeted and s.version == version
 
 
 @pytest.mark.parametrize("version", [(6, 0, 1), (5, 2, 0), (6, 1, 0), (4, 0, 4)])
