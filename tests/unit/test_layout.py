@@ -51,16 +51,6 @@ PACKAGE_ROLES = {
 }
 
 
-# Import cycles that another branch removes. Each entry is one strongly connected component of
-# the module graph (the set of modules that reach each other); the cycle test fails on any other
-# component and on an entry here that no longer exists, so the set cannot go stale.
-# removed by branch h1; the lead deletes this set at merge
-PENDING_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({"rpcguard.proxy.endpoint", "rpcguard.proxy.link"}),
-    frozenset({"rpcguard.protocol.endings", "rpcguard.protocol.lifecycle"}),
-})
-
-
 def _unit(module: str) -> str:
     """The package (or top-level module) a dotted rpcguard module belongs to."""
     parts = module.split(".")
@@ -194,10 +184,8 @@ def test_no_import_cycle():
     found = imports()
     graph = {m: {d for d in deps if d in found} for m, deps in found.items()}
     cycles = components(graph)
-    new = [_describe(c, found) for c in sorted(cycles - PENDING_CYCLES, key=sorted)]
-    gone = [sorted(c) for c in sorted(PENDING_CYCLES - cycles, key=sorted)]
+    new = [_describe(c, found) for c in sorted(cycles, key=sorted)]
     assert not new, "import cycle: " + "\n".join(new)
-    assert not gone, f"PENDING_CYCLES lists a cycle that no longer exists (delete it): {gone}"
 
 
 def test_no_package_cycle():
@@ -249,7 +237,6 @@ def test_the_checks_see_cycles_and_a_layering_breach(tmp_path, monkeypatch):
     this = __import__(__name__, fromlist=["x"])
     monkeypatch.setattr(this, "ROOT", tmp_path)
     monkeypatch.setattr(this, "PKG", pkg)
-    monkeypatch.setattr(this, "PENDING_CYCLES", frozenset())
     with pytest.raises(AssertionError, match=r"import cycle: .*rpcguard.pki.a -> rpcguard.proxy.b \(TYPE_CHECKING\)"):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match=r"rpcguard.proxy.c -> rpcguard.proxy.d \(module level\)"):
@@ -258,12 +245,6 @@ def test_the_checks_see_cycles_and_a_layering_breach(tmp_path, monkeypatch):
         test_no_package_cycle()
     with pytest.raises(AssertionError, match=r"rpcguard.pki.a imports rpcguard.proxy.b \(TYPE_CHECKING"):
         test_packages_import_only_what_is_below_them()
-    # a pending cycle that is gone fails too
-    monkeypatch.setattr(this, "PENDING_CYCLES", frozenset({frozenset({"rpcguard.pki.a", "rpcguard.proxy.b"}),
-                                                           frozenset({"rpcguard.proxy.c", "rpcguard.proxy.d"}),
-                                                           frozenset({"rpcguard.proxy.x", "rpcguard.proxy.y"})}))
-    with pytest.raises(AssertionError, match=r"no longer exists .*rpcguard.proxy.x"):
-        test_no_import_cycle()
 
 
 def package_map() -> str:
