@@ -354,8 +354,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
-    from rpcguard.pki.certs import CertError
-
     json_log = getattr(a, "log_format", None) == "json"
     held = _Held()
     try:
@@ -386,7 +384,7 @@ def _main(a: argparse.Namespace) -> int:
                 raise
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
-    except (CertError, RpcGuardError) as exc:
+    except RpcGuardError as exc:  # pki.certs.CertError among them
         return _fail(str(exc), EXIT_CONFIG, json_log)
     setup_logging(cfg.log.format, cfg.log.level)
     _LOGGING[0] = True

@@ -44,12 +44,10 @@ import ssl
 from pathlib import Path
 from typing import Literal
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
-
 from rpcguard.errors import PolicyRefusal, RpcGuardError
-from rpcguard.pki.identity import PeerIdentity
+from rpcguard.pki import preflight
+from rpcguard.pki.forked import in_child
+from rpcguard.pki.identity import ANY_EKU, CLIENT_AUTH, SERVER_AUTH, PeerIdentity
 from rpcguard.pki.keyfiles import key_file_problem
 
 __all__ = [
@@ -146,7 +144,7 @@ def server_context(
     """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``.
 
     ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``)."""
-    ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, ExtendedKeyUsageOID.SERVER_AUTH,
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, SERVER_AUTH,
                    min_version, allow_insecure_key_perms,
                    [ALPN_ENFORCING, ALPN_PROBES[ALPN_ENFORCING]] if enforcing
                    else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]])
@@ -172,7 +170,7 @@ def client_context(
     """
     if not server_name or any(c.isspace() for c in server_name):
         raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
-    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, ExtendedKeyUsageOID.CLIENT_AUTH,
+    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, CLIENT_AUTH,
                    min_version, allow_insecure_key_perms,
                    list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING])
     ctx.check_hostname = True
@@ -203,7 +201,7 @@ def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerIdentity:
     der = ssl_object.getpeercert(binary_form=True)
     if not der:
         raise PolicyRefusal("tls_no_client_cert", "peer presented no certificate")
-    return PeerIdentity.from_der(der)
+    return PeerIdentity.from_peercert(ssl_object.getpeercert() or {}, der)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -214,15 +212,14 @@ def _context(
     cert: str | os.PathLike[str],
     key: str | os.PathLike[str],
     ca: str | os.PathLike[str],
-    purpose: x509.ObjectIdentifier,
+    purpose: str,
     min_version: str,
     allow_insecure_key_perms: bool,
     alpn: list[str],
 ) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise TlsConfigError(f"min_version {min_version!r}: expected '1.3' or '1.2'")
-    _check_ca(Path(ca))
-    _check_pair(Path(cert), Path(key), purpose, allow_insecure_key_perms)
+    _check_files(os.fspath(ca), os.fspath(cert), os.fspath(key), purpose, allow_insecure_key_perms)
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = _VERSIONS[min_version]
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
@@ -290,7 +287,43 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
 
 
+# The files last found good (their paths and stat stamps): serve builds two contexts of the same
+# files, and the check, which needs cryptography, runs in a forked child (pki/forked.py) once.
+_CHECKED: set[tuple] = set()
+_CHECKED_MAX = 16
+
+
+def _check_files(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool) -> None:
+    """The CA, the certificate and its key can be used for ``purpose``; ``TlsConfigError`` naming the
+    file otherwise. Needs ``cryptography``: run in a child unless the process holds it already."""
+    stamp = (ca, cert, key, purpose, allow_insecure, *(_stat_stamp(p) for p in (ca, cert, key)))
+    if stamp in _CHECKED:
+        return
+    facts_stamp = preflight.stamp_of(cert, ca)
+    preflight.remember(facts_stamp, in_child(_check_files_here, ca, cert, key, purpose, allow_insecure))
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED.add(stamp)
+
+
+def _stat_stamp(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid
+
+
+def _check_files_here(ca: str, cert: str, key: str, purpose: str,
+                      allow_insecure: bool) -> preflight.CertFacts | None:
+    _check_ca(Path(ca))
+    _check_pair(Path(cert), Path(key), purpose, allow_insecure)
+    return preflight.read_facts(cert, ca)  # what the warnings and the expiry gauges will ask next
+
+
 def _check_ca(path: Path) -> None:
+    from cryptography import x509
+
     data = _read(path, "CA file")
     try:
         cas = x509.load_pem_x509_certificates(data)
@@ -305,7 +338,10 @@ def _check_ca(path: Path) -> None:
             raise TlsConfigError(f"{path}: {ca.subject.rfc4514_string()} is not a CA certificate (BasicConstraints)")
 
 
-def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier, allow_insecure: bool) -> None:
+def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: bool) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         cert = x509.load_pem_x509_certificates(_read(cert_path, "certificate"))[0]
     except ValueError as exc:
@@ -321,11 +357,11 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier,
     if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise TlsConfigError(f"{key_path}: private key does not match certificate {cert_path}")
     try:
-        ekus = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        ekus = {oid.dotted_string for oid in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value}
     except x509.ExtensionNotFound:
         return  # no EKU extension: any purpose
-    if purpose not in ekus and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in ekus:
-        role = "server (issue --server)" if purpose == ExtendedKeyUsageOID.SERVER_AUTH else "client (issue --client)"
+    if purpose not in ekus and ANY_EKU not in ekus:
+        role = "server (issue --server)" if purpose == SERVER_AUTH else "client (issue --client)"
         raise TlsConfigError(f"{cert_path}: certificate lacks the extended key usage for a {role}")
 
 

@@ -18,9 +18,9 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from rpcguard.pki.certs import cert_not_after
 from rpcguard.pki.crl import Crl, load_crl
 from rpcguard.pki.crl import apply as apply_crl
+from rpcguard.pki.preflight import material_expiry
 from rpcguard.config.model import Config, TlsConfig
 from rpcguard.pki.tls import client_context, probe_context, server_context
 from rpcguard.protocol.side import SIDES
@@ -98,11 +98,7 @@ class TlsMaterial:
     @staticmethod
     def _read_expiry(t: TlsConfig) -> dict[str, float]:
         """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
-        from cryptography import x509
-
-        with open(t.ca, "rb") as f:
-            cas = x509.load_pem_x509_certificates(f.read())
-        return {"cert": cert_not_after(t.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
+        return material_expiry(t.cert, t.ca)
 
     def _stamp(self) -> tuple:
         return _stamp_of(self.tls)
