@@ -41,6 +41,7 @@ from rpcguard.config.sections import (
     _parse_profiles, expand_commands,
 )
 from rpcguard.errors import ConfigError
+from rpcguard.pki.keyfiles import CREDENTIAL_PREFIX, credential_path
 from rpcguard.config.upstream import UpstreamSettings, parse_upstream
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class TlsConfig:
     min_version: Literal["1.2", "1.3"] = "1.3"
     reload_interval_s: float = 0.0  # 0 = reload on SIGHUP only; > 0 also polls the files' mtimes
     crl: str | None = None  # a CRL (PEM or DER) of the CA, checked at every handshake (pki/crl.py)
+    key_passphrase_file: str | None = None  # the key is encrypted; its passphrase: this file's first line
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +149,26 @@ DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connec
 def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
     if data is None:
         raise ConfigError("tls", "required (cert, key and ca)")
-    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s", "crl"})
-    files = [s.get(k, file_path(base_dir)) for k in ("cert", "key", "ca")]
+    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s", "crl", "key_passphrase_file"})
+    files = [s.get(k, _secret_path(base_dir)) for k in ("cert", "key", "ca")]
     return TlsConfig(*files, **s.read_all({"min_version": choice("1.3", "1.2"),
                                            "reload_interval_s": duration(zero_is_off=True),
-                                           "crl": file_path(base_dir)}))
+                                           "crl": _secret_path(base_dir),
+                                           "key_passphrase_file": _secret_path(base_dir)}))
+
+
+def _secret_path(base_dir: str | None) -> Reader:
+    """``file_path``, or ``credential:NAME``: a systemd credential (pki/keyfiles.py ``credential_path``)."""
+    plain = file_path(base_dir)
+
+    def read(v: Any, path: str) -> str:
+        if isinstance(v, str) and v.startswith(CREDENTIAL_PREFIX):
+            try:
+                v = credential_path(v)
+            except ValueError as exc:
+                raise ConfigError(path, str(exc)) from None
+        return plain(v, path)
+    return read
 
 
 _LOG_READERS: dict[str, Reader] = {"format": choice("text", "json"),

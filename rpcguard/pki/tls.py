@@ -48,7 +48,7 @@ from rpcguard.errors import PolicyRefusal, RpcGuardError
 from rpcguard.pki import preflight
 from rpcguard.pki.forked import in_child
 from rpcguard.pki.identity import ANY_EKU, CLIENT_AUTH, SERVER_AUTH, PeerIdentity
-from rpcguard.pki.keyfiles import key_file_problem
+from rpcguard.pki.keyfiles import key_file_problem, read_passphrase
 
 __all__ = [
     "TlsConfigError",
@@ -140,14 +140,16 @@ def server_context(
     min_version: TlsVersion = "1.3",
     allow_insecure_key_perms: bool = False,
     enforcing: bool = True,
+    key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``.
 
-    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``)."""
+    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``).
+    ``key_passphrase_file``: ``key`` is encrypted with the passphrase on its first line."""
     ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, SERVER_AUTH,
                    min_version, allow_insecure_key_perms,
                    [ALPN_ENFORCING, ALPN_PROBES[ALPN_ENFORCING]] if enforcing
-                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]])
+                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]], key_passphrase_file)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return ctx
@@ -162,6 +164,7 @@ def client_context(
     min_version: TlsVersion = "1.3",
     allow_insecure_key_perms: bool = False,
     probe: bool = False,
+    key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """Client side: present ``cert``/``key``; verify the server against ``ca`` and ``server_name``.
 
@@ -172,7 +175,7 @@ def client_context(
         raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
     ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, CLIENT_AUTH,
                    min_version, allow_insecure_key_perms,
-                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING])
+                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING], key_passphrase_file)
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
@@ -216,10 +219,13 @@ def _context(
     min_version: str,
     allow_insecure_key_perms: bool,
     alpn: list[str],
+    passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise TlsConfigError(f"min_version {min_version!r}: expected '1.3' or '1.2'")
-    _check_files(os.fspath(ca), os.fspath(cert), os.fspath(key), purpose, allow_insecure_key_perms)
+    pass_file = os.fspath(passphrase_file) if passphrase_file is not None else None
+    _check_files(os.fspath(ca), os.fspath(cert), os.fspath(key), purpose, allow_insecure_key_perms, pass_file)
+    password = _passphrase(pass_file, allow_insecure_key_perms) if pass_file is not None else None
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = _VERSIONS[min_version]
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
@@ -233,7 +239,7 @@ def _context(
     except (ssl.SSLError, OSError) as exc:
         raise TlsConfigError(f"{ca}: cannot load CA certificates: {exc}") from exc
     try:
-        ctx.load_cert_chain(os.fspath(cert), os.fspath(key))
+        ctx.load_cert_chain(os.fspath(cert), os.fspath(key), password=password)
     except (ssl.SSLError, OSError) as exc:
         raise TlsConfigError(f"{cert}, {key}: cannot load certificate and key: {exc}") from exc
     return ctx
@@ -274,10 +280,11 @@ def is_probe(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
 
 def probe_context(
     cert: str | os.PathLike[str], key: str | os.PathLike[str], ca: str | os.PathLike[str], *,
-    min_version: TlsVersion = "1.3",
+    min_version: TlsVersion = "1.3", key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """The client context of ``rpcguard check`` and connect's ``/readyz`` (``ALPN_PROBES``)."""
-    return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True)
+    return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True,
+                          key_passphrase_file=key_passphrase_file)
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -293,14 +300,17 @@ _CHECKED: set[tuple] = set()
 _CHECKED_MAX = 16
 
 
-def _check_files(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool) -> None:
+def _check_files(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool,
+                 passphrase_file: str | None = None) -> None:
     """The CA, the certificate and its key can be used for ``purpose``; ``TlsConfigError`` naming the
     file otherwise. Needs ``cryptography``: run in a child unless the process holds it already."""
-    stamp = (ca, cert, key, purpose, allow_insecure, *(_stat_stamp(p) for p in (ca, cert, key)))
+    stamp = (ca, cert, key, purpose, allow_insecure, passphrase_file,
+             *(_stat_stamp(p) for p in (ca, cert, key, passphrase_file) if p is not None))
     if stamp in _CHECKED:
         return
     facts_stamp = preflight.stamp_of(cert, ca)
-    preflight.remember(facts_stamp, in_child(_check_files_here, ca, cert, key, purpose, allow_insecure))
+    preflight.remember(facts_stamp, in_child(_check_files_here, ca, cert, key, purpose, allow_insecure,
+                                             passphrase_file))
     if len(_CHECKED) >= _CHECKED_MAX:
         _CHECKED.clear()
     _CHECKED.add(stamp)
@@ -314,10 +324,10 @@ def _stat_stamp(path: str) -> tuple[int, ...] | None:
     return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid
 
 
-def _check_files_here(ca: str, cert: str, key: str, purpose: str,
-                      allow_insecure: bool) -> preflight.CertFacts | None:
+def _check_files_here(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool,
+                      passphrase_file: str | None) -> preflight.CertFacts | None:
     _check_ca(Path(ca))
-    _check_pair(Path(cert), Path(key), purpose, allow_insecure)
+    _check_pair(Path(cert), Path(key), purpose, allow_insecure, passphrase_file)
     return preflight.read_facts(cert, ca)  # what the warnings and the expiry gauges will ask next
 
 
@@ -338,7 +348,8 @@ def _check_ca(path: Path) -> None:
             raise TlsConfigError(f"{path}: {ca.subject.rfc4514_string()} is not a CA certificate (BasicConstraints)")
 
 
-def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: bool) -> None:
+def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: bool,
+                passphrase_file: str | None = None) -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
@@ -347,11 +358,20 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: b
     except ValueError as exc:
         raise TlsConfigError(f"{cert_path}: not a PEM certificate") from exc
     _check_key_perms(key_path, allow_insecure)
+    password = _passphrase(passphrase_file, allow_insecure) if passphrase_file is not None else None
+    data = _read(key_path, "private key")
     try:
-        key = serialization.load_pem_private_key(_read(key_path, "private key"), password=None)
-    except TypeError as exc:
-        raise TlsConfigError(f"{key_path}: encrypted private keys are not supported") from exc
+        key = serialization.load_pem_private_key(data, password=password)
+    except TypeError as exc:  # encrypted without a passphrase given, or the reverse
+        if password is None:
+            raise TlsConfigError(f"{key_path}: encrypted private key: give its passphrase in "
+                                 "tls.key_passphrase_file") from exc
+        raise TlsConfigError(f"{key_path}: private key is not encrypted, but tls.key_passphrase_file "
+                             f"{passphrase_file} is set") from exc
     except ValueError as exc:
+        if password is not None and b"ENCRYPTED" in data:
+            raise TlsConfigError(f"{key_path}: cannot decrypt the private key with the passphrase in "
+                                 f"{passphrase_file} (wrong passphrase?)") from exc
         raise TlsConfigError(f"{key_path}: not a PEM private key") from exc
     spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
@@ -363,6 +383,16 @@ def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: b
     if purpose not in ekus and ANY_EKU not in ekus:
         role = "server (issue --server)" if purpose == SERVER_AUTH else "client (issue --client)"
         raise TlsConfigError(f"{cert_path}: certificate lacks the extended key usage for a {role}")
+
+
+def _passphrase(path: str, allow_insecure: bool) -> bytes:
+    """The passphrase of the key: the key-file rule applies to its file (pki/keyfiles.py)."""
+    try:
+        return read_passphrase(path, allow_insecure=allow_insecure)
+    except ValueError as exc:
+        raise TlsConfigError(str(exc)) from None
+    except OSError as exc:
+        raise TlsConfigError(f"{path}: cannot read passphrase file: {exc.strerror or exc}") from None
 
 
 def _check_key_perms(path: Path, allow_insecure: bool) -> None:

@@ -88,12 +88,15 @@ class TlsMaterial:
         return self._other if SIDES[self.role].upstream_is_guard else self.context
 
     def _build(self, t: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        pw = t.key_passphrase_file
         if SIDES[self.role].client_tls:  # serve: the server side of the clients' TLS
-            return (server_context(t.cert, t.key, t.ca, min_version=t.min_version),
-                    server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False))
+            return (server_context(t.cert, t.key, t.ca, min_version=t.min_version, key_passphrase_file=pw),
+                    server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False,
+                                   key_passphrase_file=pw))
         # One client context serves every tunnel: the expected node name is given per connection.
-        return (client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version),
-                probe_context(t.cert, t.key, t.ca, min_version=t.min_version))
+        return (client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version,
+                               key_passphrase_file=pw),
+                probe_context(t.cert, t.key, t.ca, min_version=t.min_version, key_passphrase_file=pw))
 
     @staticmethod
     def _read_expiry(t: TlsConfig) -> dict[str, float]:
@@ -106,7 +109,7 @@ class TlsMaterial:
 
 def _stamp_of(tls: TlsConfig) -> tuple:
     out: list[tuple[int, int, int] | None] = []
-    for path in (tls.cert, tls.key, tls.ca, tls.crl):
+    for path in (tls.cert, tls.key, tls.ca, tls.crl, tls.key_passphrase_file):
         if path is None:
             out.append(None)
             continue

@@ -718,3 +718,93 @@ def test_serve_and_connect_never_load_cryptography(pki):
     assert lines[3] == "revoked 0"
     assert lines[4].startswith("error ") and "does not match certificate" in lines[4]
     assert lines[5] == "cryptography loaded: False"
+
+
+# -- encrypted keys and systemd credentials (issue 31 item 4) ----------------------------------
+
+
+@pytest.fixture
+def enc(pki, tmp_path):
+    """An encrypted server key (certs issue --passphrase-file) and its passphrase file."""
+    pw = Path(_write(tmp_path / "pw", b"open sesame\n"))
+    files = certs.issue(pki.dir, "encserver", server=True, dns=["localhost"], passphrase_file=pw)
+    return str(files.cert), str(files.key), pw
+
+
+def test_an_encrypted_key_works_with_its_passphrase_file(pki, enc):
+    cert, key, pw = enc
+    server, client = handshake(tls.server_context(cert, key, pki.ca, key_passphrase_file=pw), pki.client_ctx())
+    assert (server.reason, client.reason) == ("ok", "ok")
+    ctx = tls.client_context(*pki.pair("client"), pki.ca, server_name="x", key_passphrase_file=None)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_encrypted_key_problems_are_one_line_naming_the_files(pki, enc, tmp_path):
+    cert, key, pw = enc
+    with pytest.raises(TlsConfigError, match=f"{key}: encrypted private key: give its passphrase in "
+                                             "tls.key_passphrase_file"):
+        tls.server_context(cert, key, pki.ca)
+    wrong = _write(tmp_path / "wrong", b"open sesame!\n")
+    with pytest.raises(TlsConfigError, match=f"{key}: cannot decrypt the private key with the passphrase in "
+                                             f"{wrong} \\(wrong passphrase\\?\\)"):
+        tls.server_context(cert, key, pki.ca, key_passphrase_file=wrong)
+    os.chmod(pw, 0o644)
+    with pytest.raises(TlsConfigError, match=f"{pw}: passphrase file is accessible by others"):
+        tls.server_context(cert, key, pki.ca, key_passphrase_file=pw)
+    os.chmod(pw, 0o600)
+    plain_cert, plain_key = pki.pair("server")
+    with pytest.raises(TlsConfigError, match=f"{plain_key}: private key is not encrypted, but "
+                                             f"tls.key_passphrase_file {pw} is set"):
+        tls.server_context(plain_cert, plain_key, pki.ca, key_passphrase_file=pw)
+
+
+def _serve_config(tmp_path: Path, tls_keys: dict) -> Path:
+    import json
+
+    cfg = {"tls": tls_keys, "allow": {"cn": ["client"]}, "metrics": {"listen": ""},
+           "listeners": [{"listen": "127.0.0.1:50999", "upstream": "127.0.0.1:50998"}]}
+    path = tmp_path / "serve.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _check_config(path: Path, env: dict | None = None):
+    import subprocess
+    import sys
+
+    full = dict(os.environ, PYTHONPATH=str(Path(tls.__file__).parents[2]))
+    full.pop("CREDENTIALS_DIRECTORY", None)
+    return subprocess.run([sys.executable, "-m", "rpcguard", "check-config", str(path)], capture_output=True,
+                          text=True, timeout=60, env=dict(full, **(env or {})))
+
+
+def test_serve_reads_an_encrypted_key_and_systemd_credentials(pki, enc, tmp_path):
+    """tls.key_passphrase_file and credential:NAME (LoadCredential=), as serve's start checks them
+    (check-config, in a process without cryptography: the checks run in its forked child); a bad
+    passphrase or a missing credential is one line naming the key, exit 2."""
+    cert, key, pw = enc
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    for name, src in (("node.key", key), ("node.pass", pw)):
+        (creds / name).write_bytes(Path(src).read_bytes())
+        os.chmod(creds / name, 0o400)
+    ok = _check_config(_serve_config(tmp_path, {"cert": cert, "key": key, "ca": pki.ca, "key_passphrase_file": str(pw)}))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK "), ok.stderr
+    as_credentials = _serve_config(tmp_path, {"cert": cert, "key": "credential:node.key", "ca": pki.ca,
+                                              "key_passphrase_file": "credential:node.pass"})
+    ok = _check_config(as_credentials, {"CREDENTIALS_DIRECTORY": str(creds)})
+    assert ok.returncode == 0 and ok.stdout.startswith("OK "), ok.stderr
+    missing = _check_config(as_credentials)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        "rpcguard: config error: tls.key: credential:node.key: $CREDENTIALS_DIRECTORY is not set (a systemd unit "
+        "with LoadCredential=node.key:PATH sets it)"]
+    (creds / "node.pass").unlink()
+    missing = _check_config(as_credentials, {"CREDENTIALS_DIRECTORY": str(creds)})
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "tls.key_passphrase_file: credential:node.pass: no credential 'node.pass'" in missing.stderr
+    wrong = _write(tmp_path / "wrong", b"nope\n")
+    bad = _check_config(_serve_config(tmp_path, {"cert": cert, "key": key, "ca": pki.ca, "key_passphrase_file": wrong}))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"rpcguard: {key}: cannot decrypt the private key with the passphrase in {wrong} (wrong passphrase?)"]
