@@ -18,6 +18,7 @@ hands over the facts it read in its own child, ``remember``).
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -57,12 +58,12 @@ _FACTS: dict[tuple, CertFacts | None] = {}
 
 
 def stamp_of(cert_path: str | os.PathLike[str], ca_path: str | os.PathLike[str]) -> tuple:
-    """The paths and the stat of both files: which version of them a ``CertFacts`` is of."""
+    """The paths and the bytes' digest of both files: which version of them a ``CertFacts`` is of."""
     out: list[object] = [os.fspath(cert_path), os.fspath(ca_path)]
     for path in (cert_path, ca_path):
         try:
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            with open(path, "rb") as f:
+                out.append(hashlib.sha256(f.read()).digest())
         except OSError:
             out.append(None)
     return tuple(out)

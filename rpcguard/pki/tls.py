@@ -39,6 +39,7 @@ that first read error too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import ssl
 from pathlib import Path
@@ -294,7 +295,7 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
 
 
-# The files last found good (their paths and stat stamps): serve builds two contexts of the same
+# The files last found good (their paths and contents): serve builds two contexts of the same
 # files, and the check, which needs cryptography, runs in a forked child (pki/forked.py) once.
 _CHECKED: set[tuple] = set()
 _CHECKED_MAX = 16
@@ -316,12 +317,16 @@ def _check_files(ca: str, cert: str, key: str, purpose: str, allow_insecure: boo
     _CHECKED.add(stamp)
 
 
-def _stat_stamp(path: str) -> tuple[int, ...] | None:
+def _stat_stamp(path: str) -> tuple[object, ...] | None:
+    """Which version of the file: its bytes' digest, mode and owner (a file rewritten in place within
+    the file system's timestamp granularity still differs)."""
     try:
         st = os.stat(path)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).digest()
     except OSError:
         return None
-    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid
+    return digest, st.st_mode, st.st_uid
 
 
 def _check_files_here(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool,

@@ -808,3 +808,16 @@ def test_serve_reads_an_encrypted_key_and_systemd_credentials(pki, enc, tmp_path
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         f"rpcguard: {key}: cannot decrypt the private key with the passphrase in {wrong} (wrong passphrase?)"]
+
+
+def test_a_file_rewritten_in_place_is_checked_again(pki):
+    """The file check (run once per version of the files, pki/tls.py _CHECKED) knows a version by
+    its bytes: a key rewritten in place at once, same size, same inode, is checked again."""
+    cert, key = pki.pair("server")
+    tls.server_context(cert, key, pki.ca)
+    other = Path(pki.pair("client")[1]).read_bytes()
+    with open(key, "r+b") as f:  # in place: the inode stays, the size is the same (two EC P-256 keys)
+        f.truncate(0)
+        f.write(other)
+    with pytest.raises(TlsConfigError, match="does not match certificate"):
+        tls.server_context(cert, key, pki.ca)
