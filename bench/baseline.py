@@ -90,8 +90,10 @@ def dependencies_of(pyproject_text: str) -> list[str]:
     return sorted(data.get("project", {}).get("dependencies", []))
 
 
-def prepare(rev: str, cache: Path) -> Tree:
-    """Extract ``rev`` into the bench cache and choose the interpreter that runs it (see module doc)."""
+def prepare(rev: str, cache: Path, *, compile_core: bool = True) -> Tree:
+    """Extract ``rev`` into the bench cache and choose the interpreter that runs it (see module doc).
+
+    ``compile_core=False``: leave its protocol core pure Python (bench/memory.py ``--pure``)."""
     try:
         commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
     except subprocess.CalledProcessError as exc:
@@ -120,7 +122,7 @@ def prepare(rev: str, cache: Path) -> Tree:
                            timeout=PIP_TIMEOUT_S)
         tree.python = str(venv / "bin" / "python")
         tree.notes.append(f"own venv: its dependencies differ from the working tree's ({theirs} vs {ours})")
-    else:
+    elif compile_core:
         _compile(tree)
     return tree
 

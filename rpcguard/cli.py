@@ -228,6 +228,8 @@ def _leaf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dns", action="append", default=[], help="DNS name (repeatable)")
     p.add_argument("--ip", action="append", default=[], help="IP address (repeatable)")
     p.add_argument("--uri", action="append", default=[], help="URI, e.g. spiffe://lab/llama/1 (repeatable)")
+    p.add_argument("--passphrase-file", metavar="FILE", help="encrypt the key with this file's first line "
+                   "(mode 0600; give the same file to tls.key_passphrase_file)")
 
 
 def _overrides(a: argparse.Namespace) -> dict:
@@ -354,8 +356,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
-    from rpcguard.pki.certs import CertError
-
     json_log = getattr(a, "log_format", None) == "json"
     held = _Held()
     try:
@@ -386,7 +386,7 @@ def _main(a: argparse.Namespace) -> int:
                 raise
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG, json_log)
-    except (CertError, RpcGuardError) as exc:
+    except RpcGuardError as exc:  # pki.certs.CertError among them
         return _fail(str(exc), EXIT_CONFIG, json_log)
     setup_logging(cfg.log.format, cfg.log.level)
     _LOGGING[0] = True
@@ -547,12 +547,13 @@ def _certs(a: argparse.Namespace) -> int:
         print(f"wrote {ca.cert} and {ca.key} (0600): keep ca.key off the nodes (certs csr + certs sign)")
     elif a.certs_command == "issue":
         files = certs.issue(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, days=a.days,
-                            force=a.force, ca_dir=a.ca_dir, hours=a.hours)
+                            force=a.force, ca_dir=a.ca_dir, hours=a.hours, passphrase_file=a.passphrase_file)
         print(f"wrote {files.cert} and {files.key} (0600): {certs.describe(files.cert)}")
     elif a.certs_command == "csr":
         from rpcguard.pki.csr import make_csr
 
-        files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force)
+        files = make_csr(a.dir, a.name, server=a.server, dns=a.dns, ips=a.ip, uris=a.uri, force=a.force,
+                         passphrase_file=a.passphrase_file)
         print(f"wrote {files.key} (0600, keep it here) and {files.cert}: sign it on the CA machine with "
               f"rpcguard certs sign --ca-dir CADIR {files.cert.name} --out {a.name}.pem")
     elif a.certs_command in ("revoke", "crl"):

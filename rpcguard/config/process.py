@@ -20,6 +20,7 @@ from rpcguard.config.read import (
     Address, Reader, Section, boolean, choice, duration, file_path, listen_address,
 )
 from rpcguard.errors import ConfigError
+from rpcguard.pki.keyfiles import CREDENTIAL_PREFIX, credential_path
 from rpcguard.pki.tlsversion import DEFAULT_MIN_VERSION, TLS_MIN_VERSIONS, TlsVersion
 
 __all__ = ["TlsConfig", "MetricsConfig", "LogConfig", "DEFAULT_METRICS", "TLS_KEYS", "METRICS_KEYS", "LOG_KEYS",
@@ -37,6 +38,7 @@ class TlsConfig:
     min_version: TlsVersion = DEFAULT_MIN_VERSION
     reload_interval_s: float = 0.0  # 0 = reload on SIGHUP only; > 0 also polls the files' mtimes
     crl: str | None = None  # a CRL (PEM or DER) of the CA, checked at every handshake (pki/crl.py)
+    key_passphrase_file: str | None = None  # the key is encrypted; its passphrase: this file's first line
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,21 @@ DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connec
 
 #: a readable file, relative to the config file's directory (bound per parse by ``_bound``)
 FILE: Reader = file_path(None)
+#: the same, or ``credential:NAME``: a systemd credential (pki/keyfiles.py ``credential_path``)
+SECRET: Reader = file_path(None)
+
+
+def _secret_path(base_dir: str | None) -> Reader:
+    plain = file_path(base_dir)
+
+    def read(v: Any, path: str) -> str:
+        if isinstance(v, str) and v.startswith(CREDENTIAL_PREFIX):
+            try:
+                v = credential_path(v)
+            except ValueError as exc:
+                raise ConfigError(path, str(exc)) from None
+        return plain(v, path)
+    return read
 
 
 def _listen_or_off(v: Any, path: str) -> Address | None:
@@ -65,10 +82,10 @@ def _listen_or_off(v: Any, path: str) -> Address | None:
 
 # YAML key under `tls:` -> reader (the TlsConfig field has the same name); cert, key, ca required
 TLS_KEYS: Mapping[str, Reader] = MappingProxyType({
-    "cert": FILE, "key": FILE, "ca": FILE,
+    "cert": SECRET, "key": SECRET, "ca": SECRET,
     "min_version": choice(*TLS_MIN_VERSIONS),
     "reload_interval_s": duration(zero_is_off=True),
-    "crl": FILE,
+    "crl": SECRET, "key_passphrase_file": SECRET,
 })
 _TLS_REQUIRED = ("cert", "key", "ca")
 # YAML key under `metrics:` -> reader ('' or null listen = off; absent = DEFAULT_METRICS of the role)
@@ -82,8 +99,8 @@ LOG_KEYS: Mapping[str, Reader] = MappingProxyType({
 
 
 def _bound(keys: Mapping[str, Reader], base_dir: str | None) -> dict[str, Reader]:
-    at = file_path(base_dir)
-    return {k: at if r is FILE else r for k, r in keys.items()}
+    at, secret = file_path(base_dir), _secret_path(base_dir)
+    return {k: at if r is FILE else secret if r is SECRET else r for k, r in keys.items()}
 
 
 def parse_tls(data: Any, base_dir: str | None) -> TlsConfig:

@@ -46,6 +46,7 @@ __all__ = [
     "load_cert",
     "cert_not_after",
     "describe",
+    "read_key_passphrase",
     "lifetime",
 ]
 
@@ -149,6 +150,7 @@ def issue(
     not_after: _dt.datetime | None = None,
     ca_dir: str | os.PathLike[str] | None = None,
     hours: int | None = None,
+    passphrase_file: str | os.PathLike[str] | None = None,
 ) -> LeafFiles:
     """Sign a leaf with the CA in ``ca_dir`` (default ``directory``); write ``DIR/NAME.pem`` and ``DIR/NAME.key`` (0600).
 
@@ -157,7 +159,9 @@ def issue(
     ``not_before``/``not_after`` override the validity window (tests mint expired certificates).
     ``hours`` makes an hour-scale certificate instead of ``days`` (short-lived certificates are
     revocation by expiry: a session never outlives its client certificate, docs/revocation.md).
+    ``passphrase_file``: encrypt the key with the first line of that file (``tls.key_passphrase_file``).
     """
+    passphrase = read_key_passphrase(passphrase_file)
     files = _leaf_files(directory, name, ".pem", force)
     span = lifetime(days, hours)
     profile = _profile(name, server, dns, ips, uris, common_name)
@@ -167,7 +171,7 @@ def issue(
     # Key first: a reloading listener that sees the new key with the old cert fails the pair check
     # and keeps its old context until the next poll.
     make_dir(files.key.parent)
-    _write_private(files.key, _key_pem(key))
+    _write_private(files.key, _key_pem(key, passphrase))
     _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
 
@@ -338,10 +342,26 @@ def _key_usage(**on: bool) -> x509.KeyUsage:
     return x509.KeyUsage(**flags)
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+def _key_pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey, passphrase: bytes | None = None) -> bytes:
+    """PKCS#8 PEM; encrypted with ``passphrase`` when given (cryptography's best available
+    encryption: PBES2 with AES-256-CBC, which OpenSSL and so the ``ssl`` module read)."""
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+
+
+def read_key_passphrase(path: str | os.PathLike[str] | None) -> bytes | None:
+    """The passphrase to encrypt a new key with (``--passphrase-file``), under the key-file rule."""
+    if path is None:
+        return None
+    from rpcguard.pki.keyfiles import read_passphrase
+
+    try:
+        return read_passphrase(path)
+    except ValueError as exc:
+        raise CertError(str(exc)) from None
+    except OSError as exc:
+        raise CertError(f"{path}: cannot read passphrase file: {exc.strerror or exc}") from None
 
 
 def _load_ca_key(path: Path) -> ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey:

@@ -7,7 +7,9 @@ for ``days`` (a CRL past its nextUpdate makes OpenSSL refuse every peer, so re-r
 reads a PEM or DER CRL, checks that the configured CA signed it, and returns a ``Crl``: the PEM
 text to give OpenSSL (``apply``: ``VERIFY_CRL_CHECK_LEAF``, so every handshake checks the peer's
 certificate against it) and the revoked serials, with which a reload ends the live sessions of a
-certificate revoked since they started. Problems raise ``CrlError`` naming the file.
+certificate revoked since they started. Problems raise ``CrlError`` naming the file. Reading
+needs ``cryptography``: ``load_crl`` runs in a forked child (pki/forked.py), so a listener never
+loads it.
 
 The same model as HAProxy's ``crl-file`` and Envoy's ``crl``: a file the operator replaces,
 checked at each handshake, reloaded on change; istio's ztunnel (since 2025) also closes open
@@ -24,12 +26,13 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from typing import TYPE_CHECKING
 
 from rpcguard.errors import RpcGuardError
+from rpcguard.pki.forked import in_child
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 __all__ = ["CrlError", "Crl", "load_crl", "apply", "revoke", "write_crl", "REVOKED_LIST", "CRL_NAME"]
 
@@ -56,6 +59,13 @@ class Crl:
 
 def load_crl(path: str | os.PathLike[str], ca: str | os.PathLike[str]) -> Crl:
     """Read ``path`` (PEM or DER) and check that a certificate of the CA bundle ``ca`` signed it."""
+    return in_child(_load_crl, os.fspath(path), os.fspath(ca))
+
+
+def _load_crl(path: str, ca: str) -> Crl:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -101,6 +111,8 @@ def _load_ca_pair(ca_dir: Path) -> tuple[x509.Certificate, object]:
 
 def revoke(ca_dir: str | os.PathLike[str], cert_path: str | os.PathLike[str], *, days: int = 30) -> Path:
     """On the CA machine: add ``cert_path``'s serial to ``CADIR/revoked.txt`` and rewrite ``CADIR/crl.pem``."""
+    from cryptography.exceptions import InvalidSignature
+
     from rpcguard.pki.certs import CertError, load_cert
 
     d = Path(ca_dir)
@@ -140,6 +152,9 @@ def _read_list(d: Path) -> dict[int, _dt.datetime]:
 
 def write_crl(ca_dir: str | os.PathLike[str], *, days: int = 30) -> Path:
     """Sign a CRL of every serial in ``CADIR/revoked.txt`` (possibly none), valid ``days``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
     if not isinstance(days, int) or days < 1:
         raise CrlError(f"days must be a positive integer, got {days!r}")
     d = Path(ca_dir)

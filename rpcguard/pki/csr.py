@@ -30,6 +30,7 @@ from rpcguard.pki.certs import (
     _load_ca,
     make_dir,
     _new_key,
+    read_key_passphrase,
     _profile,
     _sign,
     _write_private,
@@ -49,12 +50,15 @@ def make_csr(
     uris: Iterable[str] = (),
     key_type: KeyType = "ec",
     force: bool = False,
+    passphrase_file: str | os.PathLike[str] | None = None,
 ) -> LeafFiles:
     """On the node: write ``DIR/NAME.key`` (0600, never leaves it) and ``DIR/NAME.csr`` to send to the CA.
 
     The CSR asks for the same profile ``issue`` would give (CN, SANs, one EKU); ``sign`` applies
     the same rules again on the CA machine, so the request carries nothing the CA would not issue.
+    ``passphrase_file``: encrypt the key with the first line of that file (``tls.key_passphrase_file``).
     """
+    passphrase = read_key_passphrase(passphrase_file)
     files = _leaf_files(directory, name, ".csr", force)
     profile = _profile(name, server, dns, ips, uris, None)
     key = _new_key(key_type)
@@ -65,7 +69,7 @@ def make_csr(
         builder = builder.add_extension(x509.SubjectAlternativeName(profile.sans), critical=False)
     csr = builder.sign(key, hashes.SHA256())
     make_dir(files.key.parent)
-    _write_private(files.key, _key_pem(key))
+    _write_private(files.key, _key_pem(key, passphrase))
     _write_public(files.cert, csr.public_bytes(serialization.Encoding.PEM))
     return files
 

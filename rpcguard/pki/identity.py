@@ -20,22 +20,25 @@ itself only checks the EKU when the extension is present; a certificate without 
 Matching is strict where a name could be smuggled: a wildcard URI entry matches only plain path
 segments (no empty, ``.``/``..`` or percent-encoded segment), and a DNS SAN that itself contains
 a wildcard (``*.lab``) never satisfies an entry. This module never imports ``ssl``: the TLS layer
-hands it bytes.
+hands it what OpenSSL read from the verified certificate (``from_peercert``: ``getpeercert()``'s
+names and dates, and the DER, from which only the extended key usage is read here) or the DER
+alone (``from_der``, with ``cryptography``: tools and tests). serve and connect never import
+``cryptography`` (its library is the largest part of an idle process, docs/performance.md).
 """
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass, field
-
-from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from typing import Any, Mapping
 
 from rpcguard.errors import PolicyRefusal
 
-__all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "source_of", "CLIENT_AUTH", "SERVER_AUTH"]
+__all__ = ["PeerIdentity", "Acl", "AllowList", "check_usage", "source_of", "CLIENT_AUTH", "SERVER_AUTH", "ANY_EKU",
+           "extended_key_usages"]
 
 # An IPv6 host is given a /64 (RFC 4291's interface identifiers; SLAAC privacy addresses rotate
 # inside it): it can connect from any of its 2^64 addresses, so the per-source caps count the /64.
@@ -56,8 +59,10 @@ def source_of(host: str) -> str:
                                           SOURCE_V6_PREFIX)))
     return str(ip)
 
-CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.2
-SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH.dotted_string  # 1.3.6.1.5.5.7.3.1
+CLIENT_AUTH = "1.3.6.1.5.5.7.3.2"  # id-kp-clientAuth (RFC 5280 4.2.1.12)
+SERVER_AUTH = "1.3.6.1.5.5.7.3.1"  # id-kp-serverAuth
+ANY_EKU = "2.5.29.37.0"  # anyExtendedKeyUsage
+_EKU_OID = b"\x55\x1d\x25"  # 2.5.29.37, the extendedKeyUsage extension, DER-encoded
 # A path segment a URI wildcard may match: RFC 3986 pchar without percent-encoding (SPIFFE IDs
 # allow only letters, digits, '.', '-', '_'); "." and ".." are refused separately.
 _PLAIN_SEGMENT = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
@@ -93,8 +98,33 @@ class PeerIdentity:
     ekus: tuple[str, ...] | None = None  # extended key usage OIDs (dotted); None: no EKU extension
 
     @classmethod
+    def from_peercert(cls, cert: Mapping[str, Any], der: bytes) -> "PeerIdentity":
+        """The identity of a peer OpenSSL verified: ``cert`` is ``getpeercert()``, ``der`` is
+        ``getpeercert(binary_form=True)``. The names, serial and dates are OpenSSL's reading; the
+        extended key usage, which ``getpeercert()`` leaves out, is read from ``der``
+        (``extended_key_usages``). ``ValueError`` if either is not what OpenSSL gives."""
+        cns = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+        names: dict[str, list[str]] = {"DNS": [], "URI": [], "IP Address": []}
+        for kind, value in cert.get("subjectAltName", ()):
+            if kind in names:
+                names[kind].append(value)
+        return cls(
+            common_name=cns[0] if cns else None,
+            dns=tuple(v.lower() for v in names["DNS"]),
+            uris=tuple(names["URI"]),
+            ips=tuple(_ip_text(v) for v in names["IP Address"]),
+            serial=int(cert["serialNumber"], 16),
+            not_after=float(_cert_time(cert["notAfter"])),
+            fingerprint_sha256=hashlib.sha256(der).hexdigest(),
+            ekus=extended_key_usages(der),
+        )
+
+    @classmethod
     def from_der(cls, der: bytes) -> "PeerIdentity":
-        """Parse a DER certificate (``getpeercert(binary_form=True)``); ``ValueError`` if it is not one."""
+        """Parse a DER certificate with ``cryptography`` (tools, tests); ``ValueError`` if it is not one."""
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
         cert = x509.load_der_x509_certificate(der)
         cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         cn = cns[0].value if cns else None
@@ -239,6 +269,102 @@ class AllowList:
         """The profile named by the first entry admitting ``identity`` (None: default or not admitted)."""
         entry = self.match(identity)
         return entry.profile if entry is not None else None
+
+
+def _ip_text(value: str) -> str:
+    """OpenSSL writes an IPv6 SAN in full upper case (``2001:DB8:0:0:0:0:0:1``): the short form."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return value
+
+
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _cert_time(text: str) -> int:
+    """A date as ``getpeercert()`` writes it (``Jun  1 12:00:00 2027 GMT``), in POSIX seconds (the
+    same reading as ``ssl.cert_time_to_seconds``, without its module or the locale)."""
+    month, day, hms, year, zone = text.split()
+    if zone != "GMT":
+        raise ValueError(f"certificate time {text!r}: expected GMT")
+    hours, minutes, seconds = (int(x) for x in hms.split(":"))
+    return calendar.timegm((int(year), _MONTHS.index(month) + 1, int(day), hours, minutes, seconds))
+
+
+def extended_key_usages(der: bytes) -> tuple[str, ...] | None:
+    """The extended key usage OIDs (dotted) of the DER certificate ``der``; None when it has no
+    such extension. Reads only the outline of RFC 5280 4.1 (Certificate, tbsCertificate, its [3]
+    extensions, each Extension's extnID and extnValue) of a certificate OpenSSL already verified;
+    ``ValueError`` if that outline is not there."""
+    cert = _children(der, *_expect(der, 0, 0x30, whole=True))
+    tbs = _children(der, *cert[0][1:]) if cert and cert[0][0] == 0x30 else None
+    if tbs is None:
+        raise ValueError("not a DER certificate")
+    for tag, start, end in tbs:
+        if tag != 0xA3:  # [3] EXPLICIT Extensions
+            continue
+        for _, e_start, e_end in _children(der, *_expect(der, start, 0x30, limit=end)):
+            fields = _children(der, e_start, e_end)
+            if len(fields) < 2 or fields[0][0] != 0x06 or fields[-1][0] != 0x04:
+                raise ValueError("malformed certificate extension")
+            if der[fields[0][1]:fields[0][2]] != _EKU_OID:
+                continue
+            _, v_start, v_end = fields[-1]
+            seq = _children(der, *_expect(der, v_start, 0x30, limit=v_end))
+            return tuple(_oid_text(der[s:e]) for tag_, s, e in seq if tag_ == 0x06)
+    return None
+
+
+def _expect(buf: bytes, pos: int, tag: int, *, whole: bool = False, limit: int | None = None) -> tuple[int, int]:
+    """(start, end) of the value of the TLV at ``pos``, which must have ``tag``."""
+    t, start, end = _tlv(buf, pos, len(buf) if limit is None else limit)
+    if t != tag or (whole and end != len(buf)):
+        raise ValueError("not a DER certificate")
+    return start, end
+
+
+def _tlv(buf: bytes, pos: int, limit: int) -> tuple[int, int, int]:
+    """(tag, value start, value end) of the DER TLV at ``pos``, ending at or before ``limit``."""
+    if pos + 2 > limit or buf[pos] & 0x1F == 0x1F:
+        raise ValueError("truncated or unsupported DER")
+    first = buf[pos + 1]
+    start = pos + 2
+    if first < 0x80:
+        length = first
+    else:
+        n = first & 0x7F
+        if not 1 <= n <= 4 or start + n > limit:
+            raise ValueError("bad DER length")
+        length = int.from_bytes(buf[start:start + n], "big")
+        start += n
+    if start + length > limit:
+        raise ValueError("truncated DER")
+    return buf[pos], start, start + length
+
+
+def _children(buf: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
+    out = []
+    pos = start
+    while pos < end:
+        tag, s, e = _tlv(buf, pos, end)
+        out.append((tag, s, e))
+        pos = e
+    return out
+
+
+def _oid_text(body: bytes) -> str:
+    arcs: list[int] = []
+    value = 0
+    for b in body:
+        value = (value << 7) | (b & 0x7F)
+        if not b & 0x80:
+            arcs.append(value)
+            value = 0
+    if not arcs or body[-1] & 0x80:
+        raise ValueError("bad DER object identifier")
+    first = min(arcs[0] // 40, 2)
+    return ".".join(str(a) for a in (first, arcs[0] - 40 * first, *arcs[1:]))
 
 
 def _check_dns_entry(entry: str) -> str:

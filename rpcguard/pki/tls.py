@@ -39,17 +39,16 @@ that first read error too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import ssl
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
-
 from rpcguard.errors import PolicyRefusal, RpcGuardError
-from rpcguard.pki.identity import PeerIdentity
-from rpcguard.pki.keyfiles import key_file_problem
+from rpcguard.pki import preflight
+from rpcguard.pki.forked import in_child
+from rpcguard.pki.identity import ANY_EKU, CLIENT_AUTH, SERVER_AUTH, PeerIdentity
+from rpcguard.pki.keyfiles import key_file_problem, read_passphrase
 from rpcguard.pki.tlsversion import DEFAULT_MIN_VERSION, TLS_MIN_VERSIONS, TlsVersion
 
 __all__ = [
@@ -142,14 +141,16 @@ def server_context(
     min_version: TlsVersion = DEFAULT_MIN_VERSION,
     allow_insecure_key_perms: bool = False,
     enforcing: bool = True,
+    key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``.
 
-    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``)."""
-    ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, ExtendedKeyUsageOID.SERVER_AUTH,
+    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``).
+    ``key_passphrase_file``: ``key`` is encrypted with the passphrase on its first line."""
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, SERVER_AUTH,
                    min_version, allow_insecure_key_perms,
                    [ALPN_ENFORCING, ALPN_PROBES[ALPN_ENFORCING]] if enforcing
-                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]])
+                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]], key_passphrase_file)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return ctx
@@ -164,6 +165,7 @@ def client_context(
     min_version: TlsVersion = DEFAULT_MIN_VERSION,
     allow_insecure_key_perms: bool = False,
     probe: bool = False,
+    key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """Client side: present ``cert``/``key``; verify the server against ``ca`` and ``server_name``.
 
@@ -172,9 +174,9 @@ def client_context(
     """
     if not server_name or any(c.isspace() for c in server_name):
         raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
-    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, ExtendedKeyUsageOID.CLIENT_AUTH,
+    ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, CLIENT_AUTH,
                    min_version, allow_insecure_key_perms,
-                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING])
+                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING], key_passphrase_file)
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
@@ -203,7 +205,7 @@ def peer_identity(ssl_object: ssl.SSLObject | ssl.SSLSocket) -> PeerIdentity:
     der = ssl_object.getpeercert(binary_form=True)
     if not der:
         raise PolicyRefusal("tls_no_client_cert", "peer presented no certificate")
-    return PeerIdentity.from_der(der)
+    return PeerIdentity.from_peercert(ssl_object.getpeercert() or {}, der)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -214,15 +216,17 @@ def _context(
     cert: str | os.PathLike[str],
     key: str | os.PathLike[str],
     ca: str | os.PathLike[str],
-    purpose: x509.ObjectIdentifier,
+    purpose: str,
     min_version: str,
     allow_insecure_key_perms: bool,
     alpn: list[str],
+    passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise TlsConfigError(f"min_version {min_version!r}: expected one of {', '.join(TLS_MIN_VERSIONS)}")
-    _check_ca(Path(ca))
-    _check_pair(Path(cert), Path(key), purpose, allow_insecure_key_perms)
+    pass_file = os.fspath(passphrase_file) if passphrase_file is not None else None
+    _check_files(os.fspath(ca), os.fspath(cert), os.fspath(key), purpose, allow_insecure_key_perms, pass_file)
+    password = _passphrase(pass_file, allow_insecure_key_perms) if pass_file is not None else None
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = _VERSIONS[min_version]
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
@@ -236,7 +240,7 @@ def _context(
     except (ssl.SSLError, OSError) as exc:
         raise TlsConfigError(f"{ca}: cannot load CA certificates: {exc}") from exc
     try:
-        ctx.load_cert_chain(os.fspath(cert), os.fspath(key))
+        ctx.load_cert_chain(os.fspath(cert), os.fspath(key), password=password)
     except (ssl.SSLError, OSError) as exc:
         raise TlsConfigError(f"{cert}, {key}: cannot load certificate and key: {exc}") from exc
     return ctx
@@ -277,10 +281,11 @@ def is_probe(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
 
 def probe_context(
     cert: str | os.PathLike[str], key: str | os.PathLike[str], ca: str | os.PathLike[str], *,
-    min_version: TlsVersion = DEFAULT_MIN_VERSION,
+    min_version: TlsVersion = DEFAULT_MIN_VERSION, key_passphrase_file: str | os.PathLike[str] | None = None,
 ) -> ssl.SSLContext:
     """The client context of ``rpcguard check`` and connect's ``/readyz`` (``ALPN_PROBES``)."""
-    return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True)
+    return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True,
+                          key_passphrase_file=key_passphrase_file)
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -290,7 +295,50 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
 
 
+# The files last found good (their paths and contents): serve builds two contexts of the same
+# files, and the check, which needs cryptography, runs in a forked child (pki/forked.py) once.
+_CHECKED: set[tuple] = set()
+_CHECKED_MAX = 16
+
+
+def _check_files(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool,
+                 passphrase_file: str | None = None) -> None:
+    """The CA, the certificate and its key can be used for ``purpose``; ``TlsConfigError`` naming the
+    file otherwise. Needs ``cryptography``: run in a child unless the process holds it already."""
+    stamp = (ca, cert, key, purpose, allow_insecure, passphrase_file,
+             *(_stat_stamp(p) for p in (ca, cert, key, passphrase_file) if p is not None))
+    if stamp in _CHECKED:
+        return
+    facts_stamp = preflight.stamp_of(cert, ca)
+    preflight.remember(facts_stamp, in_child(_check_files_here, ca, cert, key, purpose, allow_insecure,
+                                             passphrase_file))
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED.add(stamp)
+
+
+def _stat_stamp(path: str) -> tuple[object, ...] | None:
+    """Which version of the file: its bytes' digest, mode and owner (a file rewritten in place within
+    the file system's timestamp granularity still differs)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).digest()
+    except OSError:
+        return None
+    return digest, st.st_mode, st.st_uid
+
+
+def _check_files_here(ca: str, cert: str, key: str, purpose: str, allow_insecure: bool,
+                      passphrase_file: str | None) -> preflight.CertFacts | None:
+    _check_ca(Path(ca))
+    _check_pair(Path(cert), Path(key), purpose, allow_insecure, passphrase_file)
+    return preflight.read_facts(cert, ca)  # what the warnings and the expiry gauges will ask next
+
+
 def _check_ca(path: Path) -> None:
+    from cryptography import x509
+
     data = _read(path, "CA file")
     try:
         cas = x509.load_pem_x509_certificates(data)
@@ -305,28 +353,51 @@ def _check_ca(path: Path) -> None:
             raise TlsConfigError(f"{path}: {ca.subject.rfc4514_string()} is not a CA certificate (BasicConstraints)")
 
 
-def _check_pair(cert_path: Path, key_path: Path, purpose: x509.ObjectIdentifier, allow_insecure: bool) -> None:
+def _check_pair(cert_path: Path, key_path: Path, purpose: str, allow_insecure: bool,
+                passphrase_file: str | None = None) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         cert = x509.load_pem_x509_certificates(_read(cert_path, "certificate"))[0]
     except ValueError as exc:
         raise TlsConfigError(f"{cert_path}: not a PEM certificate") from exc
     _check_key_perms(key_path, allow_insecure)
+    password = _passphrase(passphrase_file, allow_insecure) if passphrase_file is not None else None
+    data = _read(key_path, "private key")
     try:
-        key = serialization.load_pem_private_key(_read(key_path, "private key"), password=None)
-    except TypeError as exc:
-        raise TlsConfigError(f"{key_path}: encrypted private keys are not supported") from exc
+        key = serialization.load_pem_private_key(data, password=password)
+    except TypeError as exc:  # encrypted without a passphrase given, or the reverse
+        if password is None:
+            raise TlsConfigError(f"{key_path}: encrypted private key: give its passphrase in "
+                                 "tls.key_passphrase_file") from exc
+        raise TlsConfigError(f"{key_path}: private key is not encrypted, but tls.key_passphrase_file "
+                             f"{passphrase_file} is set") from exc
     except ValueError as exc:
+        if password is not None and b"ENCRYPTED" in data:
+            raise TlsConfigError(f"{key_path}: cannot decrypt the private key with the passphrase in "
+                                 f"{passphrase_file} (wrong passphrase?)") from exc
         raise TlsConfigError(f"{key_path}: not a PEM private key") from exc
     spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise TlsConfigError(f"{key_path}: private key does not match certificate {cert_path}")
     try:
-        ekus = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        ekus = {oid.dotted_string for oid in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value}
     except x509.ExtensionNotFound:
         return  # no EKU extension: any purpose
-    if purpose not in ekus and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in ekus:
-        role = "server (issue --server)" if purpose == ExtendedKeyUsageOID.SERVER_AUTH else "client (issue --client)"
+    if purpose not in ekus and ANY_EKU not in ekus:
+        role = "server (issue --server)" if purpose == SERVER_AUTH else "client (issue --client)"
         raise TlsConfigError(f"{cert_path}: certificate lacks the extended key usage for a {role}")
+
+
+def _passphrase(path: str, allow_insecure: bool) -> bytes:
+    """The passphrase of the key: the key-file rule applies to its file (pki/keyfiles.py)."""
+    try:
+        return read_passphrase(path, allow_insecure=allow_insecure)
+    except ValueError as exc:
+        raise TlsConfigError(str(exc)) from None
+    except OSError as exc:
+        raise TlsConfigError(f"{path}: cannot read passphrase file: {exc.strerror or exc}") from None
 
 
 def _check_key_perms(path: Path, allow_insecure: bool) -> None:

@@ -18,9 +18,9 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from rpcguard.pki.certs import cert_not_after
 from rpcguard.pki.crl import Crl, load_crl
 from rpcguard.pki.crl import apply as apply_crl
+from rpcguard.pki.preflight import material_expiry
 from rpcguard.config.model import Config, TlsConfig
 from rpcguard.pki.tls import client_context, probe_context, server_context
 from rpcguard.protocol.side import SIDES
@@ -88,21 +88,20 @@ class TlsMaterial:
         return self._other if SIDES[self.role].upstream_is_guard else self.context
 
     def _build(self, t: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        pw = t.key_passphrase_file
         if SIDES[self.role].client_tls:  # serve: the server side of the clients' TLS
-            return (server_context(t.cert, t.key, t.ca, min_version=t.min_version),
-                    server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False))
+            return (server_context(t.cert, t.key, t.ca, min_version=t.min_version, key_passphrase_file=pw),
+                    server_context(t.cert, t.key, t.ca, min_version=t.min_version, enforcing=False,
+                                   key_passphrase_file=pw))
         # One client context serves every tunnel: the expected node name is given per connection.
-        return (client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version),
-                probe_context(t.cert, t.key, t.ca, min_version=t.min_version))
+        return (client_context(t.cert, t.key, t.ca, server_name="rpcguard-node", min_version=t.min_version,
+                               key_passphrase_file=pw),
+                probe_context(t.cert, t.key, t.ca, min_version=t.min_version, key_passphrase_file=pw))
 
     @staticmethod
     def _read_expiry(t: TlsConfig) -> dict[str, float]:
         """notAfter of the certificate and of the CA bundle (its first CA to expire)."""
-        from cryptography import x509
-
-        with open(t.ca, "rb") as f:
-            cas = x509.load_pem_x509_certificates(f.read())
-        return {"cert": cert_not_after(t.cert), "ca": min(c.not_valid_after_utc.timestamp() for c in cas)}
+        return material_expiry(t.cert, t.ca)
 
     def _stamp(self) -> tuple:
         return _stamp_of(self.tls)
@@ -110,7 +109,7 @@ class TlsMaterial:
 
 def _stamp_of(tls: TlsConfig) -> tuple:
     out: list[tuple[int, int, int] | None] = []
-    for path in (tls.cert, tls.key, tls.ca, tls.crl):
+    for path in (tls.cert, tls.key, tls.ca, tls.crl, tls.key_passphrase_file):
         if path is None:
             out.append(None)
             continue

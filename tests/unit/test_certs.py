@@ -376,3 +376,30 @@ def test_certificate_warnings(tmp_path):
     bundle.write_bytes(ca.read_bytes() + (other / "ca.pem").read_bytes())
     assert certificate_warnings(f.cert, bundle) == []
     assert certificate_warnings(tmp_path / "missing.pem", ca) == []  # unreadable: the context check reports it
+
+
+def test_issue_and_csr_write_an_encrypted_key_when_asked(ca_dir, tmp_path):
+    """--passphrase-file: the key is written encrypted (PKCS#8, the passphrase is the file's first
+    line) and the ssl module, which serve and connect load keys with, reads it with that passphrase."""
+    import ssl
+
+    from cryptography.hazmat.primitives import serialization
+
+    from rpcguard.pki.csr import make_csr
+
+    pw = tmp_path / "pw"
+    pw.write_bytes(b"correct horse\n")
+    os.chmod(pw, 0o600)
+    files = certs.issue(ca_dir, "enc", server=True, dns=["enc"], passphrase_file=pw)
+    data = files.key.read_bytes()
+    assert data.startswith(b"-----BEGIN ENCRYPTED PRIVATE KEY-----")
+    serialization.load_pem_private_key(data, password=b"correct horse")
+    with pytest.raises(TypeError):
+        serialization.load_pem_private_key(data, password=None)
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(files.cert, files.key, password=b"correct horse")
+    csr = make_csr(tmp_path / "node", "n1", server=True, dns=["n1"], passphrase_file=pw)
+    assert csr.key.read_bytes().startswith(b"-----BEGIN ENCRYPTED PRIVATE KEY-----")
+    os.chmod(pw, 0o644)
+    with pytest.raises(certs.CertError, match="passphrase file is accessible by others"):
+        certs.issue(ca_dir, "enc2", server=True, dns=["enc2"], passphrase_file=pw)
+    assert not (ca_dir / "enc2.key").exists()

@@ -113,7 +113,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("tls-reload-neg", serve_data, top("tls", reload_interval_s=-1),
      "tls.reload_interval_s: must be a number of seconds >= 0 (0 = off), got -1"),
     ("tls-unknown", serve_data, top("tls", ocsp="x"),
-     "tls.ocsp: unknown key (expected one of: ca, cert, crl, key, min_version, reload_interval_s)"),
+     "tls.ocsp: unknown key (expected one of: ca, cert, crl, key, key_passphrase_file, min_version, reload_interval_s)"),
     ("tls-crl-missing", serve_data, top("tls", crl="x"), "tls.crl: no such file: {tmp}/x"),
     ("top-unknown", serve_data, top(listners=[]),
      "listners: unknown key (did you mean 'listeners'? expected one of: allow, limits, listeners, log, metrics, policy, profiles, tls)"),

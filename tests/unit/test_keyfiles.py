@@ -72,3 +72,51 @@ def test_the_web_config_key_file(pki, tmp_path):
     assert str(info.value).endswith(f"tls_server_config.key_file: {key}: {OPEN}"), str(info.value)
     os.chmod(key, 0o600)
     assert load_web_config(str(web)).key_file == str(key)
+
+
+# -- passphrase files and systemd credentials (issue 31 item 4) ----------------------------------
+
+
+def _secret(path: Path, data: bytes, mode: int = 0o600) -> Path:
+    path.write_bytes(data)
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.mark.parametrize("data,expected", [(b"s3cret\n", b"s3cret"), (b"s3cret", b"s3cret"),
+                                           (b"s3cret\r\nsecond line\n", b"s3cret"), (b"with space \n", b"with space ")])
+def test_the_passphrase_is_the_first_line(tmp_path, data, expected):
+    from rpcguard.pki.keyfiles import read_passphrase
+
+    assert read_passphrase(_secret(tmp_path / "pw", data)) == expected
+
+
+@pytest.mark.parametrize("data,mode,message", [
+    (b"s3cret\n", 0o644, "pw: passphrase file is accessible by others (mode 0644)"),
+    (b"\n", 0o600, "pw: passphrase file is empty"),
+    (b"", 0o600, "pw: passphrase file is empty"),
+    (b"x" * 1024 + b"\n", 0o600, "pw: first line longer than 1023 bytes"),
+])
+def test_the_key_file_rule_applies_to_the_passphrase_file(tmp_path, data, mode, message):
+    from rpcguard.pki.keyfiles import read_passphrase
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_passphrase(_secret(tmp_path / "pw", data, mode))
+    with pytest.raises(ValueError, match="cannot read passphrase file"):
+        read_passphrase(tmp_path / "missing")
+
+
+def test_a_credential_is_a_file_of_credentials_directory(tmp_path, monkeypatch):
+    from rpcguard.pki.keyfiles import credential_path
+
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    with pytest.raises(ValueError, match=r"\$CREDENTIALS_DIRECTORY is not set .*LoadCredential=node.key:PATH"):
+        credential_path("credential:node.key")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    with pytest.raises(ValueError, match="no credential 'node.key' in .*add LoadCredential=node.key:PATH"):
+        credential_path("credential:node.key")
+    _secret(tmp_path / "node.key", b"k", 0o400)
+    assert credential_path("credential:node.key") == str(tmp_path / "node.key")
+    for bad in ("credential:", "credential:a/b", "credential:.."):
+        with pytest.raises(ValueError, match="expected credential:NAME"):
+            credential_path(bad)

@@ -4,6 +4,7 @@ finished session add to the listener (real certificates for serve's identities).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
@@ -33,9 +34,11 @@ class Peer:
     def __init__(self, pem: Path | None) -> None:
         cert = x509.load_pem_x509_certificate(pem.read_bytes()) if pem is not None else None
         self.der = cert.public_bytes(Encoding.DER) if cert is not None else None
+        # what getpeercert() answers: OpenSSL's reading of the same certificate
+        self.info = ssl._ssl._test_decode_cert(str(pem)) if pem is not None else None  # type: ignore[attr-defined]
 
-    def getpeercert(self, binary_form: bool = False) -> bytes | None:
-        return self.der
+    def getpeercert(self, binary_form: bool = False) -> bytes | dict | None:
+        return self.der if binary_form else self.info
 
     def selected_alpn_protocol(self) -> str | None:
         return None

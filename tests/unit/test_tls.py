@@ -583,3 +583,241 @@ def test_transport_sslobject_calls_the_c_methods_and_moves_the_same_bytes(pki):
     assert got == b"ab" * 20000 and server.pending() == 0
     with pytest.raises(ssl.SSLWantReadError):
         server.read(10)
+
+
+# -- what serve and connect read without cryptography (docs/performance.md, memory) --------------
+
+
+def _leaf_without_eku(pki, name: str, ekus) -> tuple[str, str]:
+    """A client leaf of the CA whose extended key usage is ``ekus`` (None: no such extension)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert, ca_key = certs._load_ca(pki.dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+         .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(NOW - dt.timedelta(hours=1)).not_valid_after(NOW + dt.timedelta(days=1))
+         .add_extension(x509.SubjectAlternativeName([x509.DNSName("Upper.Lab"), x509.IPAddress(
+             __import__("ipaddress").ip_address("2001:db8::1")), x509.UniformResourceIdentifier("spiffe://lab/x")]),
+             critical=False)
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
+         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False))
+    if ekus is not None:
+        b = b.add_extension(x509.ExtendedKeyUsage([x509.ObjectIdentifier(o) for o in ekus]), critical=False)
+    cert = b.sign(ca_key, hashes.SHA256())
+    path = pki.dir / f"{name}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path = pki.dir / f"{name}.key"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    os.chmod(key_path, 0o600)
+    return str(path), str(key_path)
+
+
+@pytest.mark.parametrize("ekus", [None, ["1.3.6.1.5.5.7.3.2", "2.5.29.37.0"], ["1.3.6.1.5.5.7.3.1", "1.3.6.1.5.5.7.3.2", "1.2.3.4.5"]])
+def test_peer_identity_from_openssl_agrees_with_cryptography(pki, ekus):
+    """peer_identity reads getpeercert() (names, serial, dates) and the EKU from the DER, never
+    cryptography: it must say what cryptography's reading of the same certificate says."""
+    from rpcguard.pki.identity import PeerIdentity
+
+    cert, key = _leaf_without_eku(pki, "odd", ekus)
+    for ctx in (tls.client_context(cert, key, pki.ca, server_name="localhost"), pki.client_ctx()):
+        server, _, _ = bio_handshake(pki.server_ctx(), ctx)
+        assert tls.peer_identity(server) == PeerIdentity.from_der(server.getpeercert(binary_form=True))
+    server, _, _ = bio_handshake(pki.server_ctx(), tls.client_context(cert, key, pki.ca, server_name="localhost"))
+    ident = tls.peer_identity(server)
+    assert (ident.dns, ident.ips, ident.ekus) == (("upper.lab",), ("2001:db8::1",), None if ekus is None else tuple(ekus))
+    _, client, _ = bio_handshake(pki.server_ctx(), pki.client_ctx())
+    assert tls.peer_identity(client) == PeerIdentity.from_der(client.getpeercert(binary_form=True))
+
+
+def test_extended_key_usages_reads_whole_certificates_only(pki):
+    """The DER outline reader: the whole certificate reads, every shorter prefix and the same
+    bytes with trailing data raise ValueError, never anything else."""
+    from rpcguard.pki.identity import extended_key_usages
+
+    der = ssl.PEM_cert_to_DER_cert(Path(pki.pair("client")[0]).read_text())
+    assert extended_key_usages(der) == ("1.3.6.1.5.5.7.3.2",)
+    for n in range(len(der)):
+        with pytest.raises(ValueError):
+            extended_key_usages(der[:n])
+    with pytest.raises(ValueError):
+        extended_key_usages(der + b"\x00")
+    with pytest.raises(ValueError):
+        extended_key_usages(b"\x30\x03\x02\x01\x00")
+
+
+def test_in_child_returns_and_raises_what_the_function_does():
+    from rpcguard.pki.forked import ChildFailed, in_child
+
+    assert in_child(lambda a, b: {"sum": a + b, "pid": os.getpid()}, 2, 3, force=True)["sum"] == 5
+    assert in_child(os.getpid, force=True) != os.getpid()
+    with pytest.raises(TlsConfigError, match="named file"):
+        in_child(lambda: (_ for _ in ()).throw(TlsConfigError("named file: bad")), force=True)
+
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}{b}")
+
+    with pytest.raises(ChildFailed, match="Odd: xy"):
+        in_child(lambda: (_ for _ in ()).throw(Odd("x", "y")), force=True)
+
+
+_NO_CRYPTOGRAPHY = r'''
+import os, ssl, sys
+from rpcguard.cli import main
+from rpcguard.proxy.server import Runtime, TlsMaterial
+from rpcguard.pki import tls, crl, preflight
+d, other = sys.argv[1], sys.argv[2]
+p = lambda n: os.path.join(d, n)
+s = tls.server_context(p("server.pem"), p("server.key"), p("ca.pem"))
+c = tls.client_context(p("client.pem"), p("client.key"), p("ca.pem"), server_name="localhost")
+listed = crl.load_crl(p("crl.pem"), p("ca.pem"))
+crl.apply(s, listed)
+si, so, ci, co = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+server, client = s.wrap_bio(si, so, server_side=True), c.wrap_bio(ci, co, server_hostname="localhost")
+for _ in range(6):
+    for side in (client, server):
+        try:
+            side.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        si.write(co.read()); ci.write(so.read())
+ident = tls.peer_identity(server)
+print("identity", ident.common_name, ident.uris, ident.ekus)
+print("warnings", [w.kind for w in preflight.certificate_warnings(p("server.pem"), os.path.join(other, "ca.pem"))])
+print("expiry", sorted(preflight.material_expiry(p("server.pem"), p("ca.pem"))))
+print("revoked", len(listed.revoked))
+try:
+    tls.server_context(p("server.pem"), p("client.key"), p("ca.pem"))
+except tls.TlsConfigError as exc:
+    print("error", exc)
+print("cryptography loaded:", "cryptography" in sys.modules)
+'''
+
+
+def test_serve_and_connect_never_load_cryptography(pki):
+    """The checks that need cryptography run in a forked child; the handshake's identity comes
+    from OpenSSL: the process itself never maps cryptography's library (docs/performance.md)."""
+    import subprocess
+    import sys
+
+    from rpcguard.pki import crl
+
+    crl.write_crl(pki.dir)
+    out = subprocess.run([sys.executable, "-c", _NO_CRYPTOGRAPHY, str(pki.dir), str(pki.other)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(Path(tls.__file__).parents[2])))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "identity client ('spiffe://lab/llama',) ('1.3.6.1.5.5.7.3.2',)"
+    assert lines[1] == "warnings ['untrusted']"
+    assert lines[2] == "expiry ['ca', 'cert']"
+    assert lines[3] == "revoked 0"
+    assert lines[4].startswith("error ") and "does not match certificate" in lines[4]
+    assert lines[5] == "cryptography loaded: False"
+
+
+# -- encrypted keys and systemd credentials (issue 31 item 4) ----------------------------------
+
+
+@pytest.fixture
+def enc(pki, tmp_path):
+    """An encrypted server key (certs issue --passphrase-file) and its passphrase file."""
+    pw = Path(_write(tmp_path / "pw", b"open sesame\n"))
+    files = certs.issue(pki.dir, "encserver", server=True, dns=["localhost"], passphrase_file=pw)
+    return str(files.cert), str(files.key), pw
+
+
+def test_an_encrypted_key_works_with_its_passphrase_file(pki, enc):
+    cert, key, pw = enc
+    server, client = handshake(tls.server_context(cert, key, pki.ca, key_passphrase_file=pw), pki.client_ctx())
+    assert (server.reason, client.reason) == ("ok", "ok")
+    ctx = tls.client_context(*pki.pair("client"), pki.ca, server_name="x", key_passphrase_file=None)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_encrypted_key_problems_are_one_line_naming_the_files(pki, enc, tmp_path):
+    cert, key, pw = enc
+    with pytest.raises(TlsConfigError, match=f"{key}: encrypted private key: give its passphrase in "
+                                             "tls.key_passphrase_file"):
+        tls.server_context(cert, key, pki.ca)
+    wrong = _write(tmp_path / "wrong", b"open sesame!\n")
+    with pytest.raises(TlsConfigError, match=f"{key}: cannot decrypt the private key with the passphrase in "
+                                             f"{wrong} \\(wrong passphrase\\?\\)"):
+        tls.server_context(cert, key, pki.ca, key_passphrase_file=wrong)
+    os.chmod(pw, 0o644)
+    with pytest.raises(TlsConfigError, match=f"{pw}: passphrase file is accessible by others"):
+        tls.server_context(cert, key, pki.ca, key_passphrase_file=pw)
+    os.chmod(pw, 0o600)
+    plain_cert, plain_key = pki.pair("server")
+    with pytest.raises(TlsConfigError, match=f"{plain_key}: private key is not encrypted, but "
+                                             f"tls.key_passphrase_file {pw} is set"):
+        tls.server_context(plain_cert, plain_key, pki.ca, key_passphrase_file=pw)
+
+
+def _serve_config(tmp_path: Path, tls_keys: dict) -> Path:
+    import json
+
+    cfg = {"tls": tls_keys, "allow": {"cn": ["client"]}, "metrics": {"listen": ""},
+           "listeners": [{"listen": "127.0.0.1:50999", "upstream": "127.0.0.1:50998"}]}
+    path = tmp_path / "serve.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _check_config(path: Path, env: dict | None = None):
+    import subprocess
+    import sys
+
+    full = dict(os.environ, PYTHONPATH=str(Path(tls.__file__).parents[2]))
+    full.pop("CREDENTIALS_DIRECTORY", None)
+    return subprocess.run([sys.executable, "-m", "rpcguard", "check-config", str(path)], capture_output=True,
+                          text=True, timeout=60, env=dict(full, **(env or {})))
+
+
+def test_serve_reads_an_encrypted_key_and_systemd_credentials(pki, enc, tmp_path):
+    """tls.key_passphrase_file and credential:NAME (LoadCredential=), as serve's start checks them
+    (check-config, in a process without cryptography: the checks run in its forked child); a bad
+    passphrase or a missing credential is one line naming the key, exit 2."""
+    cert, key, pw = enc
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    for name, src in (("node.key", key), ("node.pass", pw)):
+        (creds / name).write_bytes(Path(src).read_bytes())
+        os.chmod(creds / name, 0o400)
+    ok = _check_config(_serve_config(tmp_path, {"cert": cert, "key": key, "ca": pki.ca, "key_passphrase_file": str(pw)}))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK "), ok.stderr
+    as_credentials = _serve_config(tmp_path, {"cert": cert, "key": "credential:node.key", "ca": pki.ca,
+                                              "key_passphrase_file": "credential:node.pass"})
+    ok = _check_config(as_credentials, {"CREDENTIALS_DIRECTORY": str(creds)})
+    assert ok.returncode == 0 and ok.stdout.startswith("OK "), ok.stderr
+    missing = _check_config(as_credentials)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        "rpcguard: config error: tls.key: credential:node.key: $CREDENTIALS_DIRECTORY is not set (a systemd unit "
+        "with LoadCredential=node.key:PATH sets it)"]
+    (creds / "node.pass").unlink()
+    missing = _check_config(as_credentials, {"CREDENTIALS_DIRECTORY": str(creds)})
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "tls.key_passphrase_file: credential:node.pass: no credential 'node.pass'" in missing.stderr
+    wrong = _write(tmp_path / "wrong", b"nope\n")
+    bad = _check_config(_serve_config(tmp_path, {"cert": cert, "key": key, "ca": pki.ca, "key_passphrase_file": wrong}))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"rpcguard: {key}: cannot decrypt the private key with the passphrase in {wrong} (wrong passphrase?)"]
+
+
+def test_a_file_rewritten_in_place_is_checked_again(pki):
+    """The file check (run once per version of the files, pki/tls.py _CHECKED) knows a version by
+    its bytes: a key rewritten in place at once, same size, same inode, is checked again."""
+    cert, key = pki.pair("server")
+    tls.server_context(cert, key, pki.ca)
+    other = Path(pki.pair("client")[1]).read_bytes()
+    with open(key, "r+b") as f:  # in place: the inode stays, the size is the same (two EC P-256 keys)
+        f.truncate(0)
+        f.write(other)
+    with pytest.raises(TlsConfigError, match="does not match certificate"):
+        tls.server_context(cert, key, pki.ca)
