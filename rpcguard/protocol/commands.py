@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Mapping, NamedTuple, Typ
 from rpcguard.errors import FirewallRefusal, ProtocolRefusal
 from rpcguard.protocol.checks import RequestChecks
 from rpcguard.protocol.state import alloc_size_key, hash_miss_key
+from rpcguard.protocol.supportsop import layer_supports
 from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
 from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES, CommandRule
 
@@ -287,9 +288,13 @@ def hash_local(s: Session, head: memoryview) -> bytes | None:
 
 def supports_op_local(s: Session, head: memoryview) -> bytes | None:
     """An op the firewall never forwards in a graph (no verified rule, denied, or contained
-    only on a server that is not contained) is "not supported": the scheduler then places it on
-    another backend, and the server never sees a query whose sources nobody checked."""
-    return None if s.firewall.forwards_op(_U32.unpack_from(head, 4 + _OP_AT)[0]) else _MISS
+    only on a server that is not contained), or that the device's backend layer refuses, is "not
+    supported": the scheduler then places it on another backend, and the server never sees a query
+    whose sources nobody checked."""
+    if not s.firewall.forwards_op(_U32.unpack_from(head, 4 + _OP_AT)[0]):
+        return _MISS
+    # the device's backend layer (protocol/supportsop.py): on CUDA what the CUDA layer refuses
+    return None if layer_supports(s.firewall.policy, s.state, head) else _MISS
 
 
 # ----------------------------------------------------------------------------- the table
