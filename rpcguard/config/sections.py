@@ -65,6 +65,7 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
     "server_threads": (count, "firewall.server_threads"),
     "backend": (choice("auto", "cpu", "cuda"), "firewall.backend"),  # protocol/backend.py SETTINGS
+    "max_cuda_scratch_bytes": (_SIZE, "firewall.max_cuda_scratch_bytes"),  # protocol/cudascratch.py; 0: off
 }
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(

@@ -81,6 +81,7 @@ class RequestChecks:
             server_threads=policy.server_threads,
             contained=policy.contained,
             backend=policy.backend,
+            cuda_scratch_bytes=policy.max_cuda_scratch_bytes,
         )
 
     def quota(self, device: int) -> tuple[int, int] | None:

@@ -246,6 +246,7 @@ class GraphValidator:
         server_threads: int = SERVER_THREADS,
         contained: bool = False,
         backend: str = "auto",
+        cuda_scratch_bytes: int = 0,
     ) -> None:
         self.max_nodes = max_nodes
         self.max_tensors = max_tensors
@@ -269,6 +270,7 @@ class GraphValidator:
         # ops with a shape rule but no check on their indexes (oprules.needs_containment) may reach it
         self.contained = contained
         self.backend = backend  # policy.backend: the op table's backend layer (protocol/backend.py)
+        self.cuda_scratch_bytes = cuda_scratch_bytes  # a CUDA node's pool scratch budget (protocol/cudascratch.py)
         self._layers: dict[int, str] = {}  # device -> the layer its cached node verdicts were reached under
         self._deadline = 0.0
 
@@ -603,7 +605,8 @@ class GraphValidator:
                 check_node(rule, node, node_srcs, by_id)
                 if self.tensor_checks == STRICT:  # flat rows, rule.reach: inside the buffers
                     check_reach(rule, node, node_srcs, state)
-                check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT)
+                check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT,
+                              self.cuda_scratch_bytes)
             if layer == "cpu":  # the CPU planner's work buffer: no other backend runs ggml_graph_plan
                 work = work_bytes(rule.op, node, node_srcs, self.server_threads)
                 if work > self.max_work_bytes:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Final, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.cudascratch import ROWS as SCRATCH_ROWS
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_contiguous
 from rpcguard.protocol.tensor import RpcTensor
@@ -524,7 +525,7 @@ def check_alloc_tensor(t: RpcTensor, command: str) -> None:
 
 def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
     """(what, where read) of every fact of this layer about ``op``: its rows, the generic grid
-    and 32-bit index rows, its reach and its index contents (``rpcguard ops --backend cuda``,
+    and 32-bit index rows, its reach, its pool scratch (protocol/cudascratch.py) and its index contents (``rpcguard ops --backend cuda``,
     docs/firewall.md "On a CUDA node, per op")."""
     notes = [(f"refused: {r.what}", r.cite) for r in _BY_OP.get(op, ())]
     grid = _GRID_YZ.get(op)
@@ -536,6 +537,9 @@ def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
         notes.append(("reach: F16 copies of non-F16 K/V behind dst inside dst's buffer", "fattn-common.cuh:53-83"))
     elif op in ("MUL_MAT", "MUL_MAT_ID"):
         notes.append(("reach: a quantized src0's padded last row inside its buffer", "common.cuh:186"))
+    scratch = SCRATCH_ROWS.get(op)
+    if scratch is not None:
+        notes.append(("scratch: its pool allocations held to policy.max_cuda_scratch_bytes", scratch[1]))
     indexed = CONTENT_INDEXED.get(op)
     if indexed is not None:
         notes.append(("contained only: indexes device memory with tensor contents" if indexed[0] == "memory"
