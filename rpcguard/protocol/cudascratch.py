@@ -45,7 +45,7 @@ _Q8_1_PER_VALUE: Final = (36, 32)  # sizeof(block_q8_1) / QK8_1 (= block_q8_1_mm
 _Q8_1_MMQ: Final = 144  # sizeof(block_q8_1_mmq), mmq.cuh
 _MMQ_J_MAX: Final = 256  # the most columns of an MMQ tile (mmq.cuh mmq_x <= 256): ggml_cuda_mmq_get_J_max
 _MMQ_I_MAX: Final = 128  # mmq_y <= 128
-_MMVQ_MAX_BATCH: Final = 8  # mmvq.cuh MMVQ_MAX_BATCH_SIZE
+_MMQ_FIXUP: Final = NSM_MAX * _MMQ_J_MAX * _MMQ_I_MAX * 4  # mmq.cuh:1459-1461: at most one block per SM x J x I floats
 _BITONIC_MAX_COLS: Final = 1024  # argsort.cu:287: a row sorted in shared memory takes nothing from the pool
 _GGML_PREC_F32: Final = 10  # ggml.h:446
 _F32, _F16, _BF16 = (next(t for t, i in TYPES.items() if i.name == n) for n in ("f32", "f16", "bf16"))
@@ -106,7 +106,10 @@ def _mul_mat(n: RpcTensor, s: Srcs) -> int:
     if b.type != _F32 or n.type != _F32:
         return _cublas(a, b, n, n.param0)
     if _quantized(a):
-        return _q8_1(b.ne1 * b.ne2 * b.ne3, b.ne0) + NSM_MAX * _MMQ_J_MAX * _MMQ_I_MAX * 4
+        q = _q8_1(b.ne1 * b.ne2 * b.ne3, b.ne0)
+        # MMVQ (no stream-k fixup) is certain for one column only: ggml_cuda_should_use_mmvq takes
+        # up to 8 (mmvq.cuh:3) but fewer for some types on some GPUs (mmvq.cu:318-340)
+        return q if b.ne1 <= 1 else q + _MMQ_FIXUP
     return _cublas(a, b, n, n.param0)
 
 
@@ -121,7 +124,7 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> int:
     used, tokens = ids.ne0, ids.ne1  # ids [n_expert_used, n_tokens]
     rows = tokens * used
     if _quantized(a) and b.type == _F32 and n.type == _F32:
-        mmq = 2 * rows * 4 + (a.ne2 + 1) * 4 + _q8_1(rows, b.ne0) + NSM_MAX * _MMQ_J_MAX * _MMQ_I_MAX * 4
+        mmq = 2 * rows * 4 + (a.ne2 + 1) * 4 + _q8_1(rows, b.ne0) + _MMQ_FIXUP
         return max(mmq, _q8_1(b.ne1 * b.ne2 * b.ne3, b.ne0))
     ts1, tsd = TYPES[b.type].type_size, TYPES[n.type].type_size
     sorted_ = 2 * rows * 4 + rows * b.ne0 * ts1 + rows * n.ne0 * tsd

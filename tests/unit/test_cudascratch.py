@@ -92,6 +92,8 @@ def test_mmq_prefill_of_a_quantized_ffn_weight():
     assert scratch(tensors, node) == q8_1(2048, 8192) + MMQ_FIXUP  # ~40 MB
     tensors, node = mul_mat(Q8_0, 28672 + 100, 8192, 512)  # ne10 not a multiple of 512: padded rows
     assert scratch(tensors, node) == q8_1(512, 28672 + 100) + MMQ_FIXUP
+    tensors, node = mul_mat(Q4_0, 8192, 128256, 1)  # decode: MMVQ, src1 as q8_1 only (mmvq.cu:1531)
+    assert scratch(tensors, node) == q8_1(1, 8192)
 
 
 def test_cublas_converts_to_f16_and_computes_into_an_f16_temporary():
