@@ -63,6 +63,8 @@ FIREWALL_REASONS: tuple[str, ...] = (
     "backend_reach_out_of_buffer", "backend_unknown", "backend_mismatch",
     # a CUDA node's estimated pool scratch above policy.max_cuda_scratch_bytes (protocol/cudascratch.py)
     "cuda_scratch_over_budget",
+    # ALLOC_BUFFER past the session's device memory share (protocol/memshare.py)
+    "device_memory_share_exceeded",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
 # upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py);

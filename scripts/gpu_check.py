@@ -311,6 +311,48 @@ def step_scratch(tools: backendops.Tools, workdir: Path, out: Path, expect: str)
     return ok
 
 
+#: the share the ``share`` step gives each session (below any GPU's memory)
+SHARE = 1 << 30
+
+
+def step_share(tools: backendops.Tools, workdir: Path, out: Path, expect: str) -> bool:
+    (workdir / "share-p").mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "serve-share.yaml"
+    cfg.write_text(_config(workdir, expect).read_text() + f"  device_memory_share_bytes: {SHARE}\n")
+    pair = backendops.ThroughPair(tools, workdir / "share-p", serve_args=["--config", str(cfg)])
+    res: dict[str, object] = {"share": SHARE}
+    try:
+        direct = RawClient.session(pair.server_port, timeout=120)
+        res["server"] = _memory(direct)
+        direct.close()
+        port = int(pair.connect.endpoint.rsplit(":", 1)[1])
+        a = RawClient.session(port, timeout=120)
+        res["told"] = told = _memory(a)
+        a.alloc(SHARE // 2)
+        res["told_after_half"] = _memory(a)
+        mark = pair.mark()
+        refused = a.closed_after(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, SHARE // 2 + (1 << 20))))
+        a.close()
+        refusal = pair.refusal_since(mark) if refused else None
+        res["over_share"] = refusal[0] if refusal else "forwarded"
+        b = RawClient.session(port, timeout=120)  # the next session: its own share, whole
+        b.alloc(SHARE - (1 << 20))
+        res["next_session_told"] = _memory(b)
+        b.close()
+        srv = res["server"]
+        assert isinstance(srv, tuple)
+        ok = (told == (min(srv[0], SHARE), SHARE) and res["over_share"] == "device_memory_share_exceeded"
+              and pair.server is not None and pair.server.alive())
+    finally:
+        pair.stop()
+    res["ok"] = ok
+    (out / "share.json").write_text(json.dumps(res) + "\n")
+    log(f"share: server says {res.get('server')}, a session is told {res.get('told')} "
+        f"({res.get('told_after_half')} after half), over the share: {res.get('over_share')}, "
+        f"the next session told {res.get('next_session_told')}: {'ok' if ok else 'WRONG'}")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True)
@@ -323,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, default=3, help="test-backend-ops cases per op")
     ap.add_argument("--ops", help="comma separated ops (default: all)")
     ap.add_argument("--ops-budget-s", type=float, default=240)
-    ap.add_argument("--steps", default="backend,cases,scratch,backend-ops,bench")
+    ap.add_argument("--steps", default="backend,cases,scratch,share,backend-ops,bench")
     ap.add_argument("--ngl", default="99")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workdir", type=Path, required=True)
@@ -348,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             elif step == "backend-ops":
                 verdict[step] = step_backend_ops(tools(plain), a.workdir / "bops", a.out, a.expect, a.sample,
                                                  a.ops.split(",") if a.ops else None, a.ops_budget_s)
+            elif step == "share":
+                verdict[step] = step_share(tools(plain), a.workdir, a.out, a.expect)
             elif step == "scratch":
                 verdict[step] = step_scratch(tools(plain), a.workdir, a.out, a.expect)
             elif step == "bench":

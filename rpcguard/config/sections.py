@@ -66,6 +66,7 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "server_threads": (count, "firewall.server_threads"),
     "backend": (choice("auto", "cpu", "cuda"), "firewall.backend"),  # protocol/backend.py SETTINGS
     "max_cuda_scratch_bytes": (_SIZE, "firewall.max_cuda_scratch_bytes"),  # protocol/cudascratch.py; 0: off
+    "device_memory_share_bytes": (_SIZE, "firewall.device_memory_share_bytes"),  # protocol/memshare.py; 0: off
 }
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(

@@ -24,6 +24,7 @@ import struct
 from typing import TYPE_CHECKING, Any, Callable, Final, Mapping, NamedTuple, TypeVar, final
 
 from rpcguard.errors import FirewallRefusal, ProtocolRefusal
+from rpcguard.protocol import memshare
 from rpcguard.protocol.checks import RequestChecks
 from rpcguard.protocol.state import alloc_size_key, hash_miss_key
 from rpcguard.protocol.supportsop import layer_supports
@@ -61,7 +62,8 @@ _OP_AT: Final = 52  # rpc_tensor.op: after id u64, type u32, buffer u64, ne[4] u
 C = TypeVar("C")  # what a request's effect leaves for its response's learner (Expect.ctx)
 Check = Callable[[RequestChecks, CommandRule, memoryview, int], None]  # (checks, rule, head, body_len)
 Effect = Callable[["Session", memoryview, int], C]  # (session, head, body_len) -> response context
-Learn = Callable[["Session", "Expect[C]", memoryview], None]  # (session, expectation, response head)
+# (session, expectation, response head) -> None, or the response frame the client gets instead (memshare.py)
+Learn = Callable[["Session", "Expect[C]", memoryview], "bytes | None"]
 Answer = Callable[["Session", memoryview], "bytes | None"]  # (session, head) -> the proxy's answer, or forward
 
 
@@ -209,14 +211,15 @@ def max_size_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
     s.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]
 
 
-def memory_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
+def memory_answer(s: Session, exp: Expect[int], head: memoryview) -> bytes | None:
     device = exp.ctx
-    s.state.upstream.memory[device] = _U64x2.unpack_from(head)
+    free, total = s.state.upstream.memory[device] = _U64x2.unpack_from(head)
     # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
     try:
         s.firewall.check_quota(device)
     except FirewallRefusal as refusal:
         s.violated(refusal, "ALLOC_BUFFER")
+    return memshare.answer(s.firewall.policy, s.state, device, free, total)  # the client is told its share
 
 
 def alloc_size_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:

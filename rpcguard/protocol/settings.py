@@ -70,6 +70,10 @@ class FirewallPolicy:
     # cuda_scratch_over_budget when a node on a CUDA device would take more than this from
     # ggml-cuda's memory pool (protocol/cudascratch.py); 0 turns it off.
     max_cuda_scratch_bytes: int = MAX_CUDA_SCRATCH_BYTES
+    # The device memory one session may hold in buffers, per device (protocol/memshare.py): its
+    # GET_DEVICE_MEMORY answers say at most this, and ALLOC_BUFFER past it is refused
+    # device_memory_share_exceeded; 0: off (the quota alone: max_session_alloc_bytes).
+    device_memory_share_bytes: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)
