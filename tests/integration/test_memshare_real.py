@@ -52,3 +52,37 @@ def test_a_share_smaller_than_the_node_is_what_each_session_gets(pki, workdir, r
         assert serve.value("rpcguard_refusals_total") == 1
     finally:
         serve.stop()
+
+
+def test_llama_cpp_fits_its_layers_to_the_share(pki, workdir, models, rpc_server):
+    """The real llama-bench (b11434, ``--fit`` on by default: -ngl unset) sizes its offload from
+    the RPC device's free memory: told a 48 MiB share of a ~100 MB model, it offloads what fits
+    and runs, every session holding at most the share; told to offload everything (-ngl 99), its
+    allocation past the share is refused."""
+    import os
+    import re
+    import subprocess
+
+    from tests.support import llamatools
+    from tests.support.guard import start_pair
+
+    bench = llamatools.tools().bench
+    share = 48 * MIB
+    cfg = workdir / "share-pair.yaml"
+    cfg.write_text(f"policy:\n  device_memory_share_bytes: {share}\n")
+    guards: list = []
+    try:
+        connect, serve = start_pair(workdir, pki, rpc_server, guards, serve_args=["--config", str(cfg)])
+        env = dict(os.environ, LD_LIBRARY_PATH=str(bench.parent))
+        base = [str(bench), "-m", str(models["bench"]), "--rpc", connect.endpoint, "-p", "16", "-n", "4", "-r", "1"]
+        fit = subprocess.run([*base, "-fitt", "4"], capture_output=True, text=True, timeout=300, env=env)
+        assert fit.returncode == 0 and re.search(r"\|\s+tg4\s+\|\s+[\d.]+", fit.stdout), fit.stdout + fit.stderr[-3000:]
+        held = [int(x) for x in re.findall(r"alloc_bytes=(\d+)", serve.output())]
+        assert held and 0 < max(held) <= share, held  # some layers offloaded, never more than the share
+        assert serve.value("rpcguard_refusals_total") == 0
+        full = subprocess.run([*base, "-ngl", "99"], capture_output=True, text=True, timeout=300, env=env)
+        assert full.returncode != 0
+        assert serve.wait_value("rpcguard_refusals_total", 1, reason="device_memory_share_exceeded") == 1
+    finally:
+        for g in guards:
+            g.stop()
