@@ -135,25 +135,35 @@ def _mul_mat_id(n: RpcTensor, s: Srcs) -> int:
     return sorted_ + per_expert
 
 
+def _parallel_blocks(ntiles_dst_min: int, ntiles_kv: int) -> int:
+    """The most ``parallel_blocks`` launch_fattn picks without stream-k (fattn-common.cuh:1191-1213):
+    it starts at the occupancy (<= BLOCKS_PER_SM_MAX), never exceeds the KV tiles, and raises it
+    only while that improves the last wave's efficiency, which is >= 95% from ~21 waves on."""
+    return min(ntiles_kv, max(BLOCKS_PER_SM_MAX, -(-21 * _BLOCKS_PER_WAVE // max(1, ntiles_dst_min))))
+
+
 def _flash_attn_ext(n: RpcTensor, s: Srcs) -> int:
     """launch_fattn (fattn-common.cuh:981-1230). The F16 copies of K/V are behind dst (the CUDA
-    layer's reach), not in the pool. MMA kernel (Turing+, every batch of more than two queries,
-    fattn.cu:638-664): stream-k, a fixup of at most one wave of blocks x ncols x (2 + DV/2)
-    float2 (:1188-1189). VEC kernel (<= 2 queries): ``parallel_blocks`` partial results of dst
-    and their row meta (:1216-1218), parallel_blocks <= the KV tiles and, by the wave search
-    (:1199-1213, which stops once 95% efficient: at most ~21 waves), <= 21 waves / dst tiles.
-    The sparse KV-max lists (:1021) when op_params[4] is set."""
+    layer's reach), not in the pool. Kernel choice on Turing or newer (fattn.cu:636-664): VEC for
+    at most two queries, else MMA, except head sizes 40 and 72, which take TILE. MMA runs
+    stream-k: a fixup of at most one wave of blocks x ncols (<= 64) x (2 + DV/2) float2
+    (:1188-1189). VEC and TILE do not: ``parallel_blocks`` partial results of dst and their row
+    meta (:1216-1218), bounded by ``_parallel_blocks`` over the fewest dst tiles their column
+    tiles allow (VEC 2 queries per tile, fattn-vec.cuh:541; TILE 64, fattn-tile.cuh:1160-1166)
+    and KV tiles of at least 32. The sparse KV-max lists (:1100-1110) when op_params[4] is set."""
     q, k = s[0], s[1]
     if q is None or k is None:
         return 0
-    dv = n.ne0
-    if q.ne1 > 2:
-        total = _BLOCKS_PER_WAVE * 64 * (2 + dv // 2) * 8
+    dv, ntiles_kv = n.ne0, max(1, -(-k.ne1 // 32))
+    partials = _nel(n) * 4 + _nrows(n) * 8
+    if q.ne1 <= 2:
+        blocks = _parallel_blocks(-(-q.ne1 // 2) * q.ne2 * q.ne3, ntiles_kv)
+        total = blocks * partials if blocks > 1 else 0
+    elif q.ne0 in (40, 72):
+        blocks = _parallel_blocks(-(-q.ne1 // 64) * k.ne2 * q.ne3, ntiles_kv)
+        total = blocks * partials if blocks > 1 else 0
     else:
-        ntiles_dst = max(1, q.ne1 * q.ne2 * q.ne3)
-        ntiles_kv = max(1, -(-k.ne1 // 32))
-        blocks = min(ntiles_kv, max(BLOCKS_PER_SM_MAX, -(-21 * _BLOCKS_PER_WAVE // ntiles_dst)))
-        total = blocks * (_nel(n) * 4 + _nrows(n) * 8) if blocks > 1 else 0
+        total = _BLOCKS_PER_WAVE * 64 * (2 + dv // 2) * 8
     if n.param4:
         mask = s[3]
         total += q.ne1 * (mask.ne3 if mask is not None else 1) * (k.ne1 + 1) * 4

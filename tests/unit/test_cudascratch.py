@@ -108,9 +108,12 @@ def test_cublas_converts_to_f16_and_computes_into_an_f16_temporary():
 def test_flash_attention_prefill_and_decode():
     tensors, node = flash_attn(2048, 4096)  # MMA, stream-k fixup (fattn-common.cuh:1188-1189)
     assert scratch(tensors, node) == 160 * 32 * 64 * (2 + 64) * 8
-    tensors, node = flash_attn(1, 32768)  # VEC: parallel blocks of dst (:1216-1218)
+    tensors, node = flash_attn(1, 32768)  # VEC: parallel blocks of dst (:1216-1218), 64 dst tiles
     blocks = min(32768 // 32, max(32, -(-21 * 160 * 32 // 64)))
     assert scratch(tensors, node) == blocks * (128 * 64 * 4 + 64 * 8)
+    tensors, node = flash_attn(512, 4096, d=72, heads=8, kv_heads=8)  # TILE (fattn.cu:638): head size 72
+    blocks = min(4096 // 32, max(32, -(-21 * 160 * 32 // (512 // 64 * 8))))
+    assert scratch(tensors, node) == blocks * (72 * 8 * 512 * 4 + 8 * 512 * 8)
 
 
 @pytest.mark.parametrize("build", [
