@@ -33,7 +33,8 @@ IDENTITY_REASONS: tuple[str, ...] = ("identity_not_allowed",)
 SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "first_frame_not_hello", "hello_repeated", "hello_bad_size", "data_before_hello_reply",
     "version_not_accepted", "command_unknown", "command_not_allowed", "frame_size_invalid",
-    "request_too_large", "response_unexpected", "response_size_invalid", "response_value_invalid", "hello_timeout",
+    "request_too_large", "response_unexpected", "response_size_invalid", "response_value_invalid", "notice_invalid",
+    "hello_timeout",
     "idle_timeout", "frame_timeout", "session_lifetime", "node_refused", "idle_while_waiting",
     "hold_while_waiting",
     "too_many_sessions_per_identity", "too_many_sessions_per_source", "too_many_pending_per_identity",

@@ -8,7 +8,7 @@ is ``policy.max_graph_cpu_ms``). Listeners (tunnels) are matched by name: a new 
 missing one removed, and one whose address, upstream or server changed is *replaced* (a new route,
 the old one finishing its sessions). ``RESTART_KEYS`` are the keys a running process cannot take
 (its metrics socket and log stream are set up once): they are reported as ``kept`` and the caller
-keeps their old value. Pure functions, no I/O: the ``server.Runtime`` applies the result.
+keeps their old value. Pure functions, no I/O: proxy/reload.py applies the result.
 """
 
 from __future__ import annotations

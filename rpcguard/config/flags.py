@@ -6,7 +6,8 @@ sets (``tls.min_version`` for the whole config, or a key of the single listener/
 hand: ``{default}`` in it is filled from the config dataclass that holds that default
 (``TlsConfig.min_version``, ``DEFAULT_METRICS``, ``SessionPolicy.mode``...). From this table
 the CLI builds its parsers (``cli.py``), collects what was given (``flag_values``), and the config
-layer lays flags over the file (``build_config``, through ``GLOBAL`` and ``ITEM``).
+layer lays flags over the file (``build_config``, through ``GLOBAL`` and ``ITEM``). A flag's key
+is a row of its section's key table (``KEY_TABLES``), and its choices are that row's.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
 from rpcguard.config.model import DEFAULT_METRICS, LOGGER, ROLES, Config, LogConfig, TlsConfig, read_yaml, parse_config
-from rpcguard.config.read import FromFlag, show
+from rpcguard.config.process import LOG_KEYS, METRICS_KEYS, TLS_KEYS
+from rpcguard.config.read import FromFlag, Reader, choice, show
+from rpcguard.config.sections import LIMIT_READERS, POLICY_READERS, PROFILE_ONLY_TOP_LIMITS
 from rpcguard.protocol.side import SIDES
 from rpcguard.errors import ConfigError
 from rpcguard.protocol.settings import SessionPolicy
 
-__all__ = ["Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "flag_values", "help_text", "build_config", "log_warnings"]
+__all__ = ["KEY_TABLES", "Flag", "FLAGS", "GLOBAL", "ITEM", "flags_for", "flag_values", "help_text", "build_config", "log_warnings"]
 
 Kind = Literal["value", "switch", "append", "float"]
+
+#: section -> its key table: what a "section.key" flag may set (and where its choices come from)
+KEY_TABLES: Mapping[str, Mapping[str, Reader]] = {
+    "tls": TLS_KEYS, "metrics": METRICS_KEYS, "log": LOG_KEYS, "policy": POLICY_READERS, "limits": LIMIT_READERS,
+}
+# sections a listener/tunnel and a profile set again for themselves: a flag beats their values too
+_LAYERED = ("policy", "limits")
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,6 @@ class Flag:
     key: str | None  # "section.key" of the whole config, "key" of the single listener/tunnel, None: not config
     help: str  # may hold {default}
     kind: Kind = "value"
-    choices: tuple[str, ...] | None = None
     metavar: str | None = None
     default: Callable[[str], str] | None = None  # role -> the default shown in the help
 
@@ -46,6 +55,15 @@ class Flag:
     @property
     def scope(self) -> Literal["global", "item", "none"]:
         return "none" if self.key is None else "global" if "." in self.key else "item"
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The allowed values, from the key's row in its section's table (None: not a choice)."""
+        if self.scope != "global":
+            return None
+        section, key = self.key.split(".")  # type: ignore[union-attr]
+        read = KEY_TABLES[section][key]
+        return read.choices if isinstance(read, choice) else None
 
 
 def _field_default(cls: type, name: str) -> Callable[[str], str]:
@@ -71,7 +89,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("key", _ALL, "tls.key", "this side's private key (PEM, mode 0600)"),
     Flag("ca", _ALL, "tls.ca", "the private CA that signs the peers' certificates"),
     Flag("tls-min-version", _ALL, "tls.min_version", "lowest TLS version accepted (default {default})",
-         choices=("1.2", "1.3"), default=_field_default(TlsConfig, "min_version")),
+         default=_field_default(TlsConfig, "min_version")),
     Flag("crl", _SC, "tls.crl", "a CRL of --ca (PEM or DER): revoked peer certificates are refused at the handshake "
          "and their live sessions ended at reload (rpcguard certs revoke writes one)"),
     Flag("tls-reload-interval-s", _SC, "tls.reload_interval_s",
@@ -84,15 +102,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("web-config", _SC, "metrics.web_config",
          "TLS, client certificates and basic auth of the metrics endpoint (Prometheus exporter-toolkit web "
          "config format)", metavar="FILE"),
-    Flag("mode", _SC, "policy.mode", "firewall mode (default {default})", choices=("enforce", "monitor"),
+    Flag("mode", _SC, "policy.mode", "firewall mode (default {default})",
          default=_field_default(SessionPolicy, "mode")),
     Flag("allow-unverified-op", _SC, "policy.allow_unverified_ops",
          "forward graph nodes of this ggml op although it has no verified rule (default deny; repeatable; "
          "* = every op; counted per use)", kind="append", metavar="OP"),
-    Flag("log-format", _SC, "log.format", "default {default}", choices=("text", "json"),
-         default=_field_default(LogConfig, "format")),
-    Flag("log-level", _ALL, "log.level", "default {default}", choices=("debug", "info", "warning", "error"),
-         default=_field_default(LogConfig, "level")),
+    Flag("log-format", _SC, "log.format", "default {default}", default=_field_default(LogConfig, "format")),
+    Flag("log-level", _ALL, "log.level", "default {default}", default=_field_default(LogConfig, "level")),
     # serve's listener
     Flag("listen", _SERVE, "listen", "HOST:PORT to accept mTLS on"),
     Flag("upstream", _SERVE, "upstream", "HOST:PORT of the ggml-rpc-server (loopback)"),
@@ -140,6 +156,13 @@ def flag_values(role: str, values: Any) -> dict[str, Any]:
     return {f.dest: getattr(values, f.dest) for f in flags_for(role) if f.key is not None and hasattr(values, f.dest)}
 
 
+def _set_own(body: Any, sec: str, key: str, value: Any) -> Any:
+    """``body`` (a listener, tunnel or profile) with ``value`` for ``sec.key`` where it sets that key itself."""
+    if isinstance(body, dict) and isinstance(body.get(sec), dict) and key in body[sec]:
+        return {**body, sec: {**body[sec], key: value}}
+    return body
+
+
 def _copy(d: Any) -> Any:
     return {} if d is None else dict(d) if isinstance(d, dict) else d
 
@@ -147,8 +170,10 @@ def _copy(d: Any) -> Any:
 def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Config for ``rpcguard serve|connect``: the optional ``file`` with CLI ``overrides`` on top.
 
-    Override values of None, False or an empty list mean "flag not given". TLS/metrics/log flags
-    and ``mode`` apply to everything; listener flags (``listen``, ``upstream``, ``server``,
+    Override values of None, False or an empty list mean "flag not given". A flag for a key of a
+    section (``tls``, ``metrics``, ``log``, ``policy``, ``limits``: ``KEY_TABLES``) sets it at the top
+    level, and a ``policy``/``limits`` flag also replaces the value a listener, tunnel or profile
+    sets for itself: a flag beats the file everywhere. Listener flags (``listen``, ``upstream``, ``server``,
     ``allow_cn``...; ``allow_*`` replace that kind only) need at most one listener/tunnel in the
     file. Errors about a flag's value name the flag (``--upstream: ...``); relative paths given by
     flags are relative to the cwd.
@@ -166,7 +191,8 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
     for k in given:
         if k not in GLOBAL and k not in item_keys[role]:
             raise ConfigError(flag(k), f"only valid for rpcguard {other}" if k in item_keys[other] else "unknown option")
-    data = {**data, **{sec: _copy(data.get(sec)) for sec in ("tls", "metrics", "log", "policy")}}
+    # every section a given flag sets (absent in the file: created), copied before it is changed
+    data = {**data, **{sec: _copy(data.get(sec)) for sec in ("tls", *(GLOBAL[k][0] for k in given if k in GLOBAL))}}
     for k, (sec, key) in GLOBAL.items():
         if k in given and isinstance(data[sec], dict):
             data[sec][key] = FromFlag(given[k], flag(k))
@@ -174,17 +200,16 @@ def build_config(role: str, *, file: str | None = None, overrides: Mapping[str, 
         if isinstance(data["tls"], dict) and data["tls"].get(k) is None:
             raise ConfigError(flag(k), f"required (or tls.{k} in the config file)")
     items_key, word = SIDES[role].items, SIDES[role].item
+    # a policy or limits flag beats the file everywhere: the listeners' (tunnels') and profiles' own value too
+    for k, (sec, key) in GLOBAL.items():
+        if k in given and sec in _LAYERED and isinstance(data[sec], dict):
+            value = data[sec][key]
+            if isinstance(data.get(items_key), list):
+                data[items_key] = [_set_own(it, sec, key, value) for it in data[items_key]]
+            if isinstance(data.get("profiles"), dict):
+                if not (sec == "limits" and key in PROFILE_ONLY_TOP_LIMITS):  # (that error names the file's key)
+                    data["profiles"] = {n: _set_own(p, sec, key, value) for n, p in data["profiles"].items()}
     items = data.get(items_key)
-    if "mode" in given and isinstance(data["policy"], dict):  # beat items' (and profiles') own mode
-        mode = data["policy"]["mode"]
-        if isinstance(items, list):
-            items = data[items_key] = [{**it, "policy": {**it["policy"], "mode": mode}}
-                                       if isinstance(it, dict) and isinstance(it.get("policy"), dict)
-                                       and "mode" in it["policy"] else it for it in items]
-        if isinstance(data.get("profiles"), dict):
-            data["profiles"] = {k: {**p, "policy": {**p["policy"], "mode": mode}}
-                                if isinstance(p, dict) and isinstance(p.get("policy"), dict)
-                                and "mode" in p["policy"] else p for k, p in data["profiles"].items()}
     item_flags = [k for k in item_keys[role] if k in given]
     if item_flags and (items is None or items == []):
         for k in ("listen", SIDES[role].target):

@@ -1,8 +1,5 @@
 """YAML configuration -> frozen dataclasses, the runtime settings types included.
 
-Stays whole (over 400 lines) for now: the file's top level, listeners and tunnels are read here;
-the tls, log and metrics sections move to key tables like policy and limits (issue 30.4).
-
 How this works: ``load_config`` reads the file with a safe YAML loader that also refuses duplicate
 keys; ``parse_config`` walks the plain data section by section. Every reader knows the dotted key
 path of what it reads (``listeners[1].upstream``) and raises ``ConfigError(path, message)`` on the
@@ -15,7 +12,8 @@ that came from a flag is wrapped in ``FromFlag`` so its errors name the flag (``
 (``SessionPolicy`` with its ``FirewallPolicy``, ``Limits``, ``Profile``): each YAML key is one row
 of ``_POLICY_KEYS`` / ``_LIMIT_KEYS`` naming the field it sets, and layers (top level, listener,
 profile) are applied with ``dataclasses.replace`` over the defaults written in settings.py, so no
-default is repeated here. ``profiles`` (serve) are named policy/limits overlays; an allow-list entry
+default is repeated here. ``tls``, ``metrics`` and ``log`` are read by key tables the same way (config/process.py).
+``profiles`` (serve) are named policy/limits overlays; an allow-list entry
 that names one puts the identities it admits under it (``identity.AllowList``: first match wins).
 """
 
@@ -33,12 +31,15 @@ from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.versions import COMMAND_NAMES
 
 from rpcguard.config.read import (
-    CATEGORIES, GIB, KIB, MIB, Address, Reader, boolean, choice, connect_address, duration, file_path, FromFlag, is_ip, listen_address, name_text,
+    CATEGORIES, GIB, KIB, MIB, Address, boolean, connect_address, FromFlag, is_ip, listen_address, name_text,
     Section, server_name_text, show, parse_address, parse_size, unknown_key,
 )
 from rpcguard.config.sections import (
     LIMIT_KEYS, POLICY_FIELDS, PROFILE_ONLY_TOP_LIMITS, _parse_allow, _parse_limits, _parse_policy,
     _parse_profiles, expand_commands,
+)
+from rpcguard.config.process import (
+    DEFAULT_METRICS, LogConfig, MetricsConfig, TlsConfig, parse_log, parse_metrics, parse_tls,
 )
 from rpcguard.errors import ConfigError
 from rpcguard.config.upstream import UpstreamSettings, parse_upstream
@@ -57,29 +58,6 @@ __all__ = [
 LOGGER = "rpcguard.config"  # the logger callers log ``Config.warnings`` to
 
 ROLES = ("serve", "connect")
-
-
-@dataclass(frozen=True, slots=True)
-class TlsConfig:
-    cert: str  # absolute paths, checked readable at load time
-    key: str
-    ca: str
-    min_version: Literal["1.2", "1.3"] = "1.3"
-    reload_interval_s: float = 0.0  # 0 = reload on SIGHUP only; > 0 also polls the files' mtimes
-    crl: str | None = None  # a CRL (PEM or DER) of the CA, checked at every handshake (pki/crl.py)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricsConfig:
-    listen: Address | None = None  # None = metrics HTTP endpoint disabled
-    unsafe_public: bool = False
-    web_config: str | None = None  # exporter-toolkit web config file (TLS, basic auth), absolute
-
-
-@dataclass(frozen=True, slots=True)
-class LogConfig:
-    format: Literal["text", "json"] = "text"
-    level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,42 +118,6 @@ class Config:
     def items(self) -> tuple[ListenerConfig, ...] | tuple[TunnelConfig, ...]:
         """The role's endpoints: the listeners (serve) or the tunnels (connect)."""
         return self.listeners if self.side.takes_slot else self.tunnels
-
-
-DEFAULT_METRICS = MappingProxyType({"serve": Address("127.0.0.1", 9450), "connect": Address("127.0.0.1", 9451)})
-
-def _parse_tls(data: Any, base_dir: str | None) -> TlsConfig:
-    if data is None:
-        raise ConfigError("tls", "required (cert, key and ca)")
-    s = Section(data, "tls", {"cert", "key", "ca", "min_version", "reload_interval_s", "crl"})
-    files = [s.get(k, file_path(base_dir)) for k in ("cert", "key", "ca")]
-    return TlsConfig(*files, **s.read_all({"min_version": choice("1.3", "1.2"),
-                                           "reload_interval_s": duration(zero_is_off=True),
-                                           "crl": file_path(base_dir)}))
-
-
-_LOG_READERS: dict[str, Reader] = {"format": choice("text", "json"),
-                                   "level": choice("debug", "info", "warning", "error")}
-
-
-def _parse_metrics(data: Any, role: str, base_dir: str | None) -> tuple[MetricsConfig, str]:
-    from rpcguard.observe.webconfig import load_web_config
-
-    s = Section(data, "metrics", {"listen", "unsafe_public", "web_config"})
-    unsafe = s.get("unsafe_public", boolean, False)
-    web_path = s.get("web_config", file_path(base_dir), None)
-    web = load_web_config(web_path) if web_path else None
-    raw, path = s.raw("listen")
-    listen = DEFAULT_METRICS[role] if "listen" not in s.data else None if raw in (None, "") else listen_address(raw, path)
-    # Beyond loopback the endpoint must authenticate (TLS plus a verified client certificate
-    # or a password), or the operator says unsafe_public: /refusals names peers and identities.
-    if listen is not None and not listen.is_loopback() and not unsafe and not (web and web.tls and web.authenticates):
-        why = ("its web config must enable TLS and require RequireAndVerifyClientCert or basic_auth_users"
-               if web else "set metrics.web_config (TLS + client certificates or basic auth)")
-        how = "pass --metrics-unsafe-public" if path.startswith("--") else "set metrics.unsafe_public: true"
-        raise ConfigError(path, f"{listen} is not loopback; {why}, or {how} to serve metrics beyond this host "
-                                "unprotected")
-    return MetricsConfig(listen, unsafe, web_path), path
 
 
 def _clash(a: Address, b: Address) -> bool:
@@ -316,8 +258,8 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
         if k in _ROLE_TOP_KEYS[other]:
             raise ConfigError(str(k), f"only valid for rpcguard {other} (this is a {role} config)")
     Section(data, "", _TOP_KEYS | _ROLE_TOP_KEYS[role])
-    tls = _parse_tls(data.get("tls"), base_dir)
-    metrics, metrics_path = _parse_metrics(data.get("metrics"), role, base_dir)
+    tls = parse_tls(data.get("tls"), base_dir)
+    metrics, metrics_path = parse_metrics(data.get("metrics"), role, base_dir)
     _parse_policy([(data.get("policy"), "policy")], default_policy(role))  # report top-level errors even if overridden
     limits = _parse_limits(data.get("limits"), "limits", Limits())
     # identities (allow-lists, profiles) exist where clients present certificates: serve
@@ -331,7 +273,7 @@ def parse_config(data: object, role: str | None = None, *, source: str = "<confi
         if metrics.listen is not None and _clash(metrics.listen, addr):
             raise ConfigError(metrics_path, f"{metrics.listen} already used by {where}")
     _warn_profiles(items if side.client_tls else (), profiles, warnings)
-    log = LogConfig(**Section(data.get("log"), "log", set(_LOG_READERS)).read_all(_LOG_READERS))
+    log = parse_log(data.get("log"))
     return Config(role, tls, metrics, log, limits,  # type: ignore[arg-type]
                   items if role == "serve" else (), items if role == "connect" else (), tuple(profiles),
                   tuple(warnings))

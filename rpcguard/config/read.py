@@ -154,9 +154,19 @@ def _re(pattern: str) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None
 
 
-def choice(*choices: str) -> Reader:  # a float is read as text: YAML makes `min_version: 1.3` a float
-    text = lambda v: str(v) if isinstance(v, float) else v  # noqa: E731
-    return reader(lambda v: text(v) in choices, "one of " + ", ".join(choices), text)
+class choice:
+    """A reader of one of ``choices``; flags take their argparse choices from it (config/flags.py).
+
+    A float is read as text: YAML makes ``min_version: 1.3`` a float."""
+
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+
+    def __call__(self, v: Any, path: str) -> str:
+        t = str(v) if isinstance(v, float) else v
+        if t not in self.choices:
+            raise ConfigError(path, f"must be one of {', '.join(self.choices)}, got {show(v)}")
+        return t
 
 
 def duration(zero_is_off: bool = False) -> Reader:

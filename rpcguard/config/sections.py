@@ -16,7 +16,10 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
-from rpcguard.protocol.settings import CHECK_NAMES, DEFAULT_PROFILE, Limits, SessionPolicy, default_policy
+from rpcguard.protocol.backend import SETTINGS as BACKENDS
+from rpcguard.protocol.settings import (
+    CHECK_NAMES, DEFAULT_PROFILE, MODES, UPSTREAM_BUSY, VALIDATE_REQUESTS, Limits, SessionPolicy, default_policy,
+)
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, parse_version
 
 from rpcguard.config.read import (
@@ -28,7 +31,7 @@ from rpcguard.errors import ConfigError
 if TYPE_CHECKING:
     from rpcguard.pki.identity import AllowList
 
-__all__ = ["POLICY_FIELDS", "LIMIT_KEYS", "PROFILE_ONLY_TOP_LIMITS", "expand_commands"]
+__all__ = ["POLICY_FIELDS", "POLICY_READERS", "LIMIT_KEYS", "LIMIT_READERS", "PROFILE_ONLY_TOP_LIMITS", "expand_commands"]
 
 
 def expand_commands(entries: tuple[str, ...]) -> frozenset[str]:
@@ -46,13 +49,13 @@ def _versions(vs: tuple[str, ...]) -> frozenset:
 _SIZE, _SIZE_POS = via(parse_size), via(parse_size, allow_zero=False)
 # YAML key under `policy:` -> (reader giving the runtime value, field path in SessionPolicy)
 _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
-    "mode": (choice("enforce", "monitor"), "mode"),
+    "mode": (choice(*MODES), "mode"),
     "accepted_versions": (then(list_of(version_text), _versions), "accepted_versions"),
     "allow_commands": (then(list_of(command_name), expand_commands), "allowed_commands"),
     "max_request_bytes": (_SIZE_POS, "max_request_bytes"),
     "max_graph_bytes": (_SIZE_POS, "max_graph_bytes"),
     "clear_new_buffers": (boolean, "clear_new_buffers"),
-    "validate_requests": (choice("auto", "always"), "validate_requests"),
+    "validate_requests": (choice(*VALIDATE_REQUESTS), "validate_requests"),
     "max_graph_nodes": (count, "firewall.max_graph_nodes"),
     "max_graph_tensors": (count, "firewall.max_graph_tensors"),
     "max_alloc_bytes": (_SIZE, "firewall.max_alloc_bytes"),
@@ -64,10 +67,12 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "node_gflops": (duration(), "firewall.node_gflops"),  # (a positive number, read as a duration is)
     "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
     "server_threads": (count, "firewall.server_threads"),
-    "backend": (choice("auto", "cpu", "cuda"), "firewall.backend"),  # protocol/backend.py SETTINGS
+    "backend": (choice(*BACKENDS), "firewall.backend"),  # protocol/backend.py
     "max_cuda_scratch_bytes": (_SIZE, "firewall.max_cuda_scratch_bytes"),  # protocol/cudascratch.py; 0: off
     "device_memory_share_bytes": (_SIZE, "firewall.device_memory_share_bytes"),  # protocol/memshare.py; 0: off
 }
+#: YAML key under `policy:` -> its reader (the table flags read, config/flags.py)
+POLICY_READERS: Mapping[str, Reader] = MappingProxyType({k: r for k, (r, _) in _POLICY_KEYS.items()})
 #: runtime field path -> the config key that sets it (``policy.checks`` sets disabled_checks)
 POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
     {f: k for k, (_, f) in _POLICY_KEYS.items()} | {"firewall.disabled_checks": "checks"})
@@ -75,7 +80,7 @@ POLICY_FIELDS: Mapping[str, str] = MappingProxyType(
 _LIMIT_KEYS: dict[str, Reader] = {
     "handshake_timeout_s": duration(), "hello_timeout_s": duration(), "idle_timeout_s": duration(zero_is_off=True),
     "frame_timeout_s": duration(zero_is_off=True), "max_session_s": duration(zero_is_off=True), "max_sessions": count,
-    "upstream_busy": choice("queue", "refuse"), "queue_timeout_s": duration(),
+    "upstream_busy": choice(*UPSTREAM_BUSY), "queue_timeout_s": duration(),
     "max_graph_s": duration(zero_is_off=True),
     "drain_timeout_s": duration(), "connect_timeout_s": duration(),
     "min_data_rate_bps": count_or_off, "idle_while_waiting_s": duration(zero_is_off=True),
@@ -85,6 +90,7 @@ _LIMIT_KEYS: dict[str, Reader] = {
     "max_handshakes_per_source": count_or_off,
 }
 LIMIT_KEYS: tuple[str, ...] = tuple(_LIMIT_KEYS)
+LIMIT_READERS: Mapping[str, Reader] = MappingProxyType(_LIMIT_KEYS)
 #: limits a profile cannot set: they apply before the identity is known, or to the whole process
 PROFILE_ONLY_TOP_LIMITS: Mapping[str, str] = MappingProxyType({
     "handshake_timeout_s": "applies before the identity (and so its profile) is known",

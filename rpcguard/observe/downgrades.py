@@ -22,18 +22,74 @@ metrics endpoint served beyond loopback without TLS and authentication, and the 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping, Protocol, Sequence
 
+from rpcguard.observe.webconfig import WebConfig
 from rpcguard.protocol.oprules import cuda, needs_containment
 from rpcguard.protocol.settings import CHECK_NAMES, Profile, SessionPolicy
-
-if TYPE_CHECKING:
-    from rpcguard.config.model import Config, ListenerConfig, TunnelConfig
-    from rpcguard.observe.metrics import Metrics
-    from rpcguard.observe.webconfig import WebConfig
+from rpcguard.protocol.side import Side
 
 __all__ = ["SWITCHED_OFF", "NOT_ENFORCING", "CUDA_INDEX_OPS", "switched_off", "item_switched_off", "enforces",
-           "report", "shared_upstream", "gpu_node", "gpu_uncontained"]
+           "report", "shared_upstream", "gpu_node", "gpu_uncontained", "Item", "ManagedUpstream", "Settings", "Gauges"]
+
+
+# -- what report reads of a configuration and writes into the metrics: the seams to config/ (above
+# this package: config.model's Config, ListenerConfig and TunnelConfig, upstream.pool's
+# UpstreamSettings) and to observe.metrics (which imports SWITCHED_OFF and NOT_ENFORCING from here)
+class Item(Protocol):
+    """A listener (serve) or a tunnel (connect). A serve listener also has ``allow`` (an AllowList),
+    ``profiles`` and ``managed`` (``ManagedUpstream`` or None), read where present."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def default(self) -> Profile: ...
+
+
+class _Sandbox(Protocol):
+    @property
+    def mode(self) -> str: ...
+
+
+class ManagedUpstream(Protocol):
+    """The server serve runs for a listener (upstream.pool.UpstreamSettings)."""
+    @property
+    def gpu(self) -> bool: ...
+    @property
+    def isolation(self) -> str: ...
+    @property
+    def sandbox(self) -> _Sandbox: ...
+
+
+class _Address(Protocol):
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    def is_loopback(self) -> bool: ...
+
+
+class _MetricsSettings(Protocol):
+    @property
+    def listen(self) -> _Address | None: ...
+
+
+class Settings(Protocol):
+    """What report reads of a configuration (config.model.Config)."""
+    @property
+    def role(self) -> str: ...
+    @property
+    def side(self) -> Side: ...
+    @property
+    def items(self) -> Sequence[Item]: ...
+    @property
+    def metrics(self) -> _MetricsSettings: ...
+
+
+class Gauges(Protocol):
+    """What report sets in the metrics (observe.metrics.Metrics)."""
+    enforcement: dict[tuple[str, str], frozenset[str]]
+    metrics_unprotected: bool
+
 
 log = logging.getLogger("rpcguard.downgrades")
 
@@ -87,13 +143,14 @@ def enforces(default: Profile, profiles: Mapping[str, Profile] | None = None) ->
     return not any(NOT_ENFORCING.intersection(switched_off(p.policy)) for p in _profiles(default, profiles or {}))
 
 
-def shared_upstream(item: ListenerConfig | TunnelConfig) -> bool:
+def shared_upstream(item: Item) -> bool:
     """A serve listener relaying to a server someone else runs (``--upstream``, not ``upstream.exec``)
     that admits more than one identity: allow-all, a wildcard or network, or several names."""
-    if getattr(item, "managed", True) is not None or not hasattr(item, "allow"):
+    allow = getattr(item, "allow", None)
+    if getattr(item, "managed", True) is not None or allow is None:
         return False
     names = 0
-    for e in item.allow.entries:
+    for e in allow.entries:
         if e.allow_any or any(u.endswith("/*") for u in e.uris) or any(d.startswith("*") for d in e.dns):
             return True
         if any("/" in ip and not ip.endswith(("/32", "/128")) for ip in e.ips):
@@ -102,7 +159,7 @@ def shared_upstream(item: ListenerConfig | TunnelConfig) -> bool:
     return names > 1
 
 
-def gpu_node(item: ListenerConfig | TunnelConfig) -> bool:
+def gpu_node(item: Item) -> bool:
     """A serve listener whose server uses a GPU: a profile says ``policy.backend: cuda``, or serve
     runs the server (``upstream.exec``) and it may open a GPU (UpstreamSettings.gpu, the config's
     upstream.gpu.uses_gpu: its -d names one, or it names none on a host with NVIDIA GPUs) with no
@@ -114,16 +171,16 @@ def gpu_node(item: ListenerConfig | TunnelConfig) -> bool:
     backends = {p.policy.firewall.backend for p in _profiles(item.default, _item_profiles(item))}
     if "cuda" in backends:
         return True
-    managed = getattr(item, "managed", None)
+    managed: ManagedUpstream | None = getattr(item, "managed", None)
     return managed is not None and backends != {"cpu"} and managed.gpu
 
 
-def gpu_uncontained(item: ListenerConfig | TunnelConfig) -> str:
+def gpu_uncontained(item: Item) -> str:
     """Why a GPU listener's server is not one sandboxed process per session ('' when it is, or
     when the listener is not on a GPU node): what UpstreamPool.contained needs, read from the config."""
     if not gpu_node(item):
         return ""
-    managed = getattr(item, "managed", None)
+    managed: ManagedUpstream | None = getattr(item, "managed", None)
     if managed is None:
         return "--upstream: one server someone else runs"
     if managed.isolation != "session":
@@ -133,7 +190,7 @@ def gpu_uncontained(item: ListenerConfig | TunnelConfig) -> str:
     return ""
 
 
-def _acknowledged(item: ListenerConfig | TunnelConfig) -> list[str]:
+def _acknowledged(item: Item) -> list[str]:
     """CUDA_INDEX_OPS that a profile of ``item`` forwards uncontained (allow_unverified_ops)."""
     out = []
     for op in CUDA_INDEX_OPS:
@@ -143,11 +200,11 @@ def _acknowledged(item: ListenerConfig | TunnelConfig) -> list[str]:
     return out
 
 
-def _item_profiles(item: ListenerConfig | TunnelConfig) -> Mapping[str, Profile]:
+def _item_profiles(item: Item) -> Mapping[str, Profile]:
     return getattr(item, "profiles", {})
 
 
-def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[str]:
+def report(cfg: Settings, metrics: Gauges, web: WebConfig | None = None) -> list[str]:
     """Log a WARNING per downgrade of ``cfg`` and set the gauges; returns the warning lines."""
     lines: list[str] = []
     enforcement: dict[tuple[str, str], frozenset[str]] = {}
@@ -193,7 +250,7 @@ def report(cfg: Config, metrics: Metrics, web: WebConfig | None = None) -> list[
     return lines
 
 
-def _metrics_unprotected(cfg: Config, web: WebConfig | None) -> str:
+def _metrics_unprotected(cfg: Settings, web: WebConfig | None) -> str:
     """Why the metrics endpoint is open beyond this host ('' when it is not)."""
     listen = cfg.metrics.listen
     if listen is None or listen.is_loopback():

@@ -42,7 +42,6 @@ import asyncio
 import os
 import ssl
 from pathlib import Path
-from typing import Literal
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -51,6 +50,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from rpcguard.errors import PolicyRefusal, RpcGuardError
 from rpcguard.pki.identity import PeerIdentity
 from rpcguard.pki.keyfiles import key_file_problem
+from rpcguard.pki.tlsversion import DEFAULT_MIN_VERSION, TLS_MIN_VERSIONS, TlsVersion
 
 __all__ = [
     "TlsConfigError",
@@ -82,8 +82,8 @@ ALPN_PROBES = {ALPN_ENFORCING: "rpcguard/1+enforce+probe", ALPN_MONITORING: "rpc
 _NODE_MODES = {ALPN_ENFORCING: "enforce", ALPN_MONITORING: "monitor",
                ALPN_PROBES[ALPN_ENFORCING]: "enforce", ALPN_PROBES[ALPN_MONITORING]: "monitor"}
 
-TlsVersion = Literal["1.3", "1.2"]
-_VERSIONS = {"1.3": ssl.TLSVersion.TLSv1_3, "1.2": ssl.TLSVersion.TLSv1_2}
+# tls.min_version's allowed values and default live in pki/tlsversion.py, written once
+_VERSIONS = {v: ssl.TLSVersion[f"TLSv1_{v[2:]}"] for v in TLS_MIN_VERSIONS}
 
 # TLS 1.2 only (opt-in): forward secrecy + AEAD. AES-GCM first (AES-NI), 128 before 256 (fewer rounds).
 TLS12_CIPHERS = ":".join(
@@ -139,7 +139,7 @@ def server_context(
     key: str | os.PathLike[str],
     ca: str | os.PathLike[str],
     *,
-    min_version: TlsVersion = "1.3",
+    min_version: TlsVersion = DEFAULT_MIN_VERSION,
     allow_insecure_key_perms: bool = False,
     enforcing: bool = True,
 ) -> ssl.SSLContext:
@@ -161,7 +161,7 @@ def client_context(
     ca: str | os.PathLike[str],
     *,
     server_name: str,
-    min_version: TlsVersion = "1.3",
+    min_version: TlsVersion = DEFAULT_MIN_VERSION,
     allow_insecure_key_perms: bool = False,
     probe: bool = False,
 ) -> ssl.SSLContext:
@@ -220,7 +220,7 @@ def _context(
     alpn: list[str],
 ) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
-        raise TlsConfigError(f"min_version {min_version!r}: expected '1.3' or '1.2'")
+        raise TlsConfigError(f"min_version {min_version!r}: expected one of {', '.join(TLS_MIN_VERSIONS)}")
     _check_ca(Path(ca))
     _check_pair(Path(cert), Path(key), purpose, allow_insecure_key_perms)
     ctx = ssl.SSLContext(protocol)
@@ -277,7 +277,7 @@ def is_probe(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
 
 def probe_context(
     cert: str | os.PathLike[str], key: str | os.PathLike[str], ca: str | os.PathLike[str], *,
-    min_version: TlsVersion = "1.3",
+    min_version: TlsVersion = DEFAULT_MIN_VERSION,
 ) -> ssl.SSLContext:
     """The client context of ``rpcguard check`` and connect's ``/readyz`` (``ALPN_PROBES``)."""
     return client_context(cert, key, ca, server_name="rpcguard-node", min_version=min_version, probe=True)

@@ -53,7 +53,7 @@ _ZERO: Final = RpcTensor._make([0] * (len(RpcTensor._fields) - 2) + [b"", 0])
 def _padding_seen(alloc_sizes: Mapping[tuple[int, ...], int], device: int) -> bool | None:
     """True when a GET_ALLOC_SIZE answer on ``device`` padded a quantized row as CUDA does, False
     when an answer for a tensor CUDA would pad was its plain size, None when no answer tells. The
-    keys are state.alloc_size_key's: device, type, ne0..3, nb0..3, op (0: not FLASH_ATTN_EXT)."""
+    keys are tensor.alloc_size_key's: device, type, ne0..3, nb0..3, op (0: not FLASH_ATTN_EXT)."""
     for key, size in alloc_sizes.items():
         if len(key) != 11 or key[0] != device or key[10] != 0 or key[1] not in TYPES:
             continue

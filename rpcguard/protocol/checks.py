@@ -27,12 +27,13 @@ from rpcguard.protocol.backend import check_alloc_command
 from rpcguard.protocol.graph import GraphValidator, OpRules, op_rules
 from rpcguard.protocol.memshare import check_alloc as check_share
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
-from rpcguard.protocol.state import Buffer, SessionState, alloc_size_key, hash_miss_key
+from rpcguard.protocol.state import Buffer, SessionState, hash_miss_key
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
     CHECK_TENSOR,
     FOREIGN_BUFFER_OK,
     RpcTensor,
+    alloc_size_key,
     check_tensor,
     decode_tensor,
 )
@@ -65,25 +66,7 @@ class RequestChecks:
         self._ops = on["graph_ops"]
         self._denied = frozenset(policy.denied_ops)
         self._tchecks = (CHECK_TENSOR if self._tensor else 0) | (CHECK_BUFFER if self._bounds else 0)
-        self._graph = GraphValidator(
-            max_nodes=policy.max_graph_nodes,
-            max_tensors=policy.max_graph_tensors,
-            tensor_checks=self._tchecks,
-            structure=on["graph_structure"],
-            ops=on["graph_ops"],
-            op_params=on["op_params"],
-            device=self._device,
-            extra_denied=frozenset(policy.denied_ops),
-            allow_unverified=frozenset(policy.allow_unverified_ops),
-            max_cpu_s=policy.max_graph_cpu_s,
-            max_compute_s=policy.max_graph_compute_s,
-            node_gflops=policy.node_gflops,
-            max_work_bytes=policy.max_work_bytes,
-            server_threads=policy.server_threads,
-            contained=policy.contained,
-            backend=policy.backend,
-            cuda_scratch_bytes=policy.max_cuda_scratch_bytes,
-        )
+        self._graph = GraphValidator(policy)
 
     def quota(self, device: int) -> tuple[int, int] | None:
         """(bytes charged, cap) of the allocation quota that applies to ``device``, or None when

@@ -21,21 +21,21 @@ facts it would have taught are that session's only, state.py).
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any, Callable, Final, Mapping, NamedTuple, TypeVar, final
+from typing import Any, Callable, Final, Mapping, NamedTuple, Protocol, TypeVar, final
 
 from rpcguard.errors import FirewallRefusal, ProtocolRefusal
 from rpcguard.protocol import memshare
 from rpcguard.protocol.checks import RequestChecks
-from rpcguard.protocol.state import alloc_size_key, hash_miss_key
+from rpcguard.protocol.settings import FirewallPolicy, SessionPolicy
+from rpcguard.protocol.state import SessionState, hash_miss_key
+from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.supportsop import layer_supports
-from rpcguard.protocol.tensor import decode_tensor, nbytes, types_of
-from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES, CommandRule
+from rpcguard.protocol.tensor import alloc_size_key, decode_tensor, nbytes, types_of
+from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES, CommandRule, Version
 
-if TYPE_CHECKING:
-    from rpcguard.protocol.session import Expect, Session
-
-__all__ = ["CommandRow", "AllocAsked", "row", "ROWS", "CHECKS", "CACHEABLE", "EFFECTS", "LEARNERS", "BATCH",
-           "ANSWERS", "BATCH_MAX_BYTES", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX", "SUPPORTS_OP_MAX", "graph_buffers"]
+__all__ = ["CommandRow", "AllocAsked", "SessionOps", "Expected", "FirewallOps", "row", "ROWS", "CHECKS", "CACHEABLE",
+           "EFFECTS", "LEARNERS", "BATCH", "ANSWERS", "BATCH_MAX_BYTES", "HASH_MISSES_MAX", "ALLOC_SIZES_MAX",
+           "SUPPORTS_OP_MAX", "graph_buffers"]
 
 # A BATCH frame larger than this is urgent all the same: its body is streamed as it comes (held
 # bytes are copied; a model load's multi-MB SET_TENSORs must not be).
@@ -60,11 +60,54 @@ _SRC_AT: Final = 4 + TENSOR_BYTES  # GET_DEVICE_SUPPORTS_OP: the srcs after u32 
 _OP_AT: Final = 52  # rpc_tensor.op: after id u64, type u32, buffer u64, ne[4] u32, nb[4] u32
 
 C = TypeVar("C")  # what a request's effect leaves for its response's learner (Expect.ctx)
+C_co = TypeVar("C_co", covariant=True)
+
+
+# -- the seam to session.py (which imports this table): what effects, learners and answers use of
+# a session, its firewall and an expected response; session.Session, firewall.Firewall and
+# session.Expect have it, mypy checks them where session.py calls the table
+class FirewallOps(Protocol):
+    @property
+    def policy(self) -> FirewallPolicy: ...  # the firewall's own (connect: checks left to the node)
+    def check_quota(self, device: int) -> None: ...
+    def forwards_op(self, op: int) -> bool: ...
+
+
+class Expected(Protocol[C_co]):
+    @property
+    def ctx(self) -> C_co: ...  # what the request's effect left
+    @property
+    def swallow(self) -> bool: ...  # the proxy asked (inject): the response is not forwarded
+
+
+class SessionOps(Protocol):
+    """What the command table's functions read and call of a session (session.Session)."""
+    @property
+    def state(self) -> SessionState: ...
+    @property
+    def stats(self) -> SessionStats: ...
+    @property
+    def policy(self) -> SessionPolicy: ...
+    @property
+    def firewall(self) -> FirewallOps: ...
+    @property
+    def multi_device(self) -> bool: ...
+    @property
+    def version(self) -> Version | None: ...
+    @property
+    def hash_forwarded(self) -> bool: ...
+    def rule(self, cmd: int) -> CommandRule: ...
+    def inject(self, cmd: int, payload: bytes, response: int, ctx: object = None) -> None: ...
+    def learn_memory(self) -> None: ...
+    def learn_alignment(self) -> None: ...
+    def violated(self, refusal: FirewallRefusal, command: str) -> None: ...
+
+
 Check = Callable[[RequestChecks, CommandRule, memoryview, int], None]  # (checks, rule, head, body_len)
-Effect = Callable[["Session", memoryview, int], C]  # (session, head, body_len) -> response context
+Effect = Callable[[SessionOps, memoryview, int], C]  # (session, head, body_len) -> response context
 # (session, expectation, response head) -> None, or the response frame the client gets instead (memshare.py)
-Learn = Callable[["Session", "Expect[C]", memoryview], "bytes | None"]
-Answer = Callable[["Session", memoryview], "bytes | None"]  # (session, head) -> the proxy's answer, or forward
+Learn = Callable[[SessionOps, Expected[C], memoryview], "bytes | None"]
+Answer = Callable[[SessionOps, memoryview], "bytes | None"]  # (session, head) -> the proxy's answer, or forward
 
 
 class CommandRow(NamedTuple):
@@ -106,32 +149,32 @@ class AllocAsked:
 
 
 # ----------------------------------------------------------------------------- request effects
-def alloc_request(s: Session, head: memoryview, body_len: int) -> AllocAsked:
+def alloc_request(s: SessionOps, head: memoryview, body_len: int) -> AllocAsked:
     device, size = _DEV_U64.unpack_from(head) if s.multi_device else (0, _U64.unpack_from(head)[0])
     s.state.charge_alloc(device, size)  # reserved until the answer says what was granted
     return AllocAsked(device, size)
 
 
-def device_request(s: Session, head: memoryview, body_len: int) -> int:
+def device_request(s: SessionOps, head: memoryview, body_len: int) -> int:
     return _U32.unpack_from(head)[0] if len(head) >= 4 else 0  # no device before 3.0.0
 
 
-def handle_request(s: Session, head: memoryview, body_len: int) -> int:
+def handle_request(s: SessionOps, head: memoryview, body_len: int) -> int:
     handle: int = _U64.unpack_from(head)[0]
     return handle
 
 
-def free_request(s: Session, head: memoryview, body_len: int) -> None:
+def free_request(s: SessionOps, head: memoryview, body_len: int) -> None:
     s.state.free_buffer(_U64.unpack_from(head)[0])
 
 
-def set_tensor_request(s: Session, head: memoryview, body_len: int) -> None:
+def set_tensor_request(s: SessionOps, head: memoryview, body_len: int) -> None:
     s.stats.upload_bytes_set += body_len
     if len(head) == _SET_TENSOR_CACHE_HEAD and head[TENSOR_BYTES]:
         s.state.hash_misses.discard(hash_miss_key(head))  # one miss, one cached write
 
 
-def head_copy(s: Session, head: memoryview, body_len: int) -> bytes:
+def head_copy(s: SessionOps, head: memoryview, body_len: int) -> bytes:
     return bytes(head)
 
 
@@ -154,14 +197,14 @@ def graph_buffers(payload: memoryview | bytes, header: int) -> frozenset[int] | 
                      .cast("B").cast("Q")[::_TENSOR_STRIDE_U64])
 
 
-def graph_request(s: Session, head: memoryview, body_len: int) -> None:
+def graph_request(s: SessionOps, head: memoryview, body_len: int) -> None:
     # The server stores the graph for GRAPH_RECOMPUTE, pointing into the buffers it names.
     device = _U32.unpack_from(head)[0] if s.multi_device else 0
     spec = s.state.spec
     s.state.graph_stored(device, graph_buffers(head, spec.graph_header) if spec is not None else None)
 
 
-def supports_op_request(s: Session, head: memoryview, body_len: int) -> tuple[int, int, tuple[int, ...]]:
+def supports_op_request(s: SessionOps, head: memoryview, body_len: int) -> tuple[int, int, tuple[int, ...]]:
     # (device, op, the op tensor's type and each src's, -1 where absent): the answer's key
     t = decode_tensor(head, 4)
     types = [t.type]
@@ -171,12 +214,12 @@ def supports_op_request(s: Session, head: memoryview, body_len: int) -> tuple[in
     return _U32.unpack_from(head)[0], t.op, tuple(types)
 
 
-def alloc_size_request(s: Session, head: memoryview, body_len: int) -> bytes:
+def alloc_size_request(s: SessionOps, head: memoryview, body_len: int) -> bytes:
     return bytes(head[: (4 if s.multi_device else 0) + TENSOR_BYTES])  # [device] + the tensor, not its srcs
 
 
 # ----------------------------------------------------------------------------- response learners
-def alloc_answer(s: Session, exp: Expect[AllocAsked], head: memoryview) -> None:
+def alloc_answer(s: SessionOps, exp: Expected[AllocAsked], head: memoryview) -> None:
     handle, size = _U64x2.unpack_from(head)
     device = exp.ctx.device
     s.state.charge_alloc(device, (size if handle else 0) - exp.ctx.size)
@@ -188,18 +231,18 @@ def alloc_answer(s: Session, exp: Expect[AllocAsked], head: memoryview) -> None:
             s.inject(_BUFFER_CLEAR, _CLEAR.pack(handle, 0), s.rule(_BUFFER_CLEAR).response)
 
 
-def base_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
+def base_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> None:
     s.state.set_base(exp.ctx, _U64.unpack_from(head)[0])
 
 
-def device_count_answer(s: Session, exp: Expect[None], head: memoryview) -> None:
+def device_count_answer(s: SessionOps, exp: Expected[None], head: memoryview) -> None:
     s.state.upstream.device_count = _U32.unpack_from(head)[0]
     if exp.swallow:  # the session's own question after HELLO: then its devices' memory and alignment
         s.learn_memory()
         s.learn_alignment()
 
 
-def alignment_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
+def alignment_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> None:
     alignment = _U64.unpack_from(head)[0]
     if alignment == 0 or alignment & (alignment - 1):
         # ggml pads every tensor with GGML_PAD(x, alignment): a power of two (ggml-backend.cpp)
@@ -207,11 +250,11 @@ def alignment_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
     s.state.upstream.alignment[exp.ctx] = alignment
 
 
-def max_size_answer(s: Session, exp: Expect[int], head: memoryview) -> None:
+def max_size_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> None:
     s.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]
 
 
-def memory_answer(s: Session, exp: Expect[int], head: memoryview) -> bytes | None:
+def memory_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> bytes | None:
     device = exp.ctx
     free, total = s.state.upstream.memory[device] = _U64x2.unpack_from(head)
     # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
@@ -222,7 +265,7 @@ def memory_answer(s: Session, exp: Expect[int], head: memoryview) -> bytes | Non
     return memshare.answer(s.firewall.policy, s.state, device, free, total)  # the client is told its share
 
 
-def alloc_size_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
+def alloc_size_answer(s: SessionOps, exp: Expected[bytes], head: memoryview) -> None:
     req = exp.ctx
     at = len(req) - TENSOR_BYTES
     device = _U32.unpack_from(req)[0] if at else 0
@@ -243,7 +286,7 @@ def alloc_size_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
         sizes[alloc_size_key(device, t)] = size
 
 
-def hash_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
+def hash_answer(s: SessionOps, exp: Expected[bytes], head: memoryview) -> None:
     req = exp.ctx
     if head[0] == 0:
         # A miss: the client may now send this tensor once with cache_flag=1.
@@ -261,7 +304,7 @@ def hash_answer(s: Session, exp: Expect[bytes], head: memoryview) -> None:
             s.stats.upload_bytes_hash_hit += max(0, nbytes(t, info) - offset)
 
 
-def supports_op_answer(s: Session, exp: Expect[tuple[int, int, tuple[int, ...]]], head: memoryview) -> None:
+def supports_op_answer(s: SessionOps, exp: Expected[tuple[int, int, tuple[int, ...]]], head: memoryview) -> None:
     value = head[0]
     if value > 1:
         raise _invalid(f"GET_DEVICE_SUPPORTS_OP answered {value}, not 0 or 1")
@@ -272,7 +315,7 @@ def supports_op_answer(s: Session, exp: Expect[tuple[int, int, tuple[int, ...]]]
 
 
 # ----------------------------------------------------------------------------- the proxy's answers
-def hash_local(s: Session, head: memoryview) -> bytes | None:
+def hash_local(s: SessionOps, head: memoryview) -> bytes | None:
     """SET_TENSOR_HASH answers from the server's -c cache, which holds what any client uploaded
     with cache_flag=1: a tenant that knows the FNV-1a hash of another's tensor gets its bytes
     written into its own buffer (issue 28). Only a contained serve gives each identity its own
@@ -289,7 +332,7 @@ def hash_local(s: Session, head: memoryview) -> bytes | None:
     return _MISS
 
 
-def supports_op_local(s: Session, head: memoryview) -> bytes | None:
+def supports_op_local(s: SessionOps, head: memoryview) -> bytes | None:
     """An op the firewall never forwards in a graph (no verified rule, denied, or contained
     only on a server that is not contained), or that the device's backend layer refuses, is "not
     supported": the scheduler then places it on another backend, and the server never sees a query

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from rpcguard.protocol.versions import COMMAND_IDS, HELLO, TENSOR_BYTES, Version
+from rpcguard.protocol.versions import COMMAND_IDS, HELLO, HELLO_CAPS_SINCE, TENSOR_BYTES, Version
 
 __all__ = [
     "TensorSpec",
@@ -89,13 +89,13 @@ def response(payload: bytes = b"", *, length: int | None = None) -> bytes:
 
 def hello_request(version: Version = (7, 0, 0), caps: bytes = bytes(24)) -> bytes:
     """The HELLO a client of ``version`` sends (24 caps bytes since 4.0.0, empty before)."""
-    return request(HELLO, caps if version >= (4, 0, 0) else b"")
+    return request(HELLO, caps if version >= HELLO_CAPS_SINCE else b"")
 
 
 def hello_response(version: Version, *, new_layout: bool | None = None, caps: bytes = bytes(24)) -> bytes:
     """The HELLO reply announcing ``version``; ``new_layout`` picks the >= 4.0.0 28-byte form."""
     if new_layout is None:
-        new_layout = version >= (4, 0, 0)
+        new_layout = version >= HELLO_CAPS_SINCE
     payload = bytes(version)
     if new_layout:
         payload += b"\x00" + caps

@@ -29,16 +29,13 @@ derived without OP_COUNT either, and a guessed table would refuse real traffic.
 
 from __future__ import annotations
 
-import gc
 import struct
 import sys
-import threading
-from time import thread_time
 from array import array
 from dataclasses import dataclass
 from itertools import compress, filterfalse, islice, repeat
 from operator import ge, gt, lt
-from typing import Callable, Final, Literal, Mapping
+from typing import AbstractSet, Callable, Final, Literal, Mapping, Protocol
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
@@ -49,6 +46,8 @@ from rpcguard.protocol.opcheck import check_layout, check_node, check_reach, che
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
+    CHECK_BUFFER,
+    CHECK_TENSOR,
     STRICT,
     TENSOR_CACHE_MAX,
     RpcTensor,
@@ -61,8 +60,8 @@ from rpcguard.protocol.workbuf import ONE_TASK_OPS, work_bytes
 from rpcguard.protocol.workuse import check_work_use
 
 __all__ = [
-    "GraphValidator", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC", "NODE_CACHE_MAX", "MAX_GRAPH_COMPUTE_S",
-    "NODE_GFLOPS", "MAX_WORK_BYTES", "SERVER_THREADS",
+    "GraphValidator", "GraphPolicy", "Clock", "set_clock", "OpRules", "op_rules", "coverage", "GGML_MAX_SRC",
+    "NODE_CACHE_MAX", "MAX_GRAPH_COMPUTE_S", "NODE_GFLOPS", "MAX_WORK_BYTES", "SERVER_THREADS",
 ]
 
 GGML_MAX_SRC: Final = 10
@@ -87,28 +86,23 @@ NODE_CACHE_MAX: Final = 1 << 16
 # hundred ms; a crafted maximal graph would otherwise stall the event loop for seconds.
 MAX_GRAPH_CPU_S: Final = 0.5
 
-# The validation budget is the validating thread's CPU time less the time spent in the garbage
-# collector: a collection that a validation happens to trigger pays for every object the process
-# holds (hundreds of ms in a large process), not for the graph, and must not refuse a valid one.
-# Per thread: a large graph is validated on a worker thread (proxy/link.py) while the loop thread
-# may collect, and a collection only stops the thread that runs it.
-_gc_time = threading.local()  # .spent: seconds of this thread in collections; .start: the current one's start
+# The validation budget's clock comes from the I/O layer (this package is sans-IO: no clock, no
+# gc): proxy/validators.py installs the validating thread's CPU time less its time in the garbage
+# collector (set_clock). Without one (tests, benches, the differential oracle) the budget never
+# trips; a validator built with its own clock (GraphValidator(policy, clock=...)) reads that one.
+Clock = Callable[[], float]  # CPU seconds of the calling thread that count against the budget
 
 
-def _on_gc(phase: str, info: dict[str, int]) -> None:
-    if phase == "start":
-        _gc_time.start = thread_time()
-    else:
-        now = thread_time()
-        _gc_time.spent = getattr(_gc_time, "spent", 0.0) + now - getattr(_gc_time, "start", now)
+def _no_clock() -> float:
+    return 0.0
 
 
-gc.callbacks.append(_on_gc)
+_CLOCK: list[Clock] = [_no_clock]  # the installed clock (a one-slot box: mypyc compiles this module)
 
 
-def _validation_clock() -> float:
-    """CPU seconds of this thread outside the garbage collector."""
-    return thread_time() - getattr(_gc_time, "spent", 0.0)
+def set_clock(clock: Clock | None) -> None:
+    """Install the clock every validator without its own reads (None: none, the budget never trips)."""
+    _CLOCK[0] = clock if clock is not None else _no_clock
 
 
 # The compute budget (cost.py). A graph's estimated compute time on the node: above any real graph
@@ -224,61 +218,78 @@ def coverage(version: Version) -> tuple[int, int, tuple[str, ...]]:
     return len(rules.rows), rules.count - 1, missing
 
 
-class GraphValidator:
-    """Validates GRAPH_COMPUTE payloads of one session; built once by the firewall."""
+class GraphPolicy(Protocol):
+    """What the validator reads of ``settings.FirewallPolicy`` (which imports this module's
+    defaults, hence a Protocol; mypy holds FirewallPolicy to it where checks.py passes it)."""
+    @property
+    def disabled_checks(self) -> AbstractSet[str]: ...
+    @property
+    def max_graph_nodes(self) -> int: ...
+    @property
+    def max_graph_tensors(self) -> int: ...
+    @property
+    def denied_ops(self) -> AbstractSet[str]: ...
+    @property
+    def allow_unverified_ops(self) -> AbstractSet[str]: ...
+    @property
+    def max_graph_cpu_s(self) -> float: ...
+    @property
+    def max_graph_compute_s(self) -> float: ...
+    @property
+    def node_gflops(self) -> float: ...
+    @property
+    def max_work_bytes(self) -> int: ...
+    @property
+    def server_threads(self) -> int: ...
+    @property
+    def contained(self) -> bool: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def max_cuda_scratch_bytes(self) -> int: ...
 
-    def __init__(
-        self,
-        *,
-        max_nodes: int,
-        max_tensors: int,
-        tensor_checks: int = STRICT,
-        structure: bool = True,
-        ops: bool = True,
-        op_params: bool = True,
-        device: bool = True,
-        extra_denied: frozenset[str] = frozenset(),
-        allow_unverified: frozenset[str] = frozenset(),
-        max_cpu_s: float = MAX_GRAPH_CPU_S,
-        max_compute_s: float = MAX_GRAPH_COMPUTE_S,
-        node_gflops: float = NODE_GFLOPS,
-        max_work_bytes: int = MAX_WORK_BYTES,
-        server_threads: int = SERVER_THREADS,
-        contained: bool = False,
-        backend: str = "auto",
-        cuda_scratch_bytes: int = 0,
-    ) -> None:
-        self.max_nodes = max_nodes
-        self.max_tensors = max_tensors
+
+class GraphValidator:
+    """Validates GRAPH_COMPUTE payloads of one session; built once by the firewall from the
+    session's ``FirewallPolicy`` (its caps and which of its checks are on)."""
+
+    def __init__(self, policy: GraphPolicy, clock: Clock | None = None) -> None:
+        off = policy.disabled_checks
+        self.max_nodes = policy.max_graph_nodes
+        self.max_tensors = policy.max_graph_tensors
         # A use count is a number of src slots of the (whole, pre-split) graph pointing at a
         # tensor: more than GGML_MAX_SRC per node of the largest graph we accept is not real.
-        self.max_use_count = GGML_MAX_SRC * max_nodes
-        self.tensor_checks = tensor_checks
-        self.structure = structure
-        self.ops = ops
-        self.op_params = op_params
-        self.device = device
-        self.extra_denied = extra_denied
+        self.max_use_count = GGML_MAX_SRC * self.max_nodes
+        self.tensor_checks = (0 if "tensor" in off else CHECK_TENSOR) | (0 if "buffer_bounds" in off else CHECK_BUFFER)
+        self.structure = "graph_structure" not in off
+        self.ops = "graph_ops" not in off
+        self.op_params = "op_params" not in off
+        self.device = "device_index" not in off
+        self.extra_denied = frozenset(policy.denied_ops)
         # Ops the site forwards without a verified rule ("*": every op), counted per use.
-        self.allow_unverified = allow_unverified
-        self.max_cpu_s = max_cpu_s
-        self.max_compute_s = max_compute_s
-        self.node_flops = node_gflops * 1e9
-        self.max_work_bytes = max_work_bytes
-        self.server_threads = server_threads
+        self.allow_unverified = frozenset(policy.allow_unverified_ops)
+        self.max_cpu_s = policy.max_graph_cpu_s
+        self.max_compute_s = policy.max_graph_compute_s
+        self.node_flops = policy.node_gflops * 1e9
+        self.max_work_bytes = policy.max_work_bytes
+        self.server_threads = policy.server_threads
         # the upstream is a fresh sandboxed process per session (containment): content-indexed
         # ops with a shape rule but no check on their indexes (oprules.needs_containment) may reach it
-        self.contained = contained
-        self.backend = backend  # policy.backend: the op table's backend layer (protocol/backend.py)
-        self.cuda_scratch_bytes = cuda_scratch_bytes  # a CUDA node's pool scratch budget (protocol/cudascratch.py)
+        self.contained = policy.contained
+        self.backend = policy.backend  # the op table's backend layer (protocol/backend.py)
+        self.cuda_scratch_bytes = policy.max_cuda_scratch_bytes  # a CUDA node's pool scratch budget (protocol/cudascratch.py)
         self._layers: dict[int, str] = {}  # device -> the layer its cached node verdicts were reached under
+        self._own_clock = clock  # None: the installed one (set_clock), read per graph
+        self._clock: Clock = _no_clock
         self._deadline = 0.0
 
     # -- entry point -------------------------------------------------------------------------
 
     def check(self, payload: memoryview, state: SessionState) -> int:
         """Validate one GRAPH_COMPUTE payload; returns its device index. Raises FirewallRefusal."""
-        self._deadline = _validation_clock() + self.max_cpu_s
+        clock = self._own_clock or _CLOCK[0]
+        self._clock = clock
+        self._deadline = clock() + self.max_cpu_s
         spec = state.spec
         assert spec is not None
         mv = memoryview(payload)
@@ -380,7 +391,7 @@ class GraphValidator:
     def _budget(self) -> None:
         """The proxy's own cost per graph is bounded: a graph whose validation takes more CPU
         than ``max_cpu_s`` is refused (it would stall every other session of this process)."""
-        if _validation_clock() > self._deadline:
+        if self._clock() > self._deadline:
             raise _refuse("graph_too_costly", f"validation took more than {self.max_cpu_s * 1e3:.0f} ms of CPU")
 
     # -- structure ---------------------------------------------------------------------------

@@ -19,7 +19,13 @@ from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, MAX_GRAPH_CPU_S, MAX_WO
 from rpcguard.protocol.side import SIDES
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
 
-__all__ = ["CHECK_NAMES", "DEFAULT_PROFILE", "FirewallPolicy", "SessionPolicy", "Limits", "Profile", "default_policy"]
+__all__ = ["CHECK_NAMES", "MODES", "VALIDATE_REQUESTS", "UPSTREAM_BUSY", "DEFAULT_PROFILE", "FirewallPolicy",
+           "SessionPolicy", "Limits", "Profile", "default_policy"]
+
+#: the allowed values of the choice settings (config/sections.py reads them; the fields hold the defaults)
+MODES: tuple[str, ...] = ("enforce", "monitor")  # SessionPolicy.mode
+VALIDATE_REQUESTS: tuple[str, ...] = ("auto", "always")  # SessionPolicy.validate_requests
+UPSTREAM_BUSY: tuple[str, ...] = ("queue", "refuse")  # Limits.upstream_busy
 
 #: Name of a listener's (or tunnel's) own settings, the profile of identities no entry assigns one.
 DEFAULT_PROFILE = "default"

@@ -22,14 +22,9 @@ learned) goes through ``add_buffer``, ``free_buffer`` or ``set_base``, which emp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from rpcguard.protocol.versions import TENSOR_BYTES, ProtocolSpec, Version
 
-if TYPE_CHECKING:
-    from rpcguard.protocol.tensor import RpcTensor
-
-__all__ = ["UpstreamFacts", "Buffer", "SessionState", "alloc_size_key", "hash_miss_key"]
+__all__ = ["UpstreamFacts", "Buffer", "SessionState", "hash_miss_key"]
 
 
 @dataclass(slots=True)
@@ -177,12 +172,8 @@ class SessionState:
         self.graph_freed.discard(device)
 
 
-# -- the keys of two caches, written by the command table's learners and read by the firewall
-def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:
-    """What a server's allocation size depends on (the client's own cache key, ggml-rpc.cpp:869-887)."""
-    return (device, t.type, *t[3:11], t.op)
-
-
+# -- the key of a cache written by the command table's learners and read by the firewall (the
+# other one, alloc_size_key, is a tensor's: tensor.py)
 def hash_miss_key(set_tensor_head: memoryview | bytes) -> bytes:
     """What ties a 7.0.0 SET_TENSOR head to the SET_TENSOR_HASH that missed before it: the
     rpc_tensor and the offset (SET_TENSOR_HASH: rpc_tensor, offset, hash; SET_TENSOR: rpc_tensor,

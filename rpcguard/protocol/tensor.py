@@ -32,6 +32,7 @@ __all__ = [
     "RpcTensor",
     "decode_tensor",
     "nbytes",
+    "alloc_size_key",
     "check_tensor",
     "types_of",
     "CHECK_TENSOR",
@@ -140,6 +141,12 @@ assert len(RpcTensor._fields) == len(TENSOR_STRUCT.unpack(bytes(TENSOR_BYTES)))
 def decode_tensor(buf: memoryview | bytes, offset: int = 0) -> RpcTensor:
     """The ``rpc_tensor`` at ``offset`` of ``buf`` (caller guarantees 296 bytes are there)."""
     return _make(_unpack_from(buf, offset))
+
+
+def alloc_size_key(device: int, t: RpcTensor) -> tuple[int, ...]:
+    """What a server's allocation size depends on (the client's own cache key, ggml-rpc.cpp:869-887):
+    the key of UpstreamFacts.alloc_sizes, written by the command table's learner and read by the firewall."""
+    return (device, t.type, *t[3:11], t.op)
 
 
 def nbytes(t: RpcTensor, info: TypeInfo) -> int:

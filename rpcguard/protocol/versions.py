@@ -32,6 +32,10 @@ __all__ = [
     "KNOWN_VERSIONS",
     "STORED_GRAPH_FIXED",
     "HELLO",
+    "HELLO_CAPS_SINCE",
+    "LAST_BEFORE_CAPS",
+    "HELLO_REQUEST_SIZES",
+    "HELLO_RESPONSE_SIZES",
     "HEADER_REQ_BYTES",
     "HEADER_RSP_BYTES",
     "TENSOR_BYTES",
@@ -48,6 +52,9 @@ Version = tuple[int, int, int]
 HEADER_REQ_BYTES: Final = 9  # cmd:u8 | len:u64
 HEADER_RSP_BYTES: Final = 8  # len:u64
 TENSOR_BYTES: Final = 296  # sizeof(rpc_tensor), packed, GGML_MAX_DIMS=4, GGML_MAX_SRC=10, GGML_MAX_NAME=64
+# The HELLO layout changed once: since 4.0.0 the request carries 24 caps bytes and the reply 28
+# (version + caps); before, an empty request and a 3-byte reply. HELLO_*_SIZES below are derived.
+HELLO_CAPS_SINCE: Final[Version] = (4, 0, 0)
 
 # Payload layouts.
 FIXED: Final = "fixed"  # len must equal `request`; the whole payload is validated before forwarding
@@ -191,7 +198,7 @@ def _rows(v: Version) -> list[tuple[str, str, str, int, int, bool]]:
         ("INIT_TENSOR", t, empty, False),
         # GET_ALLOC_SIZE: [u32 device] rpc_tensor [srcs[10] since 3.6.0].
         ("GET_ALLOC_SIZE", dev + t + (10 * t if _v(v, (3, 6, 0)) else 0), 8, md),
-        ("HELLO", 24 if _v(v, (4, 0, 0)) else 0, 28 if _v(v, (4, 0, 0)) else 3, False),
+        ("HELLO", 24 if _v(v, HELLO_CAPS_SINCE) else 0, 28 if _v(v, HELLO_CAPS_SINCE) else 3, False),
     ]
     if md:
         rows.append(("DEVICE_COUNT", 0, 4, False))
@@ -237,6 +244,13 @@ def spec_for(version: Version) -> ProtocolSpec | None:
     )
     _SPECS[version] = spec
     return spec
+
+
+#: the newest version whose HELLO has no caps (a pre-4.0 server closes on the caps form)
+LAST_BEFORE_CAPS: Final[Version] = max(v for v in KNOWN_VERSIONS if v < HELLO_CAPS_SINCE)
+#: every HELLO request / reply payload size of a known version (what tells a ggml-rpc-server)
+HELLO_REQUEST_SIZES: Final = frozenset(spec_for(v).hello_request for v in KNOWN_VERSIONS)  # type: ignore[union-attr]
+HELLO_RESPONSE_SIZES: Final = frozenset(spec_for(v).hello_response for v in KNOWN_VERSIONS)  # type: ignore[union-attr]
 
 
 def parse_version(text: str) -> Version:

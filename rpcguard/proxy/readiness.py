@@ -1,6 +1,14 @@
-"""Whether a serve listener could serve a session now: a real HELLO to its upstream, in the background.
+"""``/readyz``: could this process serve a session now? The certificates in use, and each upstream.
 
-How this works: ``/readyz`` must tell the truth and never cost a session anything (issue 31.2).
+How this works: ``readiness`` answers ``/readyz`` from what is known: not while draining, not with
+a certificate in use that has expired, then per listener. serve's listener that runs its server
+asks its pool; one with ``--upstream`` reads its ``UpstreamProbe`` (below); connect's tunnel asks
+``NodeChecks``, which trusts a session's outcome or a probe's for ``NODE_CHECK_INTERVAL_S`` and
+otherwise runs the TLS-only probe of pki/probe.py (no HELLO: the node's single upstream slot is
+never taken for it). A broken file on disk does not matter here: the loaded material keeps working
+and a failed reload is reported by ``rpcguard_reload_total{result="error"}``.
+
+``/readyz`` must tell the truth and never cost a session anything (issue 31.2).
 A TCP connect is not the truth: an HTTP server on the upstream port accepts it too. So
 ``UpstreamProbe`` keeps, per listener with a server it does not run (``--upstream``), the verdict
 of the last HELLO exchange with that server: ready only when the server answered HELLO with a
@@ -18,18 +26,33 @@ probe connects at once and the single-client server serves it right after the pr
 from __future__ import annotations
 
 import asyncio
-import struct
+import ssl
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
+from rpcguard.pki.probe import tls_probe
 from rpcguard.protocol.encode import hello_request
-from rpcguard.protocol.versions import HEADER_RSP_BYTES, Version, format_version
+from rpcguard.protocol.versions import (
+    HEADER_RSP_BYTES, HELLO_CAPS_SINCE, HELLO_RESPONSE_SIZES, LAST_BEFORE_CAPS, Version, format_version,
+)
 
-__all__ = ["UpstreamProbe", "Verdict", "hello_probe", "PROBE_INTERVAL_S", "PROBE_TIMEOUT_S"]
+__all__ = ["UpstreamProbe", "Verdict", "NodeChecks", "readiness", "hello_probe", "PROBE_INTERVAL_S",
+           "PROBE_TIMEOUT_S", "NODE_CHECK_INTERVAL_S", "NODE_PROBE_TIMEOUT_S"]
 
 PROBE_INTERVAL_S = 5.0  # how stale a verdict may be: an upstream that dies shows within this
 PROBE_TIMEOUT_S = 3.0  # a server that takes the connection but does not answer HELLO in this is not ready
+# a HELLO reply of any era: header + its payload (3 bytes before 4.0.0, 28 since)
+_REPLY_MIN, _REPLY_MAX = HEADER_RSP_BYTES + min(HELLO_RESPONSE_SIZES), HEADER_RSP_BYTES + max(HELLO_RESPONSE_SIZES)
+# connect's /readyz: how long what is known about a node (a probe's or a session's outcome) is
+# trusted before the next /readyz probes it again (TLS handshake only, pki/probe.py tls_probe).
+NODE_CHECK_INTERVAL_S = 15.0
+# ...and how long that probe may take: /readyz answers within metrics.READ_TIMEOUT_S (5 s), and a
+# node that drops packets must read as "node_unreachable", not as a timed-out readiness check.
+NODE_PROBE_TIMEOUT_S = 3.0
+# Session outcomes that say the tunnel cannot work now (the node's rpcguard or server is at fault).
+_NODE_DOWN_REASONS = frozenset({"node_unreachable", "tls_failed", "node_name_mismatch", "identity_not_allowed",
+                                "version_not_accepted", "upstream_unavailable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +65,7 @@ class Verdict:
 async def hello_probe(host: str, port: int, accepted: frozenset[Version],
                       timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
     """One HELLO exchange with a ggml-rpc-server: (ready, why)."""
-    for era in ((4, 0, 0), (3, 6, 1)):  # 24-byte caps first; a pre-4.0 server closes on them
+    for era in (HELLO_CAPS_SINCE, LAST_BEFORE_CAPS):  # 24-byte caps first; a pre-4.0 server closes on them
         try:
             got = await asyncio.wait_for(_exchange(host, port, hello_request(era)), timeout)
         except asyncio.TimeoutError:
@@ -61,9 +84,9 @@ async def _exchange(host: str, port: int, hello: bytes) -> bytes:
     try:
         writer.write(hello)
         await writer.drain()
-        head = await reader.read(HEADER_RSP_BYTES + 28)
-        while 0 < len(head) < HEADER_RSP_BYTES + 3:
-            more = await reader.read(HEADER_RSP_BYTES + 28 - len(head))
+        head = await reader.read(_REPLY_MAX)
+        while 0 < len(head) < _REPLY_MIN:
+            more = await reader.read(_REPLY_MAX - len(head))
             if not more:
                 break
             head += more
@@ -75,10 +98,10 @@ async def _exchange(host: str, port: int, hello: bytes) -> bytes:
 
 
 def _judge(got: bytes, accepted: frozenset[Version], host: str, port: int) -> tuple[bool, str]:
-    if len(got) < HEADER_RSP_BYTES + 3:
+    if len(got) < _REPLY_MIN:
         return False, f"{host}:{port} answered {len(got)} bytes to HELLO (not a ggml-rpc-server)"
-    (size,) = struct.unpack_from("<Q", got)
-    if size not in (3, 28):
+    size = int.from_bytes(got[:HEADER_RSP_BYTES], "little")
+    if size not in HELLO_RESPONSE_SIZES:
         shown = got[:16].decode("latin-1").encode("unicode_escape").decode("ascii")
         return False, f"{host}:{port} is not a ggml-rpc-server (answered {shown!r} to HELLO)"
     version = (got[8], got[9], got[10])
@@ -126,3 +149,122 @@ class UpstreamProbe:
             if not self._in_use():
                 await self.probe_now()
             await asyncio.sleep(PROBE_INTERVAL_S)
+
+
+class NodeChecks:
+    """connect: what is known about each tunnel's node, from sessions' outcomes and TLS-only probes."""
+
+    def __init__(self, context: Callable[[], ssl.SSLContext], timeout_s: Callable[[], float],
+                 own_warnings: Callable[[], Iterable[str]]) -> None:
+        self._context, self._timeout_s, self._own_warnings = context, timeout_s, own_warnings
+        self._seen: dict[str, tuple[float, bool, str]] = {}  # tunnel -> (when, ok, why)
+        self._lock: dict[str, asyncio.Lock] = {}
+
+    def note(self, record: dict) -> None:
+        """A finished session's outcome: the freshest news about its node."""
+        down = record.get("result") == "refused" and record.get("reason") in _NODE_DOWN_REASONS
+        if down or record.get("version"):
+            why = f"{record.get('reason')}: {record.get('detail')}" if down else "a session got through"
+            self._seen[record["listener"]] = (time.monotonic(), not down, why)
+
+    async def ready(self, name: str, host: str, port: int, server_name: str) -> tuple[bool, str]:
+        """Does the node answer? The last known outcome if fresh, else a TLS-only probe.
+
+        The probe stops after the TLS handshake (and the node's verdict on our certificate), so
+        it never sends HELLO and never takes the node's single upstream slot (serve takes it at
+        HELLO). It runs at most once per NODE_CHECK_INTERVAL_S per tunnel, and only when asked.
+        """
+        async with self._lock.setdefault(name, asyncio.Lock()):
+            seen = self._seen.get(name)
+            if seen is None or time.monotonic() - seen[0] > NODE_CHECK_INTERVAL_S:
+                result = await tls_probe(name, host, port, self._context(), server_name,
+                                         timeout=min(NODE_PROBE_TIMEOUT_S, self._timeout_s()),
+                                         own_warnings=self._own_warnings())
+                why = "TLS accepted" if result.ok else f"{result.reason}: {result.detail}"
+                seen = self._seen[name] = (time.monotonic(), result.ok, why)
+            return seen[1], seen[2]
+
+
+class _Route(Protocol):
+    """What readiness reads of a route (proxy/route.py ``Route``)."""
+
+    name: str
+    upstream_host: str
+    upstream_port: int
+    server_name: str | None
+    draining: bool
+
+    @property
+    def provider(self) -> _Provider | None: ...
+
+    @property
+    def traffic(self) -> _Traffic: ...
+
+    @property
+    def side(self) -> _Side: ...
+
+
+class _Provider(Protocol):
+    def ready(self) -> tuple[bool, str]: ...
+
+
+class _Traffic(Protocol):
+    upstream_up: bool | None
+
+
+class _Side(Protocol):
+    @property
+    def upstream_is_guard(self) -> bool: ...
+
+
+class _Listener(Protocol):
+    """What readiness reads of a listener (proxy/listeners.py ``Listener``)."""
+
+    @property
+    def route(self) -> _Route: ...
+
+    @property
+    def probe(self) -> UpstreamProbe | None: ...
+
+
+async def readiness(listeners: Iterable[_Listener], expiry: dict[str, float],
+                    nodes: NodeChecks | None) -> tuple[bool, str]:
+    """/readyz: the certificates IN USE valid (``expiry``: certificate -> notAfter), and every upstream
+    (serve) or node (connect, ``nodes``) answering; (ready, one line per listener)."""
+    listeners = list(listeners)
+    if any(lst.route.draining for lst in listeners):
+        return False, "draining: not accepting new sessions"  # take this node out of rotation
+    now = time.time()
+    for name, when in expiry.items():
+        if when <= now:
+            return False, f"{name} certificate in use expired"
+    lines = []
+    tunnels = [lst.route for lst in listeners if lst.route.side.upstream_is_guard]
+    verdicts: list[tuple[bool, str]] = []  # serve has no tunnels, and no NodeChecks
+    if nodes is not None:
+        verdicts = list(await asyncio.gather(*(nodes.ready(r.name, r.upstream_host, r.upstream_port,
+                                                           r.server_name or r.upstream_host) for r in tunnels)))
+    for route, (ok, why) in zip(tunnels, verdicts, strict=True):
+        if not ok:
+            return False, f"{route.name}: node {route.upstream_host}:{route.upstream_port}: {why}"
+        lines.append(f"{route.name}: node answers ({why})")
+    for lst in listeners:
+        route = lst.route
+        if route.side.upstream_is_guard:
+            continue
+        if route.provider is not None:  # serve runs the server: its pool knows
+            ok, why = route.provider.ready()
+            route.traffic.upstream_up = ok
+            if not ok:
+                return False, f"{route.name}: upstream {why}"
+            lines.append(f"{route.name}: upstream {why}")
+            continue
+        probe = lst.probe
+        assert probe is not None
+        if probe.verdict is None:  # only right after start: the first probe, once
+            await probe.probe_now()
+        ok, why = probe.read()  # the background HELLO's verdict: never waits, never takes the slot
+        if not ok:
+            return False, f"{route.name}: {why}"
+        lines.append(f"{route.name}: {why}")
+    return True, "; ".join(lines)

@@ -8,19 +8,58 @@ identity, and the next job is taken from the identity with the fewest running, t
 served longest ago: one certificate's flood of costly graphs delays another tenant's graph by at
 most the validations already running, not by the whole flood. The
 ``done`` callback runs on the loop thread with the finished future.
+
+The graph validator's CPU budget (policy ``max_graph_cpu_s``) reads its clock from here: the
+protocol core is sans-IO, so the clock and the garbage collector's accounting live on this side
+(``cpu_clock``, installed by ``install_clock`` when the pool is made: for the validations on these
+threads and for the small graphs validated on the loop thread alike).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
+import threading
 from collections import deque
+from time import thread_time
 from typing import Callable
 
-__all__ = ["Validators", "WORKERS"]
+from rpcguard.protocol import graph
+
+__all__ = ["Validators", "WORKERS", "cpu_clock", "install_clock"]
 
 # Two threads: many sessions' validations queue instead of all contending with the loop for the GIL.
 WORKERS = 2
+
+# The validation budget is the validating thread's CPU time less the time spent in the garbage
+# collector: a collection that a validation happens to trigger pays for every object the process
+# holds (hundreds of ms in a large process), not for the graph, and must not refuse a valid one.
+# Per thread: a large graph is validated on a worker thread while the loop thread may collect, and
+# a collection only stops the thread that runs it.
+_gc_time = threading.local()  # .spent: seconds of this thread in collections; .start: the current one's start
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_time.start = thread_time()
+    else:
+        now = thread_time()
+        _gc_time.spent = getattr(_gc_time, "spent", 0.0) + now - getattr(_gc_time, "start", now)
+
+
+def cpu_clock() -> float:
+    """CPU seconds of this thread outside the garbage collector (graph.Clock)."""
+    return thread_time() - getattr(_gc_time, "spent", 0.0)
+
+
+def install_clock() -> None:
+    """Count collections (a process-wide gc callback, added once) and make ``cpu_clock`` the
+    graph validators' clock (graph.set_clock)."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+    graph.set_clock(cpu_clock)
+
 
 Job = Callable[[], None]
 Done = Callable[["asyncio.Future[None]"], None]
@@ -30,6 +69,7 @@ class Validators:
     """A bounded pool of validation threads with one FIFO per identity, served in turn."""
 
     def __init__(self, workers: int = WORKERS) -> None:
+        install_clock()
         self.workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpcguard-graph")
         self._running = 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.versions import spec_for
 from tests.differential.mutations import Mutation, canon_nodes, mutations
@@ -68,7 +69,7 @@ def refusal(payload: bytes, buffers: list[tuple[int, int, int]]) -> tuple[str, s
     try:
         # contained: the shape rules of content-indexed ops (oprules.needs_containment) are what
         # this oracle checks; that they need containment is tests/unit/test_oprules.py's business
-        GraphValidator(max_nodes=4096, max_tensors=16384, contained=True).check(memoryview(payload), st)
+        GraphValidator(FirewallPolicy(max_graph_nodes=4096, max_graph_tensors=16384, contained=True)).check(memoryview(payload), st)
     except FirewallRefusal as exc:
         return exc.reason, exc.detail
     except Exception as exc:  # noqa: BLE001  a validator bug: reported, never counted as a refusal

@@ -452,3 +452,40 @@ def test_with_upstream_busy_refuse_the_second_client_is_told_and_the_first_keeps
     out = first.output()
     assert "LONGCLIENT_OK" in out and out.count("token ids:") == 2, out[-2000:]
     assert serve.value("rpcguard_refusals_total", reason="idle_while_waiting") == 0
+
+
+def test_a_contained_serve_never_cuts_a_live_llama_server_for_another_tenant(pki, workdir, guards):
+    """issue 31: under serve -- ggml-rpc-server each session has its own process, so a second
+    tenant does not wait for the first: llama-server A idles between two completions holding its
+    buffers while llama-server B loads and generates; nothing is ended (with both fair-slot limits
+    at 1 s), nobody waits, and A's second completion gives the tokens of direct. On main B's
+    sessions queued for the listener's single slot and A was ended after idle_while_waiting_s."""
+    t = lt.tools()
+    server, port = lt.start_rpc_server(t, workdir)
+    try:
+        model = realpeer.make_model(workdir / "tiny.gguf", "--preset", "tiny")
+        direct = lt.start_llama_server(t, workdir, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "direct")
+        try:
+            want = direct.complete(lt.PROMPT, 8, cache_prompt=False)
+        finally:
+            direct.stop()
+        connect, serve = contained_pair(pki, workdir, guards, str(t.rpc_server),
+                                        "limits:\n  idle_while_waiting_s: 1\n  hold_while_waiting_s: 1\n")
+        a = lt.start_llama_server(t, workdir, model, [connect.endpoint], [*lt.SERVER], "a")
+        try:
+            first = a.complete(lt.PROMPT, 8, cache_prompt=False)
+            b = lt.start_llama_server(t, workdir, model, [connect.endpoint], [*lt.SERVER], "b")
+            try:
+                other = b.complete(lt.PROMPT, 8, cache_prompt=False)
+            finally:
+                b.stop()
+            second = a.complete(lt.PROMPT, 8, cache_prompt=False)
+        finally:
+            rc = a.stop()
+        assert first == second == other == want and want, (first, second, other, want)
+        assert rc in (0, -15), rc
+        for reason in ("idle_while_waiting", "hold_while_waiting", "upstream_busy"):
+            assert serve.value("rpcguard_refusals_total", reason=reason) == 0, reason
+        assert "waits for the upstream" not in serve.output()
+    finally:
+        server.stop()

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from rpcguard.pki.preflight import certificate_warnings
-from rpcguard.admin.check import probe_node, tls_probe
+from rpcguard.admin.check import probe_node
+from rpcguard.pki.probe import tls_probe
 from rpcguard.pki.tls import client_context
 from tests.support import realpeer
 from tests.support.guard import Pki, start_guard, wait_for_line

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rpcguard.proxy.server import NODE_CHECK_INTERVAL_S
+from rpcguard.proxy.readiness import NODE_CHECK_INTERVAL_S
 from tests.support import realpeer
 from tests.support.guard import start_guard
 
@@ -122,12 +122,12 @@ def test_connect_readyz_reuses_the_last_session_outcome(pki):
 
     async def run():
         rt = Runtime(cfg)
-        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "ok", "version": "7.0.0"})
+        rt.outcomes.session_ended({"role": "connect", "listener": "tunnel0", "result": "ok", "version": "7.0.0"})
         first = await rt.ready()
-        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
+        rt.outcomes.session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "identity_not_allowed",
                            "detail": "not on the allow-list"})
         second = await rt.ready()
-        rt._session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
+        rt.outcomes.session_ended({"role": "connect", "listener": "tunnel0", "result": "refused", "reason": "upstream_busy", "detail": "busy"})
         third = await rt.ready()  # busy is the node answering: the last verdict stands
         return first, second, third
 

@@ -96,7 +96,7 @@ class Guard:
         return self.proc.stop(**kw)
 
 
-# What rpcguard logs once it has bound a port (proxy/server.py): "<role> <name> listening on
+# What rpcguard logs once it has bound a port (proxy/listeners.py): "<role> <name> listening on
 # <host>:<port> -> <upstream>" per listener or tunnel, "metrics on http(s)://<host>:<port>/metrics".
 LISTENING = re.compile(r"(\S+) listening on (\S+):(\d+) -> ")
 METRICS_ON = re.compile(r"metrics on https?://\S+:(\d+)/metrics")

@@ -14,9 +14,10 @@ from rpcguard.protocol import backend
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.oprules import cuda
-from rpcguard.protocol.state import SessionState, UpstreamFacts, alloc_size_key
-from rpcguard.protocol.tensor import decode_tensor
+from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.tensor import alloc_size_key, decode_tensor
 from rpcguard.protocol.versions import spec_for
 
 HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
@@ -46,7 +47,7 @@ def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
 
 
 def run(tensors, node, setting="auto", st=None) -> None:
-    v = GraphValidator(max_nodes=64, max_tensors=64, backend=setting)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend=setting))
     v.check(memoryview(graph_payload([node.id], tensors + [node])), st if st is not None else state())
 
 
@@ -310,7 +311,7 @@ def test_alloc_commands_on_cuda():
 def test_a_verdict_cached_under_the_cpu_layer_is_not_reused_once_the_server_says_cuda():
     tensors, node = diag_mask_zero()
     st = state()
-    v = GraphValidator(max_nodes=64, max_tensors=64)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64))
     payload = memoryview(graph_payload([node.id], tensors + [node]))
     v.check(payload, st)  # nothing said yet: the CPU layer, the node's verdict cached
     st.upstream.alignment[0] = 128  # GET_ALLOC_SIZE / GET_ALIGNMENT answers arrive

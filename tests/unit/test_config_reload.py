@@ -179,16 +179,16 @@ def test_settings_swap_for_new_sessions_and_live_keys(pki: Path, tmp_path: Path,
                 "kept until restart: log.format")
             assert sample(rt, "rpcguard_reload_kept_keys") == 1
             # tls.reload_interval_s went from 0 to 0.05: the file watcher runs now
-            assert rt._watcher is not None and not rt._watcher.done()
+            assert rt.reloader.watcher is not None and not rt.reloader.watcher.done()
             write(tmp_path / "s.yaml", serve_cfg(pki, [a], log={"level": "debug"}))
             deadline = time.monotonic() + 15
             while sample(rt, "rpcguard_reload_total", result="ok") != 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             assert sample(rt, "rpcguard_reload_total", result="ok") == 2  # by the watcher
             assert sample(rt, "rpcguard_reload_kept_keys") == 0
-            while not rt._watcher.done() and time.monotonic() < deadline + 5:
+            while not rt.reloader.watcher.done() and time.monotonic() < deadline + 5:
                 await asyncio.sleep(0.02)
-            assert rt._watcher.done()  # interval back to 0: the watcher ended
+            assert rt.reloader.watcher.done()  # interval back to 0: the watcher ended
         finally:
             await rt.close()
             logging.getLogger().setLevel(logging.WARNING)

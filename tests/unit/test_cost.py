@@ -10,6 +10,7 @@ from rpcguard.protocol.cost import BYTE_FLOPS, PRICES, flops, moved_bytes
 from rpcguard.protocol.workbuf import work_bytes
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.encode import pack_tensor
 from tests.unit.test_oprules import BASE, OPS, SIZE, T, f, reason, run, state
@@ -115,7 +116,7 @@ def test_real_moe_work_fits():
 def test_per_thread_scratch_counts_the_server_threads(threads, ok):
     a = T(0x10, F32, (1 << 20, 1, 1, 1))  # one 4 MiB row
     d = T(0x20, F32, (1 << 20, 1, 1, 1), op=OPS["SOFT_MAX"], src=(0x10,), op_params=(f(1.0), 0))
-    v = GraphValidator(max_nodes=8, max_tensors=8, server_threads=threads)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, server_threads=threads))
     payload = memoryview(graph_payload([d.id], [a, d]))
     if ok:
         v.check(payload, state())
@@ -155,20 +156,20 @@ def test_graph_over_the_compute_budget_is_refused():
     payload = memoryview(graph_payload([d.id], tensors + [d]))
     st = state()
     cost = flops("MUL_MAT", dec(d), [dec(t) for t in tensors])
-    GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=1.0, node_gflops=10).check(payload, st)
+    GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, max_graph_compute_s=1.0, node_gflops=10)).check(payload, st)
     assert st.compute_flops == cost and st.graph_flops[0] == cost and st.inflight_flops == cost
     with pytest.raises(FirewallRefusal) as exc:
-        GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=0.1, node_gflops=10).check(payload, state())
+        GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, max_graph_compute_s=0.1, node_gflops=10)).check(payload, state())
     assert exc.value.reason == "graph_too_costly" and "max_graph_compute_s" in exc.value.detail
     # 0 turns it off
-    GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=0, node_gflops=1e-9).check(payload, state())
+    GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, max_graph_compute_s=0, node_gflops=1e-9)).check(payload, state())
 
 
 def test_cached_nodes_still_count():
     tensors, d = big_mul_mat()
     payload = memoryview(graph_payload([d.id], tensors + [d]))
     st = state()
-    v = GraphValidator(max_nodes=8, max_tensors=8)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8))
     v.check(payload, st)
     v.check(payload, st)  # the node verdict comes from the cache the second time
     assert st.compute_flops == 2 * flops("MUL_MAT", dec(d), [dec(t) for t in tensors])
@@ -179,7 +180,7 @@ def test_recomputes_queued_without_an_answer_are_bounded():
     # server since its last answer stays within the budget; an answer empties the queue
     tensors, d = big_mul_mat()
     st = state()
-    v = GraphValidator(max_nodes=8, max_tensors=8, max_compute_s=1.0, node_gflops=10)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, max_graph_compute_s=1.0, node_gflops=10))
     v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
     cost = st.graph_flops[0]
     for _ in range(int(10e9 / cost) - 1):

@@ -15,6 +15,7 @@ from rpcguard.protocol.cost import PRICES, flops, moved_bytes, seconds
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, NODE_GFLOPS, GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.settings import Limits
 from tests.unit.test_cost import dec
 from tests.unit.test_oprules import HANDLE, OPS, T, f, state
@@ -96,9 +97,9 @@ def test_a_wkv6_graph_the_old_model_admitted_is_refused_at_its_budget():
     payload = memoryview(graph_payload([out.id], tensors))
     assert 0.3 < est_s("RWKV_WKV6", tensors[-1], tensors[:-1]) < 10 * 0.42
     with pytest.raises(FirewallRefusal) as exc:
-        GraphValidator(max_nodes=8, max_tensors=16, max_compute_s=0.3).check(payload, big_state())
+        GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, max_graph_compute_s=0.3)).check(payload, big_state())
     assert exc.value.reason == "graph_too_costly"
-    GraphValidator(max_nodes=8, max_tensors=16, max_compute_s=5.0).check(payload, big_state())
+    GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, max_graph_compute_s=5.0)).check(payload, big_state())
 
 
 def ssm_scan(d_state: int, head_dim: int, n_head: int, n_tok: int, mamba1: bool):

@@ -12,6 +12,7 @@ from rpcguard.protocol.cost import flops
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.versions import spec_for
@@ -90,7 +91,7 @@ def test_a_crafted_top_k_graph_is_refused_on_cuda_only():
         st.buffers[handle].base = base
         return st
 
-    GraphValidator(max_nodes=8, max_tensors=8, backend="cpu").check(payload, state())
+    GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, backend="cpu")).check(payload, state())
     with pytest.raises(FirewallRefusal) as exc:
-        GraphValidator(max_nodes=8, max_tensors=8, backend="cuda").check(payload, state())
+        GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=8, backend="cuda")).check(payload, state())
     assert exc.value.reason == "graph_too_costly" and "cuda profile" in exc.value.detail

@@ -13,6 +13,7 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.oprules import CONTENT_INDEXED, cuda, needs_containment, op_status
 from rpcguard.protocol.state import SessionState
 from tests.unit.test_backend import V7, T  # the same tensors in one buffer, at CUDA's alignment or not
@@ -73,7 +74,7 @@ def run(op: str, setting: str, *, contained: bool = False, allow: frozenset[str]
         st: SessionState | None = None) -> SessionState:
     tensors, node = BUILDERS[op]()
     st = st if st is not None else _state()
-    v = GraphValidator(max_nodes=64, max_tensors=64, backend=setting, contained=contained, allow_unverified=allow)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend=setting, contained=contained, allow_unverified_ops=allow))
     v.check(memoryview(graph_payload([node.id], tensors + [node])), st)
     return st
 

@@ -44,8 +44,8 @@ def state() -> SessionState:
 
 
 def run(tensors, node, backend: str, budget: int = cs.MAX_CUDA_SCRATCH_BYTES) -> None:
-    v = GraphValidator(max_nodes=64, max_tensors=64, backend=backend, cuda_scratch_bytes=budget, max_compute_s=0,
-                       max_work_bytes=1 << 62)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend=backend,
+                                      max_cuda_scratch_bytes=budget, max_graph_compute_s=0, max_work_bytes=1 << 62))
     v.check(memoryview(graph_payload([node.id], tensors + [node])), state())
 
 
@@ -158,10 +158,12 @@ def test_the_budget_is_the_peak_node_not_the_sum():
     c = T(0x12, Q4_0, (28672, 8192, 1, 1))
     n1 = T(0x20, F32, (28672, 2048, 1, 1), op=OPS["MUL_MAT"], src=(0x10, 0x11))
     n2 = T(0x21, F32, (8192, 2048, 1, 1), op=OPS["MUL_MAT"], src=(0x12, 0x20))
-    v = GraphValidator(max_nodes=64, max_tensors=64, backend="cuda", cuda_scratch_bytes=100 << 20, max_compute_s=0)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend="cuda",
+                                      max_cuda_scratch_bytes=100 << 20, max_graph_compute_s=0))
     v.check(memoryview(graph_payload([0x20, 0x21], [a, b, c, n1, n2])), state())
     assert scratch([a, b], n1) + scratch([c, n1], n2) > 100 << 20 > scratch([c, n1], n2) > 60 << 20
-    v = GraphValidator(max_nodes=64, max_tensors=64, backend="cuda", cuda_scratch_bytes=60 << 20, max_compute_s=0)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend="cuda",
+                                      max_cuda_scratch_bytes=60 << 20, max_graph_compute_s=0))
     with pytest.raises(FirewallRefusal) as exc:
         v.check(memoryview(graph_payload([0x20, 0x21], [a, b, c, n1, n2])), state())
     assert exc.value.reason == "cuda_scratch_over_budget"

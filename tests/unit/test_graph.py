@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import pytest
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol import graph as graph_mod
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import op_table
-from rpcguard.protocol.graph import GraphValidator, op_rules
+from rpcguard.protocol.graph import GraphValidator, op_rules, set_clock
+from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.versions import spec_for
 
@@ -28,10 +32,11 @@ def state(version=V7, devices: int = 1) -> SessionState:
     return st
 
 
-def validator(**kw) -> GraphValidator:
-    kw.setdefault("max_nodes", 1024)
-    kw.setdefault("max_tensors", 4096)
-    return GraphValidator(**kw)
+def validator(**policy) -> GraphValidator:
+    """A validator built from a FirewallPolicy with these fields (small graph caps unless given)."""
+    policy.setdefault("max_graph_nodes", 1024)
+    policy.setdefault("max_graph_tensors", 4096)
+    return GraphValidator(FirewallPolicy(**policy))
 
 
 def T(id: int, slot: int = 0, **kw) -> TensorSpec:
@@ -120,7 +125,7 @@ def test_returns_device_and_checks_it():
 def test_pre_3_0_layout_without_device():
     nodes, tensors = chain()
     # 2.0.0 op ids were not tied to the protocol version: only with every op allowed.
-    v = validator(allow_unverified=frozenset({"*"}))
+    v = validator(allow_unverified_ops=frozenset({"*"}))
     assert run(nodes, tensors, st=state((2, 0, 0)), device=None, v=v) == 0
     assert reason(nodes, tensors, st=state((2, 0, 0)), device=None) == "op_not_verified"
 
@@ -131,7 +136,7 @@ def test_no_op_table_means_no_graph_unless_every_op_is_allowed():
     tensors = [T(0x10), T(0x20, 1, op=500, src=(0x10,)), T(0x30, 2, op=95, src=(0x20,))]
     assert op_rules((3, 0, 0)) is None
     assert reason([0x20, 0x30], tensors, st=state((3, 0, 0))) == "op_not_verified"
-    v = validator(allow_unverified=frozenset({"*"}))
+    v = validator(allow_unverified_ops=frozenset({"*"}))
     assert run([0x20, 0x30], tensors, st=state((3, 0, 0)), v=v) == 0
 
 
@@ -180,8 +185,8 @@ def test_refuses_huge_counts_before_reading():
 
 def test_caps_on_nodes_and_tensors():
     nodes, tensors = chain()
-    assert reason(nodes, tensors, v=validator(max_nodes=2)) == "graph_too_large"
-    assert reason(nodes, tensors, v=validator(max_tensors=4)) == "graph_too_large"
+    assert reason(nodes, tensors, v=validator(max_graph_nodes=2)) == "graph_too_large"
+    assert reason(nodes, tensors, v=validator(max_graph_tensors=4)) == "graph_too_large"
 
 
 # -- structure ------------------------------------------------------------------------------
@@ -309,9 +314,9 @@ def test_opt_in_deny_list_and_unverified_ops():
     assert reason([0x20], tensors) == "op_not_verified"  # no rule: default deny
     assert reason([0x20], tensors, v=validator(contained=True)) == "op_not_verified"  # contained or not
     st = state()
-    assert run([0x20], tensors, st=st, v=validator(allow_unverified=frozenset({"FLASH_ATTN_BACK"}))) == 0
+    assert run([0x20], tensors, st=st, v=validator(allow_unverified_ops=frozenset({"FLASH_ATTN_BACK"}))) == 0
     assert st.unverified_uses == {"FLASH_ATTN_BACK": 1}
-    v = validator(extra_denied=frozenset({"FLASH_ATTN_BACK", "SSM_SCAN"}), allow_unverified=frozenset({"*"}))
+    v = validator(denied_ops=frozenset({"FLASH_ATTN_BACK", "SSM_SCAN"}), allow_unverified_ops=frozenset({"*"}))
     assert reason([0x20], tensors, v=v) == "graph_op_denied"
 
 
@@ -480,3 +485,61 @@ def test_cache_is_bounded(monkeypatch):
     nodes, tensors = chain()
     run(nodes, tensors, st=st)
     assert 1 <= len(st.tensor_cache) <= 3
+
+
+# -- what the validator takes from outside: the policy itself, the clock -------------------
+
+
+def test_built_from_the_policy_itself():
+    # each graph check the policy switches off is off in the validator, and only that one
+    graph_checks = {"tensor": "tensor_checks", "buffer_bounds": "tensor_checks", "graph_structure": "structure",
+                    "graph_ops": "ops", "op_params": "op_params", "device_index": "device"}
+    on = validator()
+    assert on.tensor_checks == 3 and on.structure and on.ops and on.op_params and on.device
+    for check in CHECK_NAMES:
+        off = validator(disabled_checks=frozenset({check}))
+        changed = {a for a in set(graph_checks.values()) if getattr(off, a) != getattr(on, a)}
+        assert changed == ({graph_checks[check]} if check in graph_checks else set()), check
+    p = FirewallPolicy(max_graph_nodes=7, max_graph_tensors=9, denied_ops=frozenset({"SSM_SCAN"}),
+                       allow_unverified_ops=frozenset({"*"}), max_graph_cpu_s=0.25, max_graph_compute_s=3.0,
+                       node_gflops=2.0, max_work_bytes=5, server_threads=3, contained=True, backend="cuda")
+    v = GraphValidator(p)
+    assert (v.max_nodes, v.max_tensors, v.max_use_count, v.extra_denied, v.allow_unverified) == (
+        7, 9, 70, frozenset({"SSM_SCAN"}), frozenset({"*"}))
+    assert (v.max_cpu_s, v.max_compute_s, v.node_flops, v.max_work_bytes, v.server_threads, v.contained,
+            v.backend) == (0.25, 3.0, 2e9, 5, 3, True, "cuda")
+    # a structure check switched off in the policy: a duplicate tensor id passes
+    dup = [T(0x10, 0), T(0x10, 1), T(0x30, 2, op=OPS["ADD"], src=(0x10, 0x10))]
+    assert reason([0x30], dup) == "graph_node_duplicate"
+    run([0x30], dup, v=validator(disabled_checks=frozenset({"graph_structure"})))
+
+
+def test_the_budget_reads_the_installed_clock_or_its_own():
+    nodes = list(range(0x100, 0x100 + 600))
+    tensors = [T(0x10, 0), T(0x20, 1)] + [T(n, 2 + i, op=OPS["ADD"], src=(0x10, 0x20)) for i, n in enumerate(nodes)]
+    tight = validator(max_graph_cpu_s=1e-3)
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(len(readings) * 1e-3)
+        return readings[-1]
+
+    before = graph_mod._CLOCK[0]
+    set_clock(clock)
+    try:
+        assert reason(nodes, tensors, v=tight) == "graph_too_costly"
+        assert len(readings) == 3  # the start and two budget checks: 0, 1 ms, 2 ms > 1 ms
+        set_clock(None)  # none installed (pure protocol use): the budget never trips
+        run(nodes, tensors, v=tight)
+        readings.clear()
+        assert reason(nodes, tensors, v=GraphValidator(FirewallPolicy(max_graph_cpu_s=1e-3), clock)) == "graph_too_costly"
+        assert len(readings) == 3
+    finally:
+        set_clock(before)
+
+
+def test_importing_the_protocol_core_installs_nothing():
+    # sans-IO: no process-global hook at import (the proxy's validators install the clock's)
+    code = "import gc; import rpcguard.protocol.session, rpcguard.protocol.graph; print(len(gc.callbacks))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"

@@ -17,6 +17,7 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
 from rpcguard.protocol.ggml import TYPES, op_table
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.opcheck import check_node
 from rpcguard.protocol.oprules import RULES, kerneltypes, rule_for
 from rpcguard.protocol.state import SessionState, UpstreamFacts
@@ -69,7 +70,7 @@ def run_msg(version, tensors: list[TensorSpec], node: TensorSpec) -> tuple[str, 
     st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(version))
     st.add_buffer(HANDLE, 0, SIZE)
     st.buffers[HANDLE].base = BASE
-    v = GraphValidator(max_nodes=64, max_tensors=64, contained=True)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, contained=True))
     try:
         v.check(memoryview(graph_payload([node.id], tensors + [node])), st)
     except FirewallRefusal as e:
@@ -350,7 +351,7 @@ def test_the_refusal_names_the_version_and_the_lines():
     st.add_buffer(HANDLE, 0, SIZE)
     st.buffers[HANDLE].base = BASE
     with pytest.raises(FirewallRefusal) as exc:
-        GraphValidator(max_nodes=64, max_tensors=64).check(memoryview(graph_payload([0x20], tensors + [node])), st)
+        GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64)).check(memoryview(graph_payload([0x20], tensors + [node])), st)
     assert exc.value.reason == REASON
     assert "6.0.0 CPU kernel aborts" in str(exc.value) and "ops.cpp:4762" in str(exc.value)
 

@@ -574,11 +574,11 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path) -> None:
     with fake_server(port, bytes([7, 0, 0])):
         assert asyncio.run(probe.probe_now()).ok is True and g() == 1
     name = rt.listeners[0].route.name
-    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "upstream_unavailable"})
+    rt.outcomes.session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "upstream_unavailable"})
     assert g() == 0
-    rt._session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "identity_not_allowed"})
+    rt.outcomes.session_ended({"role": "serve", "listener": name, "result": "refused", "reason": "identity_not_allowed"})
     assert g() == 0  # tells nothing about the upstream
-    rt._session_ended({"role": "serve", "listener": name, "result": "ok", "reason": "", "version": "7.0.0"})
+    rt.outcomes.session_ended({"role": "serve", "listener": name, "result": "ok", "reason": "", "version": "7.0.0"})
     assert g() == 1
 
 

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from rpcguard.proxy.readiness import UpstreamProbe, hello_probe
+from rpcguard.proxy.readiness import NodeChecks, UpstreamProbe, hello_probe, readiness
 from tests.support.realpeer import reserve_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -118,3 +118,58 @@ def test_read_never_waits_and_an_upstream_in_use_is_ready():
     busy[0] = False
     asyncio.run(p.probe_now())
     assert p.read()[0] is False and "unreachable" in p.read()[1]
+
+
+# ---------------------------------------------------------------- readiness(): the /readyz verdict
+
+
+def _listener(name: str, *, guard: bool = False, draining: bool = False, provider=None, probe=None):
+    from types import SimpleNamespace
+
+    route = SimpleNamespace(name=name, upstream_host="127.0.0.1", upstream_port=1, server_name=None,
+                            draining=draining, provider=provider, traffic=SimpleNamespace(upstream_up=None),
+                            side=SimpleNamespace(upstream_is_guard=guard))
+    return SimpleNamespace(route=route, probe=probe)
+
+
+class _Pool:
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def ready(self) -> tuple[bool, str]:
+        return self.ok, "2 of 2 servers up" if self.ok else "no server could start"
+
+
+def _nodes() -> NodeChecks:
+    def no_probe():
+        raise AssertionError("a fresh outcome must answer without a probe")
+    return NodeChecks(no_probe, lambda: 1.0, list)
+
+
+def test_draining_or_an_expired_certificate_is_not_ready():
+    import time
+
+    ok_pool = _listener("a", provider=_Pool(True))
+    assert asyncio.run(readiness([ok_pool], {"cert": time.time() + 60}, None)) == (True, "a: upstream 2 of 2 servers up")
+    assert asyncio.run(readiness([ok_pool], {"cert": time.time() - 1}, None)) == (
+        False, "cert certificate in use expired")
+    draining = _listener("b", provider=_Pool(True), draining=True)
+    assert asyncio.run(readiness([ok_pool, draining], {}, None)) == (False, "draining: not accepting new sessions")
+
+
+def test_serve_reads_its_pool_and_sets_the_upstream_gauge():
+    bad = _listener("a", provider=_Pool(False))
+    assert asyncio.run(readiness([bad], {}, None)) == (False, "a: upstream no server could start")
+    assert bad.route.traffic.upstream_up is False
+
+
+def test_connect_trusts_a_fresh_session_outcome_without_probing():
+    nodes = _nodes()
+    tunnel = _listener("t", guard=True)
+    nodes.note({"listener": "t", "result": "ok", "version": "7.0.0"})
+    assert asyncio.run(readiness([tunnel], {}, nodes)) == (True, "t: node answers (a session got through)")
+    nodes.note({"listener": "t", "result": "refused", "reason": "identity_not_allowed", "detail": "cn=x"})
+    assert asyncio.run(readiness([tunnel], {}, nodes)) == (
+        False, "t: node 127.0.0.1:1: identity_not_allowed: cn=x")
+    nodes.note({"listener": "t", "result": "refused", "reason": "upstream_busy"})  # says nothing about the node
+    assert asyncio.run(readiness([tunnel], {}, nodes))[0] is False

@@ -14,6 +14,7 @@ from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import TensorSpec, graph_payload
 from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.versions import spec_for
 
@@ -39,7 +40,7 @@ def graph(at: int) -> memoryview:
 
 
 def validate(st: SessionState, payload: memoryview) -> None:
-    GraphValidator(max_nodes=64, max_tensors=64).check(payload, st)
+    GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64)).check(payload, st)
 
 
 @pytest.mark.parametrize("change", ["free", "alloc_same_handle_smaller", "base_moved", "alloc_other"])

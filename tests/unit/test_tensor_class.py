@@ -23,8 +23,7 @@ from rpcguard.protocol import firewall as firewall_mod
 from rpcguard.protocol import graph as graph_mod
 from rpcguard.protocol import tensor as tensor_mod
 from rpcguard.protocol.encode import TensorSpec, pack_tensor
-from rpcguard.protocol.state import alloc_size_key
-from rpcguard.protocol.tensor import RpcTensor, check_tensor, decode_tensor
+from rpcguard.protocol.tensor import RpcTensor, alloc_size_key, check_tensor, decode_tensor
 from rpcguard.protocol.versions import COMMAND_IDS, TENSOR_BYTES, spec_for
 from tests.support.corereplay import run_pytest_pure
 from tests.support.tensorref import COMPUTED_FIELDS, ComputedRpcTensor, decode_computed
@@ -85,7 +84,7 @@ def test_cache_keys_interchangeable():
     assert len(old_cache) == len(new_cache) == len(set(raws))
     for r in raws:
         assert old_cache[decode_tensor(r)] == new_cache[decode_computed(r)] == new_cache[decode_tensor(r)]
-    # the firewall's allocation-size key (state.alloc_size_key) is the same tuple from either
+    # the firewall's allocation-size key (tensor.alloc_size_key) is the same tuple from either
     for r in raws:
         assert alloc_size_key(0, decode_tensor(r)) == alloc_size_key(0, decode_computed(r))
 

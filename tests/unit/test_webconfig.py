@@ -359,9 +359,9 @@ def test_runtime_reloads_the_web_config_and_keeps_it_on_error(pki: Path, tmp_pat
     assert g("rpcguard_reload_last_successful", {"role": "serve"}) == 0
     assert g("rpcguard_reload_total", {"role": "serve", "result": "error"}) == 1
     # the poll watcher sees the web config files
-    before = rt._files_stamp()
+    before = rt.reloader.files_stamp()
     write(tmp_path, data)
-    assert rt._files_stamp() != before
+    assert rt.reloader.files_stamp() != before
 
 
 def test_loading_a_web_config_computes_no_bcrypt(pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import pytest
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import graph_payload
 from rpcguard.protocol.graph import GraphValidator
+from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.encode import pack_tensor
 from rpcguard.protocol.workbuf import CACHE_LINE_MIN, ONE_TASK_OPS, planned_bytes
@@ -34,7 +35,7 @@ def with_add(tensors, node):
 
 
 def verdict(tensors, node, threads: int, nodes=None) -> str:
-    v = GraphValidator(max_nodes=8, max_tensors=16, server_threads=threads)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, server_threads=threads))
     try:
         v.check(memoryview(graph_payload(nodes or [node.id], tensors + [node])), state())
     except FirewallRefusal as e:
@@ -137,7 +138,7 @@ def test_a_node_accepted_in_a_one_thread_graph_is_checked_again_beside_an_add():
     # the node cache keys the one-thread verdict apart: the same SET_ROWS bytes in a graph with
     # an ADD are refused on the same session
     tensors, d = set_rows_f16(64, 4)
-    v = GraphValidator(max_nodes=8, max_tensors=16, server_threads=4)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, server_threads=4))
     st = state()
     v.check(memoryview(graph_payload([d.id], tensors + [d])), st)
     tensors2, d2, nodes = with_add(tensors, d)
@@ -291,8 +292,8 @@ def test_the_cpu_planners_checks_do_not_apply_on_a_cuda_node():
     own rows decide there: CPY F32 -> q8_0 is one CUDA supports)."""
     tensors, d = quantizing_cpy((4096, 2, 1, 1), (32, 256, 1, 1))
     payload = memoryview(graph_payload([d.id], tensors + [d]))
-    cpu = GraphValidator(max_nodes=8, max_tensors=16, server_threads=4, backend="cpu")
+    cpu = GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, server_threads=4, backend="cpu"))
     with pytest.raises(FirewallRefusal) as info:
         cpu.check(payload, state())
     assert info.value.reason == "work_buffer_overflow"
-    GraphValidator(max_nodes=8, max_tensors=16, server_threads=4, backend="cuda").check(payload, state())
+    GraphValidator(FirewallPolicy(max_graph_nodes=8, max_graph_tensors=16, server_threads=4, backend="cuda")).check(payload, state())
