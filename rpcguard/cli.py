@@ -151,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("ops", help="the graph ops of a protocol version and what the firewall does with each")
     ops.add_argument("--protocol", metavar="X.Y.Z", default="7.0.0", help="protocol version (default 7.0.0)")
     ops.add_argument("--json", action="store_true", help="one JSON object per op")
+    ops.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                     help="the node's backend: cuda adds what the CUDA layer refuses or contains (default cpu)")
 
     cc = sub.add_parser("check-config", help="validate a config file without starting")
     cc.add_argument("file")
@@ -524,17 +526,21 @@ def _ops(a: argparse.Namespace) -> int:
     from rpcguard.protocol.versions import parse_version
 
     try:
-        rows = op_rows(parse_version(a.protocol))
+        rows = op_rows(parse_version(a.protocol), a.backend)
     except ValueError as exc:
         raise ConfigError("--protocol", str(exc)) from None
     if a.json:
         for r in rows:
-            print(json.dumps({"id": r.id, "op": r.op, "status": r.status, "constructor": r.ctor or None}))
+            print(json.dumps({"id": r.id, "op": r.op, "status": r.status, "constructor": r.ctor or None,
+                              "backend": a.backend} | ({"cuda_layer": [{"what": w, "source": c} for w, c in r.layer]}
+                                                       if a.backend == "cuda" else {})))
         return EXIT_OK
     for r in rows:
         print(f"{r.id:4d}  {r.op:<24} {r.status}" + (f"  ({r.ctor})" if r.ctor else ""))
-    counts = {s: sum(r.status == s for r in rows) for s in ("verified", "not verified", "denied", "leaf")}
-    print(f"protocol {a.protocol}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+        for w, c in r.layer:
+            print(f"{'':30}CUDA {w} ({c})")
+    counts = {s: sum(r.status == s for r in rows) for s in dict.fromkeys(r.status for r in rows)}
+    print(f"protocol {a.protocol} on a {a.backend} node: " + ", ".join(f"{n} {s}" for s, n in counts.items())
           + "; not verified ops are refused (op_not_verified) unless policy.allow_unverified_ops names them")
     return EXIT_OK
 

@@ -62,6 +62,10 @@ FIREWALL_REASONS: tuple[str, ...] = (
     # cannot run or addresses past a tensor, and a backend the setting and the server disagree on
     "backend_unsupported_op", "backend_misaligned", "backend_grid_too_large", "backend_index_overflow",
     "backend_reach_out_of_buffer", "backend_unknown", "backend_mismatch",
+    # a CUDA node's estimated pool scratch above policy.max_cuda_scratch_bytes (protocol/cudascratch.py)
+    "cuda_scratch_over_budget",
+    # ALLOC_BUFFER past the session's device memory share (protocol/memshare.py)
+    "device_memory_share_exceeded",
 )
 # Session ends that are errors, not refusals (sessions_total{result="error"}, never refusals_total).
 # upstream_crashed / upstream_hung: the server serve runs died or stopped answering (upstream/pool.py);

@@ -14,11 +14,11 @@
 #                                    tests/realpeer/tools.sh's build (no nvcc, no sanitizer)
 #
 # Options: --out DIR (default $OUT, else /tmp/gpu-check-out), --sample N (test-backend-ops cases per op,
-# default 3), --ops A,B (default all), --steps backend,cases,backend-ops,bench (or "build": only
+# default 3), --ops A,B (default all), --steps backend,cases,scratch,share,backend-ops,bench (or "build": only
 # the build; a second call on the same warm machine reuses it), --jobs N.
 # Under --out (three files: the device tool brings back at most 8): run.log, summary.json and
-# results.tar.gz (env.txt, build.log's tail, backend.json, cases.json, memcheck.txt,
-# backend-ops.jsonl, bench.json, the raw llama-bench outputs). Exit 0 when every step passed.
+# results.tar.gz (env.txt, build.log's tail, backend.json, cases.json, memcheck.txt, scratch.json,
+# share.json, backend-ops.jsonl, bench.json, the raw llama-bench outputs). Exit 0 when every step passed.
 # Time on a 16-core H100 (planned, not yet measured): build ~5-6 min (ggml-cuda for sm_90 only),
 # steps ~3 min; the device tool's limit is 10 min per command.
 set -uo pipefail
@@ -29,7 +29,7 @@ MODE=gpu
 OUTDIR="${OUT:-/tmp/gpu-check-out}"
 SAMPLE=3
 OPS=""
-STEPS="backend,cases,backend-ops,bench"
+STEPS="backend,cases,scratch,share,backend-ops,bench"
 JOBS="$(nproc)"
 SDIST_VERSION=11434.0.0
 while [ $# -gt 0 ]; do

@@ -15,6 +15,17 @@ one summary line to stdout:
 3. ``backend-ops``: test-backend-ops through the pair vs direct (tests/support/backendops.py),
    --sample cases per op: a case the server runs direct and the pair refuses is a false refusal.
 4. ``bench``: llama-bench direct and through the pair on each --model: tokens/s guarded over direct.
+5. ``scratch``: the CUDA pool scratch estimate (protocol/cudascratch.py) against the server: each
+   graph of tests/support/scratchcases.py run direct on a fresh server, the device's free memory
+   (GET_DEVICE_MEMORY) read before and after (the pool keeps what it grew to), which must not
+   exceed the estimate by more than ``SCRATCH_SLACK`` (pool granularity, cuBLAS's lazily created
+   workspace; on the CPU the numbers are only reported); then through the pair with
+   ``max_cuda_scratch_bytes`` = scratchcases.BUDGET: on CUDA each case refused or forwarded as
+   its estimate says, on the CPU all forwarded, the server alive.
+6. ``share``: the device memory share (protocol/memshare.py) through the pair with
+   ``device_memory_share_bytes`` = SHARE: GET_DEVICE_MEMORY answers min(free, share), an
+   ALLOC_BUFFER over the share is refused ``memory_share_exceeded`` while another session
+   allocates within its own share.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rpcguard.protocol import backend, encode  # noqa: E402
-from tests.support import backendops, gpucases  # noqa: E402
+from tests.support import backendops, gpucases, scratchcases  # noqa: E402
 from tests.support.rawclient import PeerClosed, RawClient  # noqa: E402
 from tests.support.realpeer import free_port, start, wait_port  # noqa: E402
 
@@ -232,6 +243,116 @@ def step_bench(bench: str, models: list[str], workdir: Path, out: Path, server: 
     return ok
 
 
+#: how much more the device's free memory may drop than a node's estimated scratch: the pool's
+#: rounding (VMM granularity 2 MiB, ggml-cuda.cu:530-600) and cuBLAS's own workspace, which it
+#: allocates outside the pool at its first call (not modelled)
+SCRATCH_SLACK = 64 << 20
+
+
+def _memory(c: RawClient) -> tuple[int, int]:
+    free, total = struct.unpack("<QQ", c.call("GET_DEVICE_MEMORY", struct.pack("<I", 0)))
+    return free, total
+
+
+def step_scratch(tools: backendops.Tools, workdir: Path, out: Path, expect: str) -> bool:
+    ok = True
+    rows = []
+    for sub in ("scratch-d", "scratch-p"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    direct = backendops.Direct(tools, workdir / "scratch-d")
+    try:
+        for case in scratchcases.CASES:
+            c = RawClient.session(direct.server_port, timeout=300)
+            buf = c.alloc(scratchcases.BUFFER_BYTES)
+            frame, est, node = case.frame(gpucases.Layout(buf.buffer, buf.data, size=scratchcases.BUFFER_BYTES))
+            before = _memory(c)[0]
+            c.sock.sendall(frame)
+            c.call("GET_TENSOR", encode.pack_tensor(node) + struct.pack("<QQ", 0, 4))  # waits for the graph
+            after = _memory(c)[0]
+            c.close()
+            drop = max(0, before - after)
+            good = expect != "cuda" or drop <= est + SCRATCH_SLACK
+            ok &= good
+            rows.append({"case": case.name, "estimate": est, "free_drop": drop, "ok": good})
+            log(f"scratch {case.name}: estimate {est / 2**20:.1f} MiB, device free memory dropped "
+                f"{drop / 2**20:.1f} MiB{'' if good else ' OVER THE ESTIMATE'}")
+    finally:
+        direct.stop()
+    cfg = workdir / "serve-scratch.yaml"
+    cfg.write_text(_config(workdir, expect).read_text() + f"  max_cuda_scratch_bytes: {scratchcases.BUDGET}\n")
+    pair = backendops.ThroughPair(tools, workdir / "scratch-p", serve_args=["--config", str(cfg)])
+    try:
+        port = int(pair.connect.endpoint.rsplit(":", 1)[1])
+        for case in scratchcases.CASES:
+            mark = pair.mark()
+            c = RawClient.session(port, timeout=300)
+            buf = c.alloc(scratchcases.BUFFER_BYTES)
+            frame, est, node = case.frame(gpucases.Layout(buf.buffer, buf.data, size=scratchcases.BUFFER_BYTES))
+            try:
+                c.sock.sendall(frame)
+                c.call("GET_TENSOR", encode.pack_tensor(node) + struct.pack("<QQ", 0, 4))
+                got = "forwarded"
+            except (PeerClosed, ConnectionError, socket.timeout):
+                refusal = pair.refusal_since(mark)
+                got = refusal[0] if refusal else "closed"
+            c.close()
+            want = case.want() if expect == "cuda" else "forwarded"
+            alive = pair.server is not None and pair.server.alive()
+            good = got == want and alive
+            ok &= good
+            rows.append({"case": case.name, "through": "pair", "want": want, "got": got, "server_alive": alive})
+            log(f"scratch {case.name} through the pair (budget {scratchcases.BUDGET >> 20} MiB): {got} (want {want})"
+                f"{'' if alive else ' SERVER DIED'}")
+            if not alive:
+                pair.ensure_server()
+    finally:
+        pair.stop()
+    (out / "scratch.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return ok
+
+
+#: the share the ``share`` step gives each session (below any GPU's memory)
+SHARE = 1 << 30
+
+
+def step_share(tools: backendops.Tools, workdir: Path, out: Path, expect: str) -> bool:
+    (workdir / "share-p").mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "serve-share.yaml"
+    cfg.write_text(_config(workdir, expect).read_text() + f"  device_memory_share_bytes: {SHARE}\n")
+    pair = backendops.ThroughPair(tools, workdir / "share-p", serve_args=["--config", str(cfg)])
+    res: dict[str, object] = {"share": SHARE}
+    try:
+        direct = RawClient.session(pair.server_port, timeout=120)
+        res["server"] = _memory(direct)
+        direct.close()
+        port = int(pair.connect.endpoint.rsplit(":", 1)[1])
+        a = RawClient.session(port, timeout=120)
+        res["told"] = told = _memory(a)
+        a.alloc(SHARE // 2)
+        res["told_after_half"] = _memory(a)
+        mark = pair.mark()
+        refused = a.closed_after(encode.request("ALLOC_BUFFER", struct.pack("<IQ", 0, SHARE // 2 + (1 << 20))))
+        a.close()
+        refusal = pair.refusal_since(mark) if refused else None
+        res["over_share"] = refusal[0] if refusal else "forwarded"
+        b = RawClient.session(port, timeout=120)  # the next session: its own share, whole
+        b.alloc(SHARE - (1 << 20))
+        res["next_session_told"] = _memory(b)
+        b.close()
+        srv = res["server"]
+        assert isinstance(srv, tuple)
+        ok = (told == (min(srv[0], SHARE), SHARE) and res["over_share"] == "device_memory_share_exceeded"
+              and pair.server is not None and pair.server.alive())
+    finally:
+        pair.stop()
+    res["ok"] = ok
+    (out / "share.json").write_text(json.dumps(res) + "\n")
+    log(f"share: server says {res.get('server')}, a session is told {res.get('told')} "
+        f"({res.get('told_after_half')} after half), over the share: {res.get('over_share')}, "
+        f"the next session told {res.get('next_session_told')}: {'ok' if ok else 'WRONG'}")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True)
@@ -244,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, default=3, help="test-backend-ops cases per op")
     ap.add_argument("--ops", help="comma separated ops (default: all)")
     ap.add_argument("--ops-budget-s", type=float, default=240)
-    ap.add_argument("--steps", default="backend,cases,backend-ops,bench")
+    ap.add_argument("--steps", default="backend,cases,scratch,share,backend-ops,bench")
     ap.add_argument("--ngl", default="99")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workdir", type=Path, required=True)
@@ -269,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             elif step == "backend-ops":
                 verdict[step] = step_backend_ops(tools(plain), a.workdir / "bops", a.out, a.expect, a.sample,
                                                  a.ops.split(",") if a.ops else None, a.ops_budget_s)
+            elif step == "share":
+                verdict[step] = step_share(tools(plain), a.workdir, a.out, a.expect)
+            elif step == "scratch":
+                verdict[step] = step_scratch(tools(plain), a.workdir, a.out, a.expect)
             elif step == "bench":
                 if not a.llama_bench or not a.model:
                     log("bench: skipped (no --llama-bench or --model)")

@@ -68,6 +68,8 @@ _POLICY_KEYS: dict[str, tuple[Reader, str]] = {
     "max_work_bytes": (_SIZE_POS, "firewall.max_work_bytes"),
     "server_threads": (count, "firewall.server_threads"),
     "backend": (choice(*BACKENDS), "firewall.backend"),  # protocol/backend.py
+    "max_cuda_scratch_bytes": (_SIZE, "firewall.max_cuda_scratch_bytes"),  # protocol/cudascratch.py; 0: off
+    "device_memory_share_bytes": (_SIZE, "firewall.device_memory_share_bytes"),  # protocol/memshare.py; 0: off
 }
 #: YAML key under `policy:` -> its reader (the table flags read, config/flags.py)
 POLICY_READERS: Mapping[str, Reader] = MappingProxyType({k: r for k, (r, _) in _POLICY_KEYS.items()})

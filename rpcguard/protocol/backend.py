@@ -26,6 +26,7 @@ import re
 from typing import Final, Mapping
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.cudascratch import check_scratch
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules import cuda
 from rpcguard.protocol.oprules.base import OpRule, Srcs
@@ -117,13 +118,16 @@ def backend_layer(setting: str, state: SessionState, device: int) -> str:
     return resolve(setting, detect(state, device))
 
 
-def check_backend(layer: str, rule: OpRule, node: RpcTensor, srcs: Srcs, state: SessionState, strict: bool) -> None:
+def check_backend(layer: str, rule: OpRule, node: RpcTensor, srcs: Srcs, state: SessionState, strict: bool,
+                  scratch_budget: int = 0) -> None:
     """The backend layer (``backend_layer``) for one node that passed its constructor row (graph.py
-    calls it): nothing on the CPU, the CUDA rows and reach (oprules/cuda.py) on CUDA. ``strict``:
-    the buffer checks are on (the reach needs the buffers' bases)."""
+    calls it): nothing on the CPU, the CUDA rows and reach (oprules/cuda.py) and the pool scratch
+    (cudascratch.py, refused above ``scratch_budget``; 0: none) on CUDA. ``strict``: the buffer
+    checks are on (the reach needs the buffers' bases)."""
     if layer != "cuda":
         return
     cuda.check_node(rule.op, node, srcs)
+    check_scratch(rule.op, node, srcs, scratch_budget)
     if strict:
         for t, n in cuda.reach(rule.op, node, srcs):
             _in_buffer(t, n, state, f"node id={node.id:#x} op {rule.op} on CUDA")

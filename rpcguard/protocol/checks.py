@@ -25,6 +25,7 @@ from typing import Final
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.backend import check_alloc_command
 from rpcguard.protocol.graph import GraphValidator, OpRules, op_rules
+from rpcguard.protocol.memshare import check_alloc as check_share
 from rpcguard.protocol.settings import CHECK_NAMES, FirewallPolicy
 from rpcguard.protocol.state import Buffer, SessionState, hash_miss_key
 from rpcguard.protocol.tensor import (
@@ -149,6 +150,7 @@ class RequestChecks:
         if max_size is not None and size > max_size:
             raise FirewallRefusal("alloc_size_invalid", f"size {size} > GET_MAX_SIZE {max_size} of device {device}")
         self.check_quota(device, size)
+        check_share(self.policy, self.state, device, size)  # protocol/memshare.py
 
     def handle(self, rule: CommandRule, payload: memoryview, body_len: int) -> None:
         if self._bounds:

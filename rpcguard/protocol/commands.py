@@ -24,10 +24,12 @@ import struct
 from typing import Any, Callable, Final, Mapping, NamedTuple, Protocol, TypeVar, final
 
 from rpcguard.errors import FirewallRefusal, ProtocolRefusal
+from rpcguard.protocol import memshare
 from rpcguard.protocol.checks import RequestChecks
-from rpcguard.protocol.settings import SessionPolicy
+from rpcguard.protocol.settings import FirewallPolicy, SessionPolicy
 from rpcguard.protocol.state import SessionState, hash_miss_key
 from rpcguard.protocol.stats import SessionStats
+from rpcguard.protocol.supportsop import layer_supports
 from rpcguard.protocol.tensor import alloc_size_key, decode_tensor, nbytes, types_of
 from rpcguard.protocol.versions import COMMAND_IDS, COMMAND_NAMES, TENSOR_BYTES, CommandRule, Version
 
@@ -65,6 +67,8 @@ C_co = TypeVar("C_co", covariant=True)
 # a session, its firewall and an expected response; session.Session, firewall.Firewall and
 # session.Expect have it, mypy checks them where session.py calls the table
 class FirewallOps(Protocol):
+    @property
+    def policy(self) -> FirewallPolicy: ...  # the firewall's own (connect: checks left to the node)
     def check_quota(self, device: int) -> None: ...
     def forwards_op(self, op: int) -> bool: ...
 
@@ -101,7 +105,8 @@ class SessionOps(Protocol):
 
 Check = Callable[[RequestChecks, CommandRule, memoryview, int], None]  # (checks, rule, head, body_len)
 Effect = Callable[[SessionOps, memoryview, int], C]  # (session, head, body_len) -> response context
-Learn = Callable[[SessionOps, Expected[C], memoryview], None]  # (session, expectation, response head)
+# (session, expectation, response head) -> None, or the response frame the client gets instead (memshare.py)
+Learn = Callable[[SessionOps, Expected[C], memoryview], "bytes | None"]
 Answer = Callable[[SessionOps, memoryview], "bytes | None"]  # (session, head) -> the proxy's answer, or forward
 
 
@@ -249,14 +254,15 @@ def max_size_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> None
     s.state.upstream.max_size[exp.ctx] = _U64.unpack_from(head)[0]
 
 
-def memory_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> None:
+def memory_answer(s: SessionOps, exp: Expected[int], head: memoryview) -> bytes | None:
     device = exp.ctx
-    s.state.upstream.memory[device] = _U64x2.unpack_from(head)
+    free, total = s.state.upstream.memory[device] = _U64x2.unpack_from(head)
     # ALLOC_BUFFERs forwarded before the quota was known are held to it now.
     try:
         s.firewall.check_quota(device)
     except FirewallRefusal as refusal:
         s.violated(refusal, "ALLOC_BUFFER")
+    return memshare.answer(s.firewall.policy, s.state, device, free, total)  # the client is told its share
 
 
 def alloc_size_answer(s: SessionOps, exp: Expected[bytes], head: memoryview) -> None:
@@ -328,9 +334,13 @@ def hash_local(s: SessionOps, head: memoryview) -> bytes | None:
 
 def supports_op_local(s: SessionOps, head: memoryview) -> bytes | None:
     """An op the firewall never forwards in a graph (no verified rule, denied, or contained
-    only on a server that is not contained) is "not supported": the scheduler then places it on
-    another backend, and the server never sees a query whose sources nobody checked."""
-    return None if s.firewall.forwards_op(_U32.unpack_from(head, 4 + _OP_AT)[0]) else _MISS
+    only on a server that is not contained), or that the device's backend layer refuses, is "not
+    supported": the scheduler then places it on another backend, and the server never sees a query
+    whose sources nobody checked."""
+    if not s.firewall.forwards_op(_U32.unpack_from(head, 4 + _OP_AT)[0]):
+        return _MISS
+    # the device's backend layer (protocol/supportsop.py): on CUDA what the CUDA layer refuses
+    return None if layer_supports(s.firewall.policy, s.state, head) else _MISS
 
 
 # ----------------------------------------------------------------------------- the table

@@ -245,6 +245,8 @@ class GraphPolicy(Protocol):
     def contained(self) -> bool: ...
     @property
     def backend(self) -> str: ...
+    @property
+    def max_cuda_scratch_bytes(self) -> int: ...
 
 
 class GraphValidator:
@@ -275,6 +277,7 @@ class GraphValidator:
         # ops with a shape rule but no check on their indexes (oprules.needs_containment) may reach it
         self.contained = policy.contained
         self.backend = policy.backend  # the op table's backend layer (protocol/backend.py)
+        self.cuda_scratch_bytes = policy.max_cuda_scratch_bytes  # a CUDA node's pool scratch budget (protocol/cudascratch.py)
         self._layers: dict[int, str] = {}  # device -> the layer its cached node verdicts were reached under
         self._own_clock = clock  # None: the installed one (set_clock), read per graph
         self._clock: Clock = _no_clock
@@ -613,7 +616,8 @@ class GraphValidator:
                 check_node(rule, node, node_srcs, by_id)
                 if self.tensor_checks == STRICT:  # flat rows, rule.reach: inside the buffers
                     check_reach(rule, node, node_srcs, state)
-                check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT)
+                check_backend(layer, rule, node, node_srcs, state, self.tensor_checks == STRICT,
+                              self.cuda_scratch_bytes)
             if layer == "cpu":  # the CPU planner's work buffer: no other backend runs ggml_graph_plan
                 work = work_bytes(rule.op, node, node_srcs, self.server_threads)
                 if work > self.max_work_bytes:

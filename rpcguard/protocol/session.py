@@ -461,7 +461,9 @@ class Session:
         else:
             learn = LEARNERS[exp.cmd]
             if learn is not None:
-                learn(self, exp, head)
+                rewritten = learn(self, exp, head)
+                if rewritten is not None:  # the client gets the proxy's answer (commands.memory_answer)
+                    raw = memoryview(rewritten)
         if not exp.swallow:
             out.append(raw)
         if self._answers_pending and not self._rsp.body_remaining:

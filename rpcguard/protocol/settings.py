@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rpcguard.protocol.cudascratch import MAX_CUDA_SCRATCH_BYTES
 from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, MAX_GRAPH_CPU_S, MAX_WORK_BYTES, NODE_GFLOPS, SERVER_THREADS
 from rpcguard.protocol.side import SIDES
 from rpcguard.protocol.versions import COMMAND_NAMES, KNOWN_VERSIONS, Version
@@ -72,6 +73,13 @@ class FirewallPolicy:
     # otherwise refuses the session's graphs (backend_mismatch). Selects the op table's backend
     # layer (oprules/cuda.py on CUDA).
     backend: str = "auto"
+    # cuda_scratch_over_budget when a node on a CUDA device would take more than this from
+    # ggml-cuda's memory pool (protocol/cudascratch.py); 0 turns it off.
+    max_cuda_scratch_bytes: int = MAX_CUDA_SCRATCH_BYTES
+    # The device memory one session may hold in buffers, per device (protocol/memshare.py): its
+    # GET_DEVICE_MEMORY answers say at most this, and ALLOC_BUFFER past it is refused
+    # device_memory_share_exceeded; 0: off (the quota alone: max_session_alloc_bytes).
+    device_memory_share_bytes: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled_checks) - set(CHECK_NAMES)

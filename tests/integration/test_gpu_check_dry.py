@@ -1,7 +1,9 @@
 """The GPU proof's cheap parts, dry-run against the real CPU ggml-rpc-server of b11434
-(scripts/gpu_check.py --steps backend,cases): the server is seen as cpu (banner and
+(scripts/gpu_check.py --steps backend,cases,scratch,share): the server is seen as cpu (banner and
 GET_ALIGNMENT), and every gap-study case goes through connect -> serve (policy.backend: cpu) ->
-the server and is answered, the server alive: the CPU layer refuses none of them. The same steps
+the server and is answered, the server alive: the CPU layer refuses none of them; the scratch
+cases run and are forwarded (no pool budget on the CPU), and a session is told its memory share
+and refused past it. The same steps
 with --expect cuda on a GPU machine are scripts/gpu-check.sh's (docs/gpu.md)."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def test_dry_run_backend_and_gap_cases(tmp_path):
     server, tbo, shim = _binaries()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--server", server,
-                        "--test-backend-ops", tbo, "--shim", shim, "--expect", "cpu", "--steps", "backend,cases",
+                        "--test-backend-ops", tbo, "--shim", shim, "--expect", "cpu", "--steps", "backend,cases,scratch,share",
                         "--out", str(out), "--workdir", str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -41,3 +43,10 @@ def test_dry_run_backend_and_gap_cases(tmp_path):
     assert seen == {"alignment": 32, "detected": "cpu", "banner": {"0": "cpu"}}  # JSON keys are strings
     cases = [json.loads(line) for line in (out / "cases.json").read_text().splitlines()]
     assert len(cases) == 16 and all(c["got"] == "forwarded" and c["server_alive"] for c in cases), cases
+    # scratch: every case run direct (its estimate reported), forwarded through the pair on the CPU
+    scratch = [json.loads(line) for line in (out / "scratch.json").read_text().splitlines()]
+    assert [r["got"] for r in scratch if r.get("through") == "pair"] == ["forwarded"] * 5, scratch
+    # share: the session is told its 1 GiB share, not the host's memory, and is refused past it
+    share = json.loads((out / "share.json").read_text())
+    assert share["told"] == [1 << 30, 1 << 30] and share["server"][1] > 1 << 30, share
+    assert share["over_share"] == "device_memory_share_exceeded" and share["ok"], share

@@ -146,7 +146,7 @@ BAD = [  # (id, data factory, mutation, expected error line; {tmp} = the cert di
     ("listener-mode", serve_data, L(1, policy={"mode": True}), "listeners[1].policy.mode: must be one of enforce, monitor, got True"),
     ("policy-unknown", serve_data, L(1, policy={"max_graph": 1}),
      "listeners[1].policy.max_graph: unknown key (did you mean 'max_graph_nodes'? expected one of: accepted_versions, allow_commands, allow_unverified_ops, backend, checks, "
-     "clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, max_graph_compute_s, max_graph_cpu_ms, max_graph_nodes, "
+     "clear_new_buffers, denied_ops, device_memory_share_bytes, max_alloc_bytes, max_cuda_scratch_bytes, max_graph_bytes, max_graph_compute_s, max_graph_cpu_ms, max_graph_nodes, "
      "max_graph_tensors, max_request_bytes, max_session_alloc_bytes, max_work_bytes, mode, node_gflops, server_threads, "
      "validate_requests)"),
     ("check-unknown", serve_data, top("policy", checks={"ops": False}), f"policy.checks.ops: unknown key (expected one of: {CHECKS})"),

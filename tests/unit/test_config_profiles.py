@@ -105,7 +105,7 @@ def test_first_matching_entry_decides_the_profile(base: Path) -> None:
      "connects from one address; set it in the top-level limits"),
     (lambda d: d["profiles"]["tenant"]["policy"].update(max_graph=1),
      "profiles.tenant.policy.max_graph: unknown key (did you mean 'max_graph_nodes'? expected one of: accepted_versions, allow_commands, "
-     "allow_unverified_ops, backend, checks, clear_new_buffers, denied_ops, max_alloc_bytes, max_graph_bytes, "
+     "allow_unverified_ops, backend, checks, clear_new_buffers, denied_ops, device_memory_share_bytes, max_alloc_bytes, max_cuda_scratch_bytes, max_graph_bytes, "
      "max_graph_compute_s, max_graph_cpu_ms, max_graph_nodes, max_graph_tensors, max_request_bytes, "
      "max_session_alloc_bytes, max_work_bytes, mode, node_gflops, server_threads, validate_requests)"),
     (lambda d: d["profiles"]["tenant"].update(acl={}),

@@ -232,3 +232,97 @@ def test_a_stray_answer_from_the_server_stays_unexpected_around_the_proxys_answe
     with pytest.raises(ProtocolRefusal) as e:
         s.server_data(memoryview(encode.response(b"\x01")[4:]))
     assert e.value.reason == "response_unexpected"
+
+
+# -- the device's backend layer (protocol/supportsop.py): a CUDA device says what CUDA refuses ----
+
+GET_ROWS, DIAG_MASK_ZERO, PAD, SQR = (OPS.names.index(n) for n in ("GET_ROWS", "DIAG_MASK_ZERO", "PAD", "SQR"))
+I32 = 26
+
+
+def S(id: int, ne=(4, 4, 1, 1), nb=None, type: int = 0) -> bytes:
+    return encode.pack_tensor(encode.TensorSpec(id=id, type=type, ne=ne, nb=nb, type_size=4))
+
+
+def layer_query(op: int, srcs: tuple[bytes, ...], ne=(4, 4, 1, 1), device: int = 0) -> bytes:
+    return struct.pack("<I", device) + encode.pack_tensor(
+        encode.TensorSpec(id=0x1000, ne=ne, op=op)) + b"".join(srcs) + bytes(296) * (10 - len(srcs))
+
+
+# what each case is on the CUDA layer, and the row it comes from (oprules/cuda.py)
+LAYER_CASES = {
+    # contained only on CUDA (getrows.cu:23-26 checks no index), this server is not contained
+    "get_rows_uncontained": (GET_ROWS, (S(0x2000), S(0x3000, ne=(2, 1, 1, 1), type=I32)), (4, 2, 1, 1)),
+    # no CUDA kernel (ggml-cuda.cu:2474-2475, 5728-5729)
+    "diag_mask_zero": (DIAG_MASK_ZERO, (S(0x2000),), (4, 4, 1, 1)),
+    # SQR on a non-contiguous source (unary.cu:144)
+    "sqr_non_contiguous": (SQR, (S(0x2000, nb=(4, 32, 128, 128)),), (4, 4, 1, 1)),
+    # PAD launching ne1 = 70000 on grid y (pad.cu:70)
+    "pad_grid_y": (PAD, (S(0x2000, ne=(1, 70000, 1, 1)),), (1, 70000, 1, 1)),
+}
+
+
+def layer_session(backend: str, devices: int = 1, alignment=None, contained: bool = False) -> Session:
+    s = Session(SessionPolicy(clear_new_buffers=False, firewall=FirewallPolicy(backend=backend, contained=contained)),
+                UpstreamFacts(version=V701, device_count=devices, alignment=dict(alignment or {}),
+                              memory={d: (1 << 30, 1 << 30) for d in range(devices)}))
+    s.client_data(memoryview(encode.hello_request(V701)))
+    s.server_data(memoryview(encode.hello_response(V701)))
+    s.to_server.clear(), s.to_client.clear(), s.out.events.clear()
+    return s
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise", "trailing"])
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_a_cuda_node_says_not_supported_for_what_the_cuda_layer_refuses(case, how):
+    op, srcs, ne = LAYER_CASES[case]
+    s = layer_session("cuda")
+    fed(s, frame(layer_query(op, srcs, ne)), how)
+    assert take(s.to_server) == (TRAILING if how == "trailing" else b"")
+    assert take(s.to_client) == encode.response(b"\x00")
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+@pytest.mark.parametrize("backend,alignment", [("cpu", {}), ("auto", {}), ("auto", {0: 32})])
+def test_a_cpu_node_forwards_the_same_queries(case, backend, alignment):
+    op, srcs, ne = LAYER_CASES[case]
+    s = layer_session(backend, alignment=alignment)
+    payload = layer_query(op, srcs, ne)
+    s.client_data(memoryview(frame(payload)))
+    assert take(s.to_server) == frame(payload) and take(s.to_client) == b""
+
+
+@pytest.mark.parametrize("backend,alignment", [("cuda", {}), ("auto", {0: 128})])
+def test_a_query_the_cuda_layer_accepts_is_forwarded(backend, alignment):
+    s = layer_session(backend, alignment=alignment)
+    for payload in (query(), layer_query(SQR, (S(0x2000),))):
+        s.client_data(memoryview(frame(payload)))
+        assert take(s.to_server) == frame(payload) and take(s.to_client) == b""
+
+
+def test_a_contained_cuda_node_is_asked_about_get_rows():
+    op, srcs, ne = LAYER_CASES["get_rows_uncontained"]
+    s = layer_session("cuda", contained=True)
+    payload = layer_query(op, srcs, ne)
+    s.client_data(memoryview(frame(payload)))
+    assert take(s.to_server) == frame(payload)
+
+
+def test_each_device_answers_from_its_own_layer():
+    """Device 0 answered the CPU's alignment, device 1 CUDA's: the same query goes to device 0's
+    server and is answered "not supported" for device 1."""
+    op, srcs, ne = LAYER_CASES["diag_mask_zero"]
+    s = layer_session("auto", devices=2, alignment={0: 32, 1: 128})
+    cpu, gpu = layer_query(op, srcs, ne, device=0), layer_query(op, srcs, ne, device=1)
+    s.client_data(memoryview(frame(cpu)))
+    assert take(s.to_server) == frame(cpu) and take(s.to_client) == b""
+    s.server_data(memoryview(encode.response(b"\x01")))  # device 0's server: supported
+    assert take(s.to_client) == encode.response(b"\x01")
+    s.client_data(memoryview(frame(gpu)))
+    assert take(s.to_server) == b"" and take(s.to_client) == encode.response(b"\x00")
+
+
+def test_a_device_whose_answers_contradict_the_setting_supports_nothing():
+    s = layer_session("cuda", alignment={0: 32})  # backend_mismatch: every graph of it is refused
+    s.client_data(memoryview(frame(query())))
+    assert take(s.to_server) == b"" and take(s.to_client) == encode.response(b"\x00")

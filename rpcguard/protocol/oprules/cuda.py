@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from typing import Callable, Final, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
+from rpcguard.protocol.cudascratch import ROWS as SCRATCH_ROWS
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_contiguous
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["CudaRow", "ROWS", "NO_KERNEL", "check_node", "reach", "alloc_size", "check_alloc_tensor",
-           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX", "CONTENT_INDEXED"]
+           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX", "CONTENT_INDEXED", "layer_notes"]
 
 _T: Final = {info.name: tid for tid, info in TYPES.items()}
 F32, F16, BF16, I32, I64 = _T["f32"], _T["f16"], _T["bf16"], _T["i32"], _T["i64"]
@@ -83,6 +84,7 @@ class CudaRow:
     cite: str
     check: Check
     reason: str = "backend_unsupported_op"
+    what: str = ""  # what the row refuses, in a few words (``rpcguard ops --backend cuda``, docs/firewall.md)
 
 
 def _name(t: int) -> str:
@@ -342,26 +344,37 @@ _SUPPORTS: tuple[tuple[str, str, Callable[[RpcTensor, Srcs], bool], str], ...] =
 
 
 ROWS: tuple[CudaRow, ...] = (
-    *(CudaRow(op, "ggml-cuda.cu:2474-2475,4458,5728-5729", _no_kernel) for op in sorted(NO_KERNEL)),
+    *(CudaRow(op, "ggml-cuda.cu:2474-2475,4458,5728-5729", _no_kernel, what="every node: no CUDA kernel")
+      for op in sorted(NO_KERNEL)),
     CudaRow("UNARY", "unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0)); supports_op ggml-cuda.cu:5292-5294",
-            _src0_contiguous),
+            _src0_contiguous, what="a non-contiguous source"),
     *(CudaRow(op, "unary.cu:214-232 -> ggml_cuda_op_unary, unary.cu:144 GGML_ASSERT(ggml_is_contiguous(src0))",
-              _src0_contiguous) for op in ("SQR", "SQRT", "SIN", "COS", "LOG")),
-    CudaRow("LEAKY_RELU", "unary.cu:644 GGML_ASSERT(ggml_is_contiguous(src0))", _src0_contiguous),
-    *(CudaRow(op, "supports_op ggml-cuda.cu:5568-5571 ggml_is_contiguous_rows; norm.cu:457,725 nb00 == 4", _rows)
+              _src0_contiguous, what="a non-contiguous source") for op in ("SQR", "SQRT", "SIN", "COS", "LOG")),
+    CudaRow("LEAKY_RELU", "unary.cu:644 GGML_ASSERT(ggml_is_contiguous(src0))", _src0_contiguous,
+            what="a non-contiguous source"),
+    *(CudaRow(op, "supports_op ggml-cuda.cu:5568-5571 ggml_is_contiguous_rows; norm.cu:457,725 nb00 == 4", _rows,
+              what="rows not contiguous")
       for op in ("NORM", "RMS_NORM", "L2_NORM")),
-    CudaRow("CPY", "supports_op ggml-cuda.cu:5442-5497; cpy.cu:618 GGML_ABORT", _cpy),
-    CudaRow("DUP", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup),
-    CudaRow("CONT", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup),
-    CudaRow("SET_ROWS", "supports_op ggml-cuda.cu:5421-5434; set-rows.cu:321,380", _set_rows),
-    CudaRow("GET_ROWS", "supports_op ggml-cuda.cu:5380-5416; getrows.cu:203,408,454", _get_rows),
-    CudaRow("MUL_MAT", "supports_op ggml-cuda.cu:5318-5376", _mul_mat),
-    CudaRow("MUL_MAT_ID", "supports_op ggml-cuda.cu:5318-5376; ggml-cuda.cu:1970", _mul_mat_id),
-    *(CudaRow(op, "rope.cu:383,427,472,515 GGML_ASSERT(ne00 % 2 == 0); supports_op ggml-cuda.cu:5640-5643", _rope)
+    CudaRow("CPY", "supports_op ggml-cuda.cu:5442-5497; cpy.cu:618 GGML_ABORT", _cpy,
+            what="a type pair without a copy kernel"),
+    CudaRow("DUP", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup,
+            what="a type pair without a copy kernel"),
+    CudaRow("CONT", "cpy.cu:623 ggml_cuda_dup -> cpy.cu:429-621, :618 GGML_ABORT", _dup,
+            what="a type pair without a copy kernel"),
+    CudaRow("SET_ROWS", "supports_op ggml-cuda.cu:5421-5434; set-rows.cu:321,380", _set_rows,
+            what="a destination type or index type it has no kernel for"),
+    CudaRow("GET_ROWS", "supports_op ggml-cuda.cu:5380-5416; getrows.cu:203,408,454", _get_rows,
+            what="a source type it has no kernel for, an index nb0 != 4"),
+    CudaRow("MUL_MAT", "supports_op ggml-cuda.cu:5318-5376", _mul_mat,
+            what="a src0 type it has no kernel for, nb0 != type size"),
+    CudaRow("MUL_MAT_ID", "supports_op ggml-cuda.cu:5318-5376; ggml-cuda.cu:1970", _mul_mat_id,
+            what="a src0 type it has no kernel for, PREC_F32, a non-f32 src1"),
+    *(CudaRow(op, "rope.cu:383,427,472,515 GGML_ASSERT(ne00 % 2 == 0); supports_op ggml-cuda.cu:5640-5643", _rope,
+              what="an odd ne0, nb0 != type size, dimension 3 not packed")
       for op in ("ROPE", "ROPE_BACK")),
     CudaRow("FLASH_ATTN_EXT", "fattn.cu:524-539,576-631; supports_op ggml-cuda.cu:5713 -> fattn.cu:775-777",
-            _flash_attn_ext),
-    *(CudaRow(op, cite, _supports(pred, what)) for op, cite, pred, what in _SUPPORTS),
+            _flash_attn_ext, what="head sizes, K/V types and masks without a kernel"),
+    *(CudaRow(op, cite, _supports(pred, what), what=f"anything but {what}") for op, cite, pred, what in _SUPPORTS),
 )
 _BY_OP: Final[Mapping[str, tuple[CudaRow, ...]]] = {
     op: tuple(r for r in ROWS if r.op == op) for op in dict.fromkeys(r.op for r in ROWS)
@@ -508,3 +521,27 @@ def check_alloc_tensor(t: RpcTensor, command: str) -> None:
         raise FirewallRefusal("backend_unsupported_op",
                               f"{command} tensor id={t.id:#x}: {info.name} with ne0 {t.ne0} and nb0 {t.nb0} != "
                               f"{info.type_size} (CUDA asserts it, ggml-cuda.cu:914)")
+
+
+def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
+    """(what, where read) of every fact of this layer about ``op``: its rows, the generic grid
+    and 32-bit index rows, its reach, its pool scratch (protocol/cudascratch.py) and its index contents (``rpcguard ops --backend cuda``,
+    docs/firewall.md "On a CUDA node, per op")."""
+    notes = [(f"refused: {r.what}", r.cite) for r in _BY_OP.get(op, ())]
+    grid = _GRID_YZ.get(op)
+    if grid is not None:
+        notes.append((f"refused: a grid y/z dimension > {GRID_YZ_MAX}", grid[0]))
+    if op in _INT32_ELEMENTS:
+        notes.append(("refused: a tensor of 2^31 elements or more", _INT32_ELEMENTS[op]))
+    if op == "FLASH_ATTN_EXT":
+        notes.append(("reach: F16 copies of non-F16 K/V behind dst inside dst's buffer", "fattn-common.cuh:53-83"))
+    elif op in ("MUL_MAT", "MUL_MAT_ID"):
+        notes.append(("reach: a quantized src0's padded last row inside its buffer", "common.cuh:186"))
+    scratch = SCRATCH_ROWS.get(op)
+    if scratch is not None:
+        notes.append(("scratch: its pool allocations held to policy.max_cuda_scratch_bytes", scratch[1]))
+    indexed = CONTENT_INDEXED.get(op)
+    if indexed is not None:
+        notes.append(("contained only: indexes device memory with tensor contents" if indexed[0] == "memory"
+                      else "indices only compared", indexed[1]))
+    return tuple(notes)
