@@ -564,7 +564,7 @@ class Session:
         self._events.append(Violation(refusal.reason, refusal.detail, command))
 
     def rule(self, cmd: int) -> CommandRule:
-        """The rule of ``cmd`` in the server's version (the session is GREETED, ``cmd`` exists in it)."""
+        """The rule of ``cmd`` in the server's version (the session is greeted, ``cmd`` exists in it)."""
         rule = self._rules[cmd]
         assert rule is not None, cmd
         return rule

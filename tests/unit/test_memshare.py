@@ -13,7 +13,7 @@ import pytest
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol import encode
 from rpcguard.protocol.firewall import FirewallPolicy
-from rpcguard.protocol.session import GREETED, Session, SessionPolicy
+from rpcguard.protocol.session import Session, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from tests.support import vectors as V
 
@@ -28,7 +28,7 @@ def session(share: int = 0, devices: int = 1) -> Session:
                 UpstreamFacts(version=V7, device_count=devices, memory={d: (FREE, TOTAL) for d in range(devices)}))
     s.client_data(memoryview(encode.hello_request(V7)))
     s.server_data(memoryview(encode.hello_response(V7)))
-    assert s.phase == GREETED
+    assert s.greeted
     s.to_server.clear(), s.to_client.clear(), s.out.events.clear()
     return s
 
