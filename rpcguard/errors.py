@@ -54,7 +54,7 @@ PARTY_OF_REASON: Mapping[str, str] = {
     # session rules (protocol/session.py): the client's requests, the upstream's responses
     "first_frame_not_hello": _C, "hello_repeated": _C, "hello_bad_size": _C, "data_before_hello_reply": _C,
     "command_unknown": _C, "command_not_allowed": _C, "frame_size_invalid": _C, "request_too_large": _C,
-    "response_unexpected": _U, "response_size_invalid": _U, "response_value_invalid": _U, "notice_invalid": _U,
+    "response_unexpected": _U, "response_size_invalid": _U, "response_value_invalid": _U, "notice_invalid": _U, "node_ended": _U,
     # the version the upstream announced (or the client's HELLO era against it) is not accepted
     "version_not_accepted": _U,
     # timers (proxy/link.py): a client that does not speak, or stops mid-frame / stops reading

@@ -35,7 +35,7 @@ SESSION_REASONS: tuple[str, ...] = tuple(dict.fromkeys((
     "version_not_accepted", "command_unknown", "command_not_allowed", "frame_size_invalid",
     "request_too_large", "response_unexpected", "response_size_invalid", "response_value_invalid", "notice_invalid",
     "hello_timeout",
-    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused", "idle_while_waiting",
+    "idle_timeout", "frame_timeout", "session_lifetime", "node_refused", "node_ended", "idle_while_waiting",
     "hold_while_waiting",
     "too_many_sessions_per_identity", "too_many_sessions_per_source", "too_many_pending_per_identity",
     "too_many_pending_per_source", "too_many_handshakes_per_source",

@@ -25,6 +25,11 @@ or nothing, and connect validates every request itself. ``rpcguard check`` and c
 queues it for the upstream and records it as ``result=probe`` (probe.py), and the probe still
 learns whether the node enforces.
 
+Each mode also has a ``+notice`` form (``ALPN_NOTICES``), which a serve listener prefers and a
+connect offers first: negotiated, serve tells connect why it ends a session with an end notice
+(protocol/notice.py) before it closes. An older serve or connect does not know the form and
+negotiates the plain one, and sessions end as before (a bare close).
+
 The transport's ``SSLObject`` is ``DirectSSLObject``: its ``read`` / ``write`` / ``pending`` are
 the C object's own methods, so uvloop's TLS loop, which calls them once per record, skips a
 Python wrapper frame per call (the wrappers only forward their arguments).
@@ -63,6 +68,8 @@ __all__ = [
     "ALPN_ENFORCING",
     "ALPN_MONITORING",
     "ALPN_PROBES",
+    "ALPN_NOTICES",
+    "notices",
     "DirectSSLObject",
     "negotiated_rpcguard",
     "node_enforces",
@@ -78,8 +85,11 @@ ALPN_ENFORCING = "rpcguard/1+enforce"
 ALPN_MONITORING = "rpcguard/1+monitor"
 # The probe forms: offered alone by ``rpcguard check`` and connect's /readyz.
 ALPN_PROBES = {ALPN_ENFORCING: "rpcguard/1+enforce+probe", ALPN_MONITORING: "rpcguard/1+monitor+probe"}
+# The forms of a connect and a serve that both know the end notice (protocol/notice.py).
+ALPN_NOTICES = {ALPN_ENFORCING: "rpcguard/1+enforce+notice", ALPN_MONITORING: "rpcguard/1+monitor+notice"}
 _NODE_MODES = {ALPN_ENFORCING: "enforce", ALPN_MONITORING: "monitor",
-               ALPN_PROBES[ALPN_ENFORCING]: "enforce", ALPN_PROBES[ALPN_MONITORING]: "monitor"}
+               ALPN_PROBES[ALPN_ENFORCING]: "enforce", ALPN_PROBES[ALPN_MONITORING]: "monitor",
+               ALPN_NOTICES[ALPN_ENFORCING]: "enforce", ALPN_NOTICES[ALPN_MONITORING]: "monitor"}
 
 # tls.min_version's allowed values and default live in pki/tlsversion.py, written once
 _VERSIONS = {v: ssl.TLSVersion[f"TLSv1_{v[2:]}"] for v in TLS_MIN_VERSIONS}
@@ -145,12 +155,13 @@ def server_context(
 ) -> ssl.SSLContext:
     """Server side: present ``cert``/``key``; require a client certificate signed by ``ca``.
 
-    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``).
+    ``enforcing``: what the listener says in ALPN (``ALPN_ENFORCING`` or ``ALPN_MONITORING``; its
+    notice form preferred, its probe form for probes).
     ``key_passphrase_file``: ``key`` is encrypted with the passphrase on its first line."""
+    mode = ALPN_ENFORCING if enforcing else ALPN_MONITORING
     ctx = _context(ssl.PROTOCOL_TLS_SERVER, cert, key, ca, SERVER_AUTH,
                    min_version, allow_insecure_key_perms,
-                   [ALPN_ENFORCING, ALPN_PROBES[ALPN_ENFORCING]] if enforcing
-                   else [ALPN_MONITORING, ALPN_PROBES[ALPN_MONITORING]], key_passphrase_file)
+                   [ALPN_NOTICES[mode], mode, ALPN_PROBES[mode]], key_passphrase_file)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return ctx
@@ -176,7 +187,8 @@ def client_context(
         raise TlsConfigError(f"server_name {server_name!r}: expected a DNS name or IP address")
     ctx = _context(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca, CLIENT_AUTH,
                    min_version, allow_insecure_key_perms,
-                   list(ALPN_PROBES.values()) if probe else [ALPN_ENFORCING, ALPN_MONITORING], key_passphrase_file)
+                   list(ALPN_PROBES.values()) if probe else [*ALPN_NOTICES.values(), ALPN_ENFORCING, ALPN_MONITORING],
+                   key_passphrase_file)
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
@@ -265,10 +277,17 @@ def node_mode(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
 
 def node_enforces(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
     """True when the node said in the handshake that it enforces every request check."""
-    return ssl_object is not None and ssl_object.selected_alpn_protocol() == ALPN_ENFORCING
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() in _ENFORCING_FORMS
 
 
 _PROBE_FORMS = frozenset(ALPN_PROBES.values())
+_ENFORCING_FORMS = frozenset({ALPN_ENFORCING, ALPN_NOTICES[ALPN_ENFORCING]})
+_NOTICE_FORMS = frozenset(ALPN_NOTICES.values())
+
+
+def notices(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bool:
+    """Both ends said in the handshake that they know the end notice (``ALPN_NOTICES``)."""
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() in _NOTICE_FORMS
 
 # The name proxy/link.py calls: a connect leaves its request checks to a node only when this is True.
 negotiated_rpcguard = node_enforces

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping, TypeVar
 
-from rpcguard.errors import FirewallRefusal, Refusal, party_of
+from rpcguard.errors import UPSTREAM, FirewallRefusal, Refusal, party_of
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S, admission_refusal, audit_record, hello_closed_refusal, overdue
 from rpcguard.protocol.linkstate import (
     ACTIVE, AWAIT_HELLO, CLOSED, CONNECTING, DRAINING, ENDS, EVENTS, GREETING, HANDSHAKE, QUEUED, REFUSING, RULES,
@@ -57,7 +57,8 @@ from rpcguard.protocol.linkstate import (
     WriteClient, WriteUpstream, ended_to,
 )
 from rpcguard.protocol.side import Side
-from rpcguard.protocol.session import Active, Deferred, Hello, NodeRefused, Output, Session, Violation
+from rpcguard.protocol.notice import encode_notice
+from rpcguard.protocol.session import Active, Deferred, Hello, NodeEnded, NodeRefused, Output, Session, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
@@ -95,6 +96,8 @@ class Lifecycle:
         # serve: the client said in the handshake that it is a probe (rpcguard check, connect's
         # /readyz): never queued for the upstream, and its end is result "probe", not a session.
         self.probe = False
+        self.notices = False  # serve: the client knows the end notice (protocol/notice.py)
+        self._client_cut = False  # bytes meant for the client were dropped by a refusal: no notice then
         self.result = self.reason = self.detail = self.party = ""  # result set: the session ended
         self._record_due = False  # ended by this event: the audit record follows the transition
         self.command = "-"  # command of the frame that was refused
@@ -183,8 +186,8 @@ class Lifecycle:
         self.handle(Accepted(peer, source))
 
     def admit(self, profile: Profile, identity: str = "", refusal: Refusal | None = None,
-              identity_refused: bool = False, probe: bool = False) -> None:
-        self.handle(Admit(profile, identity, refusal, identity_refused, probe))
+              identity_refused: bool = False, probe: bool = False, notices: bool = False) -> None:
+        self.handle(Admit(profile, identity, refusal, identity_refused, probe, notices))
 
     def handshake_failed(self, result: str, reason: str, detail: str) -> None:
         self.handle(HandshakeFailed(result, reason, detail))
@@ -276,6 +279,7 @@ class Lifecycle:
     def _admit(self, ev: Admit) -> None:
         profile = ev.profile
         self.probe = ev.probe
+        self.notices = ev.notices
         self.profile = profile
         self.identity = ev.identity
         self.t_admitted = self.clock()
@@ -398,6 +402,12 @@ class Lifecycle:
     def _answer_at_hello(self, ev: Hello) -> None:
         self._answer_refusal()
 
+    def _node_ended(self, ev: NodeEnded) -> None:
+        # connect: the node's serve ended the session and said why (its end notice).
+        self.out.clear()
+        self._finish("refused", "node_ended",
+                     f"the node ended the session: {ev.reason}" + (f" ({ev.detail})" if ev.detail else ""), UPSTREAM)
+
     def _node_refused(self, ev: NodeRefused) -> None:
         # The node's rpcguard refused the session: its 0.0.N answer is forwarded as is.
         self.refusal = Refusal(ev.reason, "refused by the node")
@@ -408,6 +418,7 @@ class Lifecycle:
         session = self.session
         assert session is not None
         self.command = session.command_name
+        self._client_cut = bool(self.out.to_client)
         self.out.clear()
         if isinstance(refusal, FirewallRefusal):
             self.actions.append(CountViolation(refusal.reason, "enforce", None, self.command))
@@ -550,6 +561,10 @@ class Lifecycle:
         Refusal's, else the reason's row in errors.PARTY_OF_REASON)."""
         self.result, self.reason = result, reason
         self.party = party if party is not None else (party_of(reason) if reason else "")
+        session = self.session
+        if (self.notices and result in ("refused", "error") and reason and reason != "client_closed_mid_frame"
+                and session is not None and self.greeted and session.at_response_boundary and not self._client_cut):
+            self.actions.append(WriteClient(encode_notice(reason, detail)))  # why, before the close
         self.actions.append(CloseClient())
         unverified = self.session.state.unverified_uses if self.session is not None else {}
         if unverified:  # ops the site allowed without a verified rule: counted, and in the log line
@@ -579,12 +594,13 @@ _DEFAULT = dict([
     on(UpstreamFailed, L._ignore), on(ClientClosed, L._client_closed), on(UpstreamClosed, L._ignore),
     on(Tick, L._tick), on(Shutdown, L._shutdown), on(InternalError, L._internal_error), on(Refused, L._refused),
     on(ClientBlocked, L._client_blocked), on(UpstreamBlocked, L._upstream_blocked), on(GraphValidated, L._ignore),
-    on(Hello, L._ignore), on(Active, L._ignore), on(NodeRefused, L._node_refused), on(Violation, L._violation),
+    on(Hello, L._ignore), on(Active, L._ignore), on(NodeRefused, L._node_refused), on(NodeEnded, L._node_ended),
+    on(Violation, L._violation),
     on(Deferred, L._ignore),
 ])  # fmt: skip
 _OVER = [  # a session that is over ignores what would end it
     on(ClientClosed, L._ignore), on(Shutdown, L._ignore), on(InternalError, L._ignore), on(Refused, L._ignore),
-    on(NodeRefused, L._ignore), on(Violation, L._ignore),
+    on(NodeRefused, L._ignore), on(NodeEnded, L._ignore), on(Violation, L._ignore),
 ]
 _UPSTREAM_LOST_ACTIVE = on(UpstreamClosed, L._upstream_closed_active)
 _HANDLERS: Mapping[LinkState, Mapping[type, Callable[[Lifecycle, Any], None]]] = {

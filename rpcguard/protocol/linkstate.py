@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Final, Mapping, NamedTuple, Protocol, Union
 
 from rpcguard.errors import Refusal
-from rpcguard.protocol.session import Active, Deferred, Hello, NodeRefused, SessionEvent, Violation
+from rpcguard.protocol.session import Active, Deferred, Hello, NodeEnded, NodeRefused, SessionEvent, Violation
 from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.side import Side
 
@@ -80,6 +80,7 @@ class Admit(NamedTuple):
     refusal: Refusal | None = None  # the identity or the admission check (sessions, shutdown) said no
     identity_refused: bool = False  # refused for who it is: leaving before HELLO is a refusal too
     probe: bool = False  # the client said it is a probe
+    notices: bool = False  # serve: the client knows the end notice (protocol/notice.py): say why it ends
 
 
 class HandshakeFailed(NamedTuple):
@@ -171,7 +172,7 @@ Event = Union[LinkEvent, SessionEvent]
 EVENTS: tuple[type, ...] = (
     Accepted, Admit, HandshakeFailed, Rejected, SlotGranted, SlotRefused, UpstreamConnected, UpstreamFailed,
     ClientClosed, UpstreamClosed, Tick, Shutdown, InternalError, Refused, ClientBlocked, UpstreamBlocked,
-    GraphValidated, Hello, Active, NodeRefused, Violation, Deferred,
+    GraphValidated, Hello, Active, NodeRefused, NodeEnded, Violation, Deferred,
 )  # fmt: skip
 
 
@@ -284,6 +285,7 @@ _ENDED: Final = Rule.ENDED
 # What every live state does unless its row says otherwise: these events end the session.
 _LIVE: Final[Mapping[type, Next]] = {
     ClientClosed: _ENDED, Shutdown: _ENDED, InternalError: _ENDED, Refused: _ENDED, NodeRefused: _ENDED,
+    NodeEnded: _ENDED,
 }  # fmt: skip
 
 TABLE: Mapping[LinkState, Mapping[type, Next]] = {

@@ -47,6 +47,7 @@ from rpcguard.protocol.commands import ANSWERS, BATCH, BATCH_MAX_BYTES, EFFECTS,
 from rpcguard.protocol.firewall import Firewall
 from rpcguard.protocol.settings import CHECK_NAMES, SessionPolicy
 from rpcguard.protocol.framing import FrameReader
+from rpcguard.protocol.notice import NOTICE_HEAD, NOTICE_SIZE, decode_notice
 from rpcguard.protocol.state import SessionState, UpstreamFacts
 from rpcguard.protocol.stats import SessionStats
 from rpcguard.protocol.versions import (
@@ -79,7 +80,7 @@ _SET_TENSOR_CACHE_HEAD: Final = TENSOR_BYTES + 9
 _CACHE_FLAG_AT: Final = 9 + TENSOR_BYTES
 
 __all__ = [
-    "SessionPolicy", "Session", "Output", "Violation", "Hello", "Active", "NodeRefused", "Deferred",
+    "SessionPolicy", "Session", "Output", "Violation", "Hello", "Active", "NodeRefused", "NodeEnded", "Deferred",
     "SessionEvent", "DEFER_GRAPH_BYTES",
 ]  # fmt: skip
 
@@ -140,6 +141,13 @@ class NodeRefused(NamedTuple):
     reason: str
 
 
+class NodeEnded(NamedTuple):
+    """connect: the node's serve ended the session and said why (its end notice, protocol/notice.py)."""
+
+    reason: str
+    detail: str
+
+
 class Deferred(NamedTuple):
     """A large graph waits for ``validate_deferred`` (``defer_graphs``)."""
 
@@ -147,7 +155,7 @@ class Deferred(NamedTuple):
 
 
 # ``Violation`` (monitor mode: a rule failed, the frame was forwarded) is an event as it is.
-SessionEvent = Union[Hello, Active, NodeRefused, Violation, Deferred]
+SessionEvent = Union[Hello, Active, NodeRefused, NodeEnded, Violation, Deferred]
 
 
 class Output:
@@ -215,6 +223,7 @@ class Session:
         self.hello_request_len: int | None = None  # 0 (pre-4.0 client) or 24
         self.version: Version | None = None
         self.node_refusal: str | None = None  # reason decoded from a 0.0.N reply
+        self.notices = False  # connect: the node may send an end notice (expect_notices)
         self.command: int | None = None  # command of the frame being handled (named in refusals)
         self.requests_checked_by = "proxy"  # or "node" (leave_requests_to_node)
         self._record = False  # record_recent(): the post-mortem ring and graph digest
@@ -295,6 +304,16 @@ class Session:
     def mid_frame(self) -> bool:
         """True while a request frame is partially received or streaming."""
         return not self._req.at_boundary
+
+    @property
+    def at_response_boundary(self) -> bool:
+        """True between responses: what the client got so far ends with a whole frame (serve may
+        put its end notice here, protocol/notice.py)."""
+        return self._rsp.at_boundary
+
+    def expect_notices(self) -> None:
+        """connect: the node negotiated the end notice (pki/tls.py ``ALPN_NOTICES``)."""
+        self.notices = True
 
     # ----------------------------------------------------------------------------- requests
     def client_data(self, data: memoryview, now_ns: int = 0) -> Output:
@@ -437,6 +456,8 @@ class Session:
 
     def _plan_response(self, header: tuple[int]) -> tuple[int, int]:
         length = header[0]
+        if length == NOTICE_SIZE and self.notices:  # the node's end notice, in place of a response
+            return NOTICE_HEAD, 0
         if not self._expect:
             raise ProtocolRefusal("response_unexpected", f"server sent {length} bytes nobody asked for")
         exp = self._expect[0]
@@ -453,6 +474,10 @@ class Session:
         return (0, length) if exp.streamed else (length, 0)
 
     def _on_response(self, header: tuple[int], head: memoryview, raw: memoryview) -> None:
+        if header[0] == NOTICE_SIZE:  # planned as one only when notices were negotiated
+            self._events.append(NodeEnded(*decode_notice(head)))
+            self._rsp.pause()  # the last thing the node sends: nothing after it is read
+            return
         out = self.to_client
         exp = self._expect.popleft()
         self.state.inflight_flops = 0  # the server answered: everything before it has run

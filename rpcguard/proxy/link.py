@@ -55,7 +55,7 @@ from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, REFUSAL_CODES
 from rpcguard.proxy.route import Route
 from rpcguard.proxy.validators import Validators
 from rpcguard.pki.identity import PeerIdentity, source_of
-from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard
+from rpcguard.pki.tls import classify_handshake_error, negotiated_rpcguard, notices
 
 __all__ = ["Link", "HOLD_MAX_BYTES", "TICK_S", "FAIR_CHUNKS", "FAIR_READ_NS", "FAIR_WIDEN_CHUNKS", "VALIDATORS"]
 
@@ -233,6 +233,9 @@ class Link:
         if (route.side.upstream_is_guard and session is not None and session.policy.validate_requests == "auto"
                 and session.policy.mode == "enforce" and negotiated_rpcguard(endpoint.transport.get_extra_info("ssl_object"))):  # type: ignore[union-attr]
             session.leave_requests_to_node()
+        if session is not None and route.side.upstream_is_guard and notices(
+                endpoint.transport.get_extra_info("ssl_object")):  # type: ignore[union-attr]
+            session.expect_notices()  # the node says why it ends a session (protocol/notice.py)
         if session is not None:
             route.traffic.requests_checked(session.requests_checked_by)
             session.defer_graphs()  # large graphs: validated off the loop (VALIDATORS)

@@ -37,7 +37,7 @@ from rpcguard.protocol.settings import Limits, Profile
 from rpcguard.protocol.side import SIDES, Side
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.versions import format_version
-from rpcguard.pki.tls import is_probe, peer_identity
+from rpcguard.pki.tls import is_probe, notices, peer_identity
 
 __all__ = ["Limits", "UpstreamSlot", "Route", "Admission", "RoutedLink", "LinkView", "EndedSession", "UPSTREAM_DRAIN_S"]
 
@@ -202,6 +202,7 @@ class Admission(NamedTuple):
     refusal: Refusal | None = None
     identity_refused: bool = False  # the refusal is about who the client is (answered at HELLO)
     probe: bool = False  # serve: the client said in the handshake it is a probe (tls.ALPN_PROBES)
+    notices: bool = False  # serve: the client knows the end notice (tls.ALPN_NOTICES, protocol/notice.py)
 
 
 @dataclass
@@ -290,7 +291,9 @@ class Route:
             refusal = too_many
         elif self.draining:
             refusal = Refusal("shutdown", "rpcguard is shutting down")
-        return Admission(profile, identity, refusal, identity_refused, self.side.client_tls and is_probe(ssl_object))
+        tls = self.side.client_tls
+        return Admission(profile, identity, refusal, identity_refused, tls and is_probe(ssl_object),
+                         tls and notices(ssl_object))
 
     def peer_counts(self, link: RoutedLink, identity: str) -> tuple[int, int, int, int]:
         """serve: admitted sessions that are not refused (``link``, new, included) of ``identity``

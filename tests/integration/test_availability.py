@@ -489,3 +489,20 @@ def test_a_contained_serve_never_cuts_a_live_llama_server_for_another_tenant(pki
         assert "waits for the upstream" not in serve.output()
     finally:
         server.stop()
+
+
+def test_when_serve_ends_a_live_session_connect_logs_why_next_to_the_client(pki, rpc_server, workdir, models, guards):
+    """issue 31.3: the real client holds its session past the node's max_session_s; serve ends it
+    (session_lifetime) and, both ends knowing the end notice (ALPN +notice), tells connect why:
+    connect's log line and its node_ended count name the node's reason, where the llama.cpp user
+    looks. Before, connect saw a bare close and logged only 'upstream closed'."""
+    connect, serve = start_pair(workdir, pki, rpc_server, guards, config(workdir, "limits:\n  max_session_s: 4\n"), [])
+    go = workdir / "go"
+    client = longclient(workdir, connect.endpoint, models["tiny"], go)
+    assert serve.wait_value("rpcguard_refusals_total", 1, timeout=60, reason="session_lifetime") == 1
+    assert connect.wait_value("rpcguard_refusals_total", 1, timeout=20, reason="node_ended") == 1
+    assert connect.logged("the node ended the session: session_lifetime")
+    assert connect.value("rpcguard_sessions_total", reason="upstream_closed") == 0
+    go.touch()
+    assert wait_for(lambda: not client.alive(), 120), client.output()
+    assert "LONGCLIENT_OK" not in client.output()

@@ -16,6 +16,7 @@ from rpcguard.protocol import encode
 from rpcguard.protocol import linkstate as S
 from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S, UPSTREAM_DRAIN_S
 from rpcguard.protocol.lifecycle import Lifecycle, admission_refusal
+from rpcguard.protocol.notice import NOTICE_HEAD, Notice, decode_notice, encode_notice
 from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
 from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.side import SIDES
@@ -79,11 +80,15 @@ def feed(fn, data: bytes, clock: Clock, how: str = "whole"):
     return out
 
 
-def active(role: str = "serve", clock: Clock | None = None, profile: Profile = DEFAULT) -> Lifecycle:
-    """A link whose session is ACTIVE on 7.0.0 (serve: holding the slot)."""
+def active(role: str = "serve", clock: Clock | None = None, profile: Profile = DEFAULT,
+           notices: bool = False) -> Lifecycle:
+    """A link whose session is ACTIVE on 7.0.0 (serve: holding the slot); ``notices``: the end
+    notice was negotiated (serve: the client knows it; connect: the node sends it)."""
     clock = clock or Clock()
     lc = make(role, clock=clock)
-    lc.admit(profile, "CN=client1")
+    lc.admit(profile, "CN=client1", notices=notices and role == "serve")
+    if notices and role == "connect":
+        lc.session.expect_notices()
     feed(lc.client_bytes, V.HELLO_REQ_V4, clock)
     if role == "serve":
         lc.slot_granted()
@@ -994,3 +999,83 @@ def test_the_relay_reports_events_and_writes_no_field():
     assert lc.state == S.CLOSED and (rec["result"], rec["reason"], rec["party"]) == ("error", "upstream_crashed",
                                                                                       "upstream")
     assert rec["command"] == "GET_ALIGNMENT" and rec["post_mortem"]["last_requests"] == [["GET_ALIGNMENT", 4]]
+
+
+# ----------------------------------------------------------------------------- the end notice
+def notice_in(acts: list[S.Action]) -> Notice | None:
+    writes = [a.data for a in acts if isinstance(a, S.WriteClient)]
+    assert len(writes) <= 1, acts
+    return decode_notice(writes[0][8:]) if writes else None
+
+
+def test_serve_says_why_it_ends_a_session_before_closing_when_the_client_knows_the_notice():
+    clock = Clock()
+    lc = active(clock=clock, notices=True)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
+    acts = take(lc)
+    assert kinds(acts) == [S.WriteClient, S.CloseClient, S.HalfCloseUpstream, S.End]
+    assert notice_in(acts) == Notice("hello_repeated", end(acts)["detail"])
+    # the same end without the notice negotiated: a bare close, as before
+    lc = active(clock=clock)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ + V.HELLO_REQ_V4, clock)
+    assert notice_in(take(lc)) is None
+
+
+def test_serve_notices_ends_of_its_own_but_not_a_client_that_left():
+    clock = Clock()
+    lc = active(clock=clock, notices=True)
+    assert notice_in(tick_at(lc, clock, 31)) == Notice("idle_timeout", "idle for 31 s")
+    lc = active(notices=True)
+    lc.shutdown()
+    assert notice_in(take(lc)).reason == "shutdown"
+    lc = active(notices=True)
+    lc.client_closed()
+    assert notice_in(take(lc)) is None
+
+
+def test_serve_never_puts_a_notice_inside_a_response():
+    clock = Clock()
+    lc = active(clock=clock, notices=True)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+    feed(lc.server_bytes, DC_RSP_1[:5], clock)  # the client got part of the answer
+    lc.out.clear()
+    take(lc)
+    lc.shutdown()
+    acts = take(lc)
+    assert notice_in(acts) is None and end(acts)["reason"] == "shutdown"
+    # a refusal that drops bytes meant for the client (a whole answer and a bad one in one read)
+    lc = active(clock=clock, notices=True)
+    feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+    lc.out.clear()
+    feed(lc.server_bytes, DC_RSP_1 + DC_RSP_1, clock)
+    acts = take(lc)
+    assert end(acts)["reason"] == "response_unexpected" and notice_in(acts) is None
+
+
+@pytest.mark.parametrize("how", ["whole", "bytewise", "trailing"])
+@pytest.mark.parametrize("pending", [False, True])
+def test_connect_logs_the_nodes_notice_as_its_reason_and_forwards_none_of_it(how, pending):
+    clock = Clock()
+    lc = active("connect", clock=clock, notices=True)
+    if pending:  # the notice comes in place of the answer the client waits for
+        feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)
+        lc.out.clear()
+    raw = encode_notice("idle_while_waiting", "held the node 21 s while 1 waited")
+    out = feed(lc.server_bytes, raw + (DC_RSP_1 if how == "trailing" else b""), clock,
+               "bytewise" if how == "bytewise" else "whole")
+    assert not out.to_client
+    rec = end(take(lc))
+    assert rec["reason"] == "node_ended" and rec["result"] == "refused" and rec["party"] == "upstream"
+    assert rec["detail"] == "the node ended the session: idle_while_waiting (held the node 21 s while 1 waited)"
+    assert lc.state == S.CLOSED
+
+
+def test_connect_refuses_a_notice_it_did_not_negotiate_and_a_malformed_one():
+    clock = Clock()
+    lc = active("connect", clock=clock)
+    feed(lc.server_bytes, encode_notice("shutdown"), clock)
+    assert end(take(lc))["reason"] == "response_unexpected"
+    lc = active("connect", clock=clock, notices=True)
+    feed(lc.server_bytes, encode_notice("shutdown")[:8] + b"Bad\0".ljust(NOTICE_HEAD, b"\0"), clock)
+    rec = end(take(lc))
+    assert rec["reason"] == "notice_invalid" and rec["party"] == "upstream"

@@ -571,6 +571,29 @@ def test_an_older_serve_that_says_only_rpcguard_1_is_not_trusted_to_enforce(pki)
     assert client.selected_alpn_protocol() is None
 
 
+@pytest.mark.parametrize("enforcing", [True, False])
+def test_the_end_notice_is_negotiated_only_between_two_ends_that_know_it(pki, enforcing):
+    mode = "enforce" if enforcing else "monitor"
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=enforcing), pki.client_ctx())
+    assert tls.notices(server) and tls.notices(client)
+    assert client.selected_alpn_protocol() == f"rpcguard/1+{mode}+notice"
+    assert tls.node_mode(client) == mode and tls.node_enforces(client) is enforcing
+    # a connect of before the notice offers the plain forms: it gets the plain one, no notice
+    old_connect = pki.client_ctx()
+    old_connect.set_alpn_protocols(["rpcguard/1+enforce", "rpcguard/1+monitor"])
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=enforcing), old_connect)
+    assert client.selected_alpn_protocol() == f"rpcguard/1+{mode}" and not tls.notices(server)
+    # a serve of before the notice offers its mode and the probe form: a new connect gets the mode
+    old_serve = pki.server_ctx(enforcing=enforcing)
+    old_serve.set_alpn_protocols([f"rpcguard/1+{mode}", f"rpcguard/1+{mode}+probe"])
+    server, client, _ = bio_handshake(old_serve, pki.client_ctx())
+    assert client.selected_alpn_protocol() == f"rpcguard/1+{mode}" and not tls.notices(client)
+    assert tls.node_enforces(client) is enforcing
+    # a probe never negotiates the notice
+    server, client, _ = bio_handshake(pki.server_ctx(enforcing=enforcing), pki.client_ctx(probe=True))
+    assert tls.is_probe(server) and not tls.notices(server)
+
+
 def test_transport_sslobject_calls_the_c_methods_and_moves_the_same_bytes(pki):
     server, client, pump = bio_handshake(pki.server_ctx(), pki.client_ctx())
     assert isinstance(client, tls.DirectSSLObject) and client.read == client._sslobj.read
