@@ -13,7 +13,7 @@ On the wire a notice is a response header whose u64 size is ``NOTICE_SIZE`` (the
 ``\\xff\\xffrgEND\\x01``, about 9.1e16, 81 PB: above any size a response may have, so a peer that does not
 know the notice refuses it as ``response_size_invalid`` rather than misreading it) followed by
 ``NOTICE_HEAD`` bytes: the reason (snake_case ASCII), a NUL, the detail (UTF-8, cut to fit), NUL
-padding. The head has a fixed size so that FrameReader handles it like any response head, whole,
+padding; no control character in the detail (it ends up in a log line). The head has a fixed size so that FrameReader handles it like any response head, whole,
 byte by byte or split anywhere. A notice is the last thing serve sends on the connection.
 """
 
@@ -31,6 +31,7 @@ NOTICE_SIZE: Final = struct.unpack("<Q", b"\xff\xffrgEND\x01")[0]
 NOTICE_HEAD: Final = 256  # reason NUL detail NUL-padding
 NOTICE_BYTES: Final = 8 + NOTICE_HEAD
 _REASON = re.compile(rb"[a-z][a-z0-9_]{0,63}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never in a detail: it goes into a log line as it is
 
 
 class Notice(NamedTuple):
@@ -44,7 +45,7 @@ def encode_notice(reason: str, detail: str = "") -> bytes:
     if not _REASON.fullmatch(r):
         raise ValueError(f"not a reason string: {reason!r}")
     room = NOTICE_HEAD - len(r) - 1
-    d = detail.encode("utf-8")[:room]
+    d = _CONTROL.sub(" ", detail).encode("utf-8")[:room]
     d = d.decode("utf-8", "ignore").encode("utf-8")  # never cut a character in half
     return struct.pack("<Q", NOTICE_SIZE) + (r + b"\0" + d).ljust(NOTICE_HEAD, b"\0")
 
@@ -65,4 +66,6 @@ def decode_notice(head: memoryview | bytes) -> Notice:
         text = detail.decode("utf-8")
     except UnicodeDecodeError:
         raise ProtocolRefusal("notice_invalid", "end notice detail is not UTF-8") from None
+    if _CONTROL.search(text):
+        raise ProtocolRefusal("notice_invalid", "end notice detail with control characters")
     return Notice(reason.decode("ascii"), text)

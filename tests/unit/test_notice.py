@@ -30,6 +30,10 @@ def test_round_trip_and_a_long_detail_is_cut_on_a_character():
     assert got.reason == "certificate_revoked" and detail.startswith(got.detail) and len(got.detail) > 100
 
 
+def test_control_characters_of_a_detail_are_not_sent():
+    assert decode_notice(encode_notice("shutdown", "a\nb\tc\x1b")[8:]) == Notice("shutdown", "a b c")
+
+
 @pytest.mark.parametrize("reason", ["", "Refused", "x" * 65, "bad reason", "naïve"])
 def test_a_reason_that_is_no_reason_string_is_not_encoded(reason):
     with pytest.raises((ValueError, UnicodeEncodeError)):
@@ -42,6 +46,7 @@ def test_a_reason_that_is_no_reason_string_is_not_encoded(reason):
     (b"x" * NOTICE_HEAD, "without a reason"),
     (b"ok\0a\0b".ljust(NOTICE_HEAD, b"\0"), "after its padding"),
     (b"ok\0\xff\xfe".ljust(NOTICE_HEAD, b"\0"), "not UTF-8"),
+    (b"ok\0line\nfake=1".ljust(NOTICE_HEAD, b"\0"), "control characters"),
     (b"ok\0short", "bytes, expected"),
 ])
 def test_a_malformed_notice_is_the_nodes_fault(head, why):
