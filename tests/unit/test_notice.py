@@ -31,7 +31,7 @@ def test_round_trip_and_a_long_detail_is_cut_on_a_character():
 
 
 def test_control_characters_of_a_detail_are_not_sent():
-    assert decode_notice(encode_notice("shutdown", "a\nb\tc\x1b")[8:]) == Notice("shutdown", "a b c")
+    assert decode_notice(encode_notice("shutdown", "a\nb\tc\x1b")[8:]) == Notice("shutdown", "a b c ")
 
 
 @pytest.mark.parametrize("reason", ["", "Refused", "x" * 65, "bad reason", "naïve"])
