@@ -55,6 +55,7 @@ from rpcguard.protocol.versions import (
     COMMAND_NAMES,
     FIXED,
     HELLO,
+    HELLO_REQUEST_SIZES,
     KNOWN_VERSIONS,
     NO_RESPONSE,
     REFUSAL_CODES,
@@ -336,7 +337,7 @@ class Session:
                 raise ProtocolRefusal("data_before_hello_reply", "client sent data before the HELLO reply")
             if cmd != HELLO:
                 raise ProtocolRefusal("first_frame_not_hello", f"first command is {_name(cmd)}, not HELLO")
-            if length not in (0, 24):
+            if length not in HELLO_REQUEST_SIZES:
                 raise ProtocolRefusal("hello_bad_size", f"HELLO with {length} payload bytes")
             return length, 0
         if cmd == HELLO:

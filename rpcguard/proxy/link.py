@@ -51,7 +51,7 @@ from rpcguard.protocol.linkstate import (
 from rpcguard.protocol.session import Output
 from rpcguard.protocol.settings import Limits
 from rpcguard.protocol.encode import hello_response
-from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, REFUSAL_CODES
+from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, HELLO_REQUEST_SIZES, REFUSAL_CODES
 from rpcguard.proxy.route import Route
 from rpcguard.proxy.validators import Validators
 from rpcguard.pki.identity import PeerIdentity, source_of
@@ -622,7 +622,7 @@ async def _plaintext_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     if len(head) < HEADER_REQ_BYTES or head[0] != HELLO:
         return False
     size = int.from_bytes(head[1:HEADER_REQ_BYTES], "little")
-    if size not in (0, 24):
+    if size not in HELLO_REQUEST_SIZES:
         return False
     try:
         sock.recv(HEADER_REQ_BYTES + size)  # take the HELLO: closing over unread bytes would reset the answer
