@@ -153,7 +153,7 @@ EDGES: Mapping[LinkState, frozenset[LinkState]] = {
 def table_markdown() -> str:
     """The table as docs/design.md shows it: what every state does with an event unless its own
     row says otherwise, then each state's own rows, with where each may lead
-    (tests/unit/test_lifecycle.py keeps the two equal)."""
+    (tests/unit/protocol/test_lifecycle.py keeps the two equal)."""
     common = _common(ENDS)
     lines = ["| state | event | handler | may lead to |", "|---|---|---|---|"]
     for event, row in common.items():

@@ -25,7 +25,7 @@ from tests.support.realpeer import accept_queue
 from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
 SET_TENSOR, GRAPH_COMPUTE, HELLO = 6, 10, 14
-DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+DESIGN = Path(__file__).resolve().parents[3] / "docs" / "design.md"
 
 
 def _design_table() -> dict[str, tuple[str, set[str]]]:
@@ -584,7 +584,7 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path) -> None:
 
     from rpcguard.proxy import server
     from rpcguard.config.flags import build_config
-    from tests.unit.test_readiness import fake_server
+    from tests.unit.proxy.test_readiness import fake_server
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])
