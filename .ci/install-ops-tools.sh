@@ -56,12 +56,12 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    tmp_policy=""
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-        tmp_policy=/usr/sbin/policy-rc.d
-        printf '#!/bin/sh\nexit 101\n' > "$tmp_policy"
-        chmod 0755 "$tmp_policy"
-        trap 'rm -f "$tmp_policy"' EXIT
+    sd_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then  # (the prometheus step's one, if any, is still there)
+        sd_policy=/usr/sbin/policy-rc.d
+        printf '#!/bin/sh\nexit 101\n' > "$sd_policy"
+        chmod 0755 "$sd_policy"
+        trap 'rm -f "$sd_policy"' EXIT
     fi
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends systemd >/dev/null
