@@ -36,7 +36,7 @@ Python wrapper frame per call (the wrappers only forward their arguments).
 
 ``classify_handshake_error`` maps a failed handshake (either side) to the stable reasons of
 docs/design.md with a table of message substrings; the strings were taken from real loopback
-handshakes (tests/unit/test_tls.py asserts them). With TLS 1.3 a client learns that the server
+handshakes (tests/unit/pki/test_tls.py asserts them). With TLS 1.3 a client learns that the server
 refused its certificate only on its first read after the handshake, so callers should classify
 that first read error too.
 """

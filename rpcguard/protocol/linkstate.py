@@ -317,7 +317,7 @@ EDGES: Mapping[LinkState, frozenset[LinkState]] = {
 
 
 def table_markdown() -> str:
-    """The table as docs/design.md shows it (tests/unit/test_lifecycle.py keeps the two equal)."""
+    """The table as docs/design.md shows it (tests/unit/protocol/test_lifecycle.py keeps the two equal)."""
     rule_text = {Rule.ADMITTED: "REFUSING if refused, else AWAIT_HELLO (serve) or CONNECTING (connect)",
                  Rule.ENDED: "the session's end: DRAINING (serve, upstream open) or CLOSED"}
     lines = ["| state | event | next state |", "|---|---|---|"]

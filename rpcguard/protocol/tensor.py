@@ -68,7 +68,7 @@ class RpcTensor(NamedTuple):
 
     Written out field by field so that the type checker knows each one; at run time this is the
     same ``collections.namedtuple`` class as before (tuple equality, hashing, ``_make``, pickling
-    by value), which ``tests/unit/test_tensor_class.py`` compares with the computed-field version.
+    by value), which ``tests/unit/protocol/test_tensor_class.py`` compares with the computed-field version.
     """
 
     id: int

@@ -68,7 +68,7 @@ def refusal(payload: bytes, buffers: list[tuple[int, int, int]]) -> tuple[str, s
         st.buffers[handle].base = base
     try:
         # contained: the shape rules of content-indexed ops (oprules.needs_containment) are what
-        # this oracle checks; that they need containment is tests/unit/test_oprules.py's business
+        # this oracle checks; that they need containment is tests/unit/protocol/test_oprules.py's business
         GraphValidator(FirewallPolicy(max_graph_nodes=4096, max_graph_tensors=16384, contained=True)).check(memoryview(payload), st)
     except FirewallRefusal as exc:
         return exc.reason, exc.detail

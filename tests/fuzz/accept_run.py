@@ -420,10 +420,8 @@ class Runner:
             self.server.restart()
         elif out.kind == "server_closed":
             self._drop()  # the server frees the session's buffers now: does it survive that?
-            deadline = time.monotonic() + 1.0
-            while self.server.alive() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not self.server.alive() or classify_log(self.server.since_mark()):
+            # (answered: it served that session to its end and took the next connection)
+            if not self.server.answers_hello() or classify_log(self.server.since_mark()):
                 v = self.server.verdict()
                 out = Outcome(v.kind if v.finding else "crash",
                               f"after the server closed the connection: {v.summary or 'died'}", v.log,

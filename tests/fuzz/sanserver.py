@@ -16,6 +16,7 @@ has -fno-sanitize-recover=undefined) and ``print_stacktrace=1``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rpcguard.protocol.versions import KNOWN_VERSIONS
+from rpcguard.proxy.readiness import hello_probe
 from tests.support.realpeer import REALPEER_HOME, _read_env, reserve_port, wait_port
 
 __all__ = ["SanServer", "Verdict", "asan_binary", "MissingSanitizerBuild", "SANITIZER_ENV", "classify_log"]
@@ -118,6 +121,13 @@ class SanServer:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def answers_hello(self, timeout: float = 30.0) -> bool:
+        """Whether the server answers a HELLO on a new connection: it serves one connection at a
+        time, so an answer means it served the previous one to its end and survived it (a
+        positive signal, where a wait for a crash that does not come reads a late one as alive)."""
+        ok, _ = asyncio.run(hello_probe("127.0.0.1", self.port, frozenset(KNOWN_VERSIONS), timeout))
+        return ok and self.alive()
+
     def mark(self) -> None:
         """Remember where the log ends: ``verdict`` looks only at what comes after."""
         self._mark = self.log_path.stat().st_size
@@ -135,8 +145,7 @@ class SanServer:
             deadline = time.monotonic() + 15  # ASan symbolizes before it aborts
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.1)
-            text = self.since_mark()
+            text = self.since_mark()  # (complete once the server has exited)
             found = classify_log(text)
         rc = None if self.alive() else self.popen.returncode  # type: ignore[union-attr]
         if found is not None:  # keep the report from its first line (READ/WRITE of size, the stack)

@@ -30,7 +30,7 @@ from tests.support import procinfo, realpeer
 from tests.support.floods import FrameFlood, GraphFlood
 from tests.support.guard import Guard, Pki, start_guard, start_pair
 from tests.support.rawclient import RawClient, mtls_context
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for, wait_until
 
 N_TOKENS = 8
 
@@ -225,13 +225,16 @@ def test_one_certificate_or_one_host_cannot_take_the_listener(pki, rpc_server, w
         silent = [tls_client(pki, serve.port, "mallory") for _ in range(12)]
     else:
         silent = [tls_client(pki, serve.port, f"host2-{i}", source="127.0.0.2") for i in range(12)]
-    time.sleep(0.5)  # admitted (or refused) by serve before the tenant comes
+    reason = "too_many_pending_per_identity" if who == "identity" else "too_many_pending_per_source"
+    cap = 4 if who == "identity" else 3
+    # every silent connection admitted or refused by serve before the tenant comes: each one got
+    # its profile (counted in the same step as the cap decision; a refusal is counted only when
+    # the refused connection ends)
+    assert serve.wait_value("rpcguard_profile_sessions_total", 12, timeout=60) == 12
     run = realpeer.run_client(connect.endpoint, models["tiny"], n=N_TOKENS, timeout=120)
     assert run.ok, run.output[-2000:]
-    reason = "too_many_pending_per_identity" if who == "identity" else "too_many_pending_per_source"
     for s in silent:
         s.close()
-    cap = 4 if who == "identity" else 3
     assert serve.wait_value("rpcguard_refusals_total", 12 - cap, reason=reason) == 12 - cap
 
 
@@ -256,7 +259,8 @@ def test_silent_connections_cannot_reset_the_health_probes(pki, rpc_server, work
     guards.append(serve)
     flood = [socket.create_connection(("127.0.0.1", serve.metrics_port), source_address=(f"127.0.0.{2 + i % 20}", 0))
              for i in range(200)]
-    time.sleep(0.5)
+    # the flood taken in by serve before the probes come: its metrics listener has accepted them all
+    wait_until(lambda: realpeer.accept_queue(serve.metrics_port) == 0, 60, "serve accepting the 200 connections")
     for path in ("/healthz", "/readyz"):
         t0 = time.monotonic()
         with urllib.request.urlopen(f"http://127.0.0.1:{serve.metrics_port}{path}", timeout=5) as rsp:

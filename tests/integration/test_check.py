@@ -59,10 +59,11 @@ def node_connections(g) -> float:
 
 
 def wait_connections(g, n: float) -> float:
-    deadline = time.monotonic() + 10
-    while node_connections(g) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # a second connection, if any, would land now
+    """The connections the node saw from a check that has exited: each one it made is in the
+    node's accept queue or accepted by then, so once the queue is empty and no session runs, a
+    second connection (if any) is counted: no window in which it would probably have landed."""
+    g.wait_value("rpcguard_sessions_total", n)
+    g.wait_quiet()
     return node_connections(g)
 
 
@@ -96,14 +97,23 @@ def test_one_connection_to_a_silent_closer():
 
         async def accept_loop():
             while True:
-                conn, _ = await loop.sock_accept(srv)
-                accepted.append(conn)
+                conn, peer = await loop.sock_accept(srv)
+                accepted.append(peer)
                 conn.close()
 
         task = loop.create_task(accept_loop())
         ctx = ssl.create_default_context()
         r = await probe_node("n", "127.0.0.1", srv.getsockname()[1], ctx, "localhost", timeout=5)
-        await asyncio.sleep(0.3)
+        # Every connection the probe made is queued by now; a marker connection of ours queues
+        # after them, and the accept loop takes them in order: once it has taken the marker, it
+        # has taken every connection of the probe (no window in which a second one would land).
+        marker = socket.create_connection(srv.getsockname()[:2])
+        deadline = loop.time() + 30
+        while marker.getsockname() not in accepted:
+            assert loop.time() < deadline, "the marker connection was not accepted within 30 s"
+            await asyncio.sleep(0.01)
+        accepted.remove(marker.getsockname())
+        marker.close()
         task.cancel()
         return r
 

@@ -6,7 +6,7 @@ server it stops the process (every tenant of a shared server loses it); through 
 refused ``type_not_supported_by_version`` (rpcguard/protocol/oprules/kerneltypes.py), the server
 stays up and computes an F32 SCALE in the next session. The same, for one row of kerneltypes.GAPS
 each, on the 4.0.1 (b9968), 5.1.0 (b10635) and 6.0.0 servers: the node built as the unit tests
-build it (tests/unit/test_kerneltypes.py) aborts the server direct, is refused through serve, and
+build it (tests/unit/protocol/test_kerneltypes.py) aborts the server direct, is refused through serve, and
 the node the old kernel handles runs after it. The servers come from tests/realpeer/releases.sh
 (realpeer.release_build names the install step when one is missing).
 """
@@ -25,7 +25,7 @@ from tests.support import realpeer
 from tests.support.guard import start_guard
 from tests.support.rawclient import RawClient, mtls_socket
 from tests.support.waiting import wait_until
-from tests.unit import test_kerneltypes as kt
+from tests.unit.protocol import test_kerneltypes as kt
 
 V600 = (6, 0, 0)
 F32, BF16 = 0, 30

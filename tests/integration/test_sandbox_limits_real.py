@@ -248,11 +248,22 @@ def test_sessions_and_crashes_leave_no_zombie_for_the_init(pki, workdir):
         assert c.alloc(SMALL).buffer
         server = wait_until(lambda: [p for p in descendants(serve_pid) if _exe(p).endswith("ggml-rpc-server")
                                      and _state(p) != "Z"], 10, "the session's server")
+        # the session's tree: each server and its bwraps up to serve
+        tree = set()
+        for pid in server:
+            while pid not in (serve_pid, 0, 1) and pid not in tree:
+                tree.add(pid)
+                pid = _parent(pid)
         for pid in server:
             os.kill(pid, signal.SIGKILL)  # dies by itself: its bwraps exit on their own
         wait_until(lambda: "reason=upstream_crashed" in log.read_text(), 15, "the crash")
         c.close()
-        time.sleep(2.5)  # (the launcher would get an orphan at once; serve reaps within REAP_S)
+        # The event, not a time after it: every process of that tree has exited and been reaped
+        # (gone from /proc), or has been handed to the launcher (which never reaps: it stays).
+        # serve reaps its orphaned bwrap inits every REAP_S; the deadline only bounds a failure.
+        wait_until(lambda: all(not os.path.exists(f"/proc/{p}") or _parent(p) == launcher.pid for p in tree), 60,
+                   "the crashed session's processes reaped")
+        wait_until(lambda: not [p for p in descendants(serve_pid) if _state(p) == "Z"], 60, "no zombie under serve")
         orphans = [p for p in descendants(launcher.pid) if p != serve_pid and _parent(p) == launcher.pid]
         assert not orphans, [(p, _state(p), _exe(p)) for p in orphans]
         zombies = [p for p in descendants(serve_pid) if _state(p) == "Z"]

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rpcguard.pki import certs
 from rpcguard.cli import READY_MESSAGE
-from tests.support.realpeer import PYTHON, Proc, start, wait_port
+from tests.support.realpeer import PYTHON, Proc, accept_queue, start, wait_port
 
 
 @dataclass
@@ -77,6 +77,24 @@ class Guard:
             v = self.value(name, **labels)
             if v >= minimum or time.monotonic() > deadline:
                 return v
+            time.sleep(0.05)
+
+    def wait_quiet(self, timeout: float = 30.0) -> None:
+        """Wait until every connection made to the listener so far has been accepted (its accept
+        queue is empty) and has ended as a session (``rpcguard_sessions_active`` 0 in two scrapes
+        in a row: a link counts as active from the loop step after its accept, and the second
+        scrape is answered after that step). A connection from a client that has exited is then
+        counted in ``rpcguard_sessions_total``."""
+        deadline = time.monotonic() + timeout
+        quiet = 0
+        while quiet < 2:
+            if accept_queue(self.port) == 0 and self.value("rpcguard_sessions_active") == 0:
+                quiet += 1
+                continue
+            quiet = 0
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.role}: sessions still running or connections not accepted "
+                                     f"after {timeout} s (accept queue {accept_queue(self.port)})")
             time.sleep(0.05)
 
     def output(self) -> str:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from rpcguard.pki import certs
+from tests.support import need
 
 __all__ = [
     "ROOT", "K8S", "RPC_SERVER", "kustomization", "docs", "of_kind", "named", "pod_specs", "containers",
@@ -259,9 +260,7 @@ def kustomize(path: Path) -> list[dict]:
     fails without it, a developer's machine skips)."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        if os.environ.get("CI"):
-            pytest.fail("kubectl missing: .ci/install-ops-tools.sh installs it")
-        pytest.skip("kubectl not installed (.ci/install-ops-tools.sh installs it)")
+        need.missing("kubectl", "install it as root with: bash .ci/install-ops-tools.sh")
     run = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return [d for d in yaml.safe_load_all(run.stdout) if d]

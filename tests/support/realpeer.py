@@ -150,6 +150,23 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
+def accept_queue(port: int) -> int | None:
+    """Connections waiting in the accept queue of the TCP listener on ``port`` (any address), or
+    None when nothing listens there. For a listening socket the kernel shows the queue's length
+    in /proc/net/tcp's rx_queue column: 0 means every connection made so far has been accepted."""
+    found = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in list(f)[1:]]
+        except OSError:
+            continue
+        for r in rows:
+            if r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port:
+                found = (found or 0) + int(r[4].split(":")[1], 16)
+    return found
+
+
 def wait_bound(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     """The port of the one socket that ``proc`` (started on port 0) listens on, once it does."""
     deadline = time.monotonic() + timeout

@@ -15,31 +15,34 @@ import time
 
 from tests.support.capture import C2S, S2C, CaptureRelay
 from tests.support.realpeer import reserve_port
+from tests.support.waiting import wait_until
 
 ANSWER = (16).to_bytes(8, "little") + bytes(range(16))
 
 
-def _late_server(ls: socket.socket, result: dict[str, object]) -> None:
+def _late_server(ls: socket.socket, result: dict[str, object], relay: list[CaptureRelay]) -> None:
     conn, _ = ls.accept()
     with conn:
         result["request"] = conn.recv(64)
         assert conn.recv(64) == b""  # the relay passed the client's EOF on
-        time.sleep(0.1)  # the relay had every chance to reset us by now
+        # the relay is done with the client's end (where the old one shut both sides): events,
+        # not windows; a relay that reset us never reads the first write, and the wait fails
+        wait_until(lambda: relay[0].conns[0].ended >= 1, 5, "the relay's end of the client direction")
         try:
             conn.sendall(ANSWER[:8])
-            time.sleep(0.1)  # an RST sent for the first write has arrived: the second would fail
+            wait_until(lambda: relay[0].conns[0].s2c >= 8, 5, "the relay reading the first write")
             conn.sendall(ANSWER[8:])
             result["sent"] = True
-        except OSError as exc:
+        except (OSError, AssertionError) as exc:
             result["sent"] = exc
 
 
 def test_the_server_can_still_answer_after_the_client_left():
     ls = socket.create_server(("127.0.0.1", 0))
     result: dict[str, object] = {}
-    t = threading.Thread(target=_late_server, args=(ls, result), daemon=True)
-    t.start()
     relay = CaptureRelay(ls.getsockname()[1])
+    t = threading.Thread(target=_late_server, args=(ls, result, [relay]), daemon=True)
+    t.start()
     try:
         c = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
         c.sendall(b"\x0f" + bytes(8))  # a DEVICE_COUNT request, then gone without reading

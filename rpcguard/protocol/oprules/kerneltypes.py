@@ -235,7 +235,7 @@ def bind(rule: OpRule, version: Version) -> OpRule:
 
 
 def gaps_markdown() -> str:
-    """GAPS as docs/matrix.md "Kernel types per release" shows it (tests/unit/test_kerneltypes.py
+    """GAPS as docs/matrix.md "Kernel types per release" shows it (tests/unit/protocol/test_kerneltypes.py
     keeps them equal)."""
     def ver(v: Version) -> str:
         return ".".join(map(str, v))

@@ -124,7 +124,7 @@ def rule_for(op: str, version: Version) -> OpRule | None:
 
 def status_markdown(version: Version, op_names: Sequence[str]) -> str:
     """Per op of ``version``'s table, what holds (op_status) and what its kernel indexes with
-    contents: docs/firewall.md "What holds, per op" (tests/unit/test_oprules.py keeps them equal)."""
+    contents: docs/firewall.md "What holds, per op" (tests/unit/protocol/test_oprules.py keeps them equal)."""
     lines = ["| op | status | indexed by contents |", "|---|---|---|"]
     for op in op_names:
         if op == "NONE":
@@ -139,7 +139,7 @@ def status_markdown(version: Version, op_names: Sequence[str]) -> str:
 
 
 def table_markdown() -> str:
-    """The op table as docs/firewall.md shows it (tests/unit/test_oprules.py keeps them equal)."""
+    """The op table as docs/firewall.md shows it (tests/unit/protocol/test_oprules.py keeps them equal)."""
     lines = ["| op | versions | constructor mirrored | sources (+optional) | params |", "|---|---|---|---|---|"]
     for op, rows in RULES.items():
         for r in rows:

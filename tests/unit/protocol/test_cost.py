@@ -13,7 +13,7 @@ from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.encode import pack_tensor
-from tests.unit.test_oprules import BASE, OPS, SIZE, T, f, reason, run, state
+from tests.unit.protocol.test_oprules import BASE, OPS, SIZE, T, f, reason, run, state
 
 F32, F16, Q8_0, I32 = 0, 1, 8, 26
 

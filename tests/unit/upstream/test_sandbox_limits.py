@@ -20,7 +20,7 @@ from rpcguard.upstream import cgroup, sandbox
 from rpcguard.upstream.output import OutputLimiter
 from rpcguard.upstream.process import STDERR_LINE_BYTES, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRUE = "/bin/true" if os.path.exists("/bin/true") else "/usr/bin/true"
 
 

@@ -10,8 +10,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from rpcguard.pki import certs, crl, tls
-from tests.unit.test_tls import Pki, handshake
-from tests.unit.test_tls import pki as tls_pki
+from tests.unit.pki.test_tls import Pki, handshake
+from tests.unit.pki.test_tls import pki as tls_pki
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,6 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from rpcguard.pki import certs, tls
 from rpcguard.errors import PolicyRefusal
 from rpcguard.pki.tls import TlsConfigError, classify_handshake_error
+from tests.support import need
+from tests.support.loops import UVLOOP_INSTALL
 
 pytestmark = pytest.mark.timeout(30)
 IO_TIMEOUT_S = 5.0  # bounds every blocking call; a healthy loopback handshake takes milliseconds
@@ -305,7 +307,7 @@ def test_silent_client_times_out(pki):
 def test_asyncio_start_tls_handshake_timeout(pki, loop_name):
     """The relay upgrades with ``loop.start_tls``; its timeout is a ConnectionAbortedError."""
     if loop_name == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
+        uvloop = need.module("uvloop", UVLOOP_INSTALL)
         loop = uvloop.new_event_loop()
     else:
         loop = asyncio.new_event_loop()

@@ -29,7 +29,7 @@ def allow(**kw) -> AllowList:
     names = {"cn": "cns", "dns": "dns", "uri": "uris", "ip": "ips", "all": "allow_any"}
     return AllowList((Acl(**{names[k]: v for k, v in kw.items()}),))
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "config"
+EXAMPLES = Path(__file__).resolve().parents[3] / "config"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from rpcguard.protocol.ggml import DENIED_OPS, op_table
 from rpcguard.protocol.oprules import op_status, rule_for
 from tests.support.realpeer import PYTHON
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("version", versions_with_ops())

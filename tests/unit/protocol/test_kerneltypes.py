@@ -378,5 +378,5 @@ def test_gaps_are_well_formed():
 def test_docs_matrix_shows_the_table():
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "matrix.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "matrix.md").read_text(encoding="utf-8")
     assert kerneltypes.gaps_markdown() in doc, "docs/matrix.md 'Kernel types per release': paste gaps_markdown()"

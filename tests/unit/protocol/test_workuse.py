@@ -16,7 +16,7 @@ from rpcguard.protocol.tensor import decode_tensor
 from rpcguard.protocol.encode import pack_tensor
 from rpcguard.protocol.workbuf import CACHE_LINE_MIN, ONE_TASK_OPS, planned_bytes
 from rpcguard.protocol.workuse import USES, kernel_bytes, overflow
-from tests.unit.test_oprules import OPS, T, state
+from tests.unit.protocol.test_oprules import OPS, T, state
 
 F32, F16, Q4_0, Q8_0, Q4_K, I64 = 0, 1, 2, 8, 12, 27
 

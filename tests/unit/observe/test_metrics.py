@@ -21,10 +21,11 @@ from rpcguard.observe import http as http_mod
 from rpcguard import reasons
 from rpcguard.observe.metrics import ListenerTraffic, Metrics, start_http
 from rpcguard.protocol.stats import DEFAULT_COMMAND_NAMES, LATENCY_BUCKETS_S, SessionStats
+from tests.support.realpeer import accept_queue
 from tests.support.loops import run  # noqa: F401,F811  (a fixture: the endpoint tests run on both loops)
 
 SET_TENSOR, GRAPH_COMPUTE, HELLO = 6, 10, 14
-DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+DESIGN = Path(__file__).resolve().parents[3] / "docs" / "design.md"
 
 
 def _design_table() -> dict[str, tuple[str, set[str]]]:
@@ -89,7 +90,15 @@ def _pool_exposition() -> bytes:
 
 def test_every_design_metric_is_exported_with_its_labels() -> None:
     table = _design_table()
-    assert len(table) == 41, "design.md metrics table not found or changed shape"
+    # The families the code declares (the collector's table, the pool's collector with no pool):
+    # every one must have its row in design.md and every row its family, whatever their number.
+    from rpcguard.upstream.pool import PoolCollector
+    declared = {f.name: f.type for f in metrics_mod._all(metrics_mod._families())}
+    declared.update((f.name, f.type) for f in PoolCollector({}).collect())
+    documented = {n.removesuffix("_total") if t == "counter" else n: t for n, (t, _) in table.items()}
+    assert declared == documented, ("families declared but not in design.md's table",
+                                    sorted(declared.keys() - documented.keys()),
+                                    "rows of the table no code declares", sorted(documented.keys() - declared.keys()))
     m, _ = _populated()
     text = m.exposition().decode() + _pool_exposition().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -406,7 +415,8 @@ def test_http_connection_cap_per_source(run, monkeypatch: pytest.MonkeyPatch) ->
         port = server.sockets[0].getsockname()[1]
         try:
             held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)) for _ in range(2)]
-            await asyncio.sleep(0.1)
+            # (no wait: the accept queue is FIFO and each connection is admitted at its accept, so
+            # the two held ones are counted before the next one is looked at)
             # over the source's cap: answered 503 at once, before any request is read
             reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
             assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 503 ")
@@ -421,6 +431,23 @@ def test_http_connection_cap_per_source(run, monkeypatch: pytest.MonkeyPatch) ->
             await server.wait_closed()
 
     run(body())
+
+
+async def _accepted(port: int, timeout: float = 30.0) -> None:
+    """Wait until the server on ``port`` (this loop's) has accepted, and so admitted or refused,
+    every connection made to it so far: its accept queue is empty."""
+    deadline = time.monotonic() + timeout
+    while accept_queue(port) != 0:
+        assert time.monotonic() < deadline, f"connections still queued on port {port} after {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+async def _handlers_done(server, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait until every connection's handler task has ended: only this test and the accept loop run."""
+    deadline = time.monotonic() + timeout
+    while {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t is not server._task}:
+        assert time.monotonic() < deadline, f"connection handlers still running after {timeout} s"
+        await asyncio.sleep(0.01)
 
 
 async def _silent(port: int, n: int, sources: int) -> list:
@@ -438,7 +465,7 @@ def test_a_silent_flood_cannot_keep_the_health_probes_out(run) -> None:  # type:
         try:
             # one host: its share only; many hosts: the oldest silent connection makes room
             flood = await _silent(port, 64, 1) + await _silent(port, 2 * http_mod.MAX_HTTP_CONNECTIONS, 24)
-            await asyncio.sleep(0.2)
+            await _accepted(port)  # the flood admitted, refused or evicting before the probes come
             t0 = time.monotonic()
             for path in ("/healthz", "/readyz", "/healthz"):
                 status, _, _ = await _request(port, _get(path))
@@ -489,7 +516,8 @@ def test_every_http_error_is_counted(run) -> None:  # type: ignore[no-untyped-de
             w.close()  # closed half-way: nothing to answer, still counted
             r2, w2 = await asyncio.open_connection("127.0.0.1", port)
             w2.close()  # a bare connect and close (a TCP probe) is no error
-            await asyncio.sleep(0.2)
+            await _accepted(port)
+            await _handlers_done(server)  # both answered (or not) and counted (or not)
         finally:
             server.close()
             await server.wait_closed()
@@ -556,7 +584,7 @@ def test_upstream_up_follows_probes_and_sessions(tmp_path: Path) -> None:
 
     from rpcguard.proxy import server
     from rpcguard.config.flags import build_config
-    from tests.unit.test_readiness import fake_server
+    from tests.unit.proxy.test_readiness import fake_server
 
     certs.init_ca(tmp_path)
     certs.issue(tmp_path, "node", server=True, ips=["127.0.0.1"])

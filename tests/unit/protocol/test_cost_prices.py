@@ -17,8 +17,8 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.graph import MAX_GRAPH_COMPUTE_S, NODE_GFLOPS, GraphValidator
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.settings import Limits
-from tests.unit.test_cost import dec
-from tests.unit.test_oprules import HANDLE, OPS, T, f, state
+from tests.unit.protocol.test_cost import dec
+from tests.unit.protocol.test_oprules import HANDLE, OPS, T, f, state
 
 F32, F16, I32 = 0, 1, 26
 TYPE = {t.name: i for i, t in TYPES.items()}

@@ -145,7 +145,7 @@ def test_an_ended_session_goes_where_the_state_triggered_rule_says(role, state):
 
 def test_design_md_renders_the_table():
     from pathlib import Path
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "design.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- link-table:begin")) + 1
     assert doc[begin:doc.index("<!-- link-table:end")] == S.table_markdown(), \
         "docs/design.md's link table is stale: paste rpcguard.protocol.linkstate.table_markdown()"
@@ -850,7 +850,7 @@ def test_an_idle_session_is_ended_when_another_waits_for_the_upstream():
 
 
 def test_work_restarts_the_fair_slot_clock_and_a_trickle_is_no_work():
-    clock = Clock()  # the idle clock alone (the busy one: tests/unit/test_endings.py)
+    clock = Clock()  # the idle clock alone (the busy one: tests/unit/protocol/test_endings.py)
     lc = active(clock=clock, profile=Profile("default", SessionPolicy(),
                                              Limits(idle_while_waiting_s=20, hold_while_waiting_s=0)))
     feed(lc.client_bytes, V.DEVICE_COUNT_REQ, clock)  # the server owes an answer: it works
@@ -882,7 +882,7 @@ def test_a_client_that_does_not_read_the_answer_it_is_owed_is_not_working():
 
 
 def test_a_session_sending_at_the_minimum_rate_works():
-    clock = Clock()  # for the idle clock; hold_while_waiting_s bounds it (tests/unit/test_endings.py)
+    clock = Clock()  # for the idle clock; hold_while_waiting_s bounds it (tests/unit/protocol/test_endings.py)
     lc, t = with_buffer(clock, Limits(idle_while_waiting_s=20, hold_while_waiting_s=0))
     for _ in range(100):
         feed(lc.client_bytes, set_tensor_head(t, 16384) + bytes(16384), clock)

@@ -10,7 +10,7 @@ from pathlib import Path
 from rpcguard import reasons
 from rpcguard.protocol.versions import REFUSAL_CODES, REFUSAL_REASONS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Where sessions are refused before they are active: admission (identity, usage, caps), the dial
 # to the node or upstream, and the upstream slot. Every reason they raise is answered at HELLO.
 BEFORE_HELLO = ("rpcguard/proxy/endpoint.py", "rpcguard/proxy/route.py", "rpcguard/pki/identity.py")

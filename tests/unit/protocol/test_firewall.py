@@ -144,7 +144,7 @@ def test_set_tensor_spec_vector_5_1():
 def test_set_tensor_spec_vector_7_0_with_cache_flag():
     head = SET_TENSOR_51[:296] + b"\x00" + SET_TENSOR_51[296:304]
     check("SET_TENSOR", head, 16)
-    # cache_flag=1: only after a SET_TENSOR_HASH miss and above 10 MiB (tests/unit/test_session.py)
+    # cache_flag=1: only after a SET_TENSOR_HASH miss and above 10 MiB (tests/unit/protocol/test_session.py)
     assert reason("SET_TENSOR", SET_TENSOR_51[:296] + b"\x01" + SET_TENSOR_51[296:304], 16) == (
         "set_tensor_cache_flag_invalid")
     assert reason("SET_TENSOR", SET_TENSOR_51[:296] + b"\x02" + SET_TENSOR_51[296:304], 16) == "set_tensor_flag_invalid"

@@ -40,7 +40,7 @@ from tests.fuzz.sanitizer_fuzz import decode_frames
 from tests.fuzz.wire import VERSION, Session
 from tests.support.corereplay import C2S, S2C, PureWorker, run_case
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FINDINGS = sorted((ROOT / "tests" / "fuzz" / "findings").glob("*.json"))
 PURE_BUILD = os.environ.get("RPCGUARD_PURE_PYTHON", "") not in ("", "0")
 

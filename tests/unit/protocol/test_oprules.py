@@ -277,7 +277,7 @@ def test_docs_show_the_table():
 
     from rpcguard.protocol.oprules import table_markdown
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "firewall.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- op-table:begin")) + 1
     assert doc[begin : doc.index("<!-- op-table:end -->")] == table_markdown()
 
@@ -391,7 +391,7 @@ def test_docs_show_what_holds_per_op():
 
     from rpcguard.protocol.oprules import status_markdown
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "firewall.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "firewall.md").read_text(encoding="utf-8")
     begin = doc.index("\n", doc.index("<!-- op-status:begin")) + 1
     assert doc[begin : doc.index("<!-- op-status:end -->")] == status_markdown(V7, op_table(V7).names)  # type: ignore[union-attr]
 

@@ -16,8 +16,8 @@ from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.oprules import CONTENT_INDEXED, cuda, needs_containment, op_status
 from rpcguard.protocol.state import SessionState
-from tests.unit.test_backend import V7, T  # the same tensors in one buffer, at CUDA's alignment or not
-from tests.unit.test_backend import state as _state
+from tests.unit.protocol.test_backend import V7, T  # the same tensors in one buffer, at CUDA's alignment or not
+from tests.unit.protocol.test_backend import state as _state
 
 OPS = op_table(V7).ids  # type: ignore[union-attr]
 F32, I32, I64 = 0, 26, 27

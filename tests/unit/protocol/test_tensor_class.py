@@ -27,7 +27,7 @@ from rpcguard.protocol.tensor import RpcTensor, alloc_size_key, check_tensor, de
 from rpcguard.protocol.versions import COMMAND_IDS, TENSOR_BYTES, spec_for
 from tests.support.corereplay import run_pytest_pure
 from tests.support.tensorref import COMPUTED_FIELDS, ComputedRpcTensor, decode_computed
-from tests.unit.test_tensor import BASE, HANDLE, SPEC_TENSOR, state
+from tests.unit.protocol.test_tensor import BASE, HANDLE, SPEC_TENSOR, state
 
 PROPS = ("ne", "nb", "op_params", "src")
 

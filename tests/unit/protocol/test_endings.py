@@ -2,7 +2,7 @@
 upstream may do while another waits for it.
 
 ``idle_while_waiting_s`` (continuous idle, the operator's preemption of idle holders) is tested in
-tests/unit/test_lifecycle.py; here ``hold_while_waiting_s``: once another session waits, the
+tests/unit/protocol/test_lifecycle.py; here ``hold_while_waiting_s``: once another session waits, the
 holder has that long more (every second with preemption on; only its busy ticks with
 ``idle_while_waiting_s: 0``), or that much estimated compute, GRAPH_RECOMPUTE included. A frame
 trickled at just over ``min_data_rate_bps``, a stream of small frames, a slow reader and a
@@ -23,7 +23,7 @@ from rpcguard.protocol.ggml import op_table
 from rpcguard.protocol.lifecycle import Lifecycle
 from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
 from tests.support import vectors as V
-from tests.unit.test_lifecycle import DC_RSP_1, Clock, active, end, feed, set_tensor_head, take, with_buffer
+from tests.unit.protocol.test_lifecycle import DC_RSP_1, Clock, active, end, feed, set_tensor_head, take, with_buffer
 
 RATE = Limits().min_data_rate_bps
 BUSY = 20.0

@@ -228,7 +228,10 @@ def test_a_process_is_ready_once_it_listens_and_its_output_is_logged(caplog):
         ok = listening(proc.pid, port)
         sock = await proc.connect(5)
         sock.close()
-        await asyncio.sleep(0.2)
+        deadline = asyncio.get_running_loop().time() + 30  # the server's line read and logged
+        while not any("hello from the server" in r.getMessage() for r in caplog.records):
+            assert asyncio.get_running_loop().time() < deadline, "the server's output was not logged"
+            await asyncio.sleep(0.01)
         proc.kill()
         status = await proc.exited  # type: ignore[misc]
         return ok, exit_cause(status, False), proc.ready_s

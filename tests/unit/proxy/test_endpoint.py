@@ -1,5 +1,5 @@
 """proxy/endpoint.py: the write helper, the dialer's refusals and the node check (real loopback sockets;
-the data path itself is driven by tests/unit/test_link.py)."""
+the data path itself is driven by tests/unit/proxy/test_link.py)."""
 
 from __future__ import annotations
 
