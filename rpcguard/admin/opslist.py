@@ -10,7 +10,7 @@ forwarded with the layout checks only), or ``not verified`` (refused as ``op_not
 unless ``policy.allow_unverified_ops`` names it). ``backend="cuda"`` gives each op's status on a
 CUDA node (``op_status(op, version, "cuda")``: GET_ROWS, SET_ROWS ... contained only) and the CUDA
 layer's facts about it (``oprules.cuda.layer_notes``: what it refuses, its reach, where each was
-read); ``cuda_markdown`` is docs/firewall.md's "On a CUDA node, per op" (tests/unit/test_opslist.py
+read); ``cuda_markdown`` is docs/firewall.md's "On a CUDA node, per op" (tests/unit/admin/test_opslist.py
 keeps them equal). Read-only: the tables are the lead's.
 """
 

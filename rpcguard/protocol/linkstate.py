@@ -13,7 +13,7 @@ a state (dial on CONNECTING, queue on QUEUED, half-close on DRAINING, release on
 
 Actions are classes too: ``Action`` is their union, and the relay registers one handler per class
 (proxy/link.py), typed so that mypy rejects a handler of the wrong class, as it rejects an event
-handler of the wrong event (tests/unit/test_lifecycle.py plants both mismatches).
+handler of the wrong event (tests/unit/protocol/test_lifecycle.py plants both mismatches).
 """
 
 from __future__ import annotations

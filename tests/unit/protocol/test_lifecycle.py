@@ -174,7 +174,7 @@ def test_mypy_rejects_a_handler_of_the_wrong_event_or_action(request, tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     (tmp_path / "typed_ok.py").write_text(_TYPED)
     (tmp_path / "typed_bad.py").write_text(_TYPED + "on(SlotRefused, Lifecycle._admit)\n"
                                            "does(End, Link._write_client)\n")
@@ -967,7 +967,7 @@ def test_audit_record_fields():
 def test_a_large_graph_is_the_validating_state_and_its_validation_takes_the_link_back():
     """"A graph is being validated" is the link's state, not a flag elsewhere: Deferred moves an
     ACTIVE link to VALIDATING (asking the relay to validate), GraphValidated back to ACTIVE."""
-    from tests.unit.test_session import graph_frame
+    from tests.unit.protocol.test_session import graph_frame
     clock = Clock()
     lc, _ = with_buffer(clock)
     lc.session.defer_graphs(from_bytes=1024)

@@ -280,7 +280,7 @@ def test_a_downgrade_is_loud_at_start_and_at_every_reload_that_keeps_it(pki: Pat
             assert len(warned) == 1 and warned[0].startswith("serve listener a: NOT ENFORCING"), warned
             assert sample(rt, "rpcguard_listener_enforcing", listener="a") == 0
             assert sample(rt, "rpcguard_listener_enforcing", listener="b") == 1
-            assert (says(rt, "a"), says(rt, "b")) == ("rpcguard/1+monitor", "rpcguard/1+enforce")
+            assert (says(rt, "a"), says(rt, "b")) == ("rpcguard/1+monitor+notice", "rpcguard/1+enforce+notice")
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="rpcguard"):
                 assert await rt.reload("test") is True  # nothing changed: still said
@@ -291,7 +291,7 @@ def test_a_downgrade_is_loud_at_start_and_at_every_reload_that_keeps_it(pki: Pat
                 assert await rt.reload("test") is True
             assert not [r for r in caplog.records if "NOT ENFORCING" in r.getMessage()]
             assert sample(rt, "rpcguard_listener_enforcing", listener="a") == 1
-            assert says(rt, "a") == "rpcguard/1+enforce"
+            assert says(rt, "a") == "rpcguard/1+enforce+notice"
         finally:
             await rt.close()
 

@@ -273,7 +273,7 @@ def _imported(module_path: str) -> set[str]:
     """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
     import ast
     from pathlib import Path
-    tree = ast.parse((Path(__file__).resolve().parents[2] / module_path).read_text(encoding="utf-8"))
+    tree = ast.parse((Path(__file__).resolve().parents[3] / module_path).read_text(encoding="utf-8"))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:

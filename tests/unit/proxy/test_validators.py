@@ -14,7 +14,7 @@ from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.proxy import validators
 from rpcguard.proxy.validators import Validators
-from tests.unit.test_graph import OPS, T, state
+from tests.unit.protocol.test_graph import OPS, T, state
 
 
 def test_one_identitys_flood_does_not_hold_back_another_identitys_graph():
