@@ -75,3 +75,22 @@ def test_the_install_stage_fails_on_a_pure_build(tmp_path):
     p = subprocess.run(["sh", str(ROOT / "deploy" / "container" / "build-wheel.sh"), str(src), str(tmp_path / "w")],
                        capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode != 0 and "protocol core is pure Python" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_the_image_is_built_and_smoke_tested_or_the_reason_is_printed():
+    """issue 31.5: scripts/container-smoke.sh builds the rpcguard image and runs it (version, a
+    check-config with a PKI the image makes, user 10001, read-only root) where an engine runs, and
+    otherwise prints one line saying why not and exits 3. This machine has only the docker client."""
+    script = ROOT / "scripts" / "container-smoke.sh"
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    if run.returncode == 3:
+        lines = run.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("container image not built: "), run.stdout
+        assert len(lines[0]) > len("container image not built: ") + 10
+        print(lines[0])  # the reason, in the test log
+    else:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "smoke: rpcguard " in run.stdout and "check-config of a serve listener passed" in run.stdout
+    # an engine named but not installed: said so, not attempted
+    missing = subprocess.run(["bash", str(script), "no-such-engine"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and missing.stdout.strip() == "container image not built: no-such-engine is not installed"
