@@ -1,6 +1,6 @@
 """Command line: ``rpcguard serve|connect|check|check-config|certs|status``.
 
-Stays whole (over 400 lines) for now: its seams (the argparse tree, the subcommand bodies, the
+Stays whole (over 400 lines): for now; its seams (the argparse tree, the subcommand bodies, the
 stdout and failure handling) would need a ``cli/`` package, and the path ``rpcguard/cli.py`` is
 cited (config/flags.py, docs/, tests/unit/test_docs_names.py's own check), or new top-level
 units in the package map of docs/design.md.

@@ -1,5 +1,8 @@
 """Peer identity from a verified certificate, and the allow-list that authorizes it.
 
+Stays whole (over 400 lines): the identity read from a certificate and the allow-list entries that
+match it must agree field by field (CN, SANs, SPIFFE URIs, networks); one reader, one matcher.
+
 How this works: once the TLS layer has verified the peer's chain against the private CA, the peer
 certificate (DER) becomes a ``PeerIdentity``: CN, DNS / URI / IP SANs, serial, expiry, fingerprint.
 ``Acl.authorize`` is then a pure function of that identity (as in ghostunnel's ``auth/auth.go``):

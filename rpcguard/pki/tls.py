@@ -1,5 +1,8 @@
 """Mutual-TLS contexts against a private CA, and handshake error -> stable reason mapping.
 
+Stays whole (over 400 lines): the context builders, the file checks they run first and the
+handshake-error table are one contract about what a TLS failure looks like to the operator.
+
 How this works: ``server_context`` / ``client_context`` check the files first (readable, PEM,
 key matches cert, key not readable by others, EKU fits the role) and raise ``TlsConfigError``
 naming the file, so a bad deployment fails at startup or reload with one clear line instead of an

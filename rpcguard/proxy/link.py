@@ -1,5 +1,9 @@
 """One ``Link`` per proxied connection: the glue between two endpoints and the lifecycle.
 
+Stays whole (over 400 lines): the relay side of one link: the lifecycle's actions are carried out
+here against the two endpoints and the upstream provider, in the order the lifecycle made them;
+splitting the action handlers from the write path would split that order across modules.
+
 How this works: a listener's accept loop (proxy/server.py) hands each accepted socket to a new
 ``Link``, which owns two ``Endpoint`` protocols (proxy/endpoint.py: the client side and the upstream
 side) and one sans-IO ``Lifecycle`` (protocol/lifecycle.py: states, deadlines, refusals at

@@ -1,5 +1,8 @@
 """The sandbox of one ggml-rpc-server process: the bubblewrap command line, rlimits, mechanisms.
 
+Stays whole (over 400 lines): the probe of what this host allows and the command line built from
+it must agree mechanism by mechanism (bubblewrap, namespaces, seccomp, rlimits, GPU binds).
+
 How this works: ``probe()`` finds out once which mechanisms work on this host (bubblewrap
 present and able to make its namespaces, root to drop to a uid of our own and to enter the
 server's network namespace, setpriv). ``command()`` wraps the server's argv in::

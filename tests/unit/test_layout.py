@@ -263,3 +263,14 @@ def test_design_md_opens_with_the_package_map():
     assert m, "docs/design.md has no <!-- package-map --> block"
     assert m.group(1) == package_map(), "docs/design.md's package map is stale: paste tests.unit.test_layout.package_map()"
     assert text.index("<!-- package-map -->") < text.index("## Layout")
+
+
+def test_a_module_over_400_lines_says_why_it_stays_whole():
+    """issue 30.6: a module over 400 lines gives a design reason in its docstring (the line
+    "Stays whole (over 400 lines): ...") or is split."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 400 and "Stays whole (over 400 lines):" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not long, "over 400 lines without a reason to stay whole: " + ", ".join(long)
