@@ -2,15 +2,18 @@
 
 How this works: ``wait_for`` calls ``predicate`` every ``step`` seconds until it returns
 something truthy (returned) or ``timeout`` seconds have passed (``None``); ``wait_until`` is the
-same with an AssertionError naming what was awaited instead of ``None``.
+same with an AssertionError naming what was awaited instead of ``None``. ``loop_until`` is for
+code on the test's own event loop: it lets the loop run (``sleep(0)``, one turn at a time) until
+the condition holds, counted in turns, not seconds, so a busy machine cannot make it fail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["wait_for", "wait_until"]
+__all__ = ["wait_for", "wait_until", "loop_until"]
 
 T = TypeVar("T")
 
@@ -33,3 +36,12 @@ def wait_until(cond: Callable[[], T], timeout: float = 15.0, what: str = "condit
     if not value:
         raise AssertionError(f"timed out waiting for {what}")
     return value
+
+
+async def loop_until(cond: Callable[[], object], what: str = "condition", turns: int = 10_000) -> None:
+    """Let the running event loop turn until ``cond()`` is true (at most ``turns`` turns)."""
+    for _ in range(turns):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{what}: not true after {turns} turns of the event loop")

@@ -21,6 +21,7 @@ from rpcguard.protocol.session import Violation
 from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.proxy.route import Route, UpstreamSlot
 from tests.support.guard import Pki
+from tests.support.waiting import loop_until
 
 
 def route(role: str = "serve", **kw) -> Route:
@@ -106,8 +107,7 @@ def test_take_slot_refuses_when_busy_in_refuse_mode_and_keeps_the_queue_depth_tr
         assert isinstance(refused, Refusal) and refused.reason == "upstream_busy"
         assert r.traffic.queue_depth == 0
         waiting = asyncio.ensure_future(r.take_slot(Limits(upstream_busy="queue", queue_timeout_s=5), 3))
-        await asyncio.sleep(0.05)
-        assert r.traffic.queue_depth == 1
+        await loop_until(lambda: r.traffic.queue_depth == 1, "the third session queued")
         r.slot.release(1)  # type: ignore[union-attr]
         assert await waiting is None and r.traffic.queue_depth == 0
 
@@ -146,14 +146,15 @@ def test_a_server_process_per_session_serves_sessions_side_by_side(isolation, at
     async def main() -> None:
         limits = r.default.limits
         taken = [asyncio.ensure_future(r.take_slot(limits, n, f"CN=t{n}")) for n in range(1, 6)]
-        await asyncio.sleep(0.05)
+        await loop_until(lambda: sum(t.done() for t in taken) == at_once and r.slot.waiting == 5 - at_once,  # type: ignore[union-attr]
+                         "the places taken and the rest waiting")
         assert [t.done() for t in taken] == [True] * at_once + [False] * (5 - at_once)
         assert r.slot.waiting == 5 - at_once  # type: ignore[union-attr]
         # one waiting session (two for a single place) charges that many of the longest holders
         charged = [n for n in range(1, 6) if r.slot.waiting_for(n)]  # type: ignore[union-attr]
         assert charged == ([1, 2] if at_once == 3 else [1])
         r.slot.release(1)  # type: ignore[union-attr]  # first come, first served
-        await asyncio.sleep(0.01)
+        await loop_until(lambda: taken[at_once].done(), "the next waiter served")
         assert taken[at_once].done() and r.slot.waiting == 4 - at_once  # type: ignore[union-attr]
         for n, t in enumerate(taken, 1):
             assert await t is None  # each in turn, as places come free
@@ -184,9 +185,9 @@ def test_a_waiter_that_goes_away_gives_its_place_back():
         assert await r.take_slot(Limits(), 1) is None
         gone = asyncio.ensure_future(r.take_slot(Limits(queue_timeout_s=5), 2))
         after = asyncio.ensure_future(r.take_slot(Limits(queue_timeout_s=5), 3))
-        await asyncio.sleep(0.01)
+        await loop_until(lambda: r.slot.waiting == 2, "both in line")  # type: ignore[union-attr]
         gone.cancel()  # 2 leaves the line (its link closed) ...
-        await asyncio.sleep(0.01)
+        await loop_until(lambda: gone.done() and r.slot.waiting == 1, "2 out of the line")  # type: ignore[union-attr]
         r.slot.release(1)  # type: ignore[union-attr]  # ... so the place goes to 3
         assert await after is None and r.slot.holders.keys() == {3}  # type: ignore[union-attr]
         assert gone.cancelled() and not r.slot.waiting  # type: ignore[union-attr]
