@@ -167,6 +167,15 @@ def test_the_real_client_idling_alone_is_never_ended(pki, rpc_server, workdir, m
     assert serve.value("rpcguard_refusals_total", reason="idle_while_waiting") == 0
 
 
+def direct_completion(t: lt.Tools, workdir: Path, model: Path, port: int) -> list[int]:
+    """The tokens of lt.PROMPT completed by a real llama-server straight to the server on ``port``."""
+    direct = lt.start_llama_server(t, workdir, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "direct")
+    try:
+        return direct.complete(lt.PROMPT, 8, cache_prompt=False)
+    finally:
+        direct.stop()
+
+
 def test_the_real_llama_server_idling_alone_is_never_ended(pki, workdir, models, guards):
     """llama-server keeps its model connection open between HTTP requests: idle 4x
     idle_while_waiting_s alone on the node, then the same completion again, tokens as direct."""
@@ -176,11 +185,7 @@ def test_the_real_llama_server_idling_alone_is_never_ended(pki, workdir, models,
         extra = config(workdir, "limits:\n  idle_while_waiting_s: 1\n")
         connect, serve = start_pair(workdir, pki, port, guards, extra, [])
         model = realpeer.make_model(workdir / "tiny.gguf", "--preset", "tiny")
-        direct = lt.start_llama_server(t, workdir, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "direct")
-        try:
-            want = direct.complete(lt.PROMPT, 8, cache_prompt=False)
-        finally:
-            direct.stop()
+        want = direct_completion(t, workdir, model, port)
         guarded = lt.start_llama_server(t, workdir, model, [connect.endpoint], [*lt.SERVER], "guarded")
         try:
             first = guarded.complete(lt.PROMPT, 8, cache_prompt=False)
@@ -468,11 +473,7 @@ def test_a_contained_serve_never_cuts_a_live_llama_server_for_another_tenant(pki
     server, port = lt.start_rpc_server(t, workdir)
     try:
         model = realpeer.make_model(workdir / "tiny.gguf", "--preset", "tiny")
-        direct = lt.start_llama_server(t, workdir, model, [f"127.0.0.1:{port}"], [*lt.SERVER], "direct")
-        try:
-            want = direct.complete(lt.PROMPT, 8, cache_prompt=False)
-        finally:
-            direct.stop()
+        want = direct_completion(t, workdir, model, port)
         connect, serve = contained_pair(pki, workdir, guards, str(t.rpc_server),
                                         "limits:\n  idle_while_waiting_s: 1\n  hold_while_waiting_s: 1\n")
         a = lt.start_llama_server(t, workdir, model, [connect.endpoint], [*lt.SERVER], "a")

@@ -24,6 +24,7 @@ from rpcguard.protocol.lifecycle import Lifecycle
 from rpcguard.protocol.settings import FirewallPolicy, Limits, Profile, SessionPolicy
 from tests.support import vectors as V
 from tests.unit.protocol.test_lifecycle import DC_RSP_1, Clock, active, end, feed, set_tensor_head, take, with_buffer
+from tests.support.imports import imported
 
 RATE = Limits().min_data_rate_bps
 BUSY = 20.0
@@ -248,22 +249,7 @@ def test_a_recompute_flood_alone_is_charged_but_not_ended():
     assert lc.session.state.compute_flops == (1 + 10 * int(BUSY * gflops * 1e9 / cost)) * cost
 
 
-def _imported(module_path: str) -> set[str]:
-    """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
-    import ast
-    from pathlib import Path
-    tree = ast.parse((Path(__file__).resolve().parents[3] / module_path).read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return found
-
-
 def test_endings_read_a_lifecycle_through_a_protocol():
     """endings <-> lifecycle was an import cycle (behind TYPE_CHECKING): endings reads the fields it
     needs through ``EndingFacts`` (a Protocol) and imports no lifecycle."""
-    assert "rpcguard.protocol.lifecycle" not in _imported("rpcguard/protocol/endings.py")
+    assert "rpcguard.protocol.lifecycle" not in imported("rpcguard/protocol/endings.py")

@@ -14,6 +14,7 @@ from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from tests.support.realpeer import reserve_port
+from tests.support.imports import imported
 
 
 class Recorder:
@@ -64,22 +65,7 @@ def test_check_node_leaves_serve_s_plain_upstream_alone():
     check_node(route, None)  # type: ignore[arg-type]  # serve's upstream has no certificate to check
 
 
-def _imported(module_path: str) -> set[str]:
-    """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
-    import ast
-    from pathlib import Path
-    tree = ast.parse((Path(__file__).resolve().parents[3] / module_path).read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return found
-
-
 def test_an_endpoint_needs_only_the_link_port_protocol():
     """endpoint <-> link was an import cycle (behind TYPE_CHECKING): an Endpoint knows its link as
     ``LinkPort`` (a Protocol), and Link satisfies it (mypy checks ``Endpoint(self, ...)`` in link.py)."""
-    assert "rpcguard.proxy.link" not in _imported("rpcguard/proxy/endpoint.py")
+    assert "rpcguard.proxy.link" not in imported("rpcguard/proxy/endpoint.py")

@@ -22,6 +22,7 @@ from rpcguard.protocol.settings import Limits, Profile, SessionPolicy
 from rpcguard.proxy.route import Route, UpstreamSlot
 from tests.support.guard import Pki
 from tests.support.waiting import loop_until
+from tests.support.imports import imported
 
 
 def route(role: str = "serve", **kw) -> Route:
@@ -270,22 +271,7 @@ def test_the_identity_caps_are_the_profile_s(pki):
     assert got.refusal.detail == "more than 1 connections of this identity waiting for their HELLO"
 
 
-def _imported(module_path: str) -> set[str]:
-    """Every rpcguard module ``module_path`` imports, ``if TYPE_CHECKING:`` blocks included."""
-    import ast
-    from pathlib import Path
-    tree = ast.parse((Path(__file__).resolve().parents[3] / module_path).read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return found
-
-
 def test_a_route_reads_other_links_through_protocols():
     """Route needs no concrete Link or Lifecycle: ``RoutedLink``, ``LinkView`` and ``EndedSession``."""
-    imported = _imported("rpcguard/proxy/route.py")
-    assert "rpcguard.protocol.lifecycle" not in imported and "rpcguard.proxy.link" not in imported
+    names = imported("rpcguard/proxy/route.py")
+    assert "rpcguard.protocol.lifecycle" not in names and "rpcguard.proxy.link" not in names
