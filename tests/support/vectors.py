@@ -35,3 +35,10 @@ def runs(data: bytes, trailing: bytes = b"") -> Iterable[tuple[str, list[bytes]]
     yield "bytewise", [data[i : i + 1] for i in range(len(data))]
     if trailing:
         yield "trailing", [data + trailing]
+
+
+def take(chunks: list) -> bytes:
+    """What a list of frames (views or bytes) holds, joined; the list is emptied."""
+    data = b"".join(bytes(c) for c in chunks)
+    chunks.clear()
+    return data

@@ -33,10 +33,7 @@ def session(share: int = 0, devices: int = 1) -> Session:
     return s
 
 
-def take(chunks) -> bytes:
-    data = b"".join(bytes(c) for c in chunks)
-    chunks.clear()
-    return data
+take = V.take
 
 
 def memory(s: Session, device: int = 0, free: int = FREE, total: int = TOTAL, how: str = "whole") -> tuple[int, int]:

@@ -58,10 +58,7 @@ def session(version=V701, devices: int = 1, policy: SessionPolicy = NO_CLEAR) ->
     return s
 
 
-def take(chunks) -> bytes:
-    data = b"".join(bytes(c) for c in chunks)
-    chunks.clear()
-    return data
+take = V.take
 
 
 def fed(s: Session, data: bytes, how: str) -> None:

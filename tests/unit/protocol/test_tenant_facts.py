@@ -27,10 +27,7 @@ OWN_CACHE = SessionPolicy(clear_new_buffers=False, firewall=FirewallPolicy(conta
 TRAILING = V.DEVICE_COUNT_REQ
 
 
-def take(chunks) -> bytes:
-    data = b"".join(bytes(c) for c in chunks)
-    chunks.clear()
-    return data
+take = V.take
 
 
 def start(template: UpstreamFacts, policy: SessionPolicy = SHARED) -> Session:

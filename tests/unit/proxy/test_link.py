@@ -114,15 +114,20 @@ def make_route(records: list) -> Route:
     return route
 
 
-async def start(route: Route, dialer, clock: Clock):
-    """A Link on one accepted loopback socket; returns (link, client reader, client writer)."""
-    loop = asyncio.get_running_loop()
+async def accepted_pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, socket.socket]:
+    """A loopback connection: the client's reader and writer, and the accepted socket (non-blocking)."""
     lsock = socket.create_server(("127.0.0.1", 0))
     lsock.setblocking(False)
     reader, writer = await asyncio.open_connection(*lsock.getsockname())
-    conn, _ = await loop.sock_accept(lsock)
+    conn, _ = await asyncio.get_running_loop().sock_accept(lsock)
     lsock.close()
     conn.setblocking(False)
+    return reader, writer, conn
+
+
+async def start(route: Route, dialer, clock: Clock):
+    """A Link on one accepted loopback socket; returns (link, client reader, client writer)."""
+    reader, writer, conn = await accepted_pair()
     link = Link(route, clock_ns=clock, dialer=dialer, check_upstream=lambda route, transport: None)
     await link.run(conn)
     return link, reader, writer
@@ -228,13 +233,7 @@ def test_node_certificate_refused_by_the_upstream_check():
         def check(route, transport):
             raise Refusal("certificate_usage_invalid", "certificate without serverAuth")
 
-        loop = asyncio.get_running_loop()
-        lsock = socket.create_server(("127.0.0.1", 0))
-        lsock.setblocking(False)
-        reader, writer = await asyncio.open_connection(*lsock.getsockname())
-        conn, _ = await loop.sock_accept(lsock)
-        lsock.close()
-        conn.setblocking(False)
+        reader, writer, conn = await accepted_pair()
         route = make_route(records)
         link = Link(route, clock_ns=Clock(), dialer=dialer, check_upstream=check)
         await link.run(conn)
