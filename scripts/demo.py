@@ -82,12 +82,12 @@ def summary(m: dict[str, list], role: str) -> list[str]:
     for s in m.get("rpcguard_command_duration_seconds_count", []):
         total = lat.get(s.labels["command"], (0.0, 0.0))[0]
         lat[s.labels["command"]] = (total, s.value)
-    lines = [f"  {role:<8} {'command':<18} {'req frames':>10} {'req bytes':>12} {'rsp frames':>10} "
+    lines = [f"  {role:<8} {'command':<22} {'req frames':>10} {'req bytes':>12} {'rsp frames':>10} "
              f"{'rsp bytes':>12} {'mean rtt':>9}"]
     for cmd, r in sorted(rows.items(), key=lambda kv: -kv[1].get("request_bytes", 0)):
         total, count = lat.get(cmd, (0.0, 0.0))
         rtt = f"{1e6 * total / count:7.0f}us" if count else "        -"
-        lines.append(f"  {'':<8} {cmd:<18} {r.get('request_frames', 0):>10.0f} {r.get('request_bytes', 0):>12.0f} "
+        lines.append(f"  {'':<8} {cmd:<22} {r.get('request_frames', 0):>10.0f} {r.get('request_bytes', 0):>12.0f} "
                      f"{r.get('response_frames', 0):>10.0f} {r.get('response_bytes', 0):>12.0f} {rtt:>9}")
     return lines
 
