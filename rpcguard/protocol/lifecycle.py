@@ -97,7 +97,7 @@ class Lifecycle:
         # /readyz): never queued for the upstream, and its end is result "probe", not a session.
         self.probe = False
         self.notices = False  # serve: the client knows the end notice (protocol/notice.py)
-        self._client_cut = False  # bytes meant for the client were dropped by a refusal: no notice then
+        self._client_cut = False  # the client is gone, or bytes meant for it were dropped: no notice then
         self.result = self.reason = self.detail = self.party = ""  # result set: the session ended
         self._record_due = False  # ended by this event: the audit record follows the transition
         self.command = "-"  # command of the frame that was refused
@@ -403,8 +403,8 @@ class Lifecycle:
         self._answer_refusal()
 
     def _node_ended(self, ev: NodeEnded) -> None:
-        # connect: the node's serve ended the session and said why (its end notice).
-        self.out.clear()
+        # connect: the node's serve ended the session and said why (its end notice). What came
+        # before the notice in the same read (whole answers) still goes to the client.
         self._finish("refused", "node_ended",
                      f"the node ended the session: {ev.reason}" + (f" ({ev.detail})" if ev.detail else ""), UPSTREAM)
 
@@ -437,6 +437,7 @@ class Lifecycle:
 
     # ----------------------------------------------------------------------------- closes
     def _client_closed(self, ev: ClientClosed) -> None:
+        self._client_cut = True
         if self.refused_on_leave and self.refusal is not None:
             self._finish("refused", self.refusal.reason, self.refusal.detail, self.refusal.party)  # left before its HELLO
             return
@@ -562,8 +563,8 @@ class Lifecycle:
         self.result, self.reason = result, reason
         self.party = party if party is not None else (party_of(reason) if reason else "")
         session = self.session
-        if (self.notices and result in ("refused", "error") and reason and reason != "client_closed_mid_frame"
-                and session is not None and self.greeted and session.at_response_boundary and not self._client_cut):
+        if (self.notices and result in ("refused", "error") and reason and not self._client_cut
+                and session is not None and self.greeted and session.at_response_boundary):
             self.actions.append(WriteClient(encode_notice(reason, detail)))  # why, before the close
         self.actions.append(CloseClient())
         unverified = self.session.state.unverified_uses if self.session is not None else {}
