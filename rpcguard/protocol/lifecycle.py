@@ -357,15 +357,31 @@ class Lifecycle:
         out.to_server.clear()
         return out
 
+    # client_bytes and server_bytes are ``_fed`` written out: the relay's read reaches the
+    # session's own method in one call (the hot path: one read, one frame, a few calls).
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
         """``client_data`` with the whole contract: a refusal reported, the events handled, the
         bytes counted (``rx_bytes``)."""
         self.rx_bytes += len(data)
-        return self._fed(self.client_data, data, now_ns)
+        try:
+            out = self.client_data(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
+        return out
 
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
         """``server_data`` with the whole contract (see ``client_bytes``)."""
-        return self._fed(self.server_data, data, now_ns)
+        try:
+            out = self.server_data(data, now_ns)
+        except Refusal as refusal:
+            self.refused(refusal)
+            return self.out
+        if out.events:
+            self.session_events(out)
+        return out
 
     def graph_validated(self, now_ns: int) -> Output:
         """After the ``Validate`` action ran ``Session.validate_deferred``: back to ACTIVE, then the

@@ -8,8 +8,9 @@ when the destination still holds unsent data after a write the link switches the
 fresh buffer. Flow control: when the destination's write buffer passes its high-water mark the
 link pauses the source until it drains, so memory stays flat whatever the tensor size. ``dial``
 opens the upstream (plain TCP to serve's loopback server, TLS to connect's node) and turns
-failures into refusals with a stable reason; ``check_node`` checks the node's certificate usage;
-``write`` sends a list of chunks, joining small ones into one write (one TLS record).
+failures into refusals with a stable reason; ``check_node`` checks the node's certificate usage.
+The link writes (proxy/link.py): a list of chunks, small ones joined into one write (one TLS
+record, ``JOIN_MAX_BYTES``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from rpcguard.pki.tls import classify_handshake_error, peer_identity
 
-__all__ = ["Endpoint", "LinkPort", "Dialer", "dial", "check_node", "write", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
+__all__ = ["Endpoint", "LinkPort", "Dialer", "dial", "check_node", "READ_BUFFER_BYTES", "WRITE_HIGH_WATER_BYTES",
            "WRITE_LOW_WATER_BYTES", "JOIN_MAX_BYTES", "FAIR_READ_BYTES"]
 
 # A side that floods small frames reads this much at a time, one read per loop turn (proxy/link.py,
@@ -96,16 +97,6 @@ def check_node(route: Route, transport: asyncio.BaseTransport) -> None:
     """connect: the node's certificate must be a server certificate (serverAuth EKU); raises Refusal."""
     if route.side.upstream_is_guard:
         check_usage(peer_identity(transport.get_extra_info("ssl_object")), "server")
-
-
-def write(transport: asyncio.Transport, out: list) -> None:
-    """Send ``out``: one chunk as is, small chunks joined into one write, large ones as they are."""
-    if len(out) == 1:
-        transport.write(out[0])
-    elif sum(map(len, out)) <= JOIN_MAX_BYTES:
-        transport.write(b"".join(out))
-    else:
-        transport.writelines(out)
 
 
 class Endpoint(asyncio.BufferedProtocol):

@@ -44,7 +44,7 @@ import ssl
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
-from rpcguard.proxy.endpoint import FAIR_READ_BYTES, Dialer, Endpoint, check_node, dial, write
+from rpcguard.proxy.endpoint import FAIR_READ_BYTES, JOIN_MAX_BYTES, Dialer, Endpoint, check_node, dial
 from rpcguard.errors import UPSTREAM, Refusal
 from rpcguard.protocol.commands import BATCH_MAX_BYTES
 from rpcguard.protocol.lifecycle import Lifecycle
@@ -54,8 +54,7 @@ from rpcguard.protocol.linkstate import (
 )
 from rpcguard.protocol.session import Output
 from rpcguard.protocol.settings import Limits
-from rpcguard.protocol.encode import hello_response
-from rpcguard.protocol.versions import HEADER_REQ_BYTES, HELLO, HELLO_REQUEST_SIZES, REFUSAL_CODES
+from rpcguard.proxy.plaintext import plaintext_hello
 from rpcguard.proxy.route import Route
 from rpcguard.proxy.validators import Validators
 from rpcguard.pki.identity import PeerIdentity, source_of
@@ -168,7 +167,7 @@ class Link:
         route, source = self.route, self.lc.source
         route.handshaking[source] = route.handshaking.get(source, 0) + 1
         try:
-            if await _plaintext_hello(loop, sock, route.default.limits.handshake_timeout_s):
+            if await plaintext_hello(loop, sock, route.default.limits.handshake_timeout_s):
                 self.lc.handshake_failed("refused", "tls_not_tls", "a plaintext ggml-rpc HELLO on the TLS port: "
                                          "llama.cpp must reach serve through rpcguard connect (answered 0.0.25)")
                 return
@@ -285,28 +284,31 @@ class Link:
                         held += chunk
                     to_server.clear()
             if to_server:
-                self._send_upstream(to_server, endpoint)
+                if self._held:  # held frames go first; the transport may keep a view of them
+                    to_server.insert(0, memoryview(self._held))
+                    self._held = bytearray()
+                self._send(self.upstream, to_server, endpoint if endpoint.is_client else None)
         if out.to_client:
-            transport = self.client.transport
-            if transport is not None and not self.client.closed:
-                write(transport, out.to_client)
-                if transport.get_write_buffer_size() and not endpoint.is_client:
-                    endpoint.fresh_buffer()
-            out.to_client.clear()
+            self._send(self.client, out.to_client, None if endpoint.is_client else endpoint)
         if lc.actions:
             self._apply()
 
-    def _send_upstream(self, chunks: list[Any], source: Endpoint | None) -> None:
-        """Write ``chunks`` (after any held bytes) to the upstream and clear the list."""
-        held = self._held
-        if held:
-            chunks.insert(0, held)
-            self._held = bytearray()  # the transport may keep a reference to the old one
-        up = self.upstream
-        transport = up.transport if up is not None else None
-        if transport is not None and not up.closed:  # type: ignore[union-attr]
-            write(transport, chunks)
-            if source is not None and source.is_client and transport.get_write_buffer_size():
+    @staticmethod
+    def _send(dest: Endpoint | None, chunks: list[Any], source: Endpoint | None) -> None:
+        """Write ``chunks`` to ``dest`` (if it is open) and clear the list: one chunk as it is, small
+        ones joined into one write (a TLS transport makes a record, often a syscall, per element of
+        writelines), large ones never copied (``JOIN_MAX_BYTES``). ``source``: the endpoint whose
+        read buffer the chunks are views of; while ``dest`` holds unsent data (uvloop keeps the
+        views, it does not copy) that endpoint reads into a fresh buffer."""
+        transport = dest.transport if dest is not None else None
+        if transport is not None and not dest.closed:  # type: ignore[union-attr]
+            if len(chunks) == 1:
+                transport.write(chunks[0])
+            elif sum(map(len, chunks)) <= JOIN_MAX_BYTES:
+                transport.write(b"".join(chunks))
+            else:
+                transport.writelines(chunks)
+            if source is not None and transport.get_write_buffer_size():
                 source.fresh_buffer()
         chunks.clear()
 
@@ -360,8 +362,11 @@ class Link:
         return True
 
     def flush_held(self) -> None:
-        if self._held:
-            self._send_upstream([], None)
+        """Send the held client frames (``HOLD_MAX_BYTES``) now."""
+        held = self._held
+        if held:
+            self._held = bytearray()  # the transport may keep a reference to the old one
+            self._send(self.upstream, [held], None)
 
     def eof(self, endpoint: Endpoint) -> None:
         if self._put_off(self.eof, endpoint):
@@ -597,41 +602,3 @@ _APPLY: dict[type, Callable[[Link, Any], None]] = dict([
     does(End, Link._end),
 ])
 assert set(_APPLY) == set(ACTIONS), set(ACTIONS) ^ set(_APPLY)
-
-
-async def _plaintext_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout_s: float) -> bool:
-    """serve: is the first thing on this TLS port a plaintext ggml-rpc HELLO (llama.cpp pointed
-    straight at serve)? Then answer it in plaintext with the refusal version 0.0.25, which
-    llama.cpp prints ("RPC server version mismatch: 0.0.25"), and say so. A TLS ClientHello
-    starts with 0x16 and is left in the socket for the handshake (MSG_PEEK)."""
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), readable)
-    try:
-        await asyncio.wait_for(ready, timeout_s or None)
-    except asyncio.TimeoutError:
-        return False  # the handshake's own timeout classifies it
-    finally:
-        loop.remove_reader(sock.fileno())
-    try:
-        head = sock.recv(HEADER_REQ_BYTES, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return False
-    if len(head) < HEADER_REQ_BYTES or head[0] != HELLO:
-        return False
-    size = int.from_bytes(head[1:HEADER_REQ_BYTES], "little")
-    if size not in HELLO_REQUEST_SIZES:
-        return False
-    try:
-        sock.recv(HEADER_REQ_BYTES + size)  # take the HELLO: closing over unread bytes would reset the answer
-        sock.send(hello_response((0, 0, REFUSAL_CODES["tls_not_tls"]), new_layout=size == 24))
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    return True

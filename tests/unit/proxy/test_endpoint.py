@@ -1,4 +1,4 @@
-"""proxy/endpoint.py: the write helper, the dialer's refusals and the node check (real loopback sockets;
+"""proxy/endpoint.py: the dialer's refusals and the node check (real loopback sockets;
 the data path itself is driven by tests/unit/proxy/test_link.py)."""
 
 from __future__ import annotations
@@ -8,36 +8,13 @@ import ssl
 
 import pytest
 
-from rpcguard.proxy.endpoint import JOIN_MAX_BYTES, check_node, dial, write
+from rpcguard.proxy.endpoint import check_node, dial
 from rpcguard.errors import Refusal
 from rpcguard.observe.metrics import Metrics
 from rpcguard.protocol.settings import Limits
 from rpcguard.proxy.route import Route
 from tests.support.realpeer import reserve_port
 from tests.support.imports import imported
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, list[bytes]]] = []
-
-    def write(self, data) -> None:
-        self.calls.append(("write", [bytes(data)]))
-
-    def writelines(self, chunks) -> None:
-        self.calls.append(("writelines", [bytes(c) for c in chunks]))
-
-
-@pytest.mark.parametrize("chunks, kind, n", [
-    ([b"a" * 10], "write", 1),  # one chunk: as it is
-    ([b"a" * 10, memoryview(b"b" * 20), bytearray(b"c")], "write", 1),  # small ones: one record
-    ([b"a" * JOIN_MAX_BYTES, b"b"], "writelines", 2),  # large: never copied to be joined
-])
-def test_write_joins_small_chunks_into_one_write_and_leaves_large_ones(chunks, kind, n):
-    t = Recorder()
-    write(t, list(chunks))  # type: ignore[arg-type]
-    assert [c[0] for c in t.calls] == [kind] and len(t.calls[0][1]) == n
-    assert b"".join(t.calls[0][1]) == b"".join(bytes(c) for c in chunks)
 
 
 def closed_port() -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,6 +145,51 @@ async def until(cond, what: str) -> None:
 
 def run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 10))
+
+
+class Recorder:
+    """A destination transport for ``Link._send``: records each call, holds ``unsent`` bytes."""
+
+    def __init__(self, unsent: int = 0) -> None:
+        self.calls: list[tuple[str, list[bytes]]] = []
+        self.unsent = unsent
+
+    def write(self, data) -> None:
+        self.calls.append(("write", [bytes(data)]))
+
+    def writelines(self, chunks) -> None:
+        self.calls.append(("writelines", [bytes(c) for c in chunks]))
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+
+@pytest.mark.parametrize("chunks, kind, n", [
+    ([b"a" * 10], "write", 1),  # one chunk: as it is
+    ([b"a" * 10, memoryview(b"b" * 20), bytearray(b"c")], "write", 1),  # small ones: one record
+    ([b"a" * link_mod.JOIN_MAX_BYTES, b"b"], "writelines", 2),  # large: never copied to be joined
+])
+def test_send_joins_small_chunks_into_one_write_and_leaves_large_ones(chunks, kind, n):
+    dest = SimpleNamespace(transport=Recorder(), closed=False)
+    sent = list(chunks)
+    Link._send(dest, sent, None)  # type: ignore[arg-type]
+    assert [c[0] for c in dest.transport.calls] == [kind] and len(dest.transport.calls[0][1]) == n
+    assert b"".join(dest.transport.calls[0][1]) == b"".join(bytes(c) for c in chunks) and sent == []
+
+
+@pytest.mark.parametrize("unsent, fresh", [(0, 0), (1, 1)])
+def test_send_gives_the_source_a_fresh_buffer_while_the_destination_keeps_its_views(unsent, fresh):
+    source = SimpleNamespace(fresh=0)
+    source.fresh_buffer = lambda: setattr(source, "fresh", source.fresh + 1)
+    Link._send(SimpleNamespace(transport=Recorder(unsent), closed=False), [b"x"], source)  # type: ignore[arg-type]
+    assert source.fresh == fresh
+
+
+def test_send_to_a_closed_or_missing_destination_drops_the_chunks():
+    for dest in (None, SimpleNamespace(transport=Recorder(), closed=True), SimpleNamespace(transport=None, closed=False)):
+        chunks = [b"x"]
+        Link._send(dest, chunks, None)  # type: ignore[arg-type]
+        assert chunks == [] and (dest is None or dest.transport is None or dest.transport.calls == [])
 
 
 def test_connect_session_through_an_injected_dialer():
@@ -325,6 +372,35 @@ def test_set_tensors_wait_for_the_next_urgent_frame_and_go_out_in_one_write():
         await until(lambda: bytes(up.written).endswith(get), "the GET_TENSOR forwarded")
         assert bytes(up.written[before:]) == set_tensor(t) * 3 + get  # in order, unchanged
         assert up.writes == writes + 1  # one write: one TLS record
+        writer.close()
+
+    run(main())
+
+
+def test_a_frame_reaches_the_upstream_in_two_adapter_calls_each_side_of_the_core():
+    """Issue 30's hop count (docs/design.md): from the transport's read callback to the upstream's
+    write, the relay's own frames are Endpoint.buffer_updated and Link.data before the sans-IO
+    core (Lifecycle.client_bytes), Link._deliver and Link._send after it."""
+    async def main() -> None:
+        link, up, reader, writer, t = await active_connect_link([], Clock())
+        stacks: list[list[str]] = []
+        record = up.write
+
+        def write(data) -> None:
+            frame, names = sys._getframe(1), []
+            while frame is not None:
+                names.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            stacks.append(names)
+            record(data)
+
+        up.write = write  # type: ignore[method-assign]
+        get = encode.request("GET_TENSOR", t + struct.pack("<QQ", 0, 64))
+        writer.write(get)
+        await until(lambda: stacks, "the GET_TENSOR forwarded")
+        names = stacks[0][:stacks[0].index("endpoint.py:buffer_updated") + 1]
+        assert names[::-1] == ["endpoint.py:buffer_updated", "link.py:data", "link.py:_deliver", "link.py:_send"]
+        assert bytes(up.written).endswith(get)
         writer.close()
 
     run(main())
