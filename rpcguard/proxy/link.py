@@ -120,6 +120,7 @@ class Link:
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self.peer_cert: PeerIdentity | None = None  # serve: the client certificate (Route.admit)
         self._expiry: asyncio.TimerHandle | None = None  # ends the session at its notAfter
+        self._gone = False  # serve: the upstream closed under an active session, the crash check runs
 
     def _clock(self) -> float:
         return self._clock_ns() / 1e9
@@ -398,7 +399,7 @@ class Link:
         provider = self.route.provider
         if provider is None or self.lc.state != ACTIVE:
             return False
-        if not getattr(self, "_gone", False):
+        if not self._gone:
             self._gone = True
             self._spawn(self._crash_check(provider, error))
         return True
