@@ -500,6 +500,69 @@ def _ssm_scan(n: RpcTensor, s: Srcs) -> str:
     return ""
 
 
+def _im2col_src1(n: RpcTensor, s: Srcs) -> str:
+    b = s[1]
+    return "" if b is None or b.type == F32 else f"a {_name(b.type)} input"  # im2col.cu:88, :225
+
+
+_SSM_CONV_WIDTHS: Final = (3, 4, 5, 9, 15)  # ssm-conv.cu:149-156 (GGML_ABORT otherwise)
+
+
+def _ssm_conv_width(n: RpcTensor, s: Srcs) -> str:
+    c = s[1]
+    return "" if c is None or c.ne0 in _SSM_CONV_WIDTHS else f"kernel width {c.ne0} not in {_SSM_CONV_WIDTHS}"
+
+
+def _out_prod(n: RpcTensor, s: Srcs) -> str:
+    """out-prod.cu:57-63: cuBLAS reads src0 as an (ne0 x ne1) matrix of leading dimension
+    nb01/4 and src1 as (ne0 x ne1) of leading dimension nb11/4, or, transposed (nb10 > nb11),
+    nb10/4; the other stride must be 4 (asserted), and cuBLAS refuses a leading dimension below
+    the rows (CUBLAS_STATUS_INVALID_VALUE, then CUBLAS_CHECK aborts)."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    if a.nb0 != 4 or a.nb1 < a.ne0 * 4:
+        return f"src[0] strides {a.nb[:2]} are not a column-major matrix of {a.ne0} rows"
+    transposed = b.nb0 > b.nb1  # ggml_is_transposed
+    unit, ld, rows = (b.nb1, b.nb0, b.ne1) if transposed else (b.nb0, b.nb1, b.ne0)
+    if unit != 4 or ld < rows * 4:
+        return f"src[1] strides {b.nb[:2]} are not a matrix cuBLAS takes"
+    return ""
+
+
+_GDN_S_V: Final = (16, 32, 64, 128)  # gated_delta_net.cu:190-218 (GGML_ABORT otherwise)
+
+
+def _gated_delta_net(n: RpcTensor, s: Srcs) -> str:
+    q, k, v = s[0], s[1], s[2]
+    if q is None or k is None or v is None:
+        return ""
+    if v.ne0 not in _GDN_S_V:
+        return f"S_v {v.ne0} not in {_GDN_S_V}"
+    if q.ne1 != k.ne1:  # gated_delta_net.cu:247
+        return f"q heads {q.ne1} != k heads {k.ne1}"
+    if q.nb != k.nb:  # gated_delta_net.cu:264 ggml_are_same_stride
+        return "q and k strides differ"
+    return ""
+
+
+_LI_K: Final = frozenset({F32, BF16, F16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0})
+
+
+def _lightning_indexer(n: RpcTensor, s: Srcs) -> str:
+    """lightning-indexer.cu:726-777 ggml_cuda_lightning_indexer_supported (supports_op
+    ggml-cuda.cu:5723-5724); the kernel's switches abort on the rest (:615-722)."""
+    q, k = s[0], s[1]
+    if q is None or k is None:
+        return ""
+    if q.ne0 != 128 or q.ne1 not in (64, 32, 4):
+        return f"head size {q.ne0} / {q.ne1} heads: no kernel"
+    for t in (q, k):
+        if TYPES[t.type].blck_size == 1 and any(x % 16 for x in t.nb[1:]):
+            return "q/k strides not multiples of 16"
+    return "" if k.type in _LI_K else f"no kernel for k {_name(k.type)}"
+
+
 AUDIT_ROWS: tuple[CudaRow, ...] = (
     CudaRow("UNARY", "unary.cu:550; supports_op ggml-cuda.cu:5290-5292", _unary_xielu, what="XIELU of bf16"),
     CudaRow("GLU", "unary.cu:299-312,407-421,473-486; supports_op ggml-cuda.cu:5300-5316", _glu,
@@ -533,6 +596,18 @@ AUDIT_ROWS: tuple[CudaRow, ...] = (
     CudaRow("GATED_LINEAR_ATTN", "gla.cu:84-85", _head_size(4, (64, 128)), what="a head size other than 64/128"),
     CudaRow("SSM_SCAN", "supports_op ggml-cuda.cu:5602-5619; ssm-scan.cu:286-294,356,828-838", _ssm_scan,
             what="d_state/head shapes without a kernel, int-narrowed strides past INT_MAX"),
+    CudaRow("SET", "set.cu:12-14 GGML_ASSERT(ggml_is_contiguous(...))", _all_contiguous(0, 1),
+            what="non-contiguous sources"),
+    CudaRow("CONV_TRANSPOSE_1D", "conv-transpose-1d.cu:72-73", _all_contiguous(0, 1), what="non-contiguous sources"),
+    *(CudaRow(op, "im2col.cu:88,225 GGML_ASSERT(src1->type == GGML_TYPE_F32)", _im2col_src1, what="a non-f32 input")
+      for op in ("IM2COL", "IM2COL_3D")),
+    CudaRow("SSM_CONV", "ssm-conv.cu:149-156", _ssm_conv_width, what="a kernel width other than 3/4/5/9/15"),
+    CudaRow("OUT_PROD", "out-prod.cu:57-63 (cuBLAS leading dimensions)", _out_prod,
+            what="strides that are not a cuBLAS matrix"),
+    CudaRow("GATED_DELTA_NET", "gated_delta_net.cu:190-218,247,264", _gated_delta_net,
+            what="S_v other than 16/32/64/128, q/k heads or strides that differ"),
+    CudaRow("LIGHTNING_INDEXER", "lightning-indexer.cu:726-777; supports_op ggml-cuda.cu:5725-5726",
+            _lightning_indexer, what="head shapes, strides and k types without a kernel"),
 )
 
 

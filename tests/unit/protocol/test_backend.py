@@ -493,3 +493,55 @@ def test_ssm_scan_shapes_on_a_contained_cuda_server(args, ok):
         with pytest.raises(FirewallRefusal) as exc:
             check("cuda")
         assert exc.value.reason == "backend_unsupported_op"
+
+
+def _audit_case_2(name):
+    """The audit's second batch: name -> (tensors, node refused on CUDA, tensors, node CUDA runs)."""
+    if name == "set_strided_src1":  # set.cu:14
+        a, p = T(0x10, F32, (8, 4, 1, 1)), (32, 128, 128, 0, 0)
+        return ([a, T(0x11, F32, (4, 2, 1, 1), nb=(4, 32, 64, 64))], _node("SET", F32, (8, 4, 1, 1), (0x10, 0x11), p),
+                [a, T(0x11, F32, (4, 2, 1, 1))], _node("SET", F32, (8, 4, 1, 1), (0x10, 0x11), p))
+    if name == "conv_transpose_1d":  # conv-transpose-1d.cu:73
+        k, p = T(0x10, F32, (3, 2, 4, 1)), (1, 0, 1)
+        return ([k, T(0x11, F32, (8, 4, 1, 1), nb=(4, 64, 256, 256))],
+                _node("CONV_TRANSPOSE_1D", F32, (10, 2, 1, 1), (0x10, 0x11), p),
+                [k, T(0x11, F32, (8, 4, 1, 1))], _node("CONV_TRANSPOSE_1D", F32, (10, 2, 1, 1), (0x10, 0x11), p))
+    if name == "ssm_conv_width":  # ssm-conv.cu:156
+        def build(w):
+            return ([T(0x10, F32, (w - 1 + 4, 128, 1, 1)), T(0x11, F32, (w, 128, 1, 1))],
+                    _node("SSM_CONV", F32, (128, 4, 1, 1), (0x10, 0x11)))
+        return (*build(6), *build(4))
+    if name == "im2col_f16_input":  # im2col.cu:88
+        a, p = T(0x10, F16, (3, 3, 2, 4)), (1, 1, 0, 0, 1, 1, 1)
+        return ([a, T(0x11, F16, (8, 8, 2, 1))], _node("IM2COL", F16, (18, 6, 6, 1), (0x10, 0x11), p),
+                [a, T(0x11, F32, (8, 8, 2, 1))], _node("IM2COL", F16, (18, 6, 6, 1), (0x10, 0x11), p))
+    if name == "out_prod_strides":  # out-prod.cu:63
+        a = T(0x10, F32, (8, 4, 1, 1))
+        return ([a, T(0x11, F32, (6, 4, 1, 1), nb=(8, 48, 192, 192))], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)),
+                [a, T(0x11, F32, (6, 4, 1, 1))], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)))
+    if name == "out_prod_lda":  # cuBLAS lda = nb01/4 below the rows
+        b = T(0x11, F32, (6, 4, 1, 1))
+        return ([T(0x10, F32, (8, 4, 1, 1), nb=(4, 16, 64, 64)), b], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)),
+                [T(0x10, F32, (8, 4, 1, 1)), b], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)))
+    if name in ("gdn_head_size", "gdn_q_heads"):  # gated_delta_net.cu:218, :247
+        def build(S, qh=2, H=2, n_tok=2):
+            ts = [T(0x10, F32, (S, qh, n_tok, 1)), T(0x11, F32, (S, H, n_tok, 1)), T(0x12, F32, (S, H, n_tok, 1)),
+                  T(0x13, F32, (1, H, n_tok, 1)), T(0x14, F32, (1, H, n_tok, 1)), T(0x15, F32, (S, S, H, 1))]
+            return ts, _node("GATED_DELTA_NET", F32, (S * H, n_tok + S, 1, 1), tuple(range(0x10, 0x16)), (1,))
+        return (*(build(8) if name == "gdn_head_size" else build(64, qh=1)), *build(64))
+    if name == "lightning_indexer_heads":  # lightning-indexer.cu:749
+        def build(nh):
+            ts = [T(0x10, F32, (128, nh, 2, 1)), T(0x11, F32, (128, 1, 8, 1)), T(0x12, F32, (nh, 2, 1, 1)),
+                  T(0x13, F16, (8, 2, 1, 1))]
+            return ts, _node("LIGHTNING_INDEXER", F32, (8, 2, 1, 1), (0x10, 0x11, 0x12, 0x13))
+        return (*build(8), *build(64))
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["set_strided_src1", "conv_transpose_1d", "ssm_conv_width", "im2col_f16_input",
+                                  "out_prod_strides", "out_prod_lda", "gdn_head_size", "gdn_q_heads",
+                                  "lightning_indexer_heads"])
+def test_audit_rows_second_batch(name):
+    tensors, node, ok_tensors, ok_node = _audit_case_2(name)
+    assert cuda_reason(tensors, node) == "backend_unsupported_op"
+    run(ok_tensors, ok_node, "cuda")
