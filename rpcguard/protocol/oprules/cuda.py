@@ -563,6 +563,63 @@ def _lightning_indexer(n: RpcTensor, s: Srcs) -> str:
     return "" if k.type in _LI_K else f"no kernel for k {_name(k.type)}"
 
 
+U32_MAX: Final = (1 << 32) - 1
+
+
+def _bin_bcast_u32(dst: RpcTensor, src0: RpcTensor, src1: RpcTensor) -> str:
+    """binbcast.cu:168-345 launch_bin_bcast_pack, its 32-bit asserts: sizes and element strides
+    (after the collapse of leading dims of packed operands, :202-216) below 2^32, and in the
+    flat-index path (a grid y/z past 65535, :317-323) the element counts too."""
+    def size(t: RpcTensor) -> int:
+        return TYPES[t.type].type_size
+
+    nr = [src1.ne[i] // dst.ne[i] if dst.ne[i] else 0 for i in range(4)]
+    cne, cne0, cne1 = list(dst.ne), list(src0.ne), list(src1.ne)
+    cnb, cnb0, cnb1 = list(dst.nb), list(src0.nb), list(src1.nb)
+
+    def permuted(t: RpcTensor) -> bool:
+        return t.nb0 > t.nb1 or t.nb1 > t.nb2 or t.nb2 > t.nb3
+
+    if is_contiguous(src0) and is_contiguous(src1) and not permuted(src0) and not permuted(src1):
+        for i in range(4):
+            if nr[i] != 1:
+                break
+            if i > 0:
+                for nb, ne in ((cnb, cne), (cnb0, cne0), (cnb1, cne1)):
+                    nb[1] *= ne[1]
+                    nb[2] *= ne[2]
+                    nb[3] *= ne[3]
+                for ne in (cne, cne0, cne1):
+                    ne[0] *= ne[1]
+                    ne[1], ne[2], ne[3] = ne[2], ne[3], 1
+    strides = ([x // size(dst) for x in cnb[1:]] + [x // size(src0) for x in cnb0] + [x // size(src1) for x in cnb1])
+    if max(cne) > U32_MAX or max(cne1) > U32_MAX or max(strides) > U32_MAX or cne[2] * cne[3] > U32_MAX:
+        return f"sizes {cne} / element strides past 2^32 (binbcast.cu:259-299)"
+    ne0, ne1, ne2, ne3 = cne
+    hne0 = max(ne0 // 2, 1)
+    bx = min(hne0, 128)
+    by = min(ne1, 128 // bx)
+    bz = min(ne2 * ne3, 128 // bx // by, 64)
+    if by == 0 or bz == 0:
+        return ""
+    gy, gz = -(-ne1 // by), -(-(ne2 * ne3) // bz)
+    if gy > GRID_YZ_MAX or gz > GRID_YZ_MAX:
+        blocks = -(-(ne0 * ne1 * ne2 * ne3) // 128)
+        if blocks * 128 > U32_MAX or ne0 * ne1 * ne2 > U32_MAX:
+            return f"{ne0 * ne1 * ne2 * ne3} elements past the flat 32-bit index (binbcast.cu:317-323)"
+    return ""
+
+
+def _bin_bcast_row(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    return "" if a is None or b is None else _bin_bcast_u32(n, a, b)
+
+
+def _repeat_bcast_row(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]  # binbcast.cu:439 ggml_cuda_op_repeat: bin_bcast(dst, src0, dst)
+    return "" if a is None else _bin_bcast_u32(n, n, a)
+
+
 AUDIT_ROWS: tuple[CudaRow, ...] = (
     CudaRow("UNARY", "unary.cu:550; supports_op ggml-cuda.cu:5290-5292", _unary_xielu, what="XIELU of bf16"),
     CudaRow("GLU", "unary.cu:299-312,407-421,473-486; supports_op ggml-cuda.cu:5300-5316", _glu,
@@ -606,6 +663,11 @@ AUDIT_ROWS: tuple[CudaRow, ...] = (
             what="strides that are not a cuBLAS matrix"),
     CudaRow("GATED_DELTA_NET", "gated_delta_net.cu:190-218,247,264", _gated_delta_net,
             what="S_v other than 16/32/64/128, q/k heads or strides that differ"),
+    *(CudaRow(op, "binbcast.cu:259-299,317-323 (32-bit sizes, strides, flat index)", _bin_bcast_row,
+              reason="backend_index_overflow", what="sizes or element strides past 2^32")
+      for op in ("ADD", "SUB", "MUL", "DIV", "ADD1")),
+    CudaRow("REPEAT", "binbcast.cu:259-299,317-323 via ggml_cuda_op_repeat (:438-440)", _repeat_bcast_row,
+            reason="backend_index_overflow", what="sizes or element strides past 2^32"),
     CudaRow("LIGHTNING_INDEXER", "lightning-indexer.cu:726-777; supports_op ggml-cuda.cu:5725-5726",
             _lightning_indexer, what="head shapes, strides and k types without a kernel"),
 )

@@ -545,3 +545,16 @@ def test_audit_rows_second_batch(name):
     tensors, node, ok_tensors, ok_node = _audit_case_2(name)
     assert cuda_reason(tensors, node) == "backend_unsupported_op"
     run(ok_tensors, ok_node, "cuda")
+
+
+def test_binbcast_32_bit_sizes():
+    # binbcast.cu:259-299: packed operands collapse into one dimension of every element; past 2^32
+    # of them the kernel's uint32 sizes and strides abort (a 32 GiB f32 ADD; an 8 GiB one runs)
+    g = 1 << 33
+    ne = (65536, 8192, 1, 16)
+    tensors = [T(0x10, F32, ne, data=BASE), T(0x11, F32, ne, data=BASE + 4 * g)]
+    node = _node("ADD", F32, ne, (0x10, 0x11), data=BASE + 8 * g)
+    assert cuda_reason(tensors, node, size=12 * g + 4096) == "backend_index_overflow"
+    ne = (65536, 8192, 1, 4)
+    tensors = [T(0x10, F32, ne, data=BASE), T(0x11, F32, ne, data=BASE + g)]
+    run(tensors, _node("ADD", F32, ne, (0x10, 0x11), data=BASE + 2 * g), "cuda", state(size=3 * g + 4096))
