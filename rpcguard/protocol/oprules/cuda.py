@@ -620,6 +620,13 @@ def _repeat_bcast_row(n: RpcTensor, s: Srcs) -> str:
     return "" if a is None else _bin_bcast_u32(n, n, a)
 
 
+def _get_rows_u32(n: RpcTensor, s: Srcs) -> str:
+    idx = s[1]
+    if idx is not None and idx.ne1 * idx.ne2 > U32_MAX:  # getrows.cu:184,221,254
+        return f"index rows {idx.ne1} x {idx.ne2} past 2^32"
+    return ""
+
+
 AUDIT_ROWS: tuple[CudaRow, ...] = (
     CudaRow("UNARY", "unary.cu:550; supports_op ggml-cuda.cu:5290-5292", _unary_xielu, what="XIELU of bf16"),
     CudaRow("GLU", "unary.cu:299-312,407-421,473-486; supports_op ggml-cuda.cu:5300-5316", _glu,
@@ -668,6 +675,10 @@ AUDIT_ROWS: tuple[CudaRow, ...] = (
       for op in ("ADD", "SUB", "MUL", "DIV", "ADD1")),
     CudaRow("REPEAT", "binbcast.cu:259-299,317-323 via ggml_cuda_op_repeat (:438-440)", _repeat_bcast_row,
             reason="backend_index_overflow", what="sizes or element strides past 2^32"),
+    CudaRow("GET_ROWS_BACK", "getrows.cu:477-478 GGML_ASSERT(ggml_is_contiguous(src0/src1))", _all_contiguous(0, 1),
+            what="non-contiguous sources"),
+    CudaRow("GET_ROWS", "getrows.cu:184,221,254 GGML_ASSERT(ne11 <= UINT32_MAX / ne12)", _get_rows_u32,
+            reason="backend_index_overflow", what="index rows past 2^32"),
     CudaRow("LIGHTNING_INDEXER", "lightning-indexer.cu:726-777; supports_op ggml-cuda.cu:5725-5726",
             _lightning_indexer, what="head shapes, strides and k types without a kernel"),
 )

@@ -558,3 +558,22 @@ def test_binbcast_32_bit_sizes():
     ne = (65536, 8192, 1, 4)
     tensors = [T(0x10, F32, ne, data=BASE), T(0x11, F32, ne, data=BASE + g)]
     run(tensors, _node("ADD", F32, ne, (0x10, 0x11), data=BASE + 2 * g), "cuda", state(size=3 * g + 4096))
+
+
+def test_get_rows_back_sources_contiguous():
+    # getrows.cu:477 GGML_ASSERT(ggml_is_contiguous(src0)): the CPU kernel reads rows by nb01
+    b = T(0x11, I32, (4, 1, 1, 1))
+    strided = T(0x10, F32, (8, 4, 1, 1), nb=(4, 64, 256, 256))
+    assert cuda_reason([strided, b], _node("GET_ROWS_BACK", F32, (8, 6, 1, 1), (0x10, 0x11))) == "backend_unsupported_op"
+    run([T(0x10, F32, (8, 4, 1, 1)), b], _node("GET_ROWS_BACK", F32, (8, 6, 1, 1), (0x10, 0x11)), "cuda")
+
+
+def test_get_rows_index_rows_past_2_32():
+    # getrows.cu:184 GGML_ASSERT(ne11 <= UINT32_MAX / ne12); the row reads it directly
+    a = decode_tensor(pack_tensor(T(0x10, F32, (8, 4, 1, 1))))
+    idx = decode_tensor(pack_tensor(T(0x11, I32, (1, 1 << 17, 1 << 16, 1), nb=(4, 4, 1 << 19, 1 << 19))))
+    n = decode_tensor(pack_tensor(T(0x20, F32, (8, 1, 1, 1), op=OPS["GET_ROWS"], src=(0x10, 0x11))))
+    with pytest.raises(FirewallRefusal) as exc:
+        cuda.check_node("GET_ROWS", n, [a, idx])
+    assert exc.value.reason == "backend_index_overflow"
+    cuda.check_node("GET_ROWS", n, [a, idx._replace(ne1=1 << 15)])
