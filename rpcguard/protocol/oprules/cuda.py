@@ -343,6 +343,347 @@ _SUPPORTS: tuple[tuple[str, str, Callable[[RpcTensor, Srcs], bool], str], ...] =
 )
 
 
+# -- rows of the second audit (docs/cuda-audit.md): kernel asserts and packed reads the rows above missed
+
+def _contiguous_to_3(t: RpcTensor) -> bool:
+    """ggml_is_contiguous_to_3 (ggml.c:1518 -> ggml_is_contiguous_m_n(t, 0, 3)): dims 1 and 2
+    packed, dim 3 free."""
+    info = TYPES[t.type]
+    nxt = info.type_size
+    if t.ne0 != info.blck_size and t.nb0 != nxt:
+        return False
+    nxt *= t.ne0 // info.blck_size
+    for i in (1, 2):
+        if t.ne[i] != 1 and t.nb[i] != nxt:
+            return False
+        nxt *= t.ne[i]
+    return True
+
+
+UNARY_OP_XIELU: Final = 17  # ggml.h:625
+GLU_OP_SWIGLU_OAI, GLU_OP_SWIGLU_CLAMP = 3, 6  # ggml.h:638, :641
+
+
+def _unary_xielu(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]
+    if a is not None and n.param0 == UNARY_OP_XIELU and a.type == BF16:
+        return "XIELU of a bf16 source"  # unary.cu:550 GGML_ASSERT(f32 || f16); supports_op :5290
+    return ""
+
+
+def _glu(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None:
+        return ""
+    if a.type == BF16 and n.param0 in (GLU_OP_SWIGLU_OAI, GLU_OP_SWIGLU_CLAMP):
+        return f"glu op {n.param0} of a bf16 source"  # supports_op ggml-cuda.cu:5309-5311
+    for i, t in enumerate((a, b)):
+        # unary.cu:300/310 (and :408/:419, :474/:484) GGML_ASSERT(nb[0] == element size): ggml's
+        # is_contiguous_1 does not look at nb0 when ne0 is 1
+        if t is not None and not (_unit_nb0(t) and is_contiguous(t, 1)):
+            return f"src[{i}] nb0 {t.nb0} is not its element size or it is not contiguous_1"
+    return ""
+
+
+GGML_HINT_SRC0_IS_HADAMARD: Final = 1  # ggml.h:456
+
+
+def _mul_mat_f16_src1(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None or b.type != F16 or a.type == F16:
+        return ""
+    # fwht.cu:101-109 ggml_cuda_op_mul_mat_use_fwht, the one exception supports_op makes
+    fwht = (n.param1 == GGML_HINT_SRC0_IS_HADAMARD and a.type == F32 and n.type == F32 and is_contiguous(b)
+            and is_contiguous(n) and b.ne == n.ne)
+    return "" if fwht else f"an f16 src[1] with a {_name(a.type)} src[0]"  # supports_op ggml-cuda.cu:5326-5328
+
+
+def _concat(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    dim = n.param0
+    if TYPES[a.type].blck_size > 1:
+        # concat.cu:208-214 (supports_op ggml-cuda.cu:5520-5532): block types are copied as bytes
+        packed = (is_contiguous(a) and is_contiguous(b)) if dim == 3 else (_contiguous_to_3(a) and _contiguous_to_3(b))
+        return "" if packed else f"block-type sources not packed for dim {dim}"
+    return ""
+
+
+def _concat_grid(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None or TYPES[a.type].blck_size > 1:
+        return ""
+    dim = n.param0
+    if not ((dim == 3 and is_contiguous(a) and is_contiguous(b))
+            or (dim != 3 and _contiguous_to_3(a) and _contiguous_to_3(b))):
+        # concat.cu:166 concat_non_cont: grid (ne1, ne2, ne3) of dst
+        big = [d for d in (n.ne2, n.ne3) if d > GRID_YZ_MAX]
+        if big:
+            return f"the strided copy launches a grid y/z of {big[0]} > {GRID_YZ_MAX}"
+    return ""
+
+
+def _all_contiguous(*idx: int) -> Check:
+    def check(n: RpcTensor, s: Srcs) -> str:
+        for i in idx:
+            t = s[i] if i < len(s) else None
+            if t is not None and not is_contiguous(t):
+                return f"src[{i}] is not contiguous"
+        return ""
+    return check
+
+
+COUNT_EQUAL_MAX: Final = 1 << 30  # count-equal.cu:46
+
+
+def _count_equal(n: RpcTensor, s: Srcs) -> str:
+    why = _all_contiguous(0, 1)(n, s)
+    if why:
+        return why
+    a = s[0]
+    if a is not None and _nel(a) >= COUNT_EQUAL_MAX:
+        return f"{_nel(a)} elements >= 2^30 (the kernel's int atomicAdd)"
+    return ""
+
+
+def _pool_src(contiguous: bool) -> Check:
+    def check(n: RpcTensor, s: Srcs) -> str:
+        a = s[0]
+        if a is None:
+            return ""
+        if a.type != F32:  # pool1d.cu:69, pool2d.cu:71 GGML_ASSERT(src0->type == GGML_TYPE_F32)
+            return f"a {_name(a.type)} source"
+        if contiguous and not is_contiguous(a):  # pool1d.cu:16 reads src + nc*iw: packed rows
+            return "a source that is not contiguous (the kernel reads it packed)"
+        return ""
+    return check
+
+
+# binbcast.cu:415-435 ggml_cuda_op_bin_bcast (ADD1 runs ggml_cuda_op_add, ggml-cuda.cu:2159-2160):
+# (src0, src1) pairs with a kernel; dst is src0's type (ggml_add1)
+_BINBCAST_PAIRS: Final = frozenset({(F32, F32), (F32, F16), (BF16, BF16), (BF16, F32), (F16, F16), (F16, F32)})
+
+
+def _add1(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None or ((a.type, b.type) in _BINBCAST_PAIRS and n.type == a.type):
+        return ""
+    return f"no CUDA kernel adding {_name(b.type)} to {_name(a.type)}"
+
+
+def _head_size(state_src: int, sizes: tuple[int, ...]) -> Check:
+    """wkv.cu:211-212, :240-241, gla.cu:84-85: C / H (the head size, src[0].ne0) in ``sizes``."""
+    def check(n: RpcTensor, s: Srcs) -> str:
+        k = s[0]
+        if k is None:
+            return ""
+        return "" if k.ne0 in sizes else f"head size {k.ne0} not in {sizes}"
+    return check
+
+
+def _ssm_scan(n: RpcTensor, s: Srcs) -> str:
+    """supports_op ggml-cuda.cu:5602-5619 (the kernel's GGML_ABORTs, ssm-scan.cu:286-294, :356) and
+    the int strides (ssm-scan.cu:828-838)."""
+    st, x, dt, A, B, C = (s[i] if i < len(s) else None for i in range(6))
+    if st is None or x is None or dt is None or A is None or B is None or C is None:
+        return ""
+    d_state, head_dim, n_head = st.ne0, st.ne1, st.ne2
+    if A.ne0 == 1:
+        if not (d_state in (96, 128, 256) and head_dim % 16 == 0):
+            return f"Mamba-2 d_state {d_state} / head_dim {head_dim}: no kernel"
+    elif not (n.param0 <= 1 and d_state == 16 and head_dim == 1 and n_head % 128 == 0 and B.ne1 == 1):
+        return f"Mamba-1 d_state {d_state} head_dim {head_dim} n_head {n_head} groups {B.ne1} K {n.param0}: no kernel"
+    strides = (st.nb2, st.nb3, x.nb2, x.nb3, dt.nb1, dt.nb2, A.nb1, B.nb2, B.nb3, C.nb2, C.nb3)
+    if max(strides) > INT32_MAX:
+        return "a stride past INT_MAX (the kernel narrows them to int)"
+    return ""
+
+
+def _im2col_src1(n: RpcTensor, s: Srcs) -> str:
+    b = s[1]
+    return "" if b is None or b.type == F32 else f"a {_name(b.type)} input"  # im2col.cu:88, :225
+
+
+_SSM_CONV_WIDTHS: Final = (3, 4, 5, 9, 15)  # ssm-conv.cu:149-156 (GGML_ABORT otherwise)
+
+
+def _ssm_conv_width(n: RpcTensor, s: Srcs) -> str:
+    c = s[1]
+    return "" if c is None or c.ne0 in _SSM_CONV_WIDTHS else f"kernel width {c.ne0} not in {_SSM_CONV_WIDTHS}"
+
+
+def _out_prod(n: RpcTensor, s: Srcs) -> str:
+    """out-prod.cu:57-63: cuBLAS reads src0 as an (ne0 x ne1) matrix of leading dimension
+    nb01/4 and src1 as (ne0 x ne1) of leading dimension nb11/4, or, transposed (nb10 > nb11),
+    nb10/4; the other stride must be 4 (asserted), and cuBLAS refuses a leading dimension below
+    the rows (CUBLAS_STATUS_INVALID_VALUE, then CUBLAS_CHECK aborts)."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    if a.nb0 != 4 or a.nb1 < a.ne0 * 4:
+        return f"src[0] strides {a.nb[:2]} are not a column-major matrix of {a.ne0} rows"
+    transposed = b.nb0 > b.nb1  # ggml_is_transposed
+    unit, ld, rows = (b.nb1, b.nb0, b.ne1) if transposed else (b.nb0, b.nb1, b.ne0)
+    if unit != 4 or ld < rows * 4:
+        return f"src[1] strides {b.nb[:2]} are not a matrix cuBLAS takes"
+    return ""
+
+
+_GDN_S_V: Final = (16, 32, 64, 128)  # gated_delta_net.cu:190-218 (GGML_ABORT otherwise)
+
+
+def _gated_delta_net(n: RpcTensor, s: Srcs) -> str:
+    q, k, v = s[0], s[1], s[2]
+    if q is None or k is None or v is None:
+        return ""
+    if v.ne0 not in _GDN_S_V:
+        return f"S_v {v.ne0} not in {_GDN_S_V}"
+    if q.ne1 != k.ne1:  # gated_delta_net.cu:247
+        return f"q heads {q.ne1} != k heads {k.ne1}"
+    if q.nb != k.nb:  # gated_delta_net.cu:264 ggml_are_same_stride
+        return "q and k strides differ"
+    return ""
+
+
+_LI_K: Final = frozenset({F32, BF16, F16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0})
+
+
+def _lightning_indexer(n: RpcTensor, s: Srcs) -> str:
+    """lightning-indexer.cu:726-777 ggml_cuda_lightning_indexer_supported (supports_op
+    ggml-cuda.cu:5723-5724); the kernel's switches abort on the rest (:615-722)."""
+    q, k = s[0], s[1]
+    if q is None or k is None:
+        return ""
+    if q.ne0 != 128 or q.ne1 not in (64, 32, 4):
+        return f"head size {q.ne0} / {q.ne1} heads: no kernel"
+    for t in (q, k):
+        if TYPES[t.type].blck_size == 1 and any(x % 16 for x in t.nb[1:]):
+            return "q/k strides not multiples of 16"
+    return "" if k.type in _LI_K else f"no kernel for k {_name(k.type)}"
+
+
+U32_MAX: Final = (1 << 32) - 1
+
+
+def _bin_bcast_u32(dst: RpcTensor, src0: RpcTensor, src1: RpcTensor) -> str:
+    """binbcast.cu:168-345 launch_bin_bcast_pack, its 32-bit asserts: sizes and element strides
+    (after the collapse of leading dims of packed operands, :202-216) below 2^32, and in the
+    flat-index path (a grid y/z past 65535, :317-323) the element counts too."""
+    def size(t: RpcTensor) -> int:
+        return TYPES[t.type].type_size
+
+    nr = [src1.ne[i] // dst.ne[i] if dst.ne[i] else 0 for i in range(4)]
+    cne, cne0, cne1 = list(dst.ne), list(src0.ne), list(src1.ne)
+    cnb, cnb0, cnb1 = list(dst.nb), list(src0.nb), list(src1.nb)
+
+    def permuted(t: RpcTensor) -> bool:
+        return t.nb0 > t.nb1 or t.nb1 > t.nb2 or t.nb2 > t.nb3
+
+    if is_contiguous(src0) and is_contiguous(src1) and not permuted(src0) and not permuted(src1):
+        for i in range(4):
+            if nr[i] != 1:
+                break
+            if i > 0:
+                for nb, ne in ((cnb, cne), (cnb0, cne0), (cnb1, cne1)):
+                    nb[1] *= ne[1]
+                    nb[2] *= ne[2]
+                    nb[3] *= ne[3]
+                for ne in (cne, cne0, cne1):
+                    ne[0] *= ne[1]
+                    ne[1], ne[2], ne[3] = ne[2], ne[3], 1
+    strides = ([x // size(dst) for x in cnb[1:]] + [x // size(src0) for x in cnb0] + [x // size(src1) for x in cnb1])
+    if max(cne) > U32_MAX or max(cne1) > U32_MAX or max(strides) > U32_MAX or cne[2] * cne[3] > U32_MAX:
+        return f"sizes {cne} / element strides past 2^32 (binbcast.cu:259-299)"
+    ne0, ne1, ne2, ne3 = cne
+    hne0 = max(ne0 // 2, 1)
+    bx = min(hne0, 128)
+    by = min(ne1, 128 // bx)
+    bz = min(ne2 * ne3, 128 // bx // by, 64)
+    if by == 0 or bz == 0:
+        return ""
+    gy, gz = -(-ne1 // by), -(-(ne2 * ne3) // bz)
+    if gy > GRID_YZ_MAX or gz > GRID_YZ_MAX:
+        blocks = -(-(ne0 * ne1 * ne2 * ne3) // 128)
+        if blocks * 128 > U32_MAX or ne0 * ne1 * ne2 > U32_MAX:
+            return f"{ne0 * ne1 * ne2 * ne3} elements past the flat 32-bit index (binbcast.cu:317-323)"
+    return ""
+
+
+def _bin_bcast_row(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    return "" if a is None or b is None else _bin_bcast_u32(n, a, b)
+
+
+def _repeat_bcast_row(n: RpcTensor, s: Srcs) -> str:
+    a = s[0]  # binbcast.cu:439 ggml_cuda_op_repeat: bin_bcast(dst, src0, dst)
+    return "" if a is None else _bin_bcast_u32(n, n, a)
+
+
+def _get_rows_u32(n: RpcTensor, s: Srcs) -> str:
+    idx = s[1]
+    if idx is not None and idx.ne1 * idx.ne2 > U32_MAX:  # getrows.cu:184,221,254
+        return f"index rows {idx.ne1} x {idx.ne2} past 2^32"
+    return ""
+
+
+AUDIT_ROWS: tuple[CudaRow, ...] = (
+    CudaRow("UNARY", "unary.cu:550; supports_op ggml-cuda.cu:5290-5292", _unary_xielu, what="XIELU of bf16"),
+    CudaRow("GLU", "unary.cu:299-312,407-421,473-486; supports_op ggml-cuda.cu:5300-5316", _glu,
+            what="bf16 SWIGLU_OAI/CLAMP, a source with nb0 != element size"),
+    CudaRow("MUL_MAT", "supports_op ggml-cuda.cu:5326-5328; fwht.cu:101-109", _mul_mat_f16_src1,
+            what="an f16 src1 with a non-f16 src0 (but the Hadamard case)"),
+    CudaRow("CONCAT", "concat.cu:208-214; supports_op ggml-cuda.cu:5520-5532", _concat,
+            what="block-type sources not packed"),
+    CudaRow("CONCAT", "concat.cu:157-166 concat_non_cont grid (ne1, ne2, ne3)", _concat_grid,
+            reason="backend_grid_too_large", what="a strided copy's grid y/z > 65535"),
+    CudaRow("ARGMAX", "argmax.cu:75 GGML_ASSERT(ggml_is_contiguous(src0))", _all_contiguous(0),
+            what="a non-contiguous source"),
+    CudaRow("COUNT_EQUAL", "count-equal.cu:36-37,46", _count_equal,
+            what="non-contiguous sources, 2^30 elements or more"),
+    CudaRow("DIAG", "diag.cu:45 GGML_ASSERT(ggml_is_contiguous(src0))", _all_contiguous(0),
+            what="a non-contiguous source"),
+    CudaRow("ARGSORT", "argsort.cu:274 GGML_ASSERT(ggml_is_contiguous(src0))", _all_contiguous(0),
+            what="a non-contiguous source"),
+    CudaRow("TOP_K", "top-k.cu:226 GGML_ASSERT(ggml_is_contiguous(src0))", _all_contiguous(0),
+            what="a non-contiguous source"),
+    CudaRow("POOL_1D", "pool1d.cu:16,69", _pool_src(True), what="a non-f32 or non-contiguous source"),
+    CudaRow("POOL_2D", "pool2d.cu:71", _pool_src(False), what="a non-f32 source"),
+    # clamp.cu:8-16, :40-44: dst[i] = clamp(x[i]) over ggml_nelements: packed; ggml_clamp's result
+    # is a view of src (same strides), so an overlapping-stride source is read and written past its end
+    CudaRow("CLAMP", "clamp.cu:8-16,40-44 (packed index)", _all_contiguous(0), what="a non-contiguous source"),
+    CudaRow("CONV_TRANSPOSE_2D", "conv2d-transpose.cu:98-99", _all_contiguous(0, 1), what="non-contiguous sources"),
+    CudaRow("ADD1", "binbcast.cu:415-435 (ggml-cuda.cu:2159-2160)", _add1,
+            what="a type pair without a broadcast kernel"),
+    CudaRow("RWKV_WKV6", "wkv.cu:211-212", _head_size(5, (64, 128)), what="a head size other than 64/128"),
+    CudaRow("RWKV_WKV7", "wkv.cu:240-241", _head_size(6, (64, 128)), what="a head size other than 64/128"),
+    CudaRow("GATED_LINEAR_ATTN", "gla.cu:84-85", _head_size(4, (64, 128)), what="a head size other than 64/128"),
+    CudaRow("SSM_SCAN", "supports_op ggml-cuda.cu:5602-5619; ssm-scan.cu:286-294,356,828-838", _ssm_scan,
+            what="d_state/head shapes without a kernel, int-narrowed strides past INT_MAX"),
+    CudaRow("SET", "set.cu:12-14 GGML_ASSERT(ggml_is_contiguous(...))", _all_contiguous(0, 1),
+            what="non-contiguous sources"),
+    CudaRow("CONV_TRANSPOSE_1D", "conv-transpose-1d.cu:72-73", _all_contiguous(0, 1), what="non-contiguous sources"),
+    *(CudaRow(op, "im2col.cu:88,225 GGML_ASSERT(src1->type == GGML_TYPE_F32)", _im2col_src1, what="a non-f32 input")
+      for op in ("IM2COL", "IM2COL_3D")),
+    CudaRow("SSM_CONV", "ssm-conv.cu:149-156", _ssm_conv_width, what="a kernel width other than 3/4/5/9/15"),
+    CudaRow("OUT_PROD", "out-prod.cu:57-63 (cuBLAS leading dimensions)", _out_prod,
+            what="strides that are not a cuBLAS matrix"),
+    CudaRow("GATED_DELTA_NET", "gated_delta_net.cu:190-218,247,264", _gated_delta_net,
+            what="S_v other than 16/32/64/128, q/k heads or strides that differ"),
+    *(CudaRow(op, "binbcast.cu:259-299,317-323 (32-bit sizes, strides, flat index)", _bin_bcast_row,
+              reason="backend_index_overflow", what="sizes or element strides past 2^32")
+      for op in ("ADD", "SUB", "MUL", "DIV", "ADD1")),
+    CudaRow("REPEAT", "binbcast.cu:259-299,317-323 via ggml_cuda_op_repeat (:438-440)", _repeat_bcast_row,
+            reason="backend_index_overflow", what="sizes or element strides past 2^32"),
+    CudaRow("GET_ROWS_BACK", "getrows.cu:477-478 GGML_ASSERT(ggml_is_contiguous(src0/src1))", _all_contiguous(0, 1),
+            what="non-contiguous sources"),
+    CudaRow("GET_ROWS", "getrows.cu:184,221,254 GGML_ASSERT(ne11 <= UINT32_MAX / ne12)", _get_rows_u32,
+            reason="backend_index_overflow", what="index rows past 2^32"),
+    CudaRow("LIGHTNING_INDEXER", "lightning-indexer.cu:726-777; supports_op ggml-cuda.cu:5725-5726",
+            _lightning_indexer, what="head shapes, strides and k types without a kernel"),
+)
+
+
 ROWS: tuple[CudaRow, ...] = (
     *(CudaRow(op, "ggml-cuda.cu:2474-2475,4458,5728-5729", _no_kernel, what="every node: no CUDA kernel")
       for op in sorted(NO_KERNEL)),
@@ -375,6 +716,7 @@ ROWS: tuple[CudaRow, ...] = (
     CudaRow("FLASH_ATTN_EXT", "fattn.cu:524-539,576-631; supports_op ggml-cuda.cu:5713 -> fattn.cu:775-777",
             _flash_attn_ext, what="head sizes, K/V types and masks without a kernel"),
     *(CudaRow(op, cite, _supports(pred, what), what=f"anything but {what}") for op, cite, pred, what in _SUPPORTS),
+    *AUDIT_ROWS,
 )
 _BY_OP: Final[Mapping[str, tuple[CudaRow, ...]]] = {
     op: tuple(r for r in ROWS if r.op == op) for op in dict.fromkeys(r.op for r in ROWS)
@@ -393,6 +735,8 @@ _GRID_YZ: Final[Mapping[str, tuple[str, Callable[[RpcTensor, Srcs], tuple[int, .
     "ADD_ID": ("add-id.cu:50", lambda n, s: (s[0].ne2,) if s[0] is not None else ()),
     # pad.cu:70 gridDim(num_blocks, ne1, ne2*ne3) of dst
     "PAD": ("pad.cu:70", lambda n, s: (n.ne1, n.ne2 * n.ne3)),
+    # cumsum.cu:240 grid_dims(ne01, ne02, ne03) of src0 (the per-row CUB path needs ne00 > 4096*nrows)
+    "CUMSUM": ("cumsum.cu:240", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
 }
 
 #: ops whose CUDA kernels count elements or offsets in ``int`` (gap-study G3): a tensor of 2^31
@@ -404,6 +748,7 @@ _INT32_ELEMENTS: Final[Mapping[str, str]] = {
     "NORM": "norm.cu:17 (int dst offset)", "RMS_NORM": "norm.cu:114", "L2_NORM": "norm.cu:261",
     "GROUP_NORM": "norm.cu:45-46", "UPSCALE": "upscale.cu:4-22 (int nb00..nb03, index)",
     "CONV_2D_DW": "conv2d-dw.cu:89 (int total)",
+    "POOL_1D": "pool1d.cu:82 (int parallel_elements)", "POOL_2D": "pool2d.cu:91 (int parallel_elements)",
 }
 
 

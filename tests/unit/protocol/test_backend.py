@@ -362,3 +362,218 @@ def test_supports_op_rows():
     h = T(0x10, F16, (8, 2, 1, 1))
     assert cuda_reason([h], T(0x20, F16, (1, 1, 1, 1), op=OPS["SUM"], src=(0x10,))) == "backend_unsupported_op"
     run([T(0x10, F32, (8, 2, 1, 1))], T(0x20, F32, (1, 1, 1, 1), op=OPS["SUM"], src=(0x10,)), "cuda")
+
+
+# -- the second audit's rows (docs/cuda-audit.md): each node passes on a CPU node, is refused on CUDA,
+# and a neighbour CUDA runs is still forwarded there
+
+BF16, I64 = 30, 27
+assert TYPES[BF16].name == "bf16" and TYPES[I64].name == "i64"
+
+
+def _node(op, type_, ne, src, params=(), **kw):
+    return T(0x20, type_, ne, op=OPS[op], src=src, op_params=params, **kw)
+
+
+def _audit_case(name):
+    """name -> (tensors, node refused on CUDA, tensors, node CUDA runs)."""
+    if name == "xielu_bf16":  # unary.cu:550
+        p = (17, f(0.8), f(0.8), f(0.5), f(1e-6))
+        return ([T(0x10, BF16, (8, 2, 1, 1))], _node("UNARY", BF16, (8, 2, 1, 1), (0x10,), p),
+                [T(0x10, F32, (8, 2, 1, 1))], _node("UNARY", F32, (8, 2, 1, 1), (0x10,), p))
+    if name == "glu_nb0":  # unary.cu:300: ne0 == 1 hides nb0 from is_contiguous_1
+        a, b = T(0x10, F32, (1, 2, 1, 1), nb=(8, 8, 16, 16)), T(0x11, F32, (1, 2, 1, 1))
+        return ([a, b], _node("GLU", F32, (1, 2, 1, 1), (0x10, 0x11), (2, 0, 0, 0)),
+                [T(0x10, F32, (1, 2, 1, 1)), b], _node("GLU", F32, (1, 2, 1, 1), (0x10, 0x11), (2, 0, 0, 0)))
+    if name == "mul_mat_f16_src1":  # supports_op ggml-cuda.cu:5326-5328
+        return ([T(0x10, F32, (64, 4, 1, 1)), T(0x11, F16, (64, 2, 1, 1))], _node("MUL_MAT", F32, (4, 2, 1, 1), (0x10, 0x11)),
+                [T(0x10, F16, (64, 4, 1, 1)), T(0x11, F16, (64, 2, 1, 1))], _node("MUL_MAT", F32, (4, 2, 1, 1), (0x10, 0x11)))
+    if name == "concat_blocks":  # concat.cu:213-214
+        a, b = T(0x10, Q4_0, (64, 2, 2, 1), nb=(18, 36, 100, 200)), T(0x11, Q4_0, (64, 2, 2, 1))
+        return ([a, b], _node("CONCAT", Q4_0, (64, 4, 2, 1), (0x10, 0x11), (1,)),
+                [T(0x10, Q4_0, (64, 2, 2, 1)), b], _node("CONCAT", Q4_0, (64, 4, 2, 1), (0x10, 0x11), (1,)))
+    if name == "argmax":  # argmax.cu:75
+        return ([T(0x10, F32, (8, 3, 1, 1), nb=(4, 64, 192, 192))], _node("ARGMAX", I32, (3, 1, 1, 1), (0x10,)),
+                [T(0x10, F32, (8, 3, 1, 1))], _node("ARGMAX", I32, (3, 1, 1, 1), (0x10,)))
+    if name == "count_equal":  # count-equal.cu:36
+        b = T(0x11, I32, (8, 3, 1, 1))
+        return ([T(0x10, I32, (8, 3, 1, 1), nb=(4, 64, 192, 192)), b], _node("COUNT_EQUAL", I64, (1, 1, 1, 1), (0x10, 0x11)),
+                [T(0x10, I32, (8, 3, 1, 1)), b], _node("COUNT_EQUAL", I64, (1, 1, 1, 1), (0x10, 0x11)))
+    if name == "diag":  # diag.cu:45
+        return ([T(0x10, F32, (8, 1, 3, 1), nb=(4, 64, 64, 192))], _node("DIAG", F32, (8, 8, 3, 1), (0x10,)),
+                [T(0x10, F32, (8, 1, 3, 1))], _node("DIAG", F32, (8, 8, 3, 1), (0x10,)))
+    if name in ("argsort", "top_k"):  # argsort.cu:274, top-k.cu:226
+        op, ne, p = ("ARGSORT", (8, 3, 1, 1), (0,)) if name == "argsort" else ("TOP_K", (2, 3, 1, 1), ())
+        return ([T(0x10, F32, (8, 3, 1, 1), nb=(4, 64, 192, 192))], _node(op, I32, ne, (0x10,), p),
+                [T(0x10, F32, (8, 3, 1, 1))], _node(op, I32, ne, (0x10,), p))
+    if name == "pool_2d_f16":  # pool2d.cu:71
+        p = (0, 2, 2, 2, 2, 0, 0)
+        return ([T(0x10, F16, (8, 8, 1, 1))], _node("POOL_2D", F32, (4, 4, 1, 1), (0x10,), p),
+                [T(0x10, F32, (8, 8, 1, 1))], _node("POOL_2D", F32, (4, 4, 1, 1), (0x10,), p))
+    if name == "pool_1d_strided":  # pool1d.cu:16 packed read
+        p = (0, 2, 2, 0)
+        return ([T(0x10, F32, (8, 2, 1, 1), nb=(4, 64, 1024, 1024))], _node("POOL_1D", F32, (4, 2, 1, 1), (0x10,), p),
+                [T(0x10, F32, (8, 2, 1, 1))], _node("POOL_1D", F32, (4, 2, 1, 1), (0x10,), p))
+    if name == "clamp_strided":  # clamp.cu:8-16 packed index over a view of its source
+        p = (f(0.1), f(1.0))
+        return ([T(0x10, F32, (8, 8, 1, 1), nb=(4, 64, 1024, 1024))], _node("CLAMP", F32, (8, 8, 1, 1), (0x10,), p),
+                [T(0x10, F32, (8, 8, 1, 1))], _node("CLAMP", F32, (8, 8, 1, 1), (0x10,), p))
+    if name == "conv_transpose_2d":  # conv2d-transpose.cu:98
+        k = T(0x10, F32, (3, 3, 2, 4))
+        return ([k, T(0x11, F32, (8, 8, 4, 1), nb=(4, 64, 1024, 4096))],
+                _node("CONV_TRANSPOSE_2D", F32, (10, 10, 2, 1), (0x10, 0x11), (1,)),
+                [k, T(0x11, F32, (8, 8, 4, 1))], _node("CONV_TRANSPOSE_2D", F32, (10, 10, 2, 1), (0x10, 0x11), (1,)))
+    if name == "add1_q8_0":  # binbcast.cu:434
+        b = T(0x11, F32, (1, 1, 1, 1))
+        return ([T(0x10, Q8_0, (32, 2, 1, 1)), b], _node("ADD1", Q8_0, (32, 2, 1, 1), (0x10, 0x11)),
+                [T(0x10, F32, (32, 2, 1, 1)), b], _node("ADD1", F32, (32, 2, 1, 1), (0x10, 0x11)))
+    if name in ("wkv6", "gla"):  # wkv.cu:212, gla.cu:85
+        def build(S):
+            H, n_tok = 2, 4
+            ins = [T(0x10 + i, F32, (S, H, n_tok, 1)) for i in range(3)]
+            if name == "wkv6":
+                ts = ins + [T(0x13, F32, (S, H, 1, 1)), T(0x14, F32, (S, H, n_tok, 1)), T(0x15, F32, (S * S * H, 1, 1, 1))]
+                return ts, _node("RWKV_WKV6", F32, (S * H, n_tok + S, 1, 1), tuple(range(0x10, 0x16)))
+            ts = ins + [T(0x13, F32, (S, H, n_tok, 1)), T(0x14, F32, (S * S * H, 1, 1, 1))]
+            return ts, _node("GATED_LINEAR_ATTN", F32, (S * H, n_tok + S, 1, 1), tuple(range(0x10, 0x15)), (f(1.0),))
+        return (*build(32), *build(64))
+    raise AssertionError(name)
+
+
+AUDIT_CASES = ("xielu_bf16", "glu_nb0", "mul_mat_f16_src1", "concat_blocks", "argmax", "count_equal", "diag",
+               "argsort", "top_k", "pool_2d_f16", "pool_1d_strided", "clamp_strided", "conv_transpose_2d",
+               "add1_q8_0", "wkv6", "gla")
+
+
+@pytest.mark.parametrize("name", AUDIT_CASES)
+def test_audit_rows_refuse_on_cuda_only(name):
+    tensors, node, ok_tensors, ok_node = _audit_case(name)
+    assert cuda_reason(tensors, node) == "backend_unsupported_op"  # and forwarded on cpu / auto
+    run(ok_tensors, ok_node, "cuda")
+
+
+def test_audit_grid_rows():
+    # cumsum.cu:240 grid_dims(ne01, ne02, ne03)
+    a = T(0x10, F32, (4, 1, 70000, 1))
+    assert cuda_reason([a], _node("CUMSUM", F32, (4, 1, 70000, 1), (0x10,)), size=1 << 26) == "backend_grid_too_large"
+    run([T(0x10, F32, (4, 70000, 1, 1))], _node("CUMSUM", F32, (4, 70000, 1, 1), (0x10,)), "cuda", state(size=1 << 26))
+    # concat.cu:166 concat_non_cont grid (ne1, ne2, ne3); the packed copy has none
+    b = T(0x11, F32, (1, 1, 70000, 1))
+    strided = T(0x10, F32, (1, 1, 70000, 1), nb=(4, 8, 8, 8 * 70000))
+    node = _node("CONCAT", F32, (2, 1, 70000, 1), (0x10, 0x11), (0,))
+    assert cuda_reason([strided, b], node, size=1 << 26) == "backend_grid_too_large"
+    run([T(0x10, F32, (1, 1, 70000, 1)), b], node, "cuda", state(size=1 << 26))
+
+
+def _ssm_scan(d_state, head_dim, n_head, A0, n_tok=2):
+    ts = [T(0x10, F32, (d_state, head_dim, n_head, 1)), T(0x11, F32, (head_dim, n_head, n_tok, 1)),
+          T(0x12, F32, (n_head, n_tok, 1, 1)), T(0x13, F32, (A0, n_head, 1, 1)),
+          T(0x14, F32, (d_state, 1, n_tok, 1)), T(0x15, F32, (d_state, 1, n_tok, 1)), T(0x16, I32, (1, 1, 1, 1))]
+    ne = head_dim * n_head * n_tok + d_state * head_dim * n_head
+    return ts, _node("SSM_SCAN", F32, (ne, 1, 1, 1), tuple(range(0x10, 0x17)), (1,))
+
+
+@pytest.mark.parametrize("args, ok", [
+    ((64, 16, 2, 1), False),  # Mamba-2 d_state 64: ssm-scan.cu:286 GGML_ABORT
+    ((128, 8, 2, 1), False),  # Mamba-2 head_dim 8: supports_op ggml-cuda.cu:5607-5610
+    ((16, 1, 64, 16), False),  # Mamba-1 n_head 64: ssm-scan.cu:292 GGML_ASSERT(n_head % 128 == 0)
+    ((128, 16, 2, 1), True), ((16, 1, 128, 16), True),
+])
+def test_ssm_scan_shapes_on_a_contained_cuda_server(args, ok):
+    tensors, node = _ssm_scan(*args)
+
+    def check(setting):
+        v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend=setting, contained=True))
+        v.check(memoryview(graph_payload([node.id], tensors + [node])), state())
+
+    check("cpu")
+    if ok:
+        check("cuda")
+    else:
+        with pytest.raises(FirewallRefusal) as exc:
+            check("cuda")
+        assert exc.value.reason == "backend_unsupported_op"
+
+
+def _audit_case_2(name):
+    """The audit's second batch: name -> (tensors, node refused on CUDA, tensors, node CUDA runs)."""
+    if name == "set_strided_src1":  # set.cu:14
+        a, p = T(0x10, F32, (8, 4, 1, 1)), (32, 128, 128, 0, 0)
+        return ([a, T(0x11, F32, (4, 2, 1, 1), nb=(4, 32, 64, 64))], _node("SET", F32, (8, 4, 1, 1), (0x10, 0x11), p),
+                [a, T(0x11, F32, (4, 2, 1, 1))], _node("SET", F32, (8, 4, 1, 1), (0x10, 0x11), p))
+    if name == "conv_transpose_1d":  # conv-transpose-1d.cu:73
+        k, p = T(0x10, F32, (3, 2, 4, 1)), (1, 0, 1)
+        return ([k, T(0x11, F32, (8, 4, 1, 1), nb=(4, 64, 256, 256))],
+                _node("CONV_TRANSPOSE_1D", F32, (10, 2, 1, 1), (0x10, 0x11), p),
+                [k, T(0x11, F32, (8, 4, 1, 1))], _node("CONV_TRANSPOSE_1D", F32, (10, 2, 1, 1), (0x10, 0x11), p))
+    if name == "ssm_conv_width":  # ssm-conv.cu:156
+        def build(w):
+            return ([T(0x10, F32, (w - 1 + 4, 128, 1, 1)), T(0x11, F32, (w, 128, 1, 1))],
+                    _node("SSM_CONV", F32, (128, 4, 1, 1), (0x10, 0x11)))
+        return (*build(6), *build(4))
+    if name == "im2col_f16_input":  # im2col.cu:88
+        a, p = T(0x10, F16, (3, 3, 2, 4)), (1, 1, 0, 0, 1, 1, 1)
+        return ([a, T(0x11, F16, (8, 8, 2, 1))], _node("IM2COL", F16, (18, 6, 6, 1), (0x10, 0x11), p),
+                [a, T(0x11, F32, (8, 8, 2, 1))], _node("IM2COL", F16, (18, 6, 6, 1), (0x10, 0x11), p))
+    if name == "out_prod_strides":  # out-prod.cu:63
+        a = T(0x10, F32, (8, 4, 1, 1))
+        return ([a, T(0x11, F32, (6, 4, 1, 1), nb=(8, 48, 192, 192))], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)),
+                [a, T(0x11, F32, (6, 4, 1, 1))], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)))
+    if name == "out_prod_lda":  # cuBLAS lda = nb01/4 below the rows
+        b = T(0x11, F32, (6, 4, 1, 1))
+        return ([T(0x10, F32, (8, 4, 1, 1), nb=(4, 16, 64, 64)), b], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)),
+                [T(0x10, F32, (8, 4, 1, 1)), b], _node("OUT_PROD", F32, (8, 6, 1, 1), (0x10, 0x11)))
+    if name in ("gdn_head_size", "gdn_q_heads"):  # gated_delta_net.cu:218, :247
+        def build(S, qh=2, H=2, n_tok=2):
+            ts = [T(0x10, F32, (S, qh, n_tok, 1)), T(0x11, F32, (S, H, n_tok, 1)), T(0x12, F32, (S, H, n_tok, 1)),
+                  T(0x13, F32, (1, H, n_tok, 1)), T(0x14, F32, (1, H, n_tok, 1)), T(0x15, F32, (S, S, H, 1))]
+            return ts, _node("GATED_DELTA_NET", F32, (S * H, n_tok + S, 1, 1), tuple(range(0x10, 0x16)), (1,))
+        return (*(build(8) if name == "gdn_head_size" else build(64, qh=1)), *build(64))
+    if name == "lightning_indexer_heads":  # lightning-indexer.cu:749
+        def build(nh):
+            ts = [T(0x10, F32, (128, nh, 2, 1)), T(0x11, F32, (128, 1, 8, 1)), T(0x12, F32, (nh, 2, 1, 1)),
+                  T(0x13, F16, (8, 2, 1, 1))]
+            return ts, _node("LIGHTNING_INDEXER", F32, (8, 2, 1, 1), (0x10, 0x11, 0x12, 0x13))
+        return (*build(8), *build(64))
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["set_strided_src1", "conv_transpose_1d", "ssm_conv_width", "im2col_f16_input",
+                                  "out_prod_strides", "out_prod_lda", "gdn_head_size", "gdn_q_heads",
+                                  "lightning_indexer_heads"])
+def test_audit_rows_second_batch(name):
+    tensors, node, ok_tensors, ok_node = _audit_case_2(name)
+    assert cuda_reason(tensors, node) == "backend_unsupported_op"
+    run(ok_tensors, ok_node, "cuda")
+
+
+def test_binbcast_32_bit_sizes():
+    # binbcast.cu:259-299: packed operands collapse into one dimension of every element; past 2^32
+    # of them the kernel's uint32 sizes and strides abort (a 32 GiB f32 ADD; an 8 GiB one runs)
+    g = 1 << 33
+    ne = (65536, 8192, 1, 16)
+    tensors = [T(0x10, F32, ne, data=BASE), T(0x11, F32, ne, data=BASE + 4 * g)]
+    node = _node("ADD", F32, ne, (0x10, 0x11), data=BASE + 8 * g)
+    assert cuda_reason(tensors, node, size=12 * g + 4096) == "backend_index_overflow"
+    ne = (65536, 8192, 1, 4)
+    tensors = [T(0x10, F32, ne, data=BASE), T(0x11, F32, ne, data=BASE + g)]
+    run(tensors, _node("ADD", F32, ne, (0x10, 0x11), data=BASE + 2 * g), "cuda", state(size=3 * g + 4096))
+
+
+def test_get_rows_back_sources_contiguous():
+    # getrows.cu:477 GGML_ASSERT(ggml_is_contiguous(src0)): the CPU kernel reads rows by nb01
+    b = T(0x11, I32, (4, 1, 1, 1))
+    strided = T(0x10, F32, (8, 4, 1, 1), nb=(4, 64, 256, 256))
+    assert cuda_reason([strided, b], _node("GET_ROWS_BACK", F32, (8, 6, 1, 1), (0x10, 0x11))) == "backend_unsupported_op"
+    run([T(0x10, F32, (8, 4, 1, 1)), b], _node("GET_ROWS_BACK", F32, (8, 6, 1, 1), (0x10, 0x11)), "cuda")
+
+
+def test_get_rows_index_rows_past_2_32():
+    # getrows.cu:184 GGML_ASSERT(ne11 <= UINT32_MAX / ne12); the row reads it directly
+    a = decode_tensor(pack_tensor(T(0x10, F32, (8, 4, 1, 1))))
+    idx = decode_tensor(pack_tensor(T(0x11, I32, (1, 1 << 17, 1 << 16, 1), nb=(4, 4, 1 << 19, 1 << 19))))
+    n = decode_tensor(pack_tensor(T(0x20, F32, (8, 1, 1, 1), op=OPS["GET_ROWS"], src=(0x10, 0x11))))
+    with pytest.raises(FirewallRefusal) as exc:
+        cuda.check_node("GET_ROWS", n, [a, idx])
+    assert exc.value.reason == "backend_index_overflow"
+    cuda.check_node("GET_ROWS", n, [a, idx._replace(ne1=1 << 15)])
