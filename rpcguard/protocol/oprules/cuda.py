@@ -32,7 +32,7 @@ from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["CudaRow", "ROWS", "NO_KERNEL", "check_node", "reach", "alloc_size", "check_alloc_tensor",
-           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX", "CONTENT_INDEXED", "layer_notes"]
+           "MATRIX_ROW_PADDING", "ALIGNMENT", "GRID_YZ_MAX", "GRID_X_MAX", "CONTENT_INDEXED", "layer_notes"]
 
 _T: Final = {info.name: tid for tid, info in TYPES.items()}
 F32, F16, BF16, I32, I64 = _T["f32"], _T["f16"], _T["bf16"], _T["i32"], _T["i64"]
@@ -70,6 +70,8 @@ CONTENT_INDEXED: Final[Mapping[str, tuple[str, str]]] = {
 #: CUDA's limit on gridDim.y and gridDim.z (gridDim.x: 2^31 - 1); a larger launch fails with
 #: "invalid configuration", which CUDA_CHECK turns into an abort (ggml-cuda.cu:2478-2481)
 GRID_YZ_MAX: Final = 65535
+#: the grid x-dimension limit of every compute capability from 3.0 (CUDA C++ Programming Guide)
+GRID_X_MAX: Final = 2**31 - 1
 QK_K: Final = 256
 
 Check = Callable[[RpcTensor, Srcs], str]
@@ -767,6 +769,15 @@ def _generic(op: str, n: RpcTensor, s: Srcs) -> None:
         if t.data % size or any(x % size for x in t.nb):
             raise FirewallRefusal("backend_misaligned", f"{who}: tensor id={t.id:#x}: data {t.data:#x} or strides "
                                                         f"{t.nb} not multiples of its element size {size}")
+    # Kernels that launch one block (or a fixed group of blocks) per row put the row count on
+    # grid x, whose limit is 2^31-1 (CUDA C++ Programming Guide, "Technical Specifications per
+    # Compute Capability": maximum x-dimension of a grid of thread blocks), e.g. argmax.cu:84-90,
+    # norm.cu:287, softmax.cu:340 (blocks_num = nrows): past it the launch fails and CUDA_CHECK
+    # aborts the server. No real graph has 2^31 rows; refused for every op.
+    for t in (n, *s):
+        if t is not None and t.ne1 * t.ne2 * t.ne3 > GRID_X_MAX:
+            raise FirewallRefusal("backend_grid_too_large", f"{who}: tensor id={t.id:#x}: {t.ne1 * t.ne2 * t.ne3} rows "
+                                                            f"> {GRID_X_MAX}, a grid x-dimension of one block per row")
     grid = _GRID_YZ.get(op)
     if grid is not None:
         cite, dims = grid

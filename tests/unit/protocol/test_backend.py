@@ -465,6 +465,17 @@ def test_audit_grid_rows():
     run([T(0x10, F32, (1, 1, 70000, 1)), b], node, "cuda", state(size=1 << 26))
 
 
+def test_rows_past_the_grid_x_limit_refused_for_any_op():
+    # argmax.cu:84-90 and every one-block-per-row kernel: grid x <= 2^31-1; SUM_ROWS is not in
+    # _INT32_ELEMENTS, so only this rule refuses it
+    # (the wire's strides are 32-bit: 2^31 contiguous rows of one F32 lie along ne3)
+    def rows(n):
+        return [T(0x10, F32, (1, 1, 1, n))], _node("SUM_ROWS", F32, (1, 1, 1, n), (0x10,))
+
+    assert cuda_reason(*rows(cuda.GRID_X_MAX + 1), size=1 << 34) == "backend_grid_too_large"
+    run(*rows(cuda.GRID_X_MAX), "cuda", state(size=1 << 34))
+
+
 def _ssm_scan(d_state, head_dim, n_head, A0, n_tok=2):
     ts = [T(0x10, F32, (d_state, head_dim, n_head, 1)), T(0x11, F32, (head_dim, n_head, n_tok, 1)),
           T(0x12, F32, (n_head, n_tok, 1, 1)), T(0x13, F32, (A0, n_head, 1, 1)),
@@ -576,4 +587,4 @@ def test_get_rows_index_rows_past_2_32():
     with pytest.raises(FirewallRefusal) as exc:
         cuda.check_node("GET_ROWS", n, [a, idx])
     assert exc.value.reason == "backend_index_overflow"
-    cuda.check_node("GET_ROWS", n, [a, idx._replace(ne1=1 << 15)])
+    cuda.check_node("GET_ROWS", n, [a, idx._replace(ne1=1 << 14)])  # (2^31 index rows: the generic grid-x rule)
