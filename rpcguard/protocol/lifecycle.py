@@ -34,7 +34,7 @@ during ACTIVE closes both sides. Timeouts come from the ``Limits`` of the sessio
 
 Hot path: a transition binds ``client_data`` / ``server_data`` to the state's data handlers
 (``_DATA``); in GREETING and ACTIVE they are the ``Session``'s own methods. The feed contract is
-``client_bytes`` / ``server_bytes`` (and ``graph_validated`` after a deferred graph), the only
+``feed`` (``client_bytes`` / ``server_bytes``; ``graph_validated`` after a deferred graph), the only
 way the relay feeds a session: a ``Refusal`` raised becomes a ``Refused`` event, a non-empty
 ``out.events`` goes to ``session_events()``; then the caller sends the frames in ``out`` and
 carries out ``actions``.
@@ -357,31 +357,21 @@ class Lifecycle:
         out.to_server.clear()
         return out
 
-    # client_bytes and server_bytes are ``_fed`` written out: the relay's read reaches the
-    # session's own method in one call (the hot path: one read, one frame, a few calls).
+    def feed(self, from_client: bool, data: memoryview, now_ns: int) -> Output:
+        """Bytes read from the client (``client_data``, counted in ``rx_bytes``) or the server
+        (``server_data``) with the whole contract (``_fed``): a refusal reported, the events handled."""
+        if from_client:
+            self.rx_bytes += len(data)
+            return self._fed(self.client_data, data, now_ns)
+        return self._fed(self.server_data, data, now_ns)
+
     def client_bytes(self, data: memoryview, now_ns: int) -> Output:
-        """``client_data`` with the whole contract: a refusal reported, the events handled, the
-        bytes counted (``rx_bytes``)."""
-        self.rx_bytes += len(data)
-        try:
-            out = self.client_data(data, now_ns)
-        except Refusal as refusal:
-            self.refused(refusal)
-            return self.out
-        if out.events:
-            self.session_events(out)
-        return out
+        """``feed`` of client bytes."""
+        return self.feed(True, data, now_ns)
 
     def server_bytes(self, data: memoryview, now_ns: int) -> Output:
-        """``server_data`` with the whole contract (see ``client_bytes``)."""
-        try:
-            out = self.server_data(data, now_ns)
-        except Refusal as refusal:
-            self.refused(refusal)
-            return self.out
-        if out.events:
-            self.session_events(out)
-        return out
+        """``feed`` of server bytes."""
+        return self.feed(False, data, now_ns)
 
     def graph_validated(self, now_ns: int) -> Output:
         """After the ``Validate`` action ran ``Session.validate_deferred``: back to ACTIVE, then the

@@ -23,7 +23,7 @@ share and decides admission.
   an rpcguard ``serve``), the session leaves the request firewall to it
   (``SessionPolicy.validate_requests``).
 
-Bytes read on one side go through ``Lifecycle.client_bytes`` / ``server_bytes`` (the session's
+Bytes read on one side go through ``Lifecycle.feed`` (the session's
 feed, its refusals and events handed to the lifecycle: the one feed contract); what the session
 queued is written to the other side as memoryviews into the read buffer (proxy/endpoint.py). Small
 client frames the server does not answer (``Output.urgent`` False) are copied aside and go out
@@ -253,7 +253,7 @@ class Link:
             return
         t_ns = self._clock_ns()
         try:  # the lifecycle's feed contract: a refusal reported, the session's events handled
-            out = lc.client_bytes(view, t_ns) if endpoint.is_client else lc.server_bytes(view, t_ns)
+            out = lc.feed(endpoint.is_client, view, t_ns)
         except Exception:  # a bug must cost one session, never the process
             self._internal_error("parsing")
             return

@@ -380,7 +380,7 @@ def test_set_tensors_wait_for_the_next_urgent_frame_and_go_out_in_one_write():
 def test_a_frame_reaches_the_upstream_in_two_adapter_calls_each_side_of_the_core():
     """Issue 30's hop count (docs/design.md): from the transport's read callback to the upstream's
     write, the relay's own frames are Endpoint.buffer_updated and Link.data before the sans-IO
-    core (Lifecycle.client_bytes), Link._deliver and Link._send after it."""
+    core (Lifecycle.feed), Link._deliver and Link._send after it."""
     async def main() -> None:
         link, up, reader, writer, t = await active_connect_link([], Clock())
         stacks: list[list[str]] = []
