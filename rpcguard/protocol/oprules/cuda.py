@@ -893,7 +893,29 @@ _GRID_YZ: Final[Mapping[str, tuple[str, Callable[[RpcTensor, Srcs], tuple[int, .
     "PAD": ("pad.cu:70", lambda n, s: (n.ne1, n.ne2 * n.ne3)),
     # cumsum.cu:240 grid_dims(ne01, ne02, ne03) of src0 (the per-row CUB path needs ne00 > 4096*nrows)
     "CUMSUM": ("cumsum.cu:240", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    # fattn-common.cuh:1219 blocks_num.z = ntiles_z_gqa*K.ne2*Q.ne3 (the VEC and TILE kernels,
+    # stream_k false: fattn-vec.cuh:541, fattn-tile.cuh:1165-1228): Q.ne2*Q.ne3 with the VEC's ncols2 1,
+    # an upper bound for the TILE's; the MMA kernel's stream-k grid is x only (no real graph has
+    # 65536 heads x sequences: LLAMA_MAX_SEQ 256 x 128 heads is 32768)
+    "FLASH_ATTN_EXT": ("fattn-common.cuh:1219", lambda n, s: (s[0].ne2 * s[0].ne3,) if s[0] is not None else ()),
+    # mmvq.cu:1018, mmvf.cu:456, mmf.cuh:684 block_nums(rows, ne2, ne3) of dst when src1 has at most
+    # 16 columns (MMVQ/MMVF <= 8, MMF <= 16); quantize.cu:567, :583 grid z ne12*ne13 when src1 is
+    # quantized for MMVQ/MMQ (a quantized src0 MMQ or MMVQ takes, an F32 src1)
+    "MUL_MAT": ("mmvq.cu:1018; mmvf.cu:456; mmf.cuh:684; quantize.cu:567,583", lambda n, s: _mul_mat_grid(n, s)),
+    # mmq.cu:311 nchannels_y = ne02 -> mmq.cuh:1422-1423 (non-stream-k grid z = experts), mmf.cuh:610
+    # (grid y = experts); no model has 65536 experts
+    "MUL_MAT_ID": ("mmq.cuh:1423; mmf.cuh:610", lambda n, s: (s[0].ne2,) if s[0] is not None else ()),
 }
+
+
+def _mul_mat_grid(n: RpcTensor, s: Srcs) -> tuple[int, ...]:
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ()
+    dims: tuple[int, ...] = (n.ne2, n.ne3) if b.ne1 <= 16 else ()
+    if TYPES[a.type].blck_size > 1 and b.type == F32:
+        dims += (b.ne2 * b.ne3,)
+    return dims
 
 #: ops whose CUDA kernels count elements or offsets in ``int`` (gap-study G3): a tensor of 2^31
 #: elements or more wraps them (negative grids abort; wrapped offsets write outside the tensor)

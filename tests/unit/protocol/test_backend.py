@@ -712,3 +712,44 @@ def test_flash_attn_mask_scan():
     room = BASE + SIZE - n_kv * 2 * 1088
     run(*_fa(n_q=n_q, mask_data=room - room % 128), "cuda")
     run(*_fa(n_q=1024, mask_data=BASE + SIZE - n_kv * 2 * 1024), "cuda")  # a whole number of tiles
+
+
+def test_flash_attn_grid_z():
+    # fattn-common.cuh:1219 blocks_num.z = ntiles_z_gqa*K.ne2*Q.ne3: the decode kernel (VEC, ncols2 1)
+    # launches Q heads x sequences on grid z
+    def case(seqs):
+        d, n_kv, heads = 64, 256, 128
+        ts = [T(0x10, F32, (d, 1, heads, seqs), data=BASE), T(0x11, F16, (d, n_kv, 1, seqs), data=BASE + (1 << 26)),
+              T(0x12, F16, (d, n_kv, 1, seqs), data=BASE + (1 << 26)), T(0x13, F16, (n_kv, 1, 1, seqs), data=BASE + (3 << 26))]
+        return ts, _node("FLASH_ATTN_EXT", F32, (d, heads, 1, seqs), (0x10, 0x11, 0x12, 0x13), (f(0.125), 0, 0, 0),
+                         data=BASE + (4 << 26))
+
+    assert cuda_reason(*case(513), size=5 << 26) == "backend_grid_too_large"
+    run(*case(511), "cuda", state(size=5 << 26))  # 65408 blocks on z: under the 65535 limit
+
+
+def test_matrix_grid_yz():
+    # quantize.cu:583 num_blocks(ne11, .., ne12*ne13): 70000 one-row batches of a broadcast Q4_0 matrix
+    def case(batches, b_rows=3):
+        a = T(0x10, Q4_0, (256, 8, 1, 1), data=BASE)
+        b = T(0x11, F32, (256, b_rows, batches, 1), data=BASE + (1 << 20))
+        return [a, b], _node("MUL_MAT", F32, (8, b_rows, batches, 1), (0x10, 0x11), data=BASE + (1 << 29))
+
+    big = 1 << 30
+    assert cuda_reason(*case(70000), size=big) == "backend_grid_too_large"
+    run(*case(65535), "cuda", state(size=big))
+    # F32 matrices with 32 columns take cuBLAS (batched pointers, grid y ne12/16): forwarded
+    a = T(0x10, F32, (64, 8, 1, 1), data=BASE)
+    b = T(0x11, F32, (64, 32, 70000, 1), data=BASE + (1 << 20))
+    run([a, b], _node("MUL_MAT", F32, (8, 32, 70000, 1), (0x10, 0x11), data=BASE + (1 << 29)), "cuda", state(size=big))
+
+
+def test_mul_mat_id_experts_on_a_grid_axis():
+    # mmq.cuh:1422-1423 (grid z = experts, mmq.cu:311), mmf.cuh:610 (grid y = experts)
+    def case(experts):
+        ts = [T(0x10, Q4_0, (32, 8, experts, 1), data=BASE), T(0x11, F32, (32, 2, 3, 1), data=BASE + (1 << 24)),
+              T(0x12, I32, (2, 3, 1, 1), data=BASE + (1 << 24) + 4096)]
+        return ts, _node("MUL_MAT_ID", F32, (8, 2, 3, 1), (0x10, 0x11, 0x12), data=BASE + (1 << 24) + 8192)
+
+    assert _contained_reason(*case(70000), size=1 << 25) == "backend_grid_too_large"
+    _contained(*case(256), "cuda", size=1 << 25)  # 256 experts (DeepSeek-V3)
