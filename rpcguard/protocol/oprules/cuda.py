@@ -750,6 +750,33 @@ def _fa_mask_sequences(n: RpcTensor, s: Srcs) -> str:
     return f"mask ne3 {mask.ne3} != Q ne3 {q.ne3}: the mask scan reads one mask per sequence"
 
 
+
+def _fa_int32_strides(n: RpcTensor, s: Srcs) -> str:
+    """fattn-common.cuh:36-42 (the kernels' signature, fattn-mma-f16.cuh:1813-1819,
+    fattn-tile.cuh:808-814, fattn-vec.cuh:36-42) and :1260-1264: Q nb1..nb3, K and V nb1/nb2 and mask
+    nb1/nb2 are passed as int32, and K/V converted to F16 (fattn-common.cuh:1039-1085) pass
+    ne0*2 and ne0*ne1*2 instead: a stride past INT_MAX along a dimension of more than one element
+    is truncated (a stride along a dimension of one is multiplied by zero)."""
+    q, k, v = s[0], s[1], s[2]
+    mask = s[3] if len(s) > 3 else None
+    if q is None or k is None or v is None:
+        return ""
+    strided: list[tuple[str, RpcTensor, tuple[int, ...]]] = [("Q", q, (1, 2, 3))]
+    for name, t in (("K", k), ("V", v)):
+        if t.type == F16:
+            strided.append((name, t, (1, 2)))
+        elif t.ne0 * 2 > INT32_MAX or (t.ne2 > 1 and t.ne0 * t.ne1 * 2 > INT32_MAX):
+            return f"{name}'s F16 copy has a stride past INT_MAX (the kernels' int32 strides)"
+        else:
+            strided.append((name, t, (1, 2)))  # a strided K/V may still be read in place (VEC kernel)
+    if mask is not None:
+        strided.append(("mask", mask, (1, 2)))
+    for name, t, dims in strided:
+        for i in dims:
+            if t.ne[i] > 1 and t.nb[i] > INT32_MAX:
+                return f"{name} nb{i} {t.nb[i]} past INT_MAX (the kernels' int32 strides)"
+    return ""
+
 #: fattn.cu:170-190, fattn-tile.cuh:1161-1224: the widest query tile of any kernel (ncols1)
 FATTN_NCOLS1_MAX: Final = 64
 
@@ -780,6 +807,8 @@ AUDIT3_ROWS: tuple[CudaRow, ...] = (
               "past INT_MAX") for op in ("MUL_MAT", "MUL_MAT_ID")),
     CudaRow("FLASH_ATTN_EXT", "fattn-common.cuh:681,1117-1131 (mask scan, no % ne33)", _fa_mask_sequences,
             what="a mask broadcast over Q sequences with K.ne1 % 256 == 0"),
+    CudaRow("FLASH_ATTN_EXT", "fattn-common.cuh:36-42,1039-1085,1260-1264 (int32 strides)", _fa_int32_strides,
+            reason="backend_index_overflow", what="a Q/K/V/mask stride (or an F16 copy's) past INT_MAX"),
 )
 
 AUDIT_ROWS: tuple[CudaRow, ...] = (

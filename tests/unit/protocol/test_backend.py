@@ -753,3 +753,19 @@ def test_mul_mat_id_experts_on_a_grid_axis():
 
     assert _contained_reason(*case(70000), size=1 << 25) == "backend_grid_too_large"
     _contained(*case(256), "cuda", size=1 << 25)  # 256 experts (DeepSeek-V3)
+
+
+def test_flash_attn_int32_strides():
+    # fattn-common.cuh:39 const int32_t nb11, nb12: K heads 2^31 bytes apart (a view over a 4 GiB buffer)
+    def case(k_nb2, heads=2):
+        d, n_kv = 128, 256
+        ts = [T(0x10, F32, (d, 4, heads, 1), data=BASE), T(0x11, F16, (d, n_kv, heads, 1), nb=(2, 256, k_nb2, k_nb2),
+                                                            data=BASE + (1 << 20)),
+              T(0x12, F16, (d, n_kv, heads, 1), data=BASE + (1 << 20)), T(0x13, F16, (n_kv, 4, 1, 1), data=BASE + (1 << 19))]
+        return ts, _node("FLASH_ATTN_EXT", F32, (d, heads, 4, 1), (0x10, 0x11, 0x12, 0x13), (f(0.125), 0, 0, 0),
+                         data=BASE + (1 << 18))
+
+    size = (1 << 20) + (1 << 32)
+    assert cuda_reason(*case(1 << 31), size=size) == "backend_index_overflow"
+    run(*case((1 << 31) - 256), "cuda", state(size=size))
+    run(*case(1 << 31, heads=1), "cuda", state(size=size))  # one head: nb2 is multiplied by zero
