@@ -22,6 +22,7 @@ list they came from. Another pin: re-read the cited lines and update the rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Final, Mapping, Sequence
 
@@ -966,8 +967,19 @@ def _generic(op: str, n: RpcTensor, s: Srcs) -> None:
         if t is None:
             continue
         info = TYPES.get(t.type)
-        if info is None or info.blck_size != 1:
-            continue  # block types: the rows' own checks (nb0 == type size, packed rows)
+        if info is None:
+            continue
+        if info.blck_size != 1:
+            # block types: the rows check nb0 == type size and packed rows; the kernels read block
+            # fields with 2-byte (half d, get_int_b2) or 4-byte (half2 dm, get_int_b4) loads
+            # (vecdotq.cuh:18-29, the dequantizers of convert.cu / dequantize.cuh): data and strides a
+            # multiple of gcd(type size, 4), what every tensor laid out in whole blocks from an
+            # aligned base has; a misaligned load is a sticky device fault (abort)
+            g = math.gcd(info.type_size, 4)
+            if t.data % g or any(x % g for x in t.nb[1:]):
+                raise FirewallRefusal("backend_misaligned", f"{who}: tensor id={t.id:#x}: {info.name} data {t.data:#x} "
+                                                            f"or strides {t.nb} not multiples of {g} (its block loads)")
+            continue
         size = info.type_size
         # gap-study G1: typed loads need the element size: binbcast.cu:284-297 asserts every
         # nb % sizeof(T); a misaligned address is a sticky device fault (abort)

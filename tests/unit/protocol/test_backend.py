@@ -769,3 +769,22 @@ def test_flash_attn_int32_strides():
     assert cuda_reason(*case(1 << 31), size=size) == "backend_index_overflow"
     run(*case((1 << 31) - 256), "cuda", state(size=size))
     run(*case(1 << 31, heads=1), "cuda", state(size=size))  # one head: nb2 is multiplied by zero
+
+
+def test_block_types_aligned_for_their_loads():
+    # vecdotq.cuh:18-29 get_int_b2 (2-byte loads, "assume at least 2 byte alignment") / get_int_b4;
+    # half d / half2 dm fields: a Q4_0 weight at an odd address, a Q4_K one at 2 mod 4, faults
+    def case(t, off=0, nb=None):
+        k = 256
+        a = T(0x10, t, (k, 8, 1, 1), **({"nb": nb} if nb else {}))
+        a.data += off
+        return [a, T(0x11, F32, (k, 3, 1, 1))], _node("MUL_MAT", F32, (8, 3, 1, 1), (0x10, 0x11))
+
+    assert cuda_reason(*case(Q4_0, 1)) == "backend_misaligned"
+    assert cuda_reason(*case(Q4_0, nb=(18, 145, 1160, 1160))) == "backend_misaligned"
+    assert cuda_reason(*case(Q4_K, 2)) == "backend_misaligned"
+    run(*case(Q4_0, 18), "cuda")  # a whole block in: the K-cache views of llama.cpp
+    run(*case(Q4_K, 144), "cuda")
+    mxfp4 = 39
+    assert TYPES[mxfp4].name == "mxfp4"
+    run(*case(mxfp4, 17), "cuda")  # 17-byte blocks: byte loads, no alignment past 1
