@@ -631,7 +631,7 @@ def _get_rows_u32(n: RpcTensor, s: Srcs) -> str:
 
 
 # -- rows of the third audit (docs/cuda-audit.md, "Matrix and attention paths"): MUL_MAT /
-# MUL_MAT_ID past the kernel choice (ggml-cuda.cu:1879-1932, :1959-2051; mmq.cu, mmvq.cu, mmvf.cu,
+# MUL_MAT_ID past the kernel choice (ggml-cuda.cu:1879-1932, :1965-2051; mmq.cu, mmvq.cu, mmvf.cu,
 # mmf.cu, the cuBLAS path :1408-1673) and FLASH_ATTN_EXT's launch (fattn-common.cuh:985-1140)
 
 Q8_1, Q8_K, IQ1_M = _T["q8_1"], _T["q8_K"], _T["iq1_m"]
