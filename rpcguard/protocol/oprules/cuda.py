@@ -22,6 +22,7 @@ list they came from. Another pin: re-read the cited lines and update the rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Final, Mapping, Sequence
 
@@ -629,6 +630,188 @@ def _get_rows_u32(n: RpcTensor, s: Srcs) -> str:
     return ""
 
 
+# -- rows of the third audit (docs/cuda-audit.md, "Matrix and attention paths"): MUL_MAT /
+# MUL_MAT_ID past the kernel choice (ggml-cuda.cu:1879-1932, :1965-2051; mmq.cu, mmvq.cu, mmvf.cu,
+# mmf.cu, the cuBLAS path :1408-1673) and FLASH_ATTN_EXT's launch (fattn-common.cuh:985-1140)
+
+Q8_1, Q8_K, IQ1_M = _T["q8_1"], _T["q8_K"], _T["iq1_m"]
+MMVQ_MAX_BATCH_SIZE: Final = 8  # mmvq.cuh:3 (MMVF_MAX_BATCH_SIZE, mmvf.cuh:3, is the same)
+#: convert.cu:670-744 ggml_get_to_{fp16,bf16,fp32}_nc_cuda: the types every strided converter
+#: has (F16/BF16/F32 are each missing only from their own list, where no conversion is needed)
+_NC_CONVERT: Final = frozenset(_T[x] for x in ("f32", "f16", "bf16", "q1_0", "q2_0", "q4_0", "q4_1", "q5_0",
+                                                 "q5_1", "q8_0"))
+#: mmq.cu:318-355 ggml_cuda_should_use_mmq: the src0 types MMQ takes (IQ1_M, Q8_K: never)
+_MMQ_TYPES: Final = frozenset(_T[x] for x in (
+    "q1_0", "q2_0", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq1_s",
+    "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_xs", "iq4_nl", "mxfp4", "nvfp4"))
+#: ggml.h:444-450: the src1 precisions mmq.cu:127 accepts (UNDEFINED, Q8, Q4)
+_MMQ_PRECS: Final = (0, 30, 40)
+
+
+def _contiguously_allocated(t: RpcTensor) -> bool:
+    """ggml_is_contiguously_allocated (ggml.c): nbytes == nelements * type_size / blck_size."""
+    info = TYPES[t.type]
+    return _nbytes(t) == _nel(t) * info.type_size // info.blck_size
+
+
+def _mul_mat_cublas(n: RpcTensor, s: Srcs) -> str:
+    """ggml-cuda.cu:1890-1894: a src1 that is not F32 always takes cuBLAS, as does a src0 neither
+    MMVQ nor MMQ takes (IQ1_M past 8 columns: mmvq.cu:318-428, mmq.cu:318-359); the cuBLAS path
+    converts each source that is not of the compute type and asserts a converter (:1453, :1461,
+    :1478, :1486): none for a Q8_1 / Q8_K src1 (convert.cu:496-744), none strided
+    (ggml_get_to_*_nc_cuda) for a K-quant / IQ / FP4 src0 that is not contiguously allocated."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    cublas = b.type != F32 or (a.type == IQ1_M and b.ne1 > MMVQ_MAX_BATCH_SIZE)
+    if not cublas:
+        return ""
+    if b.type in (Q8_1, Q8_K):
+        return f"src[1] {_name(b.type)} takes cuBLAS, which has no converter for it"
+    if a.type not in _NC_CONVERT and not _contiguously_allocated(a):
+        return f"a strided {_name(a.type)} src[0] on the cuBLAS path, which has no strided converter for it"
+    return ""
+
+
+def _mmq_prec(n: RpcTensor, s: Srcs) -> str:
+    """mmq.cu:121-127 ggml_cuda_mmq_get_prec_src1: op_params[3] (ggml_prec_set_src) must be
+    UNDEFINED, Q8 or Q4 on the MMQ path (a quantized src0 MMQ takes, F32 src1): F32 / BF16 / F16
+    assert. No llama.cpp graph sets it (ggml_prec_set_src has no caller)."""
+    a, b = s[0], s[1]
+    if a is None or b is None or a.type not in _MMQ_TYPES or b.type != F32 or n.param3 in _MMQ_PRECS:
+        return ""
+    return f"op_params[3] {n.param3}: the MMQ path asserts UNDEFINED/Q8/Q4"
+
+
+def _mmvf_mmf_col_stride(a: RpcTensor, col_stride: int, ncols: int, mmf_ncols: int) -> str:
+    """mmvf.cu:429 and mmf.cuh:655 GGML_ASSERT(stride_col_y % 2 == 0): src1's column stride, in
+    floats (mmf: in pairs for F16/BF16, mmf.cu:110-126), when src0 is of a type and layout the
+    MMVF / MMF kernels take (mmvf.cu:793-808 / mmf.cu:135-155) and the batch is in their range (any
+    NVIDIA compute capability: MMVF up to MMVF_MAX_BATCH_SIZE, MMF up to ``mmf_ncols``, mmf.cu:163-177)."""
+    if a.type not in _FLOATS:
+        return ""
+    ts = TYPES[a.type].type_size
+    aligned = a.nb0 == ts and all(x % (2 * ts) == 0 for x in a.nb[1:])
+    if not aligned:
+        return ""
+    if a.ne0 % 2 == 0 and ncols <= MMVQ_MAX_BATCH_SIZE and col_stride % 2:
+        return f"src[1] column stride {col_stride} floats is odd (MMVF asserts it even)"
+    vals = 4 // ts if ts < 4 else 1  # half2 / nv_bfloat162 pairs for F16/BF16 (mmf.cu:103-126)
+    if a.ne0 % (32 * (4 // ts)) == 0 and ncols <= mmf_ncols and (col_stride // vals) % 2:
+        return f"src[1] column stride {col_stride} floats: MMF asserts it an even number of {vals}-value units"
+    return ""
+
+
+def _mul_mat_col_stride(n: RpcTensor, s: Srcs) -> str:
+    a, b = s[0], s[1]
+    if a is None or b is None or b.type != F32:
+        return ""
+    return _mmvf_mmf_col_stride(a, b.nb1 // 4, b.ne1, 16)  # mmf.cu:176: ncols <= 16 for MUL_MAT
+
+
+def _mul_mat_id_strides(n: RpcTensor, s: Srcs) -> str:
+    """MUL_MAT_ID's src1 token stride: mmq.cu:232 and ggml-cuda.cu:2010 GGML_ASSERT(nb12 % nb11 ==
+    0) (a zero nb11 divides by zero on the host), mmq.cu:250 / mmf.cu:83-85 sis1 = nb12 / nb11 > 0;
+    MMF's column stride (src1 ne2 tokens, up to 512, mmf.cu:162-167)."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    if b.nb1 == 0 or b.nb2 % b.nb1 or b.nb2 < b.nb1:
+        return f"src[1] nb2 {b.nb2} is not a non-zero multiple of nb1 {b.nb1}"
+    return _mmvf_mmf_col_stride(a, b.nb2 // 4, b.ne2, 512) if b.type == F32 else ""
+
+
+def _mul_mat_int32(n: RpcTensor, s: Srcs) -> str:
+    """32-bit indices of the matrix kernels: MMVQ and MMQ take src0's strides in blocks as ``int``
+    (mmvq.cu:1092, :1284; mmq.cuh:967-968) and add them into an ``int`` block offset (mmvq.cu:719,
+    :924; mmq.cuh:1061, :1155, :1239): a quantized src0 spanning more than 2^31-1 blocks wraps it;
+    cuBLAS takes K and the leading dimensions as ``int`` (ggml-cuda.cu:1543-1557): a
+    row stride or K past INT_MAX is refused (CUBLAS_CHECK aborts) or wraps."""
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ""
+    ia, ib = TYPES[a.type], TYPES[b.type]
+    if ia.blck_size > 1:
+        blocks = a.ne0 // ia.blck_size + sum((a.ne[i] - 1) * (a.nb[i] // ia.type_size) for i in (1, 2, 3))
+        if blocks > INT32_MAX:
+            return f"src[0] spans {blocks} blocks, past the kernels' int offset"
+    if a.ne0 > INT32_MAX or a.nb1 // ia.type_size > INT32_MAX or b.nb1 // ib.type_size > INT32_MAX:
+        return f"K {a.ne0} or a row stride past INT_MAX (cuBLAS's int dimensions)"
+    return ""
+
+
+def _fa_mask_sequences(n: RpcTensor, s: Srcs) -> str:
+    """fattn-common.cuh:1117-1131 and :681: with a mask and K.ne1 % FATTN_KQ_STRIDE == 0 the mask
+    scan (flash_attn_mask_to_KV_max) runs one block row per Q sequence (grid y = Q.ne3) and reads
+    the mask at ``sequence*nb33`` without the ``% ne33`` the kernels use (fattn-mma-f16.cuh:1922):
+    a mask broadcast over sequences (mask.ne3 < Q.ne3) is read past its end."""
+    q, k, mask = s[0], s[1], s[3] if len(s) > 3 else None
+    if q is None or k is None or mask is None or k.ne1 % FATTN_KQ_STRIDE or mask.ne3 == q.ne3:
+        return ""
+    return f"mask ne3 {mask.ne3} != Q ne3 {q.ne3}: the mask scan reads one mask per sequence"
+
+
+
+def _fa_int32_strides(n: RpcTensor, s: Srcs) -> str:
+    """fattn-common.cuh:36-42 (the kernels' signature, fattn-mma-f16.cuh:1813-1819,
+    fattn-tile.cuh:808-814, fattn-vec.cuh:36-42) and :1260-1264: Q nb1..nb3, K and V nb1/nb2 and mask
+    nb1/nb2 are passed as int32, and K/V converted to F16 (fattn-common.cuh:1039-1085) pass
+    ne0*2 and ne0*ne1*2 instead: a stride past INT_MAX along a dimension of more than one element
+    is truncated (a stride along a dimension of one is multiplied by zero)."""
+    q, k, v = s[0], s[1], s[2]
+    mask = s[3] if len(s) > 3 else None
+    if q is None or k is None or v is None:
+        return ""
+    strided: list[tuple[str, RpcTensor, tuple[int, ...]]] = [("Q", q, (1, 2, 3))]
+    for name, t in (("K", k), ("V", v)):
+        if t.type == F16:
+            strided.append((name, t, (1, 2)))
+        elif t.ne0 * 2 > INT32_MAX or (t.ne2 > 1 and t.ne0 * t.ne1 * 2 > INT32_MAX):
+            return f"{name}'s F16 copy has a stride past INT_MAX (the kernels' int32 strides)"
+        else:
+            strided.append((name, t, (1, 2)))  # a strided K/V may still be read in place (VEC kernel)
+    if mask is not None:
+        strided.append(("mask", mask, (1, 2)))
+    for name, t, dims in strided:
+        for i in dims:
+            if t.ne[i] > 1 and t.nb[i] > INT32_MAX:
+                return f"{name} nb{i} {t.nb[i]} past INT_MAX (the kernels' int32 strides)"
+    return ""
+
+#: fattn.cu:170-190, fattn-tile.cuh:1161-1224: the widest query tile of any kernel (ncols1)
+FATTN_NCOLS1_MAX: Final = 64
+
+
+def fa_mask_scan_end(n: RpcTensor, s: Srcs) -> int:
+    """Bytes from the mask's data to the end of what the mask scan reads (fattn-common.cuh:
+    671-697, run when :1117 holds): rows up to the query count rounded up to the kernel's query
+    tile (at most FATTN_NCOLS1_MAX), K.ne1 columns, one mask per Q sequence; 0 when it does not run.
+    Conservative: the widest tile, whatever tile the kernel picks."""
+    q, k, mask = s[0], s[1], s[3] if len(s) > 3 else None
+    if q is None or k is None or mask is None or k.ne1 % FATTN_KQ_STRIDE or not (q.ne1 >= 1024 or q.ne3 > 1):
+        return 0
+    rows = _pad(q.ne1, FATTN_NCOLS1_MAX)
+    return (q.ne3 - 1) * mask.nb3 + (rows - 1) * mask.nb1 + k.ne1 * 2
+
+
+AUDIT3_ROWS: tuple[CudaRow, ...] = (
+    CudaRow("MUL_MAT", "ggml-cuda.cu:1890-1894,1453,1461,1478,1486; convert.cu:496-744", _mul_mat_cublas,
+            what="a q8_1/q8_K src1, a strided K-quant/IQ/FP4 src0 on the cuBLAS path"),
+    *(CudaRow(op, "mmq.cu:121-127 GGML_ASSERT(prec == UNDEFINED || Q8 || Q4)", _mmq_prec,
+              what="op_params[3] F32/BF16/F16 with a src0 MMQ takes") for op in ("MUL_MAT", "MUL_MAT_ID")),
+    CudaRow("MUL_MAT", "mmvf.cu:429, mmf.cuh:655 GGML_ASSERT(stride_col_y % 2 == 0)", _mul_mat_col_stride,
+            what="an odd src1 column stride on the MMVF/MMF paths"),
+    CudaRow("MUL_MAT_ID", "mmq.cu:232,250; ggml-cuda.cu:2010; mmf.cu:83-85; mmf.cuh:655", _mul_mat_id_strides,
+            what="src1 nb2 not a non-zero multiple of nb1, an odd MMF column stride"),
+    *(CudaRow(op, "mmvq.cu:719,924,1092,1284; mmq.cuh:967,1061; ggml-cuda.cu:1543-1557 (int)", _mul_mat_int32,
+              reason="backend_index_overflow", what="a quantized src0 of more than 2^31-1 blocks, K or a row stride "
+              "past INT_MAX") for op in ("MUL_MAT", "MUL_MAT_ID")),
+    CudaRow("FLASH_ATTN_EXT", "fattn-common.cuh:681,1117-1131 (mask scan, no % ne33)", _fa_mask_sequences,
+            what="a mask broadcast over Q sequences with K.ne1 % 256 == 0"),
+    CudaRow("FLASH_ATTN_EXT", "fattn-common.cuh:36-42,1039-1085,1260-1264 (int32 strides)", _fa_int32_strides,
+            reason="backend_index_overflow", what="a Q/K/V/mask stride (or an F16 copy's) past INT_MAX"),
+)
+
 AUDIT_ROWS: tuple[CudaRow, ...] = (
     CudaRow("UNARY", "unary.cu:550; supports_op ggml-cuda.cu:5290-5292", _unary_xielu, what="XIELU of bf16"),
     CudaRow("GLU", "unary.cu:299-312,407-421,473-486; supports_op ggml-cuda.cu:5300-5316", _glu,
@@ -719,6 +902,7 @@ ROWS: tuple[CudaRow, ...] = (
             _flash_attn_ext, what="head sizes, K/V types and masks without a kernel"),
     *(CudaRow(op, cite, _supports(pred, what), what=f"anything but {what}") for op, cite, pred, what in _SUPPORTS),
     *AUDIT_ROWS,
+    *AUDIT3_ROWS,
 )
 _BY_OP: Final[Mapping[str, tuple[CudaRow, ...]]] = {
     op: tuple(r for r in ROWS if r.op == op) for op in dict.fromkeys(r.op for r in ROWS)
@@ -739,7 +923,29 @@ _GRID_YZ: Final[Mapping[str, tuple[str, Callable[[RpcTensor, Srcs], tuple[int, .
     "PAD": ("pad.cu:70", lambda n, s: (n.ne1, n.ne2 * n.ne3)),
     # cumsum.cu:240 grid_dims(ne01, ne02, ne03) of src0 (the per-row CUB path needs ne00 > 4096*nrows)
     "CUMSUM": ("cumsum.cu:240", lambda n, s: (s[0].ne2, s[0].ne3) if s[0] is not None else ()),
+    # fattn-common.cuh:1219 blocks_num.z = ntiles_z_gqa*K.ne2*Q.ne3 (the VEC and TILE kernels,
+    # stream_k false: fattn-vec.cuh:541, fattn-tile.cuh:1165-1228): Q.ne2*Q.ne3 with the VEC's ncols2 1,
+    # an upper bound for the TILE's; the MMA kernel's stream-k grid is x only (no real graph has
+    # 65536 heads x sequences: LLAMA_MAX_SEQ 256 x 128 heads is 32768)
+    "FLASH_ATTN_EXT": ("fattn-common.cuh:1219", lambda n, s: (s[0].ne2 * s[0].ne3,) if s[0] is not None else ()),
+    # mmvq.cu:1018, mmvf.cu:456, mmf.cuh:684 block_nums(rows, ne2, ne3) of dst when src1 has at most
+    # 16 columns (MMVQ/MMVF <= 8, MMF <= 16); quantize.cu:567, :583 grid z ne12*ne13 when src1 is
+    # quantized for MMVQ/MMQ (a quantized src0 MMQ or MMVQ takes, an F32 src1)
+    "MUL_MAT": ("mmvq.cu:1018; mmvf.cu:456; mmf.cuh:684; quantize.cu:567,583", lambda n, s: _mul_mat_grid(n, s)),
+    # mmq.cu:311 nchannels_y = ne02 -> mmq.cuh:1422-1423 (non-stream-k grid z = experts), mmf.cuh:610
+    # (grid y = experts); no model has 65536 experts
+    "MUL_MAT_ID": ("mmq.cuh:1423; mmf.cuh:610", lambda n, s: (s[0].ne2,) if s[0] is not None else ()),
 }
+
+
+def _mul_mat_grid(n: RpcTensor, s: Srcs) -> tuple[int, ...]:
+    a, b = s[0], s[1]
+    if a is None or b is None:
+        return ()
+    dims: tuple[int, ...] = (n.ne2, n.ne3) if b.ne1 <= 16 else ()
+    if TYPES[a.type].blck_size > 1 and b.type == F32:
+        dims += (b.ne2 * b.ne3,)
+    return dims
 
 #: ops whose CUDA kernels count elements or offsets in ``int`` (gap-study G3): a tensor of 2^31
 #: elements or more wraps them (negative grids abort; wrapped offsets write outside the tensor)
@@ -761,8 +967,19 @@ def _generic(op: str, n: RpcTensor, s: Srcs) -> None:
         if t is None:
             continue
         info = TYPES.get(t.type)
-        if info is None or info.blck_size != 1:
-            continue  # block types: the rows' own checks (nb0 == type size, packed rows)
+        if info is None:
+            continue
+        if info.blck_size != 1:
+            # block types: the rows check nb0 == type size and packed rows; the kernels read block
+            # fields with 2-byte (half d, get_int_b2) or 4-byte (half2 dm, get_int_b4) loads
+            # (vecdotq.cuh:18-29, the dequantizers of convert.cu / dequantize.cuh): data and strides a
+            # multiple of gcd(type size, 4), what every tensor laid out in whole blocks from an
+            # aligned base has; a misaligned load is a sticky device fault (abort)
+            g = math.gcd(info.type_size, 4)
+            if t.data % g or any(x % g for x in t.nb[1:]):
+                raise FirewallRefusal("backend_misaligned", f"{who}: tensor id={t.id:#x}: {info.name} data {t.data:#x} "
+                                                            f"or strides {t.nb} not multiples of {g} (its block loads)")
+            continue
         size = info.type_size
         # gap-study G1: typed loads need the element size: binbcast.cu:284-297 asserts every
         # nb % sizeof(T); a misaligned address is a sticky device fault (abort)
@@ -849,7 +1066,9 @@ def fa_extra_end(n: RpcTensor, s: Srcs) -> int:
 def reach(op: str, n: RpcTensor, s: Srcs) -> Sequence[tuple[RpcTensor, int]]:
     """(tensor, bytes from its data) the CUDA kernels of an accepted node address."""
     if op == "FLASH_ATTN_EXT":
-        return ((n, fa_extra_end(n, s)),)
+        mask = s[3] if len(s) > 3 else None
+        scan = fa_mask_scan_end(n, s)
+        return ((n, fa_extra_end(n, s)),) + (((mask, scan),) if mask is not None and scan else ())
     if op in ("MUL_MAT", "MUL_MAT_ID"):
         a = s[0]
         # MMQ reads the K-tile tail of the last row (the reason for the padding, common.cuh:186);
@@ -891,6 +1110,8 @@ def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
         notes.append(("refused: a tensor of 2^31 elements or more", _INT32_ELEMENTS[op]))
     if op == "FLASH_ATTN_EXT":
         notes.append(("reach: F16 copies of non-F16 K/V behind dst inside dst's buffer", "fattn-common.cuh:53-83"))
+        notes.append(("reach: the mask scan's rows up to the 64-query tile inside the mask's buffer",
+                      "fattn-common.cuh:671-697,1117"))
     elif op in ("MUL_MAT", "MUL_MAT_ID"):
         notes.append(("reach: a quantized src0's padded last row inside its buffer", "common.cuh:186"))
     scratch = SCRATCH_ROWS.get(op)

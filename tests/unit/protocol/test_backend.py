@@ -588,3 +588,203 @@ def test_get_rows_index_rows_past_2_32():
         cuda.check_node("GET_ROWS", n, [a, idx])
     assert exc.value.reason == "backend_index_overflow"
     cuda.check_node("GET_ROWS", n, [a, idx._replace(ne1=1 << 14)])  # (2^31 index rows: the generic grid-x rule)
+
+
+# -- the third audit (docs/cuda-audit.md, "Matrix and attention paths"): MUL_MAT / MUL_MAT_ID past
+# the kernel choice, FLASH_ATTN_EXT's mask scan
+
+Q4_1, Q8_1, Q8_K, IQ4_NL, IQ1_M = 3, 9, 15, 20, 29
+assert [TYPES[t].name for t in (Q4_1, Q8_1, Q8_K, IQ4_NL, IQ1_M)] == ["q4_1", "q8_1", "q8_K", "iq4_nl", "iq1_m"]
+
+
+def _mm(a_type, b_type=F32, k=256, m=8, n=3, a_nb=None, b_nb=None, params=()):
+    a = T(0x10, a_type, (k, m, 1, 1), **({"nb": a_nb} if a_nb else {}))
+    b = T(0x11, b_type, (k, n, 1, 1), **({"nb": b_nb} if b_nb else {}))
+    return [a, b], _node("MUL_MAT", F32, (m, n, 1, 1), (0x10, 0x11), params)
+
+
+def _mm_id(a_type=Q4_0, tok=3, b_nb=None, params=(), k=256, used=2, b_ne1=None):
+    ne11 = used if b_ne1 is None else b_ne1
+    ts = [T(0x10, a_type, (k, 16, 8, 1)), T(0x11, F32, (k, ne11, tok, 1), **({"nb": b_nb} if b_nb else {})),
+          T(0x12, I32, (used, tok, 1, 1))]
+    return ts, _node("MUL_MAT_ID", F32, (16, used, tok, 1), (0x10, 0x11, 0x12), params)
+
+
+def _contained(tensors, node, setting, size=SIZE):
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend=setting, contained=True))
+    v.check(memoryview(graph_payload([node.id], tensors + [node])), state(size=size))
+
+
+def _contained_reason(tensors, node, size=SIZE) -> str:
+    _contained(tensors, node, "cpu", size)
+    _contained(tensors, node, "auto", size)
+    with pytest.raises(FirewallRefusal) as exc:
+        _contained(tensors, node, "cuda", size)
+    return exc.value.reason
+
+
+def test_mul_mat_cublas_converters():
+    # ggml-cuda.cu:1890-1894: a src1 that is not F32 takes cuBLAS; :1478 GGML_ASSERT(convert_func):
+    # convert.cu has no Q8_K / Q8_1 converter (the CPU's vec_dot types of the K-quants / Q4_1)
+    assert cuda_reason(*_mm(Q4_K, Q8_K)) == "backend_unsupported_op"
+    assert cuda_reason(*_mm(Q4_1, Q8_1)) == "backend_unsupported_op"
+    run(*_mm(Q4_K, F32), "cuda")  # the llama.cpp case: F32 activations (MMVQ / MMQ)
+    run(*_mm(Q4_0, Q8_0), "cuda")  # cuBLAS converts Q8_0
+    # :1453 a strided src0 is converted by ggml_get_to_fp16_nc_cuda: none for IQ4_NL (convert.cu:670-693)
+    row = 256 // 32 * 18
+    assert cuda_reason(*_mm(IQ4_NL, Q8_0, a_nb=(18, 2 * row, 16 * row, 16 * row))) == "backend_unsupported_op"
+    run(*_mm(IQ4_NL, Q8_0), "cuda")  # contiguous: ggml_get_to_fp16_cuda has it
+    run(*_mm(Q4_0, Q8_0, a_nb=(18, 2 * row, 16 * row, 16 * row)), "cuda")  # Q4_0 has a strided converter
+    # IQ1_M: no MMQ (mmq.cu:415-443), MMVQ up to 8 columns: 9 columns take cuBLAS
+    row = 256 // 256 * 56
+    strided = (56, 2 * row, 16 * row, 16 * row)
+    assert cuda_reason(*_mm(IQ1_M, F32, n=9, a_nb=strided)) == "backend_unsupported_op"
+    run(*_mm(IQ1_M, F32, n=8, a_nb=strided), "cuda")  # MMVQ
+    run(*_mm(IQ1_M, F32, n=9), "cuda")  # contiguous
+
+
+def test_mmq_src1_precision():
+    # mmq.cu:127 GGML_ASSERT(prec == UNDEFINED || Q8 || Q4) on op_params[3]
+    for prec in (10, 15, 20):
+        assert cuda_reason(*_mm(Q4_0, params=(0, 0, 0, prec))) == "backend_unsupported_op"
+    for prec in (0, 30, 40):
+        run(*_mm(Q4_0, params=(0, 0, 0, prec)), "cuda")
+    run(*_mm(F16, params=(0, 0, 0, 10)), "cuda")  # no MMQ for F16: the value is not read
+    run(*_mm(Q4_0, params=(10, 0, 0, 0)), "cuda")  # op_params[0] (ggml_prec_set_acc): cuBLAS reads it
+    assert _contained_reason(*_mm_id(params=(0, 0, 0, 15))) == "backend_unsupported_op"
+    _contained(*_mm_id(params=(0, 0, 0, 30)), "cuda")
+
+
+def test_mmvf_mmf_src1_column_stride():
+    # mmvf.cu:429 GGML_ASSERT(stride_col_y % 2 == 0): an F32 src1 whose row stride is 65 floats
+    assert cuda_reason(*_mm(F32, k=64, b_nb=(4, 260, 780, 780))) == "backend_unsupported_op"
+    run(*_mm(F32, k=64, b_nb=(4, 264, 792, 792)), "cuda")
+    run(*_mm(F32, k=64, n=32, b_nb=(4, 260, 260 * 32, 260 * 32)), "cuda")  # 32 columns: cuBLAS
+    # mmf.cuh:655 after mmf.cu:112 halves it for F16: a stride of 6 floats is 3 half2 pairs
+    a_ne, b_nb = 64, (4, 4 * 66, 4 * 66 * 10, 4 * 66 * 10)
+    assert cuda_reason(*_mm(F16, k=a_ne, m=32, n=10, b_nb=b_nb)) == "backend_unsupported_op"
+    run(*_mm(F16, k=a_ne, m=32, n=10, b_nb=(4, 4 * 68, 4 * 68 * 10, 4 * 68 * 10)), "cuda")
+
+
+def test_mul_mat_id_src1_token_stride():
+    # mmq.cu:232 / ggml-cuda.cu:2010 GGML_ASSERT(nb12 % nb11 == 0); mmq.cu:250 nb12 / nb11
+    assert _contained_reason(*_mm_id(b_nb=(4, 1024, 2560, 7680))) == "backend_unsupported_op"
+    assert _contained_reason(*_mm_id(b_ne1=1, b_nb=(4, 0, 1024, 3072))) == "backend_unsupported_op"
+    assert _contained_reason(*_mm_id(b_nb=(4, 4096, 1024, 3072))) == "backend_unsupported_op"
+    _contained(*_mm_id(), "cuda")  # packed src1 (the down projection)
+    _contained(*_mm_id(b_ne1=1), "cuda")  # one row broadcast to the experts (gate/up)
+    _contained(*_mm_id(tok=512), "cuda", size=1 << 26)  # a 512-token batch, 8 experts
+
+
+def test_matrix_int32_offsets():
+    # mmvq.cu:719 / mmq.cuh:1061 int kbx_offset: 17 Q4_0 experts 2^27 blocks apart put the last at
+    # block 2^31 (a 36 GiB buffer; nb is 32-bit on the wire, so the offset builds up over ne2)
+    step = 18 << 27
+    buf = 17 * step + (1 << 20)
+
+    def case(experts):
+        a = T(0x10, Q4_0, (256, 16, experts, 1), nb=(18, 144, step, step), data=BASE)
+        b = T(0x11, F32, (256, 2, 3, 1), data=BASE + 17 * step)
+        ids = T(0x12, I32, (2, 3, 1, 1), data=BASE + 17 * step + 8192)
+        return [a, b, ids], _node("MUL_MAT_ID", F32, (16, 2, 3, 1), (0x10, 0x11, 0x12), data=BASE + 17 * step + 16384)
+
+    assert _contained_reason(*case(17), size=buf) == "backend_index_overflow"
+    _contained(*case(16), "cuda", size=buf)  # the last expert at block 15 * 2^27
+
+
+def _fa(q3=1, m3=1, n_q=4, n_kv=256, m_rows=None, mask_data=None):
+    d = 128
+    ts = [T(0x10, F32, (d, n_q, 8, q3)), T(0x11, F16, (d, n_kv, 8, q3)), T(0x12, F16, (d, n_kv, 8, q3)),
+          T(0x13, F16, (n_kv, m_rows or n_q, 1, m3), **({"data": mask_data} if mask_data else {}))]
+    return ts, _node("FLASH_ATTN_EXT", F32, (d, 8, n_q, q3), (0x10, 0x11, 0x12, 0x13), (f(0.125), 0, 0, 0))
+
+
+def test_flash_attn_mask_scan():
+    # fattn-common.cuh:681 mask += sequence*s33 (grid y = Q.ne3, :1122): no % ne33 in the scan
+    assert cuda_reason(*_fa(q3=2, m3=1)) == "backend_unsupported_op"
+    run(*_fa(q3=2, m3=2), "cuda")  # one mask per sequence (llama.cpp's n_stream masks)
+    run(*_fa(q3=2, m3=1, n_kv=200), "cuda")  # K.ne1 % 256: no scan, the kernels broadcast (% ne33)
+    # the scan reads the rows of the last 64-query tile (fattn-common.cuh:695): 1030 queries read
+    # 1088 mask rows, which must lie in the mask's buffer
+    n_kv, n_q = 256, 1030
+    end = BASE + SIZE - n_kv * 2 * n_q
+    assert cuda_reason(*_fa(n_q=n_q, mask_data=end - end % 128)) == "backend_reach_out_of_buffer"
+    room = BASE + SIZE - n_kv * 2 * 1088
+    run(*_fa(n_q=n_q, mask_data=room - room % 128), "cuda")
+    run(*_fa(n_q=1024, mask_data=BASE + SIZE - n_kv * 2 * 1024), "cuda")  # a whole number of tiles
+
+
+def test_flash_attn_grid_z():
+    # fattn-common.cuh:1219 blocks_num.z = ntiles_z_gqa*K.ne2*Q.ne3: the decode kernel (VEC, ncols2 1)
+    # launches Q heads x sequences on grid z
+    def case(seqs):
+        d, n_kv, heads = 64, 256, 128
+        ts = [T(0x10, F32, (d, 1, heads, seqs), data=BASE), T(0x11, F16, (d, n_kv, 1, seqs), data=BASE + (1 << 26)),
+              T(0x12, F16, (d, n_kv, 1, seqs), data=BASE + (1 << 26)), T(0x13, F16, (n_kv, 1, 1, seqs), data=BASE + (3 << 26))]
+        return ts, _node("FLASH_ATTN_EXT", F32, (d, heads, 1, seqs), (0x10, 0x11, 0x12, 0x13), (f(0.125), 0, 0, 0),
+                         data=BASE + (4 << 26))
+
+    assert cuda_reason(*case(513), size=5 << 26) == "backend_grid_too_large"
+    run(*case(511), "cuda", state(size=5 << 26))  # 65408 blocks on z: under the 65535 limit
+
+
+def test_matrix_grid_yz():
+    # quantize.cu:583 num_blocks(ne11, .., ne12*ne13): 70000 one-row batches of a broadcast Q4_0 matrix
+    def case(batches, b_rows=3):
+        a = T(0x10, Q4_0, (256, 8, 1, 1), data=BASE)
+        b = T(0x11, F32, (256, b_rows, batches, 1), data=BASE + (1 << 20))
+        return [a, b], _node("MUL_MAT", F32, (8, b_rows, batches, 1), (0x10, 0x11), data=BASE + (1 << 29))
+
+    big = 1 << 30
+    assert cuda_reason(*case(70000), size=big) == "backend_grid_too_large"
+    run(*case(65535), "cuda", state(size=big))
+    # F32 matrices with 32 columns take cuBLAS (batched pointers, grid y ne12/16): forwarded
+    a = T(0x10, F32, (64, 8, 1, 1), data=BASE)
+    b = T(0x11, F32, (64, 32, 70000, 1), data=BASE + (1 << 20))
+    run([a, b], _node("MUL_MAT", F32, (8, 32, 70000, 1), (0x10, 0x11), data=BASE + (1 << 29)), "cuda", state(size=big))
+
+
+def test_mul_mat_id_experts_on_a_grid_axis():
+    # mmq.cuh:1422-1423 (grid z = experts, mmq.cu:311), mmf.cuh:610 (grid y = experts)
+    def case(experts):
+        ts = [T(0x10, Q4_0, (32, 8, experts, 1), data=BASE), T(0x11, F32, (32, 2, 3, 1), data=BASE + (1 << 24)),
+              T(0x12, I32, (2, 3, 1, 1), data=BASE + (1 << 24) + 4096)]
+        return ts, _node("MUL_MAT_ID", F32, (8, 2, 3, 1), (0x10, 0x11, 0x12), data=BASE + (1 << 24) + 8192)
+
+    assert _contained_reason(*case(70000), size=1 << 25) == "backend_grid_too_large"
+    _contained(*case(256), "cuda", size=1 << 25)  # 256 experts (DeepSeek-V3)
+
+
+def test_flash_attn_int32_strides():
+    # fattn-common.cuh:39 const int32_t nb11, nb12: K heads 2^31 bytes apart (a view over a 4 GiB buffer)
+    def case(k_nb2, heads=2):
+        d, n_kv = 128, 256
+        ts = [T(0x10, F32, (d, 4, heads, 1), data=BASE), T(0x11, F16, (d, n_kv, heads, 1), nb=(2, 256, k_nb2, k_nb2),
+                                                            data=BASE + (1 << 20)),
+              T(0x12, F16, (d, n_kv, heads, 1), data=BASE + (1 << 20)), T(0x13, F16, (n_kv, 4, 1, 1), data=BASE + (1 << 19))]
+        return ts, _node("FLASH_ATTN_EXT", F32, (d, heads, 4, 1), (0x10, 0x11, 0x12, 0x13), (f(0.125), 0, 0, 0),
+                         data=BASE + (1 << 18))
+
+    size = (1 << 20) + (1 << 32)
+    assert cuda_reason(*case(1 << 31), size=size) == "backend_index_overflow"
+    run(*case((1 << 31) - 256), "cuda", state(size=size))
+    run(*case(1 << 31, heads=1), "cuda", state(size=size))  # one head: nb2 is multiplied by zero
+
+
+def test_block_types_aligned_for_their_loads():
+    # vecdotq.cuh:18-29 get_int_b2 (2-byte loads, "assume at least 2 byte alignment") / get_int_b4;
+    # half d / half2 dm fields: a Q4_0 weight at an odd address, a Q4_K one at 2 mod 4, faults
+    def case(t, off=0, nb=None):
+        k = 256
+        a = T(0x10, t, (k, 8, 1, 1), **({"nb": nb} if nb else {}))
+        a.data += off
+        return [a, T(0x11, F32, (k, 3, 1, 1))], _node("MUL_MAT", F32, (8, 3, 1, 1), (0x10, 0x11))
+
+    assert cuda_reason(*case(Q4_0, 1)) == "backend_misaligned"
+    assert cuda_reason(*case(Q4_0, nb=(18, 145, 1160, 1160))) == "backend_misaligned"
+    assert cuda_reason(*case(Q4_K, 2)) == "backend_misaligned"
+    run(*case(Q4_0, 18), "cuda")  # a whole block in: the K-cache views of llama.cpp
+    run(*case(Q4_K, 144), "cuda")
+    mxfp4 = 39
+    assert TYPES[mxfp4].name == "mxfp4"
+    run(*case(mxfp4, 17), "cuda")  # 17-byte blocks: byte loads, no alignment past 1
