@@ -19,7 +19,9 @@ the network, so polling it neither blocks nor refuses a session, and a busy node
 
 The probe is a client of the real server like any other: it connects, sends a HELLO (the
 24-byte form of 4.0.0 and later, then the empty form of 1.0.0-3.6.1 if the server hung up on the
-first) and hangs up. It never takes the listener's upstream slot: a session that arrives during a
+first) and half-closes; the server answers and hangs up. A probe that gives up waiting never
+closes under the unanswered HELLO (the server would die of SIGPIPE answering it): the
+connection lingers until the server hangs up. It never takes the listener's upstream slot: a session that arrives during a
 probe connects at once and the single-client server serves it right after the probe (milliseconds).
 """
 
@@ -33,11 +35,12 @@ from typing import Callable, Iterable, Protocol
 
 from rpcguard.pki.probe import tls_probe
 from rpcguard.protocol.encode import hello_request
+from rpcguard.protocol.endings import UPSTREAM_DRAIN_MAX_S
 from rpcguard.protocol.versions import (
     HEADER_RSP_BYTES, HELLO_CAPS_SINCE, HELLO_RESPONSE_SIZES, LAST_BEFORE_CAPS, Version, format_version,
 )
 
-__all__ = ["UpstreamProbe", "Verdict", "NodeChecks", "readiness", "hello_probe", "PROBE_INTERVAL_S",
+__all__ = ["UpstreamProbe", "Verdict", "NodeChecks", "readiness", "hello_probe", "LINGERING", "PROBE_INTERVAL_S",
            "PROBE_TIMEOUT_S", "NODE_CHECK_INTERVAL_S", "NODE_PROBE_TIMEOUT_S"]
 
 PROBE_INTERVAL_S = 5.0  # how stale a verdict may be: an upstream that dies shows within this
@@ -67,7 +70,7 @@ async def hello_probe(host: str, port: int, accepted: frozenset[Version],
     """One HELLO exchange with a ggml-rpc-server: (ready, why)."""
     for era in (HELLO_CAPS_SINCE, LAST_BEFORE_CAPS):  # 24-byte caps first; a pre-4.0 server closes on them
         try:
-            got = await asyncio.wait_for(_exchange(host, port, hello_request(era)), timeout)
+            got = await _exchange(host, port, hello_request(era), timeout)
         except asyncio.TimeoutError:
             return False, (f"{host}:{port} took the connection but did not answer HELLO within {timeout:g} s "
                            "(not a ggml-rpc-server, or one serving a client of its own)")
@@ -78,23 +81,62 @@ async def hello_probe(host: str, port: int, accepted: frozenset[Version],
     return False, f"{host}:{port} closed the connection at HELLO (not a ggml-rpc-server, or a v0 one)"
 
 
-async def _exchange(host: str, port: int, hello: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection(host, port)
-    head = b""
+# Probe connections given up on before the server answered, still open until it hangs up.
+LINGERING: set[asyncio.Task] = set()
+
+
+async def _exchange(host: str, port: int, hello: bytes, timeout: float) -> bytes:
+    """Send ``hello`` and half-close: the server answers, reads EOF and hangs up. The probe never
+    closes under an unanswered HELLO: ggml-rpc-server does not ignore SIGPIPE, and one that answers
+    a connection already closed dies (a server still draining the last session, or slow on a loaded
+    machine, takes the probe's connection from its backlog after the probe gave up on it). So on
+    timeout the connection is left to ``_linger`` until the server hangs up."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    head = bytearray()
+    answered = False
     try:
         writer.write(hello)
-        await writer.drain()
-        head = await reader.read(_REPLY_MAX)
-        while 0 < len(head) < _REPLY_MIN:
-            more = await reader.read(_REPLY_MAX - len(head))
-            if not more:
-                break
-            head += more
-        return head
-    except ConnectionResetError:  # a server that hangs up on a HELLO it does not take resets (unread bytes)
-        return head
+        if writer.can_write_eof():
+            writer.write_eof()
+        await asyncio.wait_for(_reply(reader, head), timeout)
+        answered = True
+        return bytes(head)
+    except asyncio.TimeoutError:  # (an OSError since Python 3.11): no answer in time, the connection lingers
+        raise
+    except OSError:  # a server that hangs up on a HELLO it does not take resets (ECONNRESET, EPIPE, ENOTCONN)
+        answered = True
+        return bytes(head)
+    finally:
+        if answered:
+            writer.close()
+        else:
+            task = asyncio.ensure_future(_linger(reader, writer))
+            LINGERING.add(task)
+            task.add_done_callback(LINGERING.discard)
+
+
+async def _reply(reader: asyncio.StreamReader, head: bytearray) -> None:
+    """Read a HELLO reply of any era into ``head`` (or what the server sends before it hangs up)."""
+    while len(head) < _REPLY_MIN:
+        more = await reader.read(_REPLY_MAX - len(head))
+        if not more:
+            return
+        head += more
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read what the server still sends until it hangs up (``UPSTREAM_DRAIN_MAX_S`` at most), then close."""
+    try:
+        await asyncio.wait_for(_until_eof(reader), UPSTREAM_DRAIN_MAX_S)
+    except (asyncio.TimeoutError, OSError):
+        pass
     finally:
         writer.close()
+
+
+async def _until_eof(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
+        pass
 
 
 def _judge(got: bytes, accepted: frozenset[Version], host: str, port: int) -> tuple[bool, str]:

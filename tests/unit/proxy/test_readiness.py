@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from rpcguard.proxy import readiness as readiness_mod
 from rpcguard.proxy.readiness import NodeChecks, UpstreamProbe, hello_probe, readiness
 from tests.support.realpeer import reserve_port
 
@@ -106,6 +107,48 @@ def test_nothing_listening_and_a_silent_accept():
     with fake_server(port, silent=True):
         ok, why = probe(port, timeout=0.5)
     assert not ok and "did not answer HELLO within 0.5 s" in why, why
+
+
+def test_a_probe_that_gives_up_never_closes_under_the_unanswered_hello():
+    """ggml-rpc-server does not ignore SIGPIPE: a probe that timed out and closed while its HELLO
+    waited in the backlog (the server draining the last session, or slow under load) killed the
+    server when it answered (a two-clone run: test_tenant_isolation_real's server died so). The
+    probe half-closes; when it gives up, the connection lingers until the server hangs up."""
+    port = reserve_port()
+    srv = socket.create_server(("127.0.0.1", port))
+    release, outcome = threading.Event(), {}
+
+    def busy_server() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(10)
+            got = b""
+            while len(got) < 9 + 24:
+                got += conn.recv(64)
+            release.wait(10)  # "busy": it answers only after the probe gave up
+            try:
+                conn.sendall(struct.pack("<Q", 28))  # two writes, as ggml-rpc's send_msg does
+                conn.sendall(bytes([7, 0, 0]) + bytes(25))
+                outcome["eof"] = conn.recv(1) == b""  # the probe's half-close, then it hangs up
+            except OSError as exc:  # EPIPE / ECONNRESET: the real server would have died (SIGPIPE)
+                outcome["error"] = exc
+
+    t = threading.Thread(target=busy_server, daemon=True)
+    t.start()
+
+    async def main() -> None:
+        ok, why = await hello_probe("127.0.0.1", port, ALL, 0.3)
+        assert not ok and "did not answer HELLO within 0.3 s" in why, why
+        assert readiness_mod.LINGERING  # still open
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*readiness_mod.LINGERING), 10)  # closed once the server hung up
+
+    try:
+        asyncio.run(main())
+        t.join(10)
+    finally:
+        srv.close()
+    assert outcome == {"eof": True}, outcome
 
 
 def test_read_never_waits_and_an_upstream_in_use_is_ready():
