@@ -19,8 +19,8 @@ the network, so polling it neither blocks nor refuses a session, and a busy node
 
 The probe is a client of the real server like any other: it connects, sends a HELLO (the
 24-byte form of 4.0.0 and later, then the empty form of 1.0.0-3.6.1 if the server hung up on the
-first) and half-closes; the server answers and hangs up. A probe that gives up waiting never
-closes under the unanswered HELLO (the server would die of SIGPIPE answering it): the
+first) and hangs up once answered. A probe that gives up waiting never closes under the
+unanswered HELLO (the server would die of SIGPIPE answering it): it half-closes and the
 connection lingers until the server hangs up. It never takes the listener's upstream slot: a session that arrives during a
 probe connects at once and the single-client server serves it right after the probe (milliseconds).
 """
@@ -86,18 +86,16 @@ LINGERING: set[asyncio.Task] = set()
 
 
 async def _exchange(host: str, port: int, hello: bytes, timeout: float) -> bytes:
-    """Send ``hello`` and half-close: the server answers, reads EOF and hangs up. The probe never
-    closes under an unanswered HELLO: ggml-rpc-server does not ignore SIGPIPE, and one that answers
-    a connection already closed dies (a server still draining the last session, or slow on a loaded
-    machine, takes the probe's connection from its backlog after the probe gave up on it). So on
-    timeout the connection is left to ``_linger`` until the server hangs up."""
+    """Send ``hello``, read the answer, hang up. The probe never closes under an unanswered HELLO:
+    ggml-rpc-server does not ignore SIGPIPE, and one that answers a connection already closed dies
+    (a server still draining the last session, or slow on a loaded machine, takes the probe's
+    connection from its backlog after the probe gave up on it). So on timeout the connection is
+    left to ``_linger`` until the server hangs up."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     head = bytearray()
     answered = False
     try:
         writer.write(hello)
-        if writer.can_write_eof():
-            writer.write_eof()
         await asyncio.wait_for(_reply(reader, head), timeout)
         answered = True
         return bytes(head)
@@ -125,8 +123,10 @@ async def _reply(reader: asyncio.StreamReader, head: bytearray) -> None:
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Read what the server still sends until it hangs up (``UPSTREAM_DRAIN_MAX_S`` at most), then close."""
+    """Half-close, read what the server still sends until it hangs up (it answers the HELLO, reads
+    EOF), ``UPSTREAM_DRAIN_MAX_S`` at most, then close."""
     try:
+        writer.write_eof()
         await asyncio.wait_for(_until_eof(reader), UPSTREAM_DRAIN_MAX_S)
     except (asyncio.TimeoutError, OSError):
         pass

@@ -103,6 +103,8 @@ class LyingRelay(_Loopback):
         try:
             while chunk := src.recv(1 << 16):
                 dst.sendall(chunk)
+            dst.shutdown(socket.SHUT_WR)  # a half-close passes as one: the server still answers
+            return
         except OSError:
             pass
         _close(dst)
