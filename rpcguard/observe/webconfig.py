@@ -32,7 +32,8 @@ Mapping to Python's ssl (exporter-toolkit's Go names):
 * ``http_server_config.headers``: the five headers exporter-toolkit allows, with its value
   rules; ``http2`` only as ``false`` (this endpoint speaks HTTP/1.1).
 * refused with a clear error: inline ``cert``/``key`` (give files), ``curve_preferences``
-  (no Python binding for a preference list), ``rate_limit``.
+  (no Python binding for a preference list), ``rate_limit``, an encrypted ``key_file`` (the format
+  has no passphrase key; OpenSSL would otherwise ask for one on the terminal).
 """
 
 from __future__ import annotations
@@ -309,13 +310,19 @@ def _server_context(wc: WebConfig) -> ssl.SSLContext | None:
     try:
         if names:
             ctx.set_ciphers(":".join(names))
-        ctx.load_cert_chain(wc.cert_file, wc.key_file)  # type: ignore[arg-type]
+        # The format has no passphrase key; without a callback OpenSSL would ask on the terminal.
+        ctx.load_cert_chain(wc.cert_file, wc.key_file, password=lambda: _encrypted(wc))  # type: ignore[arg-type]
         if wc.client_ca_file or wc.client_ca:
             ctx.load_verify_locations(cafile=wc.client_ca_file, cadata=wc.client_ca)
     except (ssl.SSLError, OSError, ValueError) as exc:
         raise ConfigError(wc.path, f"tls_server_config: cannot load certificate, key or client CA: {exc}") from None
     ctx.verify_mode = CLIENT_AUTH_TYPES[wc.client_auth_type]  # type: ignore[assignment]
     return ctx
+
+
+def _encrypted(wc: WebConfig) -> bytes:
+    raise ConfigError(f"{wc.path}: tls_server_config.key_file", f"{wc.key_file} is encrypted and the web config "
+                      "format has no passphrase: give an unencrypted key (mode 0600)")
 
 
 def _sans(cert: dict) -> set[str]:

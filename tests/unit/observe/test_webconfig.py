@@ -374,3 +374,19 @@ def test_loading_a_web_config_computes_no_bcrypt(pki: Path, tmp_path: Path, monk
     monkeypatch.setattr(bcrypt, "checkpw", no_hashing)
     guard = WebGuard.load(write(tmp_path, mtls(pki)))
     assert guard.auth is not None and guard.auth.bcrypt_checks == 0
+
+
+def test_an_encrypted_key_is_a_config_error_not_a_prompt(pki: Path, tmp_path: Path) -> None:
+    # The web config format (exporter-toolkit's) has no passphrase key. OpenSSL's default for an
+    # encrypted key is to ask on the terminal: serve started by hand would wait at a prompt.
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key((pki / "metrics.key").read_bytes(), None)
+    enc = tmp_path / "metrics-enc.key"
+    enc.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.BestAvailableEncryption(b"pw")))
+    enc.chmod(0o600)
+    data = mtls(pki)
+    data["tls_server_config"]["key_file"] = str(enc)
+    with pytest.raises(ConfigError, match="key_file: .*is encrypted .*no passphrase: give an unencrypted key"):
+        WebGuard.load(write(tmp_path, data))
