@@ -131,9 +131,20 @@ def _measure(cap_path: str, reps: int) -> dict:
         def resume_reading(self) -> None: ...
 
     class Lc:  # the Lifecycle in ACTIVE hands the session's own methods to the link
-        def __init__(self, s: Session) -> None:
+        state = None  # never VALIDATING: the link feeds at once
+
+        def __init__(self, s) -> None:
             self.client_data, self.server_data, self.out = s.client_data, s.server_data, s.out
             self.rx_bytes, self.actions = 0, []
+            # every tree's names for one feed: ``feed(from_client, ...)`` since 8b0959b, the two
+            # ``*_bytes`` before it, the session's own methods before the lifecycle had a contract
+            self.client_bytes, self.server_bytes = self.client_data, self.server_data
+
+        def feed(self, from_client: bool, view, now_ns: int):
+            if from_client:
+                self.rx_bytes += len(view)
+                return self.client_data(view, now_ns)
+            return self.server_data(view, now_ns)
 
         def session_events(self, out) -> None:
             out.events.clear()
@@ -141,6 +152,7 @@ def _measure(cap_path: str, reps: int) -> dict:
     def link_for(lc) -> tuple:
         link = object.__new__(Link)
         link.lc, link._clock_ns, link._held, link.route, link.id = lc, time.monotonic_ns, bytearray(), None, 1
+        link._later, link._gone, link._tasks = [], False, set()  # set in Link.__init__, read on the data path
         link.client, link.upstream = Endpoint(link, True), Endpoint(link, False)
         link.client.transport, link.upstream.transport = Transport(), Transport()
         return link.client, link.upstream
@@ -190,7 +202,7 @@ def _measure(cap_path: str, reps: int) -> dict:
     stub.client_data = lambda view, now: (out.to_server.append(chunk), out)[1]
     stub.server_data = lambda view, now: (out.to_client.append(chunk), out)[1]
     stub.rx_bytes, stub.actions, stub.out = 0, [], out
-    client, upstream = link_for(stub)
+    client, upstream = link_for(Lc(stub))
     for name, ep in (("client", client), ("server", upstream)):
         ep.get_buffer(300)
         best = []
@@ -283,7 +295,7 @@ def main() -> None:
     else:
         if not a.trees:
             ap.error("compare needs --trees")
-        compare(a.capture_file.resolve(), [Path(t).expanduser() for t in a.trees.split(",")], a.rounds, a.reps, a.json)
+        compare(a.capture_file.resolve(), [Path(t).expanduser().resolve() for t in a.trees.split(",")], a.rounds, a.reps, a.json)
 
 
 if __name__ == "__main__":
