@@ -285,9 +285,8 @@ class Link:
                         held += chunk
                     to_server.clear()
             if to_server:
-                if self._held:  # held frames go first; the transport may keep a view of them
-                    to_server.insert(0, memoryview(self._held))
-                    self._held = bytearray()
+                if self._held:  # held frames go first
+                    to_server.insert(0, self._take_held())
                 self._send(self.upstream, to_server, endpoint if endpoint.is_client else None)
         if out.to_client:
             self._send(self.client, out.to_client, None if endpoint.is_client else endpoint)
@@ -364,10 +363,14 @@ class Link:
 
     def flush_held(self) -> None:
         """Send the held client frames (``HOLD_MAX_BYTES``) now."""
-        held = self._held
-        if held:
-            self._held = bytearray()  # the transport may keep a reference to the old one
-            self._send(self.upstream, [held], None)
+        if self._held:
+            self._send(self.upstream, [self._take_held()], None)
+
+    def _take_held(self) -> memoryview:
+        """The held client frames, handed over whole: the link holds into a fresh buffer, since the
+        transport may keep a view of this one."""
+        held, self._held = self._held, bytearray()
+        return memoryview(held)
 
     def eof(self, endpoint: Endpoint) -> None:
         if self._put_off(self.eof, endpoint):
