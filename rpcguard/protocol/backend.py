@@ -137,14 +137,23 @@ def check_fusions(g: cudafusion.FusionGraph, starts: Sequence[int], state: Sessi
     """The CUDA pair rules (oprules/cudafusion.py) of one graph whose nodes each passed: the top-k
     matcher's tail, then the rule of each node in ``starts`` (those whose op starts a fused
     pattern); what a fused kernel reads past the nodes' tensors is kept inside their buffers
-    (``strict``: the buffer checks are on)."""
+    (``strict``: the buffer checks are on). A rule that passed is remembered under the bytes of
+    the nodes it looked at and their sources (``FusionGraph.key``), as the node verdicts are."""
     if not g.n:
         return
     cudafusion.check_tail(g)
     for i in starts:
-        for t, n in cudafusion.check_node(g, i):
+        n = cudafusion.span(g, i)
+        if not n:
+            continue
+        key = g.key(i, n)
+        if key is not None and g.cached(key):
+            continue
+        for t, nbytes in cudafusion.check_node(g, i):
             if strict:
-                _in_buffer(t, n, state, f"the nodes from id={g.nid(i):#x} (op {g.op(i)}) fused on CUDA")
+                _in_buffer(t, nbytes, state, f"the nodes from id={g.nid(i):#x} (op {g.op(i)}) fused on CUDA")
+        if key is not None:
+            g.remember(key)
 
 
 def _in_buffer(t: RpcTensor, n: int, state: SessionState, who: str) -> None:

@@ -641,7 +641,7 @@ class GraphValidator:
             # a rule only at a node whose op starts a pattern; not cached (they depend on the neighbours)
             heads = rules.fusion_heads_cuda
             starts = [i for i, p in enumerate(npos) if ops[p] in heads]
-            check_fusions(_NodeList(region, ids, npos, srcs, pos, ops, rules), starts, state,
+            check_fusions(_NodeList(region, chunks, ids, npos, srcs, pos, ops, rules, cache), starts, state,
                           self.tensor_checks == STRICT)
         return total
 
@@ -650,14 +650,31 @@ class _NodeList:
     """The graph's node list for the CUDA pair rules (cudafusion.FusionGraph): node i is the i-th
     entry of the payload's node ids, decoded only when a rule looks at it."""
 
-    __slots__ = ("n", "_region", "_ids", "_npos", "_srcs", "_pos", "_ops", "_rules", "_seen")
+    __slots__ = ("n", "_region", "_chunks", "_ids", "_npos", "_srcs", "_pos", "_ops", "_rules", "_cache", "_seen")
 
-    def __init__(self, region: memoryview, ids: list[int], npos: list[int], srcs: list[list[int]],
-                 pos: dict[int, int], ops: list[int], rules: OpRules) -> None:
+    def __init__(self, region: memoryview, chunks: list[bytes], ids: list[int], npos: list[int],
+                 srcs: list[list[int]], pos: dict[int, int], ops: list[int], rules: OpRules,
+                 cache: dict[bytes, int]) -> None:
         self.n = len(npos)
-        self._region, self._ids, self._npos, self._srcs, self._pos = region, ids, npos, srcs, pos
-        self._ops, self._rules = ops, rules
+        self._region, self._chunks, self._ids, self._npos, self._srcs, self._pos = region, chunks, ids, npos, srcs, pos
+        self._ops, self._rules, self._cache = ops, rules, cache
         self._seen: dict[int, RpcTensor] = {}
+
+    def key(self, i: int, span: int) -> bytes:
+        """The bytes of nodes i..i+span-1 (fewer at the end of the list) and of their src[0..2],
+        behind b"F:": 296*k + 2 bytes, never the length of a node verdict's key (296*k (+ 1))."""
+        window = self._npos[i:i + span]
+        getp, s0, s1, s2 = self._pos.get, self._srcs[0], self._srcs[1], self._srcs[2]
+        qs = [q for p in window for q in (p, getp(s0[p]), getp(s1[p]), getp(s2[p])) if q is not None]
+        return b"F:" + b"".join([self._chunks[q] for q in qs])
+
+    def cached(self, key: bytes) -> bool:
+        return key in self._cache
+
+    def remember(self, key: bytes) -> None:
+        if len(self._cache) >= NODE_CACHE_MAX:
+            self._cache.clear()
+        self._cache[key] = 0
 
     def op(self, i: int) -> str:
         return self._rules.name(self._ops[self._npos[i]])

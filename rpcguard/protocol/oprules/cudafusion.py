@@ -32,7 +32,7 @@ from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import is_contiguous, nelements, rows_contiguous
 from rpcguard.protocol.tensor import RpcTensor
 
-__all__ = ["FusionGraph", "HEADS", "TOPK_TAIL", "REASON", "check_node", "check_tail", "RULES"]
+__all__ = ["FusionGraph", "HEADS", "NOTES", "span", "TOPK_TAIL", "REASON", "check_node", "check_tail", "RULES"]
 
 _T: Final = {info.name: tid for tid, info in TYPES.items()}
 F32, F16, BF16, I32, I64, NVFP4 = _T["f32"], _T["f16"], _T["bf16"], _T["i32"], _T["i64"], _T["nvfp4"]
@@ -65,6 +65,12 @@ class FusionGraph(Protocol):
     def node(self, i: int) -> RpcTensor: ...
 
     def tensor(self, tid: int) -> RpcTensor | None: ...  # any tensor of the list by id
+
+    def key(self, i: int, span: int) -> bytes | None: ...  # cache key of nodes i..i+span-1 (None: no cache)
+
+    def cached(self, key: bytes) -> bool: ...  # a verdict of this key was "passes"
+
+    def remember(self, key: bytes) -> None: ...
 
 
 def _refuse(g: FusionGraph, i: int, what: str, cite: str) -> FirewallRefusal:
@@ -238,8 +244,9 @@ def _rope(g: FusionGraph, i: int) -> Reach:
     """ggml-cuda.cu:2725-2757, :3317-3326 (ggml_can_fuse_subgraph: the ops and the use counts, no
     edge from the VIEW to the SET_ROWS): the rope's rows go straight into the SET_ROWS tensor at
     ``row_indices[i2]``, one packed int64 per rope token i2 (rope.cu:85, :167, :750-752), each a
-    row of rope.ne0*rope.ne1 values of the SET_ROWS type, and the rope kernel has no F16 -> F32
-    instance (rope.cu:647, :691 GGML_ABORT)."""
+    row of rope.ne0*rope.ne1 values of the SET_ROWS type, stored two at a time in the normal mode
+    (rope.cu:88-96: the SET_ROWS data and row stride must be multiples of the pair), and the rope
+    kernel has no F16 -> F32 instance (rope.cu:647, :691 GGML_ABORT)."""
     k = i + 2
     if k >= g.n or g.op(i + 1) != "VIEW" or g.op(k) != "SET_ROWS":
         return []
@@ -255,6 +262,10 @@ def _rope(g: FusionGraph, i: int) -> Reach:
     if sr.ne0 < view.ne0:
         raise _refuse(g, i, f"rows of {view.ne0} rope values into SET_ROWS rows of {sr.ne0}: the fused rope "
                             "writes past the row", "rope.cu:84-85")
+    pair = 2 * TYPES[sr.type].type_size
+    if rope.param2 == 0 and (sr.data % pair or (sr.ne1 > 1 and sr.nb1 % pair)):
+        raise _refuse(g, i, f"SET_ROWS id={sr.id:#x} data {sr.data:#x} / row stride {sr.nb1} not multiples of the "
+                            f"{pair}-byte pair the fused normal-mode rope stores at once", "rope.cu:85-96")
     return [(idx, rope.ne2 * 8)]  # row_indices[i2] for every rope token
 
 
@@ -403,6 +414,46 @@ RULES: Final[Mapping[str, Callable[[FusionGraph, int], Reach]]] = {
     "SOFT_MAX": _topk_moe, "ARGSORT": _topk_moe,
 }
 HEADS: Final = frozenset(RULES)
+#: op name -> (op of the next node -> how many nodes from the head the rule looks at): its verdict
+#: depends on those nodes and their src[0..2] only (graph.py caches it under their bytes); a next
+#: op not listed means no pattern can match there (each rule returns nothing for it)
+_SPANS: Final[Mapping[str, Mapping[str, int]]] = {
+    "MUL_MAT": {"ADD": 2, "MUL": 3},  # bias add; NVFP4 scale then bias
+    "MUL_MAT_ID": {"ADD_ID": 2, "RESHAPE": 6},
+    "RMS_NORM": {"MUL": 3},  # the MUL and an ADD after it
+    "UNARY": {"MUL": 2, "RESHAPE": TOPK_TAIL, "SQRT": TOPK_TAIL},  # gated; top-k gating
+    "ROPE": {"VIEW": 3},
+    "SOFT_MAX": {"RESHAPE": TOPK_TAIL},
+    "ARGSORT": {"VIEW": TOPK_TAIL},  # the delayed-softmax top-k
+}
+
+
+#: op name -> (what its pair rule refuses, where read), for ``rpcguard ops --backend cuda``
+#: (cuda.layer_notes, docs/firewall.md "On a CUDA node, per op")
+NOTES: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
+    "MUL_MAT": (("fused with the next ADD (bias): a bias not F32; the bias read with the result's strides "
+                 "inside its buffer", "mmvq.cu:1486-1497; mmvf.cu:666-680"),),
+    "MUL_MAT_ID": (("fused with the next ADD_ID: a bias without one row per expert; its rows read inside "
+                    "its buffer", "mmvq.cu:1489; mmvf.cu:670"),),
+    "RMS_NORM": (("fused with the next MUL (+ ADD): an operand of one column with nb0 != 4; a MUL result "
+                  "that is not contiguous", "norm.cu:114,571,649; rope.cu:903"),),
+    "UNARY": (("SILU/SIGMOID/SOFTPLUS fused with the next MUL: an operand of one column with nb0 != its "
+               "element size; a MUL result that is not contiguous", "unary.cu:277,672-674"),
+              ("SIGMOID/SOFTPLUS gating of a top-k MoE: as SOFT_MAX", "ggml-cuda.cu:2875-3027")),
+    "ROPE": (("fused with VIEW + SET_ROWS: F16 rope into F32 rows, rows longer than the SET_ROWS row, a "
+              "misaligned pair store; the index read per rope token inside its buffer",
+              "rope.cu:85-96,647,691"),),
+    "SOFT_MAX": (("top-k MoE gating: the node list ending inside the pattern; a top-k view whose row stride "
+                  "is not the expert count; more weights written than the weights tensor holds; ids and bias "
+                  "inside their buffers", "ggml-cuda.cu:2983-3006; topk-moe.cu:112-113,170,377"),),
+    "ARGSORT": (("the delayed-softmax top-k MoE: as SOFT_MAX", "ggml-cuda.cu:2875-3027; topk-moe.cu:377"),),
+}
+
+
+def span(g: FusionGraph, i: int) -> int:
+    """How many nodes from node i (whose op is one of HEADS) its rule looks at; 0: none can fuse,
+    told by the next node's op alone."""
+    return _SPANS[g.op(i)].get(g.op(i + 1), 0) if i + 1 < g.n else 0
 
 
 def check_node(g: FusionGraph, i: int) -> Reach:

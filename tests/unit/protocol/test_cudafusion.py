@@ -294,6 +294,20 @@ def test_rope_f16_into_f32_rows_refused():
     assert cuda_reason(leaves, nodes) == FUSION
 
 
+def test_rope_pairs_into_misaligned_set_rows_refused():
+    # the normal-mode rope stores (x0, x1) as one 4-byte int into the F16 cache (rope.cu:88-96):
+    # a cache at 2 mod 4 faults; the NEOX mode stores one value at a time
+    leaves, nodes = rope_set_rows()
+    odd = T(0x12, F16, (16, 63, 1, 1), data=leaves[2].data + 2)
+    leaves[2] = odd
+    nodes[2] = N(0x22, "SET_ROWS", F16, (16, 63, 1, 1), (0x21, 0x13, 0x12), view_src=0x12, data=odd.data)
+    assert cuda_reason(leaves, nodes) == FUSION
+    leaves, nodes = rope_set_rows(mode=2)
+    leaves[2] = odd
+    nodes[2] = N(0x22, "SET_ROWS", F16, (16, 63, 1, 1), (0x21, 0x13, 0x12), view_src=0x12, data=odd.data)
+    forwarded(leaves, nodes)
+
+
 @pytest.mark.parametrize("end", [1, 2, 3, 4, 5])
 def test_moe_routing_ending_the_node_list_refused(end):
     # ggml-cuda.cu:2983-3006 read nodes[n_nodes] when the list ends in the normalisation's RESHAPE /
@@ -334,6 +348,19 @@ def test_moe_routing_bias_read_past_the_buffer_refused():
     assert cuda_reason(leaves, nodes) == "backend_reach_out_of_buffer"
     leaves[1] = T(0x11, F32, (8, 1, 1, 1), data=BASE + SIZE - 32)
     forwarded(leaves, nodes)
+
+
+def test_rope_normal_mode_pair_store_alignment_per_node():
+    # not a fusion: every normal-mode ROPE stores its pair at once (oprules/cuda.py _rope_store)
+    a, pos = T(0x10, F32, (8, 2, 3, 1), nb=(4, 36, 72, 216)), T(0x11, I32, (3, 1, 1, 1))
+    params = (0, 8, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0)
+    inplace = N(0x20, "ROPE", F32, (8, 2, 3, 1), (0x10, 0x11), params, nb=a.nb, view_src=0x10, data=a.data)
+    assert cuda_reason([a, pos], [inplace]) == "backend_misaligned"
+    neox = params[:2] + (2,) + params[3:]
+    forwarded([a, pos], [N(0x20, "ROPE", F32, (8, 2, 3, 1), (0x10, 0x11), neox, nb=a.nb, view_src=0x10, data=a.data)])
+    forwarded([a, pos], [N(0x20, "ROPE", F32, (8, 2, 3, 1), (0x10, 0x11), params)])
+    shifted = N(0x20, "ROPE", F32, (8, 2, 3, 1), (0x10, 0x11), params, data=BASE + 0x200004)
+    assert cuda_reason([a, pos], [shifted]) == "backend_misaligned"
 
 
 def test_heads_are_op_names_of_the_table():
