@@ -2,7 +2,7 @@
 node's own row (oprules/cuda.py) checks.
 
 How this works: ``ggml_cuda_graph_evaluate_and_capture`` calls ``ggml_cuda_try_fuse``
-(ggml-cuda.cu:3506-4288, llama.cpp b11434) for every computed node and, when a run of
+(ggml-cuda.cu:3506-4288, llama.cpp b11434; called at :4425) for every computed node and, when a run of
 consecutive nodes matches a pattern and its predicate (``ggml_cuda_can_fuse``, ggml-cuda.cu:3239;
 ``ggml_can_fuse`` / ``ggml_can_fuse_subgraph``, ggml-impl.h / ggml.c:7769), runs them as one
 kernel that reads the *later* nodes' operands with assumptions of its own: a bias of F32 read with
@@ -107,7 +107,7 @@ Reach = list[tuple[RpcTensor, int]]
 # -- MUL_MAT / MUL_MAT_ID + bias (ADD / ADD_ID), alone or inside the GLU and scale patterns --------
 
 def _mat_bias(g: FusionGraph, i: int) -> Reach:
-    """ggml-cuda.cu:4170-4224 (mul_mat + add), :3969-4030 (gate/up + bias + glu, the bias add right
+    """ggml-cuda.cu:4169-4224 (mul_mat + add), :3969-4030 (gate/up + bias + glu, the bias add right
     after each matrix), :4078-4160 (NVFP4 mul_mat + scale [+ bias]): the bias goes to
     ggml_cuda_mul_mat_vec_f / _q as fusion.x_bias (gate_bias), which assert an F32 bias of dst's
     ne0 and, for MUL_MAT_ID, one row per expert (mmvq.cu:1486-1497, mmvf.cu:666-680), and read it
