@@ -650,8 +650,6 @@ class _NodeList:
     """The graph's node list for the CUDA pair rules (cudafusion.FusionGraph): node i is the i-th
     entry of the payload's node ids, decoded only when a rule looks at it."""
 
-    __slots__ = ("n", "_region", "_chunks", "_ids", "_npos", "_srcs", "_pos", "_ops", "_rules", "_cache", "_seen")
-
     def __init__(self, region: memoryview, chunks: list[bytes], ids: list[int], npos: list[int],
                  srcs: list[list[int]], pos: dict[int, int], ops: list[int], rules: OpRules,
                  cache: dict[bytes, int]) -> None:

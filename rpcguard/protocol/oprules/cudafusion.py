@@ -151,9 +151,10 @@ def _mat_bias(g: FusionGraph, i: int) -> Reach:
         else:
             if g.sid(jb, 0) != g.nid(jp) or g.sid(jb, 2) != g.sid(i, 2):
                 continue  # ggml-cuda.cu:4185-4187, :4201-4203
-            bias = _src(g, jb, 1)
-            if bias is None:
+            src1 = _src(g, jb, 1)
+            if src1 is None:
                 continue
+            bias = src1
             if bias.ne1 != a.ne2:
                 raise _refuse(g, i, f"ADD_ID bias id={bias.id:#x} has {bias.ne1} rows for {a.ne2} experts: the "
                                     "fused kernel asserts one per expert", "mmvq.cu:1489, mmvf.cu:670")

@@ -367,3 +367,26 @@ def test_heads_are_op_names_of_the_table():
     rules = op_rules(V7)
     assert rules is not None
     assert {rules.name(op) for op in rules.fusion_heads_cuda} == cudafusion.HEADS
+
+
+def test_a_passing_window_is_cached_and_a_changed_neighbour_is_checked_again():
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend="cuda", contained=True))
+    st = state()
+    leaves, nodes = mat_bias()
+    v.check(memoryview(graph_payload([n.id for n in nodes], leaves + nodes)), st)
+    windows = [k for k in st.node_cache if len(k) % 296 == 2]
+    assert len(windows) == 1 and windows[0].startswith(b"F:")
+    v.check(memoryview(graph_payload([n.id for n in nodes], leaves + nodes)), st)  # from the cache
+    leaves, nodes = mat_bias(bias_type=F16, bias_first=True)  # the same matrix node, another bias
+    with pytest.raises(FirewallRefusal) as exc:
+        v.check(memoryview(graph_payload([n.id for n in nodes], leaves + nodes)), st)
+    assert exc.value.reason == FUSION
+
+
+def test_a_cpu_node_runs_no_pair_rule():
+    # the same refused graphs, on the CPU layer: nothing is looked at (no window cached)
+    v = GraphValidator(FirewallPolicy(max_graph_nodes=64, max_graph_tensors=64, backend="cpu", contained=True))
+    st = state()
+    for leaves, nodes in (mat_bias(bias_type=F16, bias_first=True), topk(norm=True, end=2), rope_set_rows(cache_ne0=8)):
+        v.check(memoryview(graph_payload([n.id for n in nodes], leaves + nodes)), st)
+    assert not [k for k in st.node_cache if len(k) % 296 == 2]
