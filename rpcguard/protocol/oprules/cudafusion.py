@@ -9,7 +9,9 @@ kernel that reads the *later* nodes' operands with assumptions of its own: a bia
 the output's strides, an index read as one packed int64 per token, a write of the first node's
 shape packed into the last node's tensor. Each rule below restates the structural part of a
 predicate (ops, edges, types, shapes) and refuses the graph when the fused kernel would then
-abort (a GGML_ASSERT, a host read past the node list) or address memory past a tensor; it returns
+abort (a GGML_ASSERT, a host read past the node list) or write past a tensor (a packed write over
+a strided tensor stays inside its buffer, the layout rule's packed-size bound, but lands on other
+tensors' bytes; no real graph has one, so it is refused too); it returns
 what the kernel reads past the nodes' own tensors as (tensor, bytes from its data), which
 ``backend.check_fusions`` keeps inside the tensor's buffer.
 
@@ -190,8 +192,8 @@ def _rms_norm(g: FusionGraph, i: int) -> Reach:
         raise _refuse(g, i, f"the MUL's other operand id={other.id:#x} has one column and nb0 {other.nb0}: the "
                             "fused norm asserts nb0 == 4", "norm.cu:571, rope.cu:903")
     if not is_contiguous(mul):
-        raise _refuse(g, i, f"the MUL's result id={mul.id:#x} is not contiguous: the fused norm writes it packed",
-                      "norm.cu:114")
+        raise _refuse(g, i, f"the MUL's result id={mul.id:#x} is not contiguous: the fused norm writes it packed, "
+                            "past its own elements", "norm.cu:114")
     k = j + 1
     if k < g.n and g.op(k) == "ADD":
         side2 = _uses(g, k, j)
@@ -235,7 +237,7 @@ def _unary(g: FusionGraph, i: int) -> Reach:
                                 f"asserts nb0 == {es}", at)
     if not is_contiguous(mul):
         raise _refuse(g, i, f"the MUL's result id={mul.id:#x} is not contiguous: the fused gated kernel writes "
-                            "it packed", "unary.cu:277")
+                            "it packed, past its own elements", "unary.cu:277")
     return reach
 
 
