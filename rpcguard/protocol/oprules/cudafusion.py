@@ -1,6 +1,10 @@
 """The CUDA layer's pair rules: what a fused kernel of consecutive nodes assumes that neither
 node's own row (oprules/cuda.py) checks.
 
+Stays whole (over 400 lines): one rule per fused kernel of one ggml_cuda_try_fuse, plus the port of
+its top-k matcher they share; split by pattern, the rules would lose the graph view and the cache
+key they have in common.
+
 How this works: ``ggml_cuda_graph_evaluate_and_capture`` calls ``ggml_cuda_try_fuse``
 (ggml-cuda.cu:3506-4288, llama.cpp b11434; called at :4425) for every computed node and, when a run of
 consecutive nodes matches a pattern and its predicate (``ggml_cuda_can_fuse``, ggml-cuda.cu:3239;
