@@ -638,7 +638,8 @@ class GraphValidator:
             cache[key] = cost
         if layer == "cuda" and self.op_params and npos:
             # the pair rules of CUDA's fused kernels (oprules/cudafusion.py): one set lookup per node,
-            # a rule only at a node whose op starts a pattern; not cached (they depend on the neighbours)
+            # a rule only at a node whose op starts a pattern, its verdict cached under the bytes of the
+            # window of nodes it looks at (backend.check_fusions), not under the node's own
             heads = rules.fusion_heads_cuda
             starts = [i for i, p in enumerate(npos) if ops[p] in heads]
             check_fusions(_NodeList(region, chunks, ids, npos, srcs, pos, ops, rules, cache), starts, state,
