@@ -62,6 +62,8 @@ FIREWALL_REASONS: tuple[str, ...] = (
     # cannot run or addresses past a tensor, and a backend the setting and the server disagree on
     "backend_unsupported_op", "backend_misaligned", "backend_grid_too_large", "backend_index_overflow",
     "backend_reach_out_of_buffer", "backend_unknown", "backend_mismatch",
+    # a fused kernel of consecutive CUDA nodes that aborts or writes past a tensor (oprules/cudafusion.py)
+    "backend_fusion_unsupported",
     # a CUDA node's estimated pool scratch above policy.max_cuda_scratch_bytes (protocol/cudascratch.py)
     "cuda_scratch_over_budget",
     # ALLOC_BUFFER past the session's device memory share (protocol/memshare.py)

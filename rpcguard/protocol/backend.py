@@ -23,18 +23,18 @@ Sans-IO: only the facts a session learned and the policy's setting go in.
 from __future__ import annotations
 
 import re
-from typing import Final, Mapping
+from typing import Final, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.cudascratch import check_scratch
 from rpcguard.protocol.ggml import TYPES
-from rpcguard.protocol.oprules import cuda
+from rpcguard.protocol.oprules import cuda, cudafusion
 from rpcguard.protocol.oprules.base import OpRule, Srcs
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["SETTINGS", "LAYERS", "ALIGNMENT_OF", "detect", "resolve", "parse_banner", "backend_layer", "check_backend",
-           "check_alloc_command"]
+           "check_fusions", "check_alloc_command"]
 
 #: what ``policy.backend`` accepts: ``auto`` (detected per session and device) or a layer's name
 LAYERS: Final = ("cpu", "cuda")
@@ -131,6 +131,29 @@ def check_backend(layer: str, rule: OpRule, node: RpcTensor, srcs: Srcs, state: 
     if strict:
         for t, n in cuda.reach(rule.op, node, srcs):
             _in_buffer(t, n, state, f"node id={node.id:#x} op {rule.op} on CUDA")
+
+
+def check_fusions(g: cudafusion.FusionGraph, starts: Sequence[int], state: SessionState, strict: bool) -> None:
+    """The CUDA pair rules (oprules/cudafusion.py) of one graph whose nodes each passed: the top-k
+    matcher's tail, then the rule of each node in ``starts`` (those whose op starts a fused
+    pattern); what a fused kernel reads past the nodes' tensors is kept inside their buffers
+    (``strict``: the buffer checks are on). A rule that passed is remembered under the bytes of
+    the nodes it looked at and their sources (``FusionGraph.key``), as the node verdicts are."""
+    if not g.n:
+        return
+    cudafusion.check_tail(g)
+    for i in starts:
+        n = cudafusion.span(g, i)
+        if not n:
+            continue
+        key = g.key(i, n)
+        if key is not None and g.cached(key):
+            continue
+        for t, nbytes in cudafusion.check_node(g, i):
+            if strict:
+                _in_buffer(t, nbytes, state, f"the nodes from id={g.nid(i):#x} (op {g.op(i)}) fused on CUDA")
+        if key is not None:
+            g.remember(key)
 
 
 def _in_buffer(t: RpcTensor, n: int, state: SessionState, who: str) -> None:

@@ -39,11 +39,12 @@ from typing import AbstractSet, Callable, Final, Literal, Mapping, Protocol
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import op_table
-from rpcguard.protocol.backend import backend_layer, check_backend
+from rpcguard.protocol.backend import backend_layer, check_backend, check_fusions
 from rpcguard.protocol.costprofile import check_budget, node_cost
 from rpcguard.protocol.cost import flops
 from rpcguard.protocol.opcheck import check_layout, check_node, check_reach, check_sources
 from rpcguard.protocol.oprules import OpRule, needs_containment, rule_for
+from rpcguard.protocol.oprules.cudafusion import HEADS as FUSION_HEADS
 from rpcguard.protocol.state import SessionState
 from rpcguard.protocol.tensor import (
     CHECK_BUFFER,
@@ -175,6 +176,8 @@ class OpRules:
     contained_only_cuda: frozenset[int] = frozenset()
     # ops whose kernels skip an empty source (OpRule.empty_sources)
     empty_sources_ok: frozenset[int] = frozenset()
+    # ops that start a fused-kernel pattern on CUDA (oprules/cudafusion.py HEADS)
+    fusion_heads_cuda: frozenset[int] = frozenset()
 
     def name(self, op: int) -> str:
         return self.names[op] if 0 <= op < len(self.names) else str(op)
@@ -204,6 +207,7 @@ def op_rules(version: Version, extra_denied: frozenset[str] = frozenset()) -> Op
             contained_only=frozenset(ids[n] for n in ids if needs_containment(n)),
             contained_only_cuda=frozenset(ids[n] for n in ids if needs_containment(n, "cuda")),
             empty_sources_ok=frozenset(op for op, r in rows.items() if r.empty_sources),
+            fusion_heads_cuda=frozenset(ids[n] for n in FUSION_HEADS if n in ids),
         )
     _RULES[key] = rules
     return rules
@@ -632,4 +636,63 @@ class GraphValidator:
             if len(cache) >= NODE_CACHE_MAX:
                 cache.clear()
             cache[key] = cost
+        if layer == "cuda" and self.op_params and npos:
+            # the pair rules of CUDA's fused kernels (oprules/cudafusion.py): one set lookup per node,
+            # a rule only at a node whose op starts a pattern, its verdict cached under the bytes of the
+            # window of nodes it looks at (backend.check_fusions), not under the node's own
+            heads = rules.fusion_heads_cuda
+            starts = [i for i, p in enumerate(npos) if ops[p] in heads]
+            check_fusions(_NodeList(region, chunks, ids, npos, srcs, pos, ops, rules, cache), starts, state,
+                          self.tensor_checks == STRICT)
         return total
+
+
+class _NodeList:
+    """The graph's node list for the CUDA pair rules (cudafusion.FusionGraph): node i is the i-th
+    entry of the payload's node ids, decoded only when a rule looks at it."""
+
+    def __init__(self, region: memoryview, chunks: list[bytes], ids: list[int], npos: list[int],
+                 srcs: list[list[int]], pos: dict[int, int], ops: list[int], rules: OpRules,
+                 cache: dict[bytes, int]) -> None:
+        self.n = len(npos)
+        self._region, self._chunks, self._ids, self._npos, self._srcs, self._pos = region, chunks, ids, npos, srcs, pos
+        self._ops, self._rules, self._cache = ops, rules, cache
+        self._seen: dict[int, RpcTensor] = {}
+
+    def key(self, i: int, span: int) -> bytes:
+        """The bytes of nodes i..i+span-1 (fewer at the end of the list) and of their src[0..2],
+        behind b"F:": 296*k + 2 bytes, never the length of a node verdict's key (296*k (+ 1))."""
+        window = self._npos[i:i + span]
+        getp, s0, s1, s2 = self._pos.get, self._srcs[0], self._srcs[1], self._srcs[2]
+        qs = [q for p in window for q in (p, getp(s0[p]), getp(s1[p]), getp(s2[p])) if q is not None]
+        return b"F:" + b"".join([self._chunks[q] for q in qs])
+
+    def cached(self, key: bytes) -> bool:
+        return key in self._cache
+
+    def remember(self, key: bytes) -> None:
+        if len(self._cache) >= NODE_CACHE_MAX:
+            self._cache.clear()
+        self._cache[key] = 0
+
+    def op(self, i: int) -> str:
+        return self._rules.name(self._ops[self._npos[i]])
+
+    def nid(self, i: int) -> int:
+        return self._ids[self._npos[i]]
+
+    def sid(self, i: int, k: int) -> int:
+        return self._srcs[k][self._npos[i]]
+
+    def _at(self, q: int) -> RpcTensor:
+        t = self._seen.get(q)
+        if t is None:
+            t = self._seen[q] = decode_tensor(self._region, q * TENSOR_BYTES)
+        return t
+
+    def node(self, i: int) -> RpcTensor:
+        return self._at(self._npos[i])
+
+    def tensor(self, tid: int) -> RpcTensor | None:
+        q = self._pos.get(tid)
+        return None if q is None else self._at(q)

@@ -147,6 +147,48 @@ def alloc_size_fa_no_srcs(L: Layout) -> bytes:
     return encode.request("GET_ALLOC_SIZE", struct.pack("<I", 0) + encode.pack_tensor(t) + bytes(10 * 296))
 
 
+# -- fused kernels (oprules/cudafusion.py): several nodes, each passing alone, that CUDA would run as
+# one kernel. The nodes carry GGML_TENSOR_FLAG_COMPUTE (16: the CUDA backend skips a node without
+# it, ggml-cuda.cu:4421) and the intermediates use_count 1 (the server takes it as sent,
+# ggml-rpc.cpp:1776-1778), so an unprotected server fuses them.
+COMPUTE = 16
+
+
+def _graph_n(tensors: list[TensorSpec], nodes: list[TensorSpec]) -> bytes:
+    return encode.request("GRAPH_COMPUTE", graph_payload([n.id for n in nodes], [*tensors, *nodes]))
+
+
+def fused_bias_f16(L: Layout) -> bytes:
+    # ADD(bias F16, mm): per node an F16 + F32 -> F16 add; fused into MMVQ, mmvq.cu:1487 asserts F32
+    w, x, bias = L.T(Q8_0, (256, 8, 1, 1)), L.T(F32, (256, 1, 1, 1)), L.T(F16, (8, 1, 1, 1))
+    mm = _node(L, F32, (8, 1, 1, 1), "MUL_MAT", [w, x], flags=COMPUTE, use_count=1)
+    add = _node(L, F16, (8, 1, 1, 1), "ADD", [bias, mm], flags=COMPUTE)
+    return _graph_n([w, x, bias], [mm, add])
+
+
+def fused_rms_weight_nb0(L: Layout) -> bytes:
+    # a broadcast weight of one column with nb0 8: ggml_is_contiguous_rows skips nb0; norm.cu:571 asserts it
+    x, w = L.T(F32, (64, 3, 1, 1)), L.T(F32, (1, 3, 1, 1), nb=(8, 8, 24, 24))
+    rms = _node(L, F32, (64, 3, 1, 1), "RMS_NORM", [x], op_params=(f(1e-6),), flags=COMPUTE, use_count=1)
+    mul = _node(L, F32, (64, 3, 1, 1), "MUL", [rms, w], flags=COMPUTE)
+    return _graph_n([x, w], [rms, mul])
+
+
+def fused_silu_nb0(L: Layout) -> bytes:
+    # SILU(u) * o with o of one column and nb0 8: unary.cu:674 asserts nb0
+    u, o = L.T(F32, (1, 4, 1, 1)), L.T(F32, (1, 4, 1, 1), nb=(8, 4, 16, 16))
+    act = _node(L, F32, (1, 4, 1, 1), "UNARY", [u], op_params=(10,), flags=COMPUTE, use_count=1)  # SILU
+    mul = _node(L, F32, (1, 4, 1, 1), "MUL", [act, o], flags=COMPUTE)
+    return _graph_n([u, o], [act, mul])
+
+
+def rope_store_misaligned(L: Layout) -> bytes:
+    # normal-mode ROPE stores each pair as one int2 (rope.cu:88-96): a dst at 4 mod 8 faults
+    a, pos = L.T(F32, (8, 2, 3, 1)), L.T(I32, (3, 1, 1, 1))
+    params = (0, 8, 0, 0, 512, f(10000.0), f(1.0), 0, f(1.0), f(32.0), f(1.0), 0, 0, 0, 0, 0)
+    return _graph([a, pos], _node(L, F32, (8, 2, 3, 1), "ROPE", [a, pos], op_params=params, offset=4, flags=COMPUTE))
+
+
 U, M, G, X, R = ("backend_unsupported_op", "backend_misaligned", "backend_grid_too_large", "backend_index_overflow",
                  "backend_reach_out_of_buffer")
 CASES: tuple[Case, ...] = (
@@ -166,4 +208,8 @@ CASES: tuple[Case, ...] = (
     Case("init_tensor_padding", R, "ggml-cuda.cu:758-766", init_tensor_padding),
     Case("alloc_size_nb0", U, "ggml-cuda.cu:914", alloc_size_nb0),
     Case("alloc_size_fa_no_srcs", U, "fattn.cu:553,729-730", alloc_size_fa_no_srcs),
+    Case("fused_bias_f16", "backend_fusion_unsupported", "mmvq.cu:1487, mmvf.cu:668", fused_bias_f16),
+    Case("fused_rms_weight_nb0", "backend_fusion_unsupported", "norm.cu:571", fused_rms_weight_nb0),
+    Case("fused_silu_nb0", "backend_fusion_unsupported", "unary.cu:674", fused_silu_nb0),
+    Case("rope_store_misaligned", M, "rope.cu:88-96", rope_store_misaligned),
 )

@@ -28,6 +28,7 @@ from typing import Callable, Final, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.cudascratch import ROWS as SCRATCH_ROWS
+from rpcguard.protocol.oprules.cudafusion import NOTES as FUSION_NOTES
 from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_contiguous
 from rpcguard.protocol.tensor import RpcTensor
@@ -230,6 +231,26 @@ def _rope(n: RpcTensor, s: Srcs) -> str:
         return f"ne0 {a.ne0} is odd"
     if not _unit_nb0(a) or not is_contiguous(a, 2):  # ggml-cuda.cu:5640-5643
         return "src[0] nb0 is not its element size, or dimension 3 is not packed"
+    return ""
+
+
+#: ggml.h GGML_ROPE_TYPE_NEOX / _MROPE (vision is 24, imrope 40: both have the MROPE bit)
+ROPE_TYPE_NEOX, ROPE_TYPE_MROPE = 2, 8
+
+
+def _rope_store(n: RpcTensor, s: Srcs) -> str:
+    """rope.cu:88-96 (rope_norm, the mode without the NEOX or MROPE bit): each thread stores its
+    rotated pair with one ggml_cuda_memcpy_1<2 * element size> (an int2 for F32, an int for F16,
+    common.cuh:815-820) at dst + i0 + i1*s1 + i2*s2 + i3*s3 (i0 even): dst's data and its strides
+    along dimensions of more than one element must be multiples of the pair, or the store is a
+    misaligned address, a sticky fault (abort). A tensor ggml-alloc places and a rope result of an
+    even ne0 always are; an in-place rope into an odd-strided view, or dst at 4 mod 8, is not."""
+    mode = n.param2
+    if mode & (ROPE_TYPE_NEOX | ROPE_TYPE_MROPE):
+        return ""
+    pair = 2 * TYPES[n.type].type_size
+    if n.data % pair or any(x % pair for x, e in zip(n.nb[1:], n.ne[1:]) if e > 1):
+        return f"dst data {n.data:#x} or strides {n.nb} not multiples of its {pair}-byte rotated pair"
     return ""
 
 
@@ -898,6 +919,9 @@ ROWS: tuple[CudaRow, ...] = (
     *(CudaRow(op, "rope.cu:383,427,472,515 GGML_ASSERT(ne00 % 2 == 0); supports_op ggml-cuda.cu:5640-5643", _rope,
               what="an odd ne0, nb0 != type size, dimension 3 not packed")
       for op in ("ROPE", "ROPE_BACK")),
+    *(CudaRow(op, "rope.cu:88-96 store_coaelsced (ggml_cuda_memcpy_1, common.cuh:815-820)", _rope_store,
+              reason="backend_misaligned", what="normal mode: dst data or strides not multiples of its rotated pair")
+      for op in ("ROPE", "ROPE_BACK")),
     CudaRow("FLASH_ATTN_EXT", "fattn.cu:524-539,576-631; supports_op ggml-cuda.cu:5713 -> fattn.cu:775-777",
             _flash_attn_ext, what="head sizes, K/V types and masks without a kernel"),
     *(CudaRow(op, cite, _supports(pred, what), what=f"anything but {what}") for op, cite, pred, what in _SUPPORTS),
@@ -1100,7 +1124,8 @@ def check_alloc_tensor(t: RpcTensor, command: str) -> None:
 
 def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
     """(what, where read) of every fact of this layer about ``op``: its rows, the generic grid
-    and 32-bit index rows, its reach, its pool scratch (protocol/cudascratch.py) and its index contents (``rpcguard ops --backend cuda``,
+    and 32-bit index rows, its reach, its pool scratch (protocol/cudascratch.py), its index contents and
+    the pair rules of the fused kernels it starts (oprules/cudafusion.py) (``rpcguard ops --backend cuda``,
     docs/firewall.md "On a CUDA node, per op")."""
     notes = [(f"refused: {r.what}", r.cite) for r in _BY_OP.get(op, ())]
     grid = _GRID_YZ.get(op)
@@ -1121,4 +1146,5 @@ def layer_notes(op: str) -> tuple[tuple[str, str], ...]:
     if indexed is not None:
         notes.append(("contained only: indexes device memory with tensor contents" if indexed[0] == "memory"
                       else "indices only compared", indexed[1]))
+    notes.extend((f"refused: {what}", cite) for what, cite in FUSION_NOTES.get(op, ()))
     return tuple(notes)
