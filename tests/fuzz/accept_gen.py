@@ -55,6 +55,7 @@ assert RULES is not None
 GRAPH_RULE = SPEC.commands[COMMAND_IDS["GRAPH_COMPUTE"]]
 F32, F16, Q8_0, I8, I16, I32, I64, BF16 = 0, 1, 8, 24, 25, 26, 27, 30
 FLAG_COMPUTE = 16  # ggml.h GGML_TENSOR_FLAG_COMPUTE, set by ggml_build_forward_expand
+FLAG_OUTPUT = 2  # ggml.h GGML_TENSOR_FLAG_OUTPUT
 ALL_TYPES = tuple(sorted(TYPES))
 FLOATS = (F32, F16, BF16)
 MAX_SLACK = 64
@@ -103,6 +104,9 @@ class Tensor:
     view_offs: int = 0
     flags: int = 0  # GGML_TENSOR_FLAG_*: nodes carry COMPUTE (ggml-cpu skips a node without it)
     fill: str = "rand"  # rand / zero / none: what SET_TENSOR writes into a leaf
+    # rpc_tensor.use_count (ggml-rpc.cpp: the server takes it as sent, into the graph's use counts):
+    # 1 on a node the next one alone reads lets ggml-cpu fuse the two (fused())
+    use_count: int = 0
 
 
 @dataclass
@@ -170,7 +174,7 @@ def _pack(t: Tensor, handle: int, data: int) -> bytes:
     if max(*t.ne, *t.nb) >= 1 << 32 or min(*t.ne, *t.nb) < 0:
         raise Unencodable(f"ne {t.ne} nb {t.nb}")
     return TENSOR_STRUCT.pack(t.id, t.type, handle, *t.ne, *t.nb, t.op, *map(_i32, t.params), t.flags, *t.src,
-                              t.view_src, t.view_offs, data, b"t", 0)
+                              t.view_src, t.view_offs, data, b"t", t.use_count)
 
 
 def handles_fake(case: Case) -> list[tuple[int, int]]:
@@ -301,6 +305,7 @@ class Proto:
     node_type: int | None = None
     cast: bool = False  # CPY as ggml_cast: src[1] is the node itself
     consumer: str | None = None  # view ops: a node that reads the view
+    then: str | None = None  # a node the CPU backend may fuse with this one (FUSED_NEXT)
 
 
 def S(t: int, ne: tuple[int, ...], fill: str = "rand", layout: str | None = None) -> Src:
@@ -318,6 +323,13 @@ def params(*xs: int) -> list[int]:
 def _one(pref: tuple[int, ...] = FLOATS, *ps: Callable[[Draw], int]) -> Callable[[Draw], Proto]:
     def proto(d: Draw) -> Proto:
         return Proto([S(d.ftype(pref), d.shape())], [p(d) for p in ps])
+    return proto
+
+
+def _then(d: Draw, proto: Proto, op: str) -> Proto:
+    """``proto`` followed, in 60 % of the draws, by the node ``op`` the CPU backend fuses it with."""
+    if d.p(0.6):
+        proto.then = op
     return proto
 
 
@@ -841,7 +853,7 @@ PROTOS: dict[str, Callable[[Draw], Proto]] = {
     "ARGMAX": _one((F32,)),
     "REPEAT": p_repeat,
     "CONCAT": p_concat,
-    "NORM": _one((F32,), _p_float(0, 1e-3)), "RMS_NORM": _one((F32,), _p_float(0, 1e-3)),
+    "NORM": _one((F32,), _p_float(0, 1e-3)), "RMS_NORM": lambda d: _then(d, _one((F32,), _p_float(0, 1e-3))(d), "MUL"),
     "L2_NORM": _one((F32,), _p_float(0, 1e-3)),
     "GROUP_NORM": p_group_norm,
     "MUL_MAT": p_mul_mat, "MUL_MAT_ID": p_mul_mat_id,
@@ -1638,7 +1650,7 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
                b: Builder) -> tuple[Case | None, str]:
     srcs: list[Tensor | None] = [b.source(s) if s is not None else None for s in proto.srcs]
     empty = d.p(0.08)
-    want_view = d.p(0.5)
+    want_view = d.p(0.1 if proto.then else 0.5)  # an in-place (view) result is never fused
     if empty:
         d.tag("empty")
         node = _empty_node(op, proto, srcs, b)
@@ -1652,6 +1664,15 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
         # listed first (the firewall wants nodes in tensor-list order); nodes[-1] stays the node under test
         nodes.insert(0, _all_threads_node(b))
     b.tensors.append(node)
+    nxt: Tensor | None = None
+    if proto.then and not empty:
+        got_next = FUSED_NEXT[proto.then](node, b)
+        if isinstance(got_next, str):
+            return None, "then:" + got_next
+        nxt = got_next
+        b.tensors.append(nxt)
+        nodes.append(nxt.id)
+        d.tag("then=" + proto.then)
     if op in VIEW_OPS and proto.consumer and not empty:
         # the view op is never computed: a consumer reads the view as its source
         cons = _consumer(proto.consumer, node, b)
@@ -1668,8 +1689,61 @@ def _candidate(op: str, seed: int, index: int, d: Draw, rule: OpRule, proto: Pro
     if d.p(0.04):  # planned but not computed: the planner alone reads the node
         node.flags = 0
         d.tag("no-compute-flag")
+    if nxt is not None and fused(node, nxt, b.tensors):
+        d.tag("fused")
     case = Case(op, seed, index, "+".join(dict.fromkeys(d.tags)) or "plain", b.buffers, b.tensors, nodes)
     return case, ""
+
+
+def _fused_mul(rms: Tensor, b: Builder) -> Tensor | str:
+    """RMS_NORM's result times a weight, the next node, as every llama.cpp model builds it
+    (``ggml_mul(ggml_rms_norm(x), w)``): the pair ggml-cpu runs as one kernel
+    (ggml_cpu_try_fuse_ops, ggml-cpu.c:3079-3095; ops.cpp ``ggml_compute_forward_rms_norm_f32``'s
+    fused branch) when ``fused`` holds. The weight has any layout the MUL rule lets through: a row
+    broadcast over the others (the model's case) or of the result's shape, sometimes another
+    length or type (the fusion predicate or the MUL rule says no); the result's use count is
+    mostly 1 (fusable), sometimes another count (no fusion: the pair runs apart)."""
+    d = b.d
+    ne = rms.ne
+    if d.p(0.6):
+        wne = (ne[0] if d.p(0.9) else d.pick((1, ne[0] + 1)),) + tuple(x if d.p(0.3) else 1 for x in ne[1:])
+    else:
+        wne = ne
+    w = b.source(Src(F32 if d.p(0.9) else d.ftype(), wne))  # type: ignore[arg-type]
+    srcs: list[Tensor | None] = [rms, w] if d.p(0.7) or wne != ne else [w, rms]
+    rms.use_count = 1 if d.p(0.85) else d.pick((0, 2, 3))
+    return _node_from(RULES.rows[TABLE.ids["MUL"]], "MUL", Proto([]), srcs, b, d.p(0.3))
+
+
+FUSED_NEXT: dict[str, Callable[[Tensor, Builder], Tensor | str]] = {"MUL": _fused_mul}
+
+
+def fused(node: Tensor, nxt: Tensor, tensors: list[Tensor]) -> bool:
+    """Whether ggml-cpu runs ``node`` (RMS_NORM) and ``nxt`` (MUL, listed right after it) as one
+    kernel: ggml_can_fuse (ggml-impl.h:653-708: both computed, ``node`` used once, not a view, not an
+    output; ``nxt`` reads it and has its shape) and the type/stride predicate of
+    ggml_cpu_try_fuse_ops (ggml-cpu.c:3082-3090)."""
+    by_id = {t.id: t for t in tensors}
+    src0 = by_id.get(node.src[0])
+    w = by_id.get(nxt.src[1] if nxt.src[0] == node.id else nxt.src[0])
+    return (TABLE.names[node.op] == "RMS_NORM" and TABLE.names[nxt.op] == "MUL"
+            and bool(node.flags & FLAG_COMPUTE) and bool(nxt.flags & FLAG_COMPUTE)
+            and node.use_count == 1 and not node.view_src and not node.flags & FLAG_OUTPUT
+            and node.id in nxt.src[:2] and node.ne == nxt.ne
+            and src0 is not None and w is not None and src0.type == F32 and nxt.type == F32 and w.type == F32
+            and w.ne[0] == node.ne[0] and w.nb[0] == 4)
+
+
+def fused_cases(seed: int, count: int, max_draws: int = 40) -> Iterator[tuple[Case | None, dict]]:
+    """``count`` accepted RMS_NORM cases whose next node ggml-cpu fuses with it (``fused``), drawn
+    from ``generate`` (at most ``max_draws`` per case yielded)."""
+    n = 0
+    for case, refused in generate("RMS_NORM", seed, count * max_draws):
+        if case is not None and "fused" in case.variant.split("+"):
+            yield case, refused
+            n += 1
+            if n == count:
+                return
 
 
 def _all_threads_node(b: Builder) -> int:

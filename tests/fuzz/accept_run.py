@@ -287,6 +287,7 @@ class Outcome:
     seconds: float = 0.0  # compute time of the first run
     frames: list[Frame] = field(default_factory=list)
     buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    spans: list[bytes] = field(default_factory=list)  # the first run's bytes of gen.output_spans(case)
 
     @property
     def finding(self) -> bool:
@@ -520,7 +521,7 @@ class Runner:
         n_buf = len(sizes)
         first = one(0, ["A"] * n_buf)
         if isinstance(first, Outcome) or not second:
-            return first if isinstance(first, Outcome) else self._noted(note, seconds)
+            return first if isinstance(first, Outcome) else self._noted(note, seconds, first)
         other = one(1, ["B"] * n_buf)
         if isinstance(other, Outcome):
             return other
@@ -545,14 +546,14 @@ class Runner:
                 return Outcome("read_canary", what + ": read from a buffer neither the node nor its sources live in",
                                seconds=seconds)
             note = note or "span_read|" + what + " (bytes of its own buffers, outside the spans)"
-        return self._noted(note, seconds)
+        return self._noted(note, seconds, first)
 
     @staticmethod
-    def _noted(note: str, seconds: float) -> Outcome:
+    def _noted(note: str, seconds: float, spans: list[bytes]) -> Outcome:
         if note:
             kind, what = note.split("|", 1)
-            return Outcome(kind, what, seconds=seconds)
-        return Outcome("clean", seconds=seconds)
+            return Outcome(kind, what, seconds=seconds, spans=spans)
+        return Outcome("clean", seconds=seconds, spans=spans)
 
 
 # -- findings ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ row is removed.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -94,6 +95,55 @@ def runners(tmp_path_factory):
     yield get
     for r in made.values():
         r.close()
+
+
+
+# -- the CPU backend's fused kernel: RMS_NORM then MUL (ggml-cpu.c:3079-3095) ---------------------
+
+FUSED_COUNT = 12
+
+
+@pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"t{t}")
+def test_fused_rms_norm_mul_pairs_run_clean(runners, threads):
+    """ggml-cpu runs an RMS_NORM and the MUL listed right after it as one kernel when the norm's use
+    count (sent by the client, ggml-rpc.cpp) is 1 and the weight is an F32 row of unit stride
+    (accept_gen.fused): a kernel neither op's rule was derived from. Pairs at the edges of what the
+    RMS_NORM and MUL rules accept, every one fusable, run clean at each thread count."""
+    notes: list[str] = []
+    camp = Campaign(runners(threads), findings_dir=None, report=None, log=notes.append, shrink=False,
+                    stop_on_finding=True)
+    st, dry = camp.run_some("RMS_NORM", gen.fused_cases(SEED, FUSED_COUNT), FUSED_COUNT)
+    assert st.outcomes["gate_refused"] == 0, "\n".join(notes)
+    findings = "\n".join(f"{f.outcome.kind}: {f.outcome.summary}\n    {f.case.describe()}" for f in camp.found.values())
+    if camp.found:
+        pytest.fail(f"fused RMS_NORM*MUL on -t {threads}: forwarded graphs broke the sanitizer server:\n{findings}",
+                    pytrace=False)
+    assert not dry and st.ran == FUSED_COUNT, dict(st.outcomes)
+
+
+def _span_of(case: gen.Case, tid: int) -> int:
+    """The index of node ``tid`` in gen.output_spans(case) (the nodes with a buffer, in list order)."""
+    return [t.id for t in case.tensors if t.id in case.nodes and t.buf >= 0].index(tid)
+
+
+def test_the_server_runs_those_pairs_fused(runner):
+    """The pairs of the test above reach the fused kernel, not the two ops one after the other:
+    fused, the RMS_NORM result is never written (its span keeps the pre-fill); the same graph with
+    a use count of 2 runs the two apart and writes it, and the product is the same both ways."""
+    checked = 0
+    for case, _ in gen.fused_cases(SEED, FUSED_COUNT):
+        rms, mul = (case.by_id(i) for i in case.nodes[-2:])
+        if (mul.view_src and mul.view_src in (rms.id, rms.view_src)) or mul.buf == rms.buf:
+            continue  # the product written over the norm's bytes: nothing to tell them apart by
+        apart = copy.deepcopy(case)
+        apart.by_id(rms.id).use_count = 2
+        one, two = runner.run(case, second=False), runner.run(apart, second=False)
+        assert (one.kind, two.kind) == ("clean", "clean"), (one.summary, two.summary)
+        r, m = _span_of(case, rms.id), _span_of(case, mul.id)
+        assert one.spans[m] == two.spans[m], case.describe()
+        assert one.spans[r] != two.spans[r], f"not fused: {case.describe()}"
+        checked += 1
+    assert checked >= FUSED_COUNT // 2, checked
 
 
 @pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"t{t}")

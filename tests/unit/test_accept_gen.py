@@ -213,3 +213,19 @@ def test_ssm_scan_is_judged_as_a_contained_serve_would():
     with pytest.raises(FirewallRefusal) as exc:
         fw.check_request(gen.GRAPH_RULE, memoryview(gen.payload_of(case, gen.handles_fake(case))), 0)
     assert exc.value.reason == "op_needs_containment"
+
+
+def test_fused_pairs_are_what_the_cpu_backend_fuses():
+    # RMS_NORM then MUL, the one pair ggml-cpu runs as one kernel (accept_gen.fused): every pair
+    # fused_cases yields is forwarded, meets the predicate, and carries its use count on the wire
+    cs = [c for c, _ in gen.fused_cases(3, 6)]
+    assert len(cs) == 6
+    for c in cs:
+        rms, mul = (c.by_id(i) for i in c.nodes[-2:])
+        assert (gen.TABLE.names[rms.op], gen.TABLE.names[mul.op]) == ("RMS_NORM", "MUL")
+        assert gen.accepts(c) is None, c.describe()
+        assert gen.fused(rms, mul, c.tensors)
+        wire = gen.materialize(c, gen.handles_fake(c))[c.tensors.index(rms)]
+        assert decode_tensor(wire).use_count == 1
+        rms.use_count = 2  # read twice: the server runs the two apart
+        assert not gen.fused(rms, mul, c.tensors)
