@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import backendops
+from tests.support import backendops, gpucases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,8 @@ def test_dry_run_backend_and_gap_cases(tmp_path):
     seen = json.loads((out / "backend.json").read_text())
     assert seen == {"alignment": 32, "detected": "cpu", "banner": {"0": "cpu"}}  # JSON keys are strings
     cases = [json.loads(line) for line in (out / "cases.json").read_text().splitlines()]
-    assert len(cases) == 16 and all(c["got"] == "forwarded" and c["server_alive"] for c in cases), cases
+    assert [c["case"] for c in cases] == [c.name for c in gpucases.CASES], cases  # every case ran
+    assert all(c["got"] == "forwarded" and c["server_alive"] for c in cases), cases
     # scratch: every case run direct (its estimate reported), forwarded through the pair on the CPU
     scratch = [json.loads(line) for line in (out / "scratch.json").read_text().splitlines()]
     assert [r["got"] for r in scratch if r.get("through") == "pair"] == ["forwarded"] * 5, scratch
