@@ -5,45 +5,20 @@ the server's banner; a setting the server contradicts is refused, never held to 
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol import backend
-from rpcguard.protocol.encode import TensorSpec, graph_payload, pack_tensor
-from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.encode import graph_payload, pack_tensor
+from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.graph import GraphValidator
 from rpcguard.protocol.settings import FirewallPolicy
 from rpcguard.protocol.oprules import cuda
-from rpcguard.protocol.state import SessionState, UpstreamFacts
+from rpcguard.protocol.state import UpstreamFacts
 from rpcguard.protocol.tensor import alloc_size_key, decode_tensor
-from rpcguard.protocol.versions import spec_for
+from tests.support.graphspec import BASE, HANDLE, OPS, SIZE, V7, T, f, state
 
-HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
-V7 = (7, 0, 0)
-OPS = op_table(V7).ids  # type: ignore[union-attr]
 F32, F16, Q4_0, Q8_0, Q4_K, I32 = 0, 1, 2, 8, 12, 26
-
-
-def f(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
-def state(alignment: int | None = None, size: int = SIZE) -> SessionState:
-    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
-    st.add_buffer(HANDLE, 0, size)
-    st.buffers[HANDLE].base = BASE
-    if alignment is not None:
-        st.upstream.alignment[0] = alignment
-    return st
-
-
-def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
-    info = TYPES[type]
-    kw.setdefault("buffer", HANDLE)
-    kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
-    return TensorSpec(id=id, type=type, ne=ne, type_size=info.type_size, blck_size=info.blck_size, **kw)
 
 
 def run(tensors, node, setting="auto", st=None) -> None:

@@ -7,44 +7,20 @@ SET_ROWS into a KV cache, top-k MoE routing of 8..256 experts, gpt-oss's expert 
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.encode import TensorSpec, graph_payload
-from rpcguard.protocol.ggml import TYPES, op_table
+from rpcguard.protocol.ggml import TYPES
 from rpcguard.protocol.graph import GraphValidator, op_rules
 from rpcguard.protocol.oprules import cudafusion
 from rpcguard.protocol.settings import FirewallPolicy
-from rpcguard.protocol.state import SessionState, UpstreamFacts
-from rpcguard.protocol.versions import spec_for
+from tests.support.graphspec import BASE, OPS, SIZE, V7, T, f, state
 
-HANDLE, BASE, SIZE = 0x5555DEADBE00, 0x7F0000000000, 1 << 24
-V7 = (7, 0, 0)
-OPS = op_table(V7).ids  # type: ignore[union-attr]
 F32, F16, Q4_0, Q8_0, I32, I64 = 0, 1, 2, 8, 26, 27
 SILU, SIGMOID, SOFTPLUS = cudafusion.UNARY_SILU, cudafusion.UNARY_SIGMOID, cudafusion.UNARY_SOFTPLUS
 GELU = 8
 FUSION = cudafusion.REASON
-
-
-def f(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
-def state() -> SessionState:
-    st = SessionState(UpstreamFacts(device_count=1), spec=spec_for(V7))
-    st.add_buffer(HANDLE, 0, SIZE)
-    st.buffers[HANDLE].base = BASE
-    return st
-
-
-def T(id: int, type: int = F32, ne=(4, 1, 1, 1), **kw) -> TensorSpec:
-    info = TYPES[type]
-    kw.setdefault("buffer", HANDLE)
-    kw.setdefault("data", BASE + (id & 0xFF) * 0x10000)
-    return TensorSpec(id=id, type=type, ne=ne, type_size=info.type_size, blck_size=info.blck_size, **kw)
 
 
 def N(id: int, op: str, type: int, ne, src, params=(), **kw) -> TensorSpec:
