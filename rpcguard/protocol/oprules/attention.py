@@ -37,7 +37,8 @@ def _soft_max(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:
 
 # ggml.h:250-254; the kernel aborts on any other mode (ops.cpp ggml_compute_forward_rope_flt).
 ROPE_MODES = frozenset({0, 2, 8, 24, 40})
-ROPE_TYPE_MROPE, ROPE_TYPE_VISION = 8, 24
+# ggml.h GGML_ROPE_TYPE_NEOX / _MROPE / _VISION (imrope, 40, carries the MROPE bit too)
+ROPE_TYPE_NEOX, ROPE_TYPE_MROPE, ROPE_TYPE_VISION = 2, 8, 24
 
 
 def _rope(n: RpcTensor, s: Srcs) -> tuple[Result, ...]:

@@ -28,9 +28,10 @@ from typing import Callable, Final, Mapping, Sequence
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.cudascratch import ROWS as SCRATCH_ROWS
-from rpcguard.protocol.oprules.cudafusion import NOTES as FUSION_NOTES
 from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.oprules.attention import ROPE_TYPE_MROPE, ROPE_TYPE_NEOX
 from rpcguard.protocol.oprules.base import INT32_MAX, Srcs, is_contiguous, rows_contiguous
+from rpcguard.protocol.oprules.cudafusion import NOTES as FUSION_NOTES
 from rpcguard.protocol.tensor import RpcTensor
 
 __all__ = ["CudaRow", "ROWS", "NO_KERNEL", "check_node", "reach", "alloc_size", "check_alloc_tensor",
@@ -232,10 +233,6 @@ def _rope(n: RpcTensor, s: Srcs) -> str:
     if not _unit_nb0(a) or not is_contiguous(a, 2):  # ggml-cuda.cu:5640-5643
         return "src[0] nb0 is not its element size, or dimension 3 is not packed"
     return ""
-
-
-#: ggml.h GGML_ROPE_TYPE_NEOX / _MROPE (vision is 24, imrope 40: both have the MROPE bit)
-ROPE_TYPE_NEOX, ROPE_TYPE_MROPE = 2, 8
 
 
 def _rope_store(n: RpcTensor, s: Srcs) -> str:

@@ -35,6 +35,7 @@ from typing import Callable, Final, Mapping, Protocol, Sequence
 
 from rpcguard.errors import FirewallRefusal
 from rpcguard.protocol.ggml import TYPES
+from rpcguard.protocol.oprules.attention import ROPE_TYPE_NEOX
 from rpcguard.protocol.oprules.base import is_contiguous, nelements, rows_contiguous
 from rpcguard.protocol.tensor import RpcTensor
 
@@ -48,7 +49,7 @@ REASON: Final = "backend_fusion_unsupported"
 #: ggml.h enum ggml_unary_op (3.6.1 on): the unary ops the fusions look at
 UNARY_TANH, UNARY_RELU, UNARY_SIGMOID, UNARY_SILU, UNARY_SOFTPLUS = 4, 6, 7, 10, 15
 #: ggml.h GGML_ROPE_TYPE_NORMAL / _NEOX: the only modes with fused kernels (ggml-cuda.cu:2751, :2794)
-_ROPE_MODES: Final = (0, 2)
+_ROPE_MODES: Final = (0, ROPE_TYPE_NEOX)
 #: mmvq.cuh MMVQ_MAX_BATCH_SIZE (= MMVF_MAX_BATCH_SIZE, ggml-cuda.cu:1979): get_mmvq_mmid_max_batch
 #: never exceeds it (mmvq.cu:147), so a MUL_MAT_ID with more tokens is never fused
 MMVQ_MAX_BATCH: Final = 8
